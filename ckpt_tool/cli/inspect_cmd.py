@@ -1,0 +1,175 @@
+"""`ckpt inspect PATH`: what is in a checkpoint, from metadata alone."""
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import click
+
+from ..inspect import InspectResult, inspect_checkpoint
+from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
+from .render import Node, Output, esc, human_bytes, human_count
+
+
+@click.command("inspect")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the documented contract).")
+@click.option("--flat", is_flag=True, help="One line per leaf instead of a tree.")
+@click.option("--filter", "pattern", metavar="GLOB", help="Only leaves whose '/'-joined keys match, e.g. 'params/**/kernel'.")
+@click.option("--depth", type=click.IntRange(min=1), help="Collapse the tree below this depth.")
+@click.option("--step", help="CheckpointManager root: step number or 'latest' (latest committed by default).")
+@click.option("--values", is_flag=True, help="Decode scalars, strings and non-tensor items (never array data).")
+def inspect_command(
+    path: str, as_json: bool, flat: bool, pattern: str | None, depth: int | None, step: str | None, values: bool
+) -> None:
+    """Show the tree of leaves in the checkpoint at PATH (a directory, file://,
+    gs://, s3:// or memory:// URL): dtype, shape, size, chunking and the
+    sharding recorded at save time. Reads metadata only; needs neither jax nor torch."""
+    result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
+    out = Output(json_mode=as_json)
+    if as_json:
+        out.json(result.to_json())
+        return
+    out.header(_title(result), _header_rows(result))
+    if pattern and not result.leaves:
+        out.line(f"no leaf matches {esc(pattern)!s}")
+        return
+    if flat:
+        out.lines(_flat_lines(result))
+    else:
+        out.line("")
+        out.tree(_tree(result, depth))
+
+
+def _title(result: InspectResult) -> str:
+    ck = result.checkpoint
+    return f"{esc(ck.path)}"
+
+
+def _layout_text(ck: Any) -> str:
+    lay = ck.layout
+    if ck.format == "orbax":
+        parts = []
+        if lay.get("storage") == "ocdbt":
+            parts.append("OCDBT" + (" (unmerged)" if lay.get("ocdbt") == "unmerged" else ""))
+        elif lay.get("storage"):
+            parts.append("per-array directories")
+        if lay.get("zarr"):
+            parts.append(f"zarr{lay['zarr']}")
+        text = "Orbax, " + " + ".join(parts) if parts else "Orbax"
+        if lay.get("processes", 1) > 1:
+            text += f", {lay['processes']} processes"
+        if lay.get("items"):
+            text += ", items: " + ", ".join(lay["items"])
+        return text
+    if ck.format == "dcp":
+        text = "torch.distributed.checkpoint"
+        if lay.get("files") is not None:
+            text += f", {lay['files']} file{'s' if lay['files'] != 1 else ''}"
+        if lay.get("ranks"):
+            text += f", {lay['ranks']} rank{'s' if lay['ranks'] != 1 else ''}"
+        return text
+    return ck.format
+
+
+def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
+    ck = result.checkpoint
+    s = result.summary
+    rows = [("format", esc(_layout_text(ck)))]
+    if ck.steps:
+        steps = ", ".join(
+            (f"{st.step}" if st.committed else f"[yellow]{esc(st.name)} (incomplete)[/yellow]") for st in ck.steps
+        )
+        rows.append(("steps", steps))
+        rows.append(("showing", f"step {ck.step}"))
+    status = "[green]committed[/green]" if ck.committed else "[bold red]UNCOMMITTED / incomplete save[/bold red]"
+    rows.append(("status", status))
+    if ck.saved_at:
+        when = _dt.datetime.fromtimestamp(ck.saved_at, tz=_dt.timezone.utc)
+        rows.append(("saved", when.strftime("%Y-%m-%d %H:%M:%S UTC")))
+    rows.append((
+        "leaves",
+        f"{s['leaves']} ({s['arrays']} arrays, {s['values']} values)",
+    ))
+    rows.append(("parameters", f"{human_count(s['parameters'])} ({s['parameters']:,})"))
+    rows.append(("size", f"{human_bytes(s['bytes'])} ({s['bytes']:,} bytes) in {s['chunks']:,} chunks"))
+    for dtype, t in result.by_dtype.items():
+        rows.append((f"  {dtype}", f"{t.leaves} arrays, {human_count(t.parameters)} params, {human_bytes(t.bytes)}"))
+    for note in ck.notes:
+        rows.append(("note", f"[yellow]{esc(note)}[/yellow]"))
+    return rows
+
+
+def _leaf_text(leaf: Leaf, result: InspectResult) -> str:
+    if isinstance(leaf, ArrayLeaf):
+        shape = ", ".join(str(d) for d in leaf.shape)
+        parts = [f"[cyan]{leaf.dtype}[{shape}][/cyan]", human_bytes(leaf.nbytes)]
+        if leaf.chunk_shape is not None and leaf.chunk_count > 1:
+            chunk = ", ".join(str(d) for d in leaf.chunk_shape)
+            parts.append(f"chunks ({chunk}) x{leaf.chunk_count}")
+        elif leaf.chunk_count > 1:
+            parts.append(f"{leaf.chunk_count} chunks")
+        if leaf.sharding is not None and leaf.sharding.kind != "chunks":
+            parts.append(f"[magenta]{esc(leaf.sharding.describe())}[/magenta]")
+        return "  ".join(parts)
+    assert isinstance(leaf, ValueLeaf)
+    text = f"[green]{esc(leaf.value_type)}[/green]"
+    if leaf.dtype and leaf.dtype != "string":
+        text += f" {leaf.dtype}"
+    if result.values is not None and leaf.path in result.values:
+        text += f" = {esc(_short_repr(result.values[leaf.path]))}"
+    elif leaf.path in result.value_errors:
+        text += f" [red](cannot decode: {esc(result.value_errors[leaf.path])})[/red]"
+    return text
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _flat_lines(result: InspectResult) -> list[str]:
+    width = max((len(leaf.path) for leaf in result.leaves), default=0)
+    return [f"{esc(leaf.path.ljust(width))}  {_leaf_text(leaf, result)}" for leaf in result.leaves]
+
+
+def _tree(result: InspectResult, depth: int | None) -> Node:
+    root: dict[Key, Any] = {}
+    for leaf in result.leaves:
+        node = root
+        for k in leaf.keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):  # a leaf and a subtree share a key: keep both visible
+                break
+        node[leaf.keys[-1] if leaf.keys else "(root)"] = leaf
+
+    def build(tree: dict[Key, Any], level: int) -> list[Node]:
+        nodes = []
+        for key in sorted(tree, key=lambda k: (isinstance(k, str), _natural(k))):
+            value = tree[key]
+            if isinstance(value, dict):
+                label = f"[bold]{esc(key)}[/bold]"
+                if depth is not None and level >= depth:
+                    leaves = list(_iter_leaves(value))
+                    nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, ArrayLeaf))
+                    nodes.append(Node(f"{label}  [dim]... {len(leaves)} leaves, {human_bytes(nbytes)}[/dim]"))
+                else:
+                    nodes.append(Node(label, build(value, level + 1)))
+            else:
+                nodes.append(Node(f"{esc(key)}  {_leaf_text(value, result)}"))
+        return nodes
+
+    s = result.summary
+    return Node(f"[bold]{s['leaves']} leaves[/bold]", build(root, 1))
+
+
+def _natural(key: Key) -> Any:
+    return (0, key, "") if isinstance(key, int) else (1, 0, key)
+
+
+def _iter_leaves(tree: dict[Key, Any]):
+    for value in tree.values():
+        if isinstance(value, dict):
+            yield from _iter_leaves(value)
+        else:
+            yield value

@@ -1,0 +1,111 @@
+"""The one renderer: rich on a terminal, plain text when piped, JSON on --json.
+
+Commands hand it finished content (header rows, trees of labelled nodes,
+lines, JSON objects); it decides how that looks. Labels use rich markup; in
+plain mode the markup is stripped so scripts and logs get stable text.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+
+@dataclass
+class Node:
+    label: str  # rich markup
+    children: list["Node"] = field(default_factory=list)
+
+
+def human_bytes(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def esc(text: Any) -> str:
+    """Escape user data (keys, paths) before putting it into markup."""
+    return escape(str(text))
+
+
+class Output:
+    """Where a command's results go."""
+
+    def __init__(self, *, json_mode: bool = False, stream: Any = None) -> None:
+        self.json_mode = json_mode
+        self.stream = stream or sys.stdout
+        self.is_terminal = hasattr(self.stream, "isatty") and self.stream.isatty()
+        # plain mode: no colour, no box drawing, no wrapping of long lines
+        self.console = Console(
+            file=self.stream,
+            highlight=False,
+            soft_wrap=not self.is_terminal,
+            force_terminal=self.is_terminal,
+            no_color=not self.is_terminal,
+        )
+
+    def json(self, obj: Any) -> None:
+        self.stream.write(json.dumps(obj, indent=2, default=str) + "\n")
+        self.stream.flush()
+
+    def line(self, markup: str = "") -> None:
+        if self.is_terminal:
+            self.console.print(markup)
+        else:
+            self.stream.write(Text.from_markup(markup).plain + "\n")
+
+    def lines(self, markups: Iterable[str]) -> None:
+        for m in markups:
+            self.line(m)
+
+    def header(self, title: str, rows: list[tuple[str, str]]) -> None:
+        if self.is_terminal:
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style="bold")
+            grid.add_column()
+            for k, v in rows:
+                grid.add_row(k, Text.from_markup(v))
+            self.console.print(Text.from_markup(f"[bold]{title}[/bold]"))
+            self.console.print(grid)
+        else:
+            self.line(title)
+            width = max((len(k) for k, _ in rows), default=0)
+            for k, v in rows:
+                self.line(f"  {esc(k).ljust(width)}  {v}")
+
+    def tree(self, root: Node) -> None:
+        if self.is_terminal:
+            tree = Tree(Text.from_markup(root.label), guide_style="dim")
+            stack = [(tree, c) for c in reversed(root.children)]
+            self._fill(tree, root.children)
+            self.console.print(tree)
+        else:
+            self.line(root.label)
+            self._plain(root.children, "  ")
+
+    def _fill(self, parent: Tree, children: list[Node]) -> None:
+        for child in children:
+            branch = parent.add(Text.from_markup(child.label))
+            self._fill(branch, child.children)
+
+    def _plain(self, children: list[Node], indent: str) -> None:
+        for child in children:
+            self.line(indent + child.label)
+            self._plain(child.children, indent + "  ")

@@ -1,0 +1,127 @@
+"""The one dtype table every format uses.
+
+Canonical names are numpy / ml_dtypes names ("float32", "bfloat16",
+"float8_e4m3fn", "bool"). Each format keeps its own spelling here and nowhere
+else: zarr v2 `dtype` strings, zarr v3 `data_type` names, torch dtype
+attribute names (`torch.float32`) and the legacy storage classes torch.save
+writes (`torch.FloatStorage`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from .errors import CorruptMetadataError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # canonical numpy / ml_dtypes name
+    itemsize: int
+    zarr2: str | None  # zarr v2 dtype string as tensorstore writes it
+    zarr3: str | None  # zarr v3 data_type
+    torch: str | None  # attribute of the torch module: torch.<name>
+    # legacy storage class in torch.save pickles (_rebuild_tensor_v2); dtypes
+    # without one (float8, uint16+) are saved as UntypedStorage plus the dtype
+    # (_rebuild_tensor_v3)
+    torch_storage: str | None
+
+    @property
+    def numpy(self) -> np.dtype:
+        return numpy_dtype(self.name)
+
+    @property
+    def is_float(self) -> bool:
+        return self.name.startswith(("float", "bfloat", "complex"))
+
+
+_TABLE = [
+    DType("bool", 1, "|b1", "bool", "bool", "BoolStorage"),
+    DType("int8", 1, "|i1", "int8", "int8", "CharStorage"),
+    DType("uint8", 1, "|u1", "uint8", "uint8", "ByteStorage"),
+    DType("int16", 2, "<i2", "int16", "int16", "ShortStorage"),
+    DType("uint16", 2, "<u2", "uint16", "uint16", None),
+    DType("int32", 4, "<i4", "int32", "int32", "IntStorage"),
+    DType("uint32", 4, "<u4", "uint32", "uint32", None),
+    DType("int64", 8, "<i8", "int64", "int64", "LongStorage"),
+    DType("uint64", 8, "<u8", "uint64", "uint64", None),
+    DType("float16", 2, "<f2", "float16", "float16", "HalfStorage"),
+    DType("bfloat16", 2, "bfloat16", "bfloat16", "bfloat16", "BFloat16Storage"),
+    DType("float32", 4, "<f4", "float32", "float32", "FloatStorage"),
+    DType("float64", 8, "<f8", "float64", "float64", "DoubleStorage"),
+    DType("complex64", 8, "<c8", "complex64", "complex64", "ComplexFloatStorage"),
+    DType("complex128", 16, "<c16", "complex128", "complex128", "ComplexDoubleStorage"),
+    DType("float8_e4m3fn", 1, "float8_e4m3fn", "float8_e4m3fn", "float8_e4m3fn", None),
+    DType("float8_e5m2", 1, "float8_e5m2", "float8_e5m2", "float8_e5m2", None),
+    DType("float8_e4m3fnuz", 1, "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e4m3fnuz", None),
+    DType("float8_e5m2fnuz", 1, "float8_e5m2fnuz", "float8_e5m2fnuz", "float8_e5m2fnuz", None),
+    DType("float8_e4m3b11fnuz", 1, "float8_e4m3b11fnuz", "float8_e4m3b11fnuz", None, None),
+]
+
+BY_NAME = {d.name: d for d in _TABLE}
+_BY_ZARR2 = {d.zarr2: d for d in _TABLE if d.zarr2}
+# zarr v2 also allows big-endian and '=' / '|' byte-order marks for 1-byte types
+_BY_ZARR2.update({"<b1": BY_NAME["bool"], "<i1": BY_NAME["int8"], "<u1": BY_NAME["uint8"]})
+_BY_ZARR3 = {d.zarr3: d for d in _TABLE if d.zarr3}
+_BY_TORCH = {d.torch: d for d in _TABLE if d.torch}
+_BY_TORCH_STORAGE = {d.torch_storage: d for d in _TABLE if d.torch_storage}
+# torch also spells some dtypes by alias (torch.half is torch.float16, ...)
+_BY_TORCH.update({
+    "half": BY_NAME["float16"], "float": BY_NAME["float32"], "double": BY_NAME["float64"],
+    "long": BY_NAME["int64"], "int": BY_NAME["int32"], "short": BY_NAME["int16"],
+    "cfloat": BY_NAME["complex64"], "cdouble": BY_NAME["complex128"],
+})
+
+TORCH_DTYPE_NAMES = frozenset(_BY_TORCH)
+TORCH_STORAGE_NAMES = frozenset(_BY_TORCH_STORAGE)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a canonical name (ml_dtypes supplies bfloat16 and float8)."""
+    if hasattr(ml_dtypes, name):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def get(name: str) -> DType:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise CorruptMetadataError(f"unknown dtype {name!r}") from None
+
+
+def from_zarr2(spec: object) -> DType:
+    if isinstance(spec, str) and spec in _BY_ZARR2:
+        return _BY_ZARR2[spec]
+    raise CorruptMetadataError(f"unsupported zarr v2 dtype {spec!r}")
+
+
+def from_zarr3(spec: object) -> DType:
+    if isinstance(spec, str) and spec in _BY_ZARR3:
+        return _BY_ZARR3[spec]
+    raise CorruptMetadataError(f"unsupported zarr v3 data_type {spec!r}")
+
+
+def from_torch(name: str) -> DType:
+    """From a torch dtype attribute name such as 'float32' (no torch import)."""
+    try:
+        return _BY_TORCH[name]
+    except KeyError:
+        raise CorruptMetadataError(f"unsupported torch dtype torch.{name}") from None
+
+
+def from_torch_storage(name: str) -> DType:
+    try:
+        return _BY_TORCH_STORAGE[name]
+    except KeyError:
+        raise CorruptMetadataError(f"unsupported torch storage class torch.{name}") from None
+
+
+def from_numpy(dtype: np.dtype) -> DType:
+    dtype = np.dtype(dtype)
+    for d in _TABLE:
+        if d.name == dtype.name:
+            return d
+    raise CorruptMetadataError(f"unsupported dtype {dtype}")

@@ -1,0 +1,49 @@
+"""Errors the user can act on.
+
+Every failure caused by the input (a missing path, damaged or hostile
+metadata, an unknown layout) is a CkptError carrying one line that says what
+is wrong and where. The CLI prints that line and exits 1; anything else is a
+bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """A problem with the input, reported as one line: `<where>: <what>`."""
+
+    def __init__(self, message: str, where: str | None = None) -> None:
+        self.message = message
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class NotFoundError(CkptError):
+    """The path, or a file the checkpoint needs, does not exist."""
+
+
+class UnknownFormatError(CkptError):
+    """The path holds nothing ckpt recognises as a checkpoint."""
+
+
+class CorruptMetadataError(CkptError):
+    """Metadata that cannot be parsed or contradicts itself."""
+
+
+class UnsafePickleError(CorruptMetadataError):
+    """A pickle referring to a global outside the allow-list; nothing ran."""
+
+    def __init__(self, module: str, name: str, where: str | None = None) -> None:
+        self.module = module
+        self.name = name
+        super().__init__(
+            f"refused to unpickle global {module}.{name} (not in the allow-list; nothing was executed)",
+            where,
+        )
+
+
+class PathEscapeError(CkptError):
+    """A key or relative path that would leave the checkpoint root."""
+
+
+class IncompleteCheckpointError(CkptError):
+    """An uncommitted or partially written save."""

@@ -1,0 +1,581 @@
+"""Orbax checkpoints, read from metadata alone and without jax.
+
+Handles a single save (StandardCheckpointer / PyTreeCheckpointer), a step
+holding several named items, and a CheckpointManager root of steps; OCDBT
+(merged or still per-process) and plain per-array directories; zarr v2 and
+zarr v3. Opening reads `_CHECKPOINT_METADATA`, `_METADATA`, `_sharding` and
+each array's `.zarray` / `zarr.json` (concurrently) and never an array chunk;
+array data is read on request through tensorstore.
+"""
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .. import dtypes
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
+from ..storage import Storage
+
+NAME = "orbax"
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+TREE_METADATA = "_METADATA"
+SHARDING = "_sharding"
+COMMIT_MARKER = "commit_success.txt"
+STRINGS = "_strings.json"
+ROOT_MANIFEST = "manifest.ocdbt"
+_PROCESS_DB = re.compile(r"^ocdbt\.process_(\d+)$")
+# orbax 0.12 names an unfinished save `<name>.orbax-checkpoint-tmp`; older
+# versions appended `-<n>` or `-<timestamp>`.
+_TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
+# step directories of a CheckpointManager: "12", or "<prefix>_12"
+_STEP_NAME = re.compile(r"^(?:.*_)?(\d+)$")
+# orbax's KeyType: 1 = sequence index, 2 = dict key
+_KEY_SEQUENCE = 1
+_ARRAY_TYPES = {"jax.Array", "np.ndarray"}
+
+_MARKERS = (CHECKPOINT_METADATA, TREE_METADATA, ROOT_MANIFEST)
+
+
+def is_tmp_name(name: str) -> bool:
+    return bool(_TMP_NAME.search(name))
+
+
+def _step_number(name: str) -> int | None:
+    base = _TMP_NAME.sub("", name)
+    m = _STEP_NAME.match(base)
+    return int(m.group(1)) if m else None
+
+
+def _looks_like_step(storage: Storage, dirs: list[str], files: list[str]) -> bool:
+    if any(f in files for f in _MARKERS) or any(_PROCESS_DB.match(d) for d in dirs):
+        return True
+    # a step made only of named items: <item>/_METADATA
+    return any(storage.exists(f"{d}/{TREE_METADATA}") for d in dirs[:32])
+
+
+def detect(storage: Storage) -> bool:
+    dirs, files = storage.listdir()
+    if _looks_like_step(storage, dirs, files):
+        return True
+    # a CheckpointManager root: step-named sub-directories holding steps
+    for d in dirs:
+        if _step_number(d) is not None:
+            sub_dirs, sub_files = storage.listdir(d)
+            if _looks_like_step(storage.child(d), sub_dirs, sub_files):
+                return True
+    return False
+
+
+def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
+    dirs, files = storage.listdir()
+    if _looks_like_step(storage, dirs, files):
+        if step not in (None, "latest"):
+            raise CkptError(f"--step {step} given, but this is a single step, not a CheckpointManager root", storage.url)
+        return _read_step(storage, storage.url.rsplit("/", 1)[-1], dirs, files)
+    return _read_manager_root(storage, dirs, step)
+
+
+# -- CheckpointManager roots --------------------------------------------------
+
+
+def _step_status(storage: Storage, name: str) -> StepInfo:
+    number = _step_number(name)
+    if is_tmp_name(name):
+        return StepInfo(name, number, False, "uncommitted save (temporary directory name)")
+    sub = storage.child(name)
+    dirs, files = sub.listdir()
+    meta = _read_json(sub, CHECKPOINT_METADATA) if CHECKPOINT_METADATA in files else None
+    committed, reason = _commit_status(sub, files, meta)
+    return StepInfo(name, number, committed, reason)
+
+
+def _commit_status(storage: Storage, files: list[str], meta: Any) -> tuple[bool, str | None]:
+    """Whether a step finished committing, and why not."""
+    if CHECKPOINT_METADATA in files:
+        if not isinstance(meta, dict):
+            return False, f"{CHECKPOINT_METADATA} is not a JSON object"
+        if meta.get("commit_timestamp_nsecs") is None:
+            return False, f"uncommitted save ({CHECKPOINT_METADATA} has no commit_timestamp_nsecs)"
+    if COMMIT_MARKER not in files and storage.url.startswith("gs://"):
+        # on GCS the directory is written under its final name; the marker is the commit
+        return False, f"uncommitted save (no {COMMIT_MARKER})"
+    return True, None
+
+
+def _read_manager_root(storage: Storage, dirs: list[str], step: str | int | None) -> Checkpoint:
+    steps = [_step_status(storage, d) for d in dirs if _step_number(d) is not None]
+    steps.sort(key=lambda s: (s.step if s.step is not None else -1, s.name))
+    if not steps:
+        raise NotFoundError("no Orbax steps in this directory", storage.url)
+    if step in (None, "latest"):
+        committed = [s for s in steps if s.committed]
+        if not committed:
+            raise IncompleteCheckpointError(
+                "no committed step: " + ", ".join(f"{s.name} ({s.reason})" for s in steps), storage.url
+            )
+        chosen = committed[-1]
+    else:
+        try:
+            want = int(step)
+        except (TypeError, ValueError):
+            raise CkptError(f"--step must be an integer or 'latest', got {step!r}") from None
+        matches = [s for s in steps if s.step == want]
+        if not matches:
+            raise NotFoundError(
+                f"no step {want}; steps here: " + ", ".join(str(s.step) for s in steps), storage.url
+            )
+        # prefer the committed directory over a leftover tmp one of the same number
+        matches.sort(key=lambda s: not s.committed)
+        chosen = matches[0]
+    sub = storage.child(chosen.name)
+    sub_dirs, sub_files = sub.listdir()
+    ckpt = _read_step(sub, chosen.name, sub_dirs, sub_files)
+    ckpt.path = storage.url
+    ckpt.steps = steps
+    ckpt.step = chosen.step
+    ckpt.layout["step_dir"] = chosen.name
+    return ckpt
+
+
+# -- one step ------------------------------------------------------------------
+
+
+def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -> Checkpoint:
+    step_meta = _read_json(storage, CHECKPOINT_METADATA) if CHECKPOINT_METADATA in files else None
+    if is_tmp_name(name):
+        committed, reason = False, "uncommitted save (temporary directory name)"
+    else:
+        committed, reason = _commit_status(storage, files, step_meta)
+    saved_at = None
+    if isinstance(step_meta, dict):
+        ns = step_meta.get("commit_timestamp_nsecs") or step_meta.get("init_timestamp_nsecs")
+        if isinstance(ns, (int, float)):
+            saved_at = ns / 1e9
+
+    leaves: list[Leaf] = []
+    notes: list[str] = []
+    layout: dict[str, Any] = {}
+    try:
+        if TREE_METADATA in files or ROOT_MANIFEST in files or any(_PROCESS_DB.match(d) for d in dirs):
+            item = _read_item(storage, prefix=())
+            leaves, layout = item.leaves, item.layout
+            notes += item.notes
+        else:
+            items = [d for d in dirs if storage.exists(f"{d}/{TREE_METADATA}") or _is_json_item(storage, d)]
+            if not items:
+                raise CorruptMetadataError(f"no {TREE_METADATA} and no items", storage.url)
+            # CheckpointManager's single unnamed item lives in `default/`; orbax
+            # presents its tree without that level, and so do we.
+            unnamed = items == ["default"]
+            layout = {"items": items}
+            for item_name in items:
+                sub = storage.child(item_name)
+                if _is_json_item(sub, ""):
+                    leaves += _read_json_item(sub, () if unnamed else (item_name,))
+                    continue
+                item = _read_item(sub, prefix=() if unnamed else (item_name,))
+                leaves += item.leaves
+                notes += [f"{item_name}: {n}" for n in item.notes]
+                for k, v in item.layout.items():
+                    layout.setdefault(k, v)
+    except CkptError:
+        if committed:
+            raise
+        # an interrupted save: say so and show what is there instead of failing on it
+        notes.append("could not read the tree of this incomplete save")
+    if not committed:
+        notes.insert(0, reason or "uncommitted save")
+        notes.append("present: " + ", ".join(sorted(dirs) + sorted(files)))
+    if isinstance(step_meta, dict) and step_meta.get("item_handlers"):
+        layout["item_handlers"] = step_meta["item_handlers"]
+    return Checkpoint(
+        path=storage.url, format=NAME, layout=layout, leaves=leaves,
+        committed=committed, saved_at=saved_at, notes=notes,
+    )
+
+
+def _is_json_item(storage: Storage, item: str) -> bool:
+    """A JsonCheckpointHandler item: `<item>/metadata` JSON and no tree metadata."""
+    dirs, files = storage.listdir(item) if item else storage.listdir()
+    return "metadata" in files and TREE_METADATA not in files and not dirs
+
+
+def _read_json_item(storage: Storage, prefix: tuple[Key, ...]) -> list[Leaf]:
+    data = _read_json(storage, "metadata")
+    leaves: list[Leaf] = []
+
+    def walk(value: Any, keys: tuple[Key, ...]) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, keys + (str(k),))
+        elif isinstance(value, list) and value:
+            for i, v in enumerate(value):
+                walk(v, keys + (i,))
+        else:
+            leaves.append(ValueLeaf(
+                keys=keys, name=".".join(str(k) for k in keys), value_type="json",
+                loader=lambda v=value: v, extra={"json_type": type(value).__name__},
+            ))
+
+    walk(data, prefix)
+    return leaves
+
+
+@dataclass
+class _Item:
+    leaves: list[Leaf]
+    layout: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def _parse_keys(entry: dict[str, Any], where: str) -> tuple[Key, ...]:
+    try:
+        keys: list[Key] = []
+        for km in entry["key_metadata"]:
+            key = km["key"]
+            keys.append(int(key) if km.get("key_type") == _KEY_SEQUENCE else str(key))
+        return tuple(keys)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptMetadataError(f"bad key_metadata in {TREE_METADATA}: {exc}", where) from None
+
+
+def _tree_entries(meta: dict[str, Any], where: str) -> list[tuple[tuple[Key, ...], dict[str, Any]]]:
+    tree = meta.get("tree_metadata")
+    if not isinstance(tree, dict):
+        raise CorruptMetadataError(f"{TREE_METADATA} has no tree_metadata object", where)
+    out = []
+    for flat_key, entry in tree.items():
+        if isinstance(entry, dict) and "key_metadata" in entry:
+            keys = _parse_keys(entry, where)
+        else:
+            # very old _METADATA: the key is a repr'd tuple and the entry is the value metadata
+            try:
+                keys = tuple(ast.literal_eval(flat_key))
+            except (ValueError, SyntaxError):
+                raise CorruptMetadataError(f"unparseable tree key {flat_key!r}", where) from None
+            entry = {"value_metadata": entry}
+        out.append((keys, entry.get("value_metadata") or {}))
+    return out
+
+
+def _param_name(keys: tuple[Key, ...]) -> str:
+    return ".".join(str(k) for k in keys)
+
+
+def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
+    dirs, files = storage.listdir()
+    if TREE_METADATA not in files:
+        raise NotFoundError(f"no {TREE_METADATA}: not an Orbax item (or an incomplete save)", storage.url)
+    meta = _read_json(storage, TREE_METADATA)
+    if not isinstance(meta, dict):
+        raise CorruptMetadataError("not a JSON object", f"{storage.url}/{TREE_METADATA}")
+    entries = _tree_entries(meta, f"{storage.url}/{TREE_METADATA}")
+    use_zarr3 = bool(meta.get("use_zarr3", False))
+    process_dbs = sorted((int(m.group(1)), d) for d in dirs if (m := _PROCESS_DB.match(d)))
+    use_ocdbt = bool(meta.get("use_ocdbt", ROOT_MANIFEST in files or bool(process_dbs)))
+    notes: list[str] = []
+    layout: dict[str, Any] = {
+        "storage": "ocdbt" if use_ocdbt else "directories",
+        "zarr": 3 if use_zarr3 else 2,
+        "processes": max(1, len(process_dbs)),
+    }
+    if "store_array_data_equal_to_fill_value" in meta:
+        layout["store_array_data_equal_to_fill_value"] = meta["store_array_data_equal_to_fill_value"]
+
+    # where the arrays live
+    sources: list[_ArraySource]
+    if use_ocdbt:
+        if ROOT_MANIFEST in files:
+            sources = [_ArraySource(storage, "")]
+            layout["ocdbt"] = "merged"
+        elif process_dbs:
+            sources = [_ArraySource(storage, d) for _, d in process_dbs]
+            layout["ocdbt"] = "unmerged"
+            notes.append(
+                f"unmerged OCDBT: no root {ROOT_MANIFEST}, reading {len(process_dbs)} per-process database(s)"
+            )
+        else:
+            raise NotFoundError(f"OCDBT checkpoint without {ROOT_MANIFEST} or ocdbt.process_N/", storage.url)
+    else:
+        sources = [_ArraySource(storage, None)]
+
+    shardings = _read_shardings(storage, files)
+    strings = None
+
+    array_entries = [(k, v) for k, v in entries if v.get("value_type") in _ARRAY_TYPES | {"scalar"}]
+    meta_key = "zarr.json" if use_zarr3 else ".zarray"
+    names = [_param_name(k) for k, _ in array_entries]
+    zmetas = _read_zarr_metadata(sources, names, meta_key)
+
+    leaves: list[Leaf] = []
+    for keys, vmeta in entries:
+        value_type = vmeta.get("value_type", "unknown")
+        name = _param_name(keys)
+        full_keys = prefix + keys
+        extra: dict[str, Any] = {"value_type": value_type}
+        if vmeta.get("skip_deserialize"):
+            extra["skip_deserialize"] = True
+        if value_type in _ARRAY_TYPES or value_type == "scalar":
+            found = zmetas.get(name)
+            if found is None:
+                raise NotFoundError(
+                    f"array {name!r} is in {TREE_METADATA} but its {meta_key} is missing",
+                    storage.url,
+                )
+            zmeta, source = found
+            shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
+            extra.update(info)
+            reader = _ZarrRegionReader(source, name, use_zarr3, zmeta)
+            if value_type == "scalar":
+                leaves.append(ValueLeaf(
+                    keys=full_keys, name=name, value_type="scalar", dtype=dtype,
+                    loader=reader.scalar, extra=extra,
+                ))
+                continue
+            if "write_shape" in vmeta:
+                extra["write_shape"] = vmeta["write_shape"]
+            leaves.append(ArrayLeaf(
+                keys=full_keys, name=name, shape=shape, dtype=dtype,
+                layout=RegularGrid(chunk_shape), sharding=shardings.get(name),
+                reader=reader.read, extra=extra,
+            ))
+        elif value_type == "string":
+            if strings is None:
+                strings = _StringsFile(storage)
+            leaves.append(ValueLeaf(
+                keys=full_keys, name=name, value_type="string", dtype="string",
+                loader=lambda n=name, s=strings: s.get(n), extra=extra,
+            ))
+        else:
+            # empty containers and None ("Dict", "List", "None") and anything newer
+            leaves.append(ValueLeaf(
+                keys=full_keys, name=name, value_type=value_type,
+                loader=lambda t=value_type: _empty_value(t), extra=extra,
+            ))
+    return _Item(leaves, layout, notes)
+
+
+def _empty_value(value_type: str) -> Any:
+    return {"Dict": {}, "List": [], "Tuple": (), "None": None}.get(value_type)
+
+
+# -- array metadata and data ---------------------------------------------------
+
+
+@dataclass
+class _ArraySource:
+    """Where arrays live: an OCDBT database (subdir '' = root) or plain directories (None)."""
+
+    storage: Storage
+    ocdbt_dir: str | None
+    _view: Storage | None = None
+
+    @property
+    def view(self) -> Storage:
+        if self._view is None:
+            self._view = self.storage.ocdbt(self.ocdbt_dir) if self.ocdbt_dir is not None else self.storage
+        return self._view
+
+    def array_kvstore(self, name: str) -> dict[str, Any]:
+        if self.ocdbt_dir is None:
+            return self.storage.kvstore_spec(name + "/")
+        base = self.storage.kvstore_spec(self.ocdbt_dir + "/" if self.ocdbt_dir else "")
+        return {"driver": "ocdbt", "base": base, "path": name + "/"}
+
+
+def _read_zarr_metadata(
+    sources: list[_ArraySource], names: list[str], meta_key: str
+) -> dict[str, tuple[dict[str, Any], _ArraySource]]:
+    """Each array's zarr metadata, read concurrently, with the source holding it."""
+    found: dict[str, tuple[dict[str, Any], _ArraySource]] = {}
+    remaining = list(names)
+    for source in sources:
+        if not remaining:
+            break
+        raw = source.view.read_many(f"{n}/{meta_key}" for n in remaining)
+        still = []
+        for n in remaining:
+            data = raw[f"{n}/{meta_key}"]
+            if data is None:
+                still.append(n)
+                continue
+            try:
+                found[n] = (json.loads(data), source)
+            except ValueError as exc:
+                raise CorruptMetadataError(f"invalid JSON: {exc}", f"{source.view.url}/{n}/{meta_key}") from None
+        remaining = still
+    return found
+
+
+def _int_list(value: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise CorruptMetadataError(f"{what} must be a list of non-negative integers, got {value!r}", where)
+    return tuple(value)
+
+
+def _parse_zarr_metadata(
+    zmeta: Any, zarr3: bool, where: str
+) -> tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]:
+    """shape, dtype, stored chunk shape and codec facts from .zarray / zarr.json."""
+    if not isinstance(zmeta, dict):
+        raise CorruptMetadataError("zarr metadata is not a JSON object", where)
+    info: dict[str, Any] = {}
+    try:
+        shape = _int_list(zmeta["shape"], "shape", where)
+        if zarr3:
+            dtype = dtypes.from_zarr3(zmeta["data_type"]).name
+            chunk_shape = _int_list(zmeta["chunk_grid"]["configuration"]["chunk_shape"], "chunk_shape", where)
+            codecs = zmeta.get("codecs") or []
+            info["codecs"] = [c.get("name") for c in codecs if isinstance(c, dict)]
+            for codec in codecs:
+                if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+                    cfg = codec.get("configuration", {})
+                    info["inner_chunk_shape"] = list(_int_list(cfg.get("chunk_shape"), "chunk_shape", where))
+                    info["codecs"] = ["sharding_indexed"] + [c.get("name") for c in cfg.get("codecs", [])]
+        else:
+            dtype = dtypes.from_zarr2(zmeta["dtype"]).name
+            chunk_shape = _int_list(zmeta["chunks"], "chunks", where)
+            comp = zmeta.get("compressor")
+            info["compressor"] = comp.get("id") if isinstance(comp, dict) else None
+    except (KeyError, TypeError) as exc:
+        raise CorruptMetadataError(f"zarr metadata lacks {exc}", where) from None
+    except CkptError as exc:
+        raise CorruptMetadataError(exc.message, where) from None
+    if len(chunk_shape) != len(shape):
+        raise CorruptMetadataError(f"chunk shape {list(chunk_shape)} does not match shape {list(shape)}", where)
+    if any(c == 0 for c in chunk_shape) and any(s > 0 for s in shape):
+        raise CorruptMetadataError(f"zero chunk size in {list(chunk_shape)}", where)
+    return shape, dtype, chunk_shape, info
+
+
+class _ZarrRegionReader:
+    """Reads regions of one zarr array through tensorstore, opening it on first use."""
+
+    def __init__(self, source: _ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any]) -> None:
+        self._source = source
+        self._name = name
+        self._zarr3 = zarr3
+        self._zmeta = zmeta
+        self._store: ts.TensorStore | None = None
+        self._lock = threading.Lock()
+
+    def _open(self) -> ts.TensorStore:
+        with self._lock:
+            if self._store is None:
+                spec = {
+                    "driver": "zarr3" if self._zarr3 else "zarr",
+                    "kvstore": self._source.array_kvstore(self._name),
+                    # a lost chunk must fail the read, not come back as zeros
+                    "fill_missing_data_reads": False,
+                    "recheck_cached_data": False,
+                }
+                try:
+                    self._store = ts.open(spec, open=True, read=True, context=self._source.storage.context).result()
+                except Exception as exc:
+                    raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
+            return self._store
+
+    def read(self, region: Region) -> np.ndarray:
+        store = self._open()
+        try:
+            if not region:
+                return np.asarray(store.read().result())
+            return np.asarray(store[tuple(region)].read().result())
+        except Exception as exc:
+            raise CkptError(f"cannot read data: {_short(exc)}", self._name) from exc
+
+    def scalar(self) -> Any:
+        value = self.read(())
+        return value.item() if value.shape == () else value
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split(" [source locations=", 1)[0]
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- sharding and strings ------------------------------------------------------
+
+
+def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Sharding]:
+    if SHARDING not in files:
+        return {}
+    where = f"{storage.url}/{SHARDING}"
+    raw = _read_json(storage, SHARDING)
+    if not isinstance(raw, dict):
+        raise CorruptMetadataError("not a JSON object", where)
+    out: dict[str, Sharding] = {}
+    for encoded, value in raw.items():
+        try:
+            name = base64.urlsafe_b64decode(encoded.encode()).decode("utf-8")
+            info = json.loads(value) if isinstance(value, str) else value
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptMetadataError(f"bad entry {encoded!r}: {exc}", where) from None
+        if isinstance(info, dict):
+            out[name] = parse_sharding(info, where)
+    return out
+
+
+def parse_sharding(info: dict[str, Any], where: str) -> Sharding:
+    """A Sharding from one `_sharding` entry as orbax writes it."""
+    kind = str(info.get("sharding_type", "unknown"))
+    if kind == "NamedSharding":
+        try:
+            mesh_shape = tuple(int(x) for x in info["shape"])
+            axis_names = tuple(str(x) for x in info["axis_names"])
+            spec = tuple(
+                tuple(p) if isinstance(p, list) else p for p in info.get("partition_spec", [])
+            )
+            device_ids: tuple[int, ...] | None = None
+            mesh = (info.get("device_mesh") or {}).get("mesh")
+            if mesh is not None:
+                flat: list[int] = []
+
+                def walk(node: Any) -> None:
+                    if isinstance(node, list):
+                        for n in node:
+                            walk(n)
+                    elif isinstance(node, dict):
+                        flat.append(int(node["id"]))
+
+                walk(mesh)
+                device_ids = tuple(flat)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptMetadataError(f"bad NamedSharding entry: {exc}", where) from None
+        return Sharding("named", mesh_shape=mesh_shape, axis_names=axis_names, partition_spec=spec, device_ids=device_ids)
+    if kind == "SingleDeviceSharding":
+        return Sharding("single_device", device=info.get("device_str"))
+    return Sharding(kind)
+
+
+class _StringsFile:
+    """`_strings.json` (or, in OCDBT saves, the same key inside the database), read once."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._values: dict[str, Any] | None = None
+
+    def get(self, name: str) -> Any:
+        if self._values is None:
+            self._values = _read_json(self._storage, STRINGS) if self._storage.exists(STRINGS) else {}
+        if not isinstance(self._values, dict) or name not in self._values:
+            raise NotFoundError(f"string {name!r} missing from {STRINGS}", self._storage.url)
+        return self._values[name]
+
+
+def _read_json(storage: Storage, key: str) -> Any:
+    data = storage.read(key)
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise CorruptMetadataError(f"invalid JSON: {exc}", f"{storage.url}/{key}") from None

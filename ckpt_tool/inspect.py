@@ -1,0 +1,131 @@
+"""What is in a checkpoint: the result `ckpt inspect` renders.
+
+`inspect_checkpoint` opens the checkpoint (metadata only), applies the
+filter, optionally decodes value leaves, and returns an InspectResult whose
+`to_json()` is the documented --json contract.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf
+
+JSON_SCHEMA_VERSION = 1
+
+
+@dataclass
+class DtypeTotals:
+    leaves: int = 0
+    parameters: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class InspectResult:
+    checkpoint: Checkpoint
+    leaves: list[Leaf]  # after --filter
+    values: dict[str, Any] | None  # leaf path -> decoded value, with --values
+    value_errors: dict[str, str]
+
+    @property
+    def by_dtype(self) -> dict[str, DtypeTotals]:
+        totals: dict[str, DtypeTotals] = {}
+        for leaf in self.leaves:
+            if isinstance(leaf, ArrayLeaf):
+                t = totals.setdefault(leaf.dtype, DtypeTotals())
+                t.leaves += 1
+                t.parameters += leaf.size
+                t.bytes += leaf.nbytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1].bytes))
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        arrays = [leaf for leaf in self.leaves if isinstance(leaf, ArrayLeaf)]
+        return {
+            "leaves": len(self.leaves),
+            "arrays": len(arrays),
+            "values": len(self.leaves) - len(arrays),
+            "parameters": sum(a.size for a in arrays),
+            "bytes": sum(a.nbytes for a in arrays),
+            "chunks": sum(a.chunk_count for a in arrays),
+            "by_dtype": {
+                d: {"leaves": t.leaves, "parameters": t.parameters, "bytes": t.bytes}
+                for d, t in self.by_dtype.items()
+            },
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        ck = self.checkpoint
+        return {
+            "schema": JSON_SCHEMA_VERSION,
+            "path": ck.path,
+            "format": ck.format,
+            "layout": ck.layout,
+            "committed": ck.committed,
+            "saved_at": ck.saved_at,
+            "step": ck.step,
+            "steps": [s.to_json() for s in ck.steps],
+            "notes": list(ck.notes),
+            "leaves": [self._leaf_json(leaf) for leaf in self.leaves],
+            "summary": self.summary,
+        }
+
+    def _leaf_json(self, leaf: Leaf) -> dict[str, Any]:
+        out: dict[str, Any] = {"keys": list(leaf.keys), "name": leaf.name, "kind": leaf.kind}
+        if isinstance(leaf, ArrayLeaf):
+            out.update(
+                shape=list(leaf.shape), dtype=leaf.dtype, nbytes=leaf.nbytes,
+                chunk_shape=list(leaf.chunk_shape) if leaf.chunk_shape is not None else None,
+                chunks=leaf.chunk_count,
+                sharding=leaf.sharding.to_json() if leaf.sharding else None,
+            )
+        else:
+            out.update(
+                shape=[], dtype=leaf.dtype, nbytes=leaf.nbytes, chunk_shape=None, chunks=0,
+                sharding=None, value_type=leaf.value_type,
+            )
+            if self.values is not None and leaf.path in self.values:
+                out["value"] = _jsonable(self.values[leaf.path])
+            if leaf.path in self.value_errors:
+                out["value_error"] = self.value_errors[leaf.path]
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return repr(value)
+
+
+def inspect_checkpoint(
+    path: str,
+    *,
+    step: str | int | None = None,
+    pattern: str | None = None,
+    values: bool = False,
+) -> InspectResult:
+    """Open `path` from metadata and describe it; decode value leaves if `values`."""
+    from .formats import open_checkpoint
+
+    ckpt = open_checkpoint(path, step=step)
+    leaves = ckpt.filtered(pattern)
+    decoded: dict[str, Any] | None = None
+    errors: dict[str, str] = {}
+    if values:
+        from .errors import CkptError
+
+        decoded = {}
+        for leaf in leaves:
+            if isinstance(leaf, ValueLeaf):
+                try:
+                    decoded[leaf.path] = leaf.load()
+                except CkptError as exc:
+                    errors[leaf.path] = str(exc)
+    return InspectResult(ckpt, leaves, decoded, errors)

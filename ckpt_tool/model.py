@@ -1,0 +1,353 @@
+"""The format-neutral checkpoint model.
+
+Readers fill it; commands and the Python API see only it. A Checkpoint is a
+list of leaves, each addressed by `keys` (its path in the saved tree: dict
+keys as str, sequence indices as int). An ArrayLeaf knows its shape, dtype,
+stored chunk layout and recorded sharding before any data is read, and reads
+any region on request through the reader's callback. A ValueLeaf holds a
+scalar, string or other non-tensor item, decoded only when asked.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import numpy as np
+
+from . import dtypes
+from .errors import CkptError
+
+Key = Union[str, int]
+Region = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class RegularGrid:
+    """Chunks of one shape tiling the array (zarr); edge chunks may be cut."""
+
+    chunk_shape: tuple[int, ...]
+
+    def count(self, shape: Sequence[int]) -> int:
+        return math.prod(-(-s // c) if c else 0 for s, c in zip(shape, self.chunk_shape)) if shape else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "grid", "chunk_shape": list(self.chunk_shape)}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def region(self) -> Region:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+
+@dataclass(frozen=True)
+class ChunkList:
+    """Explicit chunks with offsets and sizes (torch DCP shards)."""
+
+    chunks: tuple[Chunk, ...]
+
+    def count(self, shape: Sequence[int]) -> int:
+        return len(self.chunks)
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...] | None:
+        """The common chunk shape when every chunk has the same sizes."""
+        sizes = {c.sizes for c in self.chunks}
+        return next(iter(sizes)) if len(sizes) == 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "list",
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in self.chunks],
+        }
+
+
+ChunkLayout = Union[RegularGrid, ChunkList]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the array was laid out over devices when it was saved.
+
+    kind: "named" (a jax NamedSharding: mesh shape, axis names, partition
+    spec, device ids), "single_device", or "chunks" (DCP: the saved chunk
+    list is all the layout there is).
+    """
+
+    kind: str
+    mesh_shape: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+    partition_spec: tuple[Any, ...] | None = None
+    device_ids: tuple[int, ...] | None = None
+    device: str | None = None
+    chunks: int | None = None
+
+    def describe(self) -> str:
+        if self.kind == "named":
+            mesh = ",".join(f"{a}={s}" for a, s in zip(self.axis_names or (), self.mesh_shape or ()))
+            spec = ", ".join(_spec_entry(p) for p in (self.partition_spec or ()))
+            return f"mesh({mesh}) P({spec})"
+        if self.kind == "single_device":
+            return f"device {self.device}" if self.device else "single device"
+        if self.kind == "chunks":
+            return f"{self.chunks} chunk{'s' if self.chunks != 1 else ''}"
+        return self.kind
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        for name in ("mesh_shape", "axis_names", "partition_spec", "device_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = [list(v) if isinstance(v, tuple) else v for v in value]
+        if self.device is not None:
+            out["device"] = self.device
+        if self.chunks is not None:
+            out["chunks"] = self.chunks
+        return out
+
+
+def _spec_entry(p: Any) -> str:
+    if p is None:
+        return "None"
+    if isinstance(p, (list, tuple)):
+        return "(" + ", ".join(str(x) for x in p) + ")"
+    return str(p)
+
+
+def keys_path(keys: Sequence[Key]) -> str:
+    """The '/'-joined path used by --filter and the tree view."""
+    return "/".join(str(k) for k in keys)
+
+
+def normalize_region(index: Any, shape: Sequence[int]) -> Region:
+    """Turn an index expression (ints, slices, Ellipsis) into a region of slices."""
+    if index is None or index is Ellipsis:
+        return tuple(slice(0, s) for s in shape)
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        pos = index.index(Ellipsis)
+        fill = len(shape) - (len(index) - 1)
+        index = index[:pos] + (slice(None),) * fill + index[pos + 1 :]
+    if len(index) > len(shape):
+        raise IndexError(f"too many indices: {len(index)} for an array of rank {len(shape)}")
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    region = []
+    for i, s in zip(index, shape):
+        if isinstance(i, (int, np.integer)):
+            j = int(i) + s if i < 0 else int(i)
+            if not 0 <= j < s:
+                raise IndexError(f"index {i} out of bounds for size {s}")
+            region.append(slice(j, j + 1))
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(s)
+            if step != 1:
+                raise IndexError("strided regions are not supported; slice the result instead")
+            region.append(slice(start, max(start, stop)))
+        else:
+            raise IndexError(f"unsupported index {i!r}")
+    return tuple(region)
+
+
+RegionReader = Callable[[Region], np.ndarray]
+
+
+@dataclass
+class ArrayLeaf:
+    keys: tuple[Key, ...]
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: ChunkLayout
+    sharding: Sharding | None = None
+    reader: RegionReader | None = field(default=None, repr=False, compare=False)
+    # format-specific facts worth showing (e.g. Orbax value_type, zarr codecs)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    kind = "array"
+
+    @property
+    def path(self) -> str:
+        return keys_path(self.keys)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * dtypes.get(self.dtype).itemsize
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...] | None:
+        if isinstance(self.layout, RegularGrid):
+            return self.layout.chunk_shape
+        return self.layout.chunk_shape
+
+    @property
+    def chunk_count(self) -> int:
+        return self.layout.count(self.shape)
+
+    def read(self, region: Any = None) -> np.ndarray:
+        """Read a region (tuple of slices, or None for all) into numpy."""
+        if self.reader is None:
+            raise CkptError("this leaf has no data reader", self.name)
+        reg = normalize_region(region, self.shape)
+        out = self.reader(reg)
+        want = tuple(r.stop - r.start for r in reg)
+        if tuple(out.shape) != want:
+            raise CkptError(f"reader returned shape {tuple(out.shape)}, expected {want}", self.name)
+        return out
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        reg = normalize_region(index, self.shape)
+        out = self.read(reg)
+        # integer indices drop their dimension, as numpy does
+        idx = index if isinstance(index, tuple) else (index,)
+        drop = tuple(i for i, x in enumerate(idx) if isinstance(x, (int, np.integer)))
+        return out.reshape([n for i, n in enumerate(out.shape) if i not in drop]) if drop else out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.read()
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def __repr__(self) -> str:
+        return f"ArrayLeaf({self.path!r}, {self.dtype}{list(self.shape)})"
+
+
+@dataclass
+class ValueLeaf:
+    """A scalar, string or other non-tensor item; `load()` decodes it."""
+
+    keys: tuple[Key, ...]
+    name: str
+    value_type: str  # "scalar", "string", "bytes" (DCP non-tensor item), ...
+    dtype: str | None = None
+    loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    kind = "value"
+    shape: tuple[int, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return keys_path(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return dtypes.get(self.dtype).itemsize if self.dtype and self.dtype in dtypes.BY_NAME else 0
+
+    def load(self) -> Any:
+        if self.loader is None:
+            raise CkptError("this value has no loader", self.name)
+        return self.loader()
+
+    def __repr__(self) -> str:
+        return f"ValueLeaf({self.path!r}, {self.value_type})"
+
+
+Leaf = Union[ArrayLeaf, ValueLeaf]
+
+
+@dataclass
+class StepInfo:
+    """One step of a CheckpointManager root (or an incomplete save beside them)."""
+
+    name: str
+    step: int | None
+    committed: bool
+    reason: str | None = None  # why it is not committed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "step": self.step, "committed": self.committed, "reason": self.reason}
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as ckpt sees it, whatever the format."""
+
+    path: str
+    format: str  # "orbax" | "dcp"
+    layout: dict[str, Any]
+    leaves: list[Leaf]
+    committed: bool = True
+    saved_at: float | None = None  # unix seconds
+    steps: list[StepInfo] = field(default_factory=list)  # CheckpointManager roots
+    step: int | None = None
+    notes: list[str] = field(default_factory=list)  # facts worth a line (e.g. "unmerged OCDBT")
+
+    def __iter__(self) -> Iterator[Leaf]:
+        return iter(self.leaves)
+
+    def __len__(self) -> int:
+        return len(self.leaves)
+
+    def __getitem__(self, path: str | Sequence[Key]) -> Leaf:
+        want = path if isinstance(path, str) else keys_path(path)
+        for leaf in self.leaves:
+            if leaf.path == want or leaf.name == want:
+                return leaf
+        raise KeyError(want)
+
+    def arrays(self) -> list[ArrayLeaf]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, ArrayLeaf)]
+
+    def tree(self) -> dict[Key, Any]:
+        """Nested dicts of leaves, by keys."""
+        root: dict[Key, Any] = {}
+        for leaf in self.leaves:
+            node = root
+            for k in leaf.keys[:-1]:
+                node = node.setdefault(k, {})
+            node[leaf.keys[-1] if leaf.keys else ""] = leaf
+        return root
+
+    def filtered(self, pattern: str | None) -> list[Leaf]:
+        if not pattern:
+            return list(self.leaves)
+        rx = glob_to_regex(pattern)
+        return [leaf for leaf in self.leaves if rx.fullmatch(leaf.path)]
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.path!r}, format={self.format!r}, leaves={len(self.leaves)})"
+
+
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """Glob over '/'-joined keys: `*` stays within one key, `**` spans keys."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        else:
+            ch = pattern[i]
+            if ch == "*":
+                out.append("[^/]*")
+            elif ch == "?":
+                out.append("[^/]")
+            elif ch == "[":
+                j = pattern.find("]", i)
+                if j == -1:
+                    out.append(re.escape(ch))
+                else:
+                    out.append(fnmatch.translate(pattern[i : j + 1])[4:-3])
+                    i = j
+            else:
+                out.append(re.escape(ch))
+            i += 1
+    return re.compile("".join(out))

@@ -1,0 +1,293 @@
+"""One storage layer over tensorstore's kvstore drivers.
+
+A Storage is a checkpoint root (a local directory, file://, gs://, s3:// or
+memory://) seen as a flat key space: list keys, read a value or a byte range,
+ask a value's size. Every reader goes through it, so the rule that no key
+may leave the root (`..`, absolute keys, symlinks pointing out, FIFOs and
+other non-files) is enforced here, once.
+
+`Storage.ocdbt()` gives the same interface over an OCDBT database (Orbax's
+key space inside `manifest.ocdbt` + data files), so readers handle OCDBT and
+plain directories alike.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import threading
+from collections import Counter
+from typing import Any, Iterable
+from urllib.parse import urlparse
+
+import tensorstore as ts
+
+from .errors import CkptError, NotFoundError, PathEscapeError
+
+# One context for every open: memory:// stores are shared within a process
+# and tensorstore's cache pools and thread pools are reused.
+_CONTEXT = ts.Context()
+
+_SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
+
+
+class ReadLog:
+    """Counts reads per key, so tests can prove which values were touched."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reads: Counter[str] = Counter()
+
+    def record(self, key: str) -> None:
+        with self._lock:
+            self.reads[key] += 1
+
+
+def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
+    """A tensorstore kvstore spec for a path or URL, and the local root if any."""
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = parsed.path if scheme == "file" else url
+        root = os.path.abspath(os.path.expanduser(path))
+        return {"driver": "file", "path": root.rstrip("/") + "/"}, root
+    path = parsed.path.lstrip("/")
+    if path and not path.endswith("/"):
+        path += "/"
+    if scheme == "gs":
+        return {"driver": "gcs", "bucket": parsed.netloc, "path": path}, None
+    if scheme == "s3":
+        spec: dict[str, Any] = {"driver": "s3", "bucket": parsed.netloc, "path": path}
+        # tensorstore reads credentials from the standard AWS variables and
+        # files itself; the endpoint and region we pass on explicitly so that
+        # S3-compatible servers (MinIO, moto) work the way the aws CLI does.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+        return spec, None
+    if scheme == "memory":
+        return {"driver": "memory", "path": (parsed.netloc + "/" + path).strip("/") + "/"}, None
+    raise CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
+
+
+def _check_relative(key: str, where: str) -> str:
+    """Refuse keys that are absolute or climb out of the root."""
+    if key.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[\\/]", key):
+        raise PathEscapeError(f"absolute path {key!r} escapes the checkpoint", where)
+    parts = re.split(r"[\\/]", key)
+    if any(p == ".." for p in parts):
+        raise PathEscapeError(f"path {key!r} escapes the checkpoint", where)
+    return "/".join(p for p in parts if p not in ("", "."))
+
+
+class Storage:
+    """A checkpoint root on any tensorstore kvstore."""
+
+    def __init__(
+        self,
+        kvstore: ts.KvStore,
+        url: str,
+        *,
+        local_root: str | None = None,
+        log: ReadLog | None = None,
+        check_local: bool = True,
+    ) -> None:
+        self._kv = kvstore
+        self.url = url.rstrip("/") if url not in ("/",) else url
+        self.local_root = local_root
+        self.log = log or ReadLog()
+        # OCDBT views resolve keys inside the database, not on the filesystem
+        self._check_local = check_local and local_root is not None
+
+    # -- opening ---------------------------------------------------------
+    @classmethod
+    def open(cls, url: str, log: ReadLog | None = None) -> "Storage":
+        spec, local_root = _kvstore_spec(url)
+        if local_root is not None and not os.path.isdir(local_root):
+            if os.path.exists(local_root):
+                raise NotFoundError("is a file, not a checkpoint directory", url)
+            raise NotFoundError("no such directory", url)
+        try:
+            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
+        except Exception as exc:  # tensorstore raises ValueError for bad specs
+            raise CkptError(f"cannot open storage: {exc}", url) from exc
+        return cls(kv, url, local_root=local_root, log=log)
+
+    def child(self, relpath: str) -> "Storage":
+        """The storage rooted at a sub-directory (containment checked)."""
+        rel = _check_relative(relpath, self.url)
+        if not rel:
+            return self
+        if self._check_local:
+            self._check_local_path(rel, want_dir=True)
+        kv = self._kv / (rel + "/")
+        local = os.path.join(self.local_root, rel) if self.local_root else None
+        st = Storage(kv, f"{self.url}/{rel}", local_root=local, log=self.log, check_local=self._check_local)
+        return st
+
+    def ocdbt(self, subdir: str = "") -> "Storage":
+        """A view of the OCDBT database whose manifest lives at `subdir`."""
+        base = self.child(subdir) if subdir else self
+        spec = {"driver": "ocdbt", "base": base._kv.spec().to_json()}
+        try:
+            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
+        except Exception as exc:
+            raise CkptError(f"cannot open OCDBT database: {_short(exc)}", base.url) from exc
+        return Storage(kv, base.url + " (ocdbt)", local_root=None, log=self.log, check_local=False)
+
+    def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
+        """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore."""
+        rel = _check_relative(subpath, self.url) if subpath else ""
+        kv = self._kv / rel if rel else self._kv
+        return kv.spec().to_json()
+
+    @property
+    def context(self) -> ts.Context:
+        return _CONTEXT
+
+    # -- reading ---------------------------------------------------------
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under `prefix` (recursive), relative to the root, sorted."""
+        rel = _check_relative(prefix, self.url) if prefix else ""
+        if rel and not rel.endswith("/"):
+            rel += "/"
+        try:
+            if rel:
+                rng = ts.KvStore.KeyRange(inclusive_min=rel, exclusive_max=rel[:-1] + chr(ord("/") + 1))
+                keys = self._kv.list(rng).result()
+            else:
+                keys = self._kv.list().result()
+        except Exception as exc:
+            raise CkptError(f"cannot list keys: {_short(exc)}", self.url) from exc
+        return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
+
+    def listdir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """Immediate sub-directories and files under `prefix`."""
+        rel = _check_relative(prefix, self.url) if prefix else ""
+        start = len(rel) + 1 if rel else 0
+        dirs: set[str] = set()
+        files: list[str] = []
+        for key in self.list(rel):
+            rest = key[start:]
+            if "/" in rest:
+                dirs.add(rest.split("/", 1)[0])
+            else:
+                files.append(rest)
+        return sorted(dirs), files
+
+    def exists(self, key: str) -> bool:
+        rel = _check_relative(key, self.url)
+        if self._check_local:
+            path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
+            return os.path.lexists(path)
+        try:
+            res = self._kv.read(rel, byte_range=slice(0, 0)).result()
+        except Exception:
+            return True  # it exists but is shorter than the probe: still exists
+        return res.state == "value"
+
+    def read(self, key: str) -> bytes:
+        """The whole value at `key`; NotFoundError when missing."""
+        return self._read(key, None)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the value at `key`; an error if it is shorter."""
+        if start < 0 or end < start:
+            raise CkptError(f"invalid byte range [{start}, {end})", self._where(key))
+        if end == start:
+            return b""
+        return self._read(key, slice(start, end))
+
+    def read_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """Read several keys concurrently (None for a missing key)."""
+        futures = {}
+        for key in keys:
+            rel = self._checked(key)
+            self.log.record(rel)
+            futures[key] = self._kv.read(rel)
+        out: dict[str, bytes | None] = {}
+        for key, fut in futures.items():
+            try:
+                res = fut.result()
+            except Exception as exc:
+                raise CkptError(f"cannot read: {_short(exc)}", self._where(key)) from exc
+            out[key] = bytes(res.value) if res.state == "value" else None
+        return out
+
+    def size(self, key: str) -> int:
+        """The size in bytes of the value at `key`, without reading it where possible."""
+        rel = self._checked(key)
+        if self._check_local:
+            return os.stat(os.path.join(self.local_root, rel)).st_size  # type: ignore[arg-type]
+        # kvstores have no stat: an out-of-range probe makes the driver state
+        # the size; drivers that do not say so fall back to a full read.
+        try:
+            res = self._kv.read(rel, byte_range=slice(1 << 62, (1 << 62) + 1)).result()
+        except ValueError as exc:
+            m = _SIZE_IN_ERROR.search(str(exc))
+            if m:
+                return int(m.group(1))
+            return len(self.read(key))
+        if res.state != "value":
+            raise NotFoundError("missing", self._where(key))
+        return len(self.read(key))
+
+    # -- internals -------------------------------------------------------
+    def _where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def _checked(self, key: str) -> str:
+        rel = _check_relative(key, self.url)
+        if not rel:
+            raise CkptError("empty key", self.url)
+        if self._check_local:
+            self._check_local_path(rel, want_dir=False)
+        return rel
+
+    def _check_local_path(self, rel: str, *, want_dir: bool) -> None:
+        """Refuse symlinks leading out of the root and anything but files/dirs."""
+        root = os.path.realpath(self.local_root)  # type: ignore[arg-type]
+        path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root + os.sep):
+            raise PathEscapeError(f"{rel!r} resolves to {real}, outside the checkpoint", self.url)
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            return  # reported as missing by the read itself
+        if want_dir:
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotFoundError("not a directory", self._where(rel))
+        elif not stat.S_ISREG(st.st_mode):
+            raise PathEscapeError("not a regular file (refusing to open a FIFO, device or socket)", self._where(rel))
+
+    def _read(self, key: str, byte_range: slice | None) -> bytes:
+        rel = self._checked(key)
+        self.log.record(rel)
+        try:
+            if byte_range is None:
+                res = self._kv.read(rel).result()
+            else:
+                res = self._kv.read(rel, byte_range=byte_range).result()
+        except ValueError as exc:
+            msg = str(exc)
+            if "OUT_OF_RANGE" in msg:
+                m = _SIZE_IN_ERROR.search(msg)
+                have = f"it has {m.group(1)} bytes" if m else "it is shorter"
+                raise CkptError(
+                    f"truncated: needed bytes [{byte_range.start}, {byte_range.stop}) but {have}",  # type: ignore[union-attr]
+                    self._where(rel),
+                ) from exc
+            raise CkptError(f"cannot read: {_short(exc)}", self._where(rel)) from exc
+        if res.state != "value":
+            raise NotFoundError("missing", self._where(rel))
+        return bytes(res.value)
+
+
+def _short(exc: BaseException) -> str:
+    """tensorstore error text without its source-location trailer."""
+    text = str(exc).split(" [source locations=", 1)[0]
+    return text.splitlines()[0] if text else type(exc).__name__

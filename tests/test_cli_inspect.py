@@ -1,0 +1,134 @@
+"""`ckpt inspect` as a user runs it: output, --json contract, errors, exit codes."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ckpt_tool.cli.main import cli
+
+from conftest import ALL_FIXTURES, fixture_path, run_ckpt
+
+LEAF_FIELDS = {"keys", "name", "kind", "shape", "dtype", "nbytes", "chunk_shape", "chunks", "sharding"}
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_json_contract(name):
+    result = invoke("inspect", str(fixture_path(name)), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["format"] in ("orbax", "dcp")
+    assert {"path", "format", "layout", "leaves", "summary"} <= set(doc)
+    assert doc["leaves"]
+    for leaf in doc["leaves"]:
+        assert LEAF_FIELDS <= set(leaf), leaf
+        assert leaf["kind"] in ("array", "value")
+        if leaf["kind"] == "array":
+            assert isinstance(leaf["shape"], list) and isinstance(leaf["nbytes"], int)
+    s = doc["summary"]
+    arrays = [l for l in doc["leaves"] if l["kind"] == "array"]
+    assert s["arrays"] == len(arrays)
+    assert s["bytes"] == sum(l["nbytes"] for l in arrays)
+
+
+def test_tree_output_plain_when_piped():
+    result = invoke("inspect", str(fixture_path("orbax_ocdbt_zarr2")))
+    assert result.exit_code == 0
+    out = result.output
+    assert "Orbax, OCDBT + zarr2" in out
+    assert "committed" in out
+    assert "kernel  float32[16, 8]" in out
+    assert "P(data, model)" in out
+    assert "\x1b[" not in out  # no colour codes in a pipe
+
+
+def test_flat_and_filter():
+    result = invoke("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--flat", "--filter", "params/**/kernel")
+    assert result.exit_code == 0
+    body = [l for l in result.output.splitlines() if l.startswith("params/")]
+    assert body == [l for l in body if "kernel" in l] and body
+
+
+def test_filter_star_stays_within_one_key():
+    doc = json.loads(invoke("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--json", "--filter", "params/*").output)
+    assert all(len(l["keys"]) == 2 for l in doc["leaves"])
+
+
+def test_depth_collapses():
+    result = invoke("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--depth", "1")
+    assert "... " in result.output and "leaves," in result.output
+
+
+def test_values_decodes_scalars_and_strings():
+    doc = json.loads(invoke("inspect", str(fixture_path("orbax_ocdbt_zarr3")), "--json", "--values").output)
+    values = {l["name"]: l.get("value") for l in doc["leaves"] if l["kind"] == "value"}
+    assert values and all(v is not None for v in values.values())
+
+
+def test_manager_steps_listed():
+    doc = json.loads(invoke("inspect", str(fixture_path("orbax_manager")), "--json").output)
+    assert doc["step"] == 2
+    assert [s["committed"] for s in doc["steps"]] == [True, True, False]
+    doc1 = json.loads(invoke("inspect", str(fixture_path("orbax_manager")), "--json", "--step", "1").output)
+    assert doc1["step"] == 1
+
+
+def test_missing_path_one_line_exit_1(tmp_path):
+    r = run_ckpt("inspect", str(tmp_path / "nope"))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"ckpt: error: {tmp_path / 'nope'}: no such directory"]
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_layout(tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    r = run_ckpt("inspect", str(tmp_path))
+    assert r.returncode == 1
+    assert "not an Orbax or torch.distributed.checkpoint checkpoint" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_debug_shows_traceback(tmp_path):
+    r = run_ckpt("inspect", str(tmp_path / "nope"), env={"CKPT_DEBUG": "1"})
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_usage_error_exit_2():
+    r = run_ckpt("inspect")
+    assert r.returncode == 2
+    r = run_ckpt("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--depth", "0")
+    assert r.returncode == 2
+
+
+def test_every_command_has_help():
+    for name, command in cli.commands.items():
+        result = invoke(name, "--help")
+        assert result.exit_code == 0 and command.help, name
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_inspect_imports_neither_jax_nor_torch(name):
+    code = (
+        "import sys, ckpt_tool.cli.main as m\n"
+        "try:\n"
+        f"    m.main(['inspect', {str(fixture_path(name))!r}, '--json', '--values'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "bad = sorted(x for x in sys.modules if x.split('.')[0] in ('jax', 'jaxlib', 'torch', 'orbax'))\n"
+        "assert not bad, bad\n"
+    )
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_python_module_entry_point():
+    r = run_ckpt("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--flat")
+    assert r.returncode == 0 and "params/dense/kernel" in r.stdout

@@ -1,0 +1,91 @@
+"""The storage layer: reads, ranges, sizes, and the one place containment is enforced."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckpt_tool.errors import CkptError, NotFoundError, PathEscapeError
+from ckpt_tool.storage import Storage
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.bin").write_bytes(b"0123456789")
+    (root / "sub" / "b.txt").write_text("hello")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("secret")
+    os.symlink(outside / "secret", root / "link_out")
+    os.symlink(outside, root / "dir_out")
+    os.symlink(root / "a.bin", root / "link_in")
+    os.mkfifo(root / "fifo")
+    return root
+
+
+def test_read_range_size_list(tree):
+    st = Storage.open(str(tree))
+    assert st.read("a.bin") == b"0123456789"
+    assert st.read_range("a.bin", 2, 5) == b"234"
+    assert st.size("a.bin") == 10
+    assert "sub/b.txt" in st.list()
+    assert st.list("sub") == ["sub/b.txt"]
+    dirs, files = st.listdir()
+    assert "sub" in dirs and "a.bin" in files
+    assert st.read_many(["a.bin", "missing"]) == {"a.bin": b"0123456789", "missing": None}
+    assert st.log.reads["a.bin"] >= 2
+
+
+def test_file_url_and_child(tree):
+    st = Storage.open("file://" + str(tree))
+    assert st.child("sub").read("b.txt") == b"hello"
+
+
+def test_missing_and_truncated(tree):
+    st = Storage.open(str(tree))
+    with pytest.raises(NotFoundError, match="missing"):
+        st.read("nope")
+    with pytest.raises(CkptError, match=r"truncated: needed bytes \[5, 20\) but it has 10 bytes"):
+        st.read_range("a.bin", 5, 20)
+
+
+@pytest.mark.parametrize("key", ["../outside/secret", "sub/../../outside/secret", "/etc/passwd", "C:\\x"])
+def test_escaping_keys_refused(tree, key):
+    st = Storage.open(str(tree))
+    with pytest.raises(PathEscapeError):
+        st.read(key)
+
+
+def test_symlink_out_refused_symlink_in_allowed(tree):
+    st = Storage.open(str(tree))
+    with pytest.raises(PathEscapeError, match="outside the checkpoint"):
+        st.read("link_out")
+    with pytest.raises(PathEscapeError):
+        st.child("dir_out")
+    assert st.read("link_in") == b"0123456789"
+
+
+def test_fifo_refused_without_blocking(tree):
+    st = Storage.open(str(tree))
+    with pytest.raises(PathEscapeError, match="not a regular file"):
+        st.read("fifo")
+
+
+def test_missing_root(tmp_path):
+    with pytest.raises(NotFoundError, match="no such directory"):
+        Storage.open(str(tmp_path / "absent"))
+
+
+def test_memory_store_shared_within_process():
+    import tensorstore as ts
+
+    from ckpt_tool.storage import _CONTEXT
+
+    kv = ts.KvStore.open({"driver": "memory", "path": "t1/"}, context=_CONTEXT).result()
+    kv.write("x/y", b"abc").result()
+    st = Storage.open("memory://t1")
+    assert st.read("x/y") == b"abc"
+    assert st.size("x/y") == 3
+    assert st.list() == ["x/y"]
