@@ -289,5 +289,5 @@ class Storage:
 
 def _short(exc: BaseException) -> str:
     """tensorstore error text without its source-location trailer."""
-    text = str(exc).split(" [source locations=", 1)[0]
+    text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
     return text.splitlines()[0] if text else type(exc).__name__

@@ -28,9 +28,13 @@ def cli() -> None:
 
 def _register() -> None:
     # each command lives in its own module; importing them is cheap (no jax, no torch)
+    from .diff_cmd import diff_command
     from .inspect_cmd import inspect_command
+    from .validate_cmd import validate_command
 
     cli.add_command(inspect_command)
+    cli.add_command(validate_command)
+    cli.add_command(diff_command)
 
 
 _register()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import itertools
 import json
 import re
 import threading
@@ -335,7 +336,11 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
             zmeta, source = found
             shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
             extra.update(info)
-            reader = _ZarrRegionReader(source, name, use_zarr3, zmeta)
+            if len(sources) > 1:
+                # unmerged OCDBT: each process holds its own chunks of the array
+                reader = _UnmergedRegionReader(sources, name, use_zarr3, zmeta, shape, chunk_shape)
+            else:
+                reader = _ZarrRegionReader(source, name, use_zarr3, zmeta)
             if value_type == "scalar":
                 leaves.append(ValueLeaf(
                     keys=full_keys, name=name, value_type="scalar", dtype=dtype,
@@ -499,8 +504,103 @@ class _ZarrRegionReader:
         return value.item() if value.shape == () else value
 
 
+def chunk_keys(name: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]):
+    """Every chunk key of an array's regular chunk grid, with its grid index."""
+    grid = [range(-(-s // c)) if c else range(0) for s, c in zip(shape, chunk_shape)]
+    if zarr3:
+        enc = zmeta.get("chunk_key_encoding") or {}
+        default = enc.get("name", "default") == "default"
+        sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
+        for idx in itertools.product(*grid):
+            if default:
+                yield idx, f"{name}/c" + "".join(sep + str(i) for i in idx)
+            else:
+                yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
+    else:
+        sep = zmeta.get("dimension_separator") or "."
+        for idx in itertools.product(*grid):
+            yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
+
+
+class _UnmergedRegionReader:
+    """Reads an array whose chunks are spread over per-process OCDBT databases.
+
+    Each database is opened with the primary's zarr metadata assumed (only
+    process 0 writes it); each chunk is read from the database that lists it.
+    """
+
+    def __init__(self, sources: list[_ArraySource], name: str, zarr3: bool, zmeta: dict[str, Any],
+                 shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> None:
+        self._sources = sources
+        self._name = name
+        self._zarr3 = zarr3
+        self._zmeta = zmeta
+        self._shape = shape
+        self._chunk_shape = chunk_shape
+        self._owner: dict[str, int] | None = None
+        self._stores: dict[int, ts.TensorStore] = {}
+        self._lock = threading.Lock()
+
+    def _owner_of(self) -> dict[str, int]:
+        with self._lock:
+            if self._owner is None:
+                owner: dict[str, int] = {}
+                for i, src in enumerate(self._sources):
+                    for key in src.view.list(self._name):
+                        owner.setdefault(key, i)
+                self._owner = owner
+            return self._owner
+
+    def _store(self, i: int) -> ts.TensorStore:
+        with self._lock:
+            if i not in self._stores:
+                spec = {
+                    "driver": "zarr3" if self._zarr3 else "zarr",
+                    "kvstore": self._sources[i].array_kvstore(self._name),
+                    "metadata": self._zmeta,
+                    "fill_missing_data_reads": False,
+                }
+                try:
+                    # only the primary wrote .zarray: assume it for the other databases
+                    self._stores[i] = ts.open(
+                        spec, open=True, read=True, assume_metadata=True, context=self._sources[i].storage.context
+                    ).result()
+                except Exception as exc:
+                    raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
+            return self._stores[i]
+
+    def read(self, region: Region) -> np.ndarray:
+        region = region or tuple(slice(0, s) for s in self._shape)
+        want = tuple(r.stop - r.start for r in region)
+        out = np.empty(want, dtype=dtypes.numpy_dtype(_dtype_of(self._zmeta, self._zarr3)))
+        owner = self._owner_of()
+        for idx, key in chunk_keys(self._name, self._shape, self._chunk_shape, self._zarr3, self._zmeta):
+            lo = [i * c for i, c in zip(idx, self._chunk_shape)]
+            hi = [min((i + 1) * c, s) for i, c, s in zip(idx, self._chunk_shape, self._shape)]
+            inter = [(max(l, r.start), min(h, r.stop)) for l, h, r in zip(lo, hi, region)]
+            if any(a >= b for a, b in inter):
+                continue
+            if key not in owner:
+                raise CkptError(f"chunk {list(idx)} is in no per-process database", f"{self._name}/{key}")
+            src = tuple(slice(a, b) for a, b in inter)
+            dst = tuple(slice(a - r.start, b - r.start) for (a, b), r in zip(inter, region))
+            try:
+                out[dst] = self._store(owner[key])[src].read().result()
+            except Exception as exc:
+                raise CkptError(f"cannot read data: {_short(exc)}", self._name) from exc
+        return out
+
+    def scalar(self) -> Any:
+        value = self.read(())
+        return value.item() if value.shape == () else value
+
+
+def _dtype_of(zmeta: dict[str, Any], zarr3: bool) -> str:
+    return (dtypes.from_zarr3(zmeta["data_type"]) if zarr3 else dtypes.from_zarr2(zmeta["dtype"])).name
+
+
 def _short(exc: BaseException) -> str:
-    text = str(exc).split(" [source locations=", 1)[0]
+    text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
     return text.splitlines()[0] if text else type(exc).__name__
 
 

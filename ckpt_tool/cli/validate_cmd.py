@@ -1,0 +1,104 @@
+"""`ckpt validate PATH`: exit 0 when the checkpoint is complete and consistent, 1 with every finding when not."""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import click
+
+from ..findings import ERROR
+from ..validate import ValidationReport, validate_checkpoint
+from .render import Output, esc, human_bytes
+
+
+@click.command("validate")
+@click.argument("path")
+@click.option("--deep", is_flag=True, help="Also read and decode every chunk; report NaN/Inf per float leaf.")
+@click.option("--step", help="CheckpointManager root: one step, 'latest', or 'all' (default: every step).")
+@click.option("--strict", is_flag=True, help="Count warnings as errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["human", "github"]), default="human",
+    help="github: ::error / ::warning annotation lines for CI logs.",
+)
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk reads for --deep.")
+def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_json: bool, fmt: str, workers: int) -> None:
+    """Check that the checkpoint at PATH is complete and consistent: commit
+    markers, metadata, every array and chunk present, files long enough,
+    DCP chunks covering each tensor, no unsafe pickle. Collects every finding.
+
+    Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
+    out = Output(json_mode=as_json)
+    progress = _progress_bar(out) if deep and out.is_terminal and not as_json else None
+    try:
+        report = validate_checkpoint(
+            path, step=step, deep=deep, workers=workers,
+            progress=progress.update if progress else (lambda *a: None),
+        )
+    finally:
+        if progress:
+            progress.close()
+    if as_json:
+        out.json(report.to_json(strict))
+    elif fmt == "github":
+        _github(out, report)
+    else:
+        _human(out, report, strict)
+    sys.exit(0 if report.ok(strict) else 1)
+
+
+class _progress_bar:
+    """A rich progress bar fed by the core's progress callback."""
+
+    def __init__(self, out: Output) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self._progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=out.console, transient=True,
+        )
+        self._task = self._progress.add_task("reading chunks", total=None)
+        self._progress.start()
+
+    def update(self, what: str, done: int, total: int) -> None:
+        self._progress.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def _human(out: Output, report: ValidationReport, strict: bool) -> None:
+    out.line(f"[bold]{esc(report.path)}[/bold]  ({report.format or 'unknown format'}{', deep' if report.deep else ''})")
+    by_leaf: dict[str, list] = defaultdict(list)
+    for f in report.findings:
+        by_leaf[f.leaf or ""].append(f)
+    for leaf in sorted(by_leaf, key=lambda k: (k != "", k)):
+        if leaf:
+            out.line(f"  [bold]{esc(leaf)}[/bold]")
+        for f in by_leaf[leaf]:
+            colour = "red" if f.severity == ERROR else "yellow"
+            where = f"  [dim]{esc(f.file)}[/dim]" if f.file else ""
+            indent = "    " if leaf else "  "
+            out.line(f"{indent}[{colour}]{f.severity}[/{colour}] {f.code}: {esc(f.message)}{where}")
+    checked = ", ".join(
+        f"{human_bytes(v) if k == 'bytes_read' else f'{v:,}'} {k.replace('_', ' ')}" for k, v in report.checked.items()
+    )
+    errors = sum(f.severity == ERROR for f in report.findings)
+    warnings = len(report.findings) - errors
+    if report.ok(strict):
+        verdict = "[bold green]OK[/bold green]"
+    else:
+        verdict = "[bold red]FAILED[/bold red]"
+    out.line(f"{verdict}: {errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}" + (f" (checked {checked})" if checked else ""))
+
+
+def _github(out: Output, report: ValidationReport) -> None:
+    for f in report.findings:
+        level = "error" if f.severity == ERROR else "warning"
+        where = f" {f.file}" if f.file else ""
+        leaf = f" [{f.leaf}]" if f.leaf else ""
+        # annotation text must stay on one line
+        message = f"{f.code}{leaf}: {f.message}{where}".replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+        out.stream.write(f"::{level} title=ckpt validate::{message}\n")
+    errors = sum(f.severity == ERROR for f in report.findings)
+    out.stream.write(f"ckpt validate {report.path}: {errors} error(s), {len(report.findings) - errors} warning(s)\n")

@@ -1,0 +1,191 @@
+"""`ckpt diff A B`: compare two checkpoints of either format, leaf by leaf.
+
+Leaves are matched by their keys ('/'-joined), after optional rename rules
+applied to A's paths. Structure differences (only in A, only in B, changed
+kind, shape or dtype) come from metadata alone; with values=True each array
+pair is compared region by region along A's stored chunks, so memory stays
+bounded by a couple of chunks whatever the size of the checkpoints.
+"""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import CkptError
+from .findings import Progress, no_progress
+from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf
+from .validate.deep import chunk_regions
+
+
+@dataclass
+class LeafDiff:
+    path: str
+    kind: str  # "only_a" | "only_b" | "kind" | "shape" | "dtype" | "values" | "value"
+    message: str
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind, "message": self.message}
+        if self.max_abs is not None:
+            out.update(max_abs=self.max_abs, max_rel=self.max_rel, mismatched=self.mismatched)
+        return out
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    compared: int = 0
+    values_compared: bool = False
+    differences: list[LeafDiff] = field(default_factory=list)
+
+    @property
+    def same(self) -> bool:
+        return not self.differences
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "same": self.same, "compared": self.compared,
+            "values": self.values_compared, "differences": [d.to_json() for d in self.differences],
+        }
+
+
+def parse_rename(rules: list[str]) -> list[tuple[re.Pattern[str], str]]:
+    """'REGEX=REPL' rules (applied in order to A's '/'-joined paths)."""
+    out = []
+    for rule in rules:
+        if "=" not in rule:
+            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
+        pattern, repl = rule.split("=", 1)
+        try:
+            out.append((re.compile(pattern), repl))
+        except re.error as exc:
+            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
+    return out
+
+
+def _renamed(path: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
+    for rx, repl in rules:
+        path = rx.sub(repl, path)
+    return path
+
+
+def diff_checkpoints(
+    a: Checkpoint,
+    b: Checkpoint,
+    *,
+    values: bool = False,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    rename: list[str] | None = None,
+    workers: int = 4,
+    progress: Progress = no_progress,
+) -> DiffReport:
+    rules = parse_rename(rename or [])
+    left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
+    right = {leaf.path: leaf for leaf in b.leaves}
+    report = DiffReport(a.path, b.path, values_compared=values)
+    for path in sorted(set(left) - set(right)):
+        report.differences.append(LeafDiff(path, "only_a", "only in A"))
+    for path in sorted(set(right) - set(left)):
+        report.differences.append(LeafDiff(path, "only_b", "only in B"))
+    pairs: list[tuple[str, ArrayLeaf, ArrayLeaf]] = []
+    for path in sorted(set(left) & set(right)):
+        la, lb = left[path], right[path]
+        report.compared += 1
+        meta = _metadata_difference(path, la, lb)
+        if meta:
+            report.differences.append(meta)
+        elif values and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
+            pairs.append((path, la, lb))
+        elif values and isinstance(la, ValueLeaf) and isinstance(lb, ValueLeaf):
+            va, vb = la.load(), lb.load()
+            if not _values_equal(va, vb):
+                report.differences.append(LeafDiff(path, "value", f"{_short(va)} != {_short(vb)}"))
+    if pairs:
+        total = sum(la.nbytes for _, la, _ in pairs)
+        done = 0
+        progress("compare", 0, total)
+        # leaves are compared in parallel; each one walks its chunks in order
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-diff") as pool:
+            for (path, la, _), result in zip(pairs, pool.map(lambda p: _compare_arrays(*p, rtol, atol), pairs)):
+                done += la.nbytes
+                progress("compare", done, total)
+                if result:
+                    report.differences.append(result)
+    report.differences.sort(key=lambda d: d.path)
+    return report
+
+
+def _metadata_difference(path: str, la: Leaf, lb: Leaf) -> LeafDiff | None:
+    if la.kind != lb.kind:
+        return LeafDiff(path, "kind", f"{la.kind} in A, {lb.kind} in B")
+    if isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
+        if la.shape != lb.shape:
+            return LeafDiff(path, "shape", f"shape {list(la.shape)} in A, {list(lb.shape)} in B")
+        if la.dtype != lb.dtype:
+            return LeafDiff(path, "dtype", f"dtype {la.dtype} in A, {lb.dtype} in B")
+    return None
+
+
+def _compare_arrays(path: str, la: ArrayLeaf, lb: ArrayLeaf, rtol: float, atol: float) -> LeafDiff | None:
+    max_abs = 0.0
+    max_rel = 0.0
+    mismatched = 0
+    exact = rtol == 0 and atol == 0
+    for region in chunk_regions(la):
+        xa = np.ascontiguousarray(la.read(region)).reshape(-1)
+        xb = np.ascontiguousarray(lb.read(region)).reshape(-1)
+        if exact and xa.tobytes() == xb.tobytes():
+            continue  # bit-identical: the common case for copies and conversions
+        fa = xa.astype(np.float64) if xa.dtype.kind not in "c" else xa.astype(np.complex128)
+        fb = xb.astype(np.float64) if xb.dtype.kind not in "c" else xb.astype(np.complex128)
+        both_nan = np.isnan(fa) & np.isnan(fb)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            delta = np.abs(fa - fb)
+            delta = np.where(both_nan, 0.0, delta)
+            delta = np.where(np.isnan(delta), np.inf, delta)  # NaN against a number
+            same_inf = (fa == fb)
+            delta = np.where(same_inf, 0.0, delta)
+            bad = delta > atol + rtol * np.abs(fb)
+            rel = np.where(np.abs(fb) > 0, delta / np.abs(fb), np.where(delta > 0, np.inf, 0.0))
+        if exact:
+            # bitwise differences that compare equal as numbers (-0.0 vs 0.0) still count
+            bits_a = xa.view(np.uint8).reshape(xa.size, -1)
+            bits_b = xb.view(np.uint8).reshape(xb.size, -1)
+            bad = bad | ((bits_a != bits_b).any(axis=1) & ~both_nan)
+        n = int(bad.sum())
+        if n:
+            mismatched += n
+            max_abs = max(max_abs, float(delta.max()))
+            max_rel = max(max_rel, float(rel.max()))
+    if mismatched:
+        return LeafDiff(
+            path, "values",
+            f"{mismatched} of {la.size} elements differ (max abs {max_abs:.6g}, max rel {max_rel:.6g})",
+            max_abs=max_abs, max_rel=max_rel, mismatched=mismatched,
+        )
+    return None
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

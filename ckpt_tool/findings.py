@@ -1,0 +1,94 @@
+"""Findings: what `ckpt validate` reports, with stable codes.
+
+A check never raises on damage it can describe: it adds a Finding (severity,
+code, leaf and/or file, and a message a person can act on) and goes on, so
+one run lists every problem. The codes are a contract for CI scripts; the
+README lists them from CODES.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+ERROR = "error"
+WARNING = "warning"
+
+# code -> what it means (documented in the README; tests check they match)
+CODES: dict[str, str] = {
+    "uncommitted-save": "an interrupted or unfinished save: tmp directory name, no commit marker or no commit timestamp",
+    "missing-metadata": "a metadata file the format needs is absent (_METADATA, .zarray, zarr.json, DCP .metadata)",
+    "bad-metadata": "a metadata file that cannot be parsed or contradicts itself",
+    "bad-array-metadata": ".zarray / zarr.json unreadable or disagreeing with _METADATA or array_metadatas",
+    "bad-sharding": "_sharding inconsistent with the array (shape not divisible, mesh and device ids disagree)",
+    "leaf-missing": "a leaf named in the tree metadata has no stored array (or a stored array is not in the tree)",
+    "missing-chunk": "a chunk of an array's chunk grid is not stored; a restore may fill it with zeros",
+    "empty-chunk": "a stored chunk with no bytes",
+    "lost-process-data": "an OCDBT manifest or data file is missing or shorter than the manifest says",
+    "unmerged-ocdbt": "per-process OCDBT databases without a root manifest (the merge step did not run)",
+    "empty-file": "a data file with no bytes while the metadata places items in it",
+    "truncated-file": "a data file shorter than offset+length of an item stored in it",
+    "missing-file": "a data file the metadata refers to does not exist",
+    "coverage-gap": "part of a tensor is covered by no chunk (restored values there are undefined)",
+    "chunk-overlap": "two chunks of a tensor cover the same elements",
+    "chunk-out-of-bounds": "a chunk extends past the tensor's shape",
+    "missing-storage-entry": "a chunk without a storage entry saying where its bytes are",
+    "orphan-storage-entry": "a storage entry that belongs to no chunk or item",
+    "stray-file": "a data file no metadata refers to, or a leftover temporary file",
+    "unsafe-pickle": "a pickle that refers to a global outside the allow-list; refused, nothing ran",
+    "path-escape": "a stored path that leaves the checkpoint (.., absolute, symlink out, not a regular file)",
+    "bad-chunk": "a chunk that does not decode, or decodes to the wrong size or dtype (--deep)",
+    "non-finite": "a float array holding NaN or Inf values (--deep)",
+    "no-steps": "a CheckpointManager root with no committed step",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # ERROR | WARNING
+    code: str
+    message: str
+    leaf: str | None = None
+    file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise ValueError(f"unknown finding code {self.code!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "severity": self.severity, "code": self.code, "leaf": self.leaf,
+            "file": self.file, "message": self.message,
+        }
+
+
+@dataclass
+class Findings:
+    """An append-only collector the checks share."""
+
+    items: list[Finding] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    def error(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
+        self.items.append(Finding(ERROR, code, message, leaf, file))
+
+    def warning(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
+        self.items.append(Finding(WARNING, code, message, leaf, file))
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.checked[what] = self.checked.get(what, 0) + n
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.items if f.severity == ERROR]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.items if f.severity == WARNING]
+
+
+# progress callback: (what, done, total) — the core never prints
+Progress = Callable[[str, int, int], None]
+
+
+def no_progress(what: str, done: int, total: int) -> None:
+    return None

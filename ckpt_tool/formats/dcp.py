@@ -1,0 +1,419 @@
+"""torch.distributed.checkpoint (DCP) reader, without torch.
+
+A DCP directory holds `.metadata` (a pickled `Metadata`: every state-dict
+entry's shape, dtype and chunk list, plus where each chunk or non-tensor item
+is stored) and `__<rank>_<n>.distcp` data files. Each stored entry is a byte
+range of a data file holding one complete torch.save archive: a tensor chunk,
+or a pickled Python value for non-tensor items.
+
+Opening reads `.metadata` only, through the allow-list unpickler. Array data
+is read on request, and only from the chunks overlapping the requested
+region: a couple of small ranged reads locate a chunk's raw bytes inside its
+archive (cached afterwards), then one ranged read fetches just the span the
+region needs.
+"""
+from __future__ import annotations
+
+import math
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
+from ..storage import Storage
+from . import safe_pickle, torch_payload
+from .safe_pickle import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    TorchDType,
+)
+from .torch_payload import TensorPayload
+
+NAME = "dcp"
+METADATA_FILE = ".metadata"
+DATA_SUFFIX = ".distcp"
+_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+_MAX_PARALLEL_CHUNK_READS = 16
+
+
+def detect(storage: Storage) -> bool:
+    """A DCP directory: `.metadata`, or (an uncommitted save) top-level `.distcp` files."""
+    if storage.exists(METADATA_FILE):
+        return True
+    _, files = storage.listdir()
+    return any(f.endswith(DATA_SUFFIX) for f in files)
+
+
+def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
+    """Open a DCP checkpoint: reads `.metadata` and nothing else."""
+    if step is not None:
+        raise CkptError(
+            "a torch.distributed.checkpoint directory has no steps; open the step's own directory", storage.url
+        )
+    metadata_where = f"{storage.url}/{METADATA_FILE}"
+    if not storage.exists(METADATA_FILE):
+        _, top_files = storage.listdir()
+        if any(f.endswith(DATA_SUFFIX) for f in top_files):
+            message = (
+                "no .metadata: an incomplete or uncommitted DCP save "
+                "(on multi-host, every host must write to one shared directory)"
+            )
+            rank_local = sorted(f for f in top_files if _RANK_METADATA.match(f))
+            if rank_local:
+                message += f"; found rank-local {rank_local[0]} (saved without rank coordination: open with torch)"
+            raise IncompleteCheckpointError(message, storage.url)
+        raise NotFoundError("no .metadata: not a torch.distributed.checkpoint directory", storage.url)
+
+    size = storage.size(METADATA_FILE)
+    if size > safe_pickle.MAX_METADATA_BYTES:
+        raise CorruptMetadataError(
+            f".metadata is {size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", metadata_where
+        )
+    metadata = safe_pickle.load_metadata(storage.read(METADATA_FILE), metadata_where)
+    parsed = _parse_metadata(metadata, metadata_where)
+
+    leaves: list[Leaf] = []
+    for fqn, item in parsed.items.items():
+        keys = parsed.keys_for(fqn)
+        if isinstance(item, _TensorItem):
+            leaves.append(_array_leaf(storage, fqn, keys, item))
+        else:
+            leaves.append(_value_leaf(storage, fqn, keys, item))
+
+    files = sorted({info.relative_path for info in parsed.storage.values()})
+    # torch names data files __<rank>_<n>.distcp; other writers may not
+    matches = [_RANK_FILE.match(f) for f in files]
+    ranks = len({m.group(1) for m in matches if m}) if all(matches) else None
+    notes: list[str] = []
+    listed = set(storage.list()) if files else set()
+    missing = [f for f in files if f not in listed]
+    if missing:
+        notes.append(
+            f"{len(missing)} data file{'s' if len(missing) != 1 else ''} named in .metadata "
+            f"{'are' if len(missing) != 1 else 'is'} missing: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
+    transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
+    if transforms:
+        notes.append(f"entries are stored with transforms {', '.join(transforms)} (not readable by ckpt)")
+    layout: dict[str, Any] = {
+        "files": len(files),
+        "ranks": ranks,
+        "version": parsed.version,
+    }
+    return Checkpoint(
+        path=storage.url,
+        format=NAME,
+        layout=layout,
+        leaves=leaves,
+        committed=True,
+        saved_at=None,  # DCP records no save time
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Metadata: validated into plain records
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    """Where one stored item (a tensor chunk or a bytes item) lives."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"file": self.relative_path, "offset": self.offset, "length": self.length}
+        if self.transforms:
+            out["transforms"] = list(self.transforms)
+        return out
+
+
+@dataclass
+class _TensorItem:
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[Chunk]
+    entries: list[_Entry]
+    requires_grad: bool = False
+
+
+@dataclass
+class _BytesItem:
+    entry: _Entry
+
+
+@dataclass
+class _ParsedMetadata:
+    items: dict[str, _TensorItem | _BytesItem]
+    storage: dict[tuple[str, tuple[int, ...] | None], _Entry]
+    planner_data: Any
+    version: str | None
+
+    def keys_for(self, fqn: str) -> tuple[Key, ...]:
+        """The original state-dict path: planner_data's tuple (ints stay ints), else the dotted name."""
+        if isinstance(self.planner_data, dict):
+            keys = self.planner_data.get(fqn)
+            if (
+                isinstance(keys, (tuple, list))
+                and keys
+                and all(type(k) in (str, int) for k in keys)
+            ):
+                return tuple(keys)
+        return tuple(fqn.split("."))
+
+
+def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
+    if not isinstance(md, Metadata):
+        raise CorruptMetadataError(f"expected a DCP Metadata object, found {type(md).__name__}", where)
+    sdm = md.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise CorruptMetadataError("state_dict_metadata is not a dict", where)
+    if not isinstance(md.storage_data, dict):
+        raise CorruptMetadataError(
+            "storage_data is missing (saved with a custom storage writer?); cannot locate the data", where
+        )
+    version = md.version if isinstance(md.version, str) else None
+
+    storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise CorruptMetadataError(f"storage_data key {_short(index)} is not a MetadataIndex", where)
+        offset = None if index.offset is None else _int_tuple(index.offset, f"storage_data offset of {index.fqn}", where)
+        entry = _entry(info, f"{where} [{index.fqn}]")
+        # MetadataIndex.index is only a lookup hint; (fqn, offset) is the identity
+        storage.setdefault((index.fqn, offset), entry)
+
+    items: dict[str, _TensorItem | _BytesItem] = {}
+    for fqn, item in sdm.items():
+        if not isinstance(fqn, str):
+            raise CorruptMetadataError(f"state_dict_metadata key {_short(fqn)} is not a string", where)
+        item_where = f"{where} [{fqn}]"
+        if isinstance(item, TensorStorageMetadata):
+            items[fqn] = _tensor_item(fqn, item, storage, item_where)
+        elif isinstance(item, BytesStorageMetadata):
+            entry = storage.get((fqn, None))
+            if entry is None:
+                raise CorruptMetadataError("no storage_data entry for this non-tensor item", item_where)
+            items[fqn] = _BytesItem(entry)
+        else:
+            raise CorruptMetadataError(f"unknown storage metadata {type(item).__name__}", item_where)
+    return _ParsedMetadata(items, storage, md.planner_data, version)
+
+
+def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: str) -> _TensorItem:
+    props = item.properties
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, TorchDType):
+        raise CorruptMetadataError("tensor properties carry no torch dtype", where)
+    try:
+        dtype = dtypes.from_torch(props.dtype.name).name
+    except CkptError as exc:
+        raise CorruptMetadataError(exc.message, where) from None
+    shape = _int_tuple(item.size, "tensor size", where)
+    if any(n < 0 for n in shape):
+        raise CorruptMetadataError(f"negative dimension in size {list(shape)}", where)
+    if not isinstance(item.chunks, (list, tuple)):
+        raise CorruptMetadataError("chunk list is not a list", where)
+    chunks: list[Chunk] = []
+    entries: list[_Entry] = []
+    for chunk_md in item.chunks:
+        if not isinstance(chunk_md, ChunkStorageMetadata):
+            raise CorruptMetadataError(f"chunk {_short(chunk_md)} is not a ChunkStorageMetadata", where)
+        offsets = _int_tuple(chunk_md.offsets, "chunk offsets", where)
+        sizes = _int_tuple(chunk_md.sizes, "chunk sizes", where)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise CorruptMetadataError(
+                f"chunk at offsets {list(offsets)} with sizes {list(sizes)} does not match rank {len(shape)}", where
+            )
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise CorruptMetadataError(
+                f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside shape {list(shape)}", where
+            )
+        entry = storage.get((fqn, offsets))
+        if entry is None:
+            raise CorruptMetadataError(f"no storage_data entry for the chunk at offsets {list(offsets)}", where)
+        chunks.append(Chunk(offsets, sizes))
+        entries.append(entry)
+    return _TensorItem(shape, dtype, chunks, entries, bool(props.requires_grad))
+
+
+def _entry(info: Any, where: str) -> _Entry:
+    if not isinstance(info, StorageInfo):
+        raise CorruptMetadataError(f"storage entry {_short(info)} is not a _StorageInfo", where)
+    path, offset, length = info.relative_path, info.offset, info.length
+    if not isinstance(path, str) or not path:
+        raise CorruptMetadataError(f"storage entry has no file name ({_short(path)})", where)
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise CorruptMetadataError(f"storage entry {path} has invalid byte range {offset!r}+{length!r}", where)
+    transforms = info.transform_descriptors or ()
+    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+        raise CorruptMetadataError(f"invalid transform descriptors {_short(transforms)}", where)
+    return _Entry(path, offset, length, tuple(transforms))
+
+
+def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
+        raise CorruptMetadataError(f"{what} is not a tuple of ints: {_short(value)}", where)
+    return tuple(value)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------
+# Leaves
+# ---------------------------------------------------------------------------
+def _entry_where(storage: Storage, entry: _Entry, fqn: str) -> str:
+    return f"{storage.url}/{entry.relative_path}[{entry.offset}:{entry.offset + entry.length}] ({fqn})"
+
+
+def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _TensorItem) -> ArrayLeaf:
+    extra: dict[str, Any] = {"storage": [e.to_json() for e in item.entries]}
+    if item.requires_grad:
+        extra["requires_grad"] = True
+    return ArrayLeaf(
+        keys=keys,
+        name=fqn,
+        shape=item.shape,
+        dtype=item.dtype,
+        layout=ChunkList(tuple(item.chunks)),
+        sharding=Sharding(kind="chunks", chunks=len(item.chunks)),
+        reader=_TensorReader(storage, fqn, item),
+        extra=extra,
+    )
+
+
+def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesItem) -> ValueLeaf:
+    entry = item.entry
+
+    def load() -> Any:
+        where = _entry_where(storage, entry, fqn)
+        _refuse_transforms(entry, where)
+        if entry.length == 0:
+            raise CorruptMetadataError("empty storage entry", where)
+        data = storage.read_range(entry.relative_path, entry.offset, entry.offset + entry.length)
+        return torch_payload.load_value(data, where)
+
+    return ValueLeaf(keys=keys, name=fqn, value_type="bytes", loader=load, extra={"storage": [entry.to_json()]})
+
+
+def _refuse_transforms(entry: _Entry, where: str) -> None:
+    if entry.transforms:
+        raise CkptError(
+            f"stored with transform {', '.join(entry.transforms)} (e.g. DCP's zstd extension), which ckpt cannot undo",
+            where,
+        )
+
+
+class _TensorReader:
+    """Reads a region of one DCP tensor from the chunks that overlap it."""
+
+    def __init__(self, storage: Storage, fqn: str, item: _TensorItem) -> None:
+        self._storage = storage
+        self._fqn = fqn
+        self._item = item
+        self._dtype = dtypes.numpy_dtype(item.dtype)
+        # a chunk's payload location (from its zip headers) never changes: keep it
+        self._located: dict[int, TensorPayload] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, region: Region) -> np.ndarray:
+        out_shape = tuple(r.stop - r.start for r in region)
+        out = np.empty(out_shape, dtype=self._dtype)
+        volume = math.prod(out_shape)
+        if volume == 0:
+            return out
+        tasks: list[tuple[int, Region, Region]] = []
+        covered = 0
+        for i, chunk in enumerate(self._item.chunks):
+            overlap = _intersect(region, chunk)
+            if overlap is None:
+                continue
+            local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(overlap, chunk.offsets))
+            target = tuple(slice(r.start - q.start, r.stop - q.start) for r, q in zip(overlap, region))
+            tasks.append((i, local, target))
+            covered += math.prod(r.stop - r.start for r in overlap)
+        self._check_coverage(region, tasks, covered, volume)
+
+        def run(task: tuple[int, Region, Region]) -> None:
+            i, local, target = task
+            out[target] = self._read_chunk(i, local)
+
+        if len(tasks) == 1:
+            run(tasks[0])
+        else:
+            with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_CHUNK_READS, len(tasks))) as pool:
+                list(pool.map(run, tasks))  # list() re-raises the first failure
+        return out
+
+    def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
+        """Every element of the region must come from some chunk (no uninitialised output)."""
+        if covered == volume:
+            return  # DCP chunks do not overlap, so an exact count means full coverage
+        if covered > volume:  # overlapping chunks: count precisely
+            mask = np.zeros(tuple(r.stop - r.start for r in region), dtype=bool)
+            for _, _, target in tasks:
+                mask[target] = True
+            if mask.all():
+                return
+            covered = int(mask.sum())
+        where = f"{self._storage.url}/{METADATA_FILE} [{self._fqn}]"
+        raise CorruptMetadataError(
+            f"the saved chunks cover only {covered} of the {volume} elements of region "
+            f"{[(r.start, r.stop) for r in region]}",
+            where,
+        )
+
+    def _read_chunk(self, i: int, local: Region) -> np.ndarray:
+        entry = self._item.entries[i]
+        chunk = self._item.chunks[i]
+        where = _entry_where(self._storage, entry, self._fqn)
+        _refuse_transforms(entry, where)
+
+        def fetch(start: int, end: int) -> bytes:
+            if end > entry.length:
+                raise CorruptMetadataError(f"read past the entry's {entry.length} bytes", where)
+            return self._storage.read_range(entry.relative_path, entry.offset + start, entry.offset + end)
+
+        with self._lock:
+            payload = self._located.get(i)
+        if payload is not None:
+            return torch_payload.read_region(payload, local, fetch, where)
+        archive = torch_payload.open_payload_range(fetch, entry.length, where)
+        payload = archive.tensor()
+        if payload.dtype != self._item.dtype or payload.shape != chunk.sizes:
+            raise CorruptMetadataError(
+                f"payload holds {payload.dtype}{list(payload.shape)} but .metadata says "
+                f"{self._item.dtype}{list(chunk.sizes)} for the chunk at offsets {list(chunk.offsets)}",
+                where,
+            )
+        with self._lock:
+            self._located[i] = payload
+        # the archive caches what locating fetched (all of a small entry): reuse it
+        return archive.read_tensor(payload, local)
+
+
+def _intersect(region: Region, chunk: Chunk) -> Region | None:
+    out = []
+    for r, o, s in zip(region, chunk.offsets, chunk.sizes):
+        lo, hi = max(r.start, o), min(r.stop, o + s)
+        if hi <= lo:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)

@@ -1,0 +1,693 @@
+"""The one allow-list unpickler for torch.distributed.checkpoint files.
+
+DCP keeps its `.metadata` and every stored item as Python pickles. Loading a
+pickle normally imports and calls whatever globals it names, so a hostile
+checkpoint could run `os.system`. This unpickler instead resolves only exact
+(module, name) pairs from an allow-list, and each resolves to a harmless
+stand-in defined here: plain records for the DCP metadata classes, a
+`TorchDType` for `torch.float32` and friends, a tuple subclass for
+`torch.Size`, a `TensorRef` record for `torch._utils._rebuild_tensor_v2/v3`,
+and so on. Nothing outside this module is ever imported or called, and any
+other global raises UnsafePickleError before anything runs.
+
+Two modes share the allow-list:
+  * metadata mode (`load_metadata`): persistent ids are refused;
+  * payload mode (`load_payload`): a torch.save `data.pkl`, whose persistent
+    ids name the archive's storages (`('storage', StorageClass, key,
+    location, numel)`); they become `StorageRef` records.
+"""
+from __future__ import annotations
+
+import io
+import ntpath
+import pickle
+import posixpath
+import re
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CkptError, CorruptMetadataError, UnsafePickleError
+
+# A real .metadata for a model with tens of thousands of tensors and many
+# ranks is tens of MB; torch.save's data.pkl for one tensor is ~200 bytes and
+# for a non-tensor item as big as the item. Both caps are far above that and
+# far below what would hurt a machine.
+MAX_METADATA_BYTES = 1 << 31
+MAX_PAYLOAD_PICKLE_BYTES = 256 << 20
+# numpy arrays and bytes inside non-tensor items are rebuilt from bytes that
+# are already in the pickle, so they cannot exceed its size; this cap is for
+# shapes that claim more elements than the bytes given.
+_MAX_ELEMENTS = 1 << 40
+
+_STORAGE_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+# ---------------------------------------------------------------------------
+# Stand-ins for torch objects
+# ---------------------------------------------------------------------------
+class _Frozen:
+    """Refuses BUILD.
+
+    The unpickler's BUILD opcode calls `__setstate__` when there is one and
+    otherwise sets attributes directly. Every allow-listed object (and every
+    record the reader later trusts) defines a refusing `__setstate__`, so a
+    pickle cannot rename the shared `torch.float32` stand-in, swap a
+    function's defaults or enlarge a TensorRef after it was validated.
+    Classes are safe too: BUILD on a class finds the plain function and calls
+    it with the wrong arguments.
+    """
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError(f"{type(self).__name__} cannot be modified by a pickle")
+
+
+class _Fn(_Frozen):
+    """An allow-listed function, wrapped so BUILD cannot touch its attributes."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any) -> Any:  # REDUCE passes positional args only
+        return self._fn(*args)
+
+    def __repr__(self) -> str:
+        return f"<allow-listed {self._fn.__name__}>"
+
+
+class TorchDType(_Frozen):
+    """`torch.<name>` as a value: compared and hashed by name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TorchDType) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("torch.dtype", self.name))
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+# Every dtype attribute torch has had; the ones ckpt cannot decode are still
+# accepted here so that the reader can name them in a clear error instead of
+# calling an ordinary torch dtype "unsafe".
+_TORCH_DTYPE_NAMES = frozenset(dtypes.TORCH_DTYPE_NAMES) | {
+    "complex32", "chalf", "cfloat", "cdouble", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float8_e8m0fnu", "float4_e2m1fn_x2",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7", "bool", "float8_e4m3fnuz", "float8_e5m2fnuz",
+}
+_DTYPE_SINGLETONS = {name: TorchDType(name) for name in _TORCH_DTYPE_NAMES}
+
+
+class Size(tuple):
+    """`torch.Size`: a tuple of ints."""
+
+    __slots__ = ()
+
+    def __new__(cls, dims: Any = ()) -> "Size":
+        values = tuple(dims)
+        if not all(type(d) is int for d in values):
+            raise TypeError(f"torch.Size of non-integers {values!r}")
+        return super().__new__(cls, values)
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError("torch.Size cannot be modified by a pickle")
+
+
+class StorageClass(_Frozen):
+    """A torch storage class (`torch.FloatStorage`, `torch.storage.UntypedStorage`)."""
+
+    __slots__ = ("qualname", "dtype")
+
+    def __init__(self, qualname: str, dtype: str | None) -> None:
+        self.qualname = qualname
+        self.dtype = dtype  # canonical dtype name; None for untyped (byte) storage
+
+    def __repr__(self) -> str:
+        return self.qualname
+
+
+class StorageRef(_Frozen):
+    """One storage of a torch.save archive, as named by its persistent id."""
+
+    __slots__ = ("key", "dtype", "location", "numel")
+
+    def __init__(self, key: str, dtype: str | None, location: str, numel: int) -> None:
+        self.key = key
+        self.dtype = dtype  # None: untyped storage, `numel` counts bytes
+        self.location = location
+        self.numel = numel
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = dtypes.get(self.dtype).itemsize if self.dtype else 1
+        return self.numel * itemsize
+
+    def __repr__(self) -> str:
+        return f"StorageRef(key={self.key!r}, dtype={self.dtype}, numel={self.numel})"
+
+
+class TensorRef(_Frozen):
+    """A tensor in a torch.save pickle: a view of one storage (no data yet)."""
+
+    __slots__ = ("storage", "dtype", "storage_offset", "size", "stride", "requires_grad")
+
+    def __init__(
+        self,
+        storage: StorageRef,
+        dtype: str,
+        storage_offset: int,
+        size: tuple[int, ...],
+        stride: tuple[int, ...],
+        requires_grad: bool,
+    ) -> None:
+        self.storage = storage
+        self.dtype = dtype  # canonical dtype name
+        self.storage_offset = storage_offset  # in elements
+        self.size = size
+        self.stride = stride  # in elements
+        self.requires_grad = requires_grad
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorRef({self.dtype}{list(self.size)}, stride={self.stride}, "
+            f"offset={self.storage_offset}, storage={self.storage.key!r})"
+        )
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
+        raise TypeError(f"{what} must be a tuple of ints, got {value!r}")
+    return tuple(value)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                    requires_grad: Any, dtype: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise TypeError(f"tensor storage must come from a persistent id, got {type(storage).__name__}")
+    if type(storage_offset) is not int or storage_offset < 0:
+        raise TypeError(f"invalid storage offset {storage_offset!r}")
+    shape = _int_tuple(size, "tensor size")
+    strides = _int_tuple(stride, "tensor stride")
+    if len(shape) != len(strides):
+        raise TypeError(f"size {shape} and stride {strides} differ in rank")
+    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
+        raise TypeError(f"negative size or stride: {shape} / {strides}")
+    return TensorRef(storage, dtype, storage_offset, shape, strides, bool(requires_grad))
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                       requires_grad: Any = False, backward_hooks: Any = None,
+                       metadata: Any = None) -> TensorRef:
+    """torch._utils._rebuild_tensor_v2: the dtype is the typed storage's."""
+    if not isinstance(storage, StorageRef) or storage.dtype is None:
+        raise TypeError("_rebuild_tensor_v2 needs a typed storage")
+    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, storage.dtype)
+
+
+def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                       requires_grad: Any, backward_hooks: Any, dtype: Any,
+                       metadata: Any = None) -> TensorRef:
+    """torch._utils._rebuild_tensor_v3: untyped storage plus an explicit dtype."""
+    if not isinstance(dtype, TorchDType):
+        raise TypeError(f"_rebuild_tensor_v3 dtype must be a torch dtype, got {dtype!r}")
+    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad,
+                           dtypes.from_torch(dtype.name).name)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None,
+                       state: Any = None) -> Any:
+    """torch._utils._rebuild_parameter(_with_state): a Parameter is its tensor."""
+    if not isinstance(data, TensorRef):
+        raise TypeError("a Parameter must wrap a tensor")
+    return data
+
+
+_LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
+                      "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+
+
+def _get_layout(name: Any) -> str:
+    """torch.serialization._get_layout('torch.strided') -> the layout's name."""
+    if name not in _LAYOUTS:
+        raise ValueError(f"unknown torch layout {name!r}")
+    return str(name)
+
+
+_MEMORY_FORMATS = {0: "contiguous_format", 1: "channels_last", 2: "preserve_format"}
+
+
+def _mem_format_encoding(value: Any) -> str:
+    """The _MEM_FORMAT_ENCODING enum (called with its value) -> the format's name."""
+    if type(value) is not int or value not in _MEMORY_FORMATS:
+        raise ValueError(f"unknown memory-format encoding {value!r}")
+    return _MEMORY_FORMATS[value]
+
+
+def _torch_device(spec: Any, index: Any = None) -> str:
+    if not isinstance(spec, str) or (index is not None and type(index) is not int):
+        raise TypeError(f"invalid torch.device({spec!r}, {index!r})")
+    return spec if index is None else f"{spec}:{index}"
+
+
+def _posix_path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise TypeError("path parts must be strings")
+    return posixpath.join(*parts) if parts else "."
+
+
+def _windows_path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise TypeError("path parts must be strings")
+    return ntpath.join(*parts) if parts else "."
+
+
+# ---------------------------------------------------------------------------
+# Stand-ins for the DCP metadata classes
+# ---------------------------------------------------------------------------
+class Record:
+    """A dataclass-like stand-in rebuilt by NEWOBJ + BUILD.
+
+    Known fields become attributes; unknown ones (from a newer torch) are
+    kept in `unknown` rather than set as attributes, so a pickle can never
+    overwrite anything but plain data on these objects.
+    """
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(self.FIELDS):
+            raise TypeError(f"{type(self).__name__} takes at most {len(self.FIELDS)} arguments")
+        state = dict(zip(self.FIELDS, args))
+        state.update(kwargs)
+        self.__setstate__(state)
+
+    def __setstate__(self, state: Any) -> None:
+        # BUILD may pass (dict_state, slot_state) for classes with __slots__
+        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
+            merged: dict[Any, Any] = {}
+            for part in state:
+                merged.update(part or {})
+            state = merged
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(self).__name__} state must be a dict, got {type(state).__name__}")
+        d = self.__dict__
+        for name in self.FIELDS:
+            d.setdefault(name, self.DEFAULTS.get(name))
+        unknown = d.setdefault("unknown", {})
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{type(self).__name__} field name {key!r} is not a string")
+            if key in self.FIELDS:
+                d[key] = value
+            else:
+                unknown[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        # NEWOBJ without BUILD leaves fields unset; read them as their defaults
+        if name in type(self).FIELDS:
+            return type(self).DEFAULTS.get(name)
+        if name == "unknown":
+            return {}
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS)
+        return f"{type(self).__name__}({fields})"
+
+
+class Metadata(Record):
+    FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+
+
+class TensorStorageMetadata(Record):
+    FIELDS = ("properties", "size", "chunks")
+
+
+class BytesStorageMetadata(Record):
+    FIELDS = ()
+
+
+class ChunkStorageMetadata(Record):
+    FIELDS = ("offsets", "sizes")
+
+
+class MetadataIndex(Record):
+    """Hashed by identity: storage_data is read as a list of pairs, never looked up."""
+
+    FIELDS = ("fqn", "offset", "index")
+
+
+class StorageMeta(Record):
+    FIELDS = ("checkpoint_id", "save_id", "load_id", "modules")
+
+
+class StorageInfo(Record):
+    """torch.distributed.checkpoint.filesystem._StorageInfo."""
+
+    FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+class TensorProperties(Record):
+    """Pickled by torch as a 5-tuple state (its own __getstate__), older ones as a dict."""
+
+    FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    DEFAULTS = {"layout": "torch.strided", "requires_grad": False,
+                "memory_format": "contiguous_format", "pin_memory": False}
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            state = dict(zip(self.FIELDS, state))
+        super().__setstate__(state)
+
+
+# ---------------------------------------------------------------------------
+# Stand-ins for Python and numpy values inside non-tensor items
+# ---------------------------------------------------------------------------
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """_codecs.encode as protocol 2 uses it for bytes: only latin-1 of a str.
+
+    Other codecs (zlib, bz2, rot13, ...) are refused: a codec can decompress
+    unboundedly, and no pickler emits them.
+    """
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise TypeError(f"_codecs.encode only supports (str, 'latin1'), got encoding {encoding!r}")
+    return text.encode("latin-1")
+
+
+def _bytes(value: Any = b"", encoding: Any = None) -> bytes:
+    if isinstance(value, (bytes, bytearray)) and encoding is None:
+        return bytes(value)
+    if isinstance(value, str) and encoding in ("latin1", "latin-1"):
+        return value.encode("latin-1")
+    raise TypeError("bytes() only from bytes or a latin-1 string")  # never bytes(huge_int)
+
+
+def _bytearray(value: Any = b"", encoding: Any = None) -> bytearray:
+    return bytearray(_bytes(value, encoding))
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if not all(type(v) in (int, float) for v in (real, imag)):
+        raise TypeError("complex() only from numbers")
+    return complex(real, imag)
+
+
+def _set(items: Any = ()) -> set:
+    return set(_plain_sequence(items))
+
+
+def _frozenset(items: Any = ()) -> frozenset:
+    return frozenset(_plain_sequence(items))
+
+
+def _plain_sequence(items: Any) -> list:
+    if not isinstance(items, (list, tuple)):
+        raise TypeError("set() only from a list or tuple")
+    return list(items)
+
+
+def _ordered_dict(items: Any = ()) -> dict:
+    """collections.OrderedDict -> a plain dict (pickles fill it by SETITEMS)."""
+    out: dict = {}
+    for key, value in _plain_sequence(items):
+        out[key] = value
+    return out
+
+
+# numpy: dtypes with a fixed size and no Python objects
+_NUMPY_TYPE_CODE = re.compile(r"^(?:b1|\?|[iu][1248]|f[248]|c(?:8|16))$")
+
+
+class NumpyDType:
+    """numpy.dtype('f8', ...) followed by BUILD (version, byteorder, ...)."""
+
+    def __init__(self, code: Any, align: Any = False, copy: Any = False) -> None:
+        if not isinstance(code, str) or not _NUMPY_TYPE_CODE.match(code):
+            raise TypeError(f"numpy dtype {code!r} is not a plain numeric type")
+        self.code = code
+        self.byteorder = "="
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) < 2 or state[1] not in ("<", ">", "=", "|"):
+            raise TypeError("unsupported numpy dtype state")
+        if len(state) >= 5 and (state[2] is not None or state[3] is not None or state[4] is not None):
+            raise TypeError("structured and sub-array numpy dtypes are not supported")
+        self.byteorder = state[1]
+
+    def resolve(self) -> np.dtype:
+        dt = np.dtype(self.code)
+        return dt.newbyteorder(self.byteorder) if self.byteorder in "<>" else dt
+
+
+class _NumpyNdarrayClass(_Frozen):
+    """`numpy.ndarray` as the first argument of `_reconstruct`; never instantiated."""
+
+    __slots__ = ()
+
+
+NUMPY_NDARRAY = _NumpyNdarrayClass()
+
+
+class NumpyArray:
+    """numpy.core.multiarray._reconstruct(ndarray, (0,), b'b') + BUILD state."""
+
+    def __init__(self, cls: Any, shape: Any = (0,), typecode: Any = b"b") -> None:
+        if cls is not NUMPY_NDARRAY:
+            raise TypeError("_reconstruct only rebuilds numpy.ndarray")
+        self.array: np.ndarray | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise TypeError("unsupported numpy array state")
+        _version, shape, dtype, fortran, raw = state
+        shape = _int_tuple(shape, "numpy shape")
+        if not isinstance(dtype, NumpyDType):
+            raise TypeError("numpy array dtype must be a plain numeric dtype")
+        if isinstance(raw, str):
+            raw = raw.encode("latin-1")
+        if not isinstance(raw, (bytes, bytearray)):
+            raise TypeError("numpy array data must be bytes (object arrays are refused)")
+        dt = dtype.resolve()
+        count = 1
+        for n in shape:
+            if n < 0:
+                raise TypeError(f"negative numpy dimension in {shape}")
+            count *= n
+        if count > _MAX_ELEMENTS or count * dt.itemsize != len(raw):
+            raise ValueError(f"numpy array {shape} of {dt} does not match its {len(raw)} data bytes")
+        arr = np.frombuffer(bytes(raw), dtype=dt).reshape(shape, order="F" if fortran else "C")
+        self.array = arr.copy(order="C")
+
+
+def _numpy_scalar(dtype: Any, raw: Any = None) -> Any:
+    if not isinstance(dtype, NumpyDType):
+        raise TypeError("numpy scalar dtype must be a plain numeric dtype")
+    if isinstance(raw, str):
+        raw = raw.encode("latin-1")
+    dt = dtype.resolve()
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != dt.itemsize:
+        raise ValueError("numpy scalar data does not match its dtype")
+    return np.frombuffer(bytes(raw), dtype=dt)[0]
+
+
+# ---------------------------------------------------------------------------
+# The allow-list
+# ---------------------------------------------------------------------------
+_DCP_METADATA = {
+    "Metadata": Metadata,
+    "TensorStorageMetadata": TensorStorageMetadata,
+    "BytesStorageMetadata": BytesStorageMetadata,
+    "ChunkStorageMetadata": ChunkStorageMetadata,
+    "TensorProperties": TensorProperties,
+    "MetadataIndex": MetadataIndex,
+    "StorageMeta": StorageMeta,
+    "_MEM_FORMAT_ENCODING": _Fn(_mem_format_encoding),
+}
+
+ALLOWED: dict[tuple[str, str], Any] = {}
+ALLOWED.update({("torch.distributed.checkpoint.metadata", k): v for k, v in _DCP_METADATA.items()})
+ALLOWED.update({
+    # torch < 2.2 kept TensorProperties with the sharded-tensor metadata
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): TensorProperties,
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _Fn(_mem_format_encoding),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): Size,
+    ("torch", "device"): _Fn(_torch_device),
+    ("torch.serialization", "_get_layout"): _Fn(_get_layout),
+    ("torch._utils", "_rebuild_tensor_v2"): _Fn(_rebuild_tensor_v2),
+    ("torch._utils", "_rebuild_tensor_v3"): _Fn(_rebuild_tensor_v3),
+    ("torch._utils", "_rebuild_parameter"): _Fn(_rebuild_parameter),
+    ("torch._utils", "_rebuild_parameter_with_state"): _Fn(_rebuild_parameter),
+    ("torch.storage", "UntypedStorage"): StorageClass("torch.storage.UntypedStorage", None),
+    ("torch", "UntypedStorage"): StorageClass("torch.UntypedStorage", None),
+    ("collections", "OrderedDict"): _Fn(_ordered_dict),
+    ("builtins", "set"): _Fn(_set),
+    ("builtins", "frozenset"): _Fn(_frozenset),
+    ("builtins", "complex"): _Fn(_complex),
+    ("builtins", "bytes"): _Fn(_bytes),
+    ("builtins", "bytearray"): _Fn(_bytearray),
+    ("_codecs", "encode"): _Fn(_codecs_encode),
+})
+ALLOWED.update({("torch", name): dt for name, dt in _DTYPE_SINGLETONS.items()})
+ALLOWED.update({
+    ("torch", name): StorageClass(f"torch.{name}", dtypes.from_torch_storage(name).name)
+    for name in dtypes.TORCH_STORAGE_NAMES
+})
+# pathlib moved its classes to pathlib._local in Python 3.13
+for _module in ("pathlib", "pathlib._local"):
+    for _name in ("PosixPath", "PurePosixPath", "Path", "PurePath"):
+        ALLOWED[(_module, _name)] = _Fn(_posix_path)
+    for _name in ("WindowsPath", "PureWindowsPath"):
+        ALLOWED[(_module, _name)] = _Fn(_windows_path)
+for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+    ALLOWED[(_module, "scalar")] = _Fn(_numpy_scalar)
+    ALLOWED[(_module, "_reconstruct")] = NumpyArray
+ALLOWED[("numpy", "dtype")] = NumpyDType
+ALLOWED[("numpy", "ndarray")] = NUMPY_NDARRAY
+
+# Protocol 0-2 pickles from Python 3 spell a few modules the Python 2 way.
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves globals only through ALLOWED."""
+
+    def __init__(self, data: bytes, where: str, *, payload: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self._where = where
+        self._payload = payload
+        self.storages: dict[str, StorageRef] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (_PY2_MODULES.get(module, module), name)
+        try:
+            return ALLOWED[key]
+        except (KeyError, TypeError):
+            raise UnsafePickleError(str(module), str(name), self._where) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not self._payload:
+            raise CorruptMetadataError("unexpected persistent id in a metadata pickle", self._where)
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise CorruptMetadataError(f"unsupported persistent id {_short_repr(pid)}", self._where)
+        _, storage_class, key, location, numel = pid
+        if not isinstance(storage_class, StorageClass):
+            raise CorruptMetadataError(f"persistent id names {_short_repr(storage_class)}, not a storage class", self._where)
+        if not isinstance(key, str) or not _STORAGE_KEY.match(key):
+            raise CorruptMetadataError(f"invalid storage key {_short_repr(key)}", self._where)
+        if type(numel) is not int or numel < 0:
+            raise CorruptMetadataError(f"invalid storage size {_short_repr(numel)}", self._where)
+        if not isinstance(location, str):
+            raise CorruptMetadataError(f"invalid storage location {_short_repr(location)}", self._where)
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = self.storages[key] = StorageRef(key, storage_class.dtype, location, numel)
+        return ref
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a stand-in with odd state; never let repr fail the report
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, dict[str, StorageRef]]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptMetadataError("pickle data must be bytes", where)
+    if len(data) > limit:
+        raise CorruptMetadataError(f"pickle of {len(data)} bytes exceeds the {limit}-byte limit", where)
+    if not data:
+        raise CorruptMetadataError("empty pickle", where)
+    unpickler = SafeUnpickler(bytes(data), where, payload=payload)
+    try:
+        obj = unpickler.load()
+    except CkptError:
+        raise
+    except RecursionError:
+        raise CorruptMetadataError("malformed pickle: nested too deeply", where) from None
+    except MemoryError:
+        raise CorruptMetadataError("malformed pickle: too large to decode", where) from None
+    except EOFError:
+        raise CorruptMetadataError("truncated pickle (ended before its STOP opcode)", where) from None
+    except Exception as exc:  # any failure here is the input's: nothing foreign ran
+        raise CorruptMetadataError(f"malformed pickle: {type(exc).__name__}: {_first_line(exc)}", where) from None
+    return obj, unpickler.storages
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "no detail")[:200]
+
+
+def load_metadata(data: bytes, where: str) -> Any:
+    """Unpickle a DCP `.metadata` file through the allow-list (no persistent ids)."""
+    obj, _ = _load(data, where, payload=False, limit=MAX_METADATA_BYTES)
+    return obj
+
+
+def load_payload(data: bytes, where: str) -> tuple[Any, dict[str, StorageRef]]:
+    """Unpickle a torch.save `data.pkl`: the object (TensorRefs for tensors) and its storages."""
+    obj, storages = _load(data, where, payload=True, limit=MAX_PAYLOAD_PICKLE_BYTES)
+    return finalize(obj, where), storages
+
+
+def finalize(obj: Any, where: str, resolve_tensor: Callable[[TensorRef], Any] | None = None) -> Any:
+    """Replace numpy stand-ins (and, given a resolver, TensorRefs) inside a loaded value.
+
+    Containers are rebuilt bottom-up with a memo so shared and self-referencing
+    lists and dicts keep their identity.
+    """
+    memo: dict[int, Any] = {}
+
+    def walk(value: Any) -> Any:
+        vid = id(value)
+        if vid in memo:
+            return memo[vid]
+        if isinstance(value, NumpyArray):
+            out: Any = value.array
+            if out is None:
+                raise CorruptMetadataError("numpy array without data", where)
+        elif isinstance(value, NumpyDType):
+            out = value.resolve()
+        elif isinstance(value, TensorRef) and resolve_tensor is not None:
+            out = resolve_tensor(value)
+        elif isinstance(value, list):
+            out = memo[vid] = []
+            out.extend(walk(v) for v in value)
+        elif isinstance(value, dict):
+            out = memo[vid] = {}
+            for k, v in list(value.items()):
+                out[walk(k)] = walk(v)
+        elif type(value) is tuple:
+            out = tuple(walk(v) for v in value)
+        elif isinstance(value, (set, frozenset)):
+            out = type(value)(walk(v) for v in value)
+        else:
+            out = value
+        memo[vid] = out
+        return out
+
+    try:
+        return walk(obj)
+    except RecursionError:
+        raise CorruptMetadataError("value nested too deeply to decode", where) from None
+    except TypeError as exc:  # e.g. an unhashable numpy array used as a dict key
+        raise CorruptMetadataError(f"malformed value: {_first_line(exc)}", where) from None

@@ -1,0 +1,81 @@
+"""`ckpt validate`: is this checkpoint complete and consistent, and if not, what and where.
+
+validate_checkpoint() detects the format, runs that format's shallow checks
+(metadata, key listings and sizes; no chunk is read) and, with deep=True,
+reads and decodes every chunk. It returns a ValidationReport; the command
+decides the exit code and rendering.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CkptError, PathEscapeError, UnsafePickleError
+from ..findings import ERROR, CODES, Finding, Findings, Progress, no_progress
+from ..storage import Storage
+
+__all__ = ["validate_checkpoint", "ValidationReport", "CODES"]
+
+
+@dataclass
+class ValidationReport:
+    path: str
+    format: str | None
+    findings: list[Finding]
+    checked: dict[str, int] = field(default_factory=dict)
+    deep: bool = False
+
+    def ok(self, strict: bool = False) -> bool:
+        return not any(f.severity == ERROR or strict for f in self.findings)
+
+    def to_json(self, strict: bool = False) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok(strict),
+            "deep": self.deep,
+            "findings": [f.to_json() for f in self.findings],
+            "checked": self.checked,
+        }
+
+
+def validate_checkpoint(
+    path: str,
+    *,
+    step: str | int | None = None,
+    deep: bool = False,
+    workers: int = 4,
+    progress: Progress = no_progress,
+) -> ValidationReport:
+    """Check the checkpoint at `path`; collects every finding instead of stopping at the first."""
+    from ..formats import detect
+
+    storage = Storage.open(path)
+    findings = Findings()
+    fmt = None
+    try:
+        module = detect(storage)
+        fmt = module.NAME
+        if fmt == "orbax":
+            from . import orbax_checks
+
+            orbax_checks.check_path(storage, findings, step=step)
+        else:
+            from . import dcp_checks
+
+            dcp_checks.check_path(storage, findings)
+        if deep:
+            from .deep import deep_check
+
+            # leaves already reported broken are not read again
+            broken = {f.leaf for f in findings.errors if f.leaf}
+            deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, skip_leaves=broken)
+    except UnsafePickleError as exc:
+        findings.error("unsafe-pickle", exc.message, file=exc.where)
+    except PathEscapeError as exc:
+        findings.error("path-escape", exc.message, file=exc.where)
+    except CkptError as exc:
+        if fmt is None:
+            raise  # not a checkpoint at all: one error line, like inspect
+        findings.error("bad-metadata", exc.message, file=exc.where)
+    return ValidationReport(storage.url, fmt, findings.items, findings.checked, deep)

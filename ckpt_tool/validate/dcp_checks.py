@@ -1,0 +1,1 @@
+"""Shallow checks of a torch DCP checkpoint (placeholder replaced below)."""

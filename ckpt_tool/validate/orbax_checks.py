@@ -1,0 +1,399 @@
+"""Shallow checks of an Orbax checkpoint: metadata, key listings and file sizes only.
+
+Every problem becomes a Finding; nothing here raises on damage it can
+describe. Array chunks are never read (that is --deep, in deep.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import tensorstore as ts
+
+from ..errors import CkptError
+from ..findings import Findings
+from ..formats import orbax as ob
+from ..storage import Storage
+
+# more chunks than this per array are not enumerated key by key; the count is compared instead
+_MAX_ENUMERATED_CHUNKS = 1_000_000
+
+
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None) -> None:
+    """Validate a single step, or every step of a CheckpointManager root."""
+    dirs, files = storage.listdir()
+    if ob._looks_like_step(storage, dirs, files):
+        name = storage.url.rstrip("/").rsplit("/", 1)[-1]
+        check_step(storage, name, dirs, files, findings, where="")
+        return
+    steps = [d for d in dirs if ob._step_number(d) is not None]
+    if step not in (None, "all"):
+        if step == "latest":
+            infos = sorted((ob._step_status(storage, d) for d in steps), key=lambda s: s.step or -1)
+            committed = [s.name for s in infos if s.committed]
+            steps = committed[-1:]
+        else:
+            steps = [d for d in steps if ob._step_number(d) == int(step)]
+        if not steps:
+            findings.error("no-steps", f"no step {step} in this CheckpointManager root", file=".")
+            return
+    committed_any = False
+    for d in sorted(steps, key=lambda d: (ob._step_number(d) or -1, d)):
+        sub = storage.child(d)
+        sub_dirs, sub_files = sub.listdir()
+        if ob.is_tmp_name(d):
+            # orbax ignores these beside committed steps; an error only when asked for it
+            report = findings.error if step not in (None, "all") else findings.warning
+            report("uncommitted-save", "interrupted save left a temporary step directory; orbax will not restore it", file=d + "/")
+            continue
+        ok = check_step(sub, d, sub_dirs, sub_files, findings, where=d + "/")
+        committed_any = committed_any or ok
+    if not committed_any:
+        findings.error("no-steps", "no committed step in this CheckpointManager root", file=".")
+
+
+def check_step(
+    storage: Storage, name: str, dirs: list[str], files: list[str], findings: Findings, *, where: str
+) -> bool:
+    """Check one step directory; True when it is committed."""
+    findings.count("steps")
+    meta = None
+    if ob.CHECKPOINT_METADATA in files:
+        try:
+            meta = json.loads(storage.read(ob.CHECKPOINT_METADATA))
+        except (ValueError, CkptError) as exc:
+            findings.error("bad-metadata", f"unreadable: {exc}", file=where + ob.CHECKPOINT_METADATA)
+    committed = True
+    if ob.is_tmp_name(name):
+        findings.error("uncommitted-save", "temporary directory name: the save never finished", file=where or name)
+        committed = False
+    elif isinstance(meta, dict) and meta.get("commit_timestamp_nsecs") is None:
+        findings.error("uncommitted-save", "no commit_timestamp_nsecs: the save never committed", file=where + ob.CHECKPOINT_METADATA)
+        committed = False
+    if ob.COMMIT_MARKER not in files and meta is not None:
+        # orbax 0.12 writes the marker on every filesystem; on GCS it is the commit itself
+        if storage.url.startswith("gs://"):
+            findings.error("uncommitted-save", f"no {ob.COMMIT_MARKER}: the save never committed", file=where or name)
+            committed = False
+        else:
+            findings.warning("uncommitted-save", f"no {ob.COMMIT_MARKER} (older orbax, or an unfinished save)", file=where or name)
+
+    if ob.TREE_METADATA in files or ob.ROOT_MANIFEST in files or any(ob._PROCESS_DB.match(d) for d in dirs):
+        check_item(storage, findings, where=where)
+    else:
+        items = [d for d in dirs if storage.exists(f"{d}/{ob.TREE_METADATA}") or ob._is_json_item(storage, d)]
+        tmp_items = [d for d in dirs if ob.is_tmp_name(d)]
+        for d in tmp_items:
+            findings.error("uncommitted-save", "item directory with a temporary name: the save never finished", file=f"{where}{d}/")
+        if not items and not tmp_items:
+            findings.error("missing-metadata", f"no {ob.TREE_METADATA} and no items in this step", file=where or ".")
+        for d in items:
+            sub = storage.child(d)
+            if ob._is_json_item(sub, ""):
+                try:
+                    json.loads(sub.read("metadata"))
+                except (ValueError, CkptError) as exc:
+                    findings.error("bad-metadata", f"JSON item unreadable: {exc}", file=f"{where}{d}/metadata")
+                continue
+            check_item(sub, findings, where=f"{where}{d}/")
+    return committed
+
+
+def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
+    """Check one pytree item: tree metadata, arrays, chunks, OCDBT files, sharding."""
+    dirs, files = storage.listdir()
+    if ob.TREE_METADATA not in files:
+        findings.error("missing-metadata", f"no {ob.TREE_METADATA}: orbax cannot restore this item", file=where + ob.TREE_METADATA)
+        return
+    try:
+        meta = json.loads(storage.read(ob.TREE_METADATA))
+        entries = ob._tree_entries(meta, where + ob.TREE_METADATA)
+    except (ValueError, CkptError) as exc:
+        findings.error("bad-metadata", f"unreadable tree metadata: {getattr(exc, 'message', exc)}", file=where + ob.TREE_METADATA)
+        return
+    zarr3 = bool(meta.get("use_zarr3", False))
+    process_dbs = sorted(d for d in dirs if ob._PROCESS_DB.match(d))
+    use_ocdbt = bool(meta.get("use_ocdbt", ob.ROOT_MANIFEST in files or bool(process_dbs)))
+    fills_zeros = "store_array_data_equal_to_fill_value" not in meta
+
+    # 1. where arrays live, and every OCDBT data file that is referenced
+    keys: set[str] = set()
+    if use_ocdbt:
+        databases: list[str]
+        if ob.ROOT_MANIFEST in files:
+            databases = [""]
+        elif process_dbs:
+            findings.warning(
+                "unmerged-ocdbt",
+                f"no root {ob.ROOT_MANIFEST}: {len(process_dbs)} per-process database(s) were never merged; "
+                "orbax restores them only if every process finished",
+                file=where + ob.ROOT_MANIFEST,
+            )
+            databases = process_dbs
+        else:
+            findings.error("lost-process-data", f"OCDBT item without {ob.ROOT_MANIFEST} or ocdbt.process_N/", file=where or ".")
+            return
+        for db in databases:
+            keys |= _check_ocdbt(storage, db, findings, where=where)
+        if databases == [""]:
+            # per-process databases beside the merged root must be intact too
+            for db in process_dbs:
+                _check_ocdbt(storage, db, findings, where=where, list_keys=False)
+    else:
+        keys = set(storage.list())
+
+    # 2. every leaf in the tree: metadata, shape agreement, chunk grid
+    meta_key = "zarr.json" if zarr3 else ".zarray"
+    declared = _array_metadatas(storage, files, dirs, findings, where)
+    shardings: dict[str, Any] = {}
+    try:
+        shardings = ob._read_shardings(storage, files)
+    except CkptError as exc:
+        findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
+    view = _array_view(storage, use_ocdbt, files, process_dbs)
+    array_names = set()
+    for leaf_keys, vmeta in entries:
+        vt = vmeta.get("value_type")
+        name = ob._param_name(leaf_keys)
+        leaf_path = "/".join(str(k) for k in leaf_keys)
+        if vt not in ob._ARRAY_TYPES and vt != "scalar":
+            continue
+        findings.count("arrays")
+        array_names.add(name)
+        if f"{name}/{meta_key}" not in keys:
+            has_chunks = any(k.startswith(name + "/") for k in keys)
+            if has_chunks:
+                findings.error("missing-metadata", f"{meta_key} missing (chunks are present)", leaf=leaf_path, file=f"{where}{name}/{meta_key}")
+            else:
+                findings.error("leaf-missing", f"in {ob.TREE_METADATA} but not stored: restore will fail", leaf=leaf_path, file=f"{where}{name}/")
+            continue
+        try:
+            zmeta = json.loads(view(name, meta_key))
+            shape, _dtype, chunk_shape, _info = ob._parse_zarr_metadata(zmeta, zarr3, f"{where}{name}/{meta_key}")
+        except (ValueError, CkptError) as exc:
+            findings.error("bad-array-metadata", f"unreadable {meta_key}: {getattr(exc, 'message', exc)}", leaf=leaf_path, file=f"{where}{name}/{meta_key}")
+            continue
+        write_shape = vmeta.get("write_shape")
+        if write_shape is not None and list(write_shape) != list(chunk_shape):
+            findings.error(
+                "bad-array-metadata",
+                f"{meta_key} chunks {list(chunk_shape)} disagree with {ob.TREE_METADATA} write_shape {list(write_shape)}",
+                leaf=leaf_path, file=f"{where}{name}/{meta_key}",
+            )
+        if name in declared:
+            d_write, d_chunk = declared[name]
+            if d_chunk is not None and list(d_chunk) != list(chunk_shape):
+                findings.error(
+                    "bad-array-metadata",
+                    f"{meta_key} chunks {list(chunk_shape)} disagree with array_metadatas chunk_shape {list(d_chunk)}",
+                    leaf=leaf_path, file=f"{where}{name}/{meta_key}",
+                )
+        if name in shardings:
+            _check_sharding(shardings[name], shape, findings, leaf_path, where + ob.SHARDING)
+        _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
+        if not use_ocdbt:
+            _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
+
+    # 3. stored arrays nobody declared
+    stored = {k.split("/", 1)[0] for k in keys if k.endswith("/" + meta_key)}
+    for name in sorted(stored - array_names):
+        findings.warning("leaf-missing", f"array stored but not in {ob.TREE_METADATA}: orbax will ignore it", file=f"{where}{name}/")
+    for name in sorted(set(shardings) - array_names):
+        findings.warning("bad-sharding", f"{ob.SHARDING} names an array that is not in the tree", leaf=name, file=where + ob.SHARDING)
+
+
+def _array_view(storage: Storage, use_ocdbt: bool, files: list[str], process_dbs: list[str]):
+    """A function reading `<name>/<key>` from wherever the item keeps its arrays."""
+    if not use_ocdbt:
+        return lambda name, key: storage.read(f"{name}/{key}")
+    views = [storage.ocdbt("")] if ob.ROOT_MANIFEST in files else [storage.ocdbt(d) for d in process_dbs]
+
+    def read(name: str, key: str) -> bytes:
+        for v in views:
+            data = v.read_many([f"{name}/{key}"])[f"{name}/{key}"]
+            if data is not None:
+                return data
+        raise CkptError("missing", f"{name}/{key}")
+
+    return read
+
+
+def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True) -> set[str]:
+    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough."""
+    base_where = f"{where}{db + '/' if db else ''}"
+    manifest_key = f"{db}/{ob.ROOT_MANIFEST}" if db else ob.ROOT_MANIFEST
+    if not storage.exists(manifest_key):
+        findings.error("lost-process-data", f"{ob.ROOT_MANIFEST} missing", file=base_where + ob.ROOT_MANIFEST)
+        return set()
+    base_kv = ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context).result()
+    needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
+
+    def need(location: str) -> tuple[str, int, int] | None:
+        # "<type>::<file>:<offset>:<length>"
+        try:
+            _kind, rest = location.split("::", 1)
+            file, offset, length = rest.rsplit(":", 2)
+            end = int(offset) + int(length)
+        except ValueError:
+            return None
+        needed[file] = max(needed.get(file, 0), end)
+        return file, int(offset), int(length)
+
+    lost_files: set[str] = set()
+    try:
+        manifest = ts.ocdbt.dump(base_kv, context=storage.context).result()
+    except Exception as exc:  # tensorstore raises ValueError with a status text
+        findings.error("lost-process-data", f"unreadable manifest: {ob._short(exc)}", file=base_where + ob.ROOT_MANIFEST)
+        return set()
+    roots = [v.get("root", {}).get("location") for v in manifest.get("versions", [])]
+    roots += [n.get("location") for n in manifest.get("version_tree_nodes", []) if isinstance(n, dict)]
+    stack = [r for r in roots[-1:] if r]  # the latest version is what a reader sees
+    seen = 0
+    while stack:
+        loc = stack.pop()
+        ref = need(loc)
+        if ref is None:
+            continue
+        file = ref[0]
+        if file in lost_files:
+            continue
+        if not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files):
+            continue
+        try:
+            node = ts.ocdbt.dump(base_kv, loc, context=storage.context).result()
+        except Exception as exc:
+            findings.error("lost-process-data", f"unreadable B-tree node {loc}: {ob._short(exc)}", file=base_where + file)
+            continue
+        seen += 1
+        for entry in node.get("entries", []):
+            for field in ("node", "location", "indirect_value"):
+                value = entry.get(field)
+                if isinstance(value, str):
+                    if value.startswith("btreenode::"):
+                        stack.append(value)
+                    elif value.startswith("value::"):
+                        need(value)
+    for file, end in sorted(needed.items()):
+        if file not in lost_files:
+            _file_long_enough(storage, db, file, end, findings, base_where, lost_files)
+    findings.count("ocdbt_files", len(needed))
+    if not list_keys or lost_files:
+        # a lost node makes the listing fail; report what is lost rather than a listing error
+        if lost_files and list_keys:
+            try:
+                return set(storage.ocdbt(db).list())
+            except CkptError:
+                return set()
+        return set()
+    try:
+        return set(storage.ocdbt(db).list())
+    except CkptError as exc:
+        findings.error("lost-process-data", f"cannot list the database: {exc.message}", file=base_where + ob.ROOT_MANIFEST)
+        return set()
+
+
+def _file_long_enough(storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: set[str]) -> bool:
+    key = f"{db}/{file}" if db else file
+    try:
+        size = storage.size(key)
+    except (CkptError, FileNotFoundError, OSError):
+        lost.add(file)
+        findings.error("lost-process-data", "OCDBT data file missing: the arrays stored in it cannot be read", file=where + file)
+        return False
+    if size < end:
+        lost.add(file)
+        findings.error("lost-process-data", f"OCDBT data file has {size} bytes but the database needs {end}", file=where + file)
+        return False
+    return True
+
+
+def _array_metadatas(storage: Storage, files: list[str], dirs: list[str], findings: Findings, where: str) -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    if "array_metadatas" not in dirs:
+        return out
+    for key in storage.list("array_metadatas"):
+        try:
+            doc = json.loads(storage.read(key))
+            for item in doc.get("array_metadatas", []):
+                am = item.get("array_metadata", item)
+                out[am["param_name"]] = (am.get("write_shape"), am.get("chunk_shape"))
+        except (ValueError, KeyError, TypeError, AttributeError, CkptError) as exc:
+            findings.error("bad-metadata", f"unreadable array metadata: {exc}", file=where + key)
+    return out
+
+
+def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, leaf: str, file: str) -> None:
+    if sharding.kind != "named":
+        return
+    sizes = dict(zip(sharding.axis_names or (), sharding.mesh_shape or ()))
+    if sharding.device_ids is not None and len(sharding.device_ids) != math.prod(sharding.mesh_shape or ()):
+        findings.error(
+            "bad-sharding",
+            f"mesh shape {list(sharding.mesh_shape)} needs {math.prod(sharding.mesh_shape)} devices but lists {len(sharding.device_ids)}",
+            leaf=leaf, file=file,
+        )
+    if sharding.device_ids is not None and len(set(sharding.device_ids)) != len(sharding.device_ids):
+        findings.error("bad-sharding", "a device id appears twice in the mesh", leaf=leaf, file=file)
+    spec = list(sharding.partition_spec or ())
+    if len(spec) > len(shape):
+        findings.error("bad-sharding", f"partition spec has {len(spec)} entries for a rank-{len(shape)} array", leaf=leaf, file=file)
+        return
+    used: list[str] = []
+    for dim, entry in enumerate(spec):
+        axes = entry if isinstance(entry, (tuple, list)) else (entry,) if entry is not None else ()
+        for axis in axes:
+            if axis not in sizes:
+                findings.error("bad-sharding", f"axis {axis!r} is not in the mesh {list(sizes)}", leaf=leaf, file=file)
+                return
+            if axis in used:
+                findings.error("bad-sharding", f"axis {axis!r} is used twice", leaf=leaf, file=file)
+            used.append(axis)
+        div = math.prod(sizes[a] for a in axes) if axes else 1
+        if shape[dim] % div:
+            findings.error(
+                "bad-sharding",
+                f"dimension {dim} (size {shape[dim]}) is not divisible by {'x'.join(axes)}={div}",
+                leaf=leaf, file=file,
+            )
+
+
+def _check_empty_chunk_files(
+    storage: Storage, name: str, leaf: str, keys: set[str], meta_key: str, findings: Findings, where: str
+) -> None:
+    """Per-array directories: a zero-byte chunk file is a write that never happened."""
+    for key in sorted(k for k in keys if k.startswith(name + "/") and not k.endswith("/" + meta_key)):
+        try:
+            if storage.size(key) == 0:
+                findings.error("empty-chunk", "chunk file has no bytes", leaf=leaf, file=where + key)
+        except (CkptError, OSError):
+            continue
+
+
+def _check_chunks(
+    name: str, leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool,
+    zmeta: dict[str, Any], keys: set[str], fills_zeros: bool, findings: Findings, where: str,
+) -> None:
+    total = math.prod(-(-s // c) if c else 0 for s, c in zip(shape, chunk_shape)) if shape else 1
+    findings.count("chunks", total)
+    if total > _MAX_ENUMERATED_CHUNKS:
+        stored = sum(1 for k in keys if k.startswith(name + "/") and not k.endswith((".zarray", "zarr.json")))
+        if stored < total:
+            findings.error("missing-chunk", f"{total - stored} of {total} chunks are not stored", leaf=leaf, file=f"{where}{name}/")
+        return
+    missing = [(idx, key) for idx, key in ob.chunk_keys(name, shape, chunk_shape, zarr3, zmeta) if key not in keys]
+    if not missing:
+        return
+    consequence = (
+        "this checkpoint predates store_array_data_equal_to_fill_value, so orbax restores the region as zeros without an error"
+        if fills_zeros else "restore will fail or return fill values there"
+    )
+    for idx, key in missing[:20]:
+        region = ", ".join(f"{i * c}:{min((i + 1) * c, s)}" for i, c, s in zip(idx, chunk_shape, shape))
+        findings.error(
+            "missing-chunk",
+            f"chunk {list(idx)} (region [{region}]) is not stored; {consequence}",
+            leaf=leaf, file=f"{where}{key}",
+        )
+    if len(missing) > 20:
+        findings.error("missing-chunk", f"... and {len(missing) - 20} more chunks missing ({len(missing)} of {total})", leaf=leaf, file=f"{where}{name}/")

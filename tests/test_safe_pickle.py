@@ -1,0 +1,370 @@
+"""The allow-list unpickler: real DCP pickles load, hostile ones never run."""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckpt_tool.errors import CkptError, CorruptMetadataError, UnsafePickleError
+from ckpt_tool.formats import safe_pickle, torch_payload
+from ckpt_tool.formats.safe_pickle import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorRef,
+    TensorStorageMetadata,
+    TorchDType,
+    load_metadata,
+    load_payload,
+)
+
+from conftest import DCP_FIXTURES, fixture_path
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+
+@pytest.fixture(scope="module")
+def real_dcp(tmp_path_factory) -> Path:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    state = {
+        "w": torch.randn(3, 4),
+        "h": torch.ones(2, dtype=torch.bfloat16),
+        "f8": torch.zeros(3, dtype=torch.float8_e4m3fn),
+        "u16": torch.arange(3, dtype=torch.int32).to(torch.uint16),
+        "layers": [torch.zeros(2), 7],
+        "cfg": {"lr": 0.1, "name": "x", "ids": (1, 2)},
+    }
+    dcp.save(state, checkpoint_id=str(path))
+    return path
+
+
+def _metadata_files(real_dcp: Path) -> list[Path]:
+    files = [real_dcp / ".metadata"]
+    files += [fixture_path(n) / ".metadata" for n in DCP_FIXTURES if (fixture_path(n) / ".metadata").exists()]
+    return files
+
+
+# -- real pickles ------------------------------------------------------------------
+def test_real_metadata_loads_like_torch(real_dcp):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TorchTSM
+
+    for path in _metadata_files(real_dcp):
+        ours = load_metadata(path.read_bytes(), str(path))
+        theirs = FileSystemReader(str(path.parent)).read_metadata()
+        assert isinstance(ours, Metadata)
+        assert ours.version == theirs.version
+        assert list(ours.state_dict_metadata) == list(theirs.state_dict_metadata)
+        assert ours.planner_data == theirs.planner_data
+        for fqn, item in theirs.state_dict_metadata.items():
+            mine = ours.state_dict_metadata[fqn]
+            if isinstance(item, TorchTSM):
+                assert isinstance(mine, TensorStorageMetadata)
+                assert tuple(mine.size) == tuple(item.size)
+                assert mine.properties.dtype == TorchDType(str(item.properties.dtype).removeprefix("torch."))
+                assert mine.properties.memory_format == "contiguous_format"
+                assert mine.properties.layout == "torch.strided"
+                assert [(tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks] == [
+                    (tuple(c.offsets), tuple(c.sizes)) for c in item.chunks
+                ]
+            else:
+                assert isinstance(mine, BytesStorageMetadata)
+        ours_storage = {
+            (i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+            for i, s in ours.storage_data.items()
+        }
+        theirs_storage = {
+            (i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+            for i, s in theirs.storage_data.items()
+        }
+        assert ours_storage == theirs_storage
+        # checkpoint_id is a pathlib path in the pickle: it becomes a plain str
+        assert ours.storage_meta.checkpoint_id == str(theirs.storage_meta.checkpoint_id)
+
+
+def test_real_tensor_payloads_load(real_dcp):
+    md = load_metadata((real_dcp / ".metadata").read_bytes(), "md")
+    raw = (real_dcp / "__0_0.distcp").read_bytes()
+    kinds = set()
+    for index, info in md.storage_data.items():
+        entry = raw[info.offset : info.offset + info.length]
+        pkl = next(
+            zipfile.ZipFile(io.BytesIO(entry)).read(n)
+            for n in zipfile.ZipFile(io.BytesIO(entry)).namelist()
+            if n.endswith("/data.pkl")
+        )
+        obj, storages = load_payload(pkl, index.fqn)
+        if index.offset is not None:
+            assert isinstance(obj, TensorRef) and list(storages) == [obj.storage.key]
+            kinds.add("v3" if obj.storage.dtype is None else "v2")
+        else:
+            kinds.add(type(obj).__name__)
+    assert {"v2", "v3", "int", "float", "str", "tuple"} <= kinds
+
+
+def test_python_and_numpy_values_round_trip():
+    value = {
+        "bytes": b"\x00\xffab",
+        "empty": b"",
+        "ba": bytearray(b"xy"),
+        "set": {1, 2},
+        "fs": frozenset({"a"}),
+        "c": 1 + 2j,
+        "np_f": np.float64(2.5),
+        "np_i": np.int32(-3),
+        "np_a": np.arange(6, dtype=">i4").reshape(2, 3),
+        "np_f_order": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "nested": [[1, (2, None)], {"k": True}],
+    }
+    for protocol in (2, 4):
+        got, _ = load_payload(pickle.dumps(value, protocol=protocol), "mem")
+        assert got.keys() == value.keys()
+        for key in value:
+            if isinstance(value[key], np.ndarray):
+                np.testing.assert_array_equal(got[key], value[key])
+                assert got[key].dtype == value[key].dtype
+            else:
+                assert got[key] == value[key] and type(got[key]) is type(value[key]), key
+
+
+# -- hostile pickles -----------------------------------------------------------------
+class _Reduce:
+    """Pickles as a call of `fn(*args)`: what a hostile writer would produce."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _marker_command(marker: Path) -> str:
+    return f"touch {marker}"
+
+
+def _hostile(marker: Path) -> dict[tuple[str, str], list[bytes]]:
+    """Pickles naming each dangerous global, in several protocols and spellings."""
+    import builtins
+    import importlib
+    import subprocess
+
+    cmd = _marker_command(marker)
+    out: dict[tuple[str, str], list[bytes]] = {
+        ("os", "system"): [pickle.dumps(_Reduce(os.system, cmd), protocol=p) for p in (0, 2, 4, 5)],
+        ("builtins", "eval"): [pickle.dumps(_Reduce(builtins.eval, f"__import__('os').system({cmd!r})"), protocol=4)],
+        ("builtins", "exec"): [pickle.dumps(_Reduce(builtins.exec, "import os"), protocol=4)],
+        ("builtins", "getattr"): [b"cbuiltins\ngetattr\n(S'a'\nS'b'\ntR."],
+        ("importlib", "import_module"): [pickle.dumps(_Reduce(importlib.import_module, "os"), protocol=4)],
+        ("subprocess", "Popen"): [pickle.dumps(_Reduce(subprocess.Popen, ["touch", str(marker)]), protocol=4)],
+        # hand-written: these modules do not exist on every platform
+        ("posix", "system"): [b"cposix\nsystem\n(S'" + cmd.encode() + b"'\ntR."],
+        ("nt", "system"): [b"cnt\nsystem\n(S'" + cmd.encode() + b"'\ntR."],
+        ("__builtin__", "eval"): [b"c__builtin__\neval\n(S'1'\ntR."],
+        ("copyreg", "_reconstructor"): [b"ccopyreg\n_reconstructor\n(cos\nsystem\nc__builtin__\nobject\nNtR."],
+        ("torch", "load"): [b"\x80\x02ctorch\nload\nq\x00."],
+        ("torch.serialization", "load"): [b"\x80\x02ctorch.serialization\nload\nq\x00."],
+        ("pickle", "loads"): [b"\x80\x02cpickle\nloads\nq\x00."],
+    }
+    return out
+
+
+def test_hostile_globals_are_refused_before_running(tmp_path):
+    marker = tmp_path / "marker"
+    for (module, name), pickles in _hostile(marker).items():
+        for data in pickles:
+            for loader in (load_metadata, lambda d, w: load_payload(d, w)):
+                with pytest.raises(UnsafePickleError) as err:
+                    loader(data, "hostile.pkl")
+                # copyreg._reconstructor is named first; os.system inside never resolves
+                assert (err.value.module, err.value.name) == (module, name)
+                assert "hostile.pkl" in str(err.value) and f"{module}.{name}" in str(err.value)
+    assert not marker.exists()
+
+
+def test_hostile_global_inside_a_torch_save_archive(tmp_path):
+    marker = tmp_path / "marker"
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps(_Reduce(os.system, _marker_command(marker)), protocol=2))
+    with pytest.raises(UnsafePickleError, match=r"os\.system"):
+        torch_payload.load_value(out.getvalue(), "file.distcp (x)")
+    assert not marker.exists()
+
+
+def test_nearby_names_are_not_allowed():
+    # exact pairs only: no prefix or attribute-path tricks
+    for module, name in [
+        ("torch", "float32.__class__"),
+        ("torch.distributed.checkpoint.metadata", "os"),
+        ("torch.distributed.checkpoint", "metadata"),
+        ("collections", "OrderedDict.fromkeys"),
+        ("numpy", "load"),
+        ("numpy.core.multiarray", "_reconstruct.__globals__"),
+        ("builtins", "set.__init__"),
+    ]:
+        data = b"\x80\x04" + _stack_global(module, name) + b"."
+        with pytest.raises(UnsafePickleError) as err:
+            load_metadata(data, "x")
+        assert (err.value.module, err.value.name) == (module, name)
+
+
+def _stack_global(module: str, name: str) -> bytes:
+    def short(s: str) -> bytes:
+        b = s.encode()
+        return b"\x8c" + bytes([len(b)]) + b
+
+    return short(module) + short(name) + b"\x93"
+
+
+def test_persistent_ids_refused_in_metadata():
+    class P(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", "x") if obj == "ref" else None
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump(["ref"])
+    with pytest.raises(CorruptMetadataError, match="persistent id"):
+        load_metadata(buf.getvalue(), "x")
+    with pytest.raises(CorruptMetadataError, match="unsupported persistent id"):
+        load_payload(buf.getvalue(), "x")
+
+
+def _build_on(global_op: bytes, attr: str, value: str) -> bytes:
+    """GLOBAL, then BUILD with state (None, {attr: value}): setattr without __setstate__."""
+    def uni(s: str) -> bytes:
+        return b"X" + len(s).to_bytes(4, "little") + s.encode()
+
+    return b"\x80\x02" + global_op + b"N}" + uni(attr) + uni(value) + b"s\x86b."
+
+
+def test_build_cannot_modify_shared_stand_ins():
+    targets = [
+        b"ctorch\nfloat32\n",  # the shared dtype stand-in
+        b"ctorch\nFloatStorage\n",
+        b"cpathlib\nPosixPath\n",  # an allow-listed function
+        b"ctorch\nSize\n",  # stand-in classes
+        b"ctorch.distributed.checkpoint.metadata\nMetadata\n",
+        b"cnumpy\nndarray\n",
+    ]
+    for target in targets:
+        for attr in ("name", "__defaults__", "FIELDS", "__setstate__"):
+            with pytest.raises(CorruptMetadataError):
+                load_metadata(_build_on(target, attr, "evil"), "x")
+    assert safe_pickle.ALLOWED[("torch", "float32")].name == "float32"
+    assert safe_pickle.Metadata.FIELDS[0] == "state_dict_metadata"
+
+
+def test_codecs_and_bytes_cannot_amplify():
+    with pytest.raises(CorruptMetadataError):
+        load_metadata(b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\x04\x00\x00\x00zlib\x86R.", "x")
+    with pytest.raises(CorruptMetadataError):  # bytearray(10**12)
+        load_metadata(b"\x80\x02c__builtin__\nbytearray\nJ\xff\xff\xff\x7f\x85R.", "x")
+
+
+def test_object_numpy_arrays_are_refused():
+    data = pickle.dumps(np.array([1, "a"], dtype=object), protocol=2)
+    with pytest.raises(CkptError):
+        load_payload(data, "x")
+
+
+# -- malformed input -------------------------------------------------------------------
+def test_truncated_metadata_is_corrupt(real_dcp):
+    data = (real_dcp / ".metadata").read_bytes()
+    for cut in range(0, len(data), 7):
+        with pytest.raises(CorruptMetadataError):
+            load_metadata(data[:cut], ".metadata")
+    with pytest.raises(CorruptMetadataError, match="truncated pickle"):
+        load_metadata(data[: len(data) // 2], ".metadata")
+
+
+def test_oversized_pickle_is_refused(monkeypatch):
+    monkeypatch.setattr(safe_pickle, "MAX_METADATA_BYTES", 10)
+    with pytest.raises(CorruptMetadataError, match="exceeds"):
+        load_metadata(pickle.dumps(list(range(100))), "x")
+
+
+def test_errors_are_one_line():
+    with pytest.raises(CorruptMetadataError) as err:
+        load_metadata(b"\x80\x04garbage\n\n\n", "dir/.metadata")
+    assert "\n" not in str(err.value) and str(err.value).startswith("dir/.metadata: ")
+
+
+_REAL = {}
+
+
+def _real_bytes() -> tuple[bytes, bytes]:
+    """A real .metadata and a real tensor archive, made once with torch."""
+    if not _REAL:
+        import tempfile
+        import warnings
+
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp.save({"w": torch.randn(2, 3), "s": 1, "h": torch.ones(2, dtype=torch.float8_e5m2)}, checkpoint_id=tmp)
+            _REAL["md"] = Path(tmp, ".metadata").read_bytes()
+        buf = io.BytesIO()
+        torch.save(torch.arange(6.0).reshape(2, 3).t(), buf)
+        _REAL["archive"] = buf.getvalue()
+    return _REAL["md"], _REAL["archive"]
+
+
+def _mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
+    out = bytearray(data)
+    for kind, pos, byte in edits:
+        if not out:
+            break
+        i = pos % len(out)
+        if kind == 0:
+            out[i] = byte
+        elif kind == 1:
+            out.insert(i, byte)
+        else:
+            del out[i]
+    return bytes(out)
+
+
+_EDITS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8)
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data):
+    for loader in (load_metadata, load_payload):
+        try:
+            loader(data, "fuzz")
+        except CkptError:
+            pass
+
+
+@_FUZZ
+@given(_EDITS)
+def test_fuzz_mutated_metadata(edits):
+    md, _ = _real_bytes()
+    try:
+        load_metadata(_mutate(md, edits), "fuzz")
+    except CkptError:
+        pass
+
+
+@_FUZZ
+@given(_EDITS)
+def test_fuzz_mutated_archive(edits):
+    _, archive = _real_bytes()
+    try:
+        payload = torch_payload.open_payload(_mutate(archive, edits), "fuzz")
+        payload.value()
+        if isinstance(payload.obj, TensorRef):
+            payload.read_tensor(payload.tensor())
+    except CkptError:
+        pass
