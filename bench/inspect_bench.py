@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in commands(paths):
         log(f"running {cmd['name']}: 1 warm-up + {args.runs} runs ...")
         res = dict(name=cmd["name"], format=cmd["format"], role=cmd["role"], command=cmd["label"],
-                   ok=True, error=None, best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None, check_errors=[], notes=[])
+                   ok=True, error=None, best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None,
+                   check_errors=[], notes=[])
         warm = run_once(cmd["argv"], capture=True)
         if warm["rc"] != 0:
             tail = (warm["stderr"].strip().splitlines() or ["(no stderr)"])[-1]
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             rss.append(r["rss_kib"])
         if res["runs_s"]:
             res["best_s"] = min(res["runs_s"])
-            res["best_cpu_s"] = min(res["cpu_s"])
+            res["best_cpu_s"] = res["cpu_s"][res["runs_s"].index(res["best_s"])]  # of the best run
             res["peak_rss_kib"] = max(x for x in rss if x is not None) if any(x is not None for x in rss) else None
         results.append(res)
 
@@ -456,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = []
     for fmt, ck, base in (("orbax", "ckpt-orbax", "orbax"), ("dcp", "ckpt-dcp", "torch-dcp")):
         a, b = by_name[ck], by_name[base]
-        ratio = b["best_s"] / a["best_s"] if a["best_s"] and b["best_s"] and a["ok"] else None
+        measured = a["ok"] and b["ok"] and a["best_s"] and b["best_s"]
+        ratio = b["best_s"] / a["best_s"] if measured else None
         ratios.append({
             "format": fmt, "baseline": base, "ckpt": ck,
             "ratio": round(ratio, 2) if ratio is not None else None,
@@ -504,7 +506,7 @@ def _print_table(report: dict) -> None:
     print()
     for q in report["ratios"]:
         if q["ratio"] is None:
-            print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']}: n/a (a command failed)   TARGET NOT MEASURED")
+            print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
         else:
             verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
             print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']} = {q['ratio']:.1f}x "

@@ -12,13 +12,15 @@ import pickle
 import shutil
 import socket
 import struct
-import warnings
+import tempfile
 import zipfile
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -39,7 +41,8 @@ from ckpt_tool.storage import Storage  # noqa: E402
 
 from conftest import DCP_FIXTURES, fixture_path  # noqa: E402
 
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+# one-process saves and loads: torch warns that it assumes no process group
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 # every dtype ckpt maps from torch, as torch.save writes it (v2 typed storages
 # and v3 untyped storage + dtype for float8 and uint16+)
@@ -173,12 +176,10 @@ def _torch_values(path: Path) -> dict[str, object]:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         md = _torch_metadata(path)
-        out_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"ckpt-dcp-ref-{os.getpid()}-{len(_LOADED)}.pt"
-        try:
-            dcp_to_torch_save(str(path), str(out_file))
+        with tempfile.TemporaryDirectory(prefix="ckpt-dcp-ref-") as tmp:
+            out_file = os.path.join(tmp, "full.pt")
+            dcp_to_torch_save(str(path), out_file)
             sd = torch.load(out_file, weights_only=False)
-        finally:
-            out_file.unlink(missing_ok=True)
         values = {}
         for fqn in md.state_dict_metadata:
             obj = sd
@@ -598,8 +599,50 @@ def test_crc_mismatch_is_detected_on_full_read():
 
 
 def test_parameter_and_nested_tensors_in_a_value():
-    value = {"p": torch.nn.Parameter(torch.ones(2, 2)), "l": [torch.arange(3)], "n": np.float32(2.0)}
+    with_attr = torch.full((2,), 7, dtype=torch.int16)
+    with_attr.note = "tensor attributes are pickled through _rebuild_from_type_v2"
+    value = {
+        "p": torch.nn.Parameter(torch.ones(2, 2)),
+        "l": [torch.arange(3)],
+        "n": np.float32(2.0),
+        "a": with_attr,
+    }
     out = torch_payload.load_value(_saved(value), "mem")
     assert_same_array(out["p"], np.ones((2, 2), np.float32))
+    assert_same_array(out["a"], np.full((2,), 7, np.int16))
     assert_same_array(out["l"][0], np.arange(3, dtype=np.int64))
     assert out["n"] == np.float32(2.0) and out["n"].dtype == np.float32
+
+
+# -- fuzz: damaged .metadata never escapes as anything but a CkptError -------------
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dcp") / "fuzz"
+    dcp.save(
+        {"w": torch.randn(4, 3), "h": torch.ones(5, dtype=torch.float16), "n": 3, "s": "x"},
+        checkpoint_id=str(path),
+    )
+    (path / ".metadata.orig").write_bytes((path / ".metadata").read_bytes())
+    return path
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6))
+def test_fuzz_mutated_metadata_through_the_reader(fuzz_dir, edits):
+    data = bytearray((fuzz_dir / ".metadata.orig").read_bytes())
+    for kind, pos, byte in edits:
+        i = pos % len(data)
+        if kind == 0:
+            data[i] = byte
+        elif kind == 1:
+            data.insert(i, byte)
+        elif len(data) > 1:
+            del data[i]
+    (fuzz_dir / ".metadata").write_bytes(bytes(data))
+    try:
+        ck = dcp_reader.read(Storage.open(str(fuzz_dir)))
+        for leaf in ck.leaves:
+            leaf.read() if isinstance(leaf, ArrayLeaf) else leaf.load()
+    except CkptError:
+        pass

@@ -6,6 +6,7 @@ prints one line too, unless CKPT_DEBUG=1 asks for the traceback.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -19,25 +20,32 @@ EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# command name -> "module:attribute"; a command's module is imported only
+# when that command runs, so `ckpt inspect` pays for nothing else
+COMMANDS = {
+    "inspect": "ckpt_tool.cli.inspect_cmd:inspect_command",
+    "validate": "ckpt_tool.cli.validate_cmd:validate_command",
+    "diff": "ckpt_tool.cli.diff_cmd:diff_command",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def cli() -> None:
     """Look inside, check, re-lay and convert distributed checkpoints
     (Orbax / JAX and torch.distributed.checkpoint)."""
-
-
-def _register() -> None:
-    # each command lives in its own module; importing them is cheap (no jax, no torch)
-    from .diff_cmd import diff_command
-    from .inspect_cmd import inspect_command
-    from .validate_cmd import validate_command
-
-    cli.add_command(inspect_command)
-    cli.add_command(validate_command)
-    cli.add_command(diff_command)
-
-
-_register()
 
 
 def _debug() -> bool:

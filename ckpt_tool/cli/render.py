@@ -11,11 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
-from rich.tree import Tree
+# rich is imported when something is rendered for a person: `--json` runs
+# (CI scripts, the inspect benchmark) do not pay for it
 
 
 @dataclass
@@ -42,6 +39,8 @@ def human_count(n: int) -> str:
 
 def esc(text: Any) -> str:
     """Escape user data (keys, paths) before putting it into markup."""
+    from rich.markup import escape
+
     return escape(str(text))
 
 
@@ -52,20 +51,33 @@ class Output:
         self.json_mode = json_mode
         self.stream = stream or sys.stdout
         self.is_terminal = hasattr(self.stream, "isatty") and self.stream.isatty()
-        # plain mode: no colour, no box drawing, no wrapping of long lines
-        self.console = Console(
-            file=self.stream,
-            highlight=False,
-            soft_wrap=not self.is_terminal,
-            force_terminal=self.is_terminal,
-            no_color=not self.is_terminal,
-        )
+        self._console: Any = None
+
+    @property
+    def console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            # plain mode: no colour, no box drawing, no wrapping of long lines
+            self._console = Console(
+                file=self.stream,
+                highlight=False,
+                soft_wrap=not self.is_terminal,
+                force_terminal=self.is_terminal,
+                no_color=not self.is_terminal,
+            )
+        return self._console
 
     def json(self, obj: Any) -> None:
-        self.stream.write(json.dumps(obj, indent=2, default=str) + "\n")
+        # indented for a person; compact in a pipe, where the pure-Python
+        # indenting encoder would cost more than reading the metadata
+        text = json.dumps(obj, indent=2 if self.is_terminal else None, default=str)
+        self.stream.write(text + "\n")
         self.stream.flush()
 
     def line(self, markup: str = "") -> None:
+        from rich.text import Text
+
         if self.is_terminal:
             self.console.print(markup)
         else:
@@ -76,6 +88,9 @@ class Output:
             self.line(m)
 
     def header(self, title: str, rows: list[tuple[str, str]]) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
         if self.is_terminal:
             grid = Table.grid(padding=(0, 2))
             grid.add_column(style="bold")
@@ -91,16 +106,20 @@ class Output:
                 self.line(f"  {esc(k).ljust(width)}  {v}")
 
     def tree(self, root: Node) -> None:
+        from rich.text import Text
+        from rich.tree import Tree
+
         if self.is_terminal:
             tree = Tree(Text.from_markup(root.label), guide_style="dim")
-            stack = [(tree, c) for c in reversed(root.children)]
             self._fill(tree, root.children)
             self.console.print(tree)
         else:
             self.line(root.label)
             self._plain(root.children, "  ")
 
-    def _fill(self, parent: Tree, children: list[Node]) -> None:
+    def _fill(self, parent: Any, children: list[Node]) -> None:
+        from rich.text import Text
+
         for child in children:
             branch = parent.add(Text.from_markup(child.label))
             self._fill(branch, child.children)

@@ -19,7 +19,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from .safe_pickle import (
     TensorStorageMetadata,
     TorchDType,
 )
-from .torch_payload import TensorPayload
+from .torch_payload import Fetch, TensorPayload
 
 NAME = "dcp"
 METADATA_FILE = ".metadata"
@@ -335,10 +335,9 @@ class _TensorReader:
 
     def __call__(self, region: Region) -> np.ndarray:
         out_shape = tuple(r.stop - r.start for r in region)
-        out = np.empty(out_shape, dtype=self._dtype)
         volume = math.prod(out_shape)
         if volume == 0:
-            return out
+            return np.empty(out_shape, dtype=self._dtype)
         tasks: list[tuple[int, Region, Region]] = []
         covered = 0
         for i, chunk in enumerate(self._item.chunks):
@@ -349,17 +348,22 @@ class _TensorReader:
             target = tuple(slice(r.start - q.start, r.stop - q.start) for r, q in zip(overlap, region))
             tasks.append((i, local, target))
             covered += math.prod(r.stop - r.start for r in overlap)
-        self._check_coverage(region, tasks, covered, volume)
+        if covered < volume:
+            self._check_coverage(region, tasks, covered, volume)
 
-        def run(task: tuple[int, Region, Region]) -> None:
-            i, local, target = task
-            out[target] = self._read_chunk(i, local)
+        # Locate every chunk first: its archive header is checked against
+        # .metadata and against the bytes actually stored before anything
+        # sized by .metadata alone (the output, a coverage mask) is allocated.
+        sources = _map(lambda task: self._locate(task[0]), tasks)
+        if covered > volume:
+            self._check_coverage(region, tasks, covered, volume)
+        out = np.empty(out_shape, dtype=self._dtype)
 
-        if len(tasks) == 1:
-            run(tasks[0])
-        else:
-            with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_CHUNK_READS, len(tasks))) as pool:
-                list(pool.map(run, tasks))  # list() re-raises the first failure
+        def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str]]) -> None:
+            (_, local, target), (payload, fetch, where) = args
+            out[target] = torch_payload.read_region(payload, local, fetch, where)
+
+        _map(copy, list(zip(tasks, sources)))
         return out
 
     def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
@@ -380,7 +384,8 @@ class _TensorReader:
             where,
         )
 
-    def _read_chunk(self, i: int, local: Region) -> np.ndarray:
+    def _locate(self, i: int) -> tuple[TensorPayload, Fetch, str]:
+        """Chunk i's validated payload location, a fetch over its entry, and its `where`."""
         entry = self._item.entries[i]
         chunk = self._item.chunks[i]
         where = _entry_where(self._storage, entry, self._fqn)
@@ -394,7 +399,7 @@ class _TensorReader:
         with self._lock:
             payload = self._located.get(i)
         if payload is not None:
-            return torch_payload.read_region(payload, local, fetch, where)
+            return payload, fetch, where
         archive = torch_payload.open_payload_range(fetch, entry.length, where)
         payload = archive.tensor()
         if payload.dtype != self._item.dtype or payload.shape != chunk.sizes:
@@ -405,8 +410,17 @@ class _TensorReader:
             )
         with self._lock:
             self._located[i] = payload
-        # the archive caches what locating fetched (all of a small entry): reuse it
-        return archive.read_tensor(payload, local)
+        # this first time, read through the archive: it holds what locating
+        # fetched (all of a small entry), so the data may need no new read
+        return payload, archive.read_bytes, where
+
+
+def _map(fn: Callable[[Any], Any], items: list) -> list:
+    """fn over items, concurrently when there are several (chunk reads are I/O)."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_CHUNK_READS, len(items))) as pool:
+        return list(pool.map(fn, items))  # list() re-raises the first failure
 
 
 def _intersect(region: Region, chunk: Chunk) -> Region | None:

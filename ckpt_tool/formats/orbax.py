@@ -409,13 +409,16 @@ def _read_zarr_metadata(
             break
         raw = source.view.read_many(f"{n}/{meta_key}" for n in remaining)
         still = []
+        parsed: dict[bytes, Any] = {}  # arrays of one shape and dtype share their metadata text
         for n in remaining:
             data = raw[f"{n}/{meta_key}"]
             if data is None:
                 still.append(n)
                 continue
             try:
-                found[n] = (json.loads(data), source)
+                if data not in parsed:
+                    parsed[data] = json.loads(data)
+                found[n] = (parsed[data], source)
             except ValueError as exc:
                 raise CorruptMetadataError(f"invalid JSON: {exc}", f"{source.view.url}/{n}/{meta_key}") from None
         remaining = still
@@ -615,14 +618,19 @@ def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Sharding]:
     if not isinstance(raw, dict):
         raise CorruptMetadataError("not a JSON object", where)
     out: dict[str, Sharding] = {}
+    # most arrays share a handful of shardings: parse each distinct text once
+    parsed: dict[str, Sharding | None] = {}
     for encoded, value in raw.items():
         try:
             name = base64.urlsafe_b64decode(encoded.encode()).decode("utf-8")
-            info = json.loads(value) if isinstance(value, str) else value
+            key = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            if key not in parsed:
+                info = json.loads(value) if isinstance(value, str) else value
+                parsed[key] = parse_sharding(info, where) if isinstance(info, dict) else None
         except (ValueError, UnicodeDecodeError) as exc:
             raise CorruptMetadataError(f"bad entry {encoded!r}: {exc}", where) from None
-        if isinstance(info, dict):
-            out[name] = parse_sharding(info, where)
+        if parsed[key] is not None:
+            out[name] = parsed[key]  # type: ignore[assignment]
     return out
 
 

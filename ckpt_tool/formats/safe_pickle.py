@@ -237,6 +237,31 @@ def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: An
     return data
 
 
+class _TorchTensorClass(_Frozen):
+    """`torch.Tensor` as the type argument of `_rebuild_from_type_v2`; never instantiated."""
+
+    __slots__ = ()
+
+
+TORCH_TENSOR = _TorchTensorClass()
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """torch._tensor._rebuild_from_type_v2: a plain tensor carrying Python attributes.
+
+    Only plain `torch.Tensor` rebuilt by an allow-listed tensor function is
+    accepted; the attributes (`state`) are dropped. Tensor subclasses would
+    need their class imported, so they are refused.
+    """
+    if new_type is not TORCH_TENSOR:
+        raise TypeError("only plain torch.Tensor can be rebuilt (tensor subclasses are refused)")
+    if func not in (ALLOWED[("torch._utils", "_rebuild_tensor_v2")], ALLOWED[("torch._utils", "_rebuild_tensor_v3")]):
+        raise TypeError("_rebuild_from_type_v2 must wrap an allow-listed tensor rebuild")
+    if not isinstance(args, tuple):
+        raise TypeError("_rebuild_from_type_v2 arguments must be a tuple")
+    return func(*args)
+
+
 _LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
                       "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
 
@@ -534,6 +559,9 @@ ALLOWED.update({
     ("torch._utils", "_rebuild_tensor_v3"): _Fn(_rebuild_tensor_v3),
     ("torch._utils", "_rebuild_parameter"): _Fn(_rebuild_parameter),
     ("torch._utils", "_rebuild_parameter_with_state"): _Fn(_rebuild_parameter),
+    ("torch._tensor", "_rebuild_from_type_v2"): _Fn(_rebuild_from_type_v2),
+    ("torch", "Tensor"): TORCH_TENSOR,
+    ("torch._tensor", "Tensor"): TORCH_TENSOR,
     ("torch.storage", "UntypedStorage"): StorageClass("torch.storage.UntypedStorage", None),
     ("torch", "UntypedStorage"): StorageClass("torch.UntypedStorage", None),
     ("collections", "OrderedDict"): _Fn(_ordered_dict),
@@ -627,6 +655,10 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, d
         raise CorruptMetadataError("malformed pickle: too large to decode", where) from None
     except EOFError:
         raise CorruptMetadataError("truncated pickle (ended before its STOP opcode)", where) from None
+    except pickle.UnpicklingError as exc:
+        if "truncated" in str(exc):
+            raise CorruptMetadataError("truncated pickle (ended before its STOP opcode)", where) from None
+        raise CorruptMetadataError(f"malformed pickle: {_first_line(exc)}", where) from None
     except Exception as exc:  # any failure here is the input's: nothing foreign ran
         raise CorruptMetadataError(f"malformed pickle: {type(exc).__name__}: {_first_line(exc)}", where) from None
     return obj, unpickler.storages

@@ -276,9 +276,13 @@ class PayloadArchive:
             )
         return self.locate(self.obj)
 
+    def read_bytes(self, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the archive (from what is already fetched when possible)."""
+        return self._file.get_exact(start, end)
+
     def read_tensor(self, payload: TensorPayload, region: Region | None = None) -> np.ndarray:
         """Read a tensor (or a region of it) through this archive's cache."""
-        return read_region(payload, region, self._file.get_exact, self.where)
+        return read_region(payload, region, self.read_bytes, self.where)
 
     def value(self) -> Any:
         """The archive's object with every tensor read into a numpy array."""
