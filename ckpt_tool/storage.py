@@ -67,6 +67,10 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+            # keys in the environment: skip the default chain, whose probing of
+            # ~/.aws files prints error lines when they do not exist
+            spec["aws_credentials"] = {"type": "environment"}
         return spec, None
     if scheme == "memory":
         return {"driver": "memory", "path": (parsed.netloc + "/" + path).strip("/") + "/"}, None
@@ -93,11 +97,15 @@ class Storage:
         kvstore: ts.KvStore,
         url: str,
         *,
+        spec: dict[str, Any],
         local_root: str | None = None,
         log: ReadLog | None = None,
         check_local: bool = True,
     ) -> None:
         self._kv = kvstore
+        # the JSON spec we opened with: KvStore.spec() drops context resources
+        # such as aws_credentials, so derived stores are built from this one
+        self._spec = spec
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.local_root = local_root
         self.log = log or ReadLog()
@@ -116,7 +124,7 @@ class Storage:
             kv = ts.KvStore.open(spec, context=_CONTEXT).result()
         except Exception as exc:  # tensorstore raises ValueError for bad specs
             raise CkptError(f"cannot open storage: {exc}", url) from exc
-        return cls(kv, url, local_root=local_root, log=log)
+        return cls(kv, url, spec=spec, local_root=local_root, log=log)
 
     def child(self, relpath: str) -> "Storage":
         """The storage rooted at a sub-directory (containment checked)."""
@@ -127,24 +135,29 @@ class Storage:
             self._check_local_path(rel, want_dir=True)
         kv = self._kv / (rel + "/")
         local = os.path.join(self.local_root, rel) if self.local_root else None
-        st = Storage(kv, f"{self.url}/{rel}", local_root=local, log=self.log, check_local=self._check_local)
-        return st
+        return Storage(
+            kv, f"{self.url}/{rel}", spec=self.kvstore_spec(rel + "/"),
+            local_root=local, log=self.log, check_local=self._check_local,
+        )
 
     def ocdbt(self, subdir: str = "") -> "Storage":
         """A view of the OCDBT database whose manifest lives at `subdir`."""
         base = self.child(subdir) if subdir else self
-        spec = {"driver": "ocdbt", "base": base._kv.spec().to_json()}
+        spec = {"driver": "ocdbt", "base": base._spec}
         try:
             kv = ts.KvStore.open(spec, context=_CONTEXT).result()
         except Exception as exc:
             raise CkptError(f"cannot open OCDBT database: {_short(exc)}", base.url) from exc
-        return Storage(kv, base.url + " (ocdbt)", local_root=None, log=self.log, check_local=False)
+        return Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
 
     def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
         """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore."""
         rel = _check_relative(subpath, self.url) if subpath else ""
-        kv = self._kv / rel if rel else self._kv
-        return kv.spec().to_json()
+        if subpath.endswith("/") and rel:
+            rel += "/"
+        spec = dict(self._spec)
+        spec["path"] = spec.get("path", "") + rel
+        return spec
 
     @property
     def context(self) -> ts.Context:

@@ -132,3 +132,25 @@ def test_inspect_imports_neither_jax_nor_torch(name):
 def test_python_module_entry_point():
     r = run_ckpt("inspect", str(fixture_path("orbax_ocdbt_zarr2")), "--flat")
     assert r.returncode == 0 and "params/dense/kernel" in r.stdout
+
+
+def test_hostile_metadata_refused_by_name_and_nothing_runs(tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Exploit(), protocol=4))
+    (ckpt / "__0_0.distcp").write_bytes(b"")
+    r = run_ckpt("inspect", str(ckpt))
+    assert r.returncode == 1
+    [line] = r.stderr.strip().splitlines()
+    assert "refused to unpickle global posix.system" in line and ".metadata" in line
+    assert not marker.exists()

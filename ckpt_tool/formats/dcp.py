@@ -33,6 +33,7 @@ from .safe_pickle import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    Size,
     StorageInfo,
     TensorProperties,
     TensorStorageMetadata,
@@ -266,7 +267,9 @@ def _entry(info: Any, where: str) -> _Entry:
 
 
 def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
+    if type(value) is Size:
+        return tuple(value)  # checked to be ints when it was unpickled
+    if not isinstance(value, (tuple, list)) or (value and set(map(type, value)) != {int}):
         raise CorruptMetadataError(f"{what} is not a tuple of ints: {_short(value)}", where)
     return tuple(value)
 

@@ -117,7 +117,8 @@ class Size(tuple):
 
     def __new__(cls, dims: Any = ()) -> "Size":
         values = tuple(dims)
-        if not all(type(d) is int for d in values):
+        # set(map(type, ...)) runs in C: thousands of sizes per .metadata
+        if values and set(map(type, values)) != {int}:
             raise TypeError(f"torch.Size of non-integers {values!r}")
         return super().__new__(cls, values)
 
@@ -314,6 +315,13 @@ class Record:
 
     FIELDS: ClassVar[tuple[str, ...]] = ()
     DEFAULTS: ClassVar[dict[str, Any]] = {}
+    _FIELD_SET: ClassVar[frozenset[str]] = frozenset()
+    _ALL_DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._FIELD_SET = frozenset(cls.FIELDS)
+        cls._ALL_DEFAULTS = {name: cls.DEFAULTS.get(name) for name in cls.FIELDS}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if len(args) > len(self.FIELDS):
@@ -323,6 +331,14 @@ class Record:
         self.__setstate__(state)
 
     def __setstate__(self, state: Any) -> None:
+        # fast path, taken for every object of a real .metadata (thousands of
+        # them): a plain dict whose keys are all known field names
+        if type(state) is dict and self._FIELD_SET.issuperset(state):
+            d = self.__dict__
+            if len(state) != len(self.FIELDS):
+                d.update(self._ALL_DEFAULTS)
+            d.update(state)
+            return
         # BUILD may pass (dict_state, slot_state) for classes with __slots__
         if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
             merged: dict[Any, Any] = {}
