@@ -250,6 +250,36 @@ class Storage:
             raise NotFoundError("missing", self._where(key))
         return len(self.read(key))
 
+    # -- writing ---------------------------------------------------------
+    @classmethod
+    def create(cls, url: str, log: ReadLog | None = None) -> "Storage":
+        """Open a destination, creating a local directory if needed."""
+        spec, local_root = _kvstore_spec(url)
+        if local_root is not None:
+            os.makedirs(local_root, exist_ok=True)
+        try:
+            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
+        except Exception as exc:
+            raise CkptError(f"cannot open storage: {_short(exc)}", url) from exc
+        return cls(kv, url, spec=spec, local_root=local_root, log=log)
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write a whole value (the file driver fsyncs it before returning)."""
+        rel = _check_relative(key, self.url)
+        if not rel:
+            raise CkptError("empty key", self.url)
+        try:
+            self._kv.write(rel, data).result()
+        except Exception as exc:
+            raise CkptError(f"cannot write: {_short(exc)}", self._where(rel)) from exc
+
+    def delete_all(self) -> None:
+        """Remove every key under this root (used to drop an unfinished output)."""
+        try:
+            self._kv.delete_range(ts.KvStore.KeyRange()).result()
+        except Exception as exc:
+            raise CkptError(f"cannot delete: {_short(exc)}", self.url) from exc
+
     # -- internals -------------------------------------------------------
     def _where(self, key: str) -> str:
         return f"{self.url}/{key}"

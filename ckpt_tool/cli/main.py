@@ -26,6 +26,7 @@ COMMANDS = {
     "inspect": "ckpt_tool.cli.inspect_cmd:inspect_command",
     "validate": "ckpt_tool.cli.validate_cmd:validate_command",
     "diff": "ckpt_tool.cli.diff_cmd:diff_command",
+    "convert": "ckpt_tool.cli.convert_cmd:convert_command",
 }
 
 

@@ -8,6 +8,7 @@ import click
 
 from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
+from .progress import ProgressBar
 from .render import Output, esc, human_bytes
 
 
@@ -29,7 +30,7 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
 
     Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
     out = Output(json_mode=as_json)
-    progress = _progress_bar(out) if deep and out.is_terminal and not as_json else None
+    progress = ProgressBar(out, "reading chunks") if deep and out.is_terminal and not as_json else None
     try:
         report = validate_checkpoint(
             path, step=step, deep=deep, workers=workers,
@@ -45,26 +46,6 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
     else:
         _human(out, report, strict)
     sys.exit(0 if report.ok(strict) else 1)
-
-
-class _progress_bar:
-    """A rich progress bar fed by the core's progress callback."""
-
-    def __init__(self, out: Output) -> None:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-        self._progress = Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=out.console, transient=True,
-        )
-        self._task = self._progress.add_task("reading chunks", total=None)
-        self._progress.start()
-
-    def update(self, what: str, done: int, total: int) -> None:
-        self._progress.update(self._task, completed=done, total=total)
-
-    def close(self) -> None:
-        self._progress.stop()
 
 
 def _human(out: Output, report: ValidationReport, strict: bool) -> None:

@@ -1,0 +1,67 @@
+"""`ckpt convert SRC DST --to orbax|dcp`: streaming, bounded memory, all or nothing."""
+from __future__ import annotations
+
+import click
+
+from ..engine import ConvertOptions, convert
+from .progress import ProgressBar
+from .render import Output, esc, human_bytes
+
+
+@click.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", type=click.Choice(["orbax", "dcp"]), required=True, help="Output format.")
+@click.option("--select", multiple=True, metavar="GLOB", help="Keep only leaves whose '/'-joined keys match (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Drop leaves whose keys match, e.g. 'opt_state/**' (repeatable).")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
+@click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
+@click.option("--chunk-mb", type=click.FloatRange(min=0.001), help="Cap the output chunk size (MiB).")
+@click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2.")
+@click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing DST.")
+@click.option("--step", help="Source CheckpointManager root: step number or 'latest'.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk copies.")
+@click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS).")
+@click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES).")
+@click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def convert_command(
+    src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
+    dtype: str | None, chunk_mb: float | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
+    process_id: int | None, as_json: bool,
+) -> None:
+    """Convert the checkpoint at SRC (Orbax or DCP, detected) into DST in the
+    other format, chunk by chunk. DST appears only when complete; SRC is never
+    written. Run the same command on every host to split the work."""
+    from ..distributed import JaxCoordinator, process_spec
+
+    spec = process_spec(coordinator, num_processes, process_id)
+    coord = JaxCoordinator(spec) if spec.requested else None
+    opts = ConvertOptions(
+        to=to, select=list(select), exclude=list(exclude), rename=list(rename), dtype=dtype,
+        chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
+        overwrite=overwrite, step=step,
+    )
+    out = Output(json_mode=as_json)
+    bar = ProgressBar(out, "converting") if out.is_terminal and not as_json else None
+    try:
+        result = convert(src, dst, opts, progress=bar.update if bar else (lambda *a: None), coordinator=coord)
+    finally:
+        if bar:
+            bar.close()
+    if as_json:
+        out.json(result.to_json())
+        return
+    for path, reason in result.skipped:
+        out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    if result.cast:
+        out.line(f"cast {len(result.cast)} leaves to {esc(dtype)}")
+    rate = result.bytes / result.seconds if result.seconds else 0
+    where = f" (process {result.process_index} of {result.process_count})" if result.process_count > 1 else ""
+    out.line(
+        f"[bold green]converted[/bold green] {esc(src)} ({result.source_format}) -> {esc(dst)} ({result.target_format}){where}: "
+        f"{result.arrays} arrays, {result.values} values, {result.chunks} chunks, "
+        f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_bytes(rate)}/s)"
+    )

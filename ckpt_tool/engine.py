@@ -1,0 +1,514 @@
+"""The streaming engine: copy leaves region by region from any reader to any writer.
+
+convert is "same layout, new format"; reshard is "new layout, same format".
+Both build a WritePlan (target leaves with their chunk layout) and hand it
+to `stream`, which reads one output chunk's region from the source, casts it
+if asked, and gives it to the writer. At most `workers * 2` chunks are in
+flight, so peak memory is a few chunks whatever the checkpoint size; the
+work runs in threads because tensorstore, zstd and numpy release the GIL.
+
+Output is all or nothing: it is written under a temporary name beside the
+destination (local paths) and renamed into place after the commit markers;
+on object stores, where there is no rename, the commit markers written last
+are what makes the output a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import dtypes
+from .errors import CkptError
+from .findings import Progress, no_progress
+from .model import ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex
+from .storage import Storage, _kvstore_spec
+from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
+
+DEFAULT_CHUNK_MB = 256.0  # cap for chunks the engine has to choose itself
+TMP_MARKER = ".ckpt-tmp"
+
+
+class UnsupportedLeafError(CkptError):
+    """A leaf the target format cannot hold (e.g. a dict of objects into Orbax)."""
+
+
+@dataclass
+class ConvertOptions:
+    to: str  # "orbax" | "dcp"
+    select: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    rename: list[str] = field(default_factory=list)
+    dtype: str | None = None
+    chunk_mb: float | None = None
+    skip_unsupported: bool = False
+    zarr3: bool = False
+    workers: int = 4
+    overwrite: bool = False
+    step: str | int | None = None
+
+
+@dataclass
+class ConvertResult:
+    source: str
+    destination: str
+    source_format: str
+    target_format: str
+    arrays: int = 0
+    values: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
+    process_index: int = 0
+    process_count: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "destination": self.destination,
+            "source_format": self.source_format, "target_format": self.target_format,
+            "arrays": self.arrays, "values": self.values, "chunks": self.chunks, "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
+            "cast": self.cast, "process_index": self.process_index, "process_count": self.process_count,
+        }
+
+
+# -- planning ------------------------------------------------------------------
+
+
+def _rename_rules(rules: list[str]) -> list[tuple[re.Pattern[str], str]]:
+    out = []
+    for rule in rules:
+        if "=" not in rule:
+            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
+        pattern, repl = rule.split("=", 1)
+        try:
+            out.append((re.compile(pattern), repl))
+        except re.error as exc:
+            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
+    return out
+
+
+def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]]) -> tuple[Key, ...]:
+    path = "/".join(str(k) for k in keys)
+    new = path
+    for rx, repl in rules:
+        new = rx.sub(repl, new)
+    if new == path:
+        return keys
+    parts = [p for p in new.split("/") if p != ""]
+    if not parts:
+        raise CkptError(f"--rename turns {path!r} into an empty key")
+    # a component that was a sequence index and is unchanged stays an int
+    return tuple(
+        keys[i] if i < len(keys) and isinstance(keys[i], int) and str(keys[i]) == p else p
+        for i, p in enumerate(parts)
+    )
+
+
+def split_to_cap(chunk: Chunk, itemsize: int, cap_bytes: int) -> list[Chunk]:
+    """Split a chunk along its leading dimensions until each piece is at most cap_bytes."""
+    nbytes = math.prod(chunk.sizes) * itemsize
+    if nbytes <= cap_bytes or not chunk.sizes:
+        return [chunk]
+    for dim, size in enumerate(chunk.sizes):
+        if size > 1:
+            row_bytes = nbytes // size
+            step = max(1, cap_bytes // max(1, row_bytes))
+            if step >= size:
+                continue
+            pieces = []
+            for start in range(0, size, step):
+                offsets = list(chunk.offsets)
+                sizes = list(chunk.sizes)
+                offsets[dim] += start
+                sizes[dim] = min(step, size - start)
+                pieces.extend(split_to_cap(Chunk(tuple(offsets), tuple(sizes)), itemsize, cap_bytes))
+            return pieces
+    return [chunk]
+
+
+def grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
+    import itertools
+
+    if not shape:
+        return [Chunk((), ())]
+    ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
+    return [
+        Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
+        for off in itertools.product(*ranges)
+    ]
+
+
+def as_regular_grid(layout: ChunkLayout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The grid a chunk list already forms (DCP shards of an evenly split tensor), if any."""
+    if isinstance(layout, RegularGrid):
+        return layout.chunk_shape
+    chunks = [c for c in layout.chunks if all(s > 0 for s in c.sizes)]
+    if not chunks or not shape:
+        return None
+    grid = tuple(max(c.sizes[d] for c in chunks) for d in range(len(shape)))
+    for c in chunks:
+        for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+            if o % grid[d] or s != min(grid[d], shape[d] - o):
+                return None
+    return grid
+
+
+def default_grid(shape: tuple[int, ...], itemsize: int, cap_bytes: int) -> tuple[int, ...]:
+    """A chunk shape for an array with no usable layout: whole rows up to the cap."""
+    if not shape:
+        return ()
+    chunk = list(shape)
+    for d in range(len(shape)):
+        rest = math.prod(chunk[d + 1 :]) * itemsize
+        if math.prod(chunk) * itemsize <= cap_bytes:
+            break
+        chunk[d] = max(1, min(shape[d], cap_bytes // max(1, rest)))
+    return tuple(max(1, c) for c in chunk)
+
+
+def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None) -> ChunkLayout:
+    cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
+    if to == "orbax":
+        grid = as_regular_grid(leaf.layout, leaf.shape)
+        if grid is None:
+            grid = default_grid(leaf.shape, itemsize, cap_bytes)
+        elif cap and math.prod(grid) * itemsize > cap:
+            # keep the source grid's alignment: shrink its leading dims to the cap
+            grid = default_grid(grid, itemsize, cap)
+        return RegularGrid(tuple(grid))
+    # DCP: the source chunks, as a list (split further only when capped)
+    if isinstance(leaf.layout, RegularGrid):
+        chunks = grid_chunks(leaf.shape, leaf.layout.chunk_shape)
+    else:
+        chunks = list(leaf.layout.chunks)
+    if cap:
+        chunks = [p for c in chunks for p in split_to_cap(c, itemsize, int(cap))]
+    return ChunkList(tuple(chunks))
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _is_simple(value: Any) -> bool:
+    if isinstance(value, _SIMPLE) or isinstance(value, np.generic):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_simple(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
+    return False
+
+
+def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
+    """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
+    if opts.to not in ("orbax", "dcp"):
+        raise CkptError(f"unknown target format {opts.to!r} (use orbax or dcp)")
+    if opts.dtype is not None:
+        target_dtype = dtypes.get(opts.dtype)
+        if not target_dtype.is_float:
+            raise CkptError(f"--dtype must be a floating type, got {opts.dtype}")
+    select = [glob_to_regex(p) for p in opts.select]
+    exclude = [glob_to_regex(p) for p in opts.exclude]
+    rules = _rename_rules(opts.rename)
+    cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
+    targets: list[Target] = []
+    skipped: list[tuple[str, str]] = []
+    sources: dict[str, ArrayLeaf] = {}
+    seen: dict[str, str] = {}
+    for leaf in src.leaves:
+        if select and not any(rx.fullmatch(leaf.path) for rx in select):
+            continue
+        if any(rx.fullmatch(leaf.path) for rx in exclude):
+            continue
+        keys = _renamed_keys(tuple(leaf.keys), rules)
+        name = ".".join(str(k) for k in keys)
+        path = "/".join(str(k) for k in keys)
+        if name in seen:
+            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {leaf.path!r}")
+        seen[name] = leaf.path
+        if isinstance(leaf, ArrayLeaf):
+            dtype = leaf.dtype
+            source_dtype = None
+            if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
+                dtype, source_dtype = opts.dtype, leaf.dtype
+            itemsize = dtypes.get(dtype).itemsize
+            layout = _target_layout(leaf, opts.to, itemsize, cap)
+            sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
+            targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
+            sources[path] = leaf
+            continue
+        assert isinstance(leaf, ValueLeaf)
+        try:
+            value = leaf.load()
+        except CkptError as exc:
+            if opts.skip_unsupported:
+                skipped.append((leaf.path, f"cannot decode: {exc.message}"))
+                continue
+            raise
+        if isinstance(value, np.ndarray) and value.shape == ():
+            value = value[()]
+        if opts.to == "orbax":
+            if isinstance(value, str):
+                targets.append(TargetValue(keys, name, value, "string"))
+            elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, (np.str_, np.bytes_)):
+                targets.append(TargetValue(keys, name, value, "scalar"))
+            else:
+                reason = f"a {type(value).__name__} value has no Orbax leaf type (only numbers and strings)"
+                if opts.skip_unsupported:
+                    skipped.append((leaf.path, reason))
+                    continue
+                raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", leaf.path)
+        else:
+            if not _is_simple(value):
+                reason = f"a {type(value).__name__} value is not a simple Python value"
+                if opts.skip_unsupported:
+                    skipped.append((leaf.path, reason))
+                    continue
+                raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", leaf.path)
+            targets.append(TargetValue(keys, name, _plain(value), "object"))
+    if not targets:
+        raise CkptError("nothing to convert: every leaf was filtered out", src.path)
+    plan = WritePlan(targets, info={"source": src.path, "source_format": src.format})
+    return plan, skipped, sources
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars inside values become Python scalars (torch.load reads them without numpy)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+# -- streaming -----------------------------------------------------------------
+
+
+def chunk_regions(target: TargetArray) -> Iterator[tuple[int, Region]]:
+    if isinstance(target.layout, ChunkList):
+        chunks = target.layout.chunks
+    else:
+        chunks = tuple(grid_chunks(target.shape, target.layout.chunk_shape))
+    for i, c in enumerate(chunks):
+        yield i, c.region
+
+
+def stream(
+    plan: WritePlan,
+    sources: dict[str, ArrayLeaf],
+    writer: CheckpointWriter,
+    *,
+    workers: int = 4,
+    progress: Progress = no_progress,
+    owns: Callable[[int], bool] = lambda n: True,
+) -> tuple[int, int]:
+    """Copy every chunk this process owns; returns (chunks, bytes) written."""
+    tasks = []
+    n = 0
+    for target in plan.arrays():
+        for index, region in chunk_regions(target):
+            if owns(n):
+                tasks.append((target, index, region))
+            n += 1
+    total = sum(math.prod(r.stop - r.start for r in region) * dtypes.get(t.dtype).itemsize for t, _, region in tasks)
+    done = 0
+
+    def copy(target: TargetArray, index: int, region: Region) -> int:
+        data = sources[target.path].read(region)
+        if target.source_dtype is not None:
+            data = data.astype(dtypes.numpy_dtype(target.dtype))
+        writer.write_array(target, index, region, data)
+        return int(data.nbytes)
+
+    progress("write", 0, total)
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-copy") as pool:
+        pending: set[Future[int]] = set()
+        it = iter(tasks)
+        while True:
+            while len(pending) < max(1, workers) * 2:
+                task = next(it, None)
+                if task is None:
+                    break
+                pending.add(pool.submit(copy, *task))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                done += fut.result()  # re-raises the first failure
+            progress("write", done, total)
+    return len(tasks), done
+
+
+# -- the output directory -------------------------------------------------------
+
+
+def _same_or_inside(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+
+
+@dataclass
+class OutputDir:
+    """Where the writer writes, and how it becomes the destination."""
+
+    destination: str
+    write_url: str
+    local_tmp: str | None  # local: the temporary directory renamed into place
+
+    def storage(self) -> Storage:
+        return Storage.create(self.write_url)
+
+
+def prepare_output(source: str, destination: str, *, overwrite: bool, shared_name: bool = False) -> OutputDir:
+    _, src_local = _kvstore_spec(source)
+    _, dst_local = _kvstore_spec(destination)
+    if dst_local is None:
+        # object stores: no rename; the commit markers written last make it a checkpoint
+        dst = Storage.create(destination)
+        if dst.list() and not overwrite:
+            raise CkptError("destination exists (use --overwrite to replace it)", destination)
+        if overwrite:
+            dst.delete_all()
+        return OutputDir(destination, destination, None)
+    if src_local is not None and _same_or_inside(src_local, dst_local):
+        raise CkptError("destination is the source or inside it; the source is never written", destination)
+    if os.path.lexists(dst_local) and not overwrite:
+        raise CkptError("destination exists (use --overwrite to replace it)", destination)
+    parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
+    os.makedirs(parent, exist_ok=True)
+    base = os.path.basename(dst_local.rstrip(os.sep))
+    # several processes must agree on the name; a single process gets a unique one
+    suffix = TMP_MARKER if shared_name else f"{TMP_MARKER}-{uuid.uuid4().hex[:8]}"
+    tmp = os.path.join(parent, f".{base}{suffix}")
+    return OutputDir(destination, tmp, tmp)
+
+
+def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
+    """Move the finished temporary directory into place (local outputs)."""
+    if out.local_tmp is None:
+        return
+    _, dst = _kvstore_spec(out.destination)
+    assert dst is not None
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise CkptError("destination appeared while converting (use --overwrite)", out.destination)
+        trash = f"{dst}{TMP_MARKER}-old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, trash)
+        os.rename(out.local_tmp, dst)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(out.local_tmp, dst)
+    _fsync_dir(os.path.dirname(dst) or ".")
+
+
+def discard_output(out: OutputDir) -> None:
+    if out.local_tmp is not None:
+        shutil.rmtree(out.local_tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False) -> CheckpointWriter:
+    if fmt == "dcp":
+        from .formats.dcp_writer import DcpWriter
+
+        return DcpWriter(storage)
+    if fmt == "orbax":
+        from .formats.orbax_writer import OrbaxWriter
+
+        return OrbaxWriter(storage, zarr3=zarr3)
+    raise CkptError(f"unknown target format {fmt!r}")
+
+
+# -- convert ---------------------------------------------------------------------
+
+
+class Coordinator:
+    """Barriers between the processes of a multi-host run (one process: no-ops)."""
+
+    process_index = 0
+    process_count = 1
+
+    def barrier(self, name: str) -> None:
+        return None
+
+
+def convert(
+    source: str,
+    destination: str,
+    opts: ConvertOptions,
+    *,
+    progress: Progress = no_progress,
+    coordinator: Coordinator | None = None,
+) -> ConvertResult:
+    """Convert `source` into `destination` in format opts.to; all or nothing."""
+    from .formats import open_checkpoint
+
+    coord = coordinator or Coordinator()
+    started = time.monotonic()
+    src = open_checkpoint(source, step=opts.step)
+    if not src.committed:
+        raise CkptError("the source is an uncommitted save; refusing to convert it", source)
+    plan, skipped, sources = plan_conversion(src, opts)
+    plan.process_index, plan.process_count = coord.process_index, coord.process_count
+    primary = coord.process_index == 0
+    out = prepare_output(source, destination, overwrite=opts.overwrite, shared_name=coord.process_count > 1)
+    if primary and out.local_tmp and os.path.lexists(out.local_tmp):
+        shutil.rmtree(out.local_tmp)  # a leftover of an interrupted multi-host run
+    coord.barrier("ckpt-convert-start")
+    writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3)
+    result = ConvertResult(source, destination, src.format, opts.to, skipped=skipped,
+                           process_index=coord.process_index, process_count=coord.process_count)
+    result.cast = [t.path for t in plan.arrays() if t.source_dtype]
+    try:
+        writer.begin(plan)
+        rank, size = coord.process_index, coord.process_count
+        result.chunks, result.bytes = stream(
+            plan, sources, writer, workers=opts.workers, progress=progress,
+            owns=lambda n: n % size == rank,
+        )
+        if primary:
+            for value in plan.values():
+                writer.write_value(value)
+        writer.finish_process()
+        coord.barrier("ckpt-convert-written")
+        if primary:
+            writer.commit()
+            finalize_output(out, overwrite=opts.overwrite)
+        coord.barrier("ckpt-convert-done")
+    except BaseException:
+        writer.abort()
+        if primary or coord.process_count == 1:
+            discard_output(out)
+        raise
+    result.arrays = len(plan.arrays())
+    result.values = len(plan.values())
+    result.seconds = time.monotonic() - started
+    return result

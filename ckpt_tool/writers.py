@@ -1,0 +1,90 @@
+"""What a format writer receives, and the interface every writer implements.
+
+The streaming engine (engine.py) turns a source Checkpoint into a WritePlan:
+target leaves with their final shape, dtype and chunk layout. A writer
+creates the output from the plan, accepts regions in any order from several
+threads, and finishes by writing the format's metadata and commit markers
+last. Writers never print; they write through a Storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+import numpy as np
+
+from .model import ChunkLayout, Key, Region, Sharding
+
+
+@dataclass
+class TargetArray:
+    keys: tuple[Key, ...]
+    name: str  # the target format's flat name (Orbax param name / DCP fqn)
+    shape: tuple[int, ...]
+    dtype: str  # canonical dtype name
+    layout: ChunkLayout  # RegularGrid or ChunkList of the output chunks
+    sharding: Sharding | None = None  # recorded in the output when the format keeps it
+    source_dtype: str | None = None  # set when --dtype casts this leaf
+
+    kind = "array"
+
+    @property
+    def path(self) -> str:
+        return "/".join(str(k) for k in self.keys)
+
+
+@dataclass
+class TargetValue:
+    keys: tuple[Key, ...]
+    name: str
+    value: Any  # a simple Python value (int, float, str, bool, None, list, tuple, dict) or a numpy scalar
+    value_type: str = "scalar"  # "scalar" | "string" | "object"
+
+    kind = "value"
+
+    @property
+    def path(self) -> str:
+        return "/".join(str(k) for k in self.keys)
+
+
+Target = Union[TargetArray, TargetValue]
+
+
+@dataclass
+class WritePlan:
+    targets: list[Target]
+    # facts the writer may record (source path and format, mesh for _sharding, ...)
+    info: dict[str, Any] = field(default_factory=dict)
+    process_index: int = 0  # this process's rank among the writing processes
+    process_count: int = 1
+
+    def arrays(self) -> list[TargetArray]:
+        return [t for t in self.targets if isinstance(t, TargetArray)]
+
+    def values(self) -> list[TargetValue]:
+        return [t for t in self.targets if isinstance(t, TargetValue)]
+
+
+class CheckpointWriter(Protocol):
+    """Writes one checkpoint into a directory that does not exist yet (or is empty).
+
+    Call order: begin(plan) once; write_array(target, chunk_index, region,
+    data) for every chunk of every array this process owns, from any thread;
+    write_value(target) for every value this process owns; then
+    finish_process() on every process; and finally, on the primary only and
+    after every process has finished (a barrier), commit(). abort() drops
+    in-flight state after a failure (the caller removes the temporary
+    directory).
+    """
+
+    def begin(self, plan: WritePlan) -> None: ...
+
+    def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None: ...
+
+    def write_value(self, target: TargetValue) -> None: ...
+
+    def finish_process(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
