@@ -79,6 +79,8 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
 
 def _check_relative(key: str, where: str) -> str:
     """Refuse keys that are absolute or climb out of the root."""
+    if "\x00" in key:
+        raise PathEscapeError(f"path {key!r} contains a NUL byte", where)
     if ".." not in key and "\\" not in key and "//" not in key and not key.startswith(("/", "./")) and ":" not in key[:3] and "/./" not in key:
         return key.rstrip("/") if key.endswith("/") else key  # the common, clean case, checked cheaply
     if key.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[\\/]", key):

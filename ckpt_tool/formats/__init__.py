@@ -45,4 +45,13 @@ def detect(storage: Storage) -> FormatModule:
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
     storage = Storage.open(url, log=log)
-    return detect(storage).read(storage, step=step)
+    ckpt = detect(storage).read(storage, step=step)
+    if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
+        # the temporary directory of an interrupted `ckpt convert` / `reshard`
+        ckpt.committed = False
+        ckpt.notes.insert(0, "unfinished ckpt output (temporary directory of an interrupted convert or reshard)")
+    return ckpt
+
+
+# temporary output directories of convert/reshard carry this in their name
+TMP_MARKER = ".ckpt-tmp"

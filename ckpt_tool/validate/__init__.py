@@ -48,7 +48,7 @@ def validate_checkpoint(
     progress: Progress = no_progress,
 ) -> ValidationReport:
     """Check the checkpoint at `path`; collects every finding instead of stopping at the first."""
-    from ..formats import detect
+    from ..formats import TMP_MARKER, detect
 
     storage = Storage.open(path)
     findings = Findings()
@@ -56,6 +56,12 @@ def validate_checkpoint(
     try:
         module = detect(storage)
         fmt = module.NAME
+        if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
+            findings.error(
+                "uncommitted-save",
+                "temporary directory of an interrupted ckpt convert/reshard: not a finished checkpoint",
+                file=".",
+            )
         if fmt == "orbax":
             from . import orbax_checks
 

@@ -1,1 +1,629 @@
-"""Shallow checks of a torch DCP checkpoint (placeholder replaced below)."""
+"""Shallow checks of a torch.distributed.checkpoint (DCP) directory.
+
+Reads `.metadata` (through the allow-list unpickler: nothing in it can run),
+the directory listing and one size per data file; no chunk is read (that is
+--deep, in deep.py, which goes through the DCP reader and its CRC checks).
+
+`.metadata` is walked leniently here, not with the reader's `_parse_metadata`:
+the reader stops at the first inconsistency, while validate must describe
+every one (each chunk out of bounds, each chunk without a storage entry, ...)
+and go on. Every problem becomes a Finding; nothing here raises on damage it
+can describe.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError
+from ..findings import Findings
+from ..formats import dcp, safe_pickle
+from ..model import Chunk, keys_path
+from ..storage import Storage
+
+# how many regions / files one message names before "... and N more"
+_MAX_NAMED = 5
+# a file-level finding names more: which items a lost file takes with it is the point
+_MAX_NAMED_ITEMS = 20
+# per tensor, overlap and bounds findings beyond this are summarised in one line
+_MAX_CHUNK_FINDINGS = 10
+# orphan-entry warnings beyond this are summarised in one line
+_MAX_ORPHAN_FINDINGS = 20
+# coverage is computed exactly on the grid of distinct chunk boundaries; a
+# tensor whose grid has more cells than this gets an element count instead
+_MAX_COVERAGE_CELLS = 1 << 22
+# uncovered regions merged into boxes per tensor (the count covers the rest)
+_MAX_GAP_BOXES = 20
+# chunk-pair comparisons spent naming overlaps in one tensor
+_PAIR_BUDGET = 2_000_000
+
+_TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp$")
+_RANK_METADATA = re.compile(r"^__\d+\.metadata$")
+
+# a box: one [start, stop) interval per dimension
+Box = tuple[tuple[int, int], ...]
+# storage_data identity: (fqn, chunk offsets) for a tensor chunk, (fqn, None) for a bytes item
+EntryKey = tuple[str, tuple[int, ...] | None]
+
+
+@dataclass
+class _Tensor:
+    fqn: str
+    leaf: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """One storage entry with the item it stores, for file-level findings."""
+
+    key: EntryKey
+    entry: dcp._Entry
+    leaf: str
+    sizes: tuple[int, ...] | None = None  # the chunk's sizes, when the entry belongs to a chunk
+    orphan: bool = False
+
+    @property
+    def label(self) -> str:
+        """How a message names the item: "model.w[3:6, 0:4]", "step", or an orphan entry."""
+        fqn, offsets = self.key
+        if offsets is None:
+            return f"{fqn} (orphan entry)" if self.orphan else fqn
+        if self.sizes is None:
+            return f"{fqn} (orphan entry at offsets {list(offsets)})"
+        return _chunk_label(fqn, Chunk(offsets, self.sizes))
+
+
+def check_path(storage: Storage, findings: Findings) -> None:
+    """Validate one DCP checkpoint directory; every problem becomes a finding."""
+    _, files = storage.listdir()
+    data_files = sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX))
+    tmp_metadata = sorted(f for f in files if _TMP_METADATA.match(f))
+
+    if dcp.METADATA_FILE not in files:
+        _report_missing_metadata(files, data_files, tmp_metadata, findings)
+        return
+    for name in tmp_metadata:
+        # torch writes .metadata.tmp and renames it; a leftover beside a committed
+        # .metadata is from an earlier, interrupted save into this directory
+        findings.warning(
+            "stray-file",
+            "leftover temporary metadata from an interrupted save (torch renames it to .metadata when the save "
+            "commits); this .metadata is not affected, the file can be deleted",
+            file=name,
+        )
+
+    md = _load_metadata(storage, findings)
+    if md is None:
+        return
+    if not isinstance(md, safe_pickle.Metadata):
+        findings.error("bad-metadata", f"expected a DCP Metadata object, found {type(md).__name__}", file=dcp.METADATA_FILE)
+        return
+    if not isinstance(md.state_dict_metadata, dict):
+        findings.error("bad-metadata", "state_dict_metadata is not a dict", file=dcp.METADATA_FILE)
+        return
+    if not isinstance(md.storage_data, dict):
+        findings.error(
+            "bad-metadata",
+            "storage_data is missing (saved with a custom storage writer?); the data cannot be located",
+            file=dcp.METADATA_FILE,
+        )
+        return
+
+    # the reader's leaf paths (planner_data's original keys), so that findings
+    # name the same leaf as `ckpt inspect` and --deep do
+    naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
+
+    def leaf_of(fqn: str) -> str:
+        return keys_path(naming.keys_for(fqn))
+
+    entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
+    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings)
+
+    # every chunk and bytes item needs a storage entry; every entry needs an owner
+    placed: list[_Placed] = []
+    used: set[EntryKey] = set()
+    for tensor in tensors:
+        for chunk in tensor.chunks:
+            key: EntryKey = (tensor.fqn, chunk.offsets)
+            entry = entries.get(key)
+            if entry is None:
+                if key in malformed:
+                    continue  # its entry is there but unreadable: already reported as bad-metadata
+                findings.error(
+                    "missing-storage-entry",
+                    f"chunk {_chunk_label(tensor.fqn, chunk)} (offsets {list(chunk.offsets)}, sizes {list(chunk.sizes)}) has no storage_data "
+                    "entry saying where its bytes are: restore will fail",
+                    leaf=tensor.leaf, file=dcp.METADATA_FILE,
+                )
+            elif key not in used:
+                used.add(key)
+                placed.append(_Placed(key, entry, tensor.leaf, chunk.sizes))
+    for fqn in bytes_fqns:
+        key = (fqn, None)
+        entry = entries.get(key)
+        if entry is None and key not in malformed:
+            findings.error(
+                "missing-storage-entry",
+                f"non-tensor item {fqn} has no storage_data entry saying where its bytes are: restore will fail",
+                leaf=leaf_of(fqn), file=dcp.METADATA_FILE,
+            )
+        elif entry is not None:
+            used.add(key)
+            placed.append(_Placed(key, entry, leaf_of(fqn)))
+    orphans = [(key, entry) for key, entry in entries.items() if key not in used]
+    for key, entry in orphans[:_MAX_ORPHAN_FINDINGS]:
+        fqn, offsets = key
+        what = f"{fqn} chunk at offsets {list(offsets)}" if offsets is not None else f"{fqn} (non-tensor item)"
+        findings.warning(
+            "orphan-storage-entry",
+            f"storage_data entry for {what} in {entry.relative_path} belongs to no chunk or item in "
+            "state_dict_metadata; torch ignores it",
+            leaf=leaf_of(fqn), file=dcp.METADATA_FILE,
+        )
+    if len(orphans) > _MAX_ORPHAN_FINDINGS:
+        findings.warning(
+            "orphan-storage-entry",
+            f"... and {len(orphans) - _MAX_ORPHAN_FINDINGS} more storage_data entries that belong to no item",
+            file=dcp.METADATA_FILE,
+        )
+    # orphans are checked like the rest: a reference to a file outside the
+    # checkpoint or past a file's end is damage even if nothing reads it
+    for key, entry in orphans:
+        placed.append(_Placed(key, entry, leaf_of(key[0]), orphan=True))
+
+    referenced = _check_files(storage, placed, findings)
+    for name in data_files:
+        if name not in referenced:
+            findings.warning(
+                "stray-file",
+                "data file not referenced by .metadata (left by an earlier save into this directory, or by a rank "
+                "whose write results never reached the coordinator); torch ignores it",
+                file=name,
+            )
+
+    for tensor in tensors:
+        _check_geometry(tensor, findings)
+
+    findings.count("tensors", len(tensors))
+    findings.count("chunks", sum(len(t.chunks) for t in tensors))
+    findings.count("bytes_items", len(bytes_fqns))
+    findings.count("files", len(referenced))
+
+
+# ---------------------------------------------------------------------------
+# .metadata
+# ---------------------------------------------------------------------------
+def _report_missing_metadata(
+    files: list[str], data_files: list[str], tmp_metadata: list[str], findings: Findings
+) -> None:
+    if tmp_metadata:
+        findings.error(
+            "uncommitted-save",
+            f"{tmp_metadata[0]} was written but never renamed to .metadata: the save died while committing",
+            file=tmp_metadata[0],
+        )
+    message = (
+        "no .metadata: an incomplete or uncommitted DCP save (the coordinator writes .metadata last; "
+        "on multi-host every host must write to one shared directory)"
+    )
+    if data_files:
+        message += f"; data files present: {_named(data_files)}"
+    rank_local = sorted(f for f in files if _RANK_METADATA.match(f))
+    if rank_local:
+        message += f"; found rank-local {_named(rank_local)} (saved without rank coordination: open with torch)"
+    findings.error("missing-metadata", message, file=dcp.METADATA_FILE)
+
+
+def _load_metadata(storage: Storage, findings: Findings) -> Any | None:
+    """`.metadata` through the allow-list unpickler, or None after reporting why not."""
+    name = dcp.METADATA_FILE
+    try:
+        size = storage.size(name)
+        if size > safe_pickle.MAX_METADATA_BYTES:
+            findings.error(
+                "bad-metadata", f"{size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", file=name
+            )
+            return None
+        return safe_pickle.load_metadata(storage.read(name), f"{storage.url}/{name}")
+    except UnsafePickleError as exc:
+        findings.error(
+            "unsafe-pickle",
+            f"refers to {exc.module}.{exc.name}, which is not in the allow-list: refused, nothing was executed "
+            "(a hostile or non-DCP file; do not load it with torch)",
+            file=name,
+        )
+    except PathEscapeError as exc:
+        findings.error("path-escape", exc.message, file=name)
+    except (CkptError, OSError) as exc:
+        findings.error("bad-metadata", f"unreadable: {getattr(exc, 'message', exc)}", file=name)
+    return None
+
+
+def _storage_entries(
+    storage_data: dict, leaf_of: Callable[[str], str], findings: Findings
+) -> tuple[dict[EntryKey, dcp._Entry], set[EntryKey]]:
+    """storage_data as {(fqn, offsets | None): entry}, and the keys of entries too malformed to use.
+
+    Malformed entries are reported here, once, and skipped.
+    """
+    out: dict[EntryKey, dcp._Entry] = {}
+    malformed: set[EntryKey] = set()
+    where = dcp.METADATA_FILE
+    for index, info in storage_data.items():
+        if not isinstance(index, safe_pickle.MetadataIndex) or not isinstance(index.fqn, str):
+            findings.error("bad-metadata", f"storage_data key {dcp._short(index)} is not a MetadataIndex", file=where)
+            continue
+        fqn = index.fqn
+        try:
+            offsets = None if index.offset is None else dcp._int_tuple(index.offset, "storage_data offset", where)
+        except CkptError as exc:
+            findings.error("bad-metadata", f"storage_data entry of {fqn}: {exc.message}", leaf=leaf_of(fqn), file=where)
+            continue
+        try:
+            entry = dcp._entry(info, where)
+        except CkptError as exc:
+            findings.error("bad-metadata", f"storage_data entry of {fqn}: {exc.message}", leaf=leaf_of(fqn), file=where)
+            malformed.add((fqn, offsets))
+            continue
+        # MetadataIndex.index is only a lookup hint; (fqn, offsets) is the identity
+        out.setdefault((fqn, offsets), entry)
+    return out, malformed
+
+
+def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tuple[list[_Tensor], list[str]]:
+    """The tensors (with their well-formed chunks) and the bytes items' fqns."""
+    tensors: list[_Tensor] = []
+    bytes_fqns: list[str] = []
+    where = dcp.METADATA_FILE
+    for fqn, item in sdm.items():
+        if not isinstance(fqn, str):
+            findings.error("bad-metadata", f"state_dict_metadata key {dcp._short(fqn)} is not a string", file=where)
+            continue
+        leaf = leaf_of(fqn)
+        if isinstance(item, safe_pickle.BytesStorageMetadata):
+            bytes_fqns.append(fqn)
+            continue
+        if not isinstance(item, safe_pickle.TensorStorageMetadata):
+            findings.error("bad-metadata", f"{fqn}: unknown storage metadata {type(item).__name__}", leaf=leaf, file=where)
+            continue
+        props = item.properties
+        if not isinstance(props, safe_pickle.TensorProperties) or not isinstance(props.dtype, safe_pickle.TorchDType):
+            findings.error("bad-metadata", f"{fqn}: tensor properties carry no torch dtype", leaf=leaf, file=where)
+            continue
+        try:
+            shape = dcp._int_tuple(item.size, "tensor size", where)
+        except CkptError as exc:
+            findings.error("bad-metadata", f"{fqn}: {exc.message}", leaf=leaf, file=where)
+            continue
+        if any(n < 0 for n in shape):
+            findings.error("bad-metadata", f"{fqn}: negative dimension in size {list(shape)}", leaf=leaf, file=where)
+            continue
+        if not isinstance(item.chunks, (list, tuple)):
+            findings.error("bad-metadata", f"{fqn}: chunk list is not a list", leaf=leaf, file=where)
+            continue
+        chunks: list[Chunk] = []
+        for chunk_md in item.chunks:
+            try:
+                if not isinstance(chunk_md, safe_pickle.ChunkStorageMetadata):
+                    raise CkptError(f"chunk {dcp._short(chunk_md)} is not a ChunkStorageMetadata")
+                offsets = dcp._int_tuple(chunk_md.offsets, "chunk offsets", where)
+                sizes = dcp._int_tuple(chunk_md.sizes, "chunk sizes", where)
+            except CkptError as exc:
+                findings.error("bad-metadata", f"{fqn}: {exc.message}", leaf=leaf, file=where)
+                continue
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                findings.error(
+                    "bad-metadata",
+                    f"{fqn}: chunk at offsets {list(offsets)} with sizes {list(sizes)} does not match the "
+                    f"tensor's rank {len(shape)}",
+                    leaf=leaf, file=where,
+                )
+                continue
+            chunks.append(Chunk(offsets, sizes))
+        tensors.append(_Tensor(fqn, leaf, shape, chunks))
+    return tensors, bytes_fqns
+
+
+# ---------------------------------------------------------------------------
+# Data files
+# ---------------------------------------------------------------------------
+def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) -> set[str]:
+    """Each referenced data file: inside the checkpoint, present, non-empty, long enough.
+
+    One size() per file; returns the referenced names (for the stray-file check).
+    """
+    by_file: dict[str, list[_Placed]] = defaultdict(list)
+    for p in placed:
+        by_file[p.entry.relative_path].append(p)
+    for name in sorted(by_file):
+        items = by_file[name]
+        if "\x00" in name:  # the OS would refuse it (ValueError), not report it missing
+            findings.error(
+                "bad-metadata",
+                f"storage entry file name {name!r} contains a NUL byte; .metadata places {_items_text(items)}",
+                leaf=_one_leaf(items), file=dcp.METADATA_FILE,
+            )
+            continue
+        try:
+            size = storage.size(name)
+        except PathEscapeError as exc:
+            findings.error(
+                "path-escape",
+                f"refused to read it ({exc.message}); .metadata places {_items_text(items)}",
+                leaf=_one_leaf(items), file=name,
+            )
+            continue
+        except (NotFoundError, FileNotFoundError):
+            findings.error(
+                "missing-file",
+                f"data file is missing; .metadata places {_items_text(items)} (the rank that wrote it did not "
+                "finish, or the file was not copied)",
+                leaf=_one_leaf(items), file=name,
+            )
+            continue
+        except (CkptError, OSError) as exc:
+            findings.error(
+                "missing-file",
+                f"data file cannot be read ({getattr(exc, 'message', exc)}); .metadata places {_items_text(items)}",
+                leaf=_one_leaf(items), file=name,
+            )
+            continue
+        if size == 0:
+            findings.error(
+                "empty-file",
+                f"data file is empty (0 bytes) but .metadata places {_items_text(items)} (the host that wrote it "
+                "failed or its copy did not complete); restore will fail",
+                leaf=_one_leaf(items), file=name,
+            )
+            continue
+        past = [p for p in items if p.entry.offset + p.entry.length > size]
+        if past:
+            need = max(p.entry.offset + p.entry.length for p in past)
+            findings.error(
+                "truncated-file",
+                f"data file has {size} bytes but .metadata needs {need}; "
+                f"{len(past)} item{'s' if len(past) != 1 else ''} past its end: "
+                f"{_named([p.label for p in past], _MAX_NAMED_ITEMS)}",
+                leaf=_one_leaf(past), file=name,
+            )
+    return set(by_file)
+
+
+def _items_text(items: list[_Placed]) -> str:
+    return f"{len(items)} item{'s' if len(items) != 1 else ''} in it: {_named([p.label for p in items], _MAX_NAMED_ITEMS)}"
+
+
+def _one_leaf(items: list[_Placed]) -> str | None:
+    """The leaf a file-level finding is about, when every item belongs to the same one."""
+    leaves = {p.leaf for p in items}
+    return next(iter(leaves)) if len(leaves) == 1 else None
+
+
+# ---------------------------------------------------------------------------
+# Chunk geometry: bounds, overlap, coverage
+# ---------------------------------------------------------------------------
+def _check_geometry(tensor: _Tensor, findings: Findings) -> None:
+    """A tensor's chunks: inside its shape, pairwise disjoint, together covering every element."""
+    shape, leaf = tensor.shape, tensor.leaf
+
+    def error(code: str, message: str) -> None:
+        findings.error(code, message, leaf=leaf, file=dcp.METADATA_FILE)
+
+    boxes: list[tuple[Chunk, Box]] = []  # the in-bounds part of every chunk that covers something
+    out_of_bounds = 0
+    for chunk in tensor.chunks:
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
+            out_of_bounds += 1
+            if out_of_bounds <= _MAX_CHUNK_FINDINGS:
+                error(
+                    "chunk-out-of-bounds",
+                    f"chunk at offsets {list(chunk.offsets)} with sizes {list(chunk.sizes)} "
+                    f"(region {_box_text(_chunk_box(chunk))}) extends past the tensor's shape {list(shape)}",
+                )
+        # only the in-bounds part can hold tensor elements
+        box = tuple((max(0, o), min(n, o + s)) for o, s, n in zip(chunk.offsets, chunk.sizes, shape))
+        if all(lo < hi for lo, hi in box):  # zero-size chunks are legal (empty shards) and cover nothing
+            boxes.append((chunk, box))
+    if out_of_bounds > _MAX_CHUNK_FINDINGS:
+        error("chunk-out-of-bounds", f"... and {out_of_bounds - _MAX_CHUNK_FINDINGS} more chunks past the shape {list(shape)}")
+
+    numel = math.prod(shape)
+    if numel == 0 or _tiles_exactly(shape, [box for _, box in boxes]):
+        return  # the normal case, in O(chunks): no overlap, no gap
+    if not boxes:
+        error("coverage-gap", f"no chunk stores any of the {numel} elements of this tensor: restored values are undefined")
+        return
+
+    grid = _cell_grid(shape, [box for _, box in boxes])
+    if grid is None:
+        # an irregular layout with very many distinct chunk boundaries: a
+        # budgeted pairwise search for overlaps, element counts for gaps
+        pairs = list(itertools.islice(_overlapping_pairs(boxes, _PAIR_BUDGET), _MAX_CHUNK_FINDINGS + 1))
+        _report_overlaps(pairs, error)
+        covered = sum(math.prod(hi - lo for lo, hi in box) for _, box in boxes)
+        if not pairs and covered < numel:
+            error(
+                "coverage-gap",
+                f"{numel - covered} of {numel} elements are covered by no chunk (too many chunks to list the "
+                "regions); restored values there are undefined",
+            )
+        return
+
+    bounds, counts = grid
+    if (counts > 1).any():
+        # name the pairs: only chunks touching a cell counted twice can take part
+        suspects = [cb for cb in boxes if (counts[_cells(bounds, cb[1])] > 1).any()]
+        pairs = list(itertools.islice(_overlapping_pairs(suspects, _PAIR_BUDGET), _MAX_CHUNK_FINDINGS + 1))
+        if pairs:
+            _report_overlaps(pairs, error)
+        else:  # the budget ran out before a pair was named
+            error("chunk-overlap", "some elements are covered by more than one chunk (too many chunks to name the pairs)")
+    free = counts == 0
+    if not free.any():
+        return
+    missing = int(_cell_volumes(bounds)[free].sum())
+    regions, more = _free_regions(bounds, free)
+    text = ", ".join(_box_text(r) for r in regions[:_MAX_NAMED])
+    more = more or len(regions) > _MAX_NAMED
+    if more:
+        text += " and more"
+    plural = len(regions) > 1 or more
+    error(
+        "coverage-gap",
+        f"region{'s' if plural else ''} {text} {'are' if plural else 'is'} covered by no chunk "
+        f"({missing} of {numel} elements); restored values there are undefined",
+    )
+
+
+def _report_overlaps(pairs: list[tuple[Chunk, Chunk, Box]], error: Callable[[str, str], None]) -> None:
+    for a, b, common in pairs[:_MAX_CHUNK_FINDINGS]:
+        error(
+            "chunk-overlap",
+            f"chunks at offsets {list(a.offsets)} sizes {list(a.sizes)} and at offsets {list(b.offsets)} "
+            f"sizes {list(b.sizes)} both cover {_box_text(common)}",
+        )
+    if len(pairs) > _MAX_CHUNK_FINDINGS:
+        error("chunk-overlap", "... and more overlapping chunk pairs")
+
+
+def _tiles_exactly(shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """True when the boxes are exactly the cells of a grid partitioning the tensor.
+
+    That is how torch shards (DTensor placements, FSDP, even uneven ones): per
+    dimension, the chunks' intervals partition [0, n), and every combination
+    occurs once. Distinct boxes drawn from a partition's product, as many as the
+    product has, are that product: no overlap and no gap.
+    """
+    partitions = [sorted({box[d] for box in boxes}) for d in range(len(shape))]
+    for intervals, n in zip(partitions, shape):
+        end = 0
+        for lo, hi in intervals:
+            if lo != end:
+                return False
+            end = hi
+        if end != n:
+            return False
+    return len(boxes) == math.prod(len(p) for p in partitions) and len(set(boxes)) == len(boxes)
+
+
+def _cell_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[list[int]], np.ndarray] | None:
+    """Coordinate compression: the chunk boundaries cut each dimension into
+    intervals, and every cell of that grid is covered by a whole number of
+    chunks. Returns (boundaries per dimension, how many chunks cover each cell),
+    or None when the grid has more than _MAX_COVERAGE_CELLS cells.
+    """
+    bounds = [sorted({0, n} | {v for box in boxes for v in box[d]}) for d, n in enumerate(shape)]
+    if math.prod(len(b) - 1 for b in bounds) > _MAX_COVERAGE_CELLS:
+        return None
+    counts = np.zeros(tuple(len(b) - 1 for b in bounds), dtype=np.int32)
+    for box in boxes:
+        counts[_cells(bounds, box)] += 1
+    return bounds, counts
+
+
+def _cells(bounds: list[list[int]], box: Box) -> tuple[slice, ...]:
+    """The grid cells a box covers."""
+    return tuple(slice(bisect.bisect_left(b, lo), bisect.bisect_left(b, hi)) for b, (lo, hi) in zip(bounds, box))
+
+
+def _cell_volumes(bounds: list[list[int]]) -> np.ndarray:
+    """Elements per grid cell."""
+    widths = [np.diff(np.asarray(b, dtype=np.int64)) for b in bounds]
+    return functools.reduce(np.multiply.outer, widths, np.array(1, dtype=np.int64))
+
+
+def _free_regions(bounds: list[list[int]], free: np.ndarray) -> tuple[list[Box], bool]:
+    """The free cells merged into disjoint boxes (tensor coordinates), and whether more were left unlisted.
+
+    From the first free cell in C order, grow along the last dimension, then
+    the one before, ... while the slab stays free; mark the box and repeat.
+    """
+    free = free.copy()
+    grid = free.shape
+    regions: list[Box] = []
+    while free.any():
+        if len(regions) == _MAX_GAP_BOXES:
+            return regions, True
+        start = [int(i) for i in np.argwhere(free)[0]]
+        stop = [i + 1 for i in start]
+        for d in reversed(range(len(grid))):
+            while stop[d] < grid[d]:
+                slab = tuple(slice(stop[d], stop[d] + 1) if k == d else slice(start[k], stop[k]) for k in range(len(grid)))
+                if not free[slab].all():
+                    break
+                stop[d] += 1
+        free[tuple(slice(a, b) for a, b in zip(start, stop))] = False
+        regions.append(tuple((bounds[d][start[d]], bounds[d][stop[d]]) for d in range(len(grid))))
+    return regions, False
+
+
+def _uncovered(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, list[Box], bool] | None:
+    """Exactly which elements no box covers: (count, disjoint boxes, more boxes not listed); None past the cap."""
+    grid = _cell_grid(shape, boxes)
+    if grid is None:
+        return None
+    bounds, counts = grid
+    free = counts == 0
+    regions, more = _free_regions(bounds, free)
+    return int(_cell_volumes(bounds)[free].sum()), regions, more
+
+
+def _overlapping_pairs(boxes: list[tuple[Chunk, Box]], budget: int | None = None) -> Iterator[tuple[Chunk, Chunk, Box]]:
+    """Pairs of chunks sharing elements, with the shared box.
+
+    A sweep along the dimension with the most distinct chunk starts: only
+    chunks whose intervals meet in that dimension are compared. Stops quietly
+    after `budget` comparisons.
+    """
+    if len(boxes) < 2:
+        return
+    ndim = len(boxes[0][1])
+    if ndim == 0:  # every non-empty chunk of a 0-d tensor covers its one element
+        for other in boxes[1:]:
+            yield boxes[0][0], other[0], ()
+        return
+    dim = max(range(ndim), key=lambda d: len({box[d][0] for _, box in boxes}))
+    order = sorted(boxes, key=lambda cb: cb[1][dim])
+    compared = 0
+    for i, (chunk_a, box_a) in enumerate(order):
+        end = box_a[dim][1]
+        for chunk_b, box_b in order[i + 1:]:
+            if box_b[dim][0] >= end:
+                break
+            compared += 1
+            if budget is not None and compared > budget:
+                return
+            common = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(box_a, box_b))
+            if all(lo < hi for lo, hi in common):
+                yield chunk_a, chunk_b, common
+
+
+# ---------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------
+def _chunk_label(fqn: str, chunk: Chunk) -> str:
+    """A chunk as messages name it: "model.w[3:6, 0:4]" (a 0-d tensor's only chunk is just "fqn")."""
+    return f"{fqn}{_box_text(_chunk_box(chunk))}" if chunk.offsets else fqn
+
+
+def _chunk_box(chunk: Chunk) -> Box:
+    return tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+
+
+def _box_text(box: Box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+
+
+def _named(names: list[str], limit: int = _MAX_NAMED) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -46,6 +46,13 @@ def chunk_regions(leaf: ArrayLeaf) -> Iterator[Region]:
         )
 
 
+def _relative(where: str | None, root: str) -> str | None:
+    """Findings name files relative to the checkpoint, as the shallow checks do."""
+    if where and where.startswith(root.rstrip("/") + "/"):
+        return where[len(root.rstrip("/")) + 1 :]
+    return where
+
+
 def deep_check(
     path: str,
     fmt: str,
@@ -61,7 +68,8 @@ def deep_check(
     try:
         ckpt = open_checkpoint(path, step=None if step in (None, "all") else step)
     except CkptError as exc:
-        findings.error("bad-metadata", f"cannot open for --deep: {exc.message}", file=exc.where)
+        if not findings.errors:  # otherwise the shallow checks already said why
+            findings.error("bad-metadata", f"cannot open for --deep: {exc.message}", file=_relative(exc.where, path))
         return
     skip = skip_leaves or set()
     leaves = [leaf for leaf in ckpt.arrays() if leaf.path not in skip]
@@ -79,7 +87,10 @@ def deep_check(
             with lock:
                 stats[leaf.path].failed = True
             where = ", ".join(f"{r.start}:{r.stop}" for r in region)
-            findings.error("bad-chunk", f"chunk [{where}] does not decode: {exc.message}", leaf=leaf.path, file=exc.where)
+            findings.error(
+                "bad-chunk", f"chunk [{where}] does not decode: {exc.message}",
+                leaf=leaf.path, file=_relative(exc.where, ckpt.path),
+            )
             return 0
         if data.shape != want or data.dtype != dtypes.numpy_dtype(leaf.dtype):
             findings.error(
