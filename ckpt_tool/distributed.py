@@ -8,6 +8,7 @@ process-index check (seed 000: such a guard around a collective hung a pod).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from .errors import CkptError
@@ -35,6 +36,19 @@ def process_spec(coordinator: str | None, num_processes: int | None, process_id:
     return ProcessSpec(coordinator, num_processes, process_id)
 
 
+def _keep_stdout_for_output() -> None:
+    """Point fd 1 at stderr for the rest of the process; sys.stdout keeps the real stdout.
+
+    gloo and XLA print connection lines on fd 1 from C++ (some only when
+    their buffers flush at exit); the command's own output (--json) must
+    stay parseable.
+    """
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
+
+
 class JaxCoordinator:
     """Barriers over jax.distributed (gloo collectives on CPU hosts)."""
 
@@ -44,6 +58,7 @@ class JaxCoordinator:
         except ImportError:
             raise CkptError("multi-host runs need jax: pip install jax") from None
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _keep_stdout_for_output()
         try:
             jax.distributed.initialize(
                 coordinator_address=spec.coordinator,

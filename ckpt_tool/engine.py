@@ -27,18 +27,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import dtypes
-from .errors import CkptError
+from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
+from .formats import TMP_MARKER
 from .model import ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex
 from .storage import Storage, _kvstore_spec
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
 DEFAULT_CHUNK_MB = 256.0  # cap for chunks the engine has to choose itself
-TMP_MARKER = ".ckpt-tmp"
-
-
-class UnsupportedLeafError(CkptError):
-    """A leaf the target format cannot hold (e.g. a dict of objects into Orbax)."""
 
 
 @dataclass
@@ -260,16 +256,21 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
         if opts.to == "orbax":
-            if isinstance(value, str):
-                targets.append(TargetValue(keys, name, value, "string"))
-            elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, (np.str_, np.bytes_)):
-                targets.append(TargetValue(keys, name, value, "scalar"))
-            else:
-                reason = f"a {type(value).__name__} value has no Orbax leaf type (only numbers and strings)"
-                if opts.skip_unsupported:
-                    skipped.append((leaf.path, reason))
-                    continue
-                raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", leaf.path)
+            # a list or dict of numbers and strings is a subtree in a pytree:
+            # write its elements as leaves, as orbax would have saved them
+            for sub_keys, sub_value in _flatten_value(keys, value):
+                sub_name = ".".join(str(k) for k in sub_keys)
+                if isinstance(sub_value, str):
+                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "string"))
+                elif isinstance(sub_value, (bool, int, float, np.generic)) and not isinstance(sub_value, (np.str_, np.bytes_)):
+                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "scalar"))
+                else:
+                    where = "/".join(str(k) for k in sub_keys)
+                    reason = f"a {type(sub_value).__name__} value has no Orbax leaf type (only numbers and strings)"
+                    if opts.skip_unsupported:
+                        skipped.append((where, reason))
+                        continue
+                    raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
         else:
             if not _is_simple(value):
                 reason = f"a {type(value).__name__} value is not a simple Python value"
@@ -282,6 +283,18 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         raise CkptError("nothing to convert: every leaf was filtered out", src.path)
     plan = WritePlan(targets, info={"source": src.path, "source_format": src.format})
     return plan, skipped, sources
+
+
+def _flatten_value(keys: tuple[Key, ...], value: Any) -> Iterator[tuple[tuple[Key, ...], Any]]:
+    """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf."""
+    if isinstance(value, (list, tuple)) and value:
+        for i, v in enumerate(value):
+            yield from _flatten_value(keys + (i,), v)
+    elif isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        for k, v in value.items():
+            yield from _flatten_value(keys + (k,), v)
+    else:
+        yield keys, value
 
 
 def _plain(value: Any) -> Any:
@@ -478,6 +491,7 @@ def convert(
         raise CkptError("the source is an uncommitted save; refusing to convert it", source)
     plan, skipped, sources = plan_conversion(src, opts)
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
+    plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     primary = coord.process_index == 0
     out = prepare_output(source, destination, overwrite=opts.overwrite, shared_name=coord.process_count > 1)
     if primary and out.local_tmp and os.path.lexists(out.local_tmp):

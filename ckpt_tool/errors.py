@@ -47,3 +47,7 @@ class PathEscapeError(CkptError):
 
 class IncompleteCheckpointError(CkptError):
     """An uncommitted or partially written save."""
+
+
+class UnsupportedLeafError(CkptError):
+    """A leaf the target format cannot hold (e.g. a dict of objects into Orbax)."""

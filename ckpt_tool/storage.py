@@ -265,7 +265,15 @@ class Storage:
             raise CkptError(f"cannot open storage: {_short(exc)}", url) from exc
         return cls(kv, url, spec=spec, local_root=local_root, log=log)
 
-    def write(self, key: str, data: bytes) -> None:
+    def delete(self, key: str) -> None:
+        """Remove one value (missing is fine)."""
+        rel = _check_relative(key, self.url)
+        try:
+            self._kv.write(rel, None).result()  # tensorstore deletes on None
+        except Exception as exc:
+            raise CkptError(f"cannot delete: {_short(exc)}", self._where(rel)) from exc
+
+    def write(self, key: str, data: bytes | bytearray) -> None:
         """Write a whole value (the file driver fsyncs it before returning)."""
         rel = _check_relative(key, self.url)
         if not rel:

@@ -16,7 +16,7 @@ from .render import Output, esc, human_bytes
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop leaves whose keys match, e.g. 'opt_state/**' (repeatable).")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
 @click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
-@click.option("--chunk-mb", type=click.FloatRange(min=0.001), help="Cap the output chunk size (MiB).")
+@click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
 @click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2.")
 @click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing DST.")

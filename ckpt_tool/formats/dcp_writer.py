@@ -1,0 +1,820 @@
+"""torch.distributed.checkpoint (DCP) writer, without torch.
+
+Writes what torch 2.13's FileSystemWriter writes, so that
+`torch.distributed.checkpoint.load`, `dcp_to_torch_save` and ckpt's own
+reader all read the output:
+
+  * data files `__{rank}_{n}.distcp`: each tensor chunk (and each non-tensor
+    value) is one complete torch.save zip archive stored back to back; the
+    archives are byte-for-byte what `torch.save` gives for a contiguous
+    tensor (records, 64-byte alignment padding, data descriptors, zip64 end
+    records and serialization id included);
+  * `.metadata`, written last by the primary process: a protocol-4 pickle of
+    `Metadata` with the same classes and pickle form torch writes, emitted
+    opcode by opcode (pickle_writer) since those classes cannot be imported.
+
+A data file is written as one kvstore value once it holds `file_mb` of
+archives (a bigger archive gets a file of its own), so at most one open file
+plus the files being flushed by the writing threads are in memory.
+
+Like torch, the writer stores a list holding only plain values as one item
+named after the list (torch's loaders look for it there), even when the plan
+gives its elements separately, as Orbax sources do.
+
+In a multi-process run, every process but the primary leaves its storage
+entries in a `.ckpt-entries.{rank}` JSON sidecar when it finishes; commit()
+on the primary reads them, deletes them and writes `.metadata`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+import sys
+import threading
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Union
+
+import numpy as np
+import tensorstore as ts
+
+from .. import dtypes
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..model import Chunk, ChunkList, Region, RegularGrid
+from ..storage import Storage
+from ..writers import TargetArray, TargetValue, WritePlan
+from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
+
+METADATA_FILE = ".metadata"
+SIDECAR_PREFIX = ".ckpt-entries."
+DEFAULT_FILE_MB = 64.0
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
+
+Buffer = Union[bytes, memoryview]
+
+
+class DcpWriteError(CkptError):
+    """The plan or the data given to the DCP writer cannot be written."""
+
+
+# ---------------------------------------------------------------------------
+# torch.save archives
+# ---------------------------------------------------------------------------
+_ARCHIVE_PREFIX = "archive/"  # torch.save to a stream names its archive "archive"
+_ALIGNMENT = 64  # torch's kFieldAlignment: record data starts 64-byte aligned
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+_FORMAT_VERSION = b"1"  # torch.serialization: .format_version
+_STORAGE_ALIGNMENT = b"64"
+_BYTEORDER = b"little"
+_FILE_FORMAT_VERSION = b"3\n"  # caffe2 kProducedFileFormatVersion, written as "version"
+_FLAG_DESCRIPTOR = 0x0008  # sizes and CRC follow the data (miniz always sets it for data)
+_FLAG_UTF8 = 0x0800
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_EOCD = struct.Struct("<IHHHHIIH")
+
+
+def _padding(cursor: int, name_len: int, size: int) -> int:
+    """Bytes of 'Z' padding torch puts in its 'FB' extra field (caffe2 getPadding)."""
+    start = cursor + _LOCAL.size + name_len + 4
+    if size >= _U32 or cursor >= _U32:
+        start += 4  # the zip64 extra field's header
+        if size >= _U32:
+            start += 16
+        if cursor >= _U32:
+            start += 8
+    return -start % _ALIGNMENT
+
+
+def _zip64_extra(fields: list[int]) -> bytes:
+    return struct.pack(f"<HH{len(fields)}Q", 0x0001, 8 * len(fields), *fields) if fields else b""
+
+
+def _hash_bytes(data: bytes, seed: int = 0xC70F6907) -> int:
+    """libstdc++'s std::hash<std::string> on 64-bit (MurmurHash64A variant)."""
+    mul = 0xC6A4A7935BD1E995
+    n = len(data)
+    aligned = n & ~7
+    h = (seed ^ (n * mul)) & _U64
+    for i in range(0, aligned, 8):
+        v = (int.from_bytes(data[i : i + 8], "little") * mul) & _U64
+        h ^= ((v ^ (v >> 47)) * mul) & _U64
+        h = (h * mul) & _U64
+    if n & 7:
+        h ^= int.from_bytes(data[aligned:], "little")
+        h = (h * mul) & _U64
+    h = ((h ^ (h >> 47)) * mul) & _U64
+    return h ^ (h >> 47)
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """c10::hash_combine."""
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _U64) + (seed >> 2)) & _U64)) & _U64
+
+
+class _ZipBuilder:
+    """One torch.save archive laid out exactly as caffe2's PyTorchStreamWriter (miniz) does."""
+
+    def __init__(self) -> None:
+        self.parts: list[Buffer] = []
+        self.pos = 0
+        self.central: list[bytes] = []
+        self.names: list[str] = []
+        self.combined_crc = 0
+
+    def add(self, name: str, data: Buffer, crc: int | None = None) -> None:
+        size = len(data) if isinstance(data, bytes) else data.nbytes
+        if crc is None:
+            crc = zlib.crc32(data)
+        full = (_ARCHIVE_PREFIX + name).encode("utf-8")
+        ofs = self.pos
+        zip64 = size >= _U32 or ofs >= _U32
+        # zip64 extra fields: (uncompressed, compressed) sizes when the record is
+        # 4 GiB or more, the header offset when it lies beyond 4 GiB; the local
+        # copy is written before the data, when miniz's compressed size is still 0
+        local_extra = _zip64_extra(([size, 0] if size >= _U32 else []) + ([ofs] if ofs >= _U32 else []))
+        central_extra = _zip64_extra(([size, size] if size >= _U32 else []) + ([ofs] if ofs >= _U32 else []))
+        pad = _padding(ofs, len(full), size)
+        fb_extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        # miniz sets the data-descriptor flag only when there is data to describe
+        flags = _FLAG_UTF8 | (_FLAG_DESCRIPTOR if size else 0)
+        # the local header carries no sizes or CRC: they follow in the data descriptor
+        header = _LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(local_extra) + len(fb_extra))
+        self._emit(header + full + local_extra + fb_extra)
+        if size:
+            self._emit(data, size)
+            if zip64:
+                self._emit(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
+            else:
+                self._emit(struct.pack("<IIII", 0x08074B50, crc, size, size))
+            # PyTorchStreamWriter folds in the CRC of every data descriptor it writes
+            self.combined_crc = _hash_combine(self.combined_crc, crc)
+        self.central.append(
+            _CENTRAL.pack(
+                0x02014B50, 0, 0, flags, 0, 0, 0, crc if size else 0, min(size, _U32), min(size, _U32),
+                len(full), len(central_extra), 0, 0, 0, 0, min(ofs, _U32),
+            )
+            + full
+            + central_extra
+        )
+        self.names.append(name)
+
+    def _emit(self, part: Buffer, size: int | None = None) -> None:
+        self.parts.append(part)
+        self.pos += len(part) if size is None else size
+
+    def finish(self) -> tuple[list[Buffer], int]:
+        # PyTorchStreamWriter::writeSerializationId: a hash of the record names,
+        # in its unordered_set's iteration order (for these few names, newest
+        # first; the tests compare whole archives with torch.save's), then the
+        # hash of the data-descriptor CRCs
+        name_hash = 0
+        for name in reversed(self.names):
+            name_hash = _hash_combine(name_hash, _hash_bytes(name.encode("utf-8")))
+        self.add(".data/serialization_id", f"{name_hash:020d}{self.combined_crc:020d}".encode("ascii"))
+        cd_ofs = self.pos
+        central = b"".join(self.central)
+        n = len(self.central)
+        eocd64_ofs = cd_ofs + len(central)
+        # miniz is opened with MZ_ZIP_FLAG_WRITE_ZIP64, so the zip64 end records are always written
+        tail = (
+            central
+            + _ZIP64_EOCD.pack(0x06064B50, _ZIP64_EOCD.size - 12, 0x031E, 0x002D, 0, 0, n, n, len(central), cd_ofs)
+            + _ZIP64_LOCATOR.pack(0x07064B50, 0, eocd64_ofs, 1)
+            + _EOCD.pack(
+                0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), min(len(central), _U32), min(cd_ofs, _U32), 0
+            )
+        )
+        self._emit(tail)
+        return self.parts, self.pos
+
+
+def _archive(pickle_bytes: bytes, storage: tuple[memoryview, int] | None) -> tuple[list[Buffer], int]:
+    """A torch.save archive: data.pkl plus at most one storage (key "0"); (parts, length)."""
+    z = _ZipBuilder()
+    z.add("data.pkl", pickle_bytes)
+    z.add(".format_version", _FORMAT_VERSION)
+    z.add(".storage_alignment", _STORAGE_ALIGNMENT)
+    z.add("byteorder", _BYTEORDER)
+    if storage is not None:
+        data, crc = storage
+        z.add("data/0", data, crc)
+    z.add("version", _FILE_FORMAT_VERSION)
+    return z.finish()
+
+
+_REBUILD_V2 = Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = Global("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED_STORAGE = Global("torch.storage", "UntypedStorage")
+_ORDERED_DICT = Global("collections", "OrderedDict")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides for a contiguous tensor (size-0 and size-1 dims count as 1)."""
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def tensor_pickle(dtype: dtypes.DType, shape: tuple[int, ...]) -> bytes:
+    """torch.save's data.pkl for a contiguous tensor in storage "0"."""
+    numel = math.prod(shape)
+    hooks = Reduce(_ORDERED_DICT, ())
+    stride = _contiguous_strides(shape)
+    if dtype.torch_storage is not None:
+        # typed legacy storage: numel counts elements, the dtype is the storage's
+        pid = PersistentId(("storage", Global("torch", dtype.torch_storage), "0", "cpu", numel))
+        args: tuple[Any, ...] = (pid, 0, shape, stride, False, hooks)
+        return dumps(Reduce(_REBUILD_V2, args), 2)
+    # dtypes without a legacy storage class: untyped storage (numel counts bytes) plus the dtype
+    assert dtype.torch is not None
+    pid = PersistentId(("storage", _UNTYPED_STORAGE, "0", "cpu", numel * dtype.itemsize))
+    args = (pid, 0, shape, stride, False, hooks, Global("torch", dtype.torch))
+    return dumps(Reduce(_REBUILD_V3, args), 2)
+
+
+def plain_value(value: Any, where: str) -> Any:
+    """`value` with numpy scalars made Python scalars; an error for anything not plain."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if isinstance(value, np.generic) and not isinstance(value, np.void):
+        return plain_value(value.item(), where)  # numpy scalars load without numpy
+    if type(value) is list:
+        return [plain_value(v, where) for v in value]
+    if type(value) is tuple:
+        return tuple(plain_value(v, where) for v in value)
+    if type(value) is dict:
+        return {plain_value(k, where): plain_value(v, where) for k, v in value.items()}
+    raise DcpWriteError(
+        f"a {type(value).__name__} value cannot be stored (only None, bool, int, float, str, bytes, list, tuple, dict)",
+        where,
+    )
+
+
+def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
+    """torch.save of a plain Python value, as DCP stores non-tensor items."""
+    try:
+        pkl = dumps(plain_value(value, where), 2)
+    except RecursionError:
+        raise DcpWriteError("value nested too deeply to store", where) from None
+    except PickleWriteError as exc:
+        raise DcpWriteError(exc.message, where) from None
+    return _archive(pkl, None)
+
+
+def tensor_archive(dtype: dtypes.DType, data: np.ndarray) -> tuple[list[Buffer], int]:
+    """torch.save of a tensor holding `data` (C-contiguous, little-endian, of `dtype`)."""
+    raw = memoryview(data.reshape(-1).view(np.uint8))
+    return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, zlib.crc32(raw)))
+
+
+# ---------------------------------------------------------------------------
+# .metadata
+# ---------------------------------------------------------------------------
+_MD = "torch.distributed.checkpoint.metadata"
+_METADATA = Global(_MD, "Metadata")
+_TENSOR_STORAGE_METADATA = Global(_MD, "TensorStorageMetadata")
+_BYTES_STORAGE_METADATA = Global(_MD, "BytesStorageMetadata")
+_CHUNK_STORAGE_METADATA = Global(_MD, "ChunkStorageMetadata")
+_TENSOR_PROPERTIES = Global(_MD, "TensorProperties")
+_METADATA_INDEX = Global(_MD, "MetadataIndex")
+_STORAGE_META = Global(_MD, "StorageMeta")
+_STORAGE_INFO = Global("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_TORCH_SIZE = Global("torch", "Size")
+# singletons in torch (torch.strided, the enum member), so pickled once and then referenced
+_LAYOUT_STRIDED = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+_CONTIGUOUS_FORMAT = Reduce(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
+
+
+def _size(dims: Iterable[int]) -> Reduce:
+    # a fresh tuple of Python ints per torch.Size, as torch pickles them
+    return Reduce(_TORCH_SIZE, (tuple(int(d) for d in dims),))
+
+
+def _planner_keys(keys: Iterable[Any]) -> tuple[str | int, ...]:
+    """planner_data's key path: str keys and int sequence indices (numpy ints made Python ints)."""
+    return tuple(int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else str(k) for k in keys)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one archive was stored."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+def metadata_pickle(
+    targets: list[tuple[TargetArray, tuple[Chunk, ...]] | TargetValue],
+    entries: dict[tuple[str, int | None], _Entry],
+    *,
+    checkpoint_id: str | None,
+    save_id: str,
+) -> bytes:
+    """The `.metadata` pickle torch 2.13 writes for these targets and storage entries."""
+    sdm: dict[str, Any] = {}
+    planner: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    paths: dict[str, str] = {}  # one str object per file, so the pickle refers back to it
+
+    def info(entry: _Entry) -> Obj:
+        path = paths.setdefault(entry.relative_path, entry.relative_path)
+        # _StorageInfo.__getstate__ leaves out transform_descriptors when None
+        return Obj(_STORAGE_INFO, {"relative_path": path, "offset": entry.offset, "length": entry.length})
+
+    # state_dict_metadata and planner_data follow the state dict's order, as torch's do
+    for item in targets:
+        if isinstance(item, TargetValue):
+            sdm[item.name] = Obj(_BYTES_STORAGE_METADATA)  # empty __dict__: no BUILD
+            planner[item.name] = _planner_keys(item.keys)
+            storage[Obj(_METADATA_INDEX, {"fqn": item.name, "index": None})] = info(entries[(item.name, None)])
+            continue
+        target, chunks = item
+        dt = dtypes.get(target.dtype)
+        # TensorProperties.__getstate__ gives (dtype, layout, requires_grad, memory format, pin_memory)
+        props = Obj(
+            _TENSOR_PROPERTIES, (Global("torch", dt.torch or ""), _LAYOUT_STRIDED, False, _CONTIGUOUS_FORMAT, False)
+        )
+        chunk_md = [
+            Obj(_CHUNK_STORAGE_METADATA, {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}) for c in chunks
+        ]
+        sdm[target.name] = Obj(
+            _TENSOR_STORAGE_METADATA, {"properties": props, "size": _size(target.shape), "chunks": chunk_md}
+        )
+        planner[target.name] = _planner_keys(target.keys)
+        for i, c in enumerate(chunks):
+            # MetadataIndex.__init__ sets fqn, index, then offset: that is its __dict__ order
+            index = Obj(_METADATA_INDEX, {"fqn": target.name, "index": i, "offset": _size(c.offsets)})
+            storage[index] = info(entries[(target.name, i)])
+    storage_meta = Obj(
+        _STORAGE_META, {"checkpoint_id": checkpoint_id, "save_id": save_id, "load_id": None, "modules": []}
+    )
+    md = Obj(_METADATA, {
+        "state_dict_metadata": sdm,
+        "planner_data": planner,
+        "storage_data": storage,
+        "storage_meta": storage_meta,
+        "version": DCP_VERSION,
+    })
+    return dumps(md, 4)
+
+
+# ---------------------------------------------------------------------------
+# The writer
+# ---------------------------------------------------------------------------
+def _grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
+    """A regular grid as a chunk list, in C order (the engine's chunk indices)."""
+    if not shape:
+        return [Chunk((), ())]
+    ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
+    return [
+        Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
+        for off in itertools.product(*ranges)
+    ]
+
+
+@dataclass
+class _ListGroup:
+    """Values that are the elements of one list of plain values, stored as one item.
+
+    DCP's state-dict traversal stops at a list that holds no tensor and no
+    dict (torch saves such a list as one bytes item named after the list), so
+    a checkpoint holding `cfg.layers.0`, `cfg.layers.1` ... as separate items
+    cannot be loaded by torch: its loader looks for `cfg.layers`. Sources
+    that keep list elements apart (Orbax) are therefore merged back here.
+    """
+
+    target: TargetValue  # the merged item: keys and name of the list
+    members: dict[str, tuple[Any, ...]]  # member name -> its keys below the list
+    received: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> list[Any]:
+        root: dict[Any, Any] = {}
+        for name, rel in self.members.items():
+            node = root
+            for k in rel[:-1]:
+                node = node.setdefault(k, {})
+            node[rel[-1]] = self.received[name]
+
+        def as_list(node: Any) -> Any:
+            if not isinstance(node, dict):
+                return node
+            return [as_list(node[i]) for i in range(len(node))]
+
+        return as_list(root)
+
+
+def _list_groups(targets: list[TargetArray | TargetValue]) -> list[_ListGroup]:
+    """The lists of plain values DCP would save as single items (see _ListGroup)."""
+    root: dict[str, Any] = {"children": {}, "leaf": None}
+    for target in targets:
+        node = root
+        for k in target.keys:
+            node = node["children"].setdefault(k, {"children": {}, "leaf": None})
+        node["leaf"] = target
+
+    def is_list(node: dict[str, Any]) -> bool:
+        keys = list(node["children"])
+        # only a complete list can be rebuilt faithfully: indices 0..n-1
+        return (
+            node["leaf"] is None and bool(keys)
+            and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys)))
+        )
+
+    def terminal(node: dict[str, Any]) -> bool:
+        """A list whose elements are values or (recursively) such lists: no tensor, no dict."""
+        if not is_list(node):
+            return False
+        for child in node["children"].values():
+            if child["children"]:
+                if not terminal(child):
+                    return False
+            elif not isinstance(child["leaf"], TargetValue):
+                return False
+        return True
+
+    def members(node: dict[str, Any], rel: tuple[Any, ...]) -> Iterable[tuple[TargetValue, tuple[Any, ...]]]:
+        for k, child in node["children"].items():
+            if child["children"]:
+                yield from members(child, rel + (k,))
+            else:
+                yield child["leaf"], rel + (k,)
+
+    names = {t.name for t in targets}
+    groups: list[_ListGroup] = []
+
+    def visit(node: dict[str, Any], keys: tuple[Any, ...]) -> None:
+        for k, child in node["children"].items():
+            path = keys + (k,)
+            if terminal(child):
+                name = ".".join(str(x) for x in path)
+                if name not in names:  # never shadow a target of the plan
+                    merged = TargetValue(path, name, None, "object")
+                    groups.append(_ListGroup(merged, {t.name: rel for t, rel in members(child, ())}))
+                    continue
+            visit(child, path)
+
+    visit(root, ())
+    return groups
+
+
+@dataclass
+class _OpenFile:
+    """A data file being filled: archives are copied in, so callers may reuse their arrays."""
+
+    name: str
+    data: bytearray = field(default_factory=bytearray)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+class DcpWriter:
+    """Writes a torch.distributed.checkpoint directory through a Storage (see writers.CheckpointWriter)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        file_mb: float = DEFAULT_FILE_MB,
+        checkpoint_id: str | None = None,
+        merge_value_lists: bool = True,
+    ) -> None:
+        """file_mb: data file size before rolling over; checkpoint_id: recorded in
+        StorageMeta (default: plan.info["destination"], else the storage URL);
+        merge_value_lists: store lists of plain values as one item, as torch does
+        (see _ListGroup; without it torch cannot load such a checkpoint)."""
+        if not file_mb > 0:
+            raise DcpWriteError(f"file_mb must be positive, got {file_mb}")
+        self._storage = storage
+        self._file_bytes = max(1, int(file_mb * 2**20))
+        self._checkpoint_id = checkpoint_id
+        self._merge_value_lists = merge_value_lists
+        self._lock = threading.Lock()
+        self._plan: WritePlan | None = None
+        self._arrays: dict[str, tuple[TargetArray, tuple[Chunk, ...]]] = {}
+        self._values: dict[str, TargetValue] = {}  # the bytes items of the output
+        self._members: dict[str, _ListGroup] = {}  # value name -> the list it is merged into
+        # chunks no process is asked for: the single empty chunk of a zero-size
+        # tensor whose layout has none; the primary writes them itself
+        self._implicit: list[str] = []
+        self._entries: dict[tuple[str, int | None], _Entry] = {}
+        self._current: _OpenFile | None = None
+        self._next_file = 0
+        self._state = "new"  # new -> writing -> finished -> committed | aborted
+        self._save_id = ""
+
+    # -- protocol ----------------------------------------------------------------
+    def begin(self, plan: WritePlan) -> None:
+        if self._state != "new":
+            raise DcpWriteError("begin() called twice")
+        if not 0 <= plan.process_index < plan.process_count:
+            raise DcpWriteError(f"process index {plan.process_index} is outside 0..{plan.process_count - 1}")
+        seen: set[str] = set()
+        for target in plan.targets:
+            if not isinstance(target.name, str) or not target.name:
+                raise DcpWriteError("every target needs a non-empty name (its DCP fqn)", target.path)
+            if target.name in seen:
+                raise DcpWriteError(f"two targets share the fqn {target.name!r}", target.path)
+            seen.add(target.name)
+            if isinstance(target, TargetArray):
+                self._arrays[target.name] = (target, self._chunks_of(target))
+            else:
+                self._values[target.name] = target
+        for group in _list_groups(plan.targets) if self._merge_value_lists else []:
+            for name in group.members:
+                del self._values[name]
+                self._members[name] = group
+            self._values[group.target.name] = group.target
+        self._plan = plan
+        self._save_id = str(uuid.uuid4())
+        self._state = "writing"
+
+    def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
+        self._check_state("writing")
+        planned = self._arrays.get(target.name)
+        if planned is None:
+            raise DcpWriteError("write_array for a target that is not in the plan", target.name)
+        _, chunks = planned
+        if not 0 <= chunk_index < len(chunks):
+            raise DcpWriteError(f"chunk index {chunk_index} is outside 0..{len(chunks) - 1}", target.name)
+        chunk = chunks[chunk_index]
+        got = tuple((r.start, r.stop) for r in region)
+        want = tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+        if got != want:
+            raise DcpWriteError(f"region {list(got)} is not chunk {chunk_index}'s {list(want)}", target.name)
+        dt = dtypes.get(target.dtype)
+        arr = self._as_stored(data, dt, chunk.sizes, target.name)
+        parts, length = tensor_archive(dt, arr)
+        self._append((target.name, chunk_index), parts, length)
+
+    def write_value(self, target: TargetValue) -> None:
+        self._check_state("writing")
+        group = self._members.get(target.name)
+        if group is not None:
+            value = plain_value(target.value, target.name)  # fail now, not when the list completes
+            with self._lock:
+                if target.name in group.received:
+                    raise DcpWriteError(f"value {target.name!r} was written twice")
+                group.received[target.name] = value
+                complete = len(group.received) == len(group.members)
+            if complete:
+                merged = group.target
+                self._append((merged.name, None), *value_archive(group.build(), merged.name))
+            return
+        if self._values.get(target.name) is None:
+            raise DcpWriteError("write_value for a target that is not in the plan", target.name)
+        parts, length = value_archive(target.value, target.name)
+        self._append((target.name, None), parts, length)
+
+    def finish_process(self) -> None:
+        self._check_state("writing")
+        plan = self._require_plan()
+        for group in {id(g): g for g in self._members.values()}.values():
+            if 0 < len(group.received) < len(group.members):
+                raise DcpWriteError(
+                    f"only {len(group.received)} of the {len(group.members)} elements of list "
+                    f"{group.target.name!r} were written (one process must write them all)"
+                )
+        if plan.process_index == 0:
+            for name in self._implicit:
+                target, chunks = self._arrays[name]
+                dt = dtypes.get(target.dtype)
+                arr = np.empty(chunks[0].sizes, dtype=dtypes.numpy_dtype(target.dtype))
+                self._append((name, 0), *tensor_archive(dt, arr))
+        with self._lock:
+            last, self._current = self._current, None
+        if last is not None:
+            self._flush(last)
+        if plan.process_count > 1 and plan.process_index != 0:
+            self._storage.write(f"{SIDECAR_PREFIX}{plan.process_index}", self._sidecar())
+        self._state = "finished"
+
+    def commit(self) -> None:
+        self._check_state("finished")
+        plan = self._require_plan()
+        if plan.process_index != 0:
+            raise DcpWriteError("commit() runs on the primary process (index 0) only")
+        entries = dict(self._entries)
+        sidecars = [f"{SIDECAR_PREFIX}{rank}" for rank in range(1, plan.process_count)]
+        for rank, key in enumerate(sidecars, start=1):
+            for entry_key, entry in self._read_sidecar(key, rank).items():
+                if entry_key in entries:
+                    raise CorruptMetadataError(f"{_describe(entry_key)} was written by two processes", self._where(key))
+                entries[entry_key] = entry
+        targets: list[tuple[TargetArray, tuple[Chunk, ...]] | TargetValue] = []
+        for t in plan.targets:
+            if isinstance(t, TargetArray):
+                targets.append(self._arrays[t.name])
+            else:
+                group = self._members.get(t.name)
+                item = group.target if group is not None else self._values[t.name]
+                # a merged list takes the place of its first element
+                if group is None or next(iter(group.members)) == t.name:
+                    targets.append(item)
+        missing: list[tuple[str, int | None]] = []
+        for item in targets:
+            if isinstance(item, TargetValue):
+                keys: list[tuple[str, int | None]] = [(item.name, None)]
+            else:
+                keys = [(item[0].name, i) for i in range(len(item[1]))]
+            missing.extend(k for k in keys if k not in entries)
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise IncompleteCheckpointError(f"nothing was written for {_describe(missing[0])}{more}", self._storage.url)
+        checkpoint_id = self._checkpoint_id or plan.info.get("destination") or self._storage.url
+        data = metadata_pickle(targets, entries, checkpoint_id=str(checkpoint_id), save_id=self._save_id)
+        # the sidecars go first so that .metadata, the commit marker, is the last write
+        for key in sidecars:
+            self._delete(key)
+        self._storage.write(METADATA_FILE, data)
+        self._state = "committed"
+
+    def abort(self) -> None:
+        with self._lock:
+            self._current = None
+            self._entries.clear()
+        self._state = "aborted"
+
+    # -- internals ---------------------------------------------------------------
+    def _require_plan(self) -> WritePlan:
+        if self._plan is None:
+            raise DcpWriteError("begin() was not called")
+        return self._plan
+
+    def _check_state(self, want: str) -> None:
+        if self._state != want:
+            raise DcpWriteError(
+                f"writer is {self._state}, expected {want} (call order: begin, write, finish_process, commit)"
+            )
+
+    def _chunks_of(self, target: TargetArray) -> tuple[Chunk, ...]:
+        dt = dtypes.get(target.dtype)
+        if dt.torch is None:
+            raise DcpWriteError(f"dtype {target.dtype} has no torch equivalent", target.path)
+        shape = tuple(target.shape)
+        if any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0 for n in shape):
+            raise DcpWriteError(f"invalid shape {list(shape)}", target.path)
+        layout = target.layout
+        if isinstance(layout, ChunkList):
+            chunks = tuple(layout.chunks)
+        elif isinstance(layout, RegularGrid):
+            if len(layout.chunk_shape) != len(shape):
+                raise DcpWriteError(
+                    f"chunk shape {list(layout.chunk_shape)} does not match rank {len(shape)}", target.path
+                )
+            chunks = tuple(_grid_chunks(shape, tuple(layout.chunk_shape)))
+        else:
+            raise DcpWriteError(f"unknown chunk layout {type(layout).__name__}", target.path)
+        for c in chunks:
+            where = f"chunk {list(c.offsets)}+{list(c.sizes)}"
+            if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+                raise DcpWriteError(f"{where} does not match rank {len(shape)}", target.path)
+            if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
+                raise DcpWriteError(f"{where} lies outside shape {list(shape)}", target.path)
+        if not chunks:
+            if math.prod(shape) != 0:
+                raise DcpWriteError(f"no chunks for a tensor of shape {list(shape)}", target.path)
+            # torch saves an empty tensor as one empty chunk; nobody will be asked for it
+            chunks = (Chunk((0,) * len(shape), shape),)
+            self._implicit.append(target.name)
+        return chunks
+
+    @staticmethod
+    def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where: str) -> np.ndarray:
+        """The chunk's data as a C-contiguous little-endian array of the target dtype."""
+        if isinstance(data, np.generic):
+            data = np.asarray(data)  # indexing a 0-d array with () gives a numpy scalar
+        if not isinstance(data, np.ndarray):
+            raise DcpWriteError(f"chunk data must be a numpy array, got {type(data).__name__}", where)
+        if tuple(data.shape) != tuple(sizes):
+            raise DcpWriteError(f"chunk data has shape {list(data.shape)}, expected {list(sizes)}", where)
+        order = data.dtype.byteorder
+        if data.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+            # DCP stores little-endian bytes: the same values, byte-swapped
+            data = data.byteswap().view(data.dtype.newbyteorder("<"))
+        want = dt.numpy
+        if data.dtype != want:
+            raise DcpWriteError(f"chunk data is {data.dtype}, expected {dt.name}", where)
+        # (np.ascontiguousarray alone would turn a 0-d array into shape (1,))
+        return np.ascontiguousarray(data).reshape(data.shape)
+
+    def _append(self, key: tuple[str, int | None], parts: list[Buffer], length: int) -> None:
+        """Place one archive in the current data file; flush files that are full."""
+        full: list[_OpenFile] = []
+        with self._lock:
+            if self._state != "writing":
+                raise DcpWriteError(f"writer is {self._state}")
+            if key in self._entries:
+                raise DcpWriteError(f"{_describe(key)} was written twice")
+            cur = self._current
+            if cur is not None and cur.size and cur.size + length > self._file_bytes:
+                full.append(cur)
+                cur = None
+            if cur is None:
+                cur = self._current = _OpenFile(self._new_file_name())
+            self._entries[key] = _Entry(cur.name, cur.size, length)
+            if not cur.size and length >= self._file_bytes:
+                # an archive with a file of its own: allocated once at its exact
+                # size (growing a bytearray would copy it and over-allocate 1/8)
+                cur.data = bytearray(length)
+                pos = 0
+                with memoryview(cur.data) as view:
+                    for part in parts:
+                        n = len(part) if isinstance(part, bytes) else part.nbytes
+                        view[pos : pos + n] = part
+                        pos += n
+            else:
+                for part in parts:
+                    cur.data += part
+            if cur.size >= self._file_bytes:
+                full.append(cur)
+                self._current = None
+        # written outside the lock: other threads keep filling the next file meanwhile
+        for f in full:
+            self._flush(f)
+
+    def _new_file_name(self) -> str:
+        plan = self._require_plan()
+        name = f"__{plan.process_index}_{self._next_file}.distcp"
+        self._next_file += 1
+        return name
+
+    def _flush(self, f: _OpenFile) -> None:
+        # the kvstore takes the bytearray as it is: no extra copy of the file here
+        data, f.data = f.data, bytearray()
+        self._storage.write(f.name, data)  # type: ignore[arg-type]
+
+    def _sidecar(self) -> bytes:
+        plan = self._require_plan()
+        with self._lock:
+            rows = [[name, index, e.relative_path, e.offset, e.length] for (name, index), e in self._entries.items()]
+        doc = {
+            "format": "ckpt-dcp-entries",
+            "version": 1,
+            "process_index": plan.process_index,
+            "process_count": plan.process_count,
+            "entries": rows,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+    def _read_sidecar(self, key: str, rank: int) -> dict[tuple[str, int | None], _Entry]:
+        where = self._where(key)
+        try:
+            raw = self._storage.read(key)
+        except NotFoundError:
+            raise IncompleteCheckpointError(
+                f"process {rank} did not finish writing (no {key})", self._storage.url
+            ) from None
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptMetadataError(f"not JSON: {exc}", where) from None
+        if not isinstance(doc, dict) or doc.get("format") != "ckpt-dcp-entries" or doc.get("process_index") != rank:
+            raise CorruptMetadataError(f"not the entry list of process {rank}", where)
+        rows = doc.get("entries")
+        if not isinstance(rows, list):
+            raise CorruptMetadataError("entries is not a list", where)
+        out: dict[tuple[str, int | None], _Entry] = {}
+        for row in rows:
+            ok = (
+                isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
+                and (row[1] is None or type(row[1]) is int) and isinstance(row[2], str)
+                and type(row[3]) is int and type(row[4]) is int and row[3] >= 0 and row[4] > 0
+            )
+            if not ok:
+                raise CorruptMetadataError(f"invalid entry {str(row)[:80]}", where)
+            name, index, path, offset, length = row
+            entry_key = (name, index)
+            known = (
+                name in self._values if index is None
+                else name in self._arrays and 0 <= index < len(self._arrays[name][1])
+            )
+            if not known:
+                raise CorruptMetadataError(
+                    f"{_describe(entry_key)} is not in this plan (processes ran different plans?)", where
+                )
+            out[entry_key] = _Entry(path, offset, length)
+        return out
+
+    def _delete(self, key: str) -> None:
+        self._storage.delete(key)
+
+    def _where(self, key: str) -> str:
+        return f"{self._storage.url}/{key}"
+
+
+def _describe(key: tuple[str, int | None]) -> str:
+    name, index = key
+    return f"value {name!r}" if index is None else f"chunk {index} of {name!r}"
