@@ -463,6 +463,20 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False) -> Checkpoin
 # -- convert ---------------------------------------------------------------------
 
 
+@dataclass
+class PlannedWrite:
+    """A plan made by another command (reshard) for `convert` to write as it is.
+
+    `owns(n, rank)` says whether process `rank` writes the n-th chunk of the
+    plan (in stream()'s order); None splits the chunks round robin.
+    """
+
+    source: Checkpoint
+    plan: WritePlan
+    sources: dict[str, ArrayLeaf]
+    owns: Callable[[int, int], bool] | None = None
+
+
 class Coordinator:
     """Barriers between the processes of a multi-host run (one process: no-ops)."""
 
@@ -480,16 +494,24 @@ def convert(
     *,
     progress: Progress = no_progress,
     coordinator: Coordinator | None = None,
+    planned: PlannedWrite | None = None,
 ) -> ConvertResult:
-    """Convert `source` into `destination` in format opts.to; all or nothing."""
+    """Convert `source` into `destination` in format opts.to; all or nothing.
+
+    `planned`: write that plan (made and checked by the caller, e.g. reshard)
+    instead of planning a conversion; opts still give the output options.
+    """
     from .formats import open_checkpoint
 
     coord = coordinator or Coordinator()
     started = time.monotonic()
-    src = open_checkpoint(source, step=opts.step)
-    if not src.committed:
-        raise CkptError("the source is an uncommitted save; refusing to convert it", source)
-    plan, skipped, sources = plan_conversion(src, opts)
+    if planned is None:
+        src = open_checkpoint(source, step=opts.step)
+        if not src.committed:
+            raise CkptError("the source is an uncommitted save; refusing to convert it", source)
+        plan, skipped, sources = plan_conversion(src, opts)
+    else:
+        src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     primary = coord.process_index == 0
@@ -504,9 +526,10 @@ def convert(
     try:
         writer.begin(plan)
         rank, size = coord.process_index, coord.process_count
+        chosen = planned.owns if planned is not None else None
         result.chunks, result.bytes = stream(
             plan, sources, writer, workers=opts.workers, progress=progress,
-            owns=lambda n: n % size == rank,
+            owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),
         )
         if primary:
             for value in plan.values():

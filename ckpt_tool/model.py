@@ -10,6 +10,7 @@ scalar, string or other non-tensor item, decoded only when asked.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class ChunkList:
     def count(self, shape: Sequence[int]) -> int:
         return len(self.chunks)
 
-    @property
+    @functools.cached_property
     def chunk_shape(self) -> tuple[int, ...] | None:
         """The common chunk shape when every chunk has the same sizes."""
         sizes = {c.sizes for c in self.chunks}

@@ -267,8 +267,8 @@ def _entry(info: Any, where: str) -> _Entry:
 
 
 def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
-    if type(value) is Size:
-        return tuple(value)  # checked to be ints when it was unpickled
+    if type(value) is Size and (not value or set(map(type, value)) == {int}):
+        return tuple(value)
     if not isinstance(value, (tuple, list)) or (value and set(map(type, value)) != {int}):
         raise CorruptMetadataError(f"{what} is not a tuple of ints: {_short(value)}", where)
     return tuple(value)

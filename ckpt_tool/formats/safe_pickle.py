@@ -111,16 +111,11 @@ _DTYPE_SINGLETONS = {name: TorchDType(name) for name in _TORCH_DTYPE_NAMES}
 
 
 class Size(tuple):
-    """`torch.Size`: a tuple of ints."""
+    """`torch.Size`: a tuple (built by tuple's own constructor, at C speed:
+    a .metadata holds thousands). Its elements are checked to be ints where
+    the reader uses it (dcp._int_tuple), not here."""
 
     __slots__ = ()
-
-    def __new__(cls, dims: Any = ()) -> "Size":
-        values = tuple(dims)
-        # set(map(type, ...)) runs in C: thousands of sizes per .metadata
-        if values and set(map(type, values)) != {int}:
-            raise TypeError(f"torch.Size of non-integers {values!r}")
-        return super().__new__(cls, values)
 
     def __repr__(self) -> str:
         return f"torch.Size({list(self)})"
@@ -412,8 +407,10 @@ class TensorProperties(Record):
                 "memory_format": "contiguous_format", "pin_memory": False}
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 5:
-            state = dict(zip(self.FIELDS, state))
+        if type(state) is tuple and len(state) == 5:
+            # the form torch writes, once per tensor: set the five fields directly
+            self.__dict__.update(zip(self.FIELDS, state))
+            return
         super().__setstate__(state)
 
 
