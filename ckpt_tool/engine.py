@@ -30,7 +30,10 @@ from . import dtypes
 from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
 from .formats import TMP_MARKER
-from .model import ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex
+from .model import (
+    ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
+    grid_chunks, split_to_cap,
+)
 from .storage import Storage, _kvstore_spec
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
@@ -110,40 +113,6 @@ def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]
         keys[i] if i < len(keys) and isinstance(keys[i], int) and str(keys[i]) == p else p
         for i, p in enumerate(parts)
     )
-
-
-def split_to_cap(chunk: Chunk, itemsize: int, cap_bytes: int) -> list[Chunk]:
-    """Split a chunk along its leading dimensions until each piece is at most cap_bytes."""
-    nbytes = math.prod(chunk.sizes) * itemsize
-    if nbytes <= cap_bytes or not chunk.sizes:
-        return [chunk]
-    for dim, size in enumerate(chunk.sizes):
-        if size > 1:
-            row_bytes = nbytes // size
-            step = max(1, cap_bytes // max(1, row_bytes))
-            if step >= size:
-                continue
-            pieces = []
-            for start in range(0, size, step):
-                offsets = list(chunk.offsets)
-                sizes = list(chunk.sizes)
-                offsets[dim] += start
-                sizes[dim] = min(step, size - start)
-                pieces.extend(split_to_cap(Chunk(tuple(offsets), tuple(sizes)), itemsize, cap_bytes))
-            return pieces
-    return [chunk]
-
-
-def grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
-    import itertools
-
-    if not shape:
-        return [Chunk((), ())]
-    ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
-    return [
-        Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
-        for off in itertools.product(*ranges)
-    ]
 
 
 def as_regular_grid(layout: ChunkLayout, shape: tuple[int, ...]) -> tuple[int, ...] | None:

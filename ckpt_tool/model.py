@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -71,6 +72,45 @@ class ChunkList:
 
 
 ChunkLayout = Union[RegularGrid, ChunkList]
+
+
+def split_to_cap(chunk: Chunk, itemsize: int, cap_bytes: int) -> list[Chunk]:
+    """Split a chunk along its leading dimensions until each piece is at most cap_bytes."""
+    nbytes = math.prod(chunk.sizes) * itemsize
+    if nbytes <= cap_bytes or not chunk.sizes:
+        return [chunk]
+    for dim, size in enumerate(chunk.sizes):
+        if size > 1:
+            row_bytes = nbytes // size
+            step = max(1, cap_bytes // max(1, row_bytes))
+            if step >= size:
+                continue
+            pieces = []
+            for start in range(0, size, step):
+                offsets = list(chunk.offsets)
+                sizes = list(chunk.sizes)
+                offsets[dim] += start
+                sizes[dim] = min(step, size - start)
+                pieces.extend(split_to_cap(Chunk(tuple(offsets), tuple(sizes)), itemsize, cap_bytes))
+            return pieces
+    return [chunk]
+
+
+def grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
+    if not shape:
+        return [Chunk((), ())]
+    ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
+    return [
+        Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
+        for off in itertools.product(*ranges)
+    ]
+
+
+def stored_chunks(shape: tuple[int, ...], layout: ChunkLayout) -> list[Chunk]:
+    """The chunks a layout stores, as explicit offsets and sizes."""
+    if isinstance(layout, ChunkList):
+        return list(layout.chunks)
+    return grid_chunks(shape, layout.chunk_shape)
 
 
 @dataclass(frozen=True)
@@ -169,6 +209,9 @@ class ArrayLeaf:
     layout: ChunkLayout
     sharding: Sharding | None = None
     reader: RegionReader | None = field(default=None, repr=False, compare=False)
+    # checks stored chunk i's integrity without decoding it (a checksum over
+    # its bytes), where the format has one that a region read cannot check
+    verifier: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
     # format-specific facts worth showing (e.g. Orbax value_type, zarr codecs)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -26,6 +26,7 @@ from ckpt_tool.formats import dcp as dcp_reader
 from ckpt_tool.formats import torch_payload
 from ckpt_tool.model import Chunk
 from ckpt_tool.storage import Storage
+import ckpt_tool
 from ckpt_tool.validate import validate_checkpoint
 from ckpt_tool.validate.dcp_checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered
 
@@ -592,3 +593,27 @@ def test_geometry_findings_match_brute_force(case):
     # the fast path is sufficient, never wrong (a non-grid tiling takes the slow path)
     if _tiles_exactly(shape, boxes):
         assert (mask == 1).all()
+
+
+def test_deep_checks_crc_of_chunks_read_in_blocks(tmp_path, monkeypatch):
+    """A chunk bigger than the deep block size is decoded in blocks; its CRC is still checked."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_tool.validate import deep
+
+    path = tmp_path / "big"
+    dcp.save({"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}, checkpoint_id=str(path))
+    monkeypatch.setattr(deep, "BLOCK_BYTES", 1024)  # the 16 KiB chunk is read in 16 blocks
+    assert validate_checkpoint(str(path), deep=True).ok()
+    leaf = ckpt_tool.open(str(path))["w"]
+    entry = leaf.extra["storage"][0]
+    data_file = path / entry["file"]
+    raw = bytearray(data_file.read_bytes())
+    # flip a bit in the middle of the tensor data: -0.0 vs 0.0 style changes still decode fine
+    middle = entry["offset"] + entry["length"] // 2
+    raw[middle] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    report = validate_checkpoint(str(path), deep=True)
+    assert [(f.code, f.leaf) for f in report.findings if f.severity == "error"] == [("bad-chunk", "w")]
+    assert "CRC-32" in report.findings[0].message

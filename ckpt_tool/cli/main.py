@@ -27,6 +27,7 @@ COMMANDS = {
     "validate": "ckpt_tool.cli.validate_cmd:validate_command",
     "diff": "ckpt_tool.cli.diff_cmd:diff_command",
     "convert": "ckpt_tool.cli.convert_cmd:convert_command",
+    "reshard": "ckpt_tool.cli.reshard_cmd:reshard_command",
 }
 
 

@@ -288,6 +288,7 @@ def _entry_where(storage: Storage, entry: _Entry, fqn: str) -> str:
 
 def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _TensorItem) -> ArrayLeaf:
     extra: dict[str, Any] = {"storage": [e.to_json() for e in item.entries]}
+    reader = _TensorReader(storage, fqn, item)
     if item.requires_grad:
         extra["requires_grad"] = True
     return ArrayLeaf(
@@ -297,7 +298,8 @@ def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _Tensor
         dtype=item.dtype,
         layout=ChunkList(tuple(item.chunks)),
         sharding=Sharding(kind="chunks", chunks=len(item.chunks)),
-        reader=_TensorReader(storage, fqn, item),
+        reader=reader,
+        verifier=reader.verify_chunk,
         extra=extra,
     )
 
@@ -368,6 +370,11 @@ class _TensorReader:
 
         _map(copy, list(zip(tasks, sources)))
         return out
+
+    def verify_chunk(self, i: int) -> None:
+        """Stream chunk i's stored bytes through its CRC-32 (for chunks read in blocks)."""
+        payload, fetch, where = self._locate(i)
+        torch_payload.verify_crc(payload, fetch, where)
 
     def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
         """Every element of the region must come from some chunk (no uninitialised output)."""

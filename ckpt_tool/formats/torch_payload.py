@@ -339,6 +339,22 @@ def read_region(payload: TensorPayload, region: Region | None, fetch: Fetch, whe
     return _to_native(out) if payload.big_endian else out
 
 
+def verify_crc(payload: TensorPayload, fetch: Fetch, where: str, block_bytes: int = 8 * 2**20) -> None:
+    """Check the storage member's CRC-32 by streaming it in blocks (bounded memory)."""
+    if not payload.data_crc:
+        return  # torch was told not to record CRCs
+    crc = 0
+    end = payload.data_offset + payload.data_length
+    for start in range(payload.data_offset, end, block_bytes):
+        stop = min(end, start + block_bytes)
+        raw = fetch(start, stop)
+        if len(raw) != stop - start:
+            raise CorruptMetadataError(f"short read: wanted {stop - start} bytes, got {len(raw)}", where)
+        crc = zlib.crc32(raw, crc)
+    if crc != payload.data_crc:
+        raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
+
+
 def _to_native(arr: np.ndarray) -> np.ndarray:
     """Byte-swap a big-endian storage's values (ml_dtypes have no byte order of their own)."""
     size = arr.dtype.itemsize
