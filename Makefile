@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install compile demo test bench fixtures clean
 
+# compat mode puts the source on sys.path through a .pth file instead of an
+# import hook that costs every `ckpt` start ~20 ms
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# compat mode puts the source on sys.path through a .pth file instead of an
-	# import hook that costs every `ckpt` start ~20 ms
 	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
@@ -23,7 +23,7 @@ compile: $(STAMP)
 install: compile
 
 demo: compile
-	@bash fixtures/demo.sh $(VENV)/bin/ckpt
+	@bash fixtures/demo.sh $(CURDIR)/$(VENV)/bin/ckpt
 
 test: compile
 	$(PY) -m pytest -q

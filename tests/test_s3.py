@@ -84,3 +84,26 @@ def test_missing_s3_prefix_is_one_line(s3_env):
     r = run_ckpt("inspect", f"s3://{BUCKET}/nothing/here", env=s3_env)
     assert r.returncode == 1
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_convert_between_s3_and_local(s3_env, tmp_path):
+    src = f"s3://{BUCKET}/run/orbax_ocdbt_zarr2"
+    dst = f"s3://{BUCKET}/out/dcp_from_orbax"
+    r = run_ckpt("convert", src, dst, "--to", "dcp", "--json", env=s3_env)
+    assert r.returncode == 0, r.stderr
+    assert run_ckpt("validate", dst, "--deep", env=s3_env).returncode == 0
+    d = run_ckpt("diff", str(fixture_path("orbax_ocdbt_zarr2")), dst, "--values", env=s3_env)
+    assert d.returncode == 0, d.stdout + d.stderr
+    # an existing S3 destination is refused without --overwrite
+    again = run_ckpt("convert", src, dst, "--to", "dcp", env=s3_env)
+    assert again.returncode == 1 and "destination exists" in again.stderr
+    # and back from S3 to a local Orbax checkpoint
+    local = tmp_path / "orbax_again"
+    r = run_ckpt("convert", dst, str(local), "--to", "orbax", env=s3_env)
+    assert r.returncode == 0, r.stderr
+    d = run_ckpt("diff", str(fixture_path("orbax_ocdbt_zarr2")), str(local), "--values")
+    assert d.returncode == 0, d.stdout + d.stderr
+    # a local DCP checkpoint into an S3 Orbax one
+    r = run_ckpt("convert", str(fixture_path("dcp_multirank")), f"s3://{BUCKET}/out/orbax_from_dcp", "--to", "orbax", env=s3_env)
+    assert r.returncode == 0, r.stderr
+    assert run_ckpt("validate", f"s3://{BUCKET}/out/orbax_from_dcp", "--deep", env=s3_env).returncode == 0
