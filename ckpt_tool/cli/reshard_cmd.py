@@ -1,0 +1,138 @@
+"""`ckpt reshard SRC DST --mesh data=2,model=4`: lay a checkpoint out for a new mesh."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
+from .progress import ProgressBar
+from .render import Output, esc, human_bytes
+
+
+@click.command("reshard")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--mesh", required=True, metavar="AXIS=SIZE,...", help="The new mesh's axes and sizes, e.g. data=2,model=4.")
+@click.option("--devices", type=click.IntRange(min=1), metavar="N",
+              help="Lay out for N devices (ids 0..N-1) instead of this machine's jax devices; needs no device.")
+@click.option("--rules", "rules", metavar="FILE",
+              help='TOML or JSON list of [regex, partition spec], first match wins, e.g. [["kernel$", [null, "model"]], [".*", []]].')
+@click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (specs, shard shapes, bytes per process, memory per device); write nothing.")
+@click.option("--zarr3", is_flag=True, help="Write zarr v3 instead of v2.")
+@click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves Orbax cannot hold (DCP sources).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing DST.")
+@click.option("--step", help="Source CheckpointManager root: step number or 'latest'.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk copies.")
+@click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS).")
+@click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES).")
+@click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the plan with --dry-run, else a summary).")
+def reshard_command(
+    src: str, dst: str, mesh: str, devices: int | None, rules: str | None, fsdp: str | None, dry_run: bool,
+    zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
+    coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool,
+) -> None:
+    """Write SRC (Orbax or DCP) into DST as an Orbax checkpoint laid out for a
+    new device mesh: each array keeps its recorded partition spec where it
+    fits the new mesh (else that dimension is replicated) unless --rules or
+    --fsdp say otherwise. Every spec is checked before DST is created; SRC is
+    never written. Run the same command on every host to split the work."""
+    from ..distributed import JaxCoordinator, process_spec
+
+    spec = process_spec(coordinator, num_processes, process_id)
+    opts = ReshardOptions(
+        mesh=mesh, devices=devices, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
+        overwrite=overwrite, step=step, skip_unsupported=skip_unsupported,
+    )
+    if dry_run and devices is not None:
+        # a plan for N hypothetical devices needs neither devices nor the other hosts
+        opts.process_count = spec.num_processes
+        plan = plan_reshard(src, dst, opts)
+        _show_plan(Output(json_mode=as_json), plan, as_json)
+        sys.exit(0 if plan.ok else 1)
+    coord = JaxCoordinator(spec) if spec.requested else None
+    # after the coordinator, which moves sys.stdout away from fd 1 (gloo's chatter)
+    out = Output(json_mode=as_json)
+    if dry_run:
+        plan = plan_reshard(src, dst, opts, coordinator=coord)
+        _show_plan(out, plan, as_json)
+        sys.exit(0 if plan.ok else 1)
+    bar = ProgressBar(out, "resharding") if out.is_terminal and not as_json else None
+    try:
+        result = reshard(src, dst, opts, progress=bar.update if bar else (lambda *a: None), coordinator=coord)
+    finally:
+        if bar:
+            bar.close()
+    if as_json:
+        out.json(result.to_json())
+        return
+    plan = result.plan
+    # one line per distinct note (a model repeats the same reason for many layers); --dry-run has them per leaf
+    by_note: dict[str, list[str]] = {}
+    for lp in plan.leaves:
+        for note in lp.notes:
+            by_note.setdefault(note, []).append(lp.path)
+    for note, paths in by_note.items():
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        out.line(f"[yellow]{esc(note)}[/yellow]: {esc(', '.join(paths[:3]))}{more}")
+    for path, reason in plan.skipped:
+        out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    rate = result.bytes / result.seconds if result.seconds else 0
+    where = f" (process {result.process_index} of {result.process_count})" if result.process_count > 1 else ""
+    out.line(
+        f"[bold green]resharded[/bold green] {esc(src)} ({plan.source_format}) -> {esc(dst)} for mesh "
+        f"{esc(plan.mesh.describe())} ({plan.mesh.size} devices){where}: {len(plan.leaves)} arrays, "
+        f"{len(plan.values)} values, {result.chunks} chunks, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
+        f"({human_bytes(rate)}/s); {human_bytes(plan.device_bytes)} per device after restore"
+    )
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else "[" + ",".join(str(s) for s in shape) + "]"
+
+
+def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
+    if as_json:
+        out.json(plan.to_json())
+        return
+    m = plan.mesh
+    ids = m.device_ids
+    id_text = f"{ids[0]}..{ids[-1]}" if list(ids) == list(range(ids[0], ids[0] + len(ids))) else ", ".join(map(str, ids))
+    origin = "--devices" if m.origin == "--devices" else f"this job's {m.platform} devices"
+    out.header(f"reshard plan: {esc(plan.source)} ({plan.source_format}) -> {esc(plan.destination)}", [
+        ("mesh", f"{esc(m.describe())}: {m.size} devices ({origin}, ids {esc(id_text)})"),
+        ("processes", str(plan.process_count)),
+        ("leaves", f"{sum(lp.placement == 'mesh' for lp in plan.leaves)} arrays on the mesh, "
+                   f"{sum(lp.placement == 'host' for lp in plan.leaves)} host arrays, {len(plan.values)} values"),
+    ])
+    out.line()
+    for lp in plan.leaves:
+        head = f"[bold]{esc(lp.path)}[/bold] {lp.dtype}{_shape(lp.shape)}"
+        if lp.error:
+            out.line(f"{head}  [red]error[/red]: {esc(lp.error)}")
+            continue
+        if lp.placement == "host":
+            out.line(f"{head}  host array, copied as it is (chunk {_shape(lp.chunk_shape)})")
+            continue
+        split = f", {lp.replicas} replicas split on dim {lp.split_dim}" if lp.split_dim is not None else (
+            f", {lp.replicas} replicas" if lp.replicas > 1 else "")
+        out.line(
+            f"{head}  {esc(format_spec(lp.old_spec) if lp.old_spec is not None else lp.old)} -> [cyan]{esc(format_spec(lp.new_spec))}[/cyan] "
+            f"({esc(lp.origin)})  shard {_shape(lp.shard_shape)}  chunk {_shape(lp.chunk_shape)}{split}  "
+            f"{lp.chunks} chunk{'s' * (lp.chunks != 1)}"
+        )
+        for note in lp.notes:
+            out.line(f"    [yellow]{esc(note)}[/yellow]")
+    for path, reason in plan.skipped:
+        out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    out.line()
+    for i, load in enumerate(plan.processes):
+        out.line(f"process {i}: {load.chunks} chunks, read {human_bytes(load.bytes_read)}, "
+                 f"write {human_bytes(load.bytes_written)}")
+    host = f"; host arrays {human_bytes(plan.host_bytes)}" if plan.host_bytes else ""
+    out.line(f"per device after restore: {human_bytes(plan.device_bytes)}{host}")
+    if plan.errors:
+        n = len(plan.errors)
+        out.line(f"[bold red]{n} leaf spec{'s' * (n != 1)} cannot be laid out[/bold red]; nothing would be written")
