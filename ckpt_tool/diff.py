@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import CkptError
 from .findings import Progress, no_progress
-from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf
+from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, parse_rename_rules
 from .validate.deep import chunk_regions
 
 
@@ -56,20 +56,6 @@ class DiffReport:
         }
 
 
-def parse_rename(rules: list[str]) -> list[tuple[re.Pattern[str], str]]:
-    """'REGEX=REPL' rules (applied in order to A's '/'-joined paths)."""
-    out = []
-    for rule in rules:
-        if "=" not in rule:
-            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
-        pattern, repl = rule.split("=", 1)
-        try:
-            out.append((re.compile(pattern), repl))
-        except re.error as exc:
-            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
-    return out
-
-
 def _renamed(path: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     for rx, repl in rules:
         path = rx.sub(repl, path)
@@ -87,7 +73,7 @@ def diff_checkpoints(
     workers: int = 4,
     progress: Progress = no_progress,
 ) -> DiffReport:
-    rules = parse_rename(rename or [])
+    rules = parse_rename_rules(rename or [])
     left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
     right = {leaf.path: leaf for leaf in b.leaves}
     report = DiffReport(a.path, b.path, values_compared=values)

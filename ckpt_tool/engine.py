@@ -20,7 +20,6 @@ import re
 import shutil
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -29,10 +28,11 @@ import numpy as np
 from . import dtypes
 from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
+from .parallel import run_bounded
 from .formats import TMP_MARKER
 from .model import (
     ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
-    grid_chunks, split_to_cap,
+    grid_chunks, parse_rename_rules, split_to_cap,
 )
 from .storage import Storage, _kvstore_spec
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
@@ -83,19 +83,6 @@ class ConvertResult:
 
 
 # -- planning ------------------------------------------------------------------
-
-
-def _rename_rules(rules: list[str]) -> list[tuple[re.Pattern[str], str]]:
-    out = []
-    for rule in rules:
-        if "=" not in rule:
-            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
-        pattern, repl = rule.split("=", 1)
-        try:
-            out.append((re.compile(pattern), repl))
-        except re.error as exc:
-            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
-    return out
 
 
 def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]]) -> tuple[Key, ...]:
@@ -186,7 +173,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise CkptError(f"--dtype must be a floating type, got {opts.dtype}")
     select = [glob_to_regex(p) for p in opts.select]
     exclude = [glob_to_regex(p) for p in opts.exclude]
-    rules = _rename_rules(opts.rename)
+    rules = parse_rename_rules(opts.rename)
     cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
     targets: list[Target] = []
     skipped: list[tuple[str, str]] = []
@@ -309,7 +296,6 @@ def stream(
                 tasks.append((target, index, region))
             n += 1
     total = sum(math.prod(r.stop - r.start for r in region) * dtypes.get(t.dtype).itemsize for t, _, region in tasks)
-    done = 0
 
     def copy(target: TargetArray, index: int, region: Region) -> int:
         data = sources[target.path].read(region)
@@ -319,21 +305,10 @@ def stream(
         return int(data.nbytes)
 
     progress("write", 0, total)
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-copy") as pool:
-        pending: set[Future[int]] = set()
-        it = iter(tasks)
-        while True:
-            while len(pending) < max(1, workers) * 2:
-                task = next(it, None)
-                if task is None:
-                    break
-                pending.add(pool.submit(copy, *task))
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                done += fut.result()  # re-raises the first failure
-            progress("write", done, total)
+    done = run_bounded(
+        tasks, lambda task: copy(*task), workers=workers,
+        on_done=lambda n: progress("write", n, total), name="ckpt-copy",
+    )
     return len(tasks), done
 
 

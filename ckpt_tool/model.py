@@ -97,6 +97,7 @@ def split_to_cap(chunk: Chunk, itemsize: int, cap_bytes: int) -> list[Chunk]:
 
 
 def grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
+    """A regular grid as a chunk list, in C order (the engine's chunk indices)."""
     if not shape:
         return [Chunk((), ())]
     ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
@@ -365,6 +366,20 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, format={self.format!r}, leaves={len(self.leaves)})"
+
+
+def parse_rename_rules(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]]:
+    """--rename 'REGEX=REPL' rules, applied in order to '/'-joined keys."""
+    out = []
+    for rule in rules:
+        if "=" not in rule:
+            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
+        pattern, repl = rule.split("=", 1)
+        try:
+            out.append((re.compile(pattern), repl))
+        except re.error as exc:
+            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
+    return out
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:

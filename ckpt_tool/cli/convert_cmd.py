@@ -5,6 +5,7 @@ import click
 
 from ..engine import ConvertOptions, convert
 from .progress import ProgressBar
+from .options import multihost_options, output_options
 from .render import Output, esc, human_bytes
 
 
@@ -17,14 +18,8 @@ from .render import Output, esc, human_bytes
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
 @click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
-@click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2.")
-@click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing DST.")
-@click.option("--step", help="Source CheckpointManager root: step number or 'latest'.")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk copies.")
-@click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS).")
-@click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES).")
-@click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID).")
+@output_options
+@multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],

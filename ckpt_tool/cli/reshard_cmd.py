@@ -7,6 +7,7 @@ import click
 
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .progress import ProgressBar
+from .options import multihost_options, output_options
 from .render import Output, esc, human_bytes
 
 
@@ -20,14 +21,8 @@ from .render import Output, esc, human_bytes
               help='TOML or JSON list of [regex, partition spec], first match wins, e.g. [["kernel$", [null, "model"]], [".*", []]].')
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (specs, shard shapes, bytes per process, memory per device); write nothing.")
-@click.option("--zarr3", is_flag=True, help="Write zarr v3 instead of v2.")
-@click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves Orbax cannot hold (DCP sources).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing DST.")
-@click.option("--step", help="Source CheckpointManager root: step number or 'latest'.")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk copies.")
-@click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS).")
-@click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES).")
-@click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID).")
+@output_options
+@multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the plan with --dry-run, else a summary).")
 def reshard_command(
     src: str, dst: str, mesh: str, devices: int | None, rules: str | None, fsdp: str | None, dry_run: bool,

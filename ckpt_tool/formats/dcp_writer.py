@@ -27,7 +27,6 @@ on the primary reads them, deletes them and writes `.metadata`.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import struct
@@ -43,7 +42,7 @@ import tensorstore as ts
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
-from ..model import Chunk, ChunkList, Region, RegularGrid
+from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
 from ..storage import Storage
 from ..writers import TargetArray, TargetValue, WritePlan
 from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
@@ -372,17 +371,6 @@ def metadata_pickle(
 # ---------------------------------------------------------------------------
 # The writer
 # ---------------------------------------------------------------------------
-def _grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
-    """A regular grid as a chunk list, in C order (the engine's chunk indices)."""
-    if not shape:
-        return [Chunk((), ())]
-    ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
-    return [
-        Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
-        for off in itertools.product(*ranges)
-    ]
-
-
 @dataclass
 class _ListGroup:
     """Values that are the elements of one list of plain values, stored as one item.
@@ -674,7 +662,7 @@ class DcpWriter:
                 raise DcpWriteError(
                     f"chunk shape {list(layout.chunk_shape)} does not match rank {len(shape)}", target.path
                 )
-            chunks = tuple(_grid_chunks(shape, tuple(layout.chunk_shape)))
+            chunks = tuple(grid_chunks(shape, tuple(layout.chunk_shape)))
         else:
             raise DcpWriteError(f"unknown chunk layout {type(layout).__name__}", target.path)
         for c in chunks:

@@ -9,7 +9,6 @@ in flight, so memory is bounded by a few chunks whatever the checkpoint size.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -18,6 +17,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CkptError
 from ..findings import Findings, Progress
+from ..parallel import run_bounded
 from ..model import ArrayLeaf, Region, split_to_cap, stored_chunks
 
 
@@ -89,7 +89,6 @@ def deep_check(
     total_bytes = sum(leaf.nbytes for leaf in leaves)
     stats = {leaf.path: _LeafStats() for leaf in leaves}
     lock = threading.Lock()
-    done_bytes = 0
 
     def run(leaf: ArrayLeaf, region: Region | int) -> int:
         if isinstance(region, int):
@@ -126,22 +125,11 @@ def deep_check(
                     stats[leaf.path].inf += inf
         return int(data.nbytes)
 
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-deep") as pool:
-        pending: set[Future[int]] = set()
-        it = iter(tasks)
-        progress("read", 0, total_bytes)
-        while True:
-            while len(pending) < max(1, workers) * 2:
-                task = next(it, None)
-                if task is None:
-                    break
-                pending.add(pool.submit(run, *task))
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                done_bytes += fut.result()
-            progress("read", done_bytes, total_bytes)
+    progress("read", 0, total_bytes)
+    done_bytes = run_bounded(
+        tasks, lambda task: run(*task), workers=workers,
+        on_done=lambda n: progress("read", n, total_bytes), name="ckpt-deep",
+    )
 
     findings.count("chunks_read", len(tasks))
     findings.count("bytes_read", done_bytes)

@@ -1,0 +1,30 @@
+"""Options several commands share."""
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+
+def multihost_options(command: Callable) -> Callable:
+    """--coordinator / --num-processes / --process-id, as jax.distributed.initialize takes them."""
+    for option in reversed([
+        click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)."),
+        click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES)."),
+        click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def output_options(command: Callable) -> Callable:
+    """What convert and reshard share about writing the output."""
+    for option in reversed([
+        click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2."),
+        click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold."),
+        click.option("--overwrite", is_flag=True, help="Replace an existing DST."),
+        click.option("--step", help="Source CheckpointManager root: step number or 'latest'."),
+        click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel chunk copies."),
+    ]):
+        command = option(command)
+    return command
