@@ -28,7 +28,7 @@ import numpy as np
 from . import dtypes
 from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
-from .parallel import run_bounded
+from .parallel import default_workers, run_bounded
 from .formats import TMP_MARKER
 from .model import (
     ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
@@ -37,7 +37,11 @@ from .model import (
 from .storage import Storage, _kvstore_spec
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
-DEFAULT_CHUNK_MB = 256.0  # cap for chunks the engine has to choose itself
+# Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
+# at this size unless --chunk-mb says otherwise: zarr chunks are encoded and
+# held whole while written, so smaller ones bound memory and let the zstd work
+# of one tensor run in parallel.
+DEFAULT_CHUNK_MB = 8.0
 
 
 @dataclass
@@ -50,7 +54,7 @@ class ConvertOptions:
     chunk_mb: float | None = None
     skip_unsupported: bool = False
     zarr3: bool = False
-    workers: int = 4
+    workers: int = field(default_factory=default_workers)
     overwrite: bool = False
     step: str | int | None = None
 
@@ -136,9 +140,9 @@ def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None) -> 
         grid = as_regular_grid(leaf.layout, leaf.shape)
         if grid is None:
             grid = default_grid(leaf.shape, itemsize, cap_bytes)
-        elif cap and math.prod(grid) * itemsize > cap:
+        elif (cap or isinstance(leaf.layout, ChunkList)) and math.prod(grid) * itemsize > cap_bytes:
             # keep the source grid's alignment: shrink its leading dims to the cap
-            grid = default_grid(grid, itemsize, cap)
+            grid = default_grid(grid, itemsize, cap_bytes)
         return RegularGrid(tuple(grid))
     # DCP: the source chunks, as a list (split further only when capped)
     if isinstance(leaf.layout, RegularGrid):
@@ -308,6 +312,8 @@ def stream(
     done = run_bounded(
         tasks, lambda task: copy(*task), workers=workers,
         on_done=lambda n: progress("write", n, total), name="ckpt-copy",
+        # a chunk is held as read, maybe cast, and as the writer's copy
+        size=lambda task: 2 * math.prod(r.stop - r.start for r in task[2]) * dtypes.get(task[0].dtype).itemsize,
     )
     return len(tasks), done
 

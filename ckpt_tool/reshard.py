@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import dtypes
+from .parallel import default_workers
 from .engine import Coordinator, ConvertOptions, PlannedWrite, chunk_regions, convert, plan_conversion
 from .errors import CkptError
 from .findings import Progress, no_progress
@@ -57,7 +58,7 @@ class ReshardOptions:
     rules: str | list[Any] | None = None  # a TOML/JSON file, or the parsed list of [regex, spec]
     fsdp: str | None = None  # shard each array's largest divisible free dimension over this axis
     zarr3: bool = False
-    workers: int = 4
+    workers: int = field(default_factory=default_workers)
     overwrite: bool = False
     step: str | int | None = None
     skip_unsupported: bool = False

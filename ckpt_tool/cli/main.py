@@ -54,8 +54,19 @@ def _debug() -> bool:
     return os.environ.get("CKPT_DEBUG", "") not in ("", "0")
 
 
+# commands that stream chunks through I/O threads
+STREAMING = {"convert", "reshard", "validate", "diff"}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in STREAMING:
+        # a process-wide allocator setting: the command line owns its process,
+        # a notebook importing ckpt_tool does not
+        from ..parallel import limit_allocator_growth
+
+        limit_allocator_growth()
     try:
         cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
     except click.exceptions.Abort:

@@ -19,7 +19,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
 from ..storage import Storage
-from . import safe_pickle, torch_payload
+from . import safe_pickle
 from .safe_pickle import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -39,7 +39,17 @@ from .safe_pickle import (
     TensorStorageMetadata,
     TorchDType,
 )
-from .torch_payload import Fetch, TensorPayload
+
+if TYPE_CHECKING:
+    from .torch_payload import Fetch, TensorPayload
+
+
+def _payload_module():  # noqa: ANN202
+    # torch.save archives need zipfile & co.: loaded when data is read, not
+    # when `ckpt inspect` only looks at .metadata
+    from . import torch_payload
+
+    return torch_payload
 
 NAME = "dcp"
 METADATA_FILE = ".metadata"
@@ -313,7 +323,7 @@ def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesI
         if entry.length == 0:
             raise CorruptMetadataError("empty storage entry", where)
         data = storage.read_range(entry.relative_path, entry.offset, entry.offset + entry.length)
-        return torch_payload.load_value(data, where)
+        return _payload_module().load_value(data, where)
 
     return ValueLeaf(keys=keys, name=fqn, value_type="bytes", loader=load, extra={"storage": [entry.to_json()]})
 
@@ -362,11 +372,15 @@ class _TensorReader:
         sources = _map(lambda task: self._locate(task[0]), tasks)
         if covered > volume:
             self._check_coverage(region, tasks, covered, volume)
+        if len(tasks) == 1 and covered == volume:
+            # one chunk covers the region: its decoded array is the answer (no second copy)
+            (_, local, _), (payload, fetch, where) = tasks[0], sources[0]
+            return _payload_module().read_region(payload, local, fetch, where)
         out = np.empty(out_shape, dtype=self._dtype)
 
         def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str]]) -> None:
             (_, local, target), (payload, fetch, where) = args
-            out[target] = torch_payload.read_region(payload, local, fetch, where)
+            out[target] = _payload_module().read_region(payload, local, fetch, where)
 
         _map(copy, list(zip(tasks, sources)))
         return out
@@ -374,7 +388,7 @@ class _TensorReader:
     def verify_chunk(self, i: int) -> None:
         """Stream chunk i's stored bytes through its CRC-32 (for chunks read in blocks)."""
         payload, fetch, where = self._locate(i)
-        torch_payload.verify_crc(payload, fetch, where)
+        _payload_module().verify_crc(payload, fetch, where)
 
     def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
         """Every element of the region must come from some chunk (no uninitialised output)."""
@@ -410,7 +424,7 @@ class _TensorReader:
             payload = self._located.get(i)
         if payload is not None:
             return payload, fetch, where
-        archive = torch_payload.open_payload_range(fetch, entry.length, where)
+        archive = _payload_module().open_payload_range(fetch, entry.length, where)
         payload = archive.tensor()
         if payload.dtype != self._item.dtype or payload.shape != chunk.sizes:
             raise CorruptMetadataError(

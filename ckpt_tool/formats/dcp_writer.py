@@ -49,7 +49,7 @@ from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, 
 
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."
-DEFAULT_FILE_MB = 64.0
+DEFAULT_FILE_MB = 32  # files buffered at once: the one filling plus those being flushed
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
 
 Buffer = Union[bytes, memoryview]

@@ -9,7 +9,6 @@ array data is read on request through tensorstore.
 """
 from __future__ import annotations
 
-import ast
 import base64
 import itertools
 import json
@@ -260,6 +259,8 @@ def _tree_entries(meta: dict[str, Any], where: str) -> list[tuple[tuple[Key, ...
             keys = _parse_keys(entry, where)
         else:
             # very old _METADATA: the key is a repr'd tuple and the entry is the value metadata
+            import ast  # only for these old files
+
             try:
                 keys = tuple(ast.literal_eval(flat_key))
             except (ValueError, SyntaxError):

@@ -76,7 +76,7 @@ _EMPTY_TYPES = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
 # into one OCDBT commit (one write per commit makes a data file and a new root
 # node per chunk: ten times slower and thousands of tiny files). This bounds
 # the bytes copied into tensorstore but not yet committed.
-DEFAULT_MAX_PENDING_BYTES = 256 * 2**20
+DEFAULT_MAX_PENDING_BYTES = 64 * 2**20  # with the engine's in-flight chunks, keeps a convert under ~512 MiB
 
 
 class UnsupportedValueError(UnsupportedLeafError):

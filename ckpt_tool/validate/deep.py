@@ -49,6 +49,13 @@ def chunk_blocks(leaf: ArrayLeaf, block_bytes: int | None = None) -> Iterator[tu
             yield i, piece.region, len(pieces) > 1
 
 
+def _region_bytes(leaf: ArrayLeaf, region: Region) -> int:
+    n = dtypes.get(leaf.dtype).itemsize
+    for r in region:
+        n *= r.stop - r.start
+    return n
+
+
 def _relative(where: str | None, root: str) -> str | None:
     """Findings name files relative to the checkpoint, as the shallow checks do."""
     if where and where.startswith(root.rstrip("/") + "/"):
@@ -129,6 +136,7 @@ def deep_check(
     done_bytes = run_bounded(
         tasks, lambda task: run(*task), workers=workers,
         on_done=lambda n: progress("read", n, total_bytes), name="ckpt-deep",
+        size=lambda task: 0 if isinstance(task[1], int) else 2 * _region_bytes(task[0], task[1]),
     )
 
     findings.count("chunks_read", len(tasks))
