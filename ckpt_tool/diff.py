@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CkptError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, parse_rename_rules
 from .validate.deep import chunk_regions

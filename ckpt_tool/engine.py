@@ -31,7 +31,7 @@ from .findings import Progress, no_progress
 from .parallel import default_workers, run_bounded
 from .formats import TMP_MARKER
 from .model import (
-    ArrayLeaf, Checkpoint, Chunk, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
+    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
     grid_chunks, parse_rename_rules, split_to_cap,
 )
 from .storage import Storage, _kvstore_spec

@@ -26,6 +26,11 @@ from .errors import CkptError, NotFoundError, PathEscapeError
 # One context for every open: memory:// stores are shared within a process
 # and tensorstore's cache pools and thread pools are reused.
 _CONTEXT = ts.Context()
+# Array reads get their own context with a small decoded-chunk cache: a
+# reshard cuts several output chunks from one source chunk, and without a
+# cache each of them decodes that chunk again. Writers keep _CONTEXT, so
+# nothing they write is cached.
+_READ_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=_CONTEXT)
 
 _SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
 
@@ -166,6 +171,11 @@ class Storage:
     @property
     def context(self) -> ts.Context:
         return _CONTEXT
+
+    @property
+    def read_context(self) -> ts.Context:
+        """For opening arrays to read: shares _CONTEXT's resources plus a chunk cache."""
+        return _READ_CONTEXT
 
     # -- reading ---------------------------------------------------------
     def list(self, prefix: str = "") -> list[str]:

@@ -1,13 +1,12 @@
 """The Orbax reader against orbax-checkpoint's own metadata and restore."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.model import ArrayLeaf, ValueLeaf
+from ckpt_tool.model import ArrayLeaf
 from ckpt_tool.storage import ReadLog
 
 from conftest import ORBAX_FIXTURES, fixture_info, fixture_path

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 import numpy as np
-import tensorstore as ts
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError

@@ -479,6 +479,8 @@ class _ZarrRegionReader:
         self._lock = threading.Lock()
 
     def _open(self) -> ts.TensorStore:
+        if self._store is not None:  # opened already: no lock on every chunk read
+            return self._store
         with self._lock:
             if self._store is None:
                 spec = {
@@ -489,7 +491,7 @@ class _ZarrRegionReader:
                     "recheck_cached_data": False,
                 }
                 try:
-                    self._store = ts.open(spec, open=True, read=True, context=self._source.storage.context).result()
+                    self._store = ts.open(spec, open=True, read=True, context=self._source.storage.read_context).result()
                 except Exception as exc:
                     raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
             return self._store
@@ -567,7 +569,7 @@ class _UnmergedRegionReader:
                 try:
                     # only the primary wrote .zarray: assume it for the other databases
                     self._stores[i] = ts.open(
-                        spec, open=True, read=True, assume_metadata=True, context=self._sources[i].storage.context
+                        spec, open=True, read=True, assume_metadata=True, context=self._sources[i].storage.read_context
                     ).result()
                 except Exception as exc:
                     raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
