@@ -9,10 +9,10 @@ defaults) and its torch.distributed.checkpoint twin holding the same tensors,
 then times four WHOLE PROCESSES, each cold-started (a fresh interpreter) with
 a warm page cache:
 
-  ckpt-orbax      python -m ckpt_tool inspect --json <orbax dir>
+  ckpt-orbax      ckpt inspect --json <orbax dir>   (the .venv console script)
   orbax           import orbax.checkpoint; StandardCheckpointer().metadata(dir),
                   then flatten the tree and read every leaf's shape and dtype
-  ckpt-dcp        python -m ckpt_tool inspect --json <dcp dir>
+  ckpt-dcp        ckpt inspect --json <dcp dir>
   torch-dcp       FileSystemReader(dir).read_metadata(), then read every
                   tensor's size and dtype
 
@@ -237,7 +237,9 @@ print(n)
 
 def commands(paths: dict) -> list[dict]:
     py = sys.executable
-    ckpt = [py, "-m", "ckpt_tool", "inspect", "--json"]
+    # the console script users run (python -m adds runpy's imports)
+    script = os.path.join(os.path.dirname(py), "ckpt")
+    ckpt = ([script] if os.path.exists(script) else [py, "-m", "ckpt_tool"]) + ["inspect", "--json"]
     return [
         {"name": "ckpt-orbax", "format": "orbax", "role": "ckpt", "argv": ckpt + [paths["orbax"]],
          "label": "ckpt inspect --json <orbax>"},
