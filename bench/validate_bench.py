@@ -232,7 +232,9 @@ print(len(files), total)
 
 def commands(small: dict, big: dict | None, n_leaves: int) -> list[dict]:
     py = sys.executable
-    validate = [py, "-m", "ckpt_tool", "validate", "--json"]
+    # the console script users run (python -m adds runpy's imports)
+    script = os.path.join(os.path.dirname(py), "ckpt")
+    validate = ([script] if os.path.exists(script) else [py, "-m", "ckpt_tool"]) + ["validate", "--json"]
     cmds = [
         {"name": "ckpt-orbax-shallow", "format": "orbax", "mode": "shallow", "role": "ckpt",
          "argv": validate + [small["orbax"]], "label": "ckpt validate --json <orbax_3000>"},
