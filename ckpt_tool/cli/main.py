@@ -58,35 +58,47 @@ def _debug() -> bool:
 STREAMING = {"convert", "reshard", "validate", "diff"}
 
 
+# commands that only read: their process may end without interpreter teardown
+READ_ONLY = {"inspect", "validate", "diff"}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in STREAMING:
+    command = args[0] if args else None
+    if command in STREAMING:
         # a process-wide allocator setting: the command line owns its process,
         # a notebook importing ckpt_tool does not
         from ..parallel import limit_allocator_growth
 
         limit_allocator_growth()
+    _finish(_run(argv), fast=command in READ_ONLY and not _debug())
+
+
+def _run(argv: list[str] | None) -> int:
+    """Run the command; the exit code, with every error turned into one line."""
     try:
         cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
+    except SystemExit as exc:  # commands that decide their own exit code (validate, diff)
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_PROBLEM)
     except click.exceptions.Abort:
         click.echo("ckpt: aborted", err=True)
-        sys.exit(130)
+        return 130
     except click.ClickException as exc:
         exc.show()
-        sys.exit(exc.exit_code if exc.exit_code else EXIT_USAGE)
+        return exc.exit_code if exc.exit_code else EXIT_USAGE
     except CkptError as exc:
         if _debug():
             raise
         click.echo(f"ckpt: error: {exc}", err=True)
-        sys.exit(EXIT_PROBLEM)
+        return EXIT_PROBLEM
     except KeyboardInterrupt:
         click.echo("ckpt: interrupted", err=True)
-        sys.exit(130)
+        return 130
     except BrokenPipeError:
         # `ckpt inspect | head`: the reader went away; that is not an error
         sys.stderr.close()
-        sys.exit(EXIT_OK)
+        return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
         if _debug():
             raise
@@ -94,5 +106,22 @@ def main(argv: list[str] | None = None) -> None:
             f"ckpt: internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)",
             err=True,
         )
-        sys.exit(EXIT_PROBLEM)
-    sys.exit(EXIT_OK)
+        return EXIT_PROBLEM
+    return EXIT_OK
+
+
+def _finish(code: int, *, fast: bool) -> None:
+    if not fast:
+        sys.exit(code)
+    # Read-only commands have nothing left to write: skip the interpreter's
+    # teardown (tensorstore's thread pools and caches take ~30 ms to unwind),
+    # which is a tenth of an inspect of a 3,000-leaf checkpoint.
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    try:
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    os._exit(code)

@@ -7,6 +7,7 @@ plain mode the markup is stripped so scripts and logs get stable text.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -52,6 +53,25 @@ class Output:
         self.stream = stream or sys.stdout
         self.is_terminal = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._console: Any = None
+        self._gone = False
+
+    def write(self, text: str) -> None:
+        """Plain text to the stream; a reader that went away (`| head`) ends the output quietly."""
+        if not self._gone:
+            self._guard(lambda: self.stream.write(text))
+
+    def _guard(self, op: Any) -> None:
+        try:
+            op()
+        except BrokenPipeError:
+            # as the Python docs advise: point stdout at devnull so that the
+            # flush at exit does not fail again, and stop writing
+            self._gone = True
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.stream.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
 
     @property
     def console(self) -> Any:
@@ -72,8 +92,8 @@ class Output:
         # indented for a person; compact in a pipe, where the pure-Python
         # indenting encoder would cost more than reading the metadata
         text = json.dumps(obj, indent=2 if self.is_terminal else None, default=str)
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self.write(text + "\n")
+        self._guard(self.stream.flush)
 
     def line(self, markup: str = "") -> None:
         from rich.text import Text
@@ -81,7 +101,7 @@ class Output:
         if self.is_terminal:
             self.console.print(markup)
         else:
-            self.stream.write(Text.from_markup(markup).plain + "\n")
+            self.write(Text.from_markup(markup).plain + "\n")
 
     def lines(self, markups: Iterable[str]) -> None:
         for m in markups:

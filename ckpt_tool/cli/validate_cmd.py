@@ -82,6 +82,6 @@ def _github(out: Output, report: ValidationReport) -> None:
         leaf = f" [{f.leaf}]" if f.leaf else ""
         # annotation text must stay on one line
         message = f"{f.code}{leaf}: {f.message}{where}".replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-        out.stream.write(f"::{level} title=ckpt validate::{message}\n")
+        out.write(f"::{level} title=ckpt validate::{message}\n")
     errors = sum(f.severity == ERROR for f in report.findings)
-    out.stream.write(f"ckpt validate {report.path}: {errors} error(s), {len(report.findings) - errors} warning(s)\n")
+    out.write(f"ckpt validate {report.path}: {errors} error(s), {len(report.findings) - errors} warning(s)\n")
