@@ -491,9 +491,11 @@ def convert(
             finalize_output(out, overwrite=opts.overwrite)
         coord.barrier("ckpt-convert-done")
     except BaseException:
-        writer.abort()
-        if primary or coord.process_count == 1:
-            discard_output(out)
+        try:
+            writer.abort()
+        finally:  # whatever abort does, an unfinished output never stays behind
+            if primary or coord.process_count == 1:
+                discard_output(out)
         raise
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())

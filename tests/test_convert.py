@@ -317,3 +317,19 @@ def test_two_process_convert(tmp_path, to, name):
         assert set(got) == set(expected)
         for key, want in expected.items():
             assert _equal(np.asarray(got[key]) if isinstance(want, np.ndarray) else got[key], want), key
+
+
+@pytest.mark.parametrize("to", ["orbax", "dcp"])
+def test_damaged_source_fails_in_one_line_and_leaves_nothing(tmp_path, copy_fixture, to):
+    """A read failure midway (a truncated data file) aborts the writer and removes its output."""
+    src = copy_fixture("dcp_multirank")
+    data = src / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    work = tmp_path / "work"
+    work.mkdir()
+    for _ in range(3):  # the failure lands at a different point of the writes each time
+        r = run_ckpt("convert", str(src), str(work / "out"), "--to", to, "--skip-unsupported")
+        assert r.returncode == 1
+        [line] = r.stderr.strip().splitlines()
+        assert "__1_0.distcp" in line and "truncated" in line
+        assert list(work.iterdir()) == []  # no DST, no temporary directory

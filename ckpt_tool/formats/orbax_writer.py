@@ -22,6 +22,8 @@ data files.
 """
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import json
 import math
@@ -504,8 +506,15 @@ class OrbaxWriter:
             self._pending.clear()
             self._pending_bytes = 0
             self._stores.clear()
+        # Let every pending commit finish rather than cancel it: a cancelled
+        # future does not stop an OCDBT commit already under way, which would
+        # then land in the output directory after the caller removed it. What
+        # is pending is bounded (max_pending_bytes), so this wait is short.
         for fut, _, _ in pending:
-            fut.cancel()
+            try:
+                fut.result()
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled or failed: either way it is over
+                pass
         self._state = "aborted"
 
     # -- writing -------------------------------------------------------------------
