@@ -576,7 +576,7 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
     elif mode in ("read-only", "write-only"):
         import numpy as np
 
-        from ckpt_tool import dtypes, model
+        from ckpt_tool import dtypes
 
         if mode == "read-only":  # the writer drops every chunk (and skips its commit checks)
             for mod, attr in (("ckpt_tool.formats.dcp_writer", "DcpWriter"), ("ckpt_tool.formats.orbax_writer", "OrbaxWriter")):

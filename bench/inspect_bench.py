@@ -155,6 +155,27 @@ def _dir_stats(path: str) -> tuple[int, int]:
     return n, size
 
 
+def is_cached(path: str, version: int) -> bool:
+    """A generated checkpoint is reused when its stamp file names the current cache version."""
+    stamp = path + ".done.json"
+    if not (os.path.isdir(path) and os.path.isfile(stamp)):
+        return False
+    try:
+        with open(stamp) as f:
+            return json.load(f).get("cache_version") == version
+    except (OSError, ValueError):
+        return False
+
+
+def clear_cached(path: str) -> None:
+    """Remove a checkpoint, its stamp and any half-written .tmp before regenerating."""
+    for p in (path, path + ".done.json", path + ".tmp"):
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.remove(p)
+
+
 def ensure_checkpoints(layers: int, regen: bool, log) -> dict:
     """Build the two checkpoints unless cached; return {fmt: path} plus info."""
     os.makedirs(OUT, exist_ok=True)
@@ -163,18 +184,9 @@ def ensure_checkpoints(layers: int, regen: bool, log) -> dict:
         path = os.path.join(OUT, f"{fmt}_{layers * len(LEAVES)}")
         stamp = path + ".done.json"
         paths[fmt] = path
-        if not regen and os.path.isdir(path) and os.path.isfile(stamp):
-            try:
-                with open(stamp) as f:
-                    if json.load(f).get("cache_version") == CACHE_VERSION:
-                        continue
-            except (OSError, ValueError):
-                pass
-        for p in (path, stamp, path + ".tmp"):
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
+        if not regen and is_cached(path, CACHE_VERSION):
+            continue
+        clear_cached(path)
         log(f"generating {fmt} checkpoint ({layers * len(LEAVES)} leaves) -> {os.path.relpath(path, REPO)} ...")
         tmp = path + ".tmp"
         t0 = time.monotonic()

@@ -580,14 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _gibps(r: dict) -> str:
-    return f"{NBYTES / 2**30 / r['best_s']:.2f}" if r.get("best_s") else "-"
-
-
-def _fmt_value(q: dict) -> str:
-    if q["value"] is None:
-        return "n/a"
-    return f"{q['value']:.0f} MiB" if q["what"] == "ckpt_rss_mib" else f"{q['value']:.2f}x"
+# same data size and quantities as the convert bench
+_gibps = cb._gibps
+_fmt_value = cb._fmt_value
 
 
 _WHAT = {"baseline/ckpt": "orbax restore + save / ckpt reshard", "ckpt_rss_mib": "ckpt reshard peak RSS"}

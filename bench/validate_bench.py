@@ -127,18 +127,9 @@ def ensure_big_checkpoints(regen: bool, log) -> dict:
         path = os.path.join(OUT, f"{fmt}_2gib")
         stamp = path + ".done.json"
         paths[fmt] = path
-        if not regen and os.path.isdir(path) and os.path.isfile(stamp):
-            try:
-                with open(stamp) as f:
-                    if json.load(f).get("cache_version") == BIG_CACHE_VERSION:
-                        continue
-            except (OSError, ValueError):
-                pass
-        for p in (path, stamp, path + ".tmp"):
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
+        if not regen and ib.is_cached(path, BIG_CACHE_VERSION):
+            continue
+        ib.clear_cached(path)
         free = shutil.disk_usage(OUT).free
         if free < 3 * BIG_NBYTES:
             raise SystemExit(f"not enough disk for the {fmt} 2 GiB checkpoint: {free / 2**30:.1f} GiB free in {OUT}")

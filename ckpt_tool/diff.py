@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .findings import Progress, no_progress
+from .errors import short_repr
 from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, parse_rename_rules
 from .validate.deep import chunk_regions
 
@@ -92,7 +93,7 @@ def diff_checkpoints(
         elif values and isinstance(la, ValueLeaf) and isinstance(lb, ValueLeaf):
             va, vb = la.load(), lb.load()
             if not _values_equal(va, vb):
-                report.differences.append(LeafDiff(path, "value", f"{_short(va)} != {_short(vb)}"))
+                report.differences.append(LeafDiff(path, "value", f"{short_repr(va)} != {short_repr(vb)}"))
     if pairs:
         total = sum(la.nbytes for _, la, _ in pairs)
         done = 0
@@ -169,8 +170,3 @@ def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return a == b
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

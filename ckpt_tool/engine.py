@@ -32,7 +32,7 @@ from .parallel import default_workers, run_bounded
 from .formats import TMP_MARKER
 from .model import (
     ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
-    grid_chunks, parse_rename_rules, split_to_cap,
+    grid_chunks, parse_rename_rules, split_to_cap, stored_chunks,
 )
 from .storage import Storage, _kvstore_spec
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
@@ -274,11 +274,8 @@ def _plain(value: Any) -> Any:
 
 
 def chunk_regions(target: TargetArray) -> Iterator[tuple[int, Region]]:
-    if isinstance(target.layout, ChunkList):
-        chunks = target.layout.chunks
-    else:
-        chunks = tuple(grid_chunks(target.shape, target.layout.chunk_shape))
-    for i, c in enumerate(chunks):
+    """(chunk index, region) of every output chunk, in the order writers index them."""
+    for i, c in enumerate(stored_chunks(target.shape, target.layout)):
         yield i, c.region
 
 

@@ -7,6 +7,8 @@ bug and keeps its traceback.
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 class CkptError(Exception):
     """A problem with the input, reported as one line: `<where>: <what>`."""
@@ -51,3 +53,12 @@ class IncompleteCheckpointError(CkptError):
 
 class UnsupportedLeafError(CkptError):
     """A leaf the target format cannot hold (e.g. a dict of objects into Orbax)."""
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A value as it appears in a one-line message: repr, cut to `limit`, never failing."""
+    try:
+        text = repr(value)
+    except Exception:  # a stand-in with odd state; never let repr fail the report
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -6,6 +6,7 @@ filter, optionally decodes value leaves, and returns an InspectResult whose
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ class InspectResult:
     values: dict[str, Any] | None  # leaf path -> decoded value, with --values
     value_errors: dict[str, str]
 
-    @property
+    @functools.cached_property
     def by_dtype(self) -> dict[str, DtypeTotals]:
         totals: dict[str, DtypeTotals] = {}
         for leaf in self.leaves:
@@ -39,7 +40,7 @@ class InspectResult:
                 t.bytes += leaf.nbytes
         return dict(sorted(totals.items(), key=lambda kv: -kv[1].bytes))
 
-    @property
+    @functools.cached_property
     def summary(self) -> dict[str, Any]:
         arrays = [leaf for leaf in self.leaves if isinstance(leaf, ArrayLeaf)]
         return {

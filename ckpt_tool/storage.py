@@ -156,7 +156,7 @@ class Storage:
         try:
             kv = ts.KvStore.open(spec, context=_CONTEXT).result()
         except Exception as exc:
-            raise CkptError(f"cannot open OCDBT database: {_short(exc)}", base.url) from exc
+            raise CkptError(f"cannot open OCDBT database: {ts_error_text(exc)}", base.url) from exc
         return Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
 
     def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
@@ -190,7 +190,7 @@ class Storage:
             else:
                 keys = self._kv.list().result()
         except Exception as exc:
-            raise CkptError(f"cannot list keys: {_short(exc)}", self.url) from exc
+            raise CkptError(f"cannot list keys: {ts_error_text(exc)}", self.url) from exc
         return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
     def listdir(self, prefix: str = "") -> tuple[list[str], list[str]]:
@@ -242,7 +242,7 @@ class Storage:
             try:
                 res = fut.result()
             except Exception as exc:
-                raise CkptError(f"cannot read: {_short(exc)}", self._where(key)) from exc
+                raise CkptError(f"cannot read: {ts_error_text(exc)}", self._where(key)) from exc
             out[key] = bytes(res.value) if res.state == "value" else None
         return out
 
@@ -274,7 +274,7 @@ class Storage:
         try:
             kv = ts.KvStore.open(spec, context=_CONTEXT).result()
         except Exception as exc:
-            raise CkptError(f"cannot open storage: {_short(exc)}", url) from exc
+            raise CkptError(f"cannot open storage: {ts_error_text(exc)}", url) from exc
         return cls(kv, url, spec=spec, local_root=local_root, log=log)
 
     def delete(self, key: str) -> None:
@@ -283,7 +283,7 @@ class Storage:
         try:
             self._kv.write(rel, None).result()  # tensorstore deletes on None
         except Exception as exc:
-            raise CkptError(f"cannot delete: {_short(exc)}", self._where(rel)) from exc
+            raise CkptError(f"cannot delete: {ts_error_text(exc)}", self._where(rel)) from exc
 
     def write(self, key: str, data: bytes | bytearray) -> None:
         """Write a whole value (the file driver fsyncs it before returning)."""
@@ -293,14 +293,14 @@ class Storage:
         try:
             self._kv.write(rel, data).result()
         except Exception as exc:
-            raise CkptError(f"cannot write: {_short(exc)}", self._where(rel)) from exc
+            raise CkptError(f"cannot write: {ts_error_text(exc)}", self._where(rel)) from exc
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""
         try:
             self._kv.delete_range(ts.KvStore.KeyRange()).result()
         except Exception as exc:
-            raise CkptError(f"cannot delete: {_short(exc)}", self.url) from exc
+            raise CkptError(f"cannot delete: {ts_error_text(exc)}", self.url) from exc
 
     # -- internals -------------------------------------------------------
     def _where(self, key: str) -> str:
@@ -348,13 +348,13 @@ class Storage:
                     f"truncated: needed bytes [{byte_range.start}, {byte_range.stop}) but {have}",  # type: ignore[union-attr]
                     self._where(rel),
                 ) from exc
-            raise CkptError(f"cannot read: {_short(exc)}", self._where(rel)) from exc
+            raise CkptError(f"cannot read: {ts_error_text(exc)}", self._where(rel)) from exc
         if res.state != "value":
             raise NotFoundError("missing", self._where(rel))
         return bytes(res.value)
 
 
-def _short(exc: BaseException) -> str:
+def ts_error_text(exc: BaseException) -> str:
     """tensorstore error text without its source-location trailer."""
     text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
     return text.splitlines()[0] if text else type(exc).__name__

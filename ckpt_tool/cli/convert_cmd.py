@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from ..engine import ConvertOptions, convert
-from .progress import ProgressBar
+from .progress import progress_for
 from .options import multihost_options, output_options
 from .render import Output, esc, human_bytes
 
@@ -40,12 +40,8 @@ def convert_command(
         overwrite=overwrite, step=step,
     )
     out = Output(json_mode=as_json)
-    bar = ProgressBar(out, "converting") if out.is_terminal and not as_json else None
-    try:
-        result = convert(src, dst, opts, progress=bar.update if bar else (lambda *a: None), coordinator=coord)
-    finally:
-        if bar:
-            bar.close()
+    with progress_for(out, "converting") as progress:
+        result = convert(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
         out.json(result.to_json())
         return

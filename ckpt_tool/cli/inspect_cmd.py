@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
 from .render import Node, Output, esc, human_bytes, human_count
@@ -117,15 +118,10 @@ def _leaf_text(leaf: Leaf, result: InspectResult) -> str:
     if leaf.dtype and leaf.dtype != "string":
         text += f" {leaf.dtype}"
     if result.values is not None and leaf.path in result.values:
-        text += f" = {esc(_short_repr(result.values[leaf.path]))}"
+        text += f" = {esc(short_repr(result.values[leaf.path], 80))}"
     elif leaf.path in result.value_errors:
         text += f" [red](cannot decode: {esc(result.value_errors[leaf.path])})[/red]"
     return text
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _flat_lines(result: InspectResult) -> list[str]:

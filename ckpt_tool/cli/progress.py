@@ -1,6 +1,10 @@
 """A rich progress bar fed by the core's progress callback (terminal only)."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
+from ..findings import Progress, no_progress
 from .render import Output
 
 
@@ -22,3 +26,16 @@ class ProgressBar:
 
     def close(self) -> None:
         self._progress.stop()
+
+
+@contextlib.contextmanager
+def progress_for(out: Output, description: str, *, show: bool = True) -> Iterator[Progress]:
+    """The core's progress callback: a bar on a terminal (unless --json), a no-op otherwise."""
+    if not (show and out.is_terminal and not out.json_mode):
+        yield no_progress
+        return
+    bar = ProgressBar(out, description)
+    try:
+        yield bar.update
+    finally:
+        bar.close()

@@ -6,7 +6,7 @@ import sys
 import click
 
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
-from .progress import ProgressBar
+from .progress import progress_for
 from .options import multihost_options, output_options
 from .render import Output, esc, human_bytes
 
@@ -54,12 +54,8 @@ def reshard_command(
         plan = plan_reshard(src, dst, opts, coordinator=coord)
         _show_plan(out, plan, as_json)
         sys.exit(0 if plan.ok else 1)
-    bar = ProgressBar(out, "resharding") if out.is_terminal and not as_json else None
-    try:
-        result = reshard(src, dst, opts, progress=bar.update if bar else (lambda *a: None), coordinator=coord)
-    finally:
-        if bar:
-            bar.close()
+    with progress_for(out, "resharding") as progress:
+        result = reshard(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
         out.json(result.to_json())
         return

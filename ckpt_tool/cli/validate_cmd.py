@@ -10,7 +10,7 @@ from ..parallel import default_workers
 
 from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
-from .progress import ProgressBar
+from .progress import progress_for
 from .render import Output, esc, human_bytes
 
 
@@ -32,15 +32,8 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
 
     Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
     out = Output(json_mode=as_json)
-    progress = ProgressBar(out, "reading chunks") if deep and out.is_terminal and not as_json else None
-    try:
-        report = validate_checkpoint(
-            path, step=step, deep=deep, workers=workers,
-            progress=progress.update if progress else (lambda *a: None),
-        )
-    finally:
-        if progress:
-            progress.close()
+    with progress_for(out, "reading chunks", show=deep) as progress:
+        report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress)
     if as_json:
         out.json(report.to_json(strict))
     elif fmt == "github":

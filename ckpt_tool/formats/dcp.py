@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
 from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
 from ..storage import Storage
 from . import safe_pickle
@@ -203,7 +203,7 @@ def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
     for index, info in md.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
-            raise CorruptMetadataError(f"storage_data key {_short(index)} is not a MetadataIndex", where)
+            raise CorruptMetadataError(f"storage_data key {short_repr(index)} is not a MetadataIndex", where)
         offset = None if index.offset is None else _int_tuple(index.offset, f"storage_data offset of {index.fqn}", where)
         entry = _entry(info, f"{where} [{index.fqn}]")
         # MetadataIndex.index is only a lookup hint; (fqn, offset) is the identity
@@ -212,7 +212,7 @@ def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
     items: dict[str, _TensorItem | _BytesItem] = {}
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
-            raise CorruptMetadataError(f"state_dict_metadata key {_short(fqn)} is not a string", where)
+            raise CorruptMetadataError(f"state_dict_metadata key {short_repr(fqn)} is not a string", where)
         item_where = f"{where} [{fqn}]"
         if isinstance(item, TensorStorageMetadata):
             items[fqn] = _tensor_item(fqn, item, storage, item_where)
@@ -243,7 +243,7 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
     entries: list[_Entry] = []
     for chunk_md in item.chunks:
         if not isinstance(chunk_md, ChunkStorageMetadata):
-            raise CorruptMetadataError(f"chunk {_short(chunk_md)} is not a ChunkStorageMetadata", where)
+            raise CorruptMetadataError(f"chunk {short_repr(chunk_md)} is not a ChunkStorageMetadata", where)
         offsets = _int_tuple(chunk_md.offsets, "chunk offsets", where)
         sizes = _int_tuple(chunk_md.sizes, "chunk sizes", where)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
@@ -264,15 +264,15 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
 
 def _entry(info: Any, where: str) -> _Entry:
     if not isinstance(info, StorageInfo):
-        raise CorruptMetadataError(f"storage entry {_short(info)} is not a _StorageInfo", where)
+        raise CorruptMetadataError(f"storage entry {short_repr(info)} is not a _StorageInfo", where)
     path, offset, length = info.relative_path, info.offset, info.length
     if not isinstance(path, str) or not path:
-        raise CorruptMetadataError(f"storage entry has no file name ({_short(path)})", where)
+        raise CorruptMetadataError(f"storage entry has no file name ({short_repr(path)})", where)
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
         raise CorruptMetadataError(f"storage entry {path} has invalid byte range {offset!r}+{length!r}", where)
     transforms = info.transform_descriptors or ()
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-        raise CorruptMetadataError(f"invalid transform descriptors {_short(transforms)}", where)
+        raise CorruptMetadataError(f"invalid transform descriptors {short_repr(transforms)}", where)
     return _Entry(path, offset, length, tuple(transforms))
 
 
@@ -280,13 +280,8 @@ def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
     if type(value) is Size and (not value or set(map(type, value)) == {int}):
         return tuple(value)
     if not isinstance(value, (tuple, list)) or (value and set(map(type, value)) != {int}):
-        raise CorruptMetadataError(f"{what} is not a tuple of ints: {_short(value)}", where)
+        raise CorruptMetadataError(f"{what} is not a tuple of ints: {short_repr(value)}", where)
     return tuple(value)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------

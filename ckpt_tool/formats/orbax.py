@@ -23,7 +23,7 @@ import tensorstore as ts
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
-from ..storage import Storage
+from ..storage import Storage, ts_error_text
 
 NAME = "orbax"
 
@@ -493,7 +493,7 @@ class _ZarrRegionReader:
                 try:
                     self._store = ts.open(spec, open=True, read=True, context=self._source.storage.read_context).result()
                 except Exception as exc:
-                    raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
+                    raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
             return self._store
 
     def read(self, region: Region) -> np.ndarray:
@@ -503,7 +503,7 @@ class _ZarrRegionReader:
                 return np.asarray(store.read().result())
             return np.asarray(store[tuple(region)].read().result())
         except Exception as exc:
-            raise CkptError(f"cannot read data: {_short(exc)}", self._name) from exc
+            raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
 
     def scalar(self) -> Any:
         value = self.read(())
@@ -572,7 +572,7 @@ class _UnmergedRegionReader:
                         spec, open=True, read=True, assume_metadata=True, context=self._sources[i].storage.read_context
                     ).result()
                 except Exception as exc:
-                    raise CkptError(f"cannot open array: {_short(exc)}", self._name) from exc
+                    raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
             return self._stores[i]
 
     def read(self, region: Region) -> np.ndarray:
@@ -593,7 +593,7 @@ class _UnmergedRegionReader:
             try:
                 out[dst] = self._store(owner[key])[src].read().result()
             except Exception as exc:
-                raise CkptError(f"cannot read data: {_short(exc)}", self._name) from exc
+                raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
         return out
 
     def scalar(self) -> Any:
@@ -603,11 +603,6 @@ class _UnmergedRegionReader:
 
 def _dtype_of(zmeta: dict[str, Any], zarr3: bool) -> str:
     return (dtypes.from_zarr3(zmeta["data_type"]) if zarr3 else dtypes.from_zarr2(zmeta["dtype"])).name
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- sharding and strings ------------------------------------------------------

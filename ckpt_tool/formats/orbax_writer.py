@@ -39,7 +39,7 @@ import tensorstore as ts
 from .. import dtypes
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError
 from ..model import Key, Region, RegularGrid, Sharding
-from ..storage import Storage
+from ..storage import Storage, ts_error_text
 from ..writers import TargetArray, TargetValue, WritePlan
 from . import orbax as ob
 
@@ -270,10 +270,6 @@ def _tree_order(keys: tuple[Key, ...]) -> tuple[tuple[int, Any], ...]:
     return tuple((0, k) if isinstance(k, int) else (1, k) for k in keys)
 
 
-def _short(exc: BaseException) -> str:
-    return ob._short(exc)
-
-
 class OrbaxWriter:
     """A CheckpointWriter producing an Orbax step (OCDBT, zarr v2 or v3) in `storage`.
 
@@ -389,7 +385,7 @@ class OrbaxWriter:
         try:
             return fut.result()
         except Exception as exc:
-            raise CkptError(f"cannot open the output array: {_short(exc)}", leaf.name) from exc
+            raise CkptError(f"cannot open the output array: {ts_error_text(exc)}", leaf.name) from exc
 
     # -- the protocol ------------------------------------------------------------
 
@@ -431,7 +427,7 @@ class OrbaxWriter:
             try:
                 fut.result()
             except Exception as exc:
-                raise CkptError(f"cannot create the output array: {_short(exc)}", name) from exc
+                raise CkptError(f"cannot create the output array: {ts_error_text(exc)}", name) from exc
             self._stores[name] = fut
 
     def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
@@ -533,7 +529,7 @@ class OrbaxWriter:
             futures = store.write(data)
             futures.copy.result()
         except Exception as exc:
-            raise CkptError(f"cannot write: {_short(exc)}", where) from exc
+            raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
         with self._lock:
             if self._state != "writing":
                 futures.cancel()
@@ -552,7 +548,7 @@ class OrbaxWriter:
             try:
                 fut.result()
             except Exception as exc:
-                raise CkptError(f"cannot write: {_short(exc)}", where) from exc
+                raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
@@ -582,12 +578,12 @@ class OrbaxWriter:
                 fut.result()
             keys = [k.decode("utf-8", "surrogateescape") for k in target.list().result()]
         except Exception as exc:
-            raise CkptError(f"cannot merge the per-process OCDBT databases: {_short(exc)}", self._storage.url) from exc
+            raise CkptError(f"cannot merge the per-process OCDBT databases: {ts_error_text(exc)}", self._storage.url) from exc
         self._check_all_chunks(keys)
         try:
             txn.commit_sync()
         except Exception as exc:
-            raise CkptError(f"cannot write the root OCDBT manifest: {_short(exc)}", self._storage.url) from exc
+            raise CkptError(f"cannot write the root OCDBT manifest: {ts_error_text(exc)}", self._storage.url) from exc
 
     def _check_all_chunks(self, keys: list[str]) -> None:
         """Every array has its zarr metadata and every chunk, or the commit is refused."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 
 from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, UnsafePickleError
+from ..errors import CkptError, CorruptMetadataError, UnsafePickleError, short_repr
 
 # A real .metadata for a model with tens of thousands of tensors and many
 # ranks is tens of MB; torch.save's data.pkl for one tensor is ~200 bytes and
@@ -626,28 +626,20 @@ class SafeUnpickler(pickle.Unpickler):
         if not self._payload:
             raise CorruptMetadataError("unexpected persistent id in a metadata pickle", self._where)
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise CorruptMetadataError(f"unsupported persistent id {_short_repr(pid)}", self._where)
+            raise CorruptMetadataError(f"unsupported persistent id {short_repr(pid)}", self._where)
         _, storage_class, key, location, numel = pid
         if not isinstance(storage_class, StorageClass):
-            raise CorruptMetadataError(f"persistent id names {_short_repr(storage_class)}, not a storage class", self._where)
+            raise CorruptMetadataError(f"persistent id names {short_repr(storage_class)}, not a storage class", self._where)
         if not isinstance(key, str) or not _STORAGE_KEY.match(key):
-            raise CorruptMetadataError(f"invalid storage key {_short_repr(key)}", self._where)
+            raise CorruptMetadataError(f"invalid storage key {short_repr(key)}", self._where)
         if type(numel) is not int or numel < 0:
-            raise CorruptMetadataError(f"invalid storage size {_short_repr(numel)}", self._where)
+            raise CorruptMetadataError(f"invalid storage size {short_repr(numel)}", self._where)
         if not isinstance(location, str):
-            raise CorruptMetadataError(f"invalid storage location {_short_repr(location)}", self._where)
+            raise CorruptMetadataError(f"invalid storage location {short_repr(location)}", self._where)
         ref = self.storages.get(key)
         if ref is None:
             ref = self.storages[key] = StorageRef(key, storage_class.dtype, location, numel)
         return ref
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # a stand-in with odd state; never let repr fail the report
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, dict[str, StorageRef]]:

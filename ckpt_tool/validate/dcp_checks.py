@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError
+from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, short_repr
 from ..findings import Findings
 from ..formats import dcp, safe_pickle
 from ..model import Chunk, keys_path
@@ -261,7 +261,7 @@ def _storage_entries(
     where = dcp.METADATA_FILE
     for index, info in storage_data.items():
         if not isinstance(index, safe_pickle.MetadataIndex) or not isinstance(index.fqn, str):
-            findings.error("bad-metadata", f"storage_data key {dcp._short(index)} is not a MetadataIndex", file=where)
+            findings.error("bad-metadata", f"storage_data key {short_repr(index)} is not a MetadataIndex", file=where)
             continue
         fqn = index.fqn
         try:
@@ -287,7 +287,7 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
     where = dcp.METADATA_FILE
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
-            findings.error("bad-metadata", f"state_dict_metadata key {dcp._short(fqn)} is not a string", file=where)
+            findings.error("bad-metadata", f"state_dict_metadata key {short_repr(fqn)} is not a string", file=where)
             continue
         leaf = leaf_of(fqn)
         if isinstance(item, safe_pickle.BytesStorageMetadata):
@@ -315,7 +315,7 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
         for chunk_md in item.chunks:
             try:
                 if not isinstance(chunk_md, safe_pickle.ChunkStorageMetadata):
-                    raise CkptError(f"chunk {dcp._short(chunk_md)} is not a ChunkStorageMetadata")
+                    raise CkptError(f"chunk {short_repr(chunk_md)} is not a ChunkStorageMetadata")
                 offsets = dcp._int_tuple(chunk_md.offsets, "chunk offsets", where)
                 sizes = dcp._int_tuple(chunk_md.sizes, "chunk sizes", where)
             except CkptError as exc:

@@ -14,7 +14,7 @@ import tensorstore as ts
 from ..errors import CkptError
 from ..findings import Findings
 from ..formats import orbax as ob
-from ..storage import Storage
+from ..storage import Storage, ts_error_text
 
 # more chunks than this per array are not enumerated key by key; the count is compared instead
 _MAX_ENUMERATED_CHUNKS = 1_000_000
@@ -273,7 +273,7 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
     try:
         manifest = ts.ocdbt.dump(base_kv, context=storage.context).result()
     except Exception as exc:  # tensorstore raises ValueError with a status text
-        findings.error("lost-process-data", f"unreadable manifest: {ob._short(exc)}", file=base_where + ob.ROOT_MANIFEST)
+        findings.error("lost-process-data", f"unreadable manifest: {ts_error_text(exc)}", file=base_where + ob.ROOT_MANIFEST)
         return set()
     roots = [v.get("root", {}).get("location") for v in manifest.get("versions", [])]
     roots += [n.get("location") for n in manifest.get("version_tree_nodes", []) if isinstance(n, dict)]
@@ -297,7 +297,7 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
         try:
             node = ts.ocdbt.dump(base_kv, loc, context=storage.context).result()
         except Exception as exc:
-            findings.error("lost-process-data", f"unreadable B-tree node {loc}: {ob._short(exc)}", file=base_where + file)
+            findings.error("lost-process-data", f"unreadable B-tree node {loc}: {ts_error_text(exc)}", file=base_where + file)
             continue
         seen += 1
         for entry in node.get("entries", []):
