@@ -58,6 +58,9 @@ class InspectResult:
 
     def to_json(self) -> dict[str, Any]:
         ck = self.checkpoint
+        # readers share one Sharding object among the arrays saved alike:
+        # render each once (the output then shares that dict between leaves)
+        shardings: dict[int, dict[str, Any]] = {}
         return {
             "schema": JSON_SCHEMA_VERSION,
             "path": ck.path,
@@ -68,18 +71,24 @@ class InspectResult:
             "step": ck.step,
             "steps": [s.to_json() for s in ck.steps],
             "notes": list(ck.notes),
-            "leaves": [self._leaf_json(leaf) for leaf in self.leaves],
+            "leaves": [self._leaf_json(leaf, shardings) for leaf in self.leaves],
             "summary": self.summary,
         }
 
-    def _leaf_json(self, leaf: Leaf) -> dict[str, Any]:
+    def _leaf_json(self, leaf: Leaf, shardings: dict[int, dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": list(leaf.keys), "name": leaf.name, "kind": leaf.kind}
         if isinstance(leaf, ArrayLeaf):
+            sharding = None
+            if leaf.sharding is not None:
+                sharding = shardings.get(id(leaf.sharding))
+                if sharding is None:
+                    sharding = shardings[id(leaf.sharding)] = leaf.sharding.to_json()
+            chunk_shape = leaf.chunk_shape
             out.update(
                 shape=list(leaf.shape), dtype=leaf.dtype, nbytes=leaf.nbytes,
-                chunk_shape=list(leaf.chunk_shape) if leaf.chunk_shape is not None else None,
+                chunk_shape=list(chunk_shape) if chunk_shape is not None else None,
                 chunks=leaf.chunk_count,
-                sharding=leaf.sharding.to_json() if leaf.sharding else None,
+                sharding=sharding,
             )
         else:
             out.update(

@@ -226,11 +226,14 @@ class ArrayLeaf:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    # size, nbytes and chunk_count are asked for several times per leaf by
+    # every summary; a leaf's shape, dtype and layout never change once read
+
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.size * dtypes.get(self.dtype).itemsize
 
@@ -240,7 +243,7 @@ class ArrayLeaf:
             return self.layout.chunk_shape
         return self.layout.chunk_shape
 
-    @property
+    @functools.cached_property
     def chunk_count(self) -> int:
         return self.layout.count(self.shape)
 

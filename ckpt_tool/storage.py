@@ -84,6 +84,26 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
     raise CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
 
 
+
+class PendingReads:
+    """Reads started by `Storage.start_reads`; `result()` waits for them all."""
+
+    def __init__(self, storage: Storage, futures: dict[str, Any]) -> None:
+        self._storage = storage
+        self._futures = futures
+
+    def result(self) -> dict[str, bytes | None]:
+        """Each key's bytes, or None where the key is missing."""
+        out: dict[str, bytes | None] = {}
+        for key, fut in self._futures.items():
+            try:
+                res = fut.result()
+            except Exception as exc:
+                raise CkptError(f"cannot read: {ts_error_text(exc)}", self._storage._where(key)) from exc
+            out[key] = bytes(res.value) if res.state == "value" else None
+        return out
+
+
 def _check_relative(key: str, where: str) -> str:
     """Refuse keys that are absolute or climb out of the root."""
     if "\x00" in key:
@@ -232,19 +252,16 @@ class Storage:
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
         """Read several keys concurrently (None for a missing key)."""
+        return self.start_reads(keys).result()
+
+    def start_reads(self, keys: Iterable[str]) -> "PendingReads":
+        """Start reading several keys; the caller may do other work before `.result()`."""
         futures = {}
         for key in keys:
             rel = self._checked(key)
             self.log.record(rel)
             futures[key] = self._kv.read(rel)
-        out: dict[str, bytes | None] = {}
-        for key, fut in futures.items():
-            try:
-                res = fut.result()
-            except Exception as exc:
-                raise CkptError(f"cannot read: {ts_error_text(exc)}", self._where(key)) from exc
-            out[key] = bytes(res.value) if res.state == "value" else None
-        return out
+        return PendingReads(self, futures)
 
     def size(self, key: str) -> int:
         """The size in bytes of the value at `key`, without reading it where possible."""

@@ -14,6 +14,7 @@ region needs.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -302,11 +303,17 @@ def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _Tensor
         shape=item.shape,
         dtype=item.dtype,
         layout=ChunkList(tuple(item.chunks)),
-        sharding=Sharding(kind="chunks", chunks=len(item.chunks)),
+        sharding=_chunk_list_sharding(len(item.chunks)),
         reader=reader,
         verifier=reader.verify_chunk,
         extra=extra,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_list_sharding(count: int) -> Sharding:
+    """One shared (immutable) Sharding per chunk count: thousands of tensors have the same."""
+    return Sharding(kind="chunks", chunks=count)
 
 
 def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesItem) -> ValueLeaf:

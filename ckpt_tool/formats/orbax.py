@@ -23,7 +23,7 @@ import tensorstore as ts
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
-from ..storage import Storage, ts_error_text
+from ..storage import PendingReads, Storage, ts_error_text
 
 NAME = "orbax"
 
@@ -311,18 +311,20 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
     else:
         sources = [_ArraySource(storage, None)]
 
-    shardings = _read_shardings(storage, files)
-    strings = None
-
-    array_entries = [(k, v) for k, v in entries if v.get("value_type") in _ARRAY_TYPES | {"scalar"}]
     meta_key = "zarr.json" if use_zarr3 else ".zarray"
-    names = [_param_name(k) for k, _ in array_entries]
-    zmetas = _read_zarr_metadata(sources, names, meta_key)
+    names = [_param_name(k) for k, _ in entries]
+    array_names = [n for n, (_, v) in zip(names, entries) if v.get("value_type") in _ARRAY_TYPES | {"scalar"}]
+    # tensorstore reads the arrays' metadata on its own threads while this
+    # thread parses _sharding
+    first_reads = sources[0].view.start_reads(f"{n}/{meta_key}" for n in array_names)
+    shardings = _read_shardings(storage, files)
+    zmetas = _read_zarr_metadata(sources, array_names, meta_key, first_reads)
+    strings = None
+    parsed_zmeta: dict[int, tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]] = {}
 
     leaves: list[Leaf] = []
-    for keys, vmeta in entries:
+    for name, (keys, vmeta) in zip(names, entries):
         value_type = vmeta.get("value_type", "unknown")
-        name = _param_name(keys)
         full_keys = prefix + keys
         extra: dict[str, Any] = {"value_type": value_type}
         if vmeta.get("skip_deserialize"):
@@ -335,7 +337,10 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                     storage.url,
                 )
             zmeta, source = found
-            shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
+            # arrays with the same metadata text share one parsed dict: parse it once
+            if id(zmeta) not in parsed_zmeta:
+                parsed_zmeta[id(zmeta)] = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
+            shape, dtype, chunk_shape, info = parsed_zmeta[id(zmeta)]
             extra.update(info)
             if len(sources) > 1:
                 # unmerged OCDBT: each process holds its own chunks of the array
@@ -400,15 +405,20 @@ class _ArraySource:
 
 
 def _read_zarr_metadata(
-    sources: list[_ArraySource], names: list[str], meta_key: str
+    sources: list[_ArraySource], names: list[str], meta_key: str, first_reads: PendingReads
 ) -> dict[str, tuple[dict[str, Any], _ArraySource]]:
-    """Each array's zarr metadata, read concurrently, with the source holding it."""
+    """Each array's zarr metadata, read concurrently, with the source holding it.
+
+    `first_reads` are the reads of every name from the first source, already
+    started; names it lacks are looked for in the next sources in turn.
+    """
     found: dict[str, tuple[dict[str, Any], _ArraySource]] = {}
     remaining = list(names)
-    for source in sources:
+    for i, source in enumerate(sources):
         if not remaining:
             break
-        raw = source.view.read_many(f"{n}/{meta_key}" for n in remaining)
+        pending = first_reads if i == 0 else source.view.start_reads(f"{n}/{meta_key}" for n in remaining)
+        raw = pending.result()
         still = []
         parsed: dict[bytes, Any] = {}  # arrays of one shape and dtype share their metadata text
         for n in remaining:
