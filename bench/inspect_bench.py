@@ -18,8 +18,9 @@ a warm page cache:
 
 Each command runs once as a warm-up (its output is captured and checked: ckpt
 must report exactly the leaves that were saved, and the baselines must see
-them too), then N times (default 3) with stdout to /dev/null; the best wall
-time counts. Peak RSS comes from the kernel's rusage for that one child
+them too), then N times (default 3) with stdout to /dev/null, in N rounds
+that each run all four commands in turn (so a slow stretch of a shared machine
+hits ckpt and its baseline alike); the best wall time counts. Peak RSS comes from the kernel's rusage for that one child
 (os.wait4). The target is baseline / ckpt >= 10x for both formats; the bench
 prints TARGET MET / TARGET MISSED but does not fail on a miss.
 
@@ -428,17 +429,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     failed = False
-    for cmd in commands(paths):
-        log(f"running {cmd['name']}: 1 warm-up + {args.runs} runs ...")
+    cmds = commands(paths)
+    # warm-up and output check, once per command
+    for cmd in cmds:
+        log(f"checking {cmd['name']} (warm-up run) ...")
         res = dict(name=cmd["name"], format=cmd["format"], role=cmd["role"], command=cmd["label"],
                    ok=True, error=None, best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None,
                    check_errors=[], notes=[])
+        results.append(res)
         warm = run_once(cmd["argv"], capture=True)
         if warm["rc"] != 0:
             tail = (warm["stderr"].strip().splitlines() or ["(no stderr)"])[-1]
             res.update(ok=False, error=f"exit {warm['rc']}: {tail}")
             failed = True
-            results.append(res)
             continue
         if cmd["role"] == "ckpt":
             errs, notes = check_ckpt_json(cmd["format"], warm["stdout"], args.layers)
@@ -450,22 +453,30 @@ def main(argv: list[str] | None = None) -> int:
         if res["check_errors"]:
             res["ok"] = False
             failed = True
-        rss = []
-        for _ in range(args.runs):
+    # Timed runs in rounds, each round running every command once: on a
+    # shared 2-core VM the speed drifts over tens of seconds, and interleaving
+    # lets a slow stretch hit ckpt and its baseline alike.
+    rss: dict[str, list] = {r["name"]: [] for r in results}
+    for round_no in range(args.runs):
+        log(f"round {round_no + 1}/{args.runs} ...")
+        for cmd, res in zip(cmds, results):
+            if res["error"]:
+                continue
             r = run_once(cmd["argv"], capture=False)
             if r["rc"] != 0:
                 tail = (r["stderr"].strip().splitlines() or ["(no stderr)"])[-1]
                 res.update(ok=False, error=f"exit {r['rc']}: {tail}")
                 failed = True
-                break
+                continue
             res["runs_s"].append(round(r["wall"], 4))
             res["cpu_s"].append(round(r["cpu"], 4))
-            rss.append(r["rss_kib"])
+            rss[res["name"]].append(r["rss_kib"])
+    for res in results:
         if res["runs_s"]:
             res["best_s"] = min(res["runs_s"])
             res["best_cpu_s"] = res["cpu_s"][res["runs_s"].index(res["best_s"])]  # of the best run
-            res["peak_rss_kib"] = max(x for x in rss if x is not None) if any(x is not None for x in rss) else None
-        results.append(res)
+            seen_rss = [x for x in rss[res["name"]] if x is not None]
+            res["peak_rss_kib"] = max(seen_rss) if seen_rss else None
 
     by_name = {r["name"]: r for r in results}
     ratios = []

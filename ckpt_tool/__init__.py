@@ -8,11 +8,27 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import CkptError
-from .model import ArrayLeaf, Checkpoint, ValueLeaf
+
+if TYPE_CHECKING:
+    from .model import ArrayLeaf, Checkpoint, ValueLeaf
 
 __version__ = "0.1.0"
 __all__ = ["open", "Checkpoint", "ArrayLeaf", "ValueLeaf", "CkptError", "__version__"]
+
+# the model (and with it numpy) loads on first use, so that the `ckpt`
+# command can set up the process before numpy starts
+_FROM_MODEL = frozenset({"ArrayLeaf", "Checkpoint", "ValueLeaf"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_MODEL:
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open(path: str, *, step: str | int | None = None) -> Checkpoint:  # noqa: A001 - mirrors io.open

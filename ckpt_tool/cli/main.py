@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
     command = args[0] if args else None
+    # ckpt does no linear algebra: without this, importing numpy starts an
+    # OpenBLAS thread per core that spins for ~50 ms of CPU, which on a small
+    # machine slows the command itself. (No effect once numpy is loaded.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if command in STREAMING:
         # a process-wide allocator setting: the command line owns its process,
         # a notebook importing ckpt_tool does not

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -236,7 +237,7 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
     except CkptError as exc:
         raise CorruptMetadataError(exc.message, where) from None
     shape = _int_tuple(item.size, "tensor size", where)
-    if any(n < 0 for n in shape):
+    if shape and min(shape) < 0:
         raise CorruptMetadataError(f"negative dimension in size {list(shape)}", where)
     if not isinstance(item.chunks, (list, tuple)):
         raise CorruptMetadataError("chunk list is not a list", where)
@@ -251,7 +252,8 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
             raise CorruptMetadataError(
                 f"chunk at offsets {list(offsets)} with sizes {list(sizes)} does not match rank {len(shape)}", where
             )
-        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+        # (map-based: this runs for every chunk of every tensor)
+        if shape and (min(offsets) < 0 or min(sizes) < 0 or any(map(operator.gt, map(operator.add, offsets, sizes), shape))):
             raise CorruptMetadataError(
                 f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside shape {list(shape)}", where
             )

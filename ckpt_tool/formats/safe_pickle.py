@@ -329,10 +329,11 @@ class Record:
         # fast path, taken for every object of a real .metadata (thousands of
         # them): a plain dict whose keys are all known field names
         if type(state) is dict and self._FIELD_SET.issuperset(state):
-            d = self.__dict__
-            if len(state) != len(self.FIELDS):
-                d.update(self._ALL_DEFAULTS)
-            d.update(state)
+            # adopt the state dict itself as the attribute dict: a copy would
+            # double the memory of a large .metadata (the unpickler's memo
+            # keeps the state dicts alive until the end). Fields it lacks read
+            # as their defaults through __getattr__.
+            self.__dict__ = state
             return
         # BUILD may pass (dict_state, slot_state) for classes with __slots__
         if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
