@@ -331,12 +331,18 @@ def test_ranged_reads_fetch_only_what_the_region_needs(single_ckpt):
     ck, storage = _open(single_ckpt)
     calls: list[tuple[str, int, int]] = []
     real = storage.read_range
+    real_into = storage.read_range_into
 
     def spy(key, start, end):
         calls.append((key, start, end))
         return real(key, start, end)
 
+    def spy_into(key, start, buffer):
+        calls.append((key, start, start + memoryview(buffer).nbytes))
+        return real_into(key, start, buffer)
+
     storage.read_range = spy  # type: ignore[method-assign]
+    storage.read_range_into = spy_into  # type: ignore[method-assign]
     leaf = ck["big"]
     entry = leaf.extra["storage"][0]
     out = leaf[10:12, 3:7]

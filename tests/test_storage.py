@@ -51,6 +51,30 @@ def test_missing_and_truncated(tree):
         st.read_range("a.bin", 5, 20)
 
 
+@pytest.mark.parametrize("url", ["local", "memory"])
+def test_read_range_into_fills_the_buffer(tree, url):
+    if url == "local":
+        st = Storage.open(str(tree))
+    else:
+        st = Storage.open("memory://range_into")
+        st.write("a.bin", b"0123456789")
+    buf = bytearray(4)
+    st.read_range_into("a.bin", 3, buf)
+    assert buf == b"3456"
+    with pytest.raises(CkptError, match=r"truncated: needed bytes \[8, 12\) but it has 10 bytes"):
+        st.read_range_into("a.bin", 8, bytearray(4))
+    with pytest.raises(NotFoundError, match="missing"):
+        st.read_range_into("nope", 0, bytearray(1))
+
+
+def test_read_range_into_keeps_containment(tree):
+    st = Storage.open(str(tree))
+    with pytest.raises(PathEscapeError):
+        st.read_range_into("link_out", 0, bytearray(1))
+    with pytest.raises(PathEscapeError, match="not a regular file"):
+        st.read_range_into("fifo", 0, bytearray(1))
+
+
 @pytest.mark.parametrize("key", ["../outside/secret", "sub/../../outside/secret", "/etc/passwd", "C:\\x"])
 def test_escaping_keys_refused(tree, key):
     st = Storage.open(str(tree))

@@ -378,13 +378,13 @@ class _TensorReader:
             self._check_coverage(region, tasks, covered, volume)
         if len(tasks) == 1 and covered == volume:
             # one chunk covers the region: its decoded array is the answer (no second copy)
-            (_, local, _), (payload, fetch, where) = tasks[0], sources[0]
-            return _payload_module().read_region(payload, local, fetch, where)
+            (index, local, _), (payload, fetch, where) = tasks[0], sources[0]
+            return _payload_module().read_region(payload, local, fetch, where, self._fetch_into(index, where))
         out = np.empty(out_shape, dtype=self._dtype)
 
         def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str]]) -> None:
-            (_, local, target), (payload, fetch, where) = args
-            out[target] = _payload_module().read_region(payload, local, fetch, where)
+            (i, local, target), (payload, fetch, where) = args
+            out[target] = _payload_module().read_region(payload, local, fetch, where, self._fetch_into(i, where))
 
         _map(copy, list(zip(tasks, sources)))
         return out
@@ -411,6 +411,17 @@ class _TensorReader:
             f"{[(r.start, r.stop) for r in region]}",
             where,
         )
+
+    def _fetch_into(self, i: int, where: str) -> Callable[[int, Any], None]:
+        """Chunk i's bulk read: fill a buffer with its entry's bytes from a position."""
+        entry = self._item.entries[i]
+
+        def fetch_into(start: int, buffer: Any) -> None:
+            if start + memoryview(buffer).nbytes > entry.length:
+                raise CorruptMetadataError(f"read past the entry's {entry.length} bytes", where)
+            self._storage.read_range_into(entry.relative_path, entry.offset + start, buffer)
+
+        return fetch_into
 
     def _locate(self, i: int) -> tuple[TensorPayload, Fetch, str]:
         """Chunk i's validated payload location, a fetch over its entry, and its `where`."""

@@ -33,13 +33,13 @@ import struct
 import sys
 import threading
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 import numpy as np
 
 from .. import dtypes
+from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
 from ..storage import Storage
@@ -129,7 +129,7 @@ class _ZipBuilder:
     def add(self, name: str, data: Buffer, crc: int | None = None) -> None:
         size = len(data) if isinstance(data, bytes) else data.nbytes
         if crc is None:
-            crc = zlib.crc32(data)
+            crc = crc32(data)
         full = (_ARCHIVE_PREFIX + name).encode("utf-8")
         ofs = self.pos
         zip64 = size >= _U32 or ofs >= _U32
@@ -272,7 +272,7 @@ def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
 def tensor_archive(dtype: dtypes.DType, data: np.ndarray) -> tuple[list[Buffer], int]:
     """torch.save of a tensor holding `data` (C-contiguous, little-endian, of `dtype`)."""
     raw = memoryview(data.reshape(-1).view(np.uint8))
-    return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, zlib.crc32(raw)))
+    return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, crc32(raw)))
 
 
 # ---------------------------------------------------------------------------

@@ -19,18 +19,19 @@ import io
 import math
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import dtypes
+from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError
 from . import safe_pickle
 from .safe_pickle import StorageRef, TensorRef
 
 Fetch = Callable[[int, int], bytes]  # bytes [start, end) of the archive
+FetchInto = Callable[[int, Any], None]  # fill a writable buffer with the archive's bytes from a position
 Region = tuple[slice, ...]
 
 # An archive this small is read in one request; bigger ones as head + tail.
@@ -220,7 +221,7 @@ class PayloadArchive:
         start, size = self._member_position(info)
         data = self._file.get(start, start + size)
         # torch can be told not to compute CRCs (they are then 0)
-        if info.CRC and zlib.crc32(data) != info.CRC:
+        if info.CRC and crc32(data) != info.CRC:
             raise CorruptMetadataError(f"member {info.filename} fails its CRC-32 check", self.where)
         return data
 
@@ -306,11 +307,15 @@ def load_value(data: bytes, where: str) -> Any:
     return open_payload(data, where).value()
 
 
-def read_region(payload: TensorPayload, region: Region | None, fetch: Fetch, where: str) -> np.ndarray:
+def read_region(
+    payload: TensorPayload, region: Region | None, fetch: Fetch, where: str, fetch_into: FetchInto | None = None
+) -> np.ndarray:
     """Read `region` (slices local to the tensor) of a located tensor into numpy.
 
     Only the byte span from the region's first to its last element is fetched;
     strides (non-contiguous tensors) and the storage offset are applied here.
+    Given `fetch_into`, a region whose bytes lie contiguous and in C order
+    (the usual case: a whole chunk) is read straight into the result.
     """
     region = _full_region(payload.shape) if region is None else region
     dtype = dtypes.numpy_dtype(payload.dtype)
@@ -321,12 +326,20 @@ def read_region(payload: TensorPayload, region: Region | None, fetch: Fetch, whe
     start, end = span
     if start < payload.data_offset or end > payload.data_offset + payload.data_length:
         raise CorruptMetadataError("tensor region lies outside its storage", where)
+    whole_storage = (start, end) == (payload.data_offset, payload.data_offset + payload.data_length)
+    if fetch_into is not None and _contiguous_c_order(payload, end - start, math.prod(out_shape) * dtype.itemsize):
+        out = np.empty(out_shape, dtype=dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        fetch_into(start, flat)
+        if payload.data_crc and whole_storage and crc32(flat) != payload.data_crc:
+            raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
+        return _to_native(out) if payload.big_endian else out
     raw = fetch(start, end)
     if len(raw) != end - start:
         raise CorruptMetadataError(f"short read: wanted {end - start} bytes, got {len(raw)}", where)
     # the CRC can be checked whenever the whole storage was read anyway
-    if payload.data_crc and (start, end) == (payload.data_offset, payload.data_offset + payload.data_length):
-        if zlib.crc32(raw) != payload.data_crc:
+    if payload.data_crc and whole_storage:
+        if crc32(raw) != payload.data_crc:
             raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
     itemsize = dtype.itemsize
     # stride over opaque items: as_strided goes through __array_interface__,
@@ -337,6 +350,18 @@ def read_region(payload: TensorPayload, region: Region | None, fetch: Fetch, whe
     )
     out = np.array(view, copy=True).view(dtype)  # owns its memory, C order
     return _to_native(out) if payload.big_endian else out
+
+
+def _contiguous_c_order(payload: TensorPayload, span_bytes: int, region_bytes: int) -> bool:
+    """Whether a region's span holds exactly its elements, in C order."""
+    if span_bytes != region_bytes:
+        return False  # gaps between the region's rows, or overlapping (stride 0) elements
+    expected = 1
+    for n, stride in zip(reversed(payload.shape), reversed(payload.stride)):
+        if n > 1 and stride != expected:
+            return False  # transposed or otherwise permuted storage
+        expected *= n
+    return True
 
 
 def verify_crc(payload: TensorPayload, fetch: Fetch, where: str, block_bytes: int = 8 * 2**20) -> None:
@@ -350,7 +375,7 @@ def verify_crc(payload: TensorPayload, fetch: Fetch, where: str, block_bytes: in
         raw = fetch(start, stop)
         if len(raw) != stop - start:
             raise CorruptMetadataError(f"short read: wanted {stop - start} bytes, got {len(raw)}", where)
-        crc = zlib.crc32(raw, crc)
+        crc = crc32(raw, crc)
     if crc != payload.data_crc:
         raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
 
