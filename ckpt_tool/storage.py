@@ -85,6 +85,53 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
 
 
 
+class LocalFileWriter:
+    """A new local file that several threads fill at offsets they reserved.
+
+    `close()` fsyncs it, as tensorstore's file kvstore does for every value
+    it writes; `discard()` just closes it (the output is being thrown away).
+    """
+
+    def __init__(self, path: str, where: str) -> None:
+        self.where = where
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise CkptError(f"cannot create: {exc.strerror or exc}", where) from exc
+
+    def write_at(self, offset: int, parts: Iterable[Any]) -> None:
+        """Write the buffers back to back from `offset`."""
+        views = [memoryview(p).cast("B") for p in parts]
+        try:
+            while views:
+                written = os.pwritev(self._fd, views, offset)
+                if written == 0 and any(v.nbytes for v in views):
+                    raise CkptError("cannot write: the file system took no bytes", self.where)
+                offset += written
+                # a short write (a signal, a full disk on the next call): go on from there
+                while views and written >= views[0].nbytes:
+                    written -= views[0].nbytes
+                    views.pop(0)
+                if views and written:
+                    views[0] = views[0][written:]
+        except OSError as exc:
+            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+        finally:
+            os.close(self._fd)
+
+    def discard(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
 class PendingReads:
     """Reads started by `Storage.start_reads`; `result()` waits for them all."""
 
@@ -373,6 +420,23 @@ class Storage:
             self._kv.write(rel, data).result()
         except Exception as exc:
             raise CkptError(f"cannot write: {ts_error_text(exc)}", self._where(rel)) from exc
+
+    def create_local_file(self, key: str) -> "LocalFileWriter | None":
+        """A new file at `key` for writing at known offsets, on local roots only (else None).
+
+        The bulk path for DCP data files: archives go from the caller's arrays
+        to the file with pwritev, where a kvstore write first copies the whole
+        file into a buffer of its own.
+        """
+        if not self._check_local:
+            return None
+        rel = _check_relative(key, self.url)
+        if not rel:
+            raise CkptError("empty key", self.url)
+        path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._check_local_path(rel, want_dir=False)
+        return LocalFileWriter(path, self._where(rel))
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""

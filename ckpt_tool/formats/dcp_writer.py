@@ -42,7 +42,7 @@ from .. import dtypes
 from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
-from ..storage import Storage
+from ..storage import LocalFileWriter, Storage
 from ..writers import TargetArray, TargetValue, WritePlan
 from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
 
@@ -457,14 +457,21 @@ def _list_groups(targets: list[TargetArray | TargetValue]) -> list[_ListGroup]:
 
 @dataclass
 class _OpenFile:
-    """A data file being filled: archives are copied in, so callers may reuse their arrays."""
+    """A data file being filled; either way, callers may reuse their arrays once write_array returns.
+
+    Local files are written in place (`local`): each archive at the offset
+    reserved for it, by the thread that made it, and the file is closed
+    (fsynced) by whoever finishes its last write after it was sealed. Other
+    storage gets the file as one value: archives are copied into `data`.
+    """
 
     name: str
+    local: LocalFileWriter | None = None
     data: bytearray = field(default_factory=bytearray)
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
+    size: int = 0  # bytes reserved so far
+    writing: int = 0  # archives being written into `local` right now
+    sealed: bool = False  # no more archives go into this file
+    done: bool = False  # flushed or closed
 
 
 class DcpWriter:
@@ -498,6 +505,7 @@ class DcpWriter:
         self._implicit: list[str] = []
         self._entries: dict[tuple[str, int | None], _Entry] = {}
         self._current: _OpenFile | None = None
+        self._files: list[_OpenFile] = []  # every data file opened, to close them on abort
         self._next_file = 0
         self._state = "new"  # new -> writing -> finished -> committed | aborted
         self._save_id = ""
@@ -580,10 +588,15 @@ class DcpWriter:
                 dt = dtypes.get(target.dtype)
                 arr = np.empty(chunks[0].sizes, dtype=dtypes.numpy_dtype(target.dtype))
                 self._append((name, 0), *tensor_archive(dt, arr))
+        ready: list[_OpenFile] = []
         with self._lock:
-            last, self._current = self._current, None
-        if last is not None:
-            self._flush(last)
+            if self._current is not None:
+                self._seal(self._current, ready)
+            unfinished = [f.name for f in self._files if not f.done]
+        if unfinished:
+            raise DcpWriteError(f"data file {unfinished[0]} still has writes in progress")
+        for f in ready:
+            self._flush(f)
         if plan.process_count > 1 and plan.process_index != 0:
             self._storage.write(f"{SIDECAR_PREFIX}{plan.process_index}", self._sidecar())
         self._state = "finished"
@@ -632,6 +645,11 @@ class DcpWriter:
         with self._lock:
             self._current = None
             self._entries.clear()
+            files, self._files = self._files, []
+        for f in files:
+            if f.local is not None and not f.done:
+                f.done = True
+                f.local.discard()
         self._state = "aborted"
 
     # -- internals ---------------------------------------------------------------
@@ -699,7 +717,7 @@ class DcpWriter:
 
     def _append(self, key: tuple[str, int | None], parts: list[Buffer], length: int) -> None:
         """Place one archive in the current data file; flush files that are full."""
-        full: list[_OpenFile] = []
+        ready: list[_OpenFile] = []
         with self._lock:
             if self._state != "writing":
                 raise DcpWriteError(f"writer is {self._state}")
@@ -707,12 +725,18 @@ class DcpWriter:
                 raise DcpWriteError(f"{_describe(key)} was written twice")
             cur = self._current
             if cur is not None and cur.size and cur.size + length > self._file_bytes:
-                full.append(cur)
+                self._seal(cur, ready)
                 cur = None
             if cur is None:
-                cur = self._current = _OpenFile(self._new_file_name())
-            self._entries[key] = _Entry(cur.name, cur.size, length)
-            if not cur.size and length >= self._file_bytes:
+                name = self._new_file_name()
+                cur = self._current = _OpenFile(name, self._storage.create_local_file(name))
+                self._files.append(cur)
+            offset = cur.size
+            self._entries[key] = _Entry(cur.name, offset, length)
+            cur.size += length
+            if cur.local is not None:
+                cur.writing += 1
+            elif not offset and length >= self._file_bytes:
                 # an archive with a file of its own: allocated once at its exact
                 # size (growing a bytearray would copy it and over-allocate 1/8)
                 cur.data = bytearray(length)
@@ -726,11 +750,28 @@ class DcpWriter:
                 for part in parts:
                     cur.data += part
             if cur.size >= self._file_bytes:
-                full.append(cur)
-                self._current = None
-        # written outside the lock: other threads keep filling the next file meanwhile
-        for f in full:
+                self._seal(cur, ready)
+        if cur.local is not None:
+            # outside the lock: other threads write their archives meanwhile
+            try:
+                cur.local.write_at(offset, parts)
+            finally:
+                with self._lock:
+                    cur.writing -= 1
+                    if cur.sealed and not cur.writing and not cur.done:
+                        cur.done = True
+                        ready.append(cur)
+        for f in ready:
             self._flush(f)
+
+    def _seal(self, f: _OpenFile, ready: list[_OpenFile]) -> None:
+        """No more archives go into `f`; it is ready to flush once its writes are done (lock held)."""
+        f.sealed = True
+        if self._current is f:
+            self._current = None
+        if not f.writing and not f.done:
+            f.done = True
+            ready.append(f)
 
     def _new_file_name(self) -> str:
         plan = self._require_plan()
@@ -739,6 +780,9 @@ class DcpWriter:
         return name
 
     def _flush(self, f: _OpenFile) -> None:
+        if f.local is not None:
+            f.local.close()
+            return
         # the kvstore takes the bytearray as it is: no extra copy of the file here
         data, f.data = f.data, bytearray()
         self._storage.write(f.name, data)  # type: ignore[arg-type]
