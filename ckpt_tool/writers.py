@@ -75,6 +75,10 @@ class CheckpointWriter(Protocol):
     after every process has finished (a barrier), commit(). abort() drops
     in-flight state after a failure (the caller removes the temporary
     directory).
+
+    write_array takes the chunk's array over: the caller must not modify it
+    afterwards, so that a writer may hold on to it until its write is
+    committed instead of copying it (the Orbax writer does).
     """
 
     def begin(self, plan: WritePlan) -> None: ...

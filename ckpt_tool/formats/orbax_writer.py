@@ -524,9 +524,11 @@ class OrbaxWriter:
         return leaf
 
     def _submit(self, store: ts.TensorStore, data: np.ndarray, where: str) -> None:
-        """Start a write; return once tensorstore holds a copy, keeping its commit pending."""
+        """Start a write; return once tensorstore has taken the data, keeping its commit pending."""
         try:
-            futures = store.write(data)
+            # the array is ours now (see CheckpointWriter): tensorstore may
+            # encode straight from it rather than first copying it
+            futures = store.write(data, can_reference_source_data_indefinitely=True)
             futures.copy.result()
         except Exception as exc:
             raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
