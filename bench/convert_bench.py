@@ -16,13 +16,13 @@ count, as they do for a user), with the source in the page cache (read once
 before every run). Every output goes to bench/out/tmp_convert/ and is deleted
 after each run, outside the timed region (ckpt's DST must not exist).
 
-  orbax -> dcp   ckpt convert SRC DST --to dcp --workers 4 --json   (4 = the default)
-                 ckpt convert SRC DST --to dcp --workers 2 --json
+  orbax -> dcp   ckpt convert SRC DST --to dcp --workers W --json, for W = the
+                   default, min(4, cores), and 4 (or 2 where the default is 4)
                  baseline: orbax restore as numpy (PyTreeCheckpointer,
                    RestoreArgs(restore_type=np.ndarray)), torch.from_numpy,
                    torch.distributed.checkpoint.save(checkpoint_id=DST)
                  cp -r SRC DST;  cp -r + fsync of every copied file (sync FILE...)
-  dcp -> orbax   ckpt convert SRC DST --to orbax --workers 4|2 --json
+  dcp -> orbax   ckpt convert SRC DST --to orbax --workers W --json, the same two W
                  baseline: dcp_to_torch_save(SRC, DST.pt)   (the issue's baseline)
                  extra: dcp_to_torch_save + torch.load + StandardCheckpointer().save
                    of the numpy arrays (like for like; --no-extra skips it)
@@ -36,7 +36,7 @@ counts, its CPU time is shown, and the peak RSS is the largest of the timed
 runs (os.wait4 rusage of that one child, as in inspect_bench.py, whose
 process runner this bench reuses).
 
-Targets, per direction, on the default `--workers 4`:
+Targets, per direction, on the default --workers (min(4, cores)):
   baseline wall / ckpt wall >= 3x   (orbax -> dcp: restore + dcp.save;
                                      dcp -> orbax: dcp_to_torch_save)
   ckpt wall / cp -r wall   <= 3x
@@ -76,14 +76,17 @@ if HERE not in sys.path:
 import inspect_bench as ib  # noqa: E402  (process runner, page-cache warmer, formatting)
 import validate_bench as vb  # noqa: E402  (the 2 GiB checkpoints and their generator)
 
+from ckpt_tool.parallel import default_workers  # noqa: E402
+
 REPO = ib.REPO
 OUT = ib.OUT
 TMP = os.path.join(OUT, "tmp_convert")
 BASELINE_TARGET = 3.0  # baseline wall / ckpt wall >= this
 CP_TARGET = 3.0  # ckpt wall / cp -r wall <= this
 RSS_TARGET_KIB = 512 * 1024  # ckpt peak RSS <= this
-DEFAULT_WORKERS = 4  # ckpt convert's default --workers
-WORKER_VARIANTS = (4, 2)  # the first is the default: the targets use it
+DEFAULT_WORKERS = default_workers()  # ckpt convert's default --workers: min(4, cores)
+# the first is the default, which the targets use; the other is shown beside it
+WORKER_VARIANTS = (DEFAULT_WORKERS, 4 if DEFAULT_WORKERS != 4 else 2)
 N_ARRAYS = vb.BIG_ARRAYS
 NBYTES = vb.BIG_NBYTES
 MIN_FREE = 10 * 2**30  # outputs (up to ~4 GiB at once) plus slack

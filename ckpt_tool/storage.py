@@ -84,7 +84,6 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
     raise CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
 
 
-
 class LocalFileWriter:
     """A new local file that several threads fill at offsets they reserved.
 
@@ -322,11 +321,8 @@ class Storage:
             got = 0
             while got < size:
                 n = os.preadv(fd, [view[got:]], start + got)
-                if n == 0:
-                    raise CkptError(
-                        f"truncated: needed bytes [{start}, {start + size}) but it has {os.fstat(fd).st_size} bytes",
-                        self._where(rel),
-                    )
+                if n == 0:  # a regular file reads short only at its end
+                    raise self._truncated(rel, fd, start, start + size)
                 got += n
         except OSError as exc:
             raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
@@ -341,15 +337,17 @@ class Storage:
         try:
             data = os.pread(fd, end - start, start)
             if len(data) < end - start:  # a regular file reads short only at its end
-                raise CkptError(
-                    f"truncated: needed bytes [{start}, {end}) but it has {os.fstat(fd).st_size} bytes",
-                    self._where(rel),
-                )
+                raise self._truncated(rel, fd, start, end)
             return data
         except OSError as exc:
             raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
         finally:
             os.close(fd)
+
+    def _truncated(self, rel: str, fd: int, start: int, end: int) -> CkptError:
+        return CkptError(
+            f"truncated: needed bytes [{start}, {end}) but it has {os.fstat(fd).st_size} bytes", self._where(rel)
+        )
 
     def _open_local(self, rel: str) -> int:
         try:

@@ -253,7 +253,8 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
                 f"chunk at offsets {list(offsets)} with sizes {list(sizes)} does not match rank {len(shape)}", where
             )
         # (map-based: this runs for every chunk of every tensor)
-        if shape and (min(offsets) < 0 or min(sizes) < 0 or any(map(operator.gt, map(operator.add, offsets, sizes), shape))):
+        ends = map(operator.add, offsets, sizes)
+        if shape and (min(offsets) < 0 or min(sizes) < 0 or any(map(operator.gt, ends, shape))):
             raise CorruptMetadataError(
                 f"chunk at offsets {list(offsets)} with sizes {list(sizes)} lies outside shape {list(shape)}", where
             )
