@@ -372,3 +372,37 @@ def test_fuzz_mutated_archive(edits):
             payload.read_tensor(payload.tensor())
     except CkptError:
         pass
+
+
+def _unicode(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def test_state_dict_changed_after_build_stays_plain_data():
+    """A record adopts its BUILD state dict; a pickle that edits that dict later
+    (through the memo) can add keys, but cannot change the record's type."""
+    data = (
+        b"\x80\x02"
+        + b"ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n"
+        + b")\x81"  # NEWOBJ: the record
+        + b"}q\x00("  # its state dict, memoized as 0
+        + _unicode("offsets") + b"K\x00\x85"  # (0,)
+        + _unicode("sizes") + b"K\x02\x85"  # (2,)
+        + b"ub"  # SETITEMS, BUILD
+        + b"q\x01"  # the record, memoized as 1
+        + b"h\x00("  # the state dict again
+        + _unicode("__class__") + _unicode("os.system")
+        + _unicode("__getattr__") + _unicode("boom")
+        + b"u0"  # SETITEMS, POP
+        + b"h\x01."  # the record
+    )
+    obj = safe_pickle.load_metadata(data, "test")
+    assert type(obj) is safe_pickle.ChunkStorageMetadata
+    assert isinstance(obj, safe_pickle.ChunkStorageMetadata)
+    assert (obj.offsets, obj.sizes) == ((0,), (2,))
+    assert obj.__class__ is safe_pickle.ChunkStorageMetadata
+    # the edit did reach the record's own dict, and changed nothing but data
+    assert obj.__dict__["__getattr__"] == "boom"
+    with pytest.raises(AttributeError):
+        obj.not_a_field  # noqa: B018 - __getattr__ is still the class's

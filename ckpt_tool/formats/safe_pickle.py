@@ -311,12 +311,10 @@ class Record:
     FIELDS: ClassVar[tuple[str, ...]] = ()
     DEFAULTS: ClassVar[dict[str, Any]] = {}
     _FIELD_SET: ClassVar[frozenset[str]] = frozenset()
-    _ALL_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._FIELD_SET = frozenset(cls.FIELDS)
-        cls._ALL_DEFAULTS = {name: cls.DEFAULTS.get(name) for name in cls.FIELDS}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if len(args) > len(self.FIELDS):
@@ -332,7 +330,10 @@ class Record:
             # adopt the state dict itself as the attribute dict: a copy would
             # double the memory of a large .metadata (the unpickler's memo
             # keeps the state dicts alive until the end). Fields it lacks read
-            # as their defaults through __getattr__.
+            # as their defaults through __getattr__. The pickle may still add
+            # keys to that dict later (through the memo): they stay plain
+            # instance data, which neither special-method lookup nor
+            # `__class__` ever reads, and the reader checks every field it uses.
             self.__dict__ = state
             return
         # BUILD may pass (dict_state, slot_state) for classes with __slots__
