@@ -186,6 +186,8 @@ class Storage:
         self.log = log or ReadLog()
         # OCDBT views resolve keys inside the database, not on the filesystem
         self._check_local = check_local and local_root is not None
+        # every key under the root, once listed (see list())
+        self._listing: list[str] | None = None
 
     # -- opening ---------------------------------------------------------
     @classmethod
@@ -210,10 +212,15 @@ class Storage:
             self._check_local_path(rel, want_dir=True)
         kv = self._kv / (rel + "/")
         local = os.path.join(self.local_root, rel) if self.local_root else None
-        return Storage(
+        child = Storage(
             kv, f"{self.url}/{rel}", spec=self.kvstore_spec(rel + "/"),
             local_root=local, log=self.log, check_local=self._check_local,
         )
+        if self._listing is not None:
+            # the sub-directory's part of the listing: no new LIST
+            cut = len(rel) + 1
+            child._listing = [k[cut:] for k in self._listing if k.startswith(rel + "/")]
+        return child
 
     def ocdbt(self, subdir: str = "") -> "Storage":
         """A view of the OCDBT database whose manifest lives at `subdir`."""
@@ -245,10 +252,26 @@ class Storage:
 
     # -- reading ---------------------------------------------------------
     def list(self, prefix: str = "") -> list[str]:
-        """Every key under `prefix` (recursive), relative to the root, sorted."""
+        """Every key under `prefix` (recursive), relative to the root, sorted.
+
+        The whole root is listed once per Storage and remembered: a reader
+        asks for it several times (format detection, then the reader itself,
+        sub-directories of a CheckpointManager root), and on S3 or GCS each
+        would be another round of LIST requests. It is a snapshot; writing
+        through this Storage forgets it.
+        """
         rel = _check_relative(prefix, self.url) if prefix else ""
         if rel and not rel.endswith("/"):
             rel += "/"
+        if self._listing is not None:
+            return [k for k in self._listing if k.startswith(rel)] if rel else list(self._listing)
+        keys = self._list_uncached(rel)
+        if not rel:
+            self._listing = keys
+            return list(keys)
+        return keys
+
+    def _list_uncached(self, rel: str) -> list[str]:
         try:
             if rel:
                 rng = ts.KvStore.KeyRange(inclusive_min=rel, exclusive_max=rel[:-1] + chr(ord("/") + 1))
@@ -404,6 +427,7 @@ class Storage:
     def delete(self, key: str) -> None:
         """Remove one value (missing is fine)."""
         rel = _check_relative(key, self.url)
+        self._listing = None
         try:
             self._kv.write(rel, None).result()  # tensorstore deletes on None
         except Exception as exc:
@@ -414,6 +438,7 @@ class Storage:
         rel = _check_relative(key, self.url)
         if not rel:
             raise CkptError("empty key", self.url)
+        self._listing = None
         try:
             self._kv.write(rel, data).result()
         except Exception as exc:
@@ -431,6 +456,7 @@ class Storage:
         rel = _check_relative(key, self.url)
         if not rel:
             raise CkptError("empty key", self.url)
+        self._listing = None
         path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._check_local_path(rel, want_dir=False)
@@ -438,6 +464,7 @@ class Storage:
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""
+        self._listing = None
         try:
             self._kv.delete_range(ts.KvStore.KeyRange()).result()
         except Exception as exc:

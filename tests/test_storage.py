@@ -113,3 +113,33 @@ def test_memory_store_shared_within_process():
     assert st.read("x/y") == b"abc"
     assert st.size("x/y") == 3
     assert st.list() == ["x/y"]
+
+
+def test_listing_is_remembered_until_a_write(tree):
+    st = Storage.open(str(tree))
+    first = st.list()
+    (tree / "added_behind_its_back").write_text("x")
+    assert st.list() == first  # a snapshot: listed once
+    assert st.child("sub").list() == ["b.txt"]  # children take their part of it
+    st.write("written.bin", b"1")
+    after = st.list()
+    assert "written.bin" in after and "added_behind_its_back" in after
+
+
+def test_reading_a_checkpoint_lists_its_root_once(monkeypatch):
+    from conftest import fixture_path
+    from ckpt_tool.formats import open_checkpoint
+
+    calls: list[tuple[str, str]] = []
+    real = Storage._list_uncached
+
+    def spy(self, rel):
+        calls.append((self.url, rel))
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "_list_uncached", spy)
+    for name in ("orbax_manager", "orbax_ocdbt_zarr2", "dcp_multirank"):
+        calls.clear()
+        open_checkpoint(str(fixture_path(name)))
+        # OCDBT views list their own database; the directory tree is listed once
+        assert [c for c in calls if "(ocdbt)" not in c[0]] == [(str(fixture_path(name)), "")], name
