@@ -8,6 +8,7 @@ writes (`torch.FloatStorage`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -78,6 +79,7 @@ TORCH_DTYPE_NAMES = frozenset(_BY_TORCH)
 TORCH_STORAGE_NAMES = frozenset(_BY_TORCH_STORAGE)
 
 
+@functools.lru_cache(maxsize=None)  # asked once per leaf by the readers: np.dtype objects are immutable
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for a canonical name (ml_dtypes supplies bfloat16 and float8)."""
     if hasattr(ml_dtypes, name):

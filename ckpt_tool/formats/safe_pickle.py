@@ -315,6 +315,11 @@ class Record:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._FIELD_SET = frozenset(cls.FIELDS)
+        # a field the pickle left out (an older torch, or NEWOBJ without
+        # BUILD) reads as its default from the class: an ordinary attribute
+        # lookup, where __getattr__ would cost a Python call per access
+        for name in cls.FIELDS:
+            setattr(cls, name, cls.DEFAULTS.get(name))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if len(args) > len(self.FIELDS):
@@ -357,9 +362,7 @@ class Record:
                 unknown[key] = value
 
     def __getattr__(self, name: str) -> Any:
-        # NEWOBJ without BUILD leaves fields unset; read them as their defaults
-        if name in type(self).FIELDS:
-            return type(self).DEFAULTS.get(name)
+        # (fields missing from the instance are found on the class)
         if name == "unknown":
             return {}
         raise AttributeError(name)
