@@ -34,7 +34,9 @@ class InspectResult:
         totals: dict[str, DtypeTotals] = {}
         for leaf in self.leaves:
             if isinstance(leaf, ArrayLeaf):
-                t = totals.setdefault(leaf.dtype, DtypeTotals())
+                t = totals.get(leaf.dtype)
+                if t is None:
+                    t = totals[leaf.dtype] = DtypeTotals()
                 t.leaves += 1
                 t.parameters += leaf.size
                 t.bytes += leaf.nbytes
@@ -42,14 +44,15 @@ class InspectResult:
 
     @functools.cached_property
     def summary(self) -> dict[str, Any]:
-        arrays = [leaf for leaf in self.leaves if isinstance(leaf, ArrayLeaf)]
+        by_dtype = self.by_dtype
+        arrays = sum(t.leaves for t in by_dtype.values())
         return {
             "leaves": len(self.leaves),
-            "arrays": len(arrays),
-            "values": len(self.leaves) - len(arrays),
-            "parameters": sum(a.size for a in arrays),
-            "bytes": sum(a.nbytes for a in arrays),
-            "chunks": sum(a.chunk_count for a in arrays),
+            "arrays": arrays,
+            "values": len(self.leaves) - arrays,
+            "parameters": sum(t.parameters for t in by_dtype.values()),
+            "bytes": sum(t.bytes for t in by_dtype.values()),
+            "chunks": sum(leaf.chunk_count for leaf in self.leaves if isinstance(leaf, ArrayLeaf)),
             "by_dtype": {
                 d: {"leaves": t.leaves, "parameters": t.parameters, "bytes": t.bytes}
                 for d, t in self.by_dtype.items()
