@@ -117,18 +117,24 @@ class LocalFileWriter:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
 
     def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
         try:
-            os.fsync(self._fd)
+            os.fsync(fd)
         except OSError as exc:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
         finally:
-            os.close(self._fd)
+            os.close(fd)
 
     def discard(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        """Close without syncing (the output is being thrown away); a no-op once closed."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class PendingReads:

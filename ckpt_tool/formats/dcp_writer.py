@@ -647,9 +647,9 @@ class DcpWriter:
             self._entries.clear()
             files, self._files = self._files, []
         for f in files:
-            if f.local is not None and not f.done:
+            if f.local is not None:
                 f.done = True
-                f.local.discard()
+                f.local.discard()  # a no-op for files already closed
         self._state = "aborted"
 
     # -- internals ---------------------------------------------------------------
