@@ -716,3 +716,30 @@ assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules), "to
     sd = {"w": torch.ones(3, dtype=torch.bfloat16), "s": 0}
     dcp.load(sd, checkpoint_id=str(tmp_path / "nt"))
     assert sd["w"].tolist() == [0.0, 0.0, 0.0] and sd["s"] == 1
+
+
+def test_failed_data_write_then_abort_leaves_no_file_open(tmp_path: Path, monkeypatch) -> None:
+    from ckpt_tool.storage import LocalFileWriter
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    writer, target = _one_array_writer(tmp_path)
+    # files of 8 bytes: each chunk seals its own file, so the failing write is a file's last
+    writer._file_bytes = 8
+    real = LocalFileWriter.write_at
+    calls = {"n": 0}
+
+    def failing_second(self, offset, parts):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise CkptError("cannot write: No space left on device", self.where)
+        return real(self, offset, parts)
+
+    monkeypatch.setattr(LocalFileWriter, "write_at", failing_second)
+    writer.write_array(target, 0, (slice(0, 2),), np.zeros(2, dtype=np.float32))
+    with pytest.raises(CkptError, match="No space left"):
+        writer.write_array(target, 1, (slice(2, 4),), np.zeros(2, dtype=np.float32))
+    writer.abort()
+    assert open_fds() == before
