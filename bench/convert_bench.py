@@ -205,10 +205,15 @@ def commands(big: dict, extra: bool) -> list[dict]:
 # --------------------------------------------------------------------------
 
 
+def clean_dir(path: str) -> None:
+    """Empty `path` (a bench's output directory), creating it if needed."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
 def _clean_tmp() -> None:
-    if os.path.isdir(TMP):
-        shutil.rmtree(TMP)
-    os.makedirs(TMP)
+    clean_dir(TMP)
 
 
 def _tree_bytes(path: str) -> int:
@@ -288,14 +293,8 @@ def run_command(cmd: dict, runs: int, log) -> dict:
                command=cmd["label"], ok=True, error=None, warmup_s=None, best_s=None, runs_s=[], best_cpu_s=None,
                cpu_s=[], peak_rss_kib=None, rss_kib=[], loadavg_1min_before=round(os.getloadavg()[0], 2),
                output=None, diff=None, check_errors=[])
-    log(f"running {cmd['name']}: 1 warm-up + {runs} runs ...")
-    _clean_tmp()
-    ib.warm_page_cache(cmd["src"])
-    warm = ib.run_once(cmd["argv"], capture=True)
-    res["warmup_s"] = round(warm["wall"], 3)
-    if warm["rc"] != 0:
-        res.update(ok=False, error=f"exit {warm['rc']}: {_tail(warm)}")
-        _clean_tmp()
+    warm = warm_up(cmd, res, runs, log, _clean_tmp)
+    if warm is None:
         return res
     if cmd["role"] == "ckpt":
         res["check_errors"] = check_ckpt_json(cmd, warm["stdout"])
@@ -309,8 +308,28 @@ def run_command(cmd: dict, runs: int, log) -> dict:
         res["check_errors"] = check_cp(cmd)
     if res["check_errors"]:
         res["ok"] = False
+    timed_runs(cmd, res, runs, _clean_tmp)
+    return res
+
+
+def warm_up(cmd: dict, res: dict, runs: int, log, clean) -> dict | None:
+    """The warm-up run (output captured for the checks); None, with the error in `res`, if it failed."""
+    log(f"running {cmd['name']}: 1 warm-up + {runs} runs ...")
+    clean()
+    ib.warm_page_cache(cmd["src"])
+    warm = ib.run_once(cmd["argv"], capture=True)
+    res["warmup_s"] = round(warm["wall"], 3)
+    if warm["rc"] != 0:
+        res.update(ok=False, error=f"exit {warm['rc']}: {_tail(warm)}")
+        clean()
+        return None
+    return warm
+
+
+def timed_runs(cmd: dict, res: dict, runs: int, clean) -> None:
+    """The timed runs into `res`: wall, CPU and RSS of each, then the best run and the peak RSS."""
     for _ in range(runs):
-        _clean_tmp()  # outside the timed region: DST must not exist
+        clean()  # outside the timed region: DST must not exist
         ib.warm_page_cache(cmd["src"])
         r = ib.run_once(cmd["argv"], capture=False)
         if r["rc"] != 0 or not all(os.path.exists(p) for p in cmd["outputs"]):
@@ -319,13 +338,12 @@ def run_command(cmd: dict, runs: int, log) -> dict:
         res["runs_s"].append(round(r["wall"], 4))
         res["cpu_s"].append(round(r["cpu"], 4))
         res["rss_kib"].append(r["rss_kib"])
-    _clean_tmp()
+    clean()
     if res["runs_s"]:
         best = res["runs_s"].index(min(res["runs_s"]))
         res["best_s"] = res["runs_s"][best]
         res["best_cpu_s"] = res["cpu_s"][best]
         res["peak_rss_kib"] = max(res["rss_kib"])
-    return res
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -729,14 +747,40 @@ _WHAT = {
 }
 
 
+def print_load(report: dict) -> None:
+    load = report["machine"]["loadavg_1min"]
+    parts = [f"{k.replace('before_', 'before ')} {v:.2f}" for k, v in load.items()]
+    print(f"1-min load average: {', '.join(parts)} (other work on the machine inflates wall times)")
+
+
+def print_rows(rows: list[dict], note_if_ok=lambda r: "") -> None:
+    """The results table: one line per command, its check errors below it."""
+    w = max(len(r["command"]) for r in rows)
+    print(f"  {'command':<{w}}  {'best wall':>10}  {'cpu':>8}  {'peak RSS':>9}  {'GiB/s':>6}  {'load':>5}  status")
+    for r in rows:
+        status = ("ok" + note_if_ok(r)) if r["ok"] else ("FAILED: " + (r["error"] or r["check_errors"][0]))
+        print(f"  {r['command']:<{w}}  {ib._fmt_s(r['best_s']):>10}  {ib._fmt_s(r.get('best_cpu_s')):>8}  "
+              f"{ib._fmt_mib(r['peak_rss_kib']):>9}  {_gibps(r):>6}  {r['loadavg_1min_before']:>5.2f}  {status}")
+        for line in (r["check_errors"][1:] if not r["error"] else r["check_errors"]):
+            print(f"  {'':<{w}}  {line}")
+
+
+def print_target(head: str, q: dict) -> None:
+    """One target line: the value, the target and whether it was met."""
+    if q["value"] is None:
+        print(f"{head}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
+        return
+    unit = " MiB" if q["what"] == "ckpt_rss_mib" else "x"
+    verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
+    print(f"{head} = {_fmt_value(q)} (target {q['op']} {q['target']:.0f}{unit})   {verdict}")
+
+
 def _print_report(report: dict) -> None:
     print()
     timed = f"best of {report['runs']} runs after 1 warm-up" if report["results"] else "profile only"
     print(f"convert bench: {report['arrays']} float32 arrays, {report['bytes'] / 2**30:.0f} GiB, each direction; "
           f"{timed}, {report['machine']['cpus']} cpus, warm page cache for SRC")
-    load = report["machine"]["loadavg_1min"]
-    parts = [f"{k.replace('before_', 'before ')} {v:.2f}" for k, v in load.items()]
-    print(f"1-min load average: {', '.join(parts)} (other work on the machine inflates wall times)")
+    print_load(report)
     for direction in ("orbax->dcp", "dcp->orbax"):
         rows = [r for r in report["results"] if r["direction"] == direction]
         if not rows:
@@ -744,28 +788,12 @@ def _print_report(report: dict) -> None:
         src = report["checkpoints"][direction.split("->")[0]]
         print()
         print(f"{direction.replace('->', ' -> ')}  (SRC {src})")
-        w = max(len(r["command"]) for r in rows)
-        print(f"  {'command':<{w}}  {'best wall':>10}  {'cpu':>8}  {'peak RSS':>9}  {'GiB/s':>6}  {'load':>5}  status")
-        for r in rows:
-            status = "ok" if r["ok"] else ("FAILED: " + (r["error"] or r["check_errors"][0]))
-            if r.get("diff") and r["ok"]:
-                status += f" (diff --values: same, {r['diff']['wall_s']:.1f}s)"
-            print(f"  {r['command']:<{w}}  {ib._fmt_s(r['best_s']):>10}  {ib._fmt_s(r.get('best_cpu_s')):>8}  "
-                  f"{ib._fmt_mib(r['peak_rss_kib']):>9}  {_gibps(r):>6}  {r['loadavg_1min_before']:>5.2f}  {status}")
-            for line in (r["check_errors"][1:] if not r["error"] else r["check_errors"]):
-                print(f"  {'':<{w}}  {line}")
+        print_rows(rows, lambda r: f" (diff --values: same, {r['diff']['wall_s']:.1f}s)" if r.get("diff") else "")
         print()
         for q in report["targets"]:
-            if q["direction"] != direction:
-                continue
-            what = _WHAT[q["what"]].format(other=q["other"])
-            head = f"  {what} (--workers {q['workers']})"
-            if q["value"] is None:
-                print(f"{head}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
-                continue
-            unit = " MiB" if q["what"] == "ckpt_rss_mib" else "x"
-            verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
-            print(f"{head} = {_fmt_value(q)} (target {q['op']} {q['target']:.0f}{unit})   {verdict}")
+            if q["direction"] == direction:
+                what = _WHAT[q["what"]].format(other=q["other"])
+                print_target(f"  {what} (--workers {q['workers']})", q)
         for w in WORKER_VARIANTS:
             extras = [q for q in report["info"] if q["direction"] == direction and q["workers"] == w]
             if extras:

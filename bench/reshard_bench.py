@@ -155,9 +155,7 @@ def commands(src: str, cases: list[str]) -> list[dict]:
 
 
 def _clean_tmp() -> None:
-    if os.path.isdir(TMP):
-        shutil.rmtree(TMP)
-    os.makedirs(TMP)
+    cb.clean_dir(TMP)
 
 
 def _mesh_axes(case: str) -> list[tuple[str, int]]:
@@ -303,14 +301,8 @@ def run_command(cmd: dict, runs: int, log) -> dict:
                warmup_s=None, best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None, rss_kib=[],
                loadavg_1min_before=round(os.getloadavg()[0], 2), output=None, checks=None, chunk_shapes=None,
                check_errors=[])
-    log(f"running {cmd['name']}: 1 warm-up + {runs} runs ...")
-    _clean_tmp()
-    ib.warm_page_cache(cmd["src"])
-    warm = ib.run_once(cmd["argv"], capture=True)
-    res["warmup_s"] = round(warm["wall"], 3)
-    if warm["rc"] != 0:
-        res.update(ok=False, error=f"exit {warm['rc']}: {cb._tail(warm)}")
-        _clean_tmp()
+    warm = cb.warm_up(cmd, res, runs, log, _clean_tmp)
+    if warm is None:
         return res
     if cmd["role"] == "ckpt":
         res["check_errors"] = check_ckpt_json(cmd, warm["stdout"])
@@ -327,22 +319,7 @@ def run_command(cmd: dict, runs: int, log) -> dict:
             res["chunk_shapes"] = [list(s) for s in res["chunk_shapes"]]
     if res["check_errors"]:
         res["ok"] = False
-    for _ in range(runs):
-        _clean_tmp()  # outside the timed region: DST must not exist
-        ib.warm_page_cache(cmd["src"])
-        r = ib.run_once(cmd["argv"], capture=False)
-        if r["rc"] != 0 or not all(os.path.exists(p) for p in cmd["outputs"]):
-            res.update(ok=False, error=f"exit {r['rc']}: {cb._tail(r)}" if r["rc"] else "no output written")
-            break
-        res["runs_s"].append(round(r["wall"], 4))
-        res["cpu_s"].append(round(r["cpu"], 4))
-        res["rss_kib"].append(r["rss_kib"])
-    _clean_tmp()
-    if res["runs_s"]:
-        best = res["runs_s"].index(min(res["runs_s"]))
-        res["best_s"] = res["runs_s"][best]
-        res["best_cpu_s"] = res["cpu_s"][best]
-        res["peak_rss_kib"] = max(res["rss_kib"])
+    cb.timed_runs(cmd, res, runs, _clean_tmp)
     return res
 
 
@@ -581,7 +558,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # same data size and quantities as the convert bench
-_gibps = cb._gibps
 _fmt_value = cb._fmt_value
 
 
@@ -594,9 +570,7 @@ def _print_report(report: dict) -> None:
     print(f"reshard bench: {report['checkpoint']} ({report['arrays']} float32 arrays, "
           f"{report['bytes'] / 2**30:.0f} GiB, 4x2 mesh P('data','model')); {timed}, "
           f"{report['machine']['cpus']} cpus, warm page cache for SRC")
-    load = report["machine"]["loadavg_1min"]
-    parts = [f"{k.replace('before_', 'before ')} {v:.2f}" for k, v in load.items()]
-    print(f"1-min load average: {', '.join(parts)} (other work on the machine inflates wall times)")
+    cb.print_load(report)
     for case in report["cases"]:
         rows = [r for r in report["results"] if r["case"] == case]
         if not rows:
@@ -605,14 +579,7 @@ def _print_report(report: dict) -> None:
         print()
         print(f"{case}: --mesh {c['mesh']} -> {c['label']}, per-device shard {list(c['shard'])}"
               + ("" if c["target"] else "  (no target)"))
-        w = max(len(r["command"]) for r in rows)
-        print(f"  {'command':<{w}}  {'best wall':>10}  {'cpu':>8}  {'peak RSS':>9}  {'GiB/s':>6}  {'load':>5}  status")
-        for r in rows:
-            status = "ok" if r["ok"] else ("FAILED: " + (r["error"] or r["check_errors"][0]))
-            print(f"  {r['command']:<{w}}  {ib._fmt_s(r['best_s']):>10}  {ib._fmt_s(r.get('best_cpu_s')):>8}  "
-                  f"{ib._fmt_mib(r['peak_rss_kib']):>9}  {_gibps(r):>6}  {r['loadavg_1min_before']:>5.2f}  {status}")
-            for line in (r["check_errors"][1:] if not r["error"] else r["check_errors"]):
-                print(f"  {'':<{w}}  {line}")
+        cb.print_rows(rows)
         ck = next((r for r in rows if r["role"] == "ckpt"), None)
         if ck and ck.get("checks"):
             k = ck["checks"]
@@ -632,15 +599,8 @@ def _print_report(report: dict) -> None:
                       f"({p['bytes_read'] / p['bytes_written']:.1f}x)")
         print()
         for q in report["targets"]:
-            if q["case"] != case:
-                continue
-            head = f"  {_WHAT[q['what']]}"
-            if q["value"] is None:
-                print(f"{head}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
-                continue
-            unit = " MiB" if q["what"] == "ckpt_rss_mib" else "x"
-            verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
-            print(f"{head} = {_fmt_value(q)} (target {q['op']} {q['target']:.0f}{unit})   {verdict}")
+            if q["case"] == case:
+                cb.print_target(f"  {_WHAT[q['what']]}", q)
         extras = [q for q in report["info"] if q["case"] == case]
         if extras:
             print("  no target: " + "; ".join(f"{_WHAT[q['what']]} {_fmt_value(q)}" for q in extras))
