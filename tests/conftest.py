@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,43 @@ def run_ckpt(*args: str, env: dict | None = None, timeout: float = 120) -> subpr
         [sys.executable, "-m", "ckpt_tool", *args],
         capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT,
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_processes(argv: list[str], env: dict, timeout: float = 240) -> list[tuple[str, str]]:
+    """Run `argv` + --coordinator/--num-processes 2/--process-id i as two processes;
+    both must exit 0. Their (stdout, stderr), in process order."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    return outs
+
+
+def mutate_bytes(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
+    """Fuzzing: apply (kind, position, byte) edits; kind 0 replaces, 1 inserts, 2 deletes."""
+    out = bytearray(data)
+    for kind, pos, byte in edits:
+        if not out:
+            break
+        i = pos % len(out)
+        if kind == 0:
+            out[i] = byte
+        elif kind == 1:
+            out.insert(i, byte)
+        else:
+            del out[i]
+    return bytes(out)

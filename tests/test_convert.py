@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from ckpt_tool.cli.main import cli
 from ckpt_tool.diff import diff_checkpoints
 from ckpt_tool.validate import validate_checkpoint
 
-from conftest import DCP_FIXTURES, ORBAX_FIXTURES, ROOT, fixture_info, fixture_path, run_ckpt
+from conftest import DCP_FIXTURES, ORBAX_FIXTURES, ROOT, fixture_info, fixture_path, run_ckpt, run_two_processes
 from library_reference import dcp_values, orbax_values
 
 runner = CliRunner()
@@ -271,29 +270,17 @@ def test_sigkill_leaves_no_complete_output_and_source_untouched(big_orbax, tmp_p
     assert _tree_hash(Path(src)) == before
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("to,name", [("dcp", "orbax_two_process"), ("orbax", "dcp_multirank")])
 def test_two_process_convert(tmp_path, to, name):
     dst = tmp_path / "out"
-    port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     extra = ["--skip-unsupported"] if to == "orbax" else []
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ckpt_tool", "convert", str(fixture_path(name)), str(dst), "--to", to, *extra,
-             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--json"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
+    outs = run_two_processes(
+        [sys.executable, "-m", "ckpt_tool", "convert", str(fixture_path(name)), str(dst), "--to", to, *extra, "--json"],
+        env,
+    )
     summaries = [json.loads(out) for out, _ in outs]
     assert {s["process_index"] for s in summaries} == {0, 1}
     assert sum(s["chunks"] for s in summaries) > 0 and all(s["chunks"] > 0 for s in summaries)

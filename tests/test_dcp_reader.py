@@ -10,7 +10,6 @@ import io
 import os
 import pickle
 import shutil
-import socket
 import struct
 import tempfile
 import zipfile
@@ -39,7 +38,7 @@ from ckpt_tool.formats import torch_payload  # noqa: E402
 from ckpt_tool.model import ArrayLeaf, ChunkList, ValueLeaf  # noqa: E402
 from ckpt_tool.storage import Storage  # noqa: E402
 
-from conftest import DCP_FIXTURES, fixture_path  # noqa: E402
+from conftest import DCP_FIXTURES, fixture_path, free_port, mutate_bytes  # noqa: E402
 
 # one-process saves and loads: torch warns that it assumes no process group
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -98,10 +97,6 @@ def single_ckpt(tmp_path_factory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _multirank_worker(rank: int, world: int, path: str, port: int) -> None:
@@ -133,7 +128,7 @@ def multirank_ckpt(tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
 
     path = tmp_path_factory.mktemp("dcp") / "multirank"
-    mp.spawn(_multirank_worker, args=(2, str(path), _free_port()), nprocs=2, join=True)
+    mp.spawn(_multirank_worker, args=(2, str(path), free_port()), nprocs=2, join=True)
     return path
 
 
@@ -636,16 +631,7 @@ def fuzz_dir(tmp_path_factory) -> Path:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6))
 def test_fuzz_mutated_metadata_through_the_reader(fuzz_dir, edits):
-    data = bytearray((fuzz_dir / ".metadata.orig").read_bytes())
-    for kind, pos, byte in edits:
-        i = pos % len(data)
-        if kind == 0:
-            data[i] = byte
-        elif kind == 1:
-            data.insert(i, byte)
-        elif len(data) > 1:
-            del data[i]
-    (fuzz_dir / ".metadata").write_bytes(bytes(data))
+    (fuzz_dir / ".metadata").write_bytes(mutate_bytes((fuzz_dir / ".metadata.orig").read_bytes(), edits))
     try:
         ck = dcp_reader.read(Storage.open(str(fuzz_dir)))
         for leaf in ck.leaves:

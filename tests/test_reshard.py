@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from ckpt_tool.errors import CkptError
 from ckpt_tool.reshard import ReshardOptions, parse_mesh, parse_rules, plan_reshard, subchunk_shape
 from ckpt_tool.validate import validate_checkpoint
 
-from conftest import ROOT, fixture_path, run_ckpt
+from conftest import ROOT, fixture_path, free_port, run_ckpt, run_two_processes
 
 runner = CliRunner()
 
@@ -382,28 +381,15 @@ def test_this_machines_devices_or_a_clear_error(tmp_path):
     assert summary["mesh"]["origin"] == "jax" and summary["mesh"]["device_ids"] == list(range(8))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_reshard_restores_in_two_and_one_process_jobs(tmp_path):
     src = fixture_path("orbax_ocdbt_zarr2")
     dst = tmp_path / "out"
-    port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ckpt_tool", "reshard", str(src), str(dst), "--mesh", "data=2,model=4",
-             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--json"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err
+    outs = run_two_processes(
+        [sys.executable, "-m", "ckpt_tool", "reshard", str(src), str(dst), "--mesh", "data=2,model=4", "--json"], env
+    )
     summaries = [json.loads(out) for out, _ in outs]
     assert {s["process_index"] for s in summaries} == {0, 1}
     assert all(s["chunks"] > 0 for s in summaries)
@@ -418,7 +404,7 @@ def test_two_process_reshard_restores_in_two_and_one_process_jobs(tmp_path):
     assert validate_checkpoint(str(dst), deep=True).ok()
 
     # a two-process job restores it, without and with target shardings
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     case = {"dst": str(dst), "src": str(src), "modes": ["plain", "target"]}
     procs = [

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,21 +10,17 @@ import urllib.request
 
 import pytest
 
-from conftest import FIXTURES, fixture_path, run_ckpt
+from conftest import FIXTURES, fixture_path, free_port, run_ckpt
 
 BUCKET = "ckpt-test"
 S3_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_two_process", "dcp_multirank"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def s3_env():
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -24,7 +24,7 @@ from ckpt_tool.formats.safe_pickle import (
     load_payload,
 )
 
-from conftest import DCP_FIXTURES, fixture_path
+from conftest import DCP_FIXTURES, fixture_path, mutate_bytes
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -322,19 +322,6 @@ def _real_bytes() -> tuple[bytes, bytes]:
     return _REAL["md"], _REAL["archive"]
 
 
-def _mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
-    out = bytearray(data)
-    for kind, pos, byte in edits:
-        if not out:
-            break
-        i = pos % len(out)
-        if kind == 0:
-            out[i] = byte
-        elif kind == 1:
-            out.insert(i, byte)
-        else:
-            del out[i]
-    return bytes(out)
 
 
 _EDITS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8)
@@ -356,7 +343,7 @@ def test_fuzz_random_bytes(data):
 def test_fuzz_mutated_metadata(edits):
     md, _ = _real_bytes()
     try:
-        load_metadata(_mutate(md, edits), "fuzz")
+        load_metadata(mutate_bytes(md, edits), "fuzz")
     except CkptError:
         pass
 
@@ -366,7 +353,7 @@ def test_fuzz_mutated_metadata(edits):
 def test_fuzz_mutated_archive(edits):
     _, archive = _real_bytes()
     try:
-        payload = torch_payload.open_payload(_mutate(archive, edits), "fuzz")
+        payload = torch_payload.open_payload(mutate_bytes(archive, edits), "fuzz")
         payload.value()
         if isinstance(payload.obj, TensorRef):
             payload.read_tensor(payload.tensor())

@@ -30,7 +30,7 @@ import ckpt_tool
 from ckpt_tool.validate import validate_checkpoint
 from ckpt_tool.validate.dcp_checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered
 
-from conftest import DCP_FIXTURES, fixture_path
+from conftest import DCP_FIXTURES, fixture_path, mutate_bytes
 
 # one-process torch saves warn that they assume no process group
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -431,16 +431,7 @@ def fuzz_copy(tmp_path_factory) -> Path:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6))
 def test_fuzz_mutated_metadata_never_raises(fuzz_copy, edits):
-    data = bytearray((fixture_path("dcp_multirank") / ".metadata").read_bytes())
-    for kind, pos, byte in edits:
-        i = pos % len(data)
-        if kind == 0:
-            data[i] = byte
-        elif kind == 1:
-            data.insert(i, byte)
-        elif len(data) > 1:
-            del data[i]
-    (fuzz_copy / ".metadata").write_bytes(bytes(data))
+    (fuzz_copy / ".metadata").write_bytes(mutate_bytes((fixture_path("dcp_multirank") / ".metadata").read_bytes(), edits))
     report = validate_checkpoint(str(fuzz_copy))
     assert report.format == "dcp"
 
