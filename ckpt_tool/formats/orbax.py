@@ -41,7 +41,8 @@ _TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
 _STEP_NAME = re.compile(r"^(?:.*_)?(\d+)$")
 # orbax's KeyType: 1 = sequence index, 2 = dict key
 _KEY_SEQUENCE = 1
-_ARRAY_TYPES = {"jax.Array", "np.ndarray"}
+# value types whose values live in a zarr array: the arrays, and scalars
+ZARR_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 _MARKERS = (CHECKPOINT_METADATA, TREE_METADATA, ROOT_MANIFEST)
 
@@ -313,7 +314,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
 
     meta_key = "zarr.json" if use_zarr3 else ".zarray"
     names = [_param_name(k) for k, _ in entries]
-    array_names = [n for n, (_, v) in zip(names, entries) if v.get("value_type") in _ARRAY_TYPES | {"scalar"}]
+    array_names = [n for n, (_, v) in zip(names, entries) if v.get("value_type") in ZARR_TYPES]
     # tensorstore reads the arrays' metadata on its own threads while this
     # thread parses _sharding
     first_reads = sources[0].view.start_reads(f"{n}/{meta_key}" for n in array_names)
@@ -329,7 +330,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
         extra: dict[str, Any] = {"value_type": value_type}
         if vmeta.get("skip_deserialize"):
             extra["skip_deserialize"] = True
-        if value_type in _ARRAY_TYPES or value_type == "scalar":
+        if value_type in ZARR_TYPES:
             found = zmetas.get(name)
             if found is None:
                 raise NotFoundError(

@@ -154,8 +154,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     # every stored .zarray / zarr.json, read concurrently (one by one costs ~2 ms each)
     wanted = [
         ob._param_name(k) for k, v in entries
-        if (v.get("value_type") in ob._ARRAY_TYPES or v.get("value_type") == "scalar")
-        and f"{ob._param_name(k)}/{meta_key}" in keys
+        if v.get("value_type") in ob.ZARR_TYPES and f"{ob._param_name(k)}/{meta_key}" in keys
     ]
     zarr_texts = _read_array_metadata(storage, use_ocdbt, files, process_dbs, wanted, meta_key)
     parsed: dict[bytes, Any] = {}
@@ -164,7 +163,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         vt = vmeta.get("value_type")
         name = ob._param_name(leaf_keys)
         leaf_path = "/".join(str(k) for k in leaf_keys)
-        if vt not in ob._ARRAY_TYPES and vt != "scalar":
+        if vt not in ob.ZARR_TYPES:
             continue
         findings.count("arrays")
         array_names.add(name)
