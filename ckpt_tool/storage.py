@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import tensorstore as ts
 
 from .errors import CkptError, NotFoundError, PathEscapeError
+from .pagecache import DirectoryDropper, WriteBehind
 
 # One context for every open: memory:// stores are shared within a process
 # and tensorstore's cache pools and thread pools are reused.
@@ -89,6 +90,8 @@ class LocalFileWriter:
 
     `close()` fsyncs it, as tensorstore's file kvstore does for every value
     it writes; `discard()` just closes it (the output is being thrown away).
+    What is written goes to disk behind the writer and leaves the page cache
+    (see pagecache.py).
     """
 
     def __init__(self, path: str, where: str) -> None:
@@ -97,10 +100,12 @@ class LocalFileWriter:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
             raise CkptError(f"cannot create: {exc.strerror or exc}", where) from exc
+        self._behind = WriteBehind(self._fd)
 
     def write_at(self, offset: int, parts: Iterable[Any]) -> None:
         """Write the buffers back to back from `offset`."""
         views = [memoryview(p).cast("B") for p in parts]
+        start = offset
         try:
             while views:
                 written = os.pwritev(self._fd, views, offset)
@@ -115,6 +120,7 @@ class LocalFileWriter:
                     views[0] = views[0][written:]
         except OSError as exc:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+        self._behind.written(start, offset - start)
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
@@ -122,6 +128,7 @@ class LocalFileWriter:
             return
         try:
             os.fsync(fd)
+            self._behind.finish()
         except OSError as exc:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
         finally:
@@ -467,6 +474,14 @@ class Storage:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._check_local_path(rel, want_dir=False)
         return LocalFileWriter(path, self._where(rel))
+
+    def page_cache_dropper(self, subdir: str) -> "DirectoryDropper | None":
+        """Drops from the page cache what another library writes under `subdir`
+        (tensorstore's OCDBT data files), on local roots only (else None)."""
+        if self.local_root is None:
+            return None
+        rel = _check_relative(subdir, self.url)
+        return DirectoryDropper(os.path.join(self.local_root, rel))
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""

@@ -39,6 +39,7 @@ import tensorstore as ts
 from .. import dtypes
 from ..errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError
 from ..model import Key, Region, RegularGrid, Sharding
+from ..pagecache import DirectoryDropper
 from ..storage import Storage, ts_error_text
 from ..writers import TargetArray, TargetValue, WritePlan
 from . import orbax as ob
@@ -310,6 +311,7 @@ class OrbaxWriter:
         self._stores: dict[str, ts.Future] = {}  # name -> future of the opened TensorStore
         self._pending: deque[tuple[ts.Future, int, str]] = deque()
         self._pending_bytes = 0
+        self._cache_dropper: DirectoryDropper | None = None
         self._state = "new"  # new -> writing -> finished -> committed | aborted
 
     # -- specs -----------------------------------------------------------------
@@ -411,6 +413,9 @@ class OrbaxWriter:
         self._leaves = leaves
         self._by_name = {leaf.name: leaf for leaf in leaves}
         self._init_ns = time.time_ns()
+        # OCDBT's data files ("d/"), written and fsynced by tensorstore, leave
+        # the page cache as commits land (see pagecache.py)
+        self._cache_dropper = self._storage.page_cache_dropper(f"{db}/d")
         self._state = "writing"
         if not self._primary:
             return
@@ -469,6 +474,8 @@ class OrbaxWriter:
         self._require("writing", "finish_process()")
         assert self._plan is not None
         self._drain(0)
+        if self._cache_dropper is not None:
+            self._cache_dropper.finish()
         arrays = [leaf for leaf in self._leaves if leaf.value_type == "jax.Array"]
         if arrays:
             # every process lists every jax.Array (orbax checks they agree)
@@ -554,6 +561,8 @@ class OrbaxWriter:
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
+            if self._cache_dropper is not None:
+                self._cache_dropper.written(nbytes)
 
     def _require(self, state: str, what: str) -> None:
         if self._state != state:

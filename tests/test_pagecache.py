@@ -1,0 +1,146 @@
+"""The writers' output leaves the page cache once it is on disk, and is still exactly what was written."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import ckpt_tool
+from ckpt_tool import pagecache
+from ckpt_tool.diff import diff_checkpoints
+from ckpt_tool.engine import ConvertOptions, convert
+from ckpt_tool.pagecache import DirectoryDropper
+from ckpt_tool.storage import Storage
+
+MiB = 2**20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def cached_fraction(path: Path) -> float:
+    """The share of the file's pages in the page cache (mincore over a private mapping)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            buf = ctypes.c_char.from_buffer(mm)
+            try:
+                if _libc.mincore(ctypes.addressof(buf), size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), "mincore")
+            finally:
+                del buf
+            return sum(v & 1 for v in vec) / pages
+        finally:
+            mm.close()
+
+
+@pytest.fixture
+def droppable(tmp_path):
+    """Skip where the file system under tmp_path cannot drop clean pages (tmpfs) or pagecache is off."""
+    if not pagecache.ENABLED:
+        pytest.skip("no posix_fadvise on this platform")
+    probe = tmp_path / "probe"
+    with open(probe, "wb") as f:
+        f.write(os.urandom(4 * MiB))
+        f.flush()
+        os.fsync(f.fileno())
+    if cached_fraction(probe) < 0.9:
+        pytest.skip("this file system does not keep written files cached")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached_fraction(probe) > 0.1:
+        pytest.skip("this file system does not drop clean pages")
+    probe.unlink()
+    return tmp_path
+
+
+def test_local_file_writer_drops_behind_itself_and_writes_every_byte(droppable, monkeypatch):
+    monkeypatch.setattr(pagecache, "DEFAULT_WINDOW_BYTES", 2 * MiB)
+    storage = Storage.create(str(droppable / "out"))
+    data = os.urandom(32 * MiB)
+    pieces = [(off, data[off:off + MiB]) for off in range(0, len(data), MiB)]
+    random.Random(0).shuffle(pieces)
+    writer = storage.create_local_file("data.bin")
+    assert writer is not None
+    path = droppable / "out" / "data.bin"
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: writer.write_at(p[0], [p[1][: MiB // 2], p[1][MiB // 2:]]), pieces))
+    # before close: all but the window (and pieces still being written back) has gone
+    assert cached_fraction(path) < 0.5
+    writer.close()
+    assert cached_fraction(path) < 0.05
+    assert path.read_bytes() == data
+
+
+def test_directory_dropper_drops_files_written_by_someone_else(droppable):
+    d = droppable / "d"
+    d.mkdir()
+    files = []
+    for i in range(3):
+        p = d / f"file{i}"
+        with open(p, "wb") as f:
+            f.write(os.urandom(4 * MiB))
+            f.flush()
+            os.fsync(f.fileno())
+        files.append(p)
+    dropper = DirectoryDropper(str(d), window=8 * MiB)
+    dropper.written(4 * MiB)  # below the window: no sweep yet
+    assert all(cached_fraction(p) > 0.9 for p in files)
+    dropper.written(4 * MiB)
+    assert all(cached_fraction(p) < 0.05 for p in files)
+
+    # a file that grows between sweeps is dropped again, also after it was first seen
+    growing = d / "growing"
+    with open(growing, "ab") as f:
+        f.write(os.urandom(4 * MiB))
+    dropper.written(8 * MiB)
+    with open(growing, "ab") as f:
+        f.write(os.urandom(4 * MiB))
+        f.flush()
+        os.fsync(f.fileno())
+    assert cached_fraction(growing) > 0.4
+    dropper.finish()
+    assert cached_fraction(growing) < 0.05
+    assert growing.stat().st_size == 8 * MiB
+
+
+def test_dropper_ignores_a_missing_directory(tmp_path):
+    dropper = DirectoryDropper(str(tmp_path / "absent"), window=1)
+    dropper.written(10)
+    dropper.finish()
+
+
+def test_converted_output_is_not_left_cached(droppable, monkeypatch):
+    """DCP -> Orbax -> DCP of 24 MiB: neither output's data files stay cached, and the values survive."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setattr(pagecache, "DEFAULT_WINDOW_BYTES", 4 * MiB)
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(512, 1024, generator=gen) for i in range(12)}
+    src = droppable / "src"
+    dcp.save(state, checkpoint_id=str(src))
+    as_orbax, back = droppable / "orbax", droppable / "back"
+    convert(str(src), str(as_orbax), ConvertOptions(to="orbax", chunk_mb=1))
+    orbax_data = [p for p in as_orbax.rglob("*") if p.is_file() and p.parent.name == "d" and p.stat().st_size >= MiB]
+    assert orbax_data
+    for p in orbax_data:
+        assert cached_fraction(p) < 0.05, p
+    convert(str(as_orbax), str(back), ConvertOptions(to="dcp"))  # reads the Orbax files back in
+    dcp_data = list(back.glob("*.distcp"))
+    assert dcp_data
+    for p in dcp_data:
+        assert cached_fraction(p) < 0.05, p
+    assert diff_checkpoints(ckpt_tool.open(str(src)), ckpt_tool.open(str(back)), values=True).same
