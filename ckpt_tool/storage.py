@@ -30,8 +30,14 @@ _CONTEXT = ts.Context()
 # Array reads get their own context with a small decoded-chunk cache: a
 # reshard cuts several output chunks from one source chunk, and without a
 # cache each of them decodes that chunk again. Writers keep _CONTEXT, so
-# nothing they write is cached.
-_READ_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}}, parent=_CONTEXT)
+# nothing they write is cached. Local files are read through memory maps:
+# zstd decodes straight from the page cache instead of from a copy of it
+# (2 GiB reshard: 4.5 s -> 4.1 s). A file shorter than the byte range asked
+# for still fails cleanly (tensorstore checks the size before mapping).
+_READ_CONTEXT = ts.Context(
+    {"cache_pool": {"total_bytes_limit": 64 * 2**20}, "file_io_mode": {"mode": "memmap"}},
+    parent=_CONTEXT,
+)
 
 _SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
 
