@@ -489,6 +489,20 @@ class Storage:
         rel = _check_relative(subdir, self.url)
         return DirectoryDropper(os.path.join(self.local_root, rel))
 
+    def fsync_tree(self, subdir: str) -> None:
+        """fsync every file and directory under `subdir`, then `subdir` itself
+        (local roots; object stores hold a value once its write returns)."""
+        if self.local_root is None:
+            return
+        top = os.path.join(self.local_root, _check_relative(subdir, self.url))
+        try:
+            for dirpath, _, files in os.walk(top, topdown=False):
+                for name in files:
+                    _fsync_path(os.path.join(dirpath, name), os.O_RDONLY)
+                _fsync_path(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as exc:
+            raise CkptError(f"cannot write: {exc.strerror or exc}", self._where(subdir)) from exc
+
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""
         self._listing = None
@@ -549,6 +563,14 @@ class Storage:
         if res.state != "value":
             raise NotFoundError("missing", self._where(rel))
         return bytes(res.value)
+
+
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def ts_error_text(exc: BaseException) -> str:

@@ -327,6 +327,30 @@ def test_lost_chunk_refuses_commit(tmp_path):
     assert not validate_checkpoint(str(path)).ok()
 
 
+def test_process_database_is_fsynced_whole_before_the_commit(tmp_path, monkeypatch):
+    """A process's OCDBT database is written without fsync per commit, so
+    finish_process must fsync every file and directory of it, before anything
+    marks the checkpoint committed."""
+    import ckpt_tool.storage as storage_mod
+
+    path = tmp_path / "synced"
+    synced: set[str] = set()
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        assert not (path / "commit_success.txt").exists(), "fsync after the commit marker"
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(storage_mod.os, "fsync", spy)
+    _write(path, _tree(with_string=False))
+    db = path / "ocdbt.process_0"
+    wanted = {str(p) for p in db.rglob("*")} | {str(db)}
+    assert len([p for p in wanted if os.path.isfile(p)]) >= 2  # the manifest and data files
+    assert wanted <= synced, sorted(wanted - synced)
+    assert (path / "commit_success.txt").exists()
+
+
 def test_unsupported_and_malformed_plans_fail_before_writing(tmp_path):
     storage = Storage.create(str(tmp_path / "bad"))
     grid = RegularGrid((2,))

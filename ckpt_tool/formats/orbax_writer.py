@@ -329,6 +329,14 @@ class OrbaxWriter:
             # manifest keeps atomic writes so a crash never leaves half of one
             spec["base"] = {**base, "file_io_locking": {"mode": "non_atomic"}}
             spec["manifest"] = base
+            if write and subdir:
+                # A process's own database is fsynced once, whole, when the
+                # process finishes (finish_process), not at every commit: the
+                # output is not a checkpoint before its commit anyway, and
+                # waiting for the disk after each commit left the CPUs idle
+                # (2 GiB DCP -> Orbax: 2.8-3.2 s -> 2.2-2.5 s).
+                spec["base"]["file_io_sync"] = False
+                spec["manifest"] = {**base, "file_io_sync": False}
         if write:
             spec["target_data_file_size"] = self._target_data_file_size
             spec["config"] = dict(_OCDBT_CONFIG)
@@ -476,6 +484,7 @@ class OrbaxWriter:
         self._drain(0)
         if self._cache_dropper is not None:
             self._cache_dropper.finish()
+        self._storage.fsync_tree(PROCESS_DB.format(self._plan.process_index))
         arrays = [leaf for leaf in self._leaves if leaf.value_type == "jax.Array"]
         if arrays:
             # every process lists every jax.Array (orbax checks they agree)
