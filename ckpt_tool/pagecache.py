@@ -18,8 +18,7 @@ cache of ours.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import functools
 import os
 import stat
 import threading
@@ -32,11 +31,17 @@ DEFAULT_WINDOW_BYTES = 64 * 2**20
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_* from <fcntl.h>
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range (Linux), which Python's os module does not offer."""
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux), which Python's os module does not offer.
+
+    Looked up on first use, not at import: inspect and validate import this
+    module through storage.py and never write.
+    """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the process's libc
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -44,15 +49,15 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
 _fadvise = getattr(os, "posix_fadvise", None)
 ENABLED = _fadvise is not None
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Queue the range for writing to disk without waiting for it."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, length, _WRITE)
+    sync_file_range = _sync_file_range()
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, _WRITE)
 
 
 def _write_and_drop(fd: int, offset: int, length: int) -> None:
@@ -63,9 +68,10 @@ def _write_and_drop(fd: int, offset: int, length: int) -> None:
     """
     if _fadvise is None:
         return
+    sync_file_range = _sync_file_range()
     try:
-        if _sync_file_range is not None:
-            _sync_file_range(fd, offset, length, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+        if sync_file_range is not None:
+            sync_file_range(fd, offset, length, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
         else:
             os.fdatasync(fd)
         _fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
