@@ -33,7 +33,8 @@ _CONTEXT = ts.Context()
 # nothing they write is cached. Local files are read through memory maps:
 # zstd decodes straight from the page cache instead of from a copy of it
 # (2 GiB reshard: 4.5 s -> 4.1 s). A file shorter than the byte range asked
-# for still fails cleanly (tensorstore checks the size before mapping).
+# for still fails cleanly (tensorstore checks the size before mapping); one
+# that someone else truncates while it is being read would fault (SIGBUS).
 _READ_CONTEXT = ts.Context(
     {"cache_pool": {"total_bytes_limit": 64 * 2**20}, "file_io_mode": {"mode": "memmap"}},
     parent=_CONTEXT,
