@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import stat
 import threading
 from collections import deque
@@ -60,6 +61,15 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         sync_file_range(fd, offset, length, _WRITE)
 
 
+def _drop(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Let the kernel free the range's clean pages (dirty ones stay)."""
+    if _fadvise is not None:
+        try:
+            _fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 def _write_and_drop(fd: int, offset: int, length: int) -> None:
     """Wait until the range is on disk, then let the kernel free its pages.
 
@@ -74,9 +84,70 @@ def _write_and_drop(fd: int, offset: int, length: int) -> None:
             sync_file_range(fd, offset, length, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
         else:
             os.fdatasync(fd)
-        _fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except OSError:
-        pass
+        return
+    _drop(fd, offset, length)
+
+
+class _Background:
+    """The one thread per process that waits for the disk and drops pages.
+
+    Writer threads only queue that work: waiting for writeback in a writer
+    thread kept it from reading the next chunk (a reshard's copy threads
+    spent a fifth of their time there, and the CPUs idled meanwhile). Owners
+    count their queued jobs so they can wait for them before closing a file.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                # a daemon: a job left queued at exit is a hint nobody needs
+                threading.Thread(target=self._run, args=(self._jobs,), name="ckpt-pagecache", daemon=True).start()
+            jobs = self._jobs
+        jobs.put(job)
+
+    @staticmethod
+    def _run(jobs: "queue.SimpleQueue[Callable[[], None]]") -> None:
+        while True:
+            job = jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - hints only (see the module docstring)
+                pass
+
+
+_BACKGROUND = _Background()
+
+
+class _Jobs:
+    """An owner's queued background jobs, so that it can wait for them all."""
+
+    def __init__(self) -> None:
+        self._done = threading.Condition()
+        self._queued = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._done:
+            self._queued += 1
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with self._done:
+                    self._queued -= 1
+                    self._done.notify_all()
+
+        _BACKGROUND.submit(run)
+
+    def wait(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._queued == 0)
 
 
 class WriteBehind:
@@ -84,8 +155,10 @@ class WriteBehind:
 
     Call `written(offset, length)` after each write; writeback of that range
     starts at once, and once more than `window` bytes are waiting, the oldest
-    ranges are waited for and dropped. `finish()` after the final fsync
-    drops the rest.
+    ranges are waited for and dropped in the background. `finish()` after
+    the final fsync drops the rest; `close()` (for a file being thrown away)
+    only waits for the background work. Call one of them before closing the
+    file descriptor.
     """
 
     def __init__(self, fd: int, window: int | None = None) -> None:
@@ -94,78 +167,85 @@ class WriteBehind:
         self._lock = threading.Lock()
         self._ranges: deque[tuple[int, int]] = deque()
         self._waiting = 0
+        self._jobs = _Jobs()
 
     def written(self, offset: int, length: int) -> None:
         if not ENABLED or length <= 0:
             return
-        try:
-            _start_writeback(self._fd, offset, length)
-        except OSError:
-            pass
+        _start_writeback(self._fd, offset, length)
         with self._lock:
             self._ranges.append((offset, length))
             self._waiting += length
-            oldest = []
             while self._waiting > self._window and self._ranges:
                 start, size = self._ranges.popleft()
                 self._waiting -= size
-                oldest.append((start, size))
-        # outside the lock: the wait is for the disk, other threads go on writing
-        for start, size in oldest:
-            _write_and_drop(self._fd, start, size)
+                self._jobs.submit(functools.partial(_write_and_drop, self._fd, start, size))
 
     def finish(self) -> None:
         """Drop whatever is still cached (call after fsync: nothing is left to wait for)."""
+        self.close()
+        if ENABLED:
+            _write_and_drop(self._fd, 0, 0)
+
+    def wait(self) -> None:
+        """Wait for the background work queued so far."""
+        self._jobs.wait()
+
+    def close(self) -> None:
+        """Wait for the background work on this file (and queue no more)."""
         with self._lock:
             self._ranges.clear()
             self._waiting = 0
-        if ENABLED:
-            _write_and_drop(self._fd, 0, 0)
+        self._jobs.wait()
 
 
 class DirectoryDropper:
     """Dropping for the files another library writes into a directory (tensorstore's OCDBT data files).
 
     The caller reports the bytes it knows to be written (`written(n)`, e.g.
-    after each OCDBT commit); every `window` bytes the directory's files are
-    written back and dropped. A file seen with the same size and mtime in two
-    sweeps in a row is taken for finished: it is dropped once more and then
-    left alone, so each sweep costs a directory listing plus the files still
-    growing. `finish()` drops every file.
+    after each OCDBT commit); every `window` bytes a background sweep starts
+    writeback of the directory's files and drops what is on disk. A file
+    seen with the same size and mtime in two sweeps in a row is taken for
+    finished: it is waited for, dropped and then left alone, so each sweep
+    costs a directory listing plus the files still growing. `finish()` waits
+    for the sweeps and drops every file.
     """
 
     def __init__(self, directory: str, window: int | None = None) -> None:
         self._dir = directory
         self._window = DEFAULT_WINDOW_BYTES if window is None else window
         self._lock = threading.Lock()
-        self._sweeping = threading.Lock()
         self._unswept = 0
+        self._sweep_queued = False
         self._seen: dict[str, tuple[int, int]] = {}
         self._finished: set[str] = set()
+        self._jobs = _Jobs()
 
     def written(self, nbytes: int) -> None:
         if not ENABLED:
             return
         with self._lock:
             self._unswept += nbytes
-            if self._unswept < self._window:
-                return
+            if self._unswept < self._window or self._sweep_queued:
+                return  # not yet, or a sweep is queued that will see these bytes too
             self._unswept = 0
-        # one sweep at a time; a thread that finds one under way goes on writing
-        if self._sweeping.acquire(blocking=False):
-            try:
-                self._sweep()
-            finally:
-                self._sweeping.release()
+            self._sweep_queued = True
+        self._jobs.submit(self._sweep)
+
+    def wait(self) -> None:
+        """Wait for the sweeps queued so far."""
+        self._jobs.wait()
 
     def finish(self) -> None:
         """Drop every file once more, after the last write is committed (a
         file taken for finished too early is caught here)."""
         if ENABLED:
-            with self._sweeping:
-                self._sweep(every_file=True)
+            self._jobs.wait()
+            self._sweep(every_file=True)
 
     def _sweep(self, every_file: bool = False) -> None:
+        with self._lock:
+            self._sweep_queued = False
         try:
             entries = list(os.scandir(self._dir))
         except OSError:
@@ -180,7 +260,8 @@ class DirectoryDropper:
             if not stat.S_ISREG(st.st_mode):
                 continue
             state = (st.st_size, st.st_mtime_ns)
-            if self._seen.get(entry.name) == state:
+            settled = every_file or self._seen.get(entry.name) == state
+            if settled:
                 self._finished.add(entry.name)
                 self._seen.pop(entry.name, None)
             else:
@@ -190,6 +271,10 @@ class DirectoryDropper:
             except OSError:
                 continue
             try:
-                _write_and_drop(fd, 0, 0)
+                if settled:
+                    _write_and_drop(fd, 0, 0)
+                else:  # still growing, maybe: start its writeback, wait for it next time
+                    _start_writeback(fd, 0, 0)
+                    _drop(fd)
             finally:
                 os.close(fd)

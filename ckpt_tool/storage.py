@@ -139,12 +139,14 @@ class LocalFileWriter:
         except OSError as exc:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
         finally:
+            self._behind.close()  # after a failed fsync too: no background work may outlive the descriptor
             os.close(fd)
 
     def discard(self) -> None:
         """Close without syncing (the output is being thrown away); a no-op once closed."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
+            self._behind.close()  # no background work may outlive the descriptor
             try:
                 os.close(fd)
             except OSError:

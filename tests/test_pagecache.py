@@ -77,6 +77,7 @@ def test_local_file_writer_drops_behind_itself_and_writes_every_byte(droppable, 
     path = droppable / "out" / "data.bin"
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: writer.write_at(p[0], [p[1][: MiB // 2], p[1][MiB // 2:]]), pieces))
+    writer._behind.wait()  # the dropping runs on a background thread
     # before close: all but the window (and pieces still being written back) has gone
     assert cached_fraction(path) < 0.5
     writer.close()
@@ -97,15 +98,18 @@ def test_directory_dropper_drops_files_written_by_someone_else(droppable):
         files.append(p)
     dropper = DirectoryDropper(str(d), window=8 * MiB)
     dropper.written(4 * MiB)  # below the window: no sweep yet
+    dropper.wait()
     assert all(cached_fraction(p) > 0.9 for p in files)
     dropper.written(4 * MiB)
-    assert all(cached_fraction(p) < 0.05 for p in files)
+    dropper.wait()  # the sweep runs on a background thread
+    assert all(cached_fraction(p) < 0.05 for p in files)  # on disk already: dropped at first sight
 
     # a file that grows between sweeps is dropped again, also after it was first seen
     growing = d / "growing"
     with open(growing, "ab") as f:
         f.write(os.urandom(4 * MiB))
     dropper.written(8 * MiB)
+    dropper.wait()
     with open(growing, "ab") as f:
         f.write(os.urandom(4 * MiB))
         f.flush()
