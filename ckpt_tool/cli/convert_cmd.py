@@ -6,7 +6,7 @@ import click
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
 from .options import multihost_options, output_options
-from .render import Output, esc, human_bytes
+from .render import Output, esc, human_bytes, process_note
 
 
 @click.command("convert")
@@ -49,10 +49,9 @@ def convert_command(
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     if result.cast:
         out.line(f"cast {len(result.cast)} leaves to {esc(dtype)}")
-    rate = result.bytes / result.seconds if result.seconds else 0
-    where = f" (process {result.process_index} of {result.process_count})" if result.process_count > 1 else ""
+    where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]converted[/bold green] {esc(src)} ({result.source_format}) -> {esc(dst)} ({result.target_format}){where}: "
         f"{result.arrays} arrays, {result.values} values, {result.chunks} chunks, "
-        f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_bytes(rate)}/s)"
+        f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_bytes(result.bytes_per_second)}/s)"
     )

@@ -38,6 +38,11 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def process_note(index: int, count: int) -> str:
+    """" (process I of N)" in a multi-process run, else nothing."""
+    return f" (process {index} of {count})" if count > 1 else ""
+
+
 def esc(text: Any) -> str:
     """Escape user data (keys, paths) before putting it into markup."""
     from rich.markup import escape

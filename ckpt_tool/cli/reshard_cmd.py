@@ -8,7 +8,7 @@ import click
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .progress import progress_for
 from .options import multihost_options, output_options
-from .render import Output, esc, human_bytes
+from .render import Output, esc, human_bytes, process_note
 
 
 @click.command("reshard")
@@ -70,13 +70,12 @@ def reshard_command(
         out.line(f"[yellow]{esc(note)}[/yellow]: {esc(', '.join(paths[:3]))}{more}")
     for path, reason in plan.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
-    rate = result.bytes / result.seconds if result.seconds else 0
-    where = f" (process {result.process_index} of {result.process_count})" if result.process_count > 1 else ""
+    where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]resharded[/bold green] {esc(src)} ({plan.source_format}) -> {esc(dst)} for mesh "
         f"{esc(plan.mesh.describe())} ({plan.mesh.size} devices){where}: {len(plan.leaves)} arrays, "
         f"{len(plan.values)} values, {result.chunks} chunks, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
-        f"({human_bytes(rate)}/s); {human_bytes(plan.device_bytes)} per device after restore"
+        f"({human_bytes(result.bytes_per_second)}/s); {human_bytes(plan.device_bytes)} per device after restore"
     )
 
 
