@@ -75,10 +75,6 @@ class ConvertResult:
     process_index: int = 0
     process_count: int = 1
 
-    @property
-    def bytes_per_second(self) -> float:
-        return self.bytes / self.seconds if self.seconds else 0.0
-
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source, "destination": self.destination,

@@ -320,3 +320,14 @@ def test_damaged_source_fails_in_one_line_and_leaves_nothing(tmp_path, copy_fixt
         [line] = r.stderr.strip().splitlines()
         assert "__1_0.distcp" in line and "truncated" in line
         assert list(work.iterdir()) == []  # no DST, no temporary directory
+
+
+def test_text_summary(tmp_path):
+    """Without --json, one summary line: what went where, how much and how fast."""
+    src, dst = str(fixture_path("dcp_single")), tmp_path / "out"
+    r = runner.invoke(cli, ["convert", src, str(dst), "--to", "orbax"])
+    assert r.exit_code == 0, r.output
+    summary = [line for line in r.output.splitlines() if line.startswith("converted ")]
+    assert len(summary) == 1, r.output
+    assert f"(dcp) -> {dst} (orbax): 13 arrays, 12 values, 13 chunks" in summary[0]
+    assert summary[0].endswith("/s)") and "(process" not in summary[0]

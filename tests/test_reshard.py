@@ -423,3 +423,15 @@ def test_two_process_reshard_restores_in_two_and_one_process_jobs(tmp_path):
     # and a one-process job with 8 devices (ids 0..7: the recorded 2048.. are not there, so target shardings)
     [res] = _restore([{**case, "modes": ["target"], "orbax_chunks": True}])
     assert res["shards"] > 0
+
+
+def test_text_summary(tmp_path):
+    """Without --json, one summary line: what went where, how much, how fast, per device."""
+    src, dst = str(fixture_path("orbax_ocdbt_zarr2")), tmp_path / "out"
+    r = runner.invoke(cli, ["reshard", src, str(dst), "--mesh", "data=2,model=4", "--devices", "8"])
+    assert r.exit_code == 0, r.output
+    summary = [line for line in r.output.splitlines() if line.startswith("resharded ")]
+    assert len(summary) == 1, r.output
+    assert f"-> {dst} for mesh data=2,model=4 (8 devices): 17 arrays, 2 values" in summary[0]
+    assert "/s); " in summary[0] and summary[0].endswith("per device after restore")
+    assert "(process" not in summary[0]  # one process

@@ -6,7 +6,7 @@ import click
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
 from .options import multihost_options, output_options
-from .render import Output, esc, human_bytes, process_note
+from .render import Output, esc, human_bytes, human_rate, process_note
 
 
 @click.command("convert")
@@ -53,5 +53,5 @@ def convert_command(
     out.line(
         f"[bold green]converted[/bold green] {esc(src)} ({result.source_format}) -> {esc(dst)} ({result.target_format}){where}: "
         f"{result.arrays} arrays, {result.values} values, {result.chunks} chunks, "
-        f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_bytes(result.bytes_per_second)}/s)"
+        f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_rate(result.bytes, result.seconds)})"
     )

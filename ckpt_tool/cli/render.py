@@ -38,6 +38,11 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def human_rate(nbytes: int, seconds: float) -> str:
+    """"1.2 GiB/s"; 0 B/s for a run too short to time."""
+    return f"{human_bytes(nbytes / seconds if seconds else 0)}/s"
+
+
 def process_note(index: int, count: int) -> str:
     """" (process I of N)" in a multi-process run, else nothing."""
     return f" (process {index} of {count})" if count > 1 else ""

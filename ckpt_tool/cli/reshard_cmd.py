@@ -8,7 +8,7 @@ import click
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .progress import progress_for
 from .options import multihost_options, output_options
-from .render import Output, esc, human_bytes, process_note
+from .render import Output, esc, human_bytes, human_rate, process_note
 
 
 @click.command("reshard")
@@ -75,7 +75,7 @@ def reshard_command(
         f"[bold green]resharded[/bold green] {esc(src)} ({plan.source_format}) -> {esc(dst)} for mesh "
         f"{esc(plan.mesh.describe())} ({plan.mesh.size} devices){where}: {len(plan.leaves)} arrays, "
         f"{len(plan.values)} values, {result.chunks} chunks, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
-        f"({human_bytes(result.bytes_per_second)}/s); {human_bytes(plan.device_bytes)} per device after restore"
+        f"({human_rate(result.bytes, result.seconds)}); {human_bytes(plan.device_bytes)} per device after restore"
     )
 
 
