@@ -442,6 +442,54 @@ def _patch(module_name: str, attr: str, wrap) -> bool:
     return True
 
 
+def profile_all_threads(call):
+    """Run call() under cProfile in this thread and in every thread it starts
+    (the copies run in pool threads); return (result, seconds, merged
+    pstats.Stats, threads profiled)."""
+    import cProfile
+    import pstats
+    import threading
+
+    profiles = []
+    orig_run = threading.Thread.run
+
+    def run(self):
+        p = cProfile.Profile()
+        profiles.append(p)
+        p.enable()
+        try:
+            orig_run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = run
+    main = cProfile.Profile()
+    s = time.perf_counter()
+    main.enable()
+    try:
+        result = call()
+    finally:
+        main.disable()
+        threading.Thread.run = orig_run
+    seconds = round(time.perf_counter() - s, 3)
+    stats = pstats.Stats(main)
+    for p in profiles:
+        stats.add(p)
+    return result, seconds, stats, len(profiles) + 1
+
+
+def top_functions(stats, key: str, top: int) -> str:
+    """pstats' table of the `top` functions by `key`, with repository and stdlib paths shortened."""
+    import io
+
+    buf = io.StringIO()
+    stats.stream = buf
+    stats.sort_stats(key).print_stats(top)
+    text = buf.getvalue()
+    text = text[text.find("   ncalls"):] if "   ncalls" in text else text
+    return text.replace(REPO + "/", "").replace(os.path.dirname(os.__file__) + "/", "")
+
+
 def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, top: int) -> dict:
     """Runs in a fresh process: one `ckpt convert` in-process, instrumented per `mode`."""
     import threading
@@ -526,41 +574,12 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
         out["rss_peak_by_phase_kib"] = peak
         out["rss_timeline_kib"] = [(round(t - s, 2), rss) for t, rss, _ in samples[:: max(1, len(samples) // 60)]]
     elif mode == "cprofile":
-        import cProfile
-        import io
-        import pstats
-
-        profiles = []
-        orig_run = threading.Thread.run
-
-        def run(self):  # profile every thread (the copy runs in the pool's threads)
-            p = cProfile.Profile()
-            profiles.append(p)
-            p.enable()
-            try:
-                orig_run(self)
-            finally:
-                p.disable()
-
-        threading.Thread.run = run
-        main = cProfile.Profile()
-        s = time.perf_counter()
-        main.enable()
-        result = engine.convert(src, dst, opts)
-        main.disable()
-        out["convert_s"] = round(time.perf_counter() - s, 3)
+        result, out["convert_s"], stats, out["threads_profiled"] = profile_all_threads(
+            lambda: engine.convert(src, dst, opts)
+        )
         out["result"] = result.to_json()
-        stats = pstats.Stats(main)
-        for p in profiles:
-            stats.add(p)
         for key in ("tottime", "cumulative"):
-            buf = io.StringIO()
-            stats.stream = buf
-            stats.sort_stats(key).print_stats(top)
-            text = buf.getvalue()
-            text = text[text.find("   ncalls"):] if "   ncalls" in text else text
-            out[f"top_{key}"] = text.replace(REPO + "/", "").replace(os.path.dirname(os.__file__) + "/", "")
-        out["threads_profiled"] = len(profiles) + 1
+            out[f"top_{key}"] = top_functions(stats, key, top)
     elif mode == "tracemalloc":
         import tracemalloc
 

@@ -396,11 +396,7 @@ def _code_key(module_name: str, attr: str):
 
 def _profile_child(case: str, src: str, dst: str, top: int) -> dict:
     """Runs in a fresh process: one `ckpt reshard` in-process, every thread under cProfile."""
-    import cProfile
-    import io
-    import pstats
     import resource
-    import threading
 
     out: dict = {"case": case, "mesh": CASES[case]["mesh"]}
     t0 = time.perf_counter()
@@ -416,31 +412,9 @@ def _profile_child(case: str, src: str, dst: str, top: int) -> dict:
         pass
     opts = ReshardOptions(mesh=CASES[case]["mesh"], devices=DEVICES)
     out["workers"] = opts.workers
-    profiles = []
-    orig_run = threading.Thread.run
-
-    def run(self):  # profile every thread (the copies run in the pool's threads)
-        p = cProfile.Profile()
-        profiles.append(p)
-        p.enable()
-        try:
-            orig_run(self)
-        finally:
-            p.disable()
-
-    threading.Thread.run = run
-    main = cProfile.Profile()
-    s = time.perf_counter()
-    main.enable()
-    result = reshard(src, dst, opts)
-    main.disable()
-    out["reshard_s"] = round(time.perf_counter() - s, 3)
+    result, out["reshard_s"], stats, out["threads_profiled"] = cb.profile_all_threads(lambda: reshard(src, dst, opts))
     out["chunks"], out["bytes"] = result.chunks, result.bytes
     out["heavy_modules_imported"] = sorted(m for m in ("jax", "torch", "orbax") if m in sys.modules)
-    stats = pstats.Stats(main)
-    for p in profiles:
-        stats.add(p)
-    out["threads_profiled"] = len(profiles) + 1
     cum = []
     for mod, attr, label in CUMULATIVE:
         key = _code_key(mod, attr)
@@ -449,12 +423,7 @@ def _profile_child(case: str, src: str, dst: str, top: int) -> dict:
         _cc, nc, tt, ct, _callers = stats.stats[key]
         cum.append({"what": label, "calls": nc, "own_s": round(tt, 3), "cumulative_s": round(ct, 3)})
     out["cumulative"] = cum
-    buf = io.StringIO()
-    stats.stream = buf
-    stats.sort_stats("tottime").print_stats(top)
-    text = buf.getvalue()
-    text = text[text.find("   ncalls"):] if "   ncalls" in text else text
-    out["top_tottime"] = text.replace(REPO + "/", "").replace(os.path.dirname(os.__file__) + "/", "")
+    out["top_tottime"] = cb.top_functions(stats, "tottime", top)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_user_s"], out["cpu_sys_s"], out["minor_faults"] = round(ru.ru_utime, 2), round(ru.ru_stime, 2), ru.ru_minflt
     out["ru_maxrss_kib"] = ru.ru_maxrss
