@@ -60,10 +60,8 @@ difference.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -722,14 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(TMP)
 
     report = {
-        "bench": "convert",
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1min": {"start": round(load_at_start, 2), **{f"before_{d}": v for d, v in loads.items()},
-                             "end": round(os.getloadavg()[0], 2)},
-        },
-        "libraries": ib._library_versions(),
+        **ib.report_header("convert", load_at_start, loads),
         "bytes": NBYTES,
         "arrays": N_ARRAYS,
         "runs": args.runs,

@@ -492,13 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         })
 
     report = {
-        "bench": "inspect",
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1min": {"start": round(load_at_start, 2), "end": round(os.getloadavg()[0], 2)},
-        },
-        "libraries": _library_versions(),
+        **report_header("inspect", load_at_start),
         "leaves": n_leaves,
         "runs": args.runs,
         "checkpoints": {fmt: os.path.relpath(p, REPO) for fmt, p in paths.items()},
@@ -511,6 +505,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print_table(report)
     return 1 if failed else 0
+
+
+def report_header(bench: str, load_at_start: float, loads: dict[str, float] | None = None) -> dict:
+    """The fields every bench's JSON report starts with: what ran, when, on what.
+
+    `loads`: the 1-minute load average before each part of the bench, by name.
+    """
+    loadavg = {"start": round(load_at_start, 2), **{f"before_{k}": v for k, v in (loads or {}).items()},
+               "end": round(os.getloadavg()[0], 2)}
+    return {
+        "bench": bench,
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_1min": loadavg,
+        },
+        "libraries": _library_versions(),
+    }
 
 
 def _print_table(report: dict) -> None:

@@ -60,11 +60,9 @@ met or not); 1 when a command failed or a check failed.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -499,14 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(TMP)
 
     report = {
-        "bench": "reshard",
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1min": {"start": round(load_at_start, 2), **{f"before_{c}": v for c, v in loads.items()},
-                             "end": round(os.getloadavg()[0], 2)},
-        },
-        "libraries": ib._library_versions(),
+        **ib.report_header("reshard", load_at_start, loads),
         "bytes": NBYTES,
         "arrays": N_ARRAYS,
         "runs": args.runs,

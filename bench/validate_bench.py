@@ -40,10 +40,8 @@ counts) on these good checkpoints.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -420,14 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(q)
 
     report = {
-        "bench": "validate",
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1min": {"start": round(load_at_start, 2), **{f"before_{m}": v for m, v in loads.items()},
-                             "end": round(os.getloadavg()[0], 2)},
-        },
-        "libraries": ib._library_versions(),
+        **ib.report_header("validate", load_at_start, loads),
         "leaves": n_leaves,
         "deep_bytes": BIG_NBYTES if big else None,
         "runs": args.runs,
