@@ -101,6 +101,13 @@ class _Background:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+        if hasattr(os, "register_at_fork"):
+            # a forked child has no copy of the thread: it starts its own
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs = None
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ import ctypes
 import mmap
 import os
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -148,3 +149,41 @@ def test_converted_output_is_not_left_cached(droppable, monkeypatch):
     for p in dcp_data:
         assert cached_fraction(p) < 0.05, p
     assert diff_checkpoints(ckpt_tool.open(str(src)), ckpt_tool.open(str(back)), values=True).same
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_background_thread(tmp_path):
+    """The parent's background thread does not survive a fork; a child that
+    writes must not wait forever for jobs nobody runs."""
+    def write_some(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            behind = pagecache.WriteBehind(fd, window=MiB)
+            for i in range(4):
+                os.pwrite(fd, b"x" * MiB, i * MiB)
+                behind.written(i * MiB, MiB)  # past the window: background jobs
+            os.fsync(fd)
+            behind.finish()
+        finally:
+            os.close(fd)
+
+    write_some(tmp_path / "parent")  # the parent's thread is running now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its writer finishes
+        try:
+            write_some(tmp_path / "child")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung waiting for background jobs")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "child").stat().st_size == 4 * MiB
