@@ -17,7 +17,7 @@ before every run). Every output goes to bench/out/tmp_convert/ and is deleted
 after each run, outside the timed region (ckpt's DST must not exist).
 
   orbax -> dcp   ckpt convert SRC DST --to dcp --workers W --json, for W = the
-                   default, min(4, cores), and 4 (or 2 where the default is 4)
+                   default, min(4, 2 x cores), and 4 (or 2 where the default is 4)
                  baseline: orbax restore as numpy (PyTreeCheckpointer,
                    RestoreArgs(restore_type=np.ndarray)), torch.from_numpy,
                    torch.distributed.checkpoint.save(checkpoint_id=DST)
@@ -36,7 +36,7 @@ counts, its CPU time is shown, and the peak RSS is the largest of the timed
 runs (os.wait4 rusage of that one child, as in inspect_bench.py, whose
 process runner this bench reuses).
 
-Targets, per direction, on the default --workers (min(4, cores)):
+Targets, per direction, on the default --workers (min(4, 2 x cores)):
   baseline wall / ckpt wall >= 3x   (orbax -> dcp: restore + dcp.save;
                                      dcp -> orbax: dcp_to_torch_save)
   ckpt wall / cp -r wall   <= 3x
@@ -82,7 +82,7 @@ TMP = os.path.join(OUT, "tmp_convert")
 BASELINE_TARGET = 3.0  # baseline wall / ckpt wall >= this
 CP_TARGET = 3.0  # ckpt wall / cp -r wall <= this
 RSS_TARGET_KIB = 512 * 1024  # ckpt peak RSS <= this
-DEFAULT_WORKERS = default_workers()  # ckpt convert's default --workers: min(4, cores)
+DEFAULT_WORKERS = default_workers()  # ckpt convert's default --workers: min(4, 2 x cores)
 # the first is the default, which the targets use; the other is shown beside it
 WORKER_VARIANTS = (DEFAULT_WORKERS, 4 if DEFAULT_WORKERS != 4 else 2)
 N_ARRAYS = vb.BIG_ARRAYS

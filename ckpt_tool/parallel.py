@@ -34,8 +34,14 @@ def limit_allocator_growth() -> None:
 
 
 def default_workers() -> int:
-    """Parallel I/O threads: more than the cores only adds memory and page faults."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """Parallel I/O threads: two per core, at most 4.
+
+    A copy thread mostly waits, for tensorstore's own threads (which decode
+    and encode) or for the disk, so one per core left the cores idle part of
+    the time: on 2 cores a 2 GiB reshard took 4.4-4.9 s with 2 threads and
+    3.9-4.0 s with 4, convert ~5% less. Beyond 4, more only adds memory.
+    """
+    return max(1, min(4, 2 * (os.cpu_count() or 1)))
 
 
 def run_bounded(

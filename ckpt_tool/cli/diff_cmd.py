@@ -22,7 +22,7 @@ from .render import Output, esc
 @click.option("--step-a", help="Step of A when A is a CheckpointManager root.")
 @click.option("--step-b", help="Step of B when B is a CheckpointManager root.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, cores)", help="Leaves compared in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Leaves compared in parallel.")
 def diff_command(
     a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...],
     step_a: str | None, step_b: str | None, as_json: bool, workers: int,

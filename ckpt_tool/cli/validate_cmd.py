@@ -24,7 +24,7 @@ from .render import Output, esc, human_bytes
     "--format", "fmt", type=click.Choice(["human", "github"]), default="human",
     help="github: ::error / ::warning annotation lines for CI logs.",
 )
-@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, cores)", help="Parallel chunk reads for --deep.")
+@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Parallel chunk reads for --deep.")
 def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_json: bool, fmt: str, workers: int) -> None:
     """Check that the checkpoint at PATH is complete and consistent: commit
     markers, metadata, every array and chunk present, files long enough,
