@@ -12,6 +12,7 @@ plain directories alike.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -21,6 +22,7 @@ from typing import Any, Iterable
 
 import tensorstore as ts
 
+from . import directio
 from .errors import CkptError, NotFoundError, PathEscapeError
 from .pagecache import DirectoryDropper, WriteBehind
 
@@ -97,21 +99,55 @@ class LocalFileWriter:
 
     `close()` fsyncs it, as tensorstore's file kvstore does for every value
     it writes; `discard()` just closes it (the output is being thrown away).
-    What is written goes to disk behind the writer and leaves the page cache
-    (see pagecache.py).
+    Large ranges go to the disk with O_DIRECT where the file system suits it
+    (see directio.py); `place()` then aligns them, so callers reserve their
+    offsets through it. What is written buffered goes to disk behind the
+    writer and leaves the page cache (see pagecache.py).
     """
 
-    def __init__(self, path: str, where: str) -> None:
+    def __init__(self, path: str, where: str, *, direct: bool = False) -> None:
         self.where = where
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
             raise CkptError(f"cannot create: {exc.strerror or exc}", where) from exc
         self._behind = WriteBehind(self._fd)
+        self._direct_fd = -1
+        if direct:
+            try:  # a second descriptor, so small writes stay buffered
+                self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))  # type: ignore[attr-defined]
+            except OSError:
+                pass  # the file system refuses O_DIRECT after all: all buffered
+        self._lock = threading.Lock()
+        self._end = 0  # the end of the last byte written on purpose (not padding)
+
+    def place(self, cursor: int, length: int) -> tuple[int, int]:
+        """Where a range of `length` bytes reserved at `cursor` starts, and the next free cursor."""
+        if self._direct_fd >= 0 and length >= directio.MIN_DIRECT_BYTES:
+            start = directio.align_up(cursor)
+            return start, start + directio.align_up(length)
+        return cursor, cursor + length
 
     def write_at(self, offset: int, parts: Iterable[Any]) -> None:
-        """Write the buffers back to back from `offset`."""
+        """Write the buffers back to back from `offset` (reserved through `place`)."""
         views = [memoryview(p).cast("B") for p in parts]
+        length = sum(v.nbytes for v in views)
+        with self._lock:
+            self._end = max(self._end, offset + length)
+        direct_fd = self._direct_fd
+        if direct_fd >= 0 and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
+            try:
+                directio.write_direct(direct_fd, offset, views)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+                # the device wants a coarser alignment than ALIGNMENT: write
+                # this range buffered, and place the next ones unaligned
+                self._direct_fd = -1
+        self._write_buffered(offset, views)
+
+    def _write_buffered(self, offset: int, views: list[memoryview]) -> None:
         start = offset
         try:
             while views:
@@ -134,12 +170,15 @@ class LocalFileWriter:
         if fd < 0:
             return
         try:
+            if os.fstat(fd).st_size > self._end:
+                os.ftruncate(fd, self._end)  # the zeros padding the last direct write
             os.fsync(fd)
             self._behind.finish()
         except OSError as exc:
             raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
         finally:
             self._behind.close()  # after a failed fsync too: no background work may outlive the descriptor
+            self._close_direct()
             os.close(fd)
 
     def discard(self) -> None:
@@ -147,6 +186,15 @@ class LocalFileWriter:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             self._behind.close()  # no background work may outlive the descriptor
+            self._close_direct()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _close_direct(self) -> None:
+        fd, self._direct_fd = self._direct_fd, -1
+        if fd >= 0:
             try:
                 os.close(fd)
             except OSError:
@@ -482,7 +530,7 @@ class Storage:
         path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._check_local_path(rel, want_dir=False)
-        return LocalFileWriter(path, self._where(rel))
+        return LocalFileWriter(path, self._where(rel), direct=directio.supported(os.path.dirname(path)))
 
     def page_cache_dropper(self, subdir: str) -> "DirectoryDropper | None":
         """Drops from the page cache what another library writes under `subdir`

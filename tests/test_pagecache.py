@@ -69,6 +69,7 @@ def droppable(tmp_path):
 
 def test_local_file_writer_drops_behind_itself_and_writes_every_byte(droppable, monkeypatch):
     monkeypatch.setattr(pagecache, "DEFAULT_WINDOW_BYTES", 2 * MiB)
+    monkeypatch.setenv("CKPT_DIRECT_IO", "0")  # buffered writes (test_directio.py has the direct ones)
     storage = Storage.create(str(droppable / "out"))
     data = os.urandom(32 * MiB)
     pieces = [(off, data[off:off + MiB]) for off in range(0, len(data), MiB)]

@@ -731,9 +731,11 @@ class DcpWriter:
                 name = self._new_file_name()
                 cur = self._current = _OpenFile(name, self._storage.create_local_file(name))
                 self._files.append(cur)
-            offset = cur.size
+            if cur.local is not None:
+                offset, cur.size = cur.local.place(cur.size, length)
+            else:
+                offset, cur.size = cur.size, cur.size + length
             self._entries[key] = _Entry(cur.name, offset, length)
-            cur.size += length
             if cur.local is not None:
                 cur.writing += 1
             elif not offset and length >= self._file_bytes:
