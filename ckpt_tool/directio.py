@@ -20,7 +20,6 @@ it at all; everything else writes buffered. CKPT_DIRECT_IO=0 turns it off.
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import struct
 import threading
@@ -86,7 +85,7 @@ def supported(directory: str) -> bool:
 class _Windows(threading.local):
     """Each thread's aligned staging buffer (anonymous mmap memory is page aligned)."""
 
-    buffer: mmap.mmap | None = None
+    buffer: Any = None  # an mmap.mmap once the thread first writes
 
 
 _WINDOWS = _Windows()
@@ -94,6 +93,8 @@ _WINDOWS = _Windows()
 
 def _window() -> memoryview:
     if _WINDOWS.buffer is None:
+        import mmap  # here, not at import: inspect and validate load this module and never write
+
         _WINDOWS.buffer = mmap.mmap(-1, WINDOW_BYTES)
     return memoryview(_WINDOWS.buffer)
 
