@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `ckpt convert` (Orbax <-> DCP, 2 GiB) against the libraries' own conversions and `cp -r`.
 
-    python bench/convert_bench.py [--runs N] [--json] [--regen] [--no-extra] [--profile | --profile-only]
+    python bench/convert_bench.py [--runs N] [--settle S] [--json] [--regen] [--no-extra] [--profile | --profile-only]
 
 Inputs: validate_bench's 2 GiB checkpoints, built by its own generator when
 missing (cached in bench/out/, rebuilt with --regen):
@@ -27,6 +27,18 @@ after each run, outside the timed region (ckpt's DST must not exist).
                  extra: dcp_to_torch_save + torch.load + StandardCheckpointer().save
                    of the numpy arrays (like for like; --no-extra skips it)
                  cp -r SRC DST;  cp -r + fsync
+  both           the default ckpt convert and cp -r once more, back to back
+                   (no sync, no pause: the protocol before --settle; no target)
+
+Every timed run starts the same way, whatever the command: the previous
+output deleted, SRC read once, a sync, then a pause of --settle seconds
+(default 3). On this VM memory freed less than a second before is cheap to
+fill and memory free for longer is not (the hypervisor takes it back):
+`cp -r` of the 2 GiB DCP checkpoint took 0.66 s right after deleting its
+previous copy and 2.8-4.1 s 1-8 s later. Back to back, cp is always timed in
+the first state and ckpt never is (ckpt drops its own output from the page
+cache while it writes, so deleting it frees nothing), so the pause is there
+for every command, and the back-to-back pair is shown beside it.
 
 Each command runs once as a warm-up whose output is checked (ckpt's JSON must
 count 64 arrays and 2 GiB, and `ckpt diff SRC DST --values` (bit-exact, not
@@ -89,6 +101,14 @@ N_ARRAYS = vb.BIG_ARRAYS
 NBYTES = vb.BIG_NBYTES
 MIN_FREE = 10 * 2**30  # outputs (up to ~4 GiB at once) plus slack
 PROFILE_TIMEOUT_S = 600
+# Before every timed run: sync, then this pause, for every command alike. On
+# this VM (free-page reporting to the hypervisor) memory freed less than a
+# second earlier is cheap to fill again and memory free for longer is not:
+# `cp -r` of the 2 GiB DCP checkpoint took 0.66 s right after deleting the
+# previous copy, 2.8 s one second later, 3.5-4.1 s after 3-8 s. Run back to
+# back, cp is timed in that first state and ckpt never is (ckpt drops its
+# output from the page cache as it goes, so deleting it frees nothing).
+DEFAULT_SETTLE_S = 3.0
 PROFILE_MODES = ("phases", "read-only", "write-only", "cprofile", "tracemalloc")
 
 # --------------------------------------------------------------------------
@@ -190,6 +210,20 @@ def commands(big: dict, extra: bool) -> list[dict]:
             "name": f"cp-{src_fmt}", "direction": direction, "role": "cp", "src": src, "outputs": [dst],
             "argv": ["cp", "-r", "--", src, dst], "label": "cp -r SRC DST",
         })
+        # the old protocol, for comparison: no sync and no pause before each run
+        name = f"ckpt-to-{to}-b2b"
+        dst = _dst(name)
+        cmds.append({
+            "name": name, "direction": direction, "role": "ckpt-b2b", "workers": DEFAULT_WORKERS, "src": src,
+            "outputs": [dst], "settle": False,
+            "argv": [py, "-m", "ckpt_tool", "convert", src, dst, "--to", to, "--json"],
+            "label": "ckpt convert (default), back to back",
+        })
+        dst = _dst(f"cp-b2b-{src_fmt}")
+        cmds.append({
+            "name": f"cp-b2b-{src_fmt}", "direction": direction, "role": "cp-b2b", "src": src, "outputs": [dst],
+            "settle": False, "argv": ["cp", "-r", "--", src, dst], "label": "cp -r SRC DST, back to back",
+        })
         dst = _dst(f"cp-fsync-{src_fmt}")
         cmds.append({
             "name": f"cp-fsync-{src_fmt}", "direction": direction, "role": "cp-fsync", "src": src, "outputs": [dst],
@@ -286,7 +320,7 @@ def _tail(r: dict) -> str:
     return (r["stderr"].strip().splitlines() or ["(no stderr)"])[-1]
 
 
-def run_command(cmd: dict, runs: int, log) -> dict:
+def run_command(cmd: dict, runs: int, log, settle_s: float = DEFAULT_SETTLE_S) -> dict:
     res = dict(name=cmd["name"], direction=cmd["direction"], role=cmd["role"], workers=cmd.get("workers"),
                command=cmd["label"], ok=True, error=None, warmup_s=None, best_s=None, runs_s=[], best_cpu_s=None,
                cpu_s=[], peak_rss_kib=None, rss_kib=[], loadavg_1min_before=round(os.getloadavg()[0], 2),
@@ -299,6 +333,8 @@ def run_command(cmd: dict, runs: int, log) -> dict:
         if not res["check_errors"]:
             errors, res["diff"] = run_diff(cmd, log)
             res["check_errors"] += errors
+    elif cmd["role"] == "ckpt-b2b":  # the same command as a checked one, timed differently
+        res["check_errors"] = check_ckpt_json(cmd, warm["stdout"])
     elif cmd["role"] in ("baseline", "extra"):
         res["output"] = warm["stdout"].strip()
         res["check_errors"] = check_baseline_output(cmd, warm["stdout"])
@@ -306,7 +342,8 @@ def run_command(cmd: dict, runs: int, log) -> dict:
         res["check_errors"] = check_cp(cmd)
     if res["check_errors"]:
         res["ok"] = False
-    timed_runs(cmd, res, runs, _clean_tmp)
+    res["settle_s"] = settle_s if cmd.get("settle", True) else 0.0
+    timed_runs(cmd, res, runs, _clean_tmp, res["settle_s"])
     return res
 
 
@@ -324,11 +361,17 @@ def warm_up(cmd: dict, res: dict, runs: int, log, clean) -> dict | None:
     return warm
 
 
-def timed_runs(cmd: dict, res: dict, runs: int, clean) -> None:
-    """The timed runs into `res`: wall, CPU and RSS of each, then the best run and the peak RSS."""
+def timed_runs(cmd: dict, res: dict, runs: int, clean, settle_s: float = 0.0) -> None:
+    """The timed runs into `res`: wall, CPU and RSS of each, then the best run and the peak RSS.
+
+    With `settle_s`, each run starts after a sync and that pause (see DEFAULT_SETTLE_S).
+    """
     for _ in range(runs):
         clean()  # outside the timed region: DST must not exist
         ib.warm_page_cache(cmd["src"])
+        if settle_s > 0:
+            os.sync()
+            time.sleep(settle_s)
         r = ib.run_once(cmd["argv"], capture=False)
         if r["rc"] != 0 or not all(os.path.exists(p) for p in cmd["outputs"]):
             res.update(ok=False, error=f"exit {r['rc']}: {_tail(r)}" if r["rc"] else "no output written")
@@ -371,6 +414,12 @@ def compute_targets(results: list[dict]) -> tuple[list[dict], list[dict]]:
                 q = {"direction": direction, "ckpt": f"ckpt-to-{to}-w{w}", "workers": w, "what": what,
                      "other": other, "value": value, "target": target, "op": op, "met": met}
                 (targets if w == DEFAULT_WORKERS else info).append(q)
+            if w == DEFAULT_WORKERS:  # no target: the old protocol, both back to back
+                kb, cb = by.get(f"ckpt-to-{to}-b2b"), by.get(f"cp-b2b-{src_fmt}")
+                info.append({"direction": direction, "ckpt": f"ckpt-to-{to}-b2b", "workers": w,
+                             "what": "ckpt/cp-b2b", "other": f"cp-b2b-{src_fmt}",
+                             "value": _ratio(kb["best_s"] if kb and kb["ok"] else None,
+                                             cb["best_s"] if cb and cb["ok"] else None)})
             # no target: ckpt against cp with fsync, and against the like-for-like extra baseline
             info.append({"direction": direction, "ckpt": f"ckpt-to-{to}-w{w}", "workers": w, "what": "ckpt/cp-fsync",
                          "other": f"cp-fsync-{src_fmt}",
@@ -683,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile ckpt convert in-process (phases, cProfile, tracemalloc) for both directions")
     ap.add_argument("--profile-only", action="store_true", help="only the --profile part (no timed commands, no targets)")
+    ap.add_argument("--settle", type=float, default=DEFAULT_SETTLE_S, metavar="S",
+                    help=f"sync, then pause S seconds before every timed run (default {DEFAULT_SETTLE_S:g}; "
+                         "0 = back to back)")
     ap.add_argument("--layers", type=int, default=1000, help=argparse.SUPPRESS)  # run_all passes it on; unused here
     ap.add_argument("--profile-child", choices=("orbax->dcp", "dcp->orbax"), help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=PROFILE_MODES, default="phases", help=argparse.SUPPRESS)
@@ -693,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be at least 1")
+    if args.settle < 0:
+        ap.error("--settle must not be negative")
 
     if args.profile_child:  # internal: one instrumented in-process convert
         print(json.dumps(_profile_child(args.profile_child, args.mode, args.path, args.dst, args.workers, args.top)))
@@ -712,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in [] if args.profile_only else commands(big, extra=not args.no_extra):
         if cmd["direction"] not in loads:
             loads[cmd["direction"]] = round(os.getloadavg()[0], 2)
-        results.append(run_command(cmd, args.runs, log))
+        results.append(run_command(cmd, args.runs, log, args.settle))
     failed = any(not r["ok"] for r in results)
     targets, info = compute_targets(results)
     profiles = run_profiles(big, log) if args.profile or args.profile_only else None
@@ -724,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": NBYTES,
         "arrays": N_ARRAYS,
         "runs": args.runs,
+        "settle_s": args.settle,
         "checkpoints": {fmt: os.path.relpath(p, REPO) for fmt, p in big.items()},
         "results": results,
         "targets": targets,
@@ -754,6 +809,7 @@ _WHAT = {
     "ckpt_rss_mib": "ckpt peak RSS",
     "ckpt/cp-fsync": "ckpt / (cp -r + fsync)",
     "extra/ckpt": "{other} / ckpt",
+    "ckpt/cp-b2b": "ckpt / cp -r, both back to back",
 }
 
 
@@ -788,8 +844,10 @@ def print_target(head: str, q: dict) -> None:
 def _print_report(report: dict) -> None:
     print()
     timed = f"best of {report['runs']} runs after 1 warm-up" if report["results"] else "profile only"
+    settle = (f"sync + {report['settle_s']:g} s pause before each timed run (back to back where marked)"
+              if report.get("settle_s") else "back to back")
     print(f"convert bench: {report['arrays']} float32 arrays, {report['bytes'] / 2**30:.0f} GiB, each direction; "
-          f"{timed}, {report['machine']['cpus']} cpus, warm page cache for SRC")
+          f"{timed}, {report['machine']['cpus']} cpus, warm page cache for SRC; {settle}")
     print_load(report)
     for direction in ("orbax->dcp", "dcp->orbax"):
         rows = [r for r in report["results"] if r["direction"] == direction]
