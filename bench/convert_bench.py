@@ -32,7 +32,7 @@ after each run, outside the timed region (ckpt's DST must not exist).
 
 Every timed run starts the same way, whatever the command: the previous
 output deleted, SRC read once, a sync, then a pause of --settle seconds
-(default 3). On this VM memory freed less than a second before is cheap to
+(default 5). On this VM memory freed less than a second before is cheap to
 fill and memory free for longer is not (the hypervisor takes it back):
 `cp -r` of the 2 GiB DCP checkpoint took 0.66 s right after deleting its
 previous copy and 2.8-4.1 s 1-8 s later. Back to back, cp is always timed in
@@ -105,10 +105,11 @@ PROFILE_TIMEOUT_S = 600
 # this VM (free-page reporting to the hypervisor) memory freed less than a
 # second earlier is cheap to fill again and memory free for longer is not:
 # `cp -r` of the 2 GiB DCP checkpoint took 0.66 s right after deleting the
-# previous copy, 2.8 s one second later, 3.5-4.1 s after 3-8 s. Run back to
-# back, cp is timed in that first state and ckpt never is (ckpt drops its
-# output from the page cache as it goes, so deleting it frees nothing).
-DEFAULT_SETTLE_S = 3.0
+# previous copy, 2.8 s one second later, 3.5-4.1 s after 3-8 s (the Orbax
+# one: 2.0-2.5 s after 3 s, 2.8-3.1 s after 8 s). Run back to back, cp is
+# timed in that first state and ckpt never is (ckpt drops its output from
+# the page cache as it goes, so deleting it frees next to nothing).
+DEFAULT_SETTLE_S = 5.0
 PROFILE_MODES = ("phases", "read-only", "write-only", "cprofile", "tracemalloc")
 
 # --------------------------------------------------------------------------

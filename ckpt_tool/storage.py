@@ -118,12 +118,13 @@ class LocalFileWriter:
                 self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))  # type: ignore[attr-defined]
             except OSError:
                 pass  # the file system refuses O_DIRECT after all: all buffered
+        self._direct = self._direct_fd >= 0  # cleared if the device refuses our alignment
         self._lock = threading.Lock()
         self._end = 0  # the end of the last byte written on purpose (not padding)
 
     def place(self, cursor: int, length: int) -> tuple[int, int]:
         """Where a range of `length` bytes reserved at `cursor` starts, and the next free cursor."""
-        if self._direct_fd >= 0 and length >= directio.MIN_DIRECT_BYTES:
+        if self._direct and length >= directio.MIN_DIRECT_BYTES:
             start = directio.align_up(cursor)
             return start, start + directio.align_up(length)
         return cursor, cursor + length
@@ -134,17 +135,17 @@ class LocalFileWriter:
         length = sum(v.nbytes for v in views)
         with self._lock:
             self._end = max(self._end, offset + length)
-        direct_fd = self._direct_fd
-        if direct_fd >= 0 and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
+        if self._direct and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
             try:
-                directio.write_direct(direct_fd, offset, views)
+                directio.write_direct(self._direct_fd, offset, views)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
                 # the device wants a coarser alignment than ALIGNMENT: write
-                # this range buffered, and place the next ones unaligned
-                self._direct_fd = -1
+                # this range buffered, and place the next ones unaligned (the
+                # descriptor stays open until close: another thread may be using it)
+                self._direct = False
         self._write_buffered(offset, views)
 
     def _write_buffered(self, offset: int, views: list[memoryview]) -> None:

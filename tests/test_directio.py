@@ -93,6 +93,8 @@ def test_a_refused_alignment_falls_back_to_buffered(direct_dir: Path, monkeypatc
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(directio, "write_direct", refuse)
+    open_fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = open_fds()
     storage = Storage.create(str(direct_dir / "out"))
     writer = storage.create_local_file("data.bin")
     first, second = os.urandom(MiB + 3), os.urandom(MiB + 5)
@@ -103,6 +105,7 @@ def test_a_refused_alignment_falls_back_to_buffered(direct_dir: Path, monkeypatc
     assert offset2 == cursor  # from now on nothing is aligned for O_DIRECT
     writer.write_at(offset2, [second])
     writer.close()
+    assert open_fds() == before  # both descriptors closed
     raw = (direct_dir / "out" / "data.bin").read_bytes()
     assert raw[offset:offset + len(first)] == first
     assert raw[offset2:] == second
