@@ -120,7 +120,7 @@ class LocalFileWriter:
                 pass  # the file system refuses O_DIRECT after all: all buffered
         self._direct = self._direct_fd >= 0  # cleared if the device refuses our alignment
         self._lock = threading.Lock()
-        self._end = 0  # the end of the last byte written on purpose (not padding)
+        self._end = 0  # the end of the data written so far (direct writes' padding excluded)
 
     def place(self, cursor: int, length: int) -> tuple[int, int]:
         """Where a range of `length` bytes reserved at `cursor` starts, and the next free cursor."""
