@@ -12,13 +12,14 @@ plain directories alike.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import stat
 import threading
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import tensorstore as ts
 
@@ -408,31 +409,35 @@ class Storage:
         if not self._check_local:
             view[:] = self.read_range(key, start, start + size)
             return
-        rel = self._checked(key)
-        self.log.record(rel)
-        fd = self._open_local(rel)
-        try:
+        with self._local_read(key) as (rel, fd):
             got = 0
             while got < size:
                 n = os.preadv(fd, [view[got:]], start + got)
                 if n == 0:  # a regular file reads short only at its end
                     raise self._truncated(rel, fd, start, start + size)
                 got += n
-        except OSError as exc:
-            raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
-        finally:
-            os.close(fd)
 
     def _pread_local(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a local file by pread (see read_range_into for why)."""
-        rel = self._checked(key)
-        self.log.record(rel)
-        fd = self._open_local(rel)
-        try:
+        with self._local_read(key) as (rel, fd):
             data = os.pread(fd, end - start, start)
             if len(data) < end - start:  # a regular file reads short only at its end
                 raise self._truncated(rel, fd, start, end)
             return data
+
+    @contextlib.contextmanager
+    def _local_read(self, key: str) -> Iterator[tuple[str, int]]:
+        """The checked key and a descriptor of its local file, logged as read; OS errors become one line."""
+        rel = self._checked(key)
+        self.log.record(rel)
+        try:
+            fd = os.open(os.path.join(self.local_root, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # type: ignore[arg-type]
+        except FileNotFoundError:
+            raise NotFoundError("missing", self._where(rel)) from None
+        except OSError as exc:
+            raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
+        try:
+            yield rel, fd
         except OSError as exc:
             raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
         finally:
@@ -442,14 +447,6 @@ class Storage:
         return CkptError(
             f"truncated: needed bytes [{start}, {end}) but it has {os.fstat(fd).st_size} bytes", self._where(rel)
         )
-
-    def _open_local(self, rel: str) -> int:
-        try:
-            return os.open(os.path.join(self.local_root, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # type: ignore[arg-type]
-        except FileNotFoundError:
-            raise NotFoundError("missing", self._where(rel)) from None
-        except OSError as exc:
-            raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
         """Read several keys concurrently (None for a missing key)."""
