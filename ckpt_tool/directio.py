@@ -101,18 +101,17 @@ def _window() -> memoryview:
     return memoryview(_WINDOWS.buffer)
 
 
-def write_direct(fd: int, offset: int, parts: Sequence[Any]) -> int:
+def write_direct(fd: int, offset: int, parts: Sequence[Any]) -> None:
     """Write `parts` back to back from the aligned `offset` on an O_DIRECT descriptor.
 
     The last block is padded with zeros, so up to ALIGNMENT - 1 bytes past
-    the parts are written too. Returns the bytes of the parts. Raises
-    OSError as the write does (EINVAL: the device wants a coarser alignment).
+    the parts are written too. Raises OSError as the write does (EINVAL:
+    the device wants a coarser alignment).
     """
     if offset % ALIGNMENT:
         raise ValueError(f"offset {offset} is not a multiple of {ALIGNMENT}")
     window = _window()
     filled = 0
-    total = 0
     for part in parts:
         view = memoryview(part).cast("B")
         taken = 0
@@ -125,12 +124,10 @@ def write_direct(fd: int, offset: int, parts: Sequence[Any]) -> int:
                 _write_all(fd, window, offset)
                 offset += WINDOW_BYTES
                 filled = 0
-        total += view.nbytes
     if filled:
         end = align_up(filled)
         window[filled:end] = bytes(end - filled)
         _write_all(fd, window[:end], offset)
-    return total
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -38,9 +38,9 @@ def test_large_ranges_go_direct_and_every_byte_lands(direct_dir: Path, monkeypat
     calls: list[int] = []
     real = directio.write_direct
 
-    def spy(fd: int, offset: int, parts) -> int:
+    def spy(fd: int, offset: int, parts) -> None:
         calls.append(offset)
-        return real(fd, offset, parts)
+        real(fd, offset, parts)
 
     monkeypatch.setattr(directio, "write_direct", spy)
     storage = Storage.create(str(direct_dir / "out"))
@@ -89,7 +89,7 @@ def test_direct_writes_leave_no_cached_pages(direct_dir: Path) -> None:
 
 
 def test_a_refused_alignment_falls_back_to_buffered(direct_dir: Path, monkeypatch) -> None:
-    def refuse(fd: int, offset: int, parts) -> int:
+    def refuse(fd: int, offset: int, parts) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(directio, "write_direct", refuse)
@@ -112,7 +112,7 @@ def test_a_refused_alignment_falls_back_to_buffered(direct_dir: Path, monkeypatc
 
 
 def test_other_write_errors_are_reported(direct_dir: Path, monkeypatch) -> None:
-    def full(fd: int, offset: int, parts) -> int:
+    def full(fd: int, offset: int, parts) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(directio, "write_direct", full)

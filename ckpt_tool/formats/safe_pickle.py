@@ -335,7 +335,7 @@ class Record:
             # adopt the state dict itself as the attribute dict: a copy would
             # double the memory of a large .metadata (the unpickler's memo
             # keeps the state dicts alive until the end). Fields it lacks read
-            # as their defaults through __getattr__. The pickle may still add
+            # as their defaults from the class (__init_subclass__). The pickle may still add
             # keys to that dict later (through the memo): they stay plain
             # instance data, which neither special-method lookup nor
             # `__class__` ever reads, and the reader checks every field it uses.
