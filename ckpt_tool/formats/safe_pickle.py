@@ -157,10 +157,21 @@ class StorageRef(_Frozen):
         return f"StorageRef(key={self.key!r}, dtype={self.dtype}, numel={self.numel})"
 
 
-class TensorRef(_Frozen):
-    """A tensor in a torch.save pickle: a view of one storage (no data yet)."""
+class UnsupportedTensorError(CkptError):
+    """A tensor torch.save wrote in a form ckpt cannot reproduce (quantized,
+    sparse, nested, a tensor subclass, an unknown view bit): refused by name
+    rather than read as something it is not."""
 
-    __slots__ = ("storage", "dtype", "storage_offset", "size", "stride", "requires_grad")
+
+class TensorRef(_Frozen):
+    """A tensor in a torch.save pickle: a view of one storage (no data yet).
+
+    `conj` / `neg` are torch's lazy view bits (x.conj(), x._neg_view()),
+    recorded in the rebuild call's metadata dict: the stored bytes are the
+    values BEFORE conjugation / negation, which the reader must apply.
+    """
+
+    __slots__ = ("storage", "dtype", "storage_offset", "size", "stride", "requires_grad", "conj", "neg")
 
     def __init__(
         self,
@@ -170,6 +181,8 @@ class TensorRef(_Frozen):
         size: tuple[int, ...],
         stride: tuple[int, ...],
         requires_grad: bool,
+        conj: bool = False,
+        neg: bool = False,
     ) -> None:
         self.storage = storage
         self.dtype = dtype  # canonical dtype name
@@ -177,11 +190,14 @@ class TensorRef(_Frozen):
         self.size = size
         self.stride = stride  # in elements
         self.requires_grad = requires_grad
+        self.conj = conj
+        self.neg = neg
 
     def __repr__(self) -> str:
+        bits = "".join(f", {b}=True" for b in ("conj", "neg") if getattr(self, b))
         return (
             f"TensorRef({self.dtype}{list(self.size)}, stride={self.stride}, "
-            f"offset={self.storage_offset}, storage={self.storage.key!r})"
+            f"offset={self.storage_offset}, storage={self.storage.key!r}{bits})"
         )
 
 
@@ -191,8 +207,31 @@ def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+# The keys torch._utils.get_tensor_metadata can return (C++ getTensorMetadata:
+# the conjugate and negative view bits; torch 2.13 writes nothing else).
+_VIEW_BITS = ("conj", "neg")
+
+
+def _view_bits(metadata: Any) -> tuple[bool, bool]:
+    """(conj, neg) from the rebuild call's metadata dict; anything else is refused by name."""
+    if metadata is None:
+        return False, False
+    if not isinstance(metadata, dict):
+        raise UnsupportedTensorError(f"tensor metadata {short_repr(metadata)} is not a dict")
+    unknown = sorted(str(k) for k in metadata if k not in _VIEW_BITS)
+    if unknown:
+        raise UnsupportedTensorError(
+            f"tensor metadata key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            "(only torch's 'conj' and 'neg' view bits are understood)"
+        )
+    for key, value in metadata.items():
+        if type(value) is not bool:
+            raise UnsupportedTensorError(f"tensor metadata {key!r} is {short_repr(value)}, not a bool")
+    return bool(metadata.get("conj", False)), bool(metadata.get("neg", False))
+
+
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
-                    requires_grad: Any, dtype: Any) -> TensorRef:
+                    requires_grad: Any, dtype: Any, metadata: Any = None) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise TypeError(f"tensor storage must come from a persistent id, got {type(storage).__name__}")
     if type(storage_offset) is not int or storage_offset < 0:
@@ -203,7 +242,10 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
         raise TypeError(f"size {shape} and stride {strides} differ in rank")
     if any(s < 0 for s in shape) or any(s < 0 for s in strides):
         raise TypeError(f"negative size or stride: {shape} / {strides}")
-    return TensorRef(storage, dtype, storage_offset, shape, strides, bool(requires_grad))
+    conj, neg = _view_bits(metadata)
+    if conj and not dtypes.get(dtype).name.startswith("complex"):
+        raise UnsupportedTensorError(f"conjugate bit on a {dtype} tensor (torch sets it only on complex ones)")
+    return TensorRef(storage, dtype, storage_offset, shape, strides, bool(requires_grad), conj, neg)
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any,
@@ -212,7 +254,7 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any
     """torch._utils._rebuild_tensor_v2: the dtype is the typed storage's."""
     if not isinstance(storage, StorageRef) or storage.dtype is None:
         raise TypeError("_rebuild_tensor_v2 needs a typed storage")
-    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, storage.dtype)
+    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, storage.dtype, metadata)
 
 
 def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any,
@@ -222,7 +264,7 @@ def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any
     if not isinstance(dtype, TorchDType):
         raise TypeError(f"_rebuild_tensor_v3 dtype must be a torch dtype, got {dtype!r}")
     return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad,
-                           dtypes.from_torch(dtype.name).name)
+                           dtypes.from_torch(dtype.name).name, metadata)
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None,
@@ -607,6 +649,24 @@ for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
 ALLOWED[("numpy", "dtype")] = NumpyDType
 ALLOWED[("numpy", "ndarray")] = NUMPY_NDARRAY
 
+# torch.save's other tensor rebuilds: real torch output that ckpt cannot
+# reproduce as a plain array. Named when met (before their arguments, which
+# name further torch globals, are unpickled), never resolved.
+_UNSUPPORTED_REBUILDS: dict[tuple[str, str], str] = {
+    ("torch._utils", "_rebuild_qtensor"): "a quantized tensor",
+    ("torch._utils", "_rebuild_sparse_tensor"): "a sparse tensor (COO/CSR/CSC/BSR/BSC layout)",
+    ("torch._utils", "_rebuild_sparse_csr_tensor"): "a sparse CSR tensor",
+    ("torch._utils", "_rebuild_nested_tensor"): "a nested tensor",
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): "a meta-device tensor (it has no data)",
+    ("torch._utils", "_rebuild_wrapper_subclass"): "a tensor subclass without storage (wrapper subclass)",
+    ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): "a tensor of a device backend (xla/maia/mtia)",
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"): "a tensor of a device backend, saved as numpy",
+    ("torch._utils", "_rebuild_xla_tensor"): "an XLA device tensor",
+    ("torch._utils", "_rebuild_mlc_tensor"): "an MLC device tensor",
+    ("torch._utils", "_rebuild_mkldnn_tensor"): "an MKL-DNN tensor",
+    ("torch._tensor", "_rebuild_from_type"): "a tensor subclass",
+}
+
 # Protocol 0-2 pickles from Python 3 spell a few modules the Python 2 way.
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
@@ -625,7 +685,13 @@ class SafeUnpickler(pickle.Unpickler):
         try:
             return ALLOWED[key]
         except (KeyError, TypeError):
-            raise UnsafePickleError(str(module), str(name), self._where) from None
+            pass
+        what = _UNSUPPORTED_REBUILDS.get(key) if self._payload else None
+        if what is not None:
+            raise UnsupportedTensorError(
+                f"holds {what} ({module}.{name}), which ckpt cannot read; load it with torch", self._where
+            )
+        raise UnsafePickleError(str(module), str(name), self._where) from None
 
     def persistent_load(self, pid: Any) -> Any:
         if not self._payload:
@@ -657,6 +723,10 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, d
     unpickler = SafeUnpickler(bytes(data), where, payload=payload)
     try:
         obj = unpickler.load()
+    except UnsupportedTensorError as exc:
+        if exc.where is None:  # raised by a rebuild stand-in, which does not know where it is
+            raise UnsupportedTensorError(exc.message, where) from None
+        raise
     except CkptError:
         raise
     except RecursionError:

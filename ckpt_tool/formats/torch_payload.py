@@ -58,6 +58,9 @@ class TensorPayload:
     data_length: int  # bytes of the storage member
     data_crc: int  # CRC-32 of the storage member (0: not recorded)
     big_endian: bool = False
+    # torch's lazy view bits: the stored values are to be conjugated / negated
+    conj: bool = False
+    neg: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -267,6 +270,8 @@ class PayloadArchive:
             data_length=size,
             data_crc=info.CRC,
             big_endian=self.big_endian,
+            conj=ref.conj,
+            neg=ref.neg,
         )
 
     def tensor(self) -> TensorPayload:
@@ -333,7 +338,7 @@ def read_region(
         fetch_into(start, flat)
         if payload.data_crc and whole_storage and crc32(flat) != payload.data_crc:
             raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
-        return _to_native(out) if payload.big_endian else out
+        return _apply_view_bits(_to_native(out) if payload.big_endian else out, payload)
     raw = fetch(start, end)
     if len(raw) != end - start:
         raise CorruptMetadataError(f"short read: wanted {end - start} bytes, got {len(raw)}", where)
@@ -349,7 +354,17 @@ def read_region(
         flat, shape=out_shape, strides=tuple(s * itemsize for s in payload.stride), writeable=False
     )
     out = np.array(view, copy=True).view(dtype)  # owns its memory, C order
-    return _to_native(out) if payload.big_endian else out
+    return _apply_view_bits(_to_native(out) if payload.big_endian else out, payload)
+
+
+def _apply_view_bits(arr: np.ndarray, payload: TensorPayload) -> np.ndarray:
+    """What torch's resolve_conj() / resolve_neg() give: the values the tensor
+    stands for, not its stored ones (elementwise, so any region reads right)."""
+    if payload.conj:
+        np.conjugate(arr, out=arr)
+    if payload.neg:
+        np.negative(arr, out=arr)
+    return arr
 
 
 def _contiguous_c_order(payload: TensorPayload, span_bytes: int, region_bytes: int) -> bool:
