@@ -16,6 +16,7 @@ WARNING = "warning"
 # code -> what it means (documented in the README; tests check they match)
 CODES: dict[str, str] = {
     "uncommitted-save": "an interrupted or unfinished save: tmp directory name, no commit marker or no commit timestamp",
+    "no-commit-marker": "a committed Orbax step on gs:// without commit_success.txt, which orbax needs there to restore it",
     "missing-metadata": "a metadata file the format needs is absent (_METADATA, .zarray, zarr.json, DCP .metadata)",
     "bad-metadata": "a metadata file that cannot be parsed or contradicts itself",
     "bad-array-metadata": ".zarray / zarr.json unreadable or disagreeing with _METADATA or array_metadatas",

@@ -86,31 +86,104 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     return _read_manager_root(storage, dirs, step)
 
 
+# -- commit status, as each orbax version defines it ---------------------------
+#
+# What a finished save leaves behind, by the orbax-checkpoint version that
+# wrote it (read from orbax's atomicity.py / step.py of each release):
+#
+#   version        _CHECKPOINT_METADATA        commit_success.txt
+#   <= 0.5.x       none (late 0.5.x: as 0.6)   gs:// only
+#   0.6 - 0.12.2   commit_timestamp_nsecs      gs:// only
+#   0.12.3 and on  commit_timestamp_nsecs      everywhere (local: inside the
+#                                              tmp dir, before the rename)
+#
+# Off gs:// every version writes into `<name>.orbax-checkpoint-tmp*` and
+# renames it: a final name is the commit, and orbax of no version asks for
+# commit_success.txt there. So the marker's absence is never a sign of an
+# interrupted save off gs:// (0.12.3+ writes it before the rename), and
+# nothing on disk tells 0.12.3+ from 0.12.2, which never wrote it locally.
+# On gs:// the step is written under its final name; the commit timestamp
+# (written once every array is stored, just before the marker) says the save
+# finished, and orbax of every version restores from gs:// only with the
+# marker there (a save copied to gs:// from a disk lacks it).
+
+
+@dataclass(frozen=True)
+class CommitStatus:
+    """Whether a step finished its save, by the rules of the orbax that wrote it."""
+
+    committed: bool
+    detail: str | None = None  # why it is not committed
+    file: str | None = None  # the file `detail` is about, relative to the step
+    # committed, but without commit_success.txt on gs://, where orbax needs it
+    needs_marker: bool = False
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.committed else f"uncommitted save ({self.detail})"
+
+
+MISSING_MARKER_NOTE = (
+    f"committed (commit_timestamp_nsecs), but no {COMMIT_MARKER}: orbax restores from gs:// only with it "
+    "(a save copied from another filesystem lacks it)"
+)
+
+
+def object_store_needs_marker(url: str) -> bool:
+    """orbax's is_gcs_path: the only storage where it writes and requires commit_success.txt."""
+    return url.startswith("gs://")
+
+
+def commit_status(storage: Storage, name: str, files: list[str], meta: Any) -> CommitStatus:
+    """The commit status of a step directory called `name` (the table above).
+
+    `meta` is what read_step_metadata() returned for the step.
+    """
+    if is_tmp_name(name):
+        return CommitStatus(False, "temporary directory name")
+    gcs = object_store_needs_marker(storage.url)
+    has_marker = COMMIT_MARKER in files
+    if CHECKPOINT_METADATA in files:
+        if isinstance(meta, CkptError):
+            return CommitStatus(False, f"{CHECKPOINT_METADATA} is unreadable: {meta.message}", CHECKPOINT_METADATA)
+        if not isinstance(meta, dict):
+            return CommitStatus(False, f"{CHECKPOINT_METADATA} is not a JSON object", CHECKPOINT_METADATA)
+        stamp = meta.get("commit_timestamp_nsecs")
+        if stamp is None:
+            # every version that writes this file adds the timestamp at commit
+            return CommitStatus(False, f"{CHECKPOINT_METADATA} has no commit_timestamp_nsecs", CHECKPOINT_METADATA)
+        if not isinstance(stamp, int) or isinstance(stamp, bool):
+            return CommitStatus(
+                False, f"commit_timestamp_nsecs in {CHECKPOINT_METADATA} is not an integer: {stamp!r}", CHECKPOINT_METADATA
+            )
+        return CommitStatus(True, needs_marker=gcs and not has_marker)
+    if gcs and not has_marker:
+        # orbax <= 0.5 on gs://: no step metadata, and the marker is the only commit record
+        return CommitStatus(False, f"no {COMMIT_MARKER} and no {CHECKPOINT_METADATA} on gs://", COMMIT_MARKER)
+    return CommitStatus(True)
+
+
+def read_step_metadata(storage: Storage, files: list[str]) -> Any:
+    """`_CHECKPOINT_METADATA` parsed; None when absent, a CorruptMetadataError instance when unreadable."""
+    if CHECKPOINT_METADATA not in files:
+        return None
+    try:
+        return _read_json(storage, CHECKPOINT_METADATA)
+    except CkptError as exc:
+        return exc
+
+
 # -- CheckpointManager roots --------------------------------------------------
 
 
 def _step_status(storage: Storage, name: str) -> StepInfo:
     number = _step_number(name)
     if is_tmp_name(name):
-        return StepInfo(name, number, False, "uncommitted save (temporary directory name)")
+        return StepInfo(name, number, False, commit_status(storage, name, [], None).reason)
     sub = storage.child(name)
-    dirs, files = sub.listdir()
-    meta = _read_json(sub, CHECKPOINT_METADATA) if CHECKPOINT_METADATA in files else None
-    committed, reason = _commit_status(sub, files, meta)
-    return StepInfo(name, number, committed, reason)
-
-
-def _commit_status(storage: Storage, files: list[str], meta: Any) -> tuple[bool, str | None]:
-    """Whether a step finished committing, and why not."""
-    if CHECKPOINT_METADATA in files:
-        if not isinstance(meta, dict):
-            return False, f"{CHECKPOINT_METADATA} is not a JSON object"
-        if meta.get("commit_timestamp_nsecs") is None:
-            return False, f"uncommitted save ({CHECKPOINT_METADATA} has no commit_timestamp_nsecs)"
-    if COMMIT_MARKER not in files and storage.url.startswith("gs://"):
-        # on GCS the directory is written under its final name; the marker is the commit
-        return False, f"uncommitted save (no {COMMIT_MARKER})"
-    return True, None
+    _dirs, files = sub.listdir()
+    status = commit_status(sub, name, files, read_step_metadata(sub, files))
+    return StepInfo(name, number, status.committed, status.reason)
 
 
 def _read_manager_root(storage: Storage, dirs: list[str], step: str | int | None) -> Checkpoint:
@@ -152,11 +225,9 @@ def _read_manager_root(storage: Storage, dirs: list[str], step: str | int | None
 
 
 def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -> Checkpoint:
-    step_meta = _read_json(storage, CHECKPOINT_METADATA) if CHECKPOINT_METADATA in files else None
-    if is_tmp_name(name):
-        committed, reason = False, "uncommitted save (temporary directory name)"
-    else:
-        committed, reason = _commit_status(storage, files, step_meta)
+    step_meta = read_step_metadata(storage, files)
+    status = commit_status(storage, name, files, step_meta)
+    committed, reason = status.committed, status.reason
     saved_at = None
     if isinstance(step_meta, dict):
         ns = step_meta.get("commit_timestamp_nsecs") or step_meta.get("init_timestamp_nsecs")
@@ -197,6 +268,8 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
     if not committed:
         notes.insert(0, reason or "uncommitted save")
         notes.append("present: " + ", ".join(sorted(dirs) + sorted(files)))
+    elif status.needs_marker:
+        notes.insert(0, MISSING_MARKER_NOTE)
     if isinstance(step_meta, dict) and step_meta.get("item_handlers"):
         layout["item_handlers"] = step_meta["item_handlers"]
     return Checkpoint(
@@ -501,20 +574,23 @@ class _ZarrRegionReader:
                     "fill_missing_data_reads": False,
                     "recheck_cached_data": False,
                 }
+                storage = self._source.storage
                 try:
-                    self._store = ts.open(spec, open=True, read=True, context=self._source.storage.read_context).result()
+                    fut = ts.open(spec, open=True, read=True, context=storage.read_context)
                 except Exception as exc:
                     raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
+                # the storage layer's deadline: a remote store that stops answering fails, never hangs
+                self._store = storage.wait(fut, "cannot open array", self._name)
             return self._store
 
     def read(self, region: Region) -> np.ndarray:
         store = self._open()
         try:
-            if not region:
-                return np.asarray(store.read().result())
-            return np.asarray(store[tuple(region)].read().result())
+            view = store[tuple(region)] if region else store
+            fut = view.read()
         except Exception as exc:
             raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+        return np.asarray(self._source.storage.wait(fut, "cannot read data", self._name, nbytes=view.size * view.dtype.numpy_dtype.itemsize))
 
     def scalar(self) -> Any:
         value = self.read(())
@@ -577,13 +653,13 @@ class _UnmergedRegionReader:
                     "metadata": self._zmeta,
                     "fill_missing_data_reads": False,
                 }
+                storage = self._sources[i].storage
                 try:
                     # only the primary wrote .zarray: assume it for the other databases
-                    self._stores[i] = ts.open(
-                        spec, open=True, read=True, assume_metadata=True, context=self._sources[i].storage.read_context
-                    ).result()
+                    fut = ts.open(spec, open=True, read=True, assume_metadata=True, context=storage.read_context)
                 except Exception as exc:
                     raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
+                self._stores[i] = storage.wait(fut, "cannot open array", self._name)
             return self._stores[i]
 
     def read(self, region: Region) -> np.ndarray:
@@ -602,9 +678,12 @@ class _UnmergedRegionReader:
             src = tuple(slice(a, b) for a, b in inter)
             dst = tuple(slice(a - r.start, b - r.start) for (a, b), r in zip(inter, region))
             try:
-                out[dst] = self._store(owner[key])[src].read().result()
+                fut = self._store(owner[key])[src].read()
+            except CkptError:
+                raise
             except Exception as exc:
                 raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+            out[dst] = self._sources[owner[key]].storage.wait(fut, "cannot read data", self._name, nbytes=out[dst].nbytes)
         return out
 
     def scalar(self) -> Any:

@@ -58,26 +58,24 @@ def check_step(
 ) -> bool:
     """Check one step directory; True when it is committed."""
     findings.count("steps")
-    meta = None
-    if ob.CHECKPOINT_METADATA in files:
-        try:
-            meta = json.loads(storage.read(ob.CHECKPOINT_METADATA))
-        except (ValueError, CkptError) as exc:
-            findings.error("bad-metadata", f"unreadable: {exc}", file=where + ob.CHECKPOINT_METADATA)
-    committed = True
-    if ob.is_tmp_name(name):
-        findings.error("uncommitted-save", "temporary directory name: the save never finished", file=where or name)
-        committed = False
-    elif isinstance(meta, dict) and meta.get("commit_timestamp_nsecs") is None:
-        findings.error("uncommitted-save", "no commit_timestamp_nsecs: the save never committed", file=where + ob.CHECKPOINT_METADATA)
-        committed = False
-    if ob.COMMIT_MARKER not in files and meta is not None:
-        # orbax 0.12 writes the marker on every filesystem; on GCS it is the commit itself
-        if storage.url.startswith("gs://"):
-            findings.error("uncommitted-save", f"no {ob.COMMIT_MARKER}: the save never committed", file=where or name)
-            committed = False
-        else:
-            findings.warning("uncommitted-save", f"no {ob.COMMIT_MARKER} (older orbax, or an unfinished save)", file=where or name)
+    meta = ob.read_step_metadata(storage, files)
+    status = ob.commit_status(storage, name, files, meta)
+    if isinstance(meta, CkptError):
+        findings.error("bad-metadata", f"unreadable: {meta.message}", file=where + ob.CHECKPOINT_METADATA)
+    elif meta is not None and not isinstance(meta, dict):
+        findings.error("bad-metadata", "not a JSON object", file=where + ob.CHECKPOINT_METADATA)
+    elif not status.committed:
+        # each orbax version's own commit record is missing (see ob.commit_status)
+        ending = "the save never finished" if ob.is_tmp_name(name) else "the save never committed"
+        findings.error("uncommitted-save", f"{status.detail}: {ending}", file=where + status.file if status.file else where or name)
+    if status.needs_marker:
+        findings.warning(
+            "no-commit-marker",
+            f"committed (commit_timestamp_nsecs), but orbax restores from gs:// only with {ob.COMMIT_MARKER}; "
+            "a save copied here from another filesystem needs it added",
+            file=where + ob.COMMIT_MARKER,
+        )
+    committed = status.committed
 
     if ob.TREE_METADATA in files or ob.ROOT_MANIFEST in files or any(ob._PROCESS_DB.match(d) for d in dirs):
         check_item(storage, findings, where=where)
