@@ -5,6 +5,12 @@ applied to A's paths. Structure differences (only in A, only in B, changed
 kind, shape or dtype) come from metadata alone; with values=True each array
 pair is compared region by region along A's stored chunks, so memory stays
 bounded by a couple of chunks whatever the size of the checkpoints.
+
+Either side may be a RecordedStructure (an `inspect --json` document read by
+ckpt_tool.structure): its leaves carry keys, kinds, shapes, dtypes and the
+recorded layout but no data, so only the structure is compared. The chunk
+layout and sharding are compared only when asked (layout=True): a resharded
+or converted checkpoint with the same keys, shapes and dtypes matches.
 """
 from __future__ import annotations
 
@@ -16,15 +22,16 @@ from typing import Any
 import numpy as np
 
 from .findings import Progress, no_progress
-from .errors import short_repr
-from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, parse_rename_rules
+from .errors import CkptError, short_repr
+from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, glob_to_regex, parse_rename_rules
+from .structure import RecordedStructure
 from .validate.deep import chunk_regions
 
 
 @dataclass
 class LeafDiff:
     path: str
-    kind: str  # "only_a" | "only_b" | "kind" | "shape" | "dtype" | "values" | "value"
+    kind: str  # "only_a" | "only_b" | "kind" | "shape" | "dtype" | "chunks" | "sharding" | "values" | "value"
     message: str
     max_abs: float | None = None
     max_rel: float | None = None
@@ -44,6 +51,9 @@ class DiffReport:
     compared: int = 0
     values_compared: bool = False
     differences: list[LeafDiff] = field(default_factory=list)
+    layout_compared: bool = False
+    # what each side is: "checkpoint", or "inspect-json" (structure only)
+    sources: dict[str, str] = field(default_factory=lambda: {"a": "checkpoint", "b": "checkpoint"})
 
     @property
     def same(self) -> bool:
@@ -52,7 +62,8 @@ class DiffReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "a": self.a, "b": self.b, "same": self.same, "compared": self.compared,
-            "values": self.values_compared, "differences": [d.to_json() for d in self.differences],
+            "values": self.values_compared, "layout": self.layout_compared, "sources": dict(self.sources),
+            "differences": [d.to_json() for d in self.differences],
         }
 
 
@@ -72,11 +83,25 @@ def diff_checkpoints(
     rename: list[str] | None = None,
     workers: int = 4,
     progress: Progress = no_progress,
+    layout: bool = False,
+    pattern: str | None = None,
 ) -> DiffReport:
+    """Compare A and B by keys (A's renamed first); `layout` adds chunk layout
+    and recorded sharding; `pattern` (a --filter glob over the matched keys)
+    limits the comparison to the leaves it matches on either side."""
+    structure = [ck.path for ck in (a, b) if isinstance(ck, RecordedStructure)]
+    if values and structure:
+        raise CkptError(f"{structure[0]} is an inspect JSON document: it holds no array data to compare values with")
     rules = parse_rename_rules(rename or [])
     left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
     right = {leaf.path: leaf for leaf in b.leaves}
-    report = DiffReport(a.path, b.path, values_compared=values)
+    if pattern:
+        rx = glob_to_regex(pattern)
+        left = {p: leaf for p, leaf in left.items() if rx.fullmatch(p)}
+        right = {p: leaf for p, leaf in right.items() if rx.fullmatch(p)}
+    report = DiffReport(a.path, b.path, values_compared=values, layout_compared=layout, sources={
+        side: "inspect-json" if isinstance(ck, RecordedStructure) else "checkpoint" for side, ck in (("a", a), ("b", b))
+    })
     for path in sorted(set(left) - set(right)):
         report.differences.append(LeafDiff(path, "only_a", "only in A"))
     for path in sorted(set(right) - set(left)):
@@ -88,7 +113,10 @@ def diff_checkpoints(
         meta = _metadata_difference(path, la, lb)
         if meta:
             report.differences.append(meta)
-        elif values and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
+            continue
+        if layout and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
+            report.differences.extend(_layout_differences(path, la, lb))
+        if values and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
             pairs.append((path, la, lb))
         elif values and isinstance(la, ValueLeaf) and isinstance(lb, ValueLeaf):
             va, vb = la.load(), lb.load()
@@ -105,7 +133,7 @@ def diff_checkpoints(
                 progress("compare", done, total)
                 if result:
                     report.differences.append(result)
-    report.differences.sort(key=lambda d: d.path)
+    report.differences.sort(key=lambda d: d.path)  # stable: a leaf's chunks line stays before its sharding line
     return report
 
 
@@ -118,6 +146,47 @@ def _metadata_difference(path: str, la: Leaf, lb: Leaf) -> LeafDiff | None:
         if la.dtype != lb.dtype:
             return LeafDiff(path, "dtype", f"dtype {la.dtype} in A, {lb.dtype} in B")
     return None
+
+
+def _layout_differences(path: str, la: ArrayLeaf, lb: ArrayLeaf) -> list[LeafDiff]:
+    """Chunk layout and recorded sharding, where both sides record them (an
+    expected JSON may leave a field out: then it is not compared)."""
+    out = []
+    chunks_a = (la.chunk_shape, la.chunk_count) if _records(la, "chunk_shape") else None
+    chunks_b = (lb.chunk_shape, lb.chunk_count) if _records(lb, "chunk_shape") else None
+    shape_differs = chunks_a is not None and chunks_b is not None and chunks_a[0] != chunks_b[0]
+    count_differs = _records(la, "chunks") and _records(lb, "chunks") and la.chunk_count != lb.chunk_count
+    if shape_differs or count_differs:
+        out.append(LeafDiff(path, "chunks", f"chunks {_chunks_text(la)} in A, {_chunks_text(lb)} in B"))
+    if _records(la, "sharding") and _records(lb, "sharding"):
+        sa = la.sharding.to_json() if la.sharding is not None else None
+        sb = lb.sharding.to_json() if lb.sharding is not None else None
+        if sa != sb:
+            ta, tb = _sharding_text(la), _sharding_text(lb)
+            if ta != tb:
+                message = f"sharding {ta} in A, {tb} in B"
+            else:  # same mesh and spec, other device ids (or another detail): name what differs
+                assert sa is not None and sb is not None
+                fields = [k for k in dict.fromkeys([*sa, *sb]) if sa.get(k) != sb.get(k)]
+                message = f"sharding {ta}: " + "; ".join(
+                    f"{k} {short_repr(sa.get(k))} in A, {short_repr(sb.get(k))} in B" for k in fields
+                )
+            out.append(LeafDiff(path, "sharding", message))
+    return out
+
+
+def _records(leaf: ArrayLeaf, name: str) -> bool:
+    recorded = leaf.extra.get("recorded_fields")
+    return recorded is None or name in recorded
+
+
+def _chunks_text(leaf: ArrayLeaf) -> str:
+    shape = leaf.chunk_shape
+    return f"{list(shape) if shape is not None else 'of several shapes'} x{leaf.chunk_count}"
+
+
+def _sharding_text(leaf: ArrayLeaf) -> str:
+    return leaf.sharding.describe() if leaf.sharding is not None else "none recorded"
 
 
 def _compare_arrays(path: str, la: ArrayLeaf, lb: ArrayLeaf, rtol: float, atol: float) -> LeafDiff | None:

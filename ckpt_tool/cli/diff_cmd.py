@@ -1,4 +1,8 @@
-"""`ckpt diff A B`: exit 0 when the two checkpoints hold the same leaves (and values), 1 otherwise."""
+"""`ckpt diff A B`: exit 0 when the two checkpoints hold the same leaves (and values), 1 otherwise.
+
+Either side may be an `ckpt inspect --json` document instead of a
+checkpoint (the structure CI expects): a local regular file holding JSON.
+"""
 from __future__ import annotations
 
 import sys
@@ -9,40 +13,78 @@ from ..parallel import default_workers
 
 from .. import open as open_checkpoint
 from ..diff import diff_checkpoints
+from ..model import Checkpoint
+from ..structure import is_inspect_json_file, load_structure
 from .render import Output, esc
 
 
 @click.command("diff")
 @click.argument("a")
 @click.argument("b")
-@click.option("--values", is_flag=True, help="Also compare array data chunk by chunk (bounded memory) and decoded values.")
+@click.option("--values", is_flag=True, help="Also compare array data chunk by chunk (bounded memory) and decoded values (not with an inspect JSON side).")
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Relative tolerance for --values.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance for --values.")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename A's '/'-joined keys before matching (repeatable).")
+@click.option("--filter", "pattern", metavar="GLOB", help="Compare only leaves whose (renamed) '/'-joined keys match, e.g. 'params/**' (as for inspect --filter).")
+@click.option("--layout", is_flag=True, help="Also compare each array's chunk shape, chunk count and recorded sharding.")
+@click.option("--step", help="Step of whichever side is a CheckpointManager root (both, when both are checkpoints).")
 @click.option("--step-a", help="Step of A when A is a CheckpointManager root.")
 @click.option("--step-b", help="Step of B when B is a CheckpointManager root.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Leaves compared in parallel.")
 def diff_command(
-    a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...],
-    step_a: str | None, step_b: str | None, as_json: bool, workers: int,
+    a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
+    layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
 ) -> None:
     """Compare checkpoints A and B (either format) by their keys: leaves only in
-    one, changed shape or dtype, and with --values the max absolute and
-    relative difference per leaf. Exit 1 on any difference."""
-    ck_a = open_checkpoint(a, step=step_a)
-    ck_b = open_checkpoint(b, step=step_b)
-    report = diff_checkpoints(ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers)
+    one, changed kind, shape or dtype, and with --values the max absolute and
+    relative difference per leaf. Exit 1 on any difference.
+
+    A or B may be a file written by `ckpt inspect CKPT --json` (the expected
+    structure): then keys, kinds, shapes and dtypes are checked against it,
+    without a reference checkpoint."""
+    if step is not None and (step_a is not None or step_b is not None):
+        raise click.UsageError("--step applies to both sides; give it or --step-a/--step-b, not both")
+    json_a, json_b = is_inspect_json_file(a), is_inspect_json_file(b)
+    if step is not None and json_a and json_b:
+        raise click.UsageError("--step: both A and B are inspect JSON documents; there is no checkpoint to pick a step of")
+    ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
+    ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
+    report = diff_checkpoints(
+        ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
+        layout=layout, pattern=pattern,
+    )
     out = Output(json_mode=as_json)
     if as_json:
         out.json(report.to_json())
     else:
         for d in report.differences:
             colour = {"only_a": "red", "only_b": "green"}.get(d.kind, "yellow")
-            out.line(f"[{colour}]{d.kind:7}[/{colour}] {esc(d.path)}: {esc(d.message)}")
-        what = "leaves and values" if values else "leaves (structure, shapes, dtypes)"
+            out.line(f"[{colour}]{d.kind:8}[/{colour}] {esc(d.path)}: {esc(d.message)}")
+        if values:
+            what = "leaves and values"
+        else:
+            what = "leaves (structure, shapes, dtypes" + (", chunks, shardings)" if layout else ")")
         if report.same:
             out.line(f"[bold green]same[/bold green]: {report.compared} {what} match")
         else:
             out.line(f"[bold red]different[/bold red]: {len(report.differences)} difference(s) in {report.compared} common leaves")
     sys.exit(0 if report.same else 1)
+
+
+def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explicit: bool, values: bool) -> Checkpoint:
+    """The checkpoint at `path`, or the structure the inspect JSON file there records."""
+    if not is_json:
+        return open_checkpoint(path, step=step)
+    # usage errors first: they are about the command line, whatever the file holds
+    if values:
+        raise click.UsageError(
+            f"--values: {side} ({path}) is an inspect JSON document, which holds no array data; "
+            "compare values against a checkpoint, or drop --values to check the structure"
+        )
+    if explicit:
+        raise click.UsageError(
+            f"--step-{side.lower()}: {side} ({path}) is an inspect JSON document, not a CheckpointManager root; "
+            "it records one step already"
+        )
+    return load_structure(path)
