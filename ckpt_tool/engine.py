@@ -158,13 +158,35 @@ _SIMPLE = (int, float, bool, str, type(None))
 
 
 def _is_simple(value: Any) -> bool:
+    """A value a DCP bytes item can hold: plain Python values, numpy scalars, and
+    numpy arrays of a torch dtype (the tensors of a tuple torch saved as one item)."""
     if isinstance(value, _SIMPLE) or isinstance(value, np.generic):
         return True
+    if isinstance(value, np.ndarray):
+        return _torch_dtype_name(value) is not None
     if isinstance(value, (list, tuple)):
         return all(_is_simple(v) for v in value)
     if isinstance(value, dict):
         return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
     return False
+
+
+def _torch_dtype_name(arr: np.ndarray) -> str | None:
+    try:
+        dt = dtypes.from_numpy(arr.dtype)
+    except CkptError:
+        return None
+    return dt.name if dt.torch is not None else None
+
+
+def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf:
+    """An array held by a non-tensor item (a tensor inside a DCP bytes item), as a leaf of its own."""
+    arr = np.require(arr, requirements="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    return ArrayLeaf(
+        keys=keys, name=name, shape=tuple(arr.shape), dtype=dtypes.from_numpy(arr.dtype).name,
+        layout=RegularGrid(tuple(arr.shape)),
+        reader=lambda region: np.asarray(arr[tuple(region)]),
+    )
 
 
 def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
@@ -179,31 +201,57 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     exclude = [glob_to_regex(p) for p in opts.exclude]
     rules = parse_rename_rules(opts.rename)
     cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
-    targets: list[Target] = []
+    targets: list[Target | None] = []
     skipped: list[tuple[str, str]] = []
     sources: dict[str, ArrayLeaf] = {}
     seen: dict[str, str] = {}
+    tuples: set[tuple[Key, ...]] = set()
+    # DCP keeps a tuple as one bytes item (torch's traversal stops at it); an
+    # Orbax source that recorded tuples gives their elements as leaves, which
+    # are gathered back into one value: tuple path -> (slot in targets, members)
+    source_tuples = _source_tuples(src) if opts.to == "dcp" else set()
+    gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
+
+    def claim(keys: tuple[Key, ...], source_path: str) -> tuple[str, str]:
+        name = ".".join(str(k) for k in keys)
+        if name in seen:
+            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {source_path!r}")
+        seen[name] = source_path
+        return name, "/".join(str(k) for k in keys)
+
+    def add_array(leaf: ArrayLeaf, keys: tuple[Key, ...], name: str, path: str) -> None:
+        dtype = leaf.dtype
+        source_dtype = None
+        if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
+            dtype, source_dtype = opts.dtype, leaf.dtype
+        itemsize = dtypes.get(dtype).itemsize
+        layout = _target_layout(leaf, opts.to, itemsize, cap)
+        sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
+        targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
+        sources[path] = leaf
+
+    def refuse(where: str, reason: str) -> None:
+        if opts.skip_unsupported:
+            skipped.append((where, reason))
+            return
+        raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
+
     for leaf in src.leaves:
         if select and not any(rx.fullmatch(leaf.path) for rx in select):
             continue
         if any(rx.fullmatch(leaf.path) for rx in exclude):
             continue
+        outer = next((leaf.keys[:i] for i in range(1, len(leaf.keys)) if leaf.keys[:i] in source_tuples), None)
+        if outer is not None:
+            if outer not in gathered:
+                gathered[outer] = (len(targets), [])
+                targets.append(None)  # the tuple's place, filled once all its elements are seen
+            gathered[outer][1].append(leaf)
+            continue
         keys = _renamed_keys(tuple(leaf.keys), rules)
-        name = ".".join(str(k) for k in keys)
-        path = "/".join(str(k) for k in keys)
-        if name in seen:
-            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {leaf.path!r}")
-        seen[name] = leaf.path
+        name, path = claim(keys, leaf.path)
         if isinstance(leaf, ArrayLeaf):
-            dtype = leaf.dtype
-            source_dtype = None
-            if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
-                dtype, source_dtype = opts.dtype, leaf.dtype
-            itemsize = dtypes.get(dtype).itemsize
-            layout = _target_layout(leaf, opts.to, itemsize, cap)
-            sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
-            targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
-            sources[path] = leaf
+            add_array(leaf, keys, name, path)
             continue
         assert isinstance(leaf, ValueLeaf)
         try:
@@ -216,49 +264,112 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
         if opts.to == "orbax":
-            # a list or dict of numbers and strings is a subtree in a pytree:
-            # write its elements as leaves, as orbax would have saved them
-            for sub_keys, sub_value in _flatten_value(keys, value):
+            # lists, tuples and dicts are subtrees in a pytree: their elements
+            # become leaves as orbax would have saved them (tuples recorded as
+            # tuples); None and empty containers are orbax's empty values
+            for sub_keys, sub_value in _flatten_value(keys, value, tuples):
                 sub_name = ".".join(str(k) for k in sub_keys)
+                if sub_keys != keys:
+                    claim(sub_keys, leaf.path)
+                where = "/".join(str(k) for k in sub_keys)
                 if isinstance(sub_value, str):
                     targets.append(TargetValue(sub_keys, sub_name, sub_value, "string"))
                 elif isinstance(sub_value, (bool, int, float, np.generic)) and not isinstance(sub_value, (np.str_, np.bytes_)):
                     targets.append(TargetValue(sub_keys, sub_name, sub_value, "scalar"))
+                elif sub_value is None or (type(sub_value) in (list, tuple, dict) and not sub_value):
+                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "object"))
+                elif isinstance(sub_value, np.ndarray) and _torch_dtype_name(sub_value) is not None:
+                    # a tensor inside a bytes item (e.g. a tuple of tensors): an array leaf
+                    add_array(_memory_leaf(sub_keys, sub_name, sub_value), sub_keys, sub_name, where)
                 else:
-                    where = "/".join(str(k) for k in sub_keys)
-                    reason = f"a {type(sub_value).__name__} value has no Orbax leaf type (only numbers and strings)"
-                    if opts.skip_unsupported:
-                        skipped.append((where, reason))
-                        continue
-                    raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
+                    refuse(where, f"a {type(sub_value).__name__} value has no Orbax leaf type "
+                                  "(arrays, numbers, strings, None and containers of them)")
         else:
             if not _is_simple(value):
-                reason = f"a {type(value).__name__} value is not a simple Python value"
-                if opts.skip_unsupported:
-                    skipped.append((leaf.path, reason))
-                    continue
-                raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", leaf.path)
+                refuse(leaf.path, f"a {type(value).__name__} value is not a simple Python value")
+                continue
             targets.append(TargetValue(keys, name, _plain(value), "object"))
-    if not targets:
+    for outer, (slot, members) in gathered.items():
+        keys = _renamed_keys(outer, rules)
+        name, _ = claim(keys, "/".join(str(k) for k in outer))
+        targets[slot] = TargetValue(keys, name, _gather_tuple(outer, members, source_tuples), "object")
+    final = [t for t in targets if t is not None]
+    if not final:
         raise CkptError("nothing to convert: every leaf was filtered out", src.path)
-    plan = WritePlan(targets, info={"source": src.path, "source_format": src.format})
+    plan = WritePlan(final, info={"source": src.path, "source_format": src.format}, tuples=tuples)
     return plan, skipped, sources
 
 
-def _flatten_value(keys: tuple[Key, ...], value: Any) -> Iterator[tuple[tuple[Key, ...], Any]]:
-    """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf."""
+def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
+    """The tuples an Orbax source records (orbax's rich-types metadata), else none."""
+    if src.format != "orbax":
+        return set()
+    from .formats.orbax_writer import recorded_tuples
+
+    return recorded_tuples(src)
+
+
+def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]]) -> Any:
+    """The value of the tuple at `outer` from its element leaves (arrays read whole, as torch holds them)."""
+    where = "/".join(str(k) for k in outer)
+    root: dict[Key, Any] = {}
+    for leaf in members:
+        rel = tuple(leaf.keys[len(outer):])
+        node = root
+        for k in rel[:-1]:
+            node = node.setdefault(k, {})
+        node[rel[-1]] = _Loaded(leaf.read() if isinstance(leaf, ArrayLeaf) else leaf.load())
+
+    def build(node: Any, path: tuple[Key, ...]) -> Any:
+        if isinstance(node, _Loaded):
+            return node.value  # an array stays an array: a tensor in the bytes item
+        keys = list(node)
+        if keys and all(isinstance(k, int) for k in keys):
+            if sorted(keys) != list(range(len(keys))):
+                raise CkptError(
+                    f"only elements {sorted(keys)[:8]} of this sequence are selected; select all of it or none",
+                    "/".join(str(k) for k in path),
+                )
+            items = [build(node[i], path + (i,)) for i in range(len(keys))]
+            return tuple(items) if path in tuples else items
+        return {str(k): build(v, path + (k,)) for k, v in node.items()}
+
+    value = build(root, outer)
+    if not _is_simple(value):
+        raise UnsupportedLeafError("holds a value a DCP bytes item cannot store", where)
+    return _plain(value)
+
+
+@dataclass
+class _Loaded:
+    """A loaded leaf value inside a tuple being gathered (never confused with a subtree dict)."""
+
+    value: Any
+
+
+def _flatten_value(
+    keys: tuple[Key, ...], value: Any, tuples: set[tuple[Key, ...]] | None = None
+) -> Iterator[tuple[tuple[Key, ...], Any]]:
+    """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf.
+
+    The paths of the non-empty tuples go into `tuples` (pytree nodes orbax
+    records as tuples, where DCP keeps one bytes item).
+    """
     if isinstance(value, (list, tuple)) and value:
+        if isinstance(value, tuple) and tuples is not None:
+            tuples.add(keys)
         for i, v in enumerate(value):
-            yield from _flatten_value(keys + (i,), v)
+            yield from _flatten_value(keys + (i,), v, tuples)
     elif isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
         for k, v in value.items():
-            yield from _flatten_value(keys + (k,), v)
+            yield from _flatten_value(keys + (k,), v, tuples)
     else:
         yield keys, value
 
 
 def _plain(value: Any) -> Any:
-    """numpy scalars inside values become Python scalars (torch.load reads them without numpy)."""
+    """numpy scalars inside values become Python scalars (torch.load reads them without numpy);
+    numpy arrays stay arrays (the DCP writer stores them as tensors)."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, list):

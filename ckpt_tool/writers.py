@@ -37,7 +37,10 @@ class TargetArray:
 class TargetValue:
     keys: tuple[Key, ...]
     name: str
-    value: Any  # a simple Python value (int, float, str, bool, None, list, tuple, dict) or a numpy scalar
+    # a simple Python value (int, float, str, bool, None, list, tuple, dict) or a
+    # numpy scalar; for DCP ("object") it may hold numpy arrays: tensors inside
+    # one bytes item, as torch saves a tuple of tensors
+    value: Any
     value_type: str = "scalar"  # "scalar" | "string" | "object"
 
     kind = "value"
@@ -57,6 +60,9 @@ class WritePlan:
     info: dict[str, Any] = field(default_factory=dict)
     process_index: int = 0  # this process's rank among the writing processes
     process_count: int = 1
+    # key paths of the sequence nodes that are tuples, not lists (the targets
+    # below them have int keys); Orbax records them, DCP's values hold them
+    tuples: set[tuple[Key, ...]] = field(default_factory=set)
 
     def arrays(self) -> list[TargetArray]:
         return [t for t in self.targets if isinstance(t, TargetArray)]

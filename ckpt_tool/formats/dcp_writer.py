@@ -19,7 +19,10 @@ plus the files being flushed by the writing threads are in memory.
 
 Like torch, the writer stores a list holding only plain values as one item
 named after the list (torch's loaders look for it there), even when the plan
-gives its elements separately, as Orbax sources do.
+gives its elements separately, as Orbax sources do. A non-tensor value may
+hold numpy arrays (a tuple of tensors, which torch's traversal keeps as one
+bytes item): they are stored as the tensors of that item's torch.save
+archive, storages "0", "1", ... in pickling order, as torch.save does.
 
 In a multi-process run, every process but the primary leaves its storage
 entries in a `.ckpt-entries.{rank}` JSON sidecar when it finishes; commit()
@@ -116,6 +119,75 @@ def _hash_combine(seed: int, value: int) -> int:
     return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _U64) + (seed >> 2)) & _U64)) & _U64
 
 
+def _next_bucket_count(n: int) -> int:
+    """libstdc++'s _Prime_rehash_policy::_M_next_bkt (max load factor 1): the smallest listed prime >= n."""
+    fast = (2, 2, 2, 3, 5, 5, 7, 7, 11, 11, 11, 11, 13, 13)
+    if n < len(fast):
+        return fast[n]
+    for p in _GCC_PRIMES:
+        if p >= n:
+            return p
+    # beyond the list's start copied here (a value of a million tensors): the next prime
+    p = n
+    while any(p % d == 0 for d in range(2, int(p**0.5) + 1)):
+        p += 1
+    return p
+
+
+# the start of libstdc++'s __prime_list (src/shared/hashtable-aux.cc) from 17,
+# where _M_next_bkt's lower_bound begins
+_GCC_PRIMES = (
+    17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 103, 109, 113, 127, 137,
+    139, 149, 157, 167, 179, 193, 199, 211, 227, 241, 257, 277, 293, 313, 337, 359, 383, 409, 439, 467,
+    503, 541, 577, 619, 661, 709, 761, 823, 887, 953, 1031, 1109, 1193, 1289, 1381, 1493, 1613, 1741,
+    1879, 2029, 2179, 2357, 2549, 2753, 2971, 3209, 3469, 3739, 4027, 4349, 4703, 5087, 5503, 5953,
+    6427, 6949, 7517, 8123, 8783, 9497, 10273, 11113, 12011, 12983, 14033, 15173, 16411, 17749, 19183,
+    20753, 22447, 24281, 26267, 28411, 30727, 33223, 35933, 38873, 42043, 45481, 49201, 53201, 57557,
+    62233, 67307, 72817, 78779, 85229, 92203, 99733, 107897, 116731, 126271, 136607, 147793, 159871,
+    172933, 187091, 202409, 218971, 236897, 256279, 277261, 299951, 324503, 351061, 379787, 410857,
+    444487, 480881, 520241, 562841, 608903, 658753, 712697, 771049, 834181, 902483, 976369, 1056323,
+)
+
+
+def _unordered_set_order(hashes: list[int]) -> list[int]:
+    """The iteration order of a libstdc++ std::unordered_set<std::string> after inserting
+    strings with these hashes in this order (torch's files_written_).
+
+    A node goes to the front of the list when its bucket is empty, else to
+    the front of its bucket's run of nodes; a rehash relinks the nodes in list order the
+    same way. The first insertion allocates 13 buckets (11 asked for, then the
+    next listed prime), and the count grows to the next prime >= twice it
+    when the elements would outnumber the buckets.
+    """
+    order: list[int] = []  # the singly linked list, as a Python list of hashes
+    buckets = 1
+    next_resize = 0
+
+    for i, h in enumerate(hashes):
+        if i + 1 > next_resize:
+            min_buckets = max(i + 1, 0 if next_resize else 11)
+            if min_buckets >= buckets:
+                buckets = _next_bucket_count(max(min_buckets + 1, buckets * 2))
+                next_resize = buckets
+                order = _rehash(order, buckets)
+            else:
+                next_resize = buckets
+        b = h % buckets
+        first = next((j for j, x in enumerate(order) if x % buckets == b), None)
+        order.insert(0 if first is None else first, h)
+    return order
+
+
+def _rehash(nodes: list[int], count: int) -> list[int]:
+    """libstdc++'s _M_rehash_aux (unique keys): relink the nodes, in list order, into `count` buckets."""
+    out: list[int] = []
+    for h in nodes:
+        b = h % count
+        first = next((i for i, x in enumerate(out) if x % count == b), None)
+        out.insert(0 if first is None else first, h)
+    return out
+
+
 class _ZipBuilder:
     """One torch.save archive laid out exactly as caffe2's PyTorchStreamWriter (miniz) does."""
 
@@ -169,12 +241,13 @@ class _ZipBuilder:
 
     def finish(self) -> tuple[list[Buffer], int]:
         # PyTorchStreamWriter::writeSerializationId: a hash of the record names,
-        # in its unordered_set's iteration order (for these few names, newest
-        # first; the tests compare whole archives with torch.save's), then the
-        # hash of the data-descriptor CRCs
+        # in its unordered_set's iteration order (see _unordered_set_order; the
+        # tests compare whole archives with torch.save's), then the hash of the
+        # data-descriptor CRCs
         name_hash = 0
-        for name in reversed(self.names):
-            name_hash = _hash_combine(name_hash, _hash_bytes(name.encode("utf-8")))
+        hashes = [_hash_bytes(name.encode("utf-8")) for name in self.names]
+        for h in _unordered_set_order(hashes):
+            name_hash = _hash_combine(name_hash, h)
         self.add(".data/serialization_id", f"{name_hash:020d}{self.combined_crc:020d}".encode("ascii"))
         cd_ofs = self.pos
         central = b"".join(self.central)
@@ -193,16 +266,16 @@ class _ZipBuilder:
         return self.parts, self.pos
 
 
-def _archive(pickle_bytes: bytes, storage: tuple[memoryview, int] | None) -> tuple[list[Buffer], int]:
-    """A torch.save archive: data.pkl plus at most one storage (key "0"); (parts, length)."""
+def _archive(pickle_bytes: bytes, storage: tuple[memoryview, int] | list[tuple[memoryview, int]] | None) -> tuple[list[Buffer], int]:
+    """A torch.save archive: data.pkl plus its storages (keys "0", "1", ... in that order); (parts, length)."""
+    storages = [] if storage is None else [storage] if isinstance(storage, tuple) else storage
     z = _ZipBuilder()
     z.add("data.pkl", pickle_bytes)
     z.add(".format_version", _FORMAT_VERSION)
     z.add(".storage_alignment", _STORAGE_ALIGNMENT)
     z.add("byteorder", _BYTEORDER)
-    if storage is not None:
-        data, crc = storage
-        z.add("data/0", data, crc)
+    for key, (data, crc) in enumerate(storages):
+        z.add(f"data/{key}", data, crc)
     z.add("version", _FILE_FORMAT_VERSION)
     return z.finish()
 
@@ -223,50 +296,79 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def tensor_pickle(dtype: dtypes.DType, shape: tuple[int, ...]) -> bytes:
-    """torch.save's data.pkl for a contiguous tensor in storage "0"."""
+def _tensor_reduce(dtype: dtypes.DType, shape: tuple[int, ...], key: str) -> Reduce:
+    """What torch's pickler saves for a contiguous CPU tensor whose storage is `key`."""
     numel = math.prod(shape)
     hooks = Reduce(_ORDERED_DICT, ())
     stride = _contiguous_strides(shape)
     if dtype.torch_storage is not None:
         # typed legacy storage: numel counts elements, the dtype is the storage's
-        pid = PersistentId(("storage", Global("torch", dtype.torch_storage), "0", "cpu", numel))
+        pid = PersistentId(("storage", Global("torch", dtype.torch_storage), key, "cpu", numel))
         args: tuple[Any, ...] = (pid, 0, shape, stride, False, hooks)
-        return dumps(Reduce(_REBUILD_V2, args), 2)
+        return Reduce(_REBUILD_V2, args)
     # dtypes without a legacy storage class: untyped storage (numel counts bytes) plus the dtype
     assert dtype.torch is not None
-    pid = PersistentId(("storage", _UNTYPED_STORAGE, "0", "cpu", numel * dtype.itemsize))
+    pid = PersistentId(("storage", _UNTYPED_STORAGE, key, "cpu", numel * dtype.itemsize))
     args = (pid, 0, shape, stride, False, hooks, Global("torch", dtype.torch))
-    return dumps(Reduce(_REBUILD_V3, args), 2)
+    return Reduce(_REBUILD_V3, args)
 
 
-def plain_value(value: Any, where: str) -> Any:
-    """`value` with numpy scalars made Python scalars; an error for anything not plain."""
+def tensor_pickle(dtype: dtypes.DType, shape: tuple[int, ...]) -> bytes:
+    """torch.save's data.pkl for a contiguous tensor in storage "0"."""
+    return dumps(_tensor_reduce(dtype, shape, "0"), 2)
+
+
+def plain_value(value: Any, where: str, storages: list[tuple[memoryview, int]] | None = None) -> Any:
+    """`value` with numpy scalars made Python scalars; an error for anything not plain.
+
+    With `storages`, numpy arrays become tensors (torch.save of a tuple of
+    tensors, which DCP stores as one bytes item): each array's bytes are
+    appended to `storages`, in the order torch's pickler meets the tensors.
+    """
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
     if isinstance(value, np.generic) and not isinstance(value, np.void):
         return plain_value(value.item(), where)  # numpy scalars load without numpy
     if type(value) is list:
-        return [plain_value(v, where) for v in value]
+        return [plain_value(v, where, storages) for v in value]
     if type(value) is tuple:
-        return tuple(plain_value(v, where) for v in value)
+        return tuple(plain_value(v, where, storages) for v in value)
     if type(value) is dict:
-        return {plain_value(k, where): plain_value(v, where) for k, v in value.items()}
+        return {plain_value(k, where): plain_value(v, where, storages) for k, v in value.items()}
+    if isinstance(value, np.ndarray) and storages is not None:
+        return _tensor_value(value, where, storages)
     raise DcpWriteError(
-        f"a {type(value).__name__} value cannot be stored (only None, bool, int, float, str, bytes, list, tuple, dict)",
+        f"a {type(value).__name__} value cannot be stored (only None, bool, int, float, str, bytes, list, tuple, dict"
+        + (", numpy arrays)" if storages is not None else ")"),
         where,
     )
 
 
-def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
-    """torch.save of a plain Python value, as DCP stores non-tensor items."""
+def _tensor_value(arr: np.ndarray, where: str, storages: list[tuple[memoryview, int]]) -> Reduce:
     try:
-        pkl = dumps(plain_value(value, where), 2)
+        dt = dtypes.from_numpy(arr.dtype)
+    except CkptError:
+        dt = None
+    if dt is None or dt.torch is None:
+        raise DcpWriteError(f"a {arr.dtype} array has no torch dtype", where)
+    # torch saves little-endian, C-contiguous storage bytes
+    # (np.require, not ascontiguousarray: that one makes a 0-d array 1-d)
+    arr = np.require(arr.astype(arr.dtype.newbyteorder("<"), copy=False), requirements="C")
+    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    storages.append((raw, crc32(raw)))
+    return _tensor_reduce(dt, tuple(int(n) for n in arr.shape), str(len(storages) - 1))
+
+
+def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
+    """torch.save of a plain Python value (tensors inside it as numpy arrays), as DCP stores non-tensor items."""
+    storages: list[tuple[memoryview, int]] = []
+    try:
+        pkl = dumps(plain_value(value, where, storages), 2)
     except RecursionError:
         raise DcpWriteError("value nested too deeply to store", where) from None
     except PickleWriteError as exc:
         raise DcpWriteError(exc.message, where) from None
-    return _archive(pkl, None)
+    return _archive(pkl, storages)
 
 
 def tensor_archive(dtype: dtypes.DType, data: np.ndarray) -> tuple[list[Buffer], int]:
@@ -419,14 +521,19 @@ def _list_groups(targets: list[TargetArray | TargetValue]) -> list[_ListGroup]:
         )
 
     def terminal(node: dict[str, Any]) -> bool:
-        """A list whose elements are values or (recursively) such lists: no tensor, no dict."""
+        """A list whose elements are values or (recursively) such lists: no tensor, no dict.
+
+        As torch's traverse_state_dict: a dict element, even an empty one,
+        makes the list a node to traverse; a tuple element (one value here)
+        does not, whatever it holds.
+        """
         if not is_list(node):
             return False
         for child in node["children"].values():
             if child["children"]:
                 if not terminal(child):
                     return False
-            elif not isinstance(child["leaf"], TargetValue):
+            elif not isinstance(child["leaf"], TargetValue) or isinstance(child["leaf"].value, dict):
                 return False
         return True
 
@@ -558,7 +665,8 @@ class DcpWriter:
         self._check_state("writing")
         group = self._members.get(target.name)
         if group is not None:
-            value = plain_value(target.value, target.name)  # fail now, not when the list completes
+            plain_value(target.value, target.name, [])  # fail now, not when the list completes
+            value = target.value  # arrays stay arrays: value_archive makes them tensors
             with self._lock:
                 if target.name in group.received:
                     raise DcpWriteError(f"value {target.name!r} was written twice")

@@ -37,7 +37,7 @@ import numpy as np
 import tensorstore as ts
 
 from .. import dtypes
-from ..errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError
 from ..model import Key, Region, RegularGrid, Sharding
 from ..pagecache import DirectoryDropper
 from ..storage import Storage, ts_error_text
@@ -72,6 +72,8 @@ _ZARR3_ZSTD = {"name": "zstd", "configuration": {"level": 3}}
 # orbax's KeyType
 _KEY_SEQUENCE = 1
 _KEY_DICT = 2
+# _METADATA's rich-types tree (tuples kept apart from lists), a JSON string
+VALUE_METADATA_TREE = "value_metadata_tree"
 # orbax's empty-value type strings (metadata/empty_values.py)
 _EMPTY_TYPES = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
 
@@ -637,9 +639,7 @@ class OrbaxWriter:
         assert self._plan is not None
         tree: dict[str, Any] = {}
         for leaf in self._leaves:
-            value_meta: dict[str, Any] = {"value_type": leaf.value_type, "skip_deserialize": leaf.skip_deserialize}
-            if leaf.value_type == "jax.Array":
-                value_meta["write_shape"] = list(leaf.chunk_shape)
+            value_meta = _value_meta(leaf)
             # orbax keys the entry by str() of the tuple of stringified keys
             tree[str(tuple(str(k) for k in leaf.keys))] = {
                 "key_metadata": [
@@ -655,6 +655,11 @@ class OrbaxWriter:
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": None,
         }
+        tuples = _tuple_nodes(self._leaves, self._plan.tuples)
+        if tuples:
+            # tree_metadata records every sequence as a list (key_type 1); only
+            # orbax's rich-types tree keeps tuples apart (see value_metadata_tree)
+            meta[VALUE_METADATA_TREE] = value_metadata_tree(self._leaves, tuples)
         self._storage.write(ob.TREE_METADATA, json.dumps(meta).encode())
 
         shardings = {
@@ -686,6 +691,106 @@ class OrbaxWriter:
             "custom_metadata": {},
         }
         self._storage.write(ob.CHECKPOINT_METADATA, json.dumps(meta).encode())
+
+
+def _value_meta(leaf: _Leaf) -> dict[str, Any]:
+    """A leaf's ValueMetadataEntry.to_json(), as in tree_metadata."""
+    meta: dict[str, Any] = {"value_type": leaf.value_type, "skip_deserialize": leaf.skip_deserialize}
+    if leaf.value_type == "jax.Array":
+        meta["write_shape"] = list(leaf.chunk_shape)
+    return meta
+
+
+def _tuple_nodes(leaves: list[_Leaf], tuples: set[tuple[Key, ...]]) -> set[tuple[Key, ...]]:
+    """The planned tuple paths that are sequence nodes of this tree (indices below them)."""
+    found = set()
+    for leaf in leaves:
+        for i in range(len(leaf.keys)):
+            if leaf.keys[:i] in tuples and isinstance(leaf.keys[i], int):
+                found.add(leaf.keys[:i])
+    return found
+
+
+def value_metadata_tree(leaves: list[_Leaf], tuples: set[tuple[Key, ...]]) -> str:
+    """`_METADATA["value_metadata_tree"]`: the JSON string orbax writes with
+    `PyTreeMetadataOptions(support_rich_types=True)` (metadata/tree_rich_types.py).
+
+    It is the saved tree itself with a {"category": "custom", "clazz":
+    "ValueMetadataEntry", "data": ...} object at each leaf, lists as JSON
+    arrays and each tuple as {"category": "custom", "clazz": "tuple",
+    "entries": [...]}, dict keys in jax's (sorted) order. orbax restores
+    tuples from it when asked to (rich types); its default restore reads
+    tree_metadata, where sequences are lists, and gives lists, as it does for
+    tuples it saved itself.
+    """
+    root: dict[Key, Any] = {}
+    for leaf in leaves:
+        node = root
+        for k in leaf.keys[:-1]:
+            node = node.setdefault(k, {})
+        node[leaf.keys[-1]] = leaf
+
+    def build(node: Any, path: tuple[Key, ...]) -> Any:
+        if isinstance(node, _Leaf):
+            return {"category": "custom", "clazz": "ValueMetadataEntry", "data": _value_meta(node)}
+        ordered = sorted(node, key=lambda k: (0, k) if isinstance(k, int) else (1, k))
+        if ordered and isinstance(ordered[0], int):
+            items = [build(node[k], path + (k,)) for k in ordered]
+            return {"category": "custom", "clazz": "tuple", "entries": items} if path in tuples else items
+        return {str(k): build(node[k], path + (k,)) for k in ordered}
+
+    return json.dumps(build(root, ()))
+
+
+def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
+    """The key paths of the tuples an Orbax checkpoint records (value_metadata_tree), else empty.
+
+    The counterpart of value_metadata_tree(), for converting Orbax back to
+    DCP, where a tuple is one bytes item but a list is traversed. Paths carry
+    the item prefix the reader gives its leaves.
+    """
+    storage = Storage.create(ckpt.path)
+    step_dir = ckpt.layout.get("step_dir")
+    if step_dir:
+        storage = storage.child(step_dir)
+    items = ckpt.layout.get("items")
+    places = [(storage, ())] if not items else [
+        (storage.child(item), () if items == ["default"] else (item,)) for item in items
+    ]
+    found: set[tuple[Key, ...]] = set()
+    for place, prefix in places:
+        if not place.exists(ob.TREE_METADATA):
+            continue
+        meta = ob._read_json(place, ob.TREE_METADATA)
+        text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
+        if not isinstance(text, str):
+            continue
+        where = f"{place.url}/{ob.TREE_METADATA}"
+        try:
+            _walk_rich_tree(json.loads(text), prefix, found)
+        except ValueError as exc:
+            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is not JSON: {exc}", where) from None
+        except RecursionError:
+            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is nested too deeply", where) from None
+    return found
+
+
+def _walk_rich_tree(node: Any, path: tuple[Key, ...], found: set[tuple[Key, ...]]) -> None:
+    if isinstance(node, list):
+        for i, child in enumerate(node):
+            _walk_rich_tree(child, path + (i,), found)
+    elif isinstance(node, dict):
+        if node.get("category") == "custom":
+            if node.get("clazz") == "tuple" and isinstance(node.get("entries"), list):
+                if node["entries"]:
+                    found.add(path)
+                for i, child in enumerate(node["entries"]):
+                    _walk_rich_tree(child, path + (i,), found)
+            return  # a ValueMetadataEntry leaf
+        if node.get("category") == "namedtuple":
+            return  # its fields are dict keys in tree_metadata; no tuple of DCP's kind
+        for k, child in node.items():
+            _walk_rich_tree(child, path + (str(k),), found)
 
 
 def _fmt_region(region: Region) -> str:
