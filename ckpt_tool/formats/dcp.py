@@ -119,8 +119,17 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
             + (" ..." if len(missing) > 5 else "")
         )
     transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
-    if transforms:
-        notes.append(f"entries are stored with transforms {', '.join(transforms)} (not readable by ckpt)")
+    unknown = _transforms_module().describe_unknown(transforms)
+    if unknown:
+        notes.append(f"entries are stored with transforms {', '.join(unknown)} (not readable by ckpt)")
+    elif transforms:
+        notes.append(f"entries are stored with transforms {', '.join(transforms)} (torch's ZStandard extension)")
+    duplicates = sum(item.duplicates for item in parsed.items.values() if isinstance(item, _TensorItem))
+    if duplicates:
+        notes.append(
+            f"{duplicates} tensor chunk{'s are' if duplicates != 1 else ' is'} listed more than once (replicated "
+            "duplicates kept by the save planner); one copy of each is read"
+        )
     layout: dict[str, Any] = {
         "files": len(files),
         "ranks": ranks,
@@ -160,9 +169,11 @@ class _Entry:
 class _TensorItem:
     shape: tuple[int, ...]
     dtype: str
-    chunks: list[Chunk]
+    chunks: list[Chunk]  # distinct chunks: a replicated duplicate is listed once
     entries: list[_Entry]
     requires_grad: bool = False
+    duplicates: int = 0  # chunks .metadata lists again with the same offsets and sizes
+    layout: str = "torch.strided"
 
 
 @dataclass
@@ -243,6 +254,8 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
         raise CorruptMetadataError("chunk list is not a list", where)
     chunks: list[Chunk] = []
     entries: list[_Entry] = []
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    duplicates = 0
     for chunk_md in item.chunks:
         if not isinstance(chunk_md, ChunkStorageMetadata):
             raise CorruptMetadataError(f"chunk {short_repr(chunk_md)} is not a ChunkStorageMetadata", where)
@@ -261,9 +274,16 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: st
         entry = storage.get((fqn, offsets))
         if entry is None:
             raise CorruptMetadataError(f"no storage_data entry for the chunk at offsets {list(offsets)}", where)
+        if (offsets, sizes) in seen:
+            # a planner that keeps replicated duplicates lists the chunk once per
+            # rank; storage_data (keyed by fqn and offsets) holds one copy of it
+            duplicates += 1
+            continue
+        seen.add((offsets, sizes))
         chunks.append(Chunk(offsets, sizes))
         entries.append(entry)
-    return _TensorItem(shape, dtype, chunks, entries, bool(props.requires_grad))
+    layout = props.layout if isinstance(props.layout, str) else "torch.strided"
+    return _TensorItem(shape, dtype, chunks, entries, bool(props.requires_grad), duplicates, layout)
 
 
 def _entry(info: Any, where: str) -> _Entry:
@@ -300,6 +320,8 @@ def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _Tensor
     reader = _TensorReader(storage, fqn, item)
     if item.requires_grad:
         extra["requires_grad"] = True
+    if item.duplicates:
+        extra["duplicate_chunks"] = item.duplicates
     return ArrayLeaf(
         keys=keys,
         name=fqn,
@@ -327,18 +349,45 @@ def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesI
         _refuse_transforms(entry, where)
         if entry.length == 0:
             raise CorruptMetadataError("empty storage entry", where)
-        data = storage.read_range(entry.relative_path, entry.offset, entry.offset + entry.length)
+        if entry.transforms:
+            decoded = _transforms_module().DecodedEntry(
+                _entry_fetch(storage, entry, where), entry.length, entry.transforms, where,
+                max_decoded=safe_pickle.MAX_PAYLOAD_PICKLE_BYTES + _ARCHIVE_SLACK,
+            )
+            data = decoded.read_all()
+        else:
+            data = storage.read_range(entry.relative_path, entry.offset, entry.offset + entry.length)
         return _payload_module().load_value(data, where)
 
     return ValueLeaf(keys=keys, name=fqn, value_type="bytes", loader=load, extra={"storage": [entry.to_json()]})
 
 
 def _refuse_transforms(entry: _Entry, where: str) -> None:
+    """Only transforms ckpt can undo (torch's ZStandard extension) get past here."""
     if entry.transforms:
-        raise CkptError(
-            f"stored with transform {', '.join(entry.transforms)} (e.g. DCP's zstd extension), which ckpt cannot undo",
-            where,
-        )
+        _transforms_module().check(entry.transforms, where)
+
+
+def _entry_fetch(storage: Storage, entry: _Entry, where: str) -> Fetch:
+    """fetch(start, end) over one storage entry's stored bytes."""
+
+    def fetch(start: int, end: int) -> bytes:
+        if end > entry.length:
+            raise CorruptMetadataError(f"read past the entry's {entry.length} bytes", where)
+        return storage.read_range(entry.relative_path, entry.offset + start, entry.offset + end)
+
+    return fetch
+
+
+def _transforms_module():  # noqa: ANN202
+    from . import dcp_transforms  # (imports zstandard only when an entry is decoded)
+
+    return dcp_transforms
+
+
+# decoded bytes a torch.save archive may hold besides its tensor's storage
+# (data.pkl, zip records, alignment): bounds what a zstd stream may decode to
+_ARCHIVE_SLACK = 16 << 20
 
 
 class _TensorReader:
@@ -351,9 +400,16 @@ class _TensorReader:
         self._dtype = dtypes.numpy_dtype(item.dtype)
         # a chunk's payload location (from its zip headers) never changes: keep it
         self._located: dict[int, TensorPayload] = {}
+        self._decoded_lengths: dict[int, int] = {}  # transformed entries: decoded archive sizes
         self._lock = threading.Lock()
 
     def __call__(self, region: Region) -> np.ndarray:
+        if self._item.layout != "torch.strided":
+            raise CkptError(
+                f"a {self._item.layout.removeprefix('torch.')} tensor, which ckpt cannot read (only strided, "
+                "dense tensors); load it with torch",
+                f"{self._storage.url}/{METADATA_FILE} [{self._fqn}]",
+            )
         out_shape = tuple(r.stop - r.start for r in region)
         volume = math.prod(out_shape)
         if volume == 0:
@@ -413,9 +469,11 @@ class _TensorReader:
             where,
         )
 
-    def _fetch_into(self, i: int, where: str) -> Callable[[int, Any], None]:
+    def _fetch_into(self, i: int, where: str) -> Callable[[int, Any], None] | None:
         """Chunk i's bulk read: fill a buffer with its entry's bytes from a position."""
         entry = self._item.entries[i]
+        if entry.transforms:
+            return None  # the stored bytes are not the archive's: read through the decoder
 
         def fetch_into(start: int, buffer: Any) -> None:
             if start + memoryview(buffer).nbytes > entry.length:
@@ -430,17 +488,28 @@ class _TensorReader:
         chunk = self._item.chunks[i]
         where = _entry_where(self._storage, entry, self._fqn)
         _refuse_transforms(entry, where)
-
-        def fetch(start: int, end: int) -> bytes:
-            if end > entry.length:
-                raise CorruptMetadataError(f"read past the entry's {entry.length} bytes", where)
-            return self._storage.read_range(entry.relative_path, entry.offset + start, entry.offset + end)
+        fetch = _entry_fetch(self._storage, entry, where)
+        length = entry.length
+        decoded = None
+        if entry.transforms:
+            with self._lock:
+                known = self._decoded_lengths.get(i)
+            # the decoded archive holds the chunk's bytes plus small records
+            expected = math.prod(chunk.sizes) * self._dtype.itemsize
+            decoded = _transforms_module().DecodedEntry(
+                fetch, entry.length, entry.transforms, where,
+                max_decoded=2 * expected + _ARCHIVE_SLACK,
+                key=(self._storage.url, entry.relative_path, entry.offset), length=known,
+            )
+            fetch = decoded.fetch
 
         with self._lock:
             payload = self._located.get(i)
         if payload is not None:
             return payload, fetch, where
-        archive = _payload_module().open_payload_range(fetch, entry.length, where)
+        if decoded is not None:
+            length = decoded.scan()
+        archive = _payload_module().open_payload_range(fetch, length, where)
         payload = archive.tensor()
         if payload.dtype != self._item.dtype or payload.shape != chunk.sizes:
             raise CorruptMetadataError(
@@ -450,6 +519,8 @@ class _TensorReader:
             )
         with self._lock:
             self._located[i] = payload
+            if decoded is not None:
+                self._decoded_lengths[i] = length
         # this first time, read through the archive: it holds what locating
         # fetched (all of a small entry), so the data may need no new read
         return payload, archive.read_bytes, where

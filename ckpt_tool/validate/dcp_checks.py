@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, short_repr
 from ..findings import Findings
-from ..formats import dcp, safe_pickle
+from ..formats import dcp, dcp_transforms, safe_pickle
 from ..model import Chunk, keys_path
 from ..storage import Storage
 
@@ -59,7 +59,8 @@ class _Tensor:
     fqn: str
     leaf: str
     shape: tuple[int, ...]
-    chunks: list[Chunk]
+    chunks: list[Chunk]  # distinct chunks (a replicated duplicate once)
+    duplicates: int = 0  # chunks listed again with the same offsets and sizes
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,18 @@ def check_path(storage: Storage, findings: Findings) -> None:
         placed.append(_Placed(key, entry, leaf_of(key[0]), orphan=True))
 
     referenced = _check_files(storage, placed, findings)
+    duplicates = sum(t.duplicates for t in tensors)
     for name in data_files:
         if name not in referenced:
+            if _size_or_none(storage, name) == 0:
+                # a thread_count > 1 save leaves an empty file for each thread
+                # that got no item: nothing was lost in it
+                continue
+            if duplicates:
+                # a planner that keeps replicated duplicates writes every copy,
+                # but .metadata points at one: a rank whose items were all
+                # copies has an unreferenced file. --deep checks what it holds.
+                continue
             findings.warning(
                 "stray-file",
                 "data file not referenced by .metadata (left by an earlier save into this directory, or by a rank "
@@ -193,11 +204,37 @@ def check_path(storage: Storage, findings: Findings) -> None:
 
     for tensor in tensors:
         _check_geometry(tensor, findings)
+    _check_transforms(placed, findings)
 
     findings.count("tensors", len(tensors))
     findings.count("chunks", sum(len(t.chunks) for t in tensors))
     findings.count("bytes_items", len(bytes_fqns))
     findings.count("files", len(referenced))
+    if duplicates:
+        findings.count("duplicate_chunks", duplicates)
+
+
+def _size_or_none(storage: Storage, name: str) -> int | None:
+    try:
+        return storage.size(name)
+    except (CkptError, OSError):
+        return None
+
+
+def _check_transforms(placed: list[_Placed], findings: Findings) -> None:
+    """Entries stored with a transform ckpt cannot undo: an error naming it (torch needs it registered too)."""
+    unknown: dict[str, list[_Placed]] = defaultdict(list)
+    for p in placed:
+        for desc in dcp_transforms.describe_unknown(p.entry.transforms):
+            unknown[desc].append(p)
+    for desc, items in sorted(unknown.items()):
+        findings.error(
+            "bad-metadata",
+            f"{len(items)} item{'s are' if len(items) != 1 else ' is'} stored with transform {desc!r}, which ckpt "
+            f"cannot decode (it reads torch's ZStandard extension, {', '.join(dcp_transforms.KNOWN)}); torch loads "
+            f"it only with that extension registered: {_named([p.label for p in items], _MAX_NAMED_ITEMS)}",
+            leaf=_one_leaf(items), file=dcp.METADATA_FILE,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -312,6 +349,8 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
             findings.error("bad-metadata", f"{fqn}: chunk list is not a list", leaf=leaf, file=where)
             continue
         chunks: list[Chunk] = []
+        seen: set[Chunk] = set()
+        duplicates = 0
         for chunk_md in item.chunks:
             try:
                 if not isinstance(chunk_md, safe_pickle.ChunkStorageMetadata):
@@ -329,8 +368,15 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
                     leaf=leaf, file=where,
                 )
                 continue
-            chunks.append(Chunk(offsets, sizes))
-        tensors.append(_Tensor(fqn, leaf, shape, chunks))
+            chunk = Chunk(offsets, sizes)
+            if chunk in seen:
+                # the same offsets and sizes again: a replicated duplicate kept by
+                # the save planner (torch loads it); storage_data has one copy
+                duplicates += 1
+                continue
+            seen.add(chunk)
+            chunks.append(chunk)
+        tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates))
     return tensors, bytes_fqns
 
 
