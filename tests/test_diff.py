@@ -313,7 +313,7 @@ def test_damaged_expected_json_is_one_line(label, content, message, tmp_path):
     for args in ([ckpt, str(path)], [str(path), ckpt]):
         code, out, err = _diff(*args)
         assert code == 1 and out == ""
-        assert err.splitlines() == [f"ckpt: error: {path}: " + err.split(f"{path}: ", 1)[1].rstrip("\n")], err
+        assert len(err.splitlines()) == 1, err
         assert err.startswith(f"ckpt: error: {path}: ") and message in err, err
         assert "Traceback" not in err and "internal error" not in err
 
