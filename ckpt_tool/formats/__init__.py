@@ -23,7 +23,8 @@ class FormatModule(Protocol):
 
 
 # order matters only when two formats could claim one directory
-FORMATS = ("orbax", "dcp")
+# msgpack_tree first: an orbax <= 0.4 save has OCDBT files but no _METADATA
+FORMATS = ("msgpack_tree", "orbax", "dcp")
 
 
 def format_module(name: str) -> FormatModule:
@@ -35,15 +36,21 @@ def detect(storage: Storage) -> FormatModule:
         module = format_module(name)
         if module.detect(storage):
             return module
-    _, files = storage.listdir()
-    seen = ", ".join(sorted(files)[:5]) or "no files"
-    raise UnknownFormatError(
-        f"not an Orbax or torch.distributed.checkpoint checkpoint (found {seen})", storage.url
-    )
+    from .unknown import describe
+
+    # say what is there: checkpoints one level down (and how to pick one), or the files found
+    raise UnknownFormatError(describe(storage, FORMATS, format_module), storage.url)
 
 
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
+    from .msgpack_tree import split_local_file
+
+    single_file = split_local_file(url)  # a Flax msgpack file's path
+    if single_file is not None:
+        from . import msgpack_tree
+
+        return msgpack_tree.read_file(Storage.open(single_file[0], log=log), single_file[1])
     storage = Storage.open(url, log=log)
     ckpt = detect(storage).read(storage, step=step)
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:

@@ -49,6 +49,13 @@ def validate_checkpoint(
 ) -> ValidationReport:
     """Check the checkpoint at `path`; collects every finding instead of stopping at the first."""
     from ..formats import TMP_MARKER, detect
+    from ..formats.msgpack_tree import split_local_file
+
+    msgpack_file = split_local_file(path)  # a path naming one Flax msgpack file
+    if msgpack_file is not None:
+        from . import msgpack_checks
+
+        return msgpack_checks.validate_file(path, msgpack_file, deep=deep, workers=workers, progress=progress)
 
     storage = Storage.open(path)
     findings = Findings()
@@ -62,7 +69,11 @@ def validate_checkpoint(
                 "temporary directory of an interrupted ckpt convert/reshard: not a finished checkpoint",
                 file=".",
             )
-        if fmt == "orbax":
+        if fmt == "msgpack_tree":
+            from . import msgpack_checks
+
+            fmt = msgpack_checks.check_path(storage, findings, step=step)  # the family: flax, orbax or t5x
+        elif fmt == "orbax":
             from . import orbax_checks
 
             orbax_checks.check_path(storage, findings, step=step)

@@ -1,0 +1,191 @@
+"""Shallow checks of msgpack-tree checkpoints (Flax legacy, orbax <= 0.4, T5X).
+
+The msgpack document is scanned (bounded; no array data read), then each
+array it places elsewhere is checked where it lives: its zarr metadata, its
+chunk grid against the stored keys (per-array directories or the OCDBT
+database), its recorded sharding. Inline arrays are checked by size: the
+payload must be shape x itemsize bytes. Every problem is a Finding.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import CkptError
+from ..findings import Findings
+from ..formats import msgpack_scan as ms
+from ..formats import msgpack_tree as mt
+from ..storage import Storage
+from . import orbax_checks as oc
+
+
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None, only: str | None = None) -> str:
+    """Validate a file, an item / step directory, or every step of a root; the family found."""
+    if only is not None:
+        return _check_file(storage, only, findings, where="")
+    dirs, files = storage.listdir()
+    if mt._is_item(storage, files):
+        return _check_item(storage, storage.url.rstrip("/").rsplit("/", 1)[-1], findings, where="")
+    steps, loose = mt._entries(storage, dirs, files)
+    if not steps:
+        if len(loose) == 1:
+            return _check_file(storage, loose[0], findings, where="")
+        findings.error("no-steps", f"{len(loose)} msgpack files and no steps: validate one file", file=".")
+        return "flax"
+    chosen = steps
+    if step not in (None, "all"):
+        try:
+            chosen = [mt._choose(storage, steps, step)]
+        except CkptError as exc:
+            findings.error("no-steps", exc.message, file=".")
+            return "flax"
+    family = "flax"
+    committed_any = False
+    for entry in chosen:
+        if not entry.committed:
+            # like orbax's tmp steps: harmless beside complete ones, an error when asked for
+            report = findings.error if len(chosen) == 1 and step not in (None, "all") else findings.warning
+            report("uncommitted-save", f"{entry.reason}; the library will not restore it", file=entry.name + ("/" if entry.is_dir else ""))
+            continue
+        committed_any = True
+        sub, name = mt.entry_storage(storage, entry.name)
+        if name is not None:
+            family = _check_file(sub, name, findings, where="")
+        else:
+            family = _check_item(sub, entry.name, findings, where=sub.url[len(storage.url) + 1:] + "/")
+    if not committed_any:
+        findings.error("no-steps", "no complete step in this directory", file=".")
+    return family
+
+
+def _scan(storage: Storage, key: str, findings: Findings, where: str) -> ms.Node | None:
+    try:
+        return ms.scan(storage, key)
+    except ms.TruncatedMsgpack as exc:
+        findings.error("truncated-file", exc.message, file=where + key)
+    except CkptError as exc:
+        findings.error("bad-metadata", f"unreadable msgpack: {exc.message}", file=where + key)
+    return None
+
+
+def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where: str, *, t5x: bool = False) -> mt._Builder | None:
+    builder = mt._Builder(storage, key, t5x=t5x)
+    try:
+        builder.walk(tree, ())
+    except CkptError as exc:
+        findings.error("bad-metadata", exc.message, file=where + key)
+        return None
+    for leaf in builder.leaves:
+        if leaf is None:
+            continue
+        findings.count("leaves")
+        error = leaf.extra.get("payload_error")
+        if error:
+            findings.error("bad-chunk", error + "; flax cannot restore it", leaf=leaf.path, file=where + key)
+    return builder
+
+
+def _check_file(storage: Storage, key: str, findings: Findings, *, where: str) -> str:
+    findings.count("files")
+    tree = _scan(storage, key, findings, where)
+    if tree is None:
+        return "flax"
+    builder = _build(storage, key, tree, findings, where)
+    if builder is not None and (builder.placeholders or builder.specs):
+        findings.error("bad-metadata", "a Flax msgpack file refers to arrays stored elsewhere", file=where + key)
+    return "flax"
+
+
+def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) -> str:
+    findings.count("steps")
+    if mt._is_tmp(name):
+        findings.error("uncommitted-save", "temporary directory name: the save never finished", file=where or name)
+    tree = _scan(storage, mt.TREE_FILE, findings, where)
+    if tree is None:
+        return "orbax"
+    t5x = False
+    if isinstance(tree, ms.MapNode):
+        top = dict(tree.items)
+        if "optimizer" in top and isinstance(top.get("version"), ms.Scalar):
+            t5x, tree = True, top["optimizer"]
+    builder = _build(storage, mt.TREE_FILE, tree, findings, where, t5x=t5x)
+    if builder is None:
+        return "t5x" if t5x else "orbax"
+    dirs, files = storage.listdir()
+    if t5x:
+        arrays = []
+        for _, keys, spec in builder.specs:
+            leaf = "/".join(str(k) for k in keys)
+            try:
+                arrays.append((leaf, mt.spec_path(spec, leaf), spec))
+            except CkptError as exc:
+                findings.error("bad-metadata", exc.message, leaf=leaf, file=where + mt.TREE_FILE)
+        _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
+        return "t5x"
+    if builder.placeholders:
+        use_ocdbt = mt.ROOT_MANIFEST in files
+        keys = oc._check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
+        try:
+            shardings = mt._read_shardings(storage, files)
+        except CkptError as exc:
+            findings.error("bad-metadata", exc.message, file=where + mt.SHARDING)
+            shardings = {}
+        arrays = [("/".join(str(k) for k in keys_), pname, None) for _, keys_, pname in builder.placeholders]
+        _check_arrays(storage, arrays, keys, use_ocdbt, files, shardings, findings, where)
+    return "orbax"
+
+
+def _check_arrays(
+    storage: Storage, arrays: list[tuple[str, str, dict[str, Any] | None]], keys: set[str], use_ocdbt: bool,
+    files: list[str], shardings: dict[str, Any], findings: Findings, where: str,
+) -> None:
+    """Each external array: stored, readable zarr metadata agreeing with the tree, every chunk present."""
+    present = [name for _, name, _ in arrays if f"{name}/.zarray" in keys]
+    texts = oc._read_array_metadata(storage, use_ocdbt, files, [], present, ".zarray")
+    for leaf, name, spec in arrays:
+        findings.count("arrays")
+        if f"{name}/.zarray" not in keys:
+            if any(k.startswith(name + "/") for k in keys):
+                findings.error("missing-metadata", ".zarray missing (chunks are present)", leaf=leaf, file=f"{where}{name}/.zarray")
+            else:
+                findings.error("leaf-missing", f"in '{mt.TREE_FILE}' but not stored: restore will fail", leaf=leaf, file=f"{where}{name}/")
+            continue
+        try:
+            text = texts.get(name)
+            if text is None:
+                raise CkptError(".zarray listed but unreadable")
+            zmeta = json.loads(text)
+            shape, dtype, chunk_shape, _ = mt._parse_zarr_metadata(zmeta, False, f"{where}{name}/.zarray")
+        except (ValueError, CkptError) as exc:
+            findings.error("bad-array-metadata", f"unreadable .zarray: {getattr(exc, 'message', exc)}", leaf=leaf, file=f"{where}{name}/.zarray")
+            continue
+        if spec is not None:
+            declared = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
+            if "shape" in declared and list(declared["shape"]) != list(shape):
+                findings.error("bad-array-metadata", f"the spec's shape {declared['shape']} disagrees with .zarray {list(shape)}", leaf=leaf, file=f"{where}{name}/.zarray")
+            if spec.get("dtype") not in (None, dtype):
+                findings.error("bad-array-metadata", f"the spec's dtype {spec.get('dtype')!r} disagrees with .zarray ({dtype})", leaf=leaf, file=f"{where}{name}/.zarray")
+        if name in shardings:
+            oc._check_sharding(shardings[name], shape, findings, leaf, where + mt.SHARDING)
+        # no store_array_data_equal_to_fill_value in these versions: a lost chunk restores as zeros
+        oc._check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, True, findings, where)
+        if not use_ocdbt:
+            oc._check_empty_chunk_files(storage, name, leaf, keys, ".zarray", findings, where)
+    referenced = {name for _, name, _ in arrays}
+    stored = {k.split("/", 1)[0] for k in keys if k.endswith("/.zarray")}
+    for name in sorted(stored - referenced):
+        findings.warning("leaf-missing", f"array stored but not in '{mt.TREE_FILE}': the library will ignore it", file=f"{where}{name}/")
+
+
+def validate_file(path: str, parts: tuple[str, str], *, deep: bool, workers: int, progress: Any) -> Any:
+    """`ckpt validate FILE` for one Flax msgpack file (`parts`: its directory and name)."""
+    from . import ValidationReport
+    from .deep import deep_check
+
+    storage = Storage.open(parts[0])
+    findings = Findings()
+    _check_file(storage, parts[1], findings, where="")
+    if deep:
+        broken = {f.leaf for f in findings.errors if f.leaf}
+        deep_check(path, "flax", findings, workers=workers, progress=progress, skip_leaves=broken)
+    return ValidationReport(f"{storage.url}/{parts[1]}", "flax", findings.items, findings.checked, deep)
