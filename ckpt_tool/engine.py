@@ -14,10 +14,14 @@ are what makes the output a checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -186,6 +190,8 @@ def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf
         keys=keys, name=name, shape=tuple(arr.shape), dtype=dtypes.from_numpy(arr.dtype).name,
         layout=RegularGrid(tuple(arr.shape)),
         reader=lambda region: np.asarray(arr[tuple(region)]),
+        # a host tensor, on no mesh: reshard keeps such leaves host arrays
+        extra={"value_type": "np.ndarray"},
     )
 
 
@@ -209,7 +215,11 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     # DCP keeps a tuple as one bytes item (torch's traversal stops at it); an
     # Orbax source that recorded tuples gives their elements as leaves, which
     # are gathered back into one value: tuple path -> (slot in targets, members)
-    source_tuples = _source_tuples(src) if opts.to == "dcp" else set()
+    source_tuples = _source_tuples(src)
+    if opts.to == "orbax":
+        # Orbax to Orbax: the tuples stay recorded as tuples
+        tuples.update(_renamed_keys(t, rules) for t in source_tuples)
+        source_tuples = set()
     gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
 
     def claim(keys: tuple[Key, ...], source_path: str) -> tuple[str, str]:
@@ -462,7 +472,10 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
     if os.path.lexists(dst_local) and not overwrite:
         raise CkptError("destination exists (use --overwrite to replace it)", destination)
     parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise CkptError(f"cannot create the parent directory: {exc.strerror or exc}", destination) from None
     base = os.path.basename(dst_local.rstrip(os.sep))
     # several processes must agree on the name; a single process gets a unique one
     suffix = TMP_MARKER if shared_name else f"{TMP_MARKER}-{uuid.uuid4().hex[:8]}"
@@ -476,21 +489,67 @@ def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
         return
     _, dst = _kvstore_spec(out.destination)
     assert dst is not None
-    if os.path.lexists(dst):
-        if not overwrite:
-            raise CkptError("destination appeared while converting (use --overwrite)", out.destination)
-        trash = f"{dst}{TMP_MARKER}-old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, trash)
-        os.rename(out.local_tmp, dst)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(out.local_tmp, dst)
+    appeared = CkptError(
+        "destination appeared while converting; another run wrote it first (use --overwrite to replace it)",
+        out.destination,
+    )
+    try:
+        if os.path.lexists(dst):
+            if not overwrite:
+                raise appeared
+            trash = f"{dst}{TMP_MARKER}-old-{uuid.uuid4().hex[:8]}"
+            os.rename(dst, trash)
+            os.rename(out.local_tmp, dst)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            # a rename onto a directory that another run renamed into place
+            # meanwhile fails (ENOTEMPTY/EEXIST): that run won, this output goes
+            os.rename(out.local_tmp, dst)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+            raise appeared from None
+        raise CkptError(f"cannot move the output into place: {exc.strerror or exc}", out.destination) from None
     _fsync_dir(os.path.dirname(dst) or ".")
 
 
 def discard_output(out: OutputDir) -> None:
+    """Remove an unfinished local output (object stores: nothing to remove; no commit marker was written)."""
     if out.local_tmp is not None:
         shutil.rmtree(out.local_tmp, ignore_errors=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a convert: unwound like Ctrl-C, so the output is discarded."""
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """While writing, SIGTERM raises Terminated in the main thread instead of killing the process
+    outright (which would leave the temporary output behind). Only where nobody else handles SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        previous = None
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    terminating = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal terminating
+        if not terminating:  # a second SIGTERM must not cut the clean-up short
+            terminating = True
+            raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _fsync_dir(path: str) -> None:
@@ -577,34 +636,39 @@ def convert(
     if primary and out.local_tmp and os.path.lexists(out.local_tmp):
         shutil.rmtree(out.local_tmp)  # a leftover of an interrupted multi-host run
     coord.barrier("ckpt-convert-start")
-    writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3)
     result = ConvertResult(source, destination, src.format, opts.to, skipped=skipped,
                            process_index=coord.process_index, process_count=coord.process_count)
     result.cast = [t.path for t in plan.arrays() if t.source_dtype]
-    try:
-        writer.begin(plan)
-        rank, size = coord.process_index, coord.process_count
-        chosen = planned.owns if planned is not None else None
-        result.chunks, result.bytes = stream(
-            plan, sources, writer, workers=opts.workers, progress=progress,
-            owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),
-        )
-        if primary:
-            for value in plan.values():
-                writer.write_value(value)
-        writer.finish_process()
-        coord.barrier("ckpt-convert-written")
-        if primary:
-            writer.commit()
-            finalize_output(out, overwrite=opts.overwrite)
-        coord.barrier("ckpt-convert-done")
-    except BaseException:
+    writer: CheckpointWriter | None = None
+    # from the first byte written to the rename, any failure (a dead endpoint,
+    # a full disk, Ctrl-C, SIGTERM) removes the temporary output
+    with _terminate_unwinds():
         try:
-            writer.abort()
-        finally:  # whatever abort does, an unfinished output never stays behind
-            if primary or coord.process_count == 1:
-                discard_output(out)
-        raise
+            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3)
+            writer.begin(plan)
+            rank, size = coord.process_index, coord.process_count
+            chosen = planned.owns if planned is not None else None
+            result.chunks, result.bytes = stream(
+                plan, sources, writer, workers=opts.workers, progress=progress,
+                owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),
+            )
+            if primary:
+                for value in plan.values():
+                    writer.write_value(value)
+            writer.finish_process()
+            coord.barrier("ckpt-convert-written")
+            if primary:
+                writer.commit()
+                finalize_output(out, overwrite=opts.overwrite)
+            coord.barrier("ckpt-convert-done")
+        except BaseException:
+            try:
+                if writer is not None:
+                    writer.abort()
+            finally:  # whatever abort does, an unfinished output never stays behind
+                if primary or coord.process_count == 1:
+                    discard_output(out)
+            raise
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())
     result.seconds = time.monotonic() - started
