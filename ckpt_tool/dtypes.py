@@ -28,6 +28,8 @@ class DType:
     # without one (float8, uint16+) are saved as UntypedStorage plus the dtype
     # (_rebuild_tensor_v3)
     torch_storage: str | None
+    # safetensors header `dtype` (F32, BF16, F8_E4M3, ...); None: no safetensors spelling
+    safetensors: str | None = None
 
     @property
     def numpy(self) -> np.dtype:
@@ -39,26 +41,27 @@ class DType:
 
 
 _TABLE = [
-    DType("bool", 1, "|b1", "bool", "bool", "BoolStorage"),
-    DType("int8", 1, "|i1", "int8", "int8", "CharStorage"),
-    DType("uint8", 1, "|u1", "uint8", "uint8", "ByteStorage"),
-    DType("int16", 2, "<i2", "int16", "int16", "ShortStorage"),
-    DType("uint16", 2, "<u2", "uint16", "uint16", None),
-    DType("int32", 4, "<i4", "int32", "int32", "IntStorage"),
-    DType("uint32", 4, "<u4", "uint32", "uint32", None),
-    DType("int64", 8, "<i8", "int64", "int64", "LongStorage"),
-    DType("uint64", 8, "<u8", "uint64", "uint64", None),
-    DType("float16", 2, "<f2", "float16", "float16", "HalfStorage"),
-    DType("bfloat16", 2, "bfloat16", "bfloat16", "bfloat16", "BFloat16Storage"),
-    DType("float32", 4, "<f4", "float32", "float32", "FloatStorage"),
-    DType("float64", 8, "<f8", "float64", "float64", "DoubleStorage"),
-    DType("complex64", 8, "<c8", "complex64", "complex64", "ComplexFloatStorage"),
-    DType("complex128", 16, "<c16", "complex128", "complex128", "ComplexDoubleStorage"),
-    DType("float8_e4m3fn", 1, "float8_e4m3fn", "float8_e4m3fn", "float8_e4m3fn", None),
-    DType("float8_e5m2", 1, "float8_e5m2", "float8_e5m2", "float8_e5m2", None),
-    DType("float8_e4m3fnuz", 1, "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e4m3fnuz", None),
-    DType("float8_e5m2fnuz", 1, "float8_e5m2fnuz", "float8_e5m2fnuz", "float8_e5m2fnuz", None),
-    DType("float8_e4m3b11fnuz", 1, "float8_e4m3b11fnuz", "float8_e4m3b11fnuz", None, None),
+    DType("bool", 1, "|b1", "bool", "bool", "BoolStorage", "BOOL"),
+    DType("int8", 1, "|i1", "int8", "int8", "CharStorage", "I8"),
+    DType("uint8", 1, "|u1", "uint8", "uint8", "ByteStorage", "U8"),
+    DType("int16", 2, "<i2", "int16", "int16", "ShortStorage", "I16"),
+    DType("uint16", 2, "<u2", "uint16", "uint16", None, "U16"),
+    DType("int32", 4, "<i4", "int32", "int32", "IntStorage", "I32"),
+    DType("uint32", 4, "<u4", "uint32", "uint32", None, "U32"),
+    DType("int64", 8, "<i8", "int64", "int64", "LongStorage", "I64"),
+    DType("uint64", 8, "<u8", "uint64", "uint64", None, "U64"),
+    DType("float16", 2, "<f2", "float16", "float16", "HalfStorage", "F16"),
+    DType("bfloat16", 2, "bfloat16", "bfloat16", "bfloat16", "BFloat16Storage", "BF16"),
+    DType("float32", 4, "<f4", "float32", "float32", "FloatStorage", "F32"),
+    DType("float64", 8, "<f8", "float64", "float64", "DoubleStorage", "F64"),
+    DType("complex64", 8, "<c8", "complex64", "complex64", "ComplexFloatStorage", "C64"),
+    DType("complex128", 16, "<c16", "complex128", "complex128", "ComplexDoubleStorage", None),
+    DType("float8_e4m3fn", 1, "float8_e4m3fn", "float8_e4m3fn", "float8_e4m3fn", None, "F8_E4M3"),
+    DType("float8_e5m2", 1, "float8_e5m2", "float8_e5m2", "float8_e5m2", None, "F8_E5M2"),
+    DType("float8_e4m3fnuz", 1, "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e4m3fnuz", None, "F8_E4M3FNUZ"),
+    DType("float8_e5m2fnuz", 1, "float8_e5m2fnuz", "float8_e5m2fnuz", "float8_e5m2fnuz", None, "F8_E5M2FNUZ"),
+    DType("float8_e4m3b11fnuz", 1, "float8_e4m3b11fnuz", "float8_e4m3b11fnuz", None, None, None),
+    DType("float8_e8m0fnu", 1, None, None, "float8_e8m0fnu", None, "F8_E8M0"),
 ]
 
 BY_NAME = {d.name: d for d in _TABLE}
@@ -75,6 +78,7 @@ _BY_TORCH.update({
     "cfloat": BY_NAME["complex64"], "cdouble": BY_NAME["complex128"],
 })
 
+_BY_SAFETENSORS = {d.safetensors: d for d in _TABLE if d.safetensors}
 TORCH_DTYPE_NAMES = frozenset(_BY_TORCH)
 TORCH_STORAGE_NAMES = frozenset(_BY_TORCH_STORAGE)
 
@@ -119,6 +123,13 @@ def from_torch_storage(name: str) -> DType:
         return _BY_TORCH_STORAGE[name]
     except KeyError:
         raise CorruptMetadataError(f"unsupported torch storage class torch.{name}") from None
+
+
+def from_safetensors(name: object) -> DType:
+    """From a safetensors header dtype such as 'BF16'."""
+    if isinstance(name, str) and name in _BY_SAFETENSORS:
+        return _BY_SAFETENSORS[name]
+    raise CorruptMetadataError(f"unknown safetensors dtype {name!r}")
 
 
 def from_numpy(dtype: np.dtype) -> DType:

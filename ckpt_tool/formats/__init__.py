@@ -24,7 +24,7 @@ class FormatModule(Protocol):
 
 # order matters only when two formats could claim one directory
 # msgpack_tree first: an orbax <= 0.4 save has OCDBT files but no _METADATA
-FORMATS = ("msgpack_tree", "orbax", "dcp")
+FORMATS = ("msgpack_tree", "orbax", "dcp", "safetensors")
 
 
 def format_module(name: str) -> FormatModule:
@@ -44,6 +44,12 @@ def detect(storage: Storage) -> FormatModule:
 
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
+    if url.rstrip("/").endswith(".safetensors"):  # one file, not a directory
+        from . import safetensors
+
+        single = safetensors.split_file_url(url)
+        if single is not None:
+            return safetensors.read_file(Storage.open(single[0], log=log), single[1])
     from .msgpack_tree import split_local_file
 
     single_file = split_local_file(url)  # a Flax msgpack file's path

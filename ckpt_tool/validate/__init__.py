@@ -57,12 +57,17 @@ def validate_checkpoint(
 
         return msgpack_checks.validate_file(path, msgpack_file, deep=deep, workers=workers, progress=progress)
 
-    storage = Storage.open(path)
     findings = Findings()
     fmt = None
+    single = None
+    if path.rstrip("/").endswith(".safetensors"):  # one file, not a directory
+        from ..formats.safetensors import split_file_url
+
+        single = split_file_url(path)
+    storage = Storage.open(single[0] if single else path)
     try:
-        module = detect(storage)
-        fmt = module.NAME
+        module = detect(storage) if single is None else None
+        fmt = module.NAME if module is not None else "safetensors"
         if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
             findings.error(
                 "uncommitted-save",
@@ -77,6 +82,10 @@ def validate_checkpoint(
             from . import orbax_checks
 
             orbax_checks.check_path(storage, findings, step=step)
+        elif fmt == "safetensors":
+            from . import safetensors_checks
+
+            safetensors_checks.check_path(storage, findings, only=single[1] if single else None)
         else:
             from . import dcp_checks
 
@@ -95,4 +104,5 @@ def validate_checkpoint(
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
         findings.error("bad-metadata", exc.message, file=exc.where)
-    return ValidationReport(storage.url, fmt, findings.items, findings.checked, deep)
+    url = f"{storage.url}/{single[1]}" if single else storage.url
+    return ValidationReport(url, fmt, findings.items, findings.checked, deep)
