@@ -31,6 +31,7 @@ CODES: dict[str, str] = {
     "missing-file": "a data file the metadata refers to does not exist",
     "coverage-gap": "part of a tensor is covered by no chunk (restored values there are undefined)",
     "chunk-overlap": "two chunks of a tensor cover the same elements",
+    "duplicate-mismatch": "copies of a replicated duplicate chunk that hold different bytes (--deep)",
     "chunk-out-of-bounds": "a chunk extends past the tensor's shape",
     "missing-storage-entry": "a chunk without a storage entry saying where its bytes are",
     "orphan-storage-entry": "a storage entry that belongs to no chunk or item",

@@ -17,8 +17,9 @@ import functools
 import itertools
 import math
 import re
+import struct
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -61,6 +62,7 @@ class _Tensor:
     shape: tuple[int, ...]
     chunks: list[Chunk]  # distinct chunks (a replicated duplicate once)
     duplicates: int = 0  # chunks listed again with the same offsets and sizes
+    copies: dict[Chunk, int] = field(default_factory=dict)  # chunk -> times listed, when more than once
 
 
 @dataclass(frozen=True)
@@ -351,6 +353,7 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
         chunks: list[Chunk] = []
         seen: set[Chunk] = set()
         duplicates = 0
+        copies: dict[Chunk, int] = {}
         for chunk_md in item.chunks:
             try:
                 if not isinstance(chunk_md, safe_pickle.ChunkStorageMetadata):
@@ -373,10 +376,11 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
                 # the same offsets and sizes again: a replicated duplicate kept by
                 # the save planner (torch loads it); storage_data has one copy
                 duplicates += 1
+                copies[chunk] = copies.get(chunk, 1) + 1
                 continue
             seen.add(chunk)
             chunks.append(chunk)
-        tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates))
+        tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates, copies))
     return tensors, bytes_fqns
 
 
@@ -673,3 +677,268 @@ def _box_text(box: Box) -> str:
 def _named(names: list[str], limit: int = _MAX_NAMED) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------
+# Replicated duplicates (--deep)
+# ---------------------------------------------------------------------------
+_LOCAL_HEADER = b"PK\x03\x04"
+_EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory record
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_WINDOW = 1 << 20
+_COMPARE_BLOCK = 8 << 20
+
+
+class _Window:
+    """Buffered small reads of one data file (zip records, zstd block headers)."""
+
+    def __init__(self, storage: Storage, name: str, size: int) -> None:
+        self._storage, self._name, self.size = storage, name, size
+        self._start, self._data = 0, b""
+
+    def get(self, pos: int, n: int) -> bytes:
+        if not (self._start <= pos and pos + n <= self._start + len(self._data)):
+            self._start = pos
+            self._data = self._storage.read_range(self._name, pos, min(self.size, pos + max(n, _WINDOW)))
+        return self._data[pos - self._start : pos - self._start + n]
+
+
+def check_duplicates_deep(storage: Storage, findings: Findings) -> None:
+    """Compare the copies of replicated duplicates that .metadata does not point at with the one it does.
+
+    A planner that keeps duplicates has every rank write its replica, but
+    storage_data, keyed by (fqn, offsets), points at one of them: the others
+    sit in the ranks' data files at byte ranges no entry references. They
+    are found there (each a whole torch.save archive, its end known from its
+    end-of-central-directory record, or a zstd frame), decoded, matched to a
+    duplicated chunk by dtype and shape, and compared block by block with
+    the copy torch reads. Copies that differ are `duplicate-mismatch` errors:
+    the replicas disagreed when saved, and torch silently restores one.
+    """
+    quiet = Findings()  # the shallow checks already reported what is malformed
+    md = _load_metadata(storage, quiet)
+    if not isinstance(md, safe_pickle.Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        return
+    naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
+
+    def leaf_of(fqn: str) -> str:
+        return keys_path(naming.keys_for(fqn))
+
+    entries, _ = _storage_entries(md.storage_data, leaf_of, quiet)
+    tensors, _ = _items(md.state_dict_metadata, leaf_of, quiet)
+    duplicated = [(t, c, n) for t in tensors for c, n in t.copies.items()]
+    if not duplicated:
+        return
+    try:
+        leaves = {leaf.name: leaf for leaf in dcp.read(storage).arrays()}
+    except CkptError:
+        return  # --deep's own open reports why
+    # (dtype, chunk sizes) -> [tensor, chunk, copies not yet seen, leaf]
+    candidates: dict[tuple[str, tuple[int, ...]], list[list[Any]]] = defaultdict(list)
+    for tensor, chunk, n in duplicated:
+        leaf = leaves.get(tensor.fqn)
+        if leaf is not None:
+            candidates[(leaf.dtype, chunk.sizes)].append([tensor, chunk, n - 1, leaf])
+    largest = max(math.prod(c[1].sizes) * 16 for group in candidates.values() for c in group) if candidates else 0
+
+    referenced: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for entry in entries.values():
+        referenced[entry.relative_path].append((entry.offset, entry.offset + entry.length))
+    _, files = storage.listdir()
+    compared = 0
+    for name in sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX)):
+        size = _size_or_none(storage, name)
+        if not size:
+            continue
+        gaps, pos = [], 0
+        for start, end in sorted(referenced.get(name, [])):
+            if start > pos:
+                gaps.append((pos, start))
+            pos = max(pos, end)
+        if pos < size:
+            gaps.append((pos, size))
+        window = _Window(storage, name, size)
+        unexplained = False
+        for gap_start, gap_end in gaps:
+            for kind, start, end in _stored_items(window, gap_start, gap_end):
+                if kind is None or not _compare_copy(storage, name, kind, start, end, candidates, largest, entries,
+                                                     findings):
+                    unexplained = True
+                    break
+                compared += 1
+        if unexplained and name not in referenced:
+            # (the shallow check left unreferenced files of a duplicates save to this one)
+            findings.warning(
+                "stray-file",
+                "data file not referenced by .metadata and not holding copies of its replicated duplicates (left by "
+                "an earlier save into this directory, or by a rank whose write results never reached the "
+                "coordinator); torch ignores it",
+                file=name,
+            )
+    findings.count("duplicate_copies_compared", compared)
+
+
+def _stored_items(window: _Window, start: int, end: int) -> Iterator[tuple[str | None, int, int]]:
+    """The torch.save archives ('zip') and zstd frames ('zstd') back to back in [start, end); (None, ...) at the first other byte."""
+    pos = start
+    while pos < end:
+        magic = window.get(pos, 4)
+        item_end = None
+        kind: str | None = None
+        if magic == _LOCAL_HEADER:
+            kind, item_end = "zip", _zip_end(window, pos, end)
+        elif magic == _ZSTD_MAGIC:
+            kind, item_end = "zstd", _zstd_frame_end(window, pos, end)
+        if item_end is None:
+            yield None, pos, end
+            return
+        yield kind, pos, item_end
+        pos = item_end
+
+
+def _zip_end(window: _Window, start: int, limit: int) -> int | None:
+    """Where the zip archive starting at `start` ends: its EOCD record agreeing with the start.
+
+    torch writes local headers without sizes (data descriptors follow the
+    data), so the archive is delimited from its end: the first EOCD whose
+    central directory, counted back, begins the archive at `start`.
+    """
+    pos = start
+    while pos < limit:
+        block = window.get(pos, min(_WINDOW, limit - pos))
+        if not block:
+            return None
+        at = block.find(b"PK\x05\x06")
+        while at >= 0:
+            eocd = pos + at
+            if eocd + _EOCD.size <= limit:
+                _, _, _, _, _, cd_size, cd_offset, comment = _EOCD.unpack(window.get(eocd, _EOCD.size))
+                # torch writes zip64 end records even for small archives: the
+                # central directory then ends where the zip64 record begins
+                ok = start + cd_offset + cd_size == eocd or _zip64_agrees(window, start, eocd)
+                if ok and eocd + _EOCD.size + comment <= limit:
+                    return eocd + _EOCD.size + comment
+            at = block.find(b"PK\x05\x06", at + 1)
+        pos += max(1, len(block) - 3)  # overlap: a signature across two blocks
+    return None
+
+
+def _zip64_agrees(window: _Window, start: int, eocd: int) -> bool:
+    loc_at = eocd - _ZIP64_LOCATOR.size
+    if loc_at < start:
+        return False
+    sig, _, z64_offset, _ = _ZIP64_LOCATOR.unpack(window.get(loc_at, _ZIP64_LOCATOR.size))
+    rec_at = start + z64_offset
+    if sig != b"PK\x06\x07" or rec_at + _ZIP64_EOCD.size > loc_at:
+        return False
+    fields = _ZIP64_EOCD.unpack(window.get(rec_at, _ZIP64_EOCD.size))
+    rec_sig, rec_size, cd_size, cd_offset = fields[0], fields[1], fields[8], fields[9]
+    return rec_sig == b"PK\x06\x06" and rec_at + 12 + rec_size == loc_at and start + cd_offset + cd_size == rec_at
+
+
+def _zstd_frame_end(window: _Window, start: int, limit: int) -> int | None:
+    """Where the zstd frame starting at `start` ends (RFC 8878: header, then blocks to the last one)."""
+    header = window.get(start, 5)
+    if len(header) < 5:
+        return None
+    fhd = header[4]
+    if fhd & 0x08:  # reserved bit
+        return None
+    single_segment = (fhd >> 5) & 1
+    pos = start + 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[fhd & 3] + ((1 if single_segment else 0), 2, 4, 8)[fhd >> 6]
+    while True:
+        raw = window.get(pos, 3)
+        if len(raw) < 3:
+            return None
+        block = int.from_bytes(raw, "little")
+        kind, size = (block >> 1) & 3, block >> 3
+        if kind == 3:
+            return None
+        pos += 3 + (1 if kind == 1 else size)
+        if pos > limit:
+            return None
+        if block & 1:
+            break
+    if fhd & 0x04:  # content checksum
+        pos += 4
+    return pos if pos <= limit else None
+
+
+def _compare_copy(
+    storage: Storage, name: str, kind: str, start: int, end: int,
+    candidates: dict[tuple[str, tuple[int, ...]], list[list[Any]]], largest: int,
+    entries: dict[EntryKey, dcp._Entry], findings: Findings,
+) -> bool:
+    """Compare one unreferenced stored item with the duplicated chunk it copies; False if it copies none."""
+    from ..formats import dcp_transforms, torch_payload
+
+    where = f"{storage.url}/{name}[{start}:{end}]"
+
+    def fetch_raw(a: int, b: int) -> bytes:
+        return storage.read_range(name, start + a, start + b)
+
+    try:
+        fetch, length = fetch_raw, end - start
+        if kind == "zstd":
+            decoded = dcp_transforms.DecodedEntry(
+                fetch_raw, end - start, [dcp_transforms.KNOWN[0]], where,
+                max_decoded=2 * largest + dcp._ARCHIVE_SLACK, key=(storage.url, name, start, "copy"),
+            )
+            length, fetch = decoded.scan(), decoded.fetch
+        payload = torch_payload.open_payload_range(fetch, length, where).tensor()
+    except CkptError:
+        return False
+    group = candidates.get((payload.dtype, payload.shape))
+    if not group:
+        return False
+    # a copy belongs to a chunk still missing copies first; identical bytes settle it
+    differs: str | None = None
+    for cand in sorted(group, key=lambda c: c[2] <= 0):
+        tensor, chunk, _, leaf = cand
+        try:
+            kept, kept_fetch, kept_where = leaf.reader._locate(leaf.layout.chunks.index(chunk))
+        except CkptError:
+            continue  # the copy torch reads is damaged: --deep's chunk reads report it
+        differs = _first_difference(payload, fetch, where, kept, kept_fetch, kept_where)
+        if differs is None:
+            cand[2] -= 1
+            return True
+    tensor, chunk = group[0][0], group[0][1]
+    kept_entry = entries.get((tensor.fqn, chunk.offsets))
+    kept_text = f"{kept_entry.relative_path}[{kept_entry.offset}:{kept_entry.offset + kept_entry.length}]" if kept_entry else "its entry"
+    if len(group) == 1:
+        what = f"a copy of {_chunk_label(tensor.fqn, chunk)}"
+    else:
+        what = "a copy of one of " + _named([_chunk_label(c[0].fqn, c[1]) for c in group])
+    findings.error(
+        "duplicate-mismatch",
+        f"{what} (a replicated duplicate, bytes {start}:{end} of this file) {differs or 'differs from it'} compared "
+        f"with the copy .metadata points at ({kept_text}), the only one torch restores: the replicas disagreed "
+        "when they were saved, or this copy was damaged since",
+        leaf=tensor.leaf if len(group) == 1 else None, file=name,
+    )
+    return True
+
+
+def _first_difference(a: Any, fetch_a: Callable, where_a: str, b: Any, fetch_b: Callable, where_b: str) -> str | None:
+    """How copy `a` differs from copy `b` (values compared bytewise, block by block); None if identical.
+
+    A failure to read `b` (the copy torch reads) propagates; `a` failing to
+    decode is a difference.
+    """
+    from ..formats import torch_payload
+    from ..model import split_to_cap
+
+    whole = Chunk(tuple(0 for _ in a.shape), tuple(a.shape))
+    for piece in split_to_cap(whole, a.itemsize, _COMPARE_BLOCK):
+        try:
+            x = torch_payload.read_region(a, piece.region, fetch_a, where_a)
+        except CkptError as exc:
+            return f"does not decode ({exc.message})"
+        y = torch_payload.read_region(b, piece.region, fetch_b, where_b)
+        if x.tobytes() != y.tobytes():
+            return f"holds other values in {_box_text(_chunk_box(piece))}"
+    return None

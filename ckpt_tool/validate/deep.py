@@ -140,6 +140,12 @@ def deep_check(
     )
 
     findings.count("chunks_read", len(tasks))
+    if fmt == "dcp":
+        # copies of replicated duplicates that .metadata does not point at
+        from ..storage import Storage
+        from .dcp_checks import check_duplicates_deep
+
+        check_duplicates_deep(Storage.open(ckpt.path), findings)
     findings.count("bytes_read", done_bytes)
     for path_, st in stats.items():
         if st.nan or st.inf:
