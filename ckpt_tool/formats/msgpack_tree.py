@@ -425,10 +425,9 @@ class _Builder:
                           f"{dtype} needs {want:,} (array at byte {node.at} of {self.key})")
             extra["payload_error"] = flat.error
         if node.scalar:
-            # flax restores an ext 3 value as a numpy scalar
-            leaf = ValueLeaf(keys=keys, name=name, value_type="scalar", dtype=dtype,
-                             loader=lambda f=flat: f.read(())[()], extra=extra)
-            return leaf
+            # ext 3, a numpy scalar (np.int32(7)): a 0-d array keeps its dtype in
+            # every target format, where a Python number would not
+            extra["numpy_scalar"] = True
         return ArrayLeaf(keys=keys, name=name, shape=node.shape, dtype=dtype,
                          layout=RegularGrid(node.shape), reader=flat.read, extra=extra)
 

@@ -54,4 +54,4 @@ def describe(storage: Storage, formats: Iterable[str], module: Callable[[str], A
         names = ", ".join(sorted(files)[:5])
         return f"not a checkpoint format ckpt reads: found {' and '.join(kinds)} ({names})"
     seen = ", ".join(sorted(files)[:5]) or ("only directories: " + ", ".join(dirs[:5]) if dirs else "nothing")
-    return f"not an Orbax, torch.distributed.checkpoint, Flax/T5X msgpack or safetensors checkpoint (found {seen})"
+    return f"not an Orbax or torch.distributed.checkpoint checkpoint, nor a Flax / T5X msgpack one (found {seen})"
