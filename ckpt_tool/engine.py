@@ -58,6 +58,7 @@ class ConvertOptions:
     chunk_mb: float | None = None
     skip_unsupported: bool = False
     zarr3: bool = False
+    max_shard_size: int | None = None  # safetensors: bytes per file (None: the writer's 5GB default)
     workers: int = field(default_factory=default_workers)
     overwrite: bool = False
     step: str | int | None = None
@@ -140,6 +141,9 @@ def default_grid(shape: tuple[int, ...], itemsize: int, cap_bytes: int) -> tuple
 
 def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None) -> ChunkLayout:
     cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
+    if to == "safetensors":
+        # blocks of whole rows: each is one contiguous byte range of the output file
+        return RegularGrid(default_grid(tuple(leaf.shape), itemsize, cap_bytes))
     if to == "orbax":
         grid = as_regular_grid(leaf.layout, leaf.shape)
         if grid is None:
@@ -197,8 +201,8 @@ def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf
 
 def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
     """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
-    if opts.to not in ("orbax", "dcp"):
-        raise CkptError(f"unknown target format {opts.to!r} (use orbax or dcp)")
+    if opts.to not in ("orbax", "dcp", "safetensors"):
+        raise CkptError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
     if opts.dtype is not None:
         target_dtype = dtypes.get(opts.dtype)
         if not target_dtype.is_float:
@@ -216,8 +220,8 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     # Orbax source that recorded tuples gives their elements as leaves, which
     # are gathered back into one value: tuple path -> (slot in targets, members)
     source_tuples = _source_tuples(src)
-    if opts.to == "orbax":
-        # Orbax to Orbax: the tuples stay recorded as tuples
+    if opts.to in ("orbax", "safetensors"):
+        # Orbax to Orbax: the tuples stay recorded as tuples (safetensors: their arrays are tensors)
         tuples.update(_renamed_keys(t, rules) for t in source_tuples)
         source_tuples = set()
     gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
@@ -294,6 +298,8 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
                 else:
                     refuse(where, f"a {type(sub_value).__name__} value has no Orbax leaf type "
                                   "(arrays, numbers, strings, None and containers of them)")
+        elif opts.to == "safetensors":
+            refuse(leaf.path, f"safetensors holds tensors only, not a {type(value).__name__} value")
         else:
             if not _is_simple(value):
                 refuse(leaf.path, f"a {type(value).__name__} value is not a simple Python value")
@@ -565,7 +571,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False) -> CheckpointWriter:
+def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None) -> CheckpointWriter:
     if fmt == "dcp":
         from .formats.dcp_writer import DcpWriter
 
@@ -574,6 +580,10 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False) -> Checkpoin
         from .formats.orbax_writer import OrbaxWriter
 
         return OrbaxWriter(storage, zarr3=zarr3)
+    if fmt == "safetensors":
+        from .formats.safetensors_writer import SafetensorsWriter
+
+        return SafetensorsWriter(storage, max_shard_size=max_shard_size)
     raise CkptError(f"unknown target format {fmt!r}")
 
 
@@ -644,10 +654,11 @@ def convert(
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output
     with _terminate_unwinds():
         try:
-            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3)
+            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3, max_shard_size=opts.max_shard_size)
             writer.begin(plan)
             rank, size = coord.process_index, coord.process_count
-            chosen = planned.owns if planned is not None else None
+            # a writer whose files each belong to one process (safetensors) says who writes what
+            chosen = planned.owns if planned is not None else getattr(writer, "owns", None)
             result.chunks, result.bytes = stream(
                 plan, sources, writer, workers=opts.workers, progress=progress,
                 owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),

@@ -1,4 +1,4 @@
-"""`ckpt convert SRC DST --to orbax|dcp`: streaming, bounded memory, all or nothing."""
+"""`ckpt convert SRC DST --to orbax|dcp|safetensors`: streaming, bounded memory, all or nothing."""
 from __future__ import annotations
 
 import click
@@ -12,23 +12,25 @@ from .render import Output, esc, human_bytes, human_rate, process_note
 @click.command("convert")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["orbax", "dcp"]), required=True, help="Output format.")
+@click.option("--to", "to", type=click.Choice(["orbax", "dcp", "safetensors"]), required=True, help="Output format.")
 @click.option("--select", multiple=True, metavar="GLOB", help="Keep only leaves whose '/'-joined keys match (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop leaves whose keys match, e.g. 'opt_state/**' (repeatable).")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
 @click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="safetensors: bytes per file, e.g. 5GB (default, as transformers), 500MB, 2GiB.")
 @output_options
 @multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
-    dtype: str | None, chunk_mb: float | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool,
 ) -> None:
-    """Convert the checkpoint at SRC (Orbax or DCP, detected) into DST in the
-    other format, chunk by chunk. DST appears only when complete; SRC is never
+    """Convert the checkpoint at SRC (Orbax, DCP or safetensors, detected) into
+    DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
     written. Run the same command on every host to split the work."""
     from ..distributed import JaxCoordinator, process_spec
 
@@ -38,6 +40,7 @@ def convert_command(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), dtype=dtype,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step,
+        max_shard_size=_shard_size(max_shard_size, to),
     )
     out = Output(json_mode=as_json)
     with progress_for(out, "converting") as progress:
@@ -55,3 +58,13 @@ def convert_command(
         f"{result.arrays} arrays, {result.values} values, {result.chunks} chunks, "
         f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_rate(result.bytes, result.seconds)})"
     )
+
+
+def _shard_size(text: str | None, to: str) -> int | None:
+    if text is None:
+        return None
+    if to != "safetensors":
+        raise click.UsageError("--max-shard-size applies to --to safetensors only")
+    from ..formats.safetensors_writer import parse_size
+
+    return parse_size(text)

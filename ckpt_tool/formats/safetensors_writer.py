@@ -1,0 +1,370 @@
+"""Hugging Face safetensors writer: what transformers' save_pretrained writes, streamed.
+
+Output, as transformers 4.x/5.x names and indexes it:
+
+  * `model.safetensors` when every tensor fits in one `max_shard_size`
+    file; otherwise `model-0000K-of-0000N.safetensors` plus
+    `model.safetensors.index.json` (`{"metadata": {"total_parameters",
+    "total_size"}, "weight_map": {name: file}}`, sorted keys, indent 2);
+  * tensors are assigned to files in plan order with huggingface_hub's
+    `split_state_dict_into_shards_factory` rule (a new file when the next
+    tensor would pass the limit; a tensor bigger than the limit gets a file
+    of its own), so the same state dict splits the same way;
+  * each header is `{"__metadata__": {"format": "pt"}, name: {"dtype",
+    "shape", "data_offsets"}}`, padded with spaces to a multiple of 8 bytes
+    as the safetensors library pads it.
+
+Every header is computed in begin() from the plan (shapes are known before
+any data), and written first; then each region the engine hands over goes
+straight to its final offset (a region of whole rows is one contiguous byte
+range), from several threads at once, with no reassembly: memory stays at
+the engine's few chunks in flight. A local file is written in place with
+pwritev and, once its last byte is there, fsynced and dropped from the page
+cache (storage.LocalFileWriter, buffered: O_DIRECT's block padding would
+overwrite the start of the next tensor). Other storage (S3, GCS) receives
+each file as one value, so a file is held in memory until complete: use a
+smaller --max-shard-size there.
+
+In a multi-process run file K is written by process K mod P (`owns`), and
+the primary writes the index after every process has finished (commit).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CkptError, IncompleteCheckpointError
+from ..model import Region, stored_chunks
+from ..storage import LocalFileWriter, Storage
+from ..writers import TargetArray, TargetValue, WritePlan
+from .safetensors import INDEX_FILE, KEYS_KEY, SINGLE_FILE
+
+# transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class SafetensorsWriteError(CkptError):
+    """The plan or the data given to the safetensors writer cannot be written."""
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' (10^9, as huggingface_hub reads it), '500MiB' (2^20), or plain bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise CkptError(f"--max-shard-size: {text!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1000000)")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise CkptError(f"--max-shard-size must be positive, got {text!r}")
+    return value
+
+
+@dataclass
+class _Tensor:
+    target: TargetArray
+    dt: dtypes.DType
+    file: int  # index into _files
+    begin: int  # absolute byte offset of the tensor in its file
+    nbytes: int
+    chunks: list[tuple[int, ...]] = field(default_factory=list)  # chunk offsets (for checking)
+
+
+@dataclass
+class _File:
+    name: str
+    header: bytes  # 8-byte length + JSON header
+    size: int  # the whole file
+    tensors: list[str]
+    remaining: int = 0  # data bytes not written yet
+    local: LocalFileWriter | None = None
+    data: bytearray | None = None  # non-local storage: the whole file, sent once complete
+    done: bool = False
+
+
+def split_into_files(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """huggingface_hub's split_state_dict_into_shards_factory, on (name, nbytes) in order."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes:
+        if size > max_shard_size:
+            shards.append([name])  # its own file, placed before the one being filled
+            continue
+        if current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def keys_metadata(targets: list[TargetArray]) -> str | None:
+    """ckpt's record of tree keys the reader could not get back from the names, if any."""
+    differ = {t.name: list(t.keys) for t in targets if tuple(str(k) for k in t.keys) != tuple(t.name.split("."))
+              or any(isinstance(k, int) for k in t.keys)}
+    if not differ:
+        return None
+    if all(len(t.keys) == 1 and isinstance(t.keys[0], str) for t in targets):
+        return "flat"
+    return json.dumps(differ, separators=(",", ":"))
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...], int, int]], metadata: dict[str, str]) -> bytes:
+    """8-byte length + JSON header padded with spaces to a multiple of 8 (as safetensors pads it)."""
+    doc: dict[str, Any] = {"__metadata__": metadata}
+    for name, st_dtype, shape, begin, end in entries:
+        doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+class SafetensorsWriter:
+    """Writes a Hugging Face safetensors checkpoint through a Storage (see writers.CheckpointWriter)."""
+
+    def __init__(self, storage: Storage, *, max_shard_size: int | None = None) -> None:
+        self._storage = storage
+        self._max = int(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        if self._max <= 0:
+            raise SafetensorsWriteError(f"max_shard_size must be positive, got {max_shard_size}")
+        self._lock = threading.Lock()
+        self._plan: WritePlan | None = None
+        self._tensors: dict[str, _Tensor] = {}
+        self._files: list[_File] = []
+        self._mine: list[int] = []  # files this process writes
+        self._owner_by_chunk: list[int] = []  # stream() order -> process
+        self._state = "new"
+
+    # -- protocol ----------------------------------------------------------------
+    def begin(self, plan: WritePlan) -> None:
+        if self._state != "new":
+            raise SafetensorsWriteError("begin() called twice")
+        values = plan.values()
+        if values:
+            raise SafetensorsWriteError(
+                "safetensors holds tensors only (use --skip-unsupported to leave values out)", values[0].path
+            )
+        arrays = plan.arrays()
+        seen: set[str] = set()
+        sizes: list[tuple[str, int]] = []
+        for t in arrays:
+            if not isinstance(t.name, str) or not t.name or t.name == "__metadata__":
+                raise SafetensorsWriteError(f"invalid tensor name {t.name!r}", t.path)
+            if t.name in seen:
+                raise SafetensorsWriteError(f"two tensors share the name {t.name!r}", t.path)
+            seen.add(t.name)
+            dt = dtypes.get(t.dtype)
+            if dt.safetensors is None:
+                raise SafetensorsWriteError(f"dtype {t.dtype} has no safetensors equivalent", t.path)
+            if any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0 for n in t.shape):
+                raise SafetensorsWriteError(f"invalid shape {list(t.shape)}", t.path)
+            nbytes = math.prod(t.shape) * dt.itemsize
+            self._tensors[t.name] = _Tensor(t, dt, -1, 0, nbytes)
+            sizes.append((t.name, nbytes))
+        groups = split_into_files(sizes, self._max)
+        names = file_names(len(groups))
+        meta = {"format": "pt"}
+        recorded = keys_metadata(arrays)
+        if recorded is not None:
+            meta[KEYS_KEY] = recorded
+        for i, (fname, group) in enumerate(zip(names, groups)):
+            entries = []
+            cursor = 0
+            for name in group:
+                t = self._tensors[name]
+                entries.append((name, t.dt.safetensors, tuple(t.target.shape), cursor, cursor + t.nbytes))
+                cursor += t.nbytes
+            header = build_header(entries, meta)  # type: ignore[arg-type]
+            for name, _, _, begin, _ in entries:
+                self._tensors[name].file = i
+                self._tensors[name].begin = len(header) + begin
+            self._files.append(_File(fname, header, len(header) + cursor, list(group), remaining=cursor))
+        rank, count = plan.process_index, plan.process_count
+        if not 0 <= rank < count:
+            raise SafetensorsWriteError(f"process index {rank} is outside 0..{count - 1}")
+        for t in arrays:
+            owner = self._tensors[t.name].file % count
+            for c in stored_chunks(tuple(t.shape), t.layout):
+                self._tensors[t.name].chunks.append(c.offsets)
+                self._owner_by_chunk.append(owner)
+        self._plan = plan
+        self._mine = [i for i in range(len(self._files)) if i % count == rank]
+        self._state = "writing"
+        for i in self._mine:
+            self._open(self._files[i])
+
+    def owns(self, n: int, rank: int) -> bool:
+        """Whether process `rank` writes the n-th chunk of the plan: the owner of its file."""
+        return self._owner_by_chunk[n] == rank
+
+    def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
+        self._check_state("writing")
+        t = self._tensors.get(target.name)
+        if t is None:
+            raise SafetensorsWriteError("write_array for a target that is not in the plan", target.name)
+        f = self._files[t.file]
+        if t.file not in self._mine:
+            raise SafetensorsWriteError(f"{f.name} is written by another process", target.name)
+        if not 0 <= chunk_index < len(t.chunks) or t.chunks[chunk_index] != tuple(r.start for r in region):
+            raise SafetensorsWriteError(f"region {[(r.start, r.stop) for r in region]} is not chunk {chunk_index}", target.name)
+        arr = _as_stored(data, t.dt, tuple(r.stop - r.start for r in region), target.name)
+        flat = arr.reshape(-1).view(np.uint8)
+        runs = list(_runs(tuple(target.shape), region, t.dt.itemsize))
+        pos = 0
+        for offset, length in runs:
+            self._put(f, t.begin + offset, flat[pos : pos + length])
+            pos += length
+        with self._lock:
+            f.remaining -= pos
+            complete = f.remaining == 0 and not f.done
+            if f.remaining < 0:
+                raise SafetensorsWriteError(f"more bytes written than {f.name} holds (a chunk written twice?)", target.name)
+            if complete:
+                f.done = True
+        if complete:
+            self._close(f)
+
+    def write_value(self, target: TargetValue) -> None:
+        raise SafetensorsWriteError("safetensors holds tensors only", target.path)
+
+    def finish_process(self) -> None:
+        self._check_state("writing")
+        for i in self._mine:
+            f = self._files[i]
+            if f.remaining:
+                raise IncompleteCheckpointError(
+                    f"{f.remaining} bytes of {f.name} were never written ({f.tensors[0]!r}, ...)", self._storage.url
+                )
+            if not f.done:  # a file of empty tensors only
+                f.done = True
+                self._close(f)
+        self._state = "finished"
+
+    def commit(self) -> None:
+        self._check_state("finished")
+        plan = self._plan
+        assert plan is not None
+        if plan.process_index != 0:
+            raise SafetensorsWriteError("commit() runs on the primary process (index 0) only")
+        if len(self._files) > 1:
+            # every process has finished its files (the engine's barrier): the index goes last
+            weight_map = {name: f.name for f in self._files for name in f.tensors}
+            index = {
+                "metadata": {
+                    "total_parameters": sum(math.prod(t.target.shape) for t in self._tensors.values()),
+                    "total_size": sum(t.nbytes for t in self._tensors.values()),
+                },
+                "weight_map": weight_map,
+            }
+            self._storage.write(INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+        self._state = "committed"
+
+    def abort(self) -> None:
+        with self._lock:
+            files = list(self._files)
+        for f in files:
+            if f.local is not None:
+                f.local.discard()
+            f.data = None
+        self._state = "aborted"
+
+    # -- internals ---------------------------------------------------------------
+    def _check_state(self, want: str) -> None:
+        if self._state != want:
+            raise SafetensorsWriteError(
+                f"writer is {self._state}, expected {want} (call order: begin, write, finish_process, commit)"
+            )
+
+    def _open(self, f: _File) -> None:
+        if self._storage.local_root is not None:
+            path = os.path.join(self._storage.local_root, f.name)  # our own file names: no containment risk
+            os.makedirs(self._storage.local_root, exist_ok=True)
+            f.local = LocalFileWriter(path, f"{self._storage.url}/{f.name}", direct=False)
+            f.local.write_at(0, [f.header])
+        else:
+            f.data = bytearray(f.size)
+            f.data[: len(f.header)] = f.header
+
+    def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
+        if f.local is not None:
+            f.local.write_at(offset, [view])
+        else:
+            assert f.data is not None
+            f.data[offset : offset + view.nbytes] = view.data
+
+    def _close(self, f: _File) -> None:
+        if f.local is not None:
+            if f.size == len(f.header):
+                pass  # nothing but the header
+            f.local.close()
+        elif f.data is not None:
+            data, f.data = f.data, None
+            self._storage.write(f.name, data)
+
+
+def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where: str) -> np.ndarray:
+    """The region's data as a C-contiguous little-endian array of the target dtype."""
+    if isinstance(data, np.generic):
+        data = np.asarray(data)
+    if not isinstance(data, np.ndarray):
+        raise SafetensorsWriteError(f"chunk data must be a numpy array, got {type(data).__name__}", where)
+    if tuple(data.shape) != sizes:
+        raise SafetensorsWriteError(f"chunk data has shape {list(data.shape)}, expected {list(sizes)}", where)
+    order = data.dtype.byteorder
+    if data.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+        data = data.byteswap().view(data.dtype.newbyteorder("<"))
+    if data.dtype != dt.numpy:
+        raise SafetensorsWriteError(f"chunk data is {data.dtype}, expected {dt.name}", where)
+    return np.ascontiguousarray(data).reshape(data.shape)
+
+
+def _runs(shape: tuple[int, ...], region: Region, itemsize: int):  # noqa: ANN202
+    """(byte offset in the tensor, length) of the contiguous runs of `region`, in C order.
+
+    A region of whole rows (what the engine plans for safetensors) is one run.
+    """
+    if not shape:
+        yield 0, itemsize
+        return
+    sizes = tuple(r.stop - r.start for r in region)
+    if not math.prod(sizes):
+        return
+    strides = [itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    k = len(shape) - 1  # dims after k are whole; dim k is a contiguous range
+    while k > 0 and region[k].start == 0 and region[k].stop == shape[k]:
+        k -= 1
+    length = sizes[k] * strides[k]
+    outer = [range(r.start, r.stop) for r in region[:k]]
+
+    def walk(d: int, base: int):  # noqa: ANN202
+        if d == k:
+            yield base + region[k].start * strides[k], length
+            return
+        for i in outer[d]:
+            yield from walk(d + 1, base + i * strides[d])
+
+    yield from walk(0, 0)
