@@ -166,6 +166,20 @@ def test_dcp_hf_layout(name):
         assert any(n.startswith("sharded/") for n in ck.notes)
 
 
+def test_dcp_hf_rank0(tmp_path):
+    """HuggingFaceStorageWriter without save_distributed: the full tensors, an index, zero offsets."""
+    out = tmp_path / "rank0"
+    gen_safetensors.write_dcp_rank0(str(out))
+    want = gen_safetensors.dcp_rank0_state()
+    for path in (out, FIXTURES / "safetensors_dcp_rank0"):
+        ck = ckpt_tool.open(str(path))
+        assert ck.layout["index"] == "model.safetensors.index.json" and ck.layout["dcp"] == "rank0"
+        assert sorted(x.name for x in ck.arrays()) == sorted(want)
+        for leaf in ck.arrays():
+            assert _bits(leaf.read()) == _torch_bits(want[leaf.name])
+        assert run_ckpt("validate", str(path)).returncode == 0
+
+
 def test_dcp_hf_distributed_written_now(tmp_path):
     """The same through a fresh HuggingFaceStorageWriter run (the writer in this venv)."""
     out = tmp_path / "dist"
