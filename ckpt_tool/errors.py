@@ -47,6 +47,15 @@ class PathEscapeError(CkptError):
     """A key or relative path that would leave the checkpoint root."""
 
 
+class StorageUnavailableError(CkptError):
+    """A remote store that does not answer (dead, unreachable, or past its deadline).
+
+    Nothing more can be read or written there in this run: the storage layer
+    remembers the first one and fails every later remote operation at once,
+    and validate reports it as the run's one error instead of a finding per chunk.
+    """
+
+
 class IncompleteCheckpointError(CkptError):
     """An uncommitted or partially written save."""
 

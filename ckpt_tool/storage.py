@@ -9,11 +9,26 @@ other non-files) is enforced here, once.
 `Storage.ocdbt()` gives the same interface over an OCDBT database (Orbax's
 key space inside `manifest.ocdbt` + data files), so readers handle OCDBT and
 plain directories alike.
+
+Remote stores (s3://, gs://) never hang: tensorstore retries a failed request
+at most CKPT_IO_RETRIES times with a short backoff, and every operation this
+module waits for has a deadline (CKPT_IO_TIMEOUT seconds, plus a second per
+MiB moved). The first endpoint that stops answering is remembered; every
+later remote operation fails at once with the same one line
+(StorageUnavailableError), so a run ends within the deadline instead of
+retrying each chunk.
+
+Local roots are contained: every key read is checked (no `..`, no symlink
+out of the root, regular files only, opened non-blocking so a FIFO swapped
+in never blocks), and before tensorstore opens a directory itself (an OCDBT
+database, a plain zarr array) the directory is scanned once per run for
+links out, symlink loops and FIFOs, devices or sockets (`guard`).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import re
 import stat
@@ -24,24 +39,219 @@ from typing import Any, Iterable, Iterator
 import tensorstore as ts
 
 from . import directio
-from .errors import CkptError, NotFoundError, PathEscapeError
+from .errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
 from .pagecache import DirectoryDropper, WriteBehind
 
+
+
+def _env_number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum:
+        kind = "an integer" if integer else "a number of seconds"
+        raise CkptError(f"{name} must be {kind} >= {minimum:g}, got {raw!r}")
+    return value
+
+
+# Seconds a remote operation may take before the run gives up on the
+# endpoint, plus one second per MiB it moves (a large chunk over a slow link
+# is not a dead server).
+IO_TIMEOUT = _env_number("CKPT_IO_TIMEOUT", 30.0, minimum=0.001)
+_SECONDS_PER_BYTE = 1.0 / 2**20
+# Attempts per remote request. tensorstore's own default (32 attempts, backoff
+# up to 32 s) kept an inspect of a closed port busy for 2 minutes and a
+# convert from a killed server for 10; 4 attempts with 0.25-2 s between them
+# (about what the AWS SDKs do) still ride out a restart or a throttled burst.
+IO_RETRIES = int(_env_number("CKPT_IO_RETRIES", 4, minimum=1, integer=True))
+_RETRIES = {"max_retries": IO_RETRIES, "initial_delay": "0.25s", "max_delay": "2s"}
+
 # One context for every open: memory:// stores are shared within a process
-# and tensorstore's cache pools and thread pools are reused.
-_CONTEXT = ts.Context()
+# and tensorstore's cache pools and thread pools are reused. Writers derive
+# theirs from it, so the retry bounds apply to every request ckpt makes.
+_CONTEXT = ts.Context(
+    {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES, "http_request_retries": _RETRIES}
+)
 # Array reads get their own context with a small decoded-chunk cache: a
 # reshard cuts several output chunks from one source chunk, and without a
 # cache each of them decodes that chunk again. Writers keep _CONTEXT, so
-# nothing they write is cached. Local files are read through memory maps:
-# zstd decodes straight from the page cache instead of from a copy of it
-# (2 GiB reshard: 4.5 s -> 4.1 s). A file shorter than the byte range asked
-# for still fails cleanly (tensorstore checks the size before mapping); one
-# that someone else truncates while it is being read would fault (SIGBUS).
+# nothing they write is cached. Local files are read with pread, not through
+# memory maps: a mapped source file that shrinks while it is read (another
+# process rewriting the checkpoint) kills the process with SIGBUS, where a
+# read just comes back short and fails as one line. (Mapping saved ~0.4 s of
+# a 2 GiB reshard; CKPT_MMAP_READS=1 brings it back for sources known not to
+# change.)
 _READ_CONTEXT = ts.Context(
-    {"cache_pool": {"total_bytes_limit": 64 * 2**20}, "file_io_mode": {"mode": "memmap"}},
+    {"cache_pool": {"total_bytes_limit": 64 * 2**20}}
+    | ({"file_io_mode": {"mode": "memmap"}} if os.environ.get("CKPT_MMAP_READS", "") not in ("", "0") else {}),
     parent=_CONTEXT,
 )
+
+# -- remote endpoints that stop answering ---------------------------------------
+
+# tensorstore's words for a request that never got an answer (as opposed to an
+# answer saying no: 403, 404, a precondition)
+_TRANSPORT = re.compile(
+    r"CURL error|retry attempts failed|Could not connect|Couldn't connect|Connection refused|Couldn't resolve|"
+    r"Operation timed out|Timeout was reached|Failure when receiving|Empty reply from server|Recv failure|"
+    r"Send failure|Connection reset|Server returned nothing"
+)
+_UNAVAILABLE: StorageUnavailableError | None = None
+_UNAVAILABLE_LOCK = threading.Lock()
+# the endpoint of the last remote store opened, for errors that come from
+# tensorstore calls made outside this module (array reads, OCDBT dumps)
+_LAST_ENDPOINT: str | None = None
+
+
+def unavailable() -> StorageUnavailableError | None:
+    """The first remote endpoint failure of this run, if any."""
+    return _UNAVAILABLE
+
+
+def raise_if_unavailable() -> None:
+    """Fail at once when a remote endpoint already stopped answering in this run."""
+    if _UNAVAILABLE is not None:
+        raise StorageUnavailableError(_UNAVAILABLE.message, _UNAVAILABLE.where)
+
+
+def _note_unavailable(message: str, where: str | None) -> StorageUnavailableError:
+    global _UNAVAILABLE
+    err = StorageUnavailableError(message, where)
+    with _UNAVAILABLE_LOCK:
+        if _UNAVAILABLE is None:
+            _UNAVAILABLE = err
+    return err
+
+
+def _transport_detail(text: str, endpoint: str | None) -> str:
+    """A transport failure as one line naming the endpoint."""
+    detail = text
+    if "CURL error " in detail:
+        detail = detail.split("CURL error ", 1)[1]
+    detail = re.sub(r"\s*\[curl_code='?\d+'?\]", "", detail).strip()
+    parts: list[str] = []
+    for part in detail.split(": "):  # curl repeats its summary after the details
+        if part not in parts:
+            parts.append(part)
+    detail = ": ".join(parts)
+    m = re.search(r"All (\d+) retry attempts failed", text)
+    attempts = f"; gave up after {m.group(1)} attempts (CKPT_IO_RETRIES)" if m else ""
+    return f"storage endpoint {endpoint or '(unknown)'} does not answer: {detail}{attempts}"
+
+
+def _endpoint_of(spec: dict[str, Any]) -> str | None:
+    driver = spec.get("driver")
+    if isinstance(spec.get("base"), dict):  # ocdbt over another kvstore
+        return _endpoint_of(spec["base"])
+    if driver == "s3":
+        return spec.get("endpoint") or f"https://{spec.get('bucket')}.s3.amazonaws.com"
+    if driver == "gcs":
+        return os.environ.get("TENSORSTORE_GCS_HTTP_URL") or "https://storage.googleapis.com"
+    return None
+
+
+def _deadline(nbytes: int) -> float:
+    return IO_TIMEOUT + max(0, nbytes) * _SECONDS_PER_BYTE
+
+
+# -- containment of local directories that tensorstore opens itself -----------------
+
+
+class _Containment:
+    """What one scan of a local checkpoint found: links out, loops, non-regular files.
+
+    Built per opened root and shared by its children; each sub-directory is
+    scanned once, when tensorstore is first about to open something under it.
+    A symlink is followed only to resolve it, never walked: a link to a
+    directory inside the root is checked through the target's own scan.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        self._lock = threading.Lock()
+        self._scanned: set[str] = set()  # sub-directories (relative, "" = root) already walked
+        self.problems: dict[str, tuple[str, bool]] = {}  # rel -> (message, is a loop)
+        self._linked_dirs: dict[str, str] = {}  # rel of a link to a directory inside -> rel of its target
+
+    def _inside(self, real: str) -> bool:
+        return real == self.real_root or real.startswith(self.real_root.rstrip(os.sep) + os.sep)
+
+    def _covered(self, rel: str) -> bool:
+        return any(s == "" or rel == s or rel.startswith(s + "/") for s in self._scanned)
+
+    def _scan(self, rel: str) -> None:
+        stack = [rel]
+        while stack:
+            d = stack.pop()
+            path = os.path.join(self.root, d) if d else self.root
+            try:
+                entries = list(os.scandir(path))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    self.problems[d] = ("symlink loop (Too many levels of symbolic links)", True)
+                elif exc.errno != errno.ENOTDIR:
+                    self.problems[d] = (f"cannot list: {exc.strerror or exc}", False)
+                continue
+            for entry in entries:
+                sub = f"{d}/{entry.name}" if d else entry.name
+                try:
+                    if entry.is_symlink():
+                        self._check_link(sub, entry.path)
+                    elif entry.is_dir(follow_symlinks=False):
+                        stack.append(sub)
+                    elif not entry.is_file(follow_symlinks=False):
+                        self.problems[sub] = ("not a regular file (refusing to open a FIFO, device or socket)", False)
+                except OSError as exc:
+                    self.problems[sub] = (f"cannot stat: {exc.strerror or exc}", False)
+        self._scanned.add(rel)
+
+    def _check_link(self, rel: str, path: str) -> None:
+        real = os.path.realpath(path)
+        if not self._inside(real):
+            self.problems[rel] = (f"symlink to {real}, outside the checkpoint", False)
+            return
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self.problems[rel] = ("symlink loop (Too many levels of symbolic links)", True)
+            # a dangling link inside the root: the read reports it missing
+            return
+        if stat.S_ISDIR(st.st_mode):
+            target = os.path.relpath(real, self.real_root).replace(os.sep, "/")
+            self._linked_dirs[rel] = "" if target == "." else target
+        elif not stat.S_ISREG(st.st_mode):
+            self.problems[rel] = ("symlink to a FIFO, device or socket (refusing to open it)", False)
+
+    def check(self, rel: str) -> list[tuple[str, str, bool]]:
+        """Every problem at, under or above `rel` (relative to the root; "" = all): (path, message, loop)."""
+        with self._lock:
+            found: list[tuple[str, str, bool]] = []
+            todo, seen = [rel], set()
+            while todo:
+                r = todo.pop()
+                if r in seen:
+                    continue
+                seen.add(r)
+                if not self._covered(r):
+                    self._scan(r)
+                for p, (msg, loop) in self.problems.items():
+                    if not r or p == r or p.startswith(r + "/") or r.startswith(p + "/"):
+                        found.append((p, msg, loop))
+                # links to directories inside the root: their targets are read too
+                for p, t in self._linked_dirs.items():
+                    if not r or p == r or p.startswith(r + "/"):
+                        todo.append(t)
+                    elif r.startswith(p + "/"):  # `rel` is reached through the link
+                        todo.append((t + "/" if t else "") + r[len(p) + 1 :])
+            return sorted(set(found))
 
 _SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
 
@@ -214,10 +424,7 @@ class PendingReads:
         """Each key's bytes, or None where the key is missing."""
         out: dict[str, bytes | None] = {}
         for key, fut in self._futures.items():
-            try:
-                res = fut.result()
-            except Exception as exc:
-                raise CkptError(f"cannot read: {ts_error_text(exc)}", self._storage._where(key)) from exc
+            res = self._storage.wait(fut, "cannot read", self._storage._where(key))
             out[key] = bytes(res.value) if res.state == "value" else None
         return out
 
@@ -248,6 +455,8 @@ class Storage:
         local_root: str | None = None,
         log: ReadLog | None = None,
         check_local: bool = True,
+        containment: _Containment | None = None,
+        contain_base: str = "",
     ) -> None:
         self._kv = kvstore
         # the JSON spec we opened with: KvStore.spec() drops context resources
@@ -260,20 +469,40 @@ class Storage:
         self._check_local = check_local and local_root is not None
         # every key under the root, once listed (see list())
         self._listing: list[str] | None = None
+        # remote stores: the endpoint named when it stops answering, and deadlines apply
+        self._endpoint = _endpoint_of(spec)
+        # local roots opened for reading: the scan behind guard(), and where this root sits in it
+        self._containment = containment
+        self._contain_base = contain_base
 
     # -- opening ---------------------------------------------------------
     @classmethod
     def open(cls, url: str, log: ReadLog | None = None) -> "Storage":
         spec, local_root = _kvstore_spec(url)
-        if local_root is not None and not os.path.isdir(local_root):
-            if os.path.exists(local_root):
+        if local_root is not None:
+            try:
+                st = os.stat(local_root)
+            except FileNotFoundError:
+                raise NotFoundError("no such directory", url) from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise PathEscapeError("symlink loop (Too many levels of symbolic links)", url) from None
+                raise CkptError(f"cannot open: {exc.strerror or exc}", url) from None
+            if not stat.S_ISDIR(st.st_mode):
                 raise NotFoundError("is a file, not a checkpoint directory", url)
-            raise NotFoundError("no such directory", url)
-        try:
-            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
-        except Exception as exc:  # tensorstore raises ValueError for bad specs
-            raise CkptError(f"cannot open storage: {exc}", url) from exc
-        return cls(kv, url, spec=spec, local_root=local_root, log=log)
+        kv = cls._open_kvstore(spec, url)
+        return cls(kv, url, spec=spec, local_root=local_root, log=log,
+                   containment=_Containment(local_root) if local_root is not None else None)
+
+    @staticmethod
+    def _open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storage") -> ts.KvStore:
+        global _LAST_ENDPOINT
+        endpoint = _endpoint_of(spec)
+        if endpoint is not None:
+            _LAST_ENDPOINT = endpoint
+        probe = Storage.__new__(Storage)  # only for its deadline and error wording
+        probe._endpoint = endpoint
+        return probe.wait(ts.KvStore.open(spec, context=_CONTEXT), what, url)
 
     def child(self, relpath: str) -> "Storage":
         """The storage rooted at a sub-directory (containment checked)."""
@@ -285,8 +514,9 @@ class Storage:
         kv = self._kv / (rel + "/")
         local = os.path.join(self.local_root, rel) if self.local_root else None
         child = Storage(
-            kv, f"{self.url}/{rel}", spec=self.kvstore_spec(rel + "/"),
+            kv, f"{self.url}/{rel}", spec=self._spec_for(rel + "/"),
             local_root=local, log=self.log, check_local=self._check_local,
+            containment=self._containment, contain_base=self._contained(rel),
         )
         if self._listing is not None:
             # the sub-directory's part of the listing: no new LIST
@@ -297,21 +527,70 @@ class Storage:
     def ocdbt(self, subdir: str = "") -> "Storage":
         """A view of the OCDBT database whose manifest lives at `subdir`."""
         base = self.child(subdir) if subdir else self
+        base.guard()  # the manifest, the data files and (at the root) every process's database
         spec = {"driver": "ocdbt", "base": base._spec}
-        try:
-            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
-        except Exception as exc:
-            raise CkptError(f"cannot open OCDBT database: {ts_error_text(exc)}", base.url) from exc
+        kv = self._open_kvstore(spec, base.url, "cannot open OCDBT database")
         return Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
 
     def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
-        """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore."""
+        """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore.
+
+        tensorstore then opens files under `subpath` without asking this
+        layer, so the directory is checked first (see guard).
+        """
+        self.guard(subpath)
+        return self._spec_for(subpath)
+
+    def _spec_for(self, subpath: str) -> dict[str, Any]:
         rel = _check_relative(subpath, self.url) if subpath else ""
         if subpath.endswith("/") and rel:
             rel += "/"
         spec = dict(self._spec)
         spec["path"] = spec.get("path", "") + rel
         return spec
+
+    def guard(self, subpath: str = "") -> None:
+        """Refuse to let tensorstore open anything under `subpath` (local roots opened for reading)
+        when it holds a symlink out of the checkpoint, a symlink loop, or a FIFO, device or socket.
+
+        The directory is scanned once per run; later calls cost a lookup.
+        """
+        if self._containment is None or not self._check_local:
+            return
+        rel = _check_relative(subpath, self.url) if subpath else ""
+        problems = self._containment.check(self._contained(rel))
+        if problems:
+            path, message, _loop = problems[0]
+            raise PathEscapeError(message, self._root_where(path))
+
+    def containment_problems(self) -> list[tuple[str, str]]:
+        """Every symlink out, symlink loop and non-regular file under this local root: (path, message).
+
+        Paths are relative to this root; validate reports each as `path-escape`.
+        """
+        if self._containment is None or not self._check_local:
+            return []
+        base = self._contain_base
+        out = []
+        for path, message, _loop in self._containment.check(base):
+            if base and path.startswith(base + "/"):
+                path = path[len(base) + 1 :]
+            elif base and path != base:
+                continue  # above this root (a link it is reached through): reported by its own path
+            out.append((path, message))
+        return out
+
+    def _contained(self, rel: str) -> str:
+        """`rel` (relative to this root) as a path relative to the scanned root."""
+        if not self._contain_base:
+            return rel
+        return f"{self._contain_base}/{rel}" if rel else self._contain_base
+
+    def _root_where(self, contained: str) -> str:
+        """A path of the scan, as a one-line error names it."""
+        assert self._containment is not None
+        root = self._containment.root
+        return os.path.join(root, contained) if contained else root
 
     @property
     def context(self) -> ts.Context:
@@ -347,11 +626,12 @@ class Storage:
         try:
             if rel:
                 rng = ts.KvStore.KeyRange(inclusive_min=rel, exclusive_max=rel[:-1] + chr(ord("/") + 1))
-                keys = self._kv.list(rng).result()
+                fut = self._kv.list(rng)
             else:
-                keys = self._kv.list().result()
+                fut = self._kv.list()
         except Exception as exc:
-            raise CkptError(f"cannot list keys: {ts_error_text(exc)}", self.url) from exc
+            raise self._error(exc, "cannot list keys", self.url) from exc
+        keys = self.wait(fut, "cannot list keys", self.url)
         return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
     def listdir(self, prefix: str = "") -> tuple[list[str], list[str]]:
@@ -374,9 +654,13 @@ class Storage:
             path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
             return os.path.lexists(path)
         try:
-            res = self._kv.read(rel, byte_range=slice(0, 0)).result()
-        except Exception:
-            return True  # it exists but is shorter than the probe: still exists
+            res = self._wait(self._kv.read(rel, byte_range=slice(0, 0)), 0, "cannot read", self._where(rel))
+        except StorageUnavailableError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, CkptError) or not _TRANSPORT.search(_text(exc)):
+                return True  # it exists but is shorter than the probe: still exists
+            raise self._error(exc, "cannot read", self._where(rel)) from exc
         return res.state == "value"
 
     def read(self, key: str) -> bytes:
@@ -431,17 +715,34 @@ class Storage:
         rel = self._checked(key)
         self.log.record(rel)
         try:
-            fd = os.open(os.path.join(self.local_root, rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # type: ignore[arg-type]
+            # non-blocking: a FIFO put in place after the check must not block the open
+            fd = os.open(
+                os.path.join(self.local_root, rel),  # type: ignore[arg-type]
+                os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+            )
         except FileNotFoundError:
             raise NotFoundError("missing", self._where(rel)) from None
         except OSError as exc:
-            raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
+            raise _os_error(exc, "cannot read", self._where(rel)) from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in after the check
+                raise PathEscapeError("not a regular file (refusing to read a FIFO, device or socket)", self._where(rel))
             yield rel, fd
         except OSError as exc:
             raise CkptError(f"cannot read: {exc.strerror or exc}", self._where(rel)) from exc
         finally:
             os.close(fd)
+
+    def _read_whole_local(self, key: str) -> bytes:
+        """A whole local file, through the same checked, non-blocking open as byte ranges."""
+        with self._local_read(key) as (_rel, fd):
+            parts = []
+            want = max(os.fstat(fd).st_size, 1 << 16)
+            while True:
+                part = os.read(fd, want)
+                if not part:
+                    return b"".join(parts)
+                parts.append(part)
 
     def _truncated(self, rel: str, fd: int, start: int, end: int) -> CkptError:
         return CkptError(
@@ -465,15 +766,22 @@ class Storage:
         """The size in bytes of the value at `key`, without reading it where possible."""
         rel = self._checked(key)
         if self._check_local:
-            return os.stat(os.path.join(self.local_root, rel)).st_size  # type: ignore[arg-type]
+            try:
+                return os.stat(os.path.join(self.local_root, rel)).st_size  # type: ignore[arg-type]
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise _os_error(exc, "cannot stat", self._where(rel)) from None
         # kvstores have no stat: an out-of-range probe makes the driver state
         # the size; drivers that do not say so fall back to a full read.
         try:
-            res = self._kv.read(rel, byte_range=slice(1 << 62, (1 << 62) + 1)).result()
+            res = self._wait(self._kv.read(rel, byte_range=slice(1 << 62, (1 << 62) + 1)), 0, "cannot read", self._where(rel))
         except ValueError as exc:
             m = _SIZE_IN_ERROR.search(str(exc))
             if m:
                 return int(m.group(1))
+            if _TRANSPORT.search(_text(exc)):
+                raise self._error(exc, "cannot read", self._where(rel)) from exc
             return len(self.read(key))
         if res.state != "value":
             raise NotFoundError("missing", self._where(key))
@@ -485,21 +793,18 @@ class Storage:
         """Open a destination, creating a local directory if needed."""
         spec, local_root = _kvstore_spec(url)
         if local_root is not None:
-            os.makedirs(local_root, exist_ok=True)
-        try:
-            kv = ts.KvStore.open(spec, context=_CONTEXT).result()
-        except Exception as exc:
-            raise CkptError(f"cannot open storage: {ts_error_text(exc)}", url) from exc
+            try:
+                os.makedirs(local_root, exist_ok=True)
+            except OSError as exc:
+                raise _os_error(exc, "cannot create", url) from None
+        kv = cls._open_kvstore(spec, url)
         return cls(kv, url, spec=spec, local_root=local_root, log=log)
 
     def delete(self, key: str) -> None:
         """Remove one value (missing is fine)."""
         rel = _check_relative(key, self.url)
         self._listing = None
-        try:
-            self._kv.write(rel, None).result()  # tensorstore deletes on None
-        except Exception as exc:
-            raise CkptError(f"cannot delete: {ts_error_text(exc)}", self._where(rel)) from exc
+        self.wait(self._kv.write(rel, None), "cannot delete", self._where(rel))  # tensorstore deletes on None
 
     def write(self, key: str, data: bytes | bytearray) -> None:
         """Write a whole value (the file driver fsyncs it before returning)."""
@@ -507,10 +812,11 @@ class Storage:
         if not rel:
             raise CkptError("empty key", self.url)
         self._listing = None
-        try:
-            self._kv.write(rel, data).result()
-        except Exception as exc:
-            raise CkptError(f"cannot write: {ts_error_text(exc)}", self._where(rel)) from exc
+        fut = self._kv.write(rel, data)
+        # tensorstore reads `data` in place until the write is over, which on a
+        # deadline may be after we return: the callback holds it until then
+        fut.add_done_callback(lambda _f, _keep=data: None)
+        self.wait(fut, "cannot write", self._where(rel), nbytes=len(data))
 
     def create_local_file(self, key: str) -> "LocalFileWriter | None":
         """A new file at `key` for writing at known offsets, on local roots only (else None).
@@ -555,10 +861,48 @@ class Storage:
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""
         self._listing = None
+        self.wait(self._kv.delete_range(ts.KvStore.KeyRange()), "cannot delete", self.url)
+
+    # -- deadlines and errors --------------------------------------------------
+    @property
+    def endpoint(self) -> str | None:
+        """The remote endpoint (s3://, gs://), or None for local and memory stores."""
+        return self._endpoint
+
+    def wait(self, future: Any, what: str, where: str, *, nbytes: int = 0) -> Any:
+        """`future.result()` under this store's deadline (remote stores), failures as one line.
+
+        For tensorstore calls made outside this module (array opens and reads):
+        a failure is a CkptError `<where>: <what>: ...`; a remote endpoint that
+        does not answer is a StorageUnavailableError naming it.
+        """
         try:
-            self._kv.delete_range(ts.KvStore.KeyRange()).result()
+            return self._wait(future, nbytes, what, where)
+        except CkptError:
+            raise
         except Exception as exc:
-            raise CkptError(f"cannot delete: {ts_error_text(exc)}", self.url) from exc
+            raise self._error(exc, what, where) from exc
+
+    def _wait(self, future: Any, nbytes: int, what: str, where: str) -> Any:
+        if self._endpoint is None:
+            return future.result()
+        raise_if_unavailable()
+        timeout = _deadline(nbytes)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            future.cancel()
+            raise _note_unavailable(
+                f"{what}: storage endpoint {self._endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where
+            ) from None
+
+    def _error(self, exc: BaseException, what: str, where: str) -> CkptError:
+        text = _text(exc)
+        if self._endpoint is not None and _TRANSPORT.search(text):
+            return _note_unavailable(f"{what}: {_transport_detail(text, self._endpoint)}", where)
+        if "Too many levels of symbolic links" in text:
+            return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+        return CkptError(f"{what}: {text}", where)
 
     # -- internals -------------------------------------------------------
     def _where(self, key: str) -> str:
@@ -583,6 +927,8 @@ class Storage:
             st = os.stat(real)
         except FileNotFoundError:
             return  # reported as missing by the read itself
+        except OSError as exc:
+            raise _os_error(exc, "cannot stat", self._where(rel)) from None
         if want_dir:
             if not stat.S_ISDIR(st.st_mode):
                 raise NotFoundError("not a directory", self._where(rel))
@@ -592,13 +938,16 @@ class Storage:
     def _read(self, key: str, byte_range: slice | None) -> bytes:
         if byte_range is not None and self._check_local:
             return self._pread_local(key, byte_range.start, byte_range.stop)
+        if self._check_local:
+            return self._read_whole_local(key)
         rel = self._checked(key)
         self.log.record(rel)
         try:
             if byte_range is None:
-                res = self._kv.read(rel).result()
+                fut = self._kv.read(rel)
             else:
-                res = self._kv.read(rel, byte_range=byte_range).result()
+                fut = self._kv.read(rel, byte_range=byte_range)
+            res = self._wait(fut, 0 if byte_range is None else byte_range.stop - byte_range.start, "cannot read", self._where(rel))
         except ValueError as exc:
             msg = str(exc)
             if "OUT_OF_RANGE" in msg:
@@ -608,7 +957,7 @@ class Storage:
                     f"truncated: needed bytes [{byte_range.start}, {byte_range.stop}) but {have}",  # type: ignore[union-attr]
                     self._where(rel),
                 ) from exc
-            raise CkptError(f"cannot read: {ts_error_text(exc)}", self._where(rel)) from exc
+            raise self._error(exc, "cannot read", self._where(rel)) from exc
         if res.state != "value":
             raise NotFoundError("missing", self._where(rel))
         return bytes(res.value)
@@ -622,7 +971,27 @@ def _fsync_path(path: str, flags: int) -> None:
         os.close(fd)
 
 
-def ts_error_text(exc: BaseException) -> str:
-    """tensorstore error text without its source-location trailer."""
+def _text(exc: BaseException) -> str:
     text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _os_error(exc: OSError, what: str, where: str) -> CkptError:
+    """An OS error on a local path as one line (a symlink loop is a containment failure)."""
+    if exc.errno == errno.ELOOP:
+        return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    return CkptError(f"{what}: {exc.strerror or exc}", where)
+
+
+def ts_error_text(exc: BaseException) -> str:
+    """tensorstore error text without its source-location trailer.
+
+    A remote request that got no answer is worded as such, naming the
+    endpoint, and remembered: the rest of the run fails fast (see
+    raise_if_unavailable).
+    """
+    text = _text(exc)
+    if _LAST_ENDPOINT is not None and _TRANSPORT.search(text):
+        text = _transport_detail(text, _LAST_ENDPOINT)
+        _note_unavailable(text, None)
+    return text

@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, fixture_path, free_port, run_ckpt
+from conftest import FIXTURES, ROOT, fixture_path, free_port, run_ckpt
 
 BUCKET = "ckpt-test"
 S3_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_two_process", "dcp_multirank"]
@@ -102,3 +106,210 @@ def test_convert_between_s3_and_local(s3_env, tmp_path):
     r = run_ckpt("convert", str(fixture_path("dcp_multirank")), f"s3://{BUCKET}/out/orbax_from_dcp", "--to", "orbax", env=s3_env)
     assert r.returncode == 0, r.stderr
     assert run_ckpt("validate", f"s3://{BUCKET}/out/orbax_from_dcp", "--deep", env=s3_env).returncode == 0
+
+# -- a server that dies, hangs or was never there ------------------------------------
+#
+# Each case runs the command as a whole process against its own moto server,
+# which is frozen (SIGSTOP) once it has answered a few of the command's
+# requests and killed a moment later: the command is then mid-way, with
+# requests in flight and more to make. The deadline the issue asks for is
+# one line on stderr naming the endpoint, exit 1, within 60 s, and no
+# temporary output left.
+WALL_LIMIT_S = 60
+
+
+class MotoServer:
+    """A moto S3 server of one test, with the checkpoints it serves and a request counter."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self._lock = threading.Lock()
+        self.requests: list[str] = []
+        self._trigger: tuple[str, int, threading.Event] | None = None
+        threading.Thread(target=self._read_log, daemon=True).start()
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1)
+                break
+            except OSError:
+                if time.time() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    pytest.fail("moto server did not start")
+                time.sleep(0.2)
+        import boto3
+
+        self.s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                               aws_access_key_id="test", aws_secret_access_key="test")
+        self.s3.create_bucket(Bucket=BUCKET)
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
+    def _read_log(self) -> None:
+        # werkzeug logs one line per request: ... "GET /bucket/key HTTP/1.1" 200 -
+        # (some in colour)
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+            if '"' not in line:
+                continue
+            with self._lock:
+                self.requests.append(line)
+                trigger = self._trigger
+                if trigger is not None:
+                    method, count, fired = trigger
+                    if self._count(method) >= count and not fired.is_set():
+                        self.proc.send_signal(signal.SIGSTOP)  # no answer from here on
+                        fired.set()
+
+    def _count(self, method: str) -> int:
+        return sum(f'"{method} ' in r for r in self.requests)
+
+    def upload(self, name: str) -> str:
+        for dirpath, _, files in os.walk(FIXTURES / name):
+            for f in files:
+                local = os.path.join(dirpath, f)
+                self.s3.upload_file(local, BUCKET, "run/" + os.path.relpath(local, FIXTURES))
+        return f"s3://{BUCKET}/run/{name}"
+
+    def freeze_after(self, count: int, method: str = "GET") -> threading.Event:
+        """Stop answering once `count` more requests of `method` were served."""
+        fired = threading.Event()
+        with self._lock:
+            already = self._count(method)
+            self._trigger = (method, already + count, fired)
+        return fired
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)  # a stopped process dies too
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def moto():
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _run_killing(server: MotoServer, args: list[str], *, after: int, method: str = "GET",
+                 env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ckpt; freeze the server after `after` requests of `method`, kill it 0.5 s later."""
+    full_env = dict(os.environ)
+    full_env.pop("CKPT_DEBUG", None)
+    full_env.update(server.env)
+    full_env.update(env or {})
+    fired = server.freeze_after(after, method)
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *args], cwd=ROOT, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if fired.wait(timeout=WALL_LIMIT_S):
+        time.sleep(0.5)  # requests are in flight to a server that does not answer
+        server.kill()
+    try:
+        out, err = proc.communicate(timeout=WALL_LIMIT_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"ckpt {' '.join(args)} hung: {err}")
+    elapsed = time.monotonic() - started
+    assert fired.is_set(), f"the command finished before the server was stopped: {err}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), elapsed
+
+
+def _assert_one_line_naming(r: subprocess.CompletedProcess, elapsed: float, endpoint: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert endpoint.split("//", 1)[1] in lines[0] and "Traceback" not in r.stderr, lines[0]
+    assert "internal error" not in lines[0] and "SystemError" not in r.stderr
+    assert elapsed < WALL_LIMIT_S, elapsed
+
+
+def _no_temp_output(dst: Path) -> None:
+    assert not dst.exists()
+    leftovers = [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}")]
+    assert leftovers == [], leftovers
+
+
+# `after`: GETs answered before the server stops, set from a live run's
+# requests: inspect makes 7 GETs; validate --deep 20 for the shallow checks
+# and 27 more for --deep; diff --values 7 for the metadata and 12 for chunks
+@pytest.mark.parametrize("args, after", [
+    (["inspect", "{src}", "--json"], 3),
+    (["validate", "{src}", "--deep"], 30),
+    (["diff", "{src}", str(fixture_path("orbax_ocdbt_zarr2")), "--values"], 12),
+])
+def test_server_killed_mid_read(moto, args, after):
+    src = moto.upload("orbax_ocdbt_zarr2")
+    r, elapsed = _run_killing(moto, [a.format(src=src) for a in args], after=after)
+    _assert_one_line_naming(r, elapsed, moto.endpoint)
+    assert r.stdout == "" or args[0] != "inspect"
+
+
+# orbax -> dcp: 7 GETs of metadata, then 20 for chunks; dcp -> orbax: 6 of metadata, then 36 for chunks
+@pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 14), ("dcp_multirank", "orbax", 15)])
+def test_server_killed_mid_convert_from_s3(moto, tmp_path, name, to, after):
+    src = moto.upload(name)
+    dst = tmp_path / "out"
+    r, elapsed = _run_killing(moto, ["convert", src, str(dst), "--to", to], after=after)
+    _assert_one_line_naming(r, elapsed, moto.endpoint)
+    _no_temp_output(dst)
+
+
+# orbax -> dcp writes the data file, then .metadata; dcp -> orbax ~15 PUTs
+@pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 1), ("dcp_multirank", "orbax", 4)])
+def test_server_killed_mid_write(moto, name, to, after):
+    dst = f"s3://{BUCKET}/out/{name}"
+    r, elapsed = _run_killing(moto, ["convert", str(fixture_path(name)), dst, "--to", to], after=after, method="PUT")
+    _assert_one_line_naming(r, elapsed, moto.endpoint)
+
+
+def test_hung_server_hits_the_deadline(moto, tmp_path):
+    """A server that accepts connections and never answers: CKPT_IO_TIMEOUT ends the run."""
+    src = moto.upload("dcp_multirank")
+    moto.proc.send_signal(signal.SIGSTOP)  # the kernel still accepts connections; nothing answers
+    dst = tmp_path / "out"
+    started = time.monotonic()
+    r = run_ckpt("convert", src, str(dst), "--to", "orbax", env={**moto.env, "CKPT_IO_TIMEOUT": "3"}, timeout=WALL_LIMIT_S)
+    elapsed = time.monotonic() - started
+    _assert_one_line_naming(r, elapsed, moto.endpoint)
+    assert "no answer within 3 s" in r.stderr and "CKPT_IO_TIMEOUT" in r.stderr
+    assert elapsed < 15, elapsed
+    _no_temp_output(dst)
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect", f"s3://{BUCKET}/run/x"],
+    ["validate", f"s3://{BUCKET}/run/x", "--deep"],
+    ["convert", f"s3://{BUCKET}/run/x", "{tmp}/out", "--to", "dcp"],
+    ["convert", str(fixture_path("dcp_multirank")), f"s3://{BUCKET}/out/y", "--to", "orbax"],
+])
+def test_closed_port_is_one_line_within_the_deadline(tmp_path, command):
+    """Nothing listens on the endpoint: the default settings give up well within a minute."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint, "CKPT_IO_TIMEOUT": "", "CKPT_IO_RETRIES": ""}
+    started = time.monotonic()
+    r = run_ckpt(*[c.format(tmp=tmp_path) for c in command], env=env, timeout=WALL_LIMIT_S + 30)
+    elapsed = time.monotonic() - started
+    _assert_one_line_naming(r, elapsed, endpoint)
+    assert "does not answer" in r.stderr and "CKPT_IO_RETRIES" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_io_settings_are_checked():
+    r = run_ckpt("inspect", f"s3://{BUCKET}/run/x", env={"CKPT_IO_TIMEOUT": "soon"})
+    assert r.returncode == 1 and r.stderr.strip() == "ckpt: error: CKPT_IO_TIMEOUT must be a number of seconds >= 0.001, got 'soon'"

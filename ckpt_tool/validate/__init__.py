@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import CkptError, PathEscapeError, UnsafePickleError
 from ..findings import ERROR, CODES, Finding, Findings, Progress, no_progress
-from ..storage import Storage
+from ..storage import Storage, raise_if_unavailable
 
 __all__ = ["validate_checkpoint", "ValidationReport", "CODES"]
 
@@ -104,5 +104,14 @@ def validate_checkpoint(
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
         findings.error("bad-metadata", exc.message, file=exc.where)
+    # symlinks out of the root, symlink loops, FIFOs/devices/sockets anywhere
+    # under it (the storage layer never opens them): each one the checks above
+    # did not already name
+    named = [f.file for f in findings.items if f.code == "path-escape" and f.file]
+    for rel, message in storage.containment_problems():
+        if not any(n == rel or n.endswith("/" + rel) for n in named):
+            findings.error("path-escape", message, file=rel)
+    # a remote store that stopped answering is the run's one error, not a finding per chunk
+    raise_if_unavailable()
     url = f"{storage.url}/{single[1]}" if single else storage.url
     return ValidationReport(url, fmt, findings.items, findings.checked, deep)
