@@ -29,6 +29,8 @@ REFERENCE = FIXTURES / "legacy_jax_reference"
 CASES = [
     ("orbax_v0_4_ocdbt", "orbax_v0_4_ocdbt", None),
     ("orbax_v0_4_plain", "orbax_v0_4_plain", None),
+    ("orbax_v0_4_manager", "orbax_v0_4_manager.1", 1),
+    ("orbax_v0_4_manager", "orbax_v0_4_manager.2", None),
     ("flax_orbax", "flax_orbax.1", 1),
     ("flax_orbax", "flax_orbax.2", None),
     ("flax_msgpack", "flax_msgpack.1", 1),
@@ -36,11 +38,13 @@ CASES = [
     ("flax_msgpack/checkpoint_1", "flax_msgpack.1", None),
     ("flax_to_bytes", "flax_to_bytes", None),
     ("flax_to_bytes/state.msgpack", "flax_to_bytes", None),
+    ("flax_chunked", "flax_chunked", None),
     ("t5x", "t5x.1", None),
 ]
 IDS = [f"{p}@{s}" if s else p for p, _, s in CASES]
 # one directory per family, for the slower checks
-FAMILIES = ["orbax_v0_4_ocdbt", "orbax_v0_4_plain", "flax_orbax", "flax_msgpack", "flax_to_bytes/state.msgpack", "t5x"]
+FAMILIES = ["orbax_v0_4_ocdbt", "orbax_v0_4_plain", "orbax_v0_4_manager", "flax_orbax", "flax_msgpack",
+            "flax_to_bytes/state.msgpack", "flax_chunked", "t5x"]
 
 
 # flax's restore_checkpoint passes orbax's restore through serialization.to_state_dict,
@@ -105,6 +109,25 @@ def test_formats_and_steps():
     assert ck.format == "orbax" and ck.step == 2 and [s.step for s in ck.steps] == [1, 2]
     with pytest.raises(ckpt_tool.CkptError, match="no step 7; steps here: 1, 2"):
         ckpt_tool.open(str(FIXTURES / "flax_orbax"), step=7)
+
+
+def test_chunked_arrays_are_one_leaf_over_their_pieces():
+    ck = ckpt_tool.open(str(FIXTURES / "flax_chunked"))
+    kernel = ck["params/dense/kernel"]
+    assert kernel.extra["stored"] == "inline, chunked" and kernel.extra["pieces"] == 2
+    assert kernel.shape == (8, 4)
+
+
+def test_manager_items_and_unfinished_steps(tmp_path):
+    ck = ckpt_tool.open(str(FIXTURES / "orbax_v0_4_manager"))
+    assert ck.layout["items"] == ["config", "state"] and ck.step == 2
+    root = _copy(tmp_path, "orbax_v0_4_manager")
+    (root / "2").rename(root / "2.orbax-checkpoint-tmp-1700000000")
+    ck = ckpt_tool.open(str(root))
+    assert ck.step == 1
+    assert [(s.name, s.committed) for s in ck.steps] == [("1", True), ("2.orbax-checkpoint-tmp-1700000000", False)]
+    report = validate_checkpoint(str(root))
+    assert report.ok() and [(f.severity, f.code) for f in report.findings] == [("warning", "uncommitted-save")]
 
 
 def test_inspect_json_lists_steps():
@@ -272,6 +295,30 @@ def test_huge_claimed_sizes_are_refused_before_allocating(tmp_path, blob, messag
     assert any(message in f.message for f in report.findings), [f.message for f in report.findings]
     r = run_ckpt("validate", str(path), "--deep")
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_a_2_gib_msgpack_is_scanned_in_bounded_memory(tmp_path):
+    """A sparse 2 GiB file holding one inline float32 array: scanning it, reading
+    its last elements and validating it stay at the interpreter's own footprint."""
+    import struct
+
+    n = 1 << 29
+    head = b"\x93\x91\xce" + struct.pack(">I", n) + b"\xa7float32\xc6" + struct.pack(">I", n * 4)
+    with open(tmp_path / "checkpoint_1", "wb") as f:
+        f.write(b"\x82\xa3big\xc9" + struct.pack(">I", len(head) + n * 4) + b"\x01" + head)
+        f.seek(n * 4 - 4, 1)
+        f.write(struct.pack("<f", 2.5) + b"\xa5small\x01")
+    code = (
+        "import resource, ckpt_tool\n"
+        "from ckpt_tool.validate import validate_checkpoint\n"
+        f"ck = ckpt_tool.open({str(tmp_path)!r})\n"
+        "assert ck['big'].shape == (1 << 29,) and ck['big'][-1:].tolist() == [2.5] and ck['small'].load() == 1\n"
+        f"assert validate_checkpoint({str(tmp_path)!r}).ok(strict=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) < 250, f"peak RSS {r.stdout.strip()} MiB for a 2 GiB msgpack"
 
 
 # -- convert --------------------------------------------------------------------

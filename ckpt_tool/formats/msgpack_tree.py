@@ -93,35 +93,58 @@ class _Entry:
     is_dir: bool
     committed: bool
     reason: str | None = None
+    # a step directory's items: ("",) when it is an item itself, else its item
+    # sub-directories (orbax 0.4 CheckpointManager: `default/`, or named items)
+    items: tuple[str, ...] = ()
+    json_items: tuple[str, ...] = ()
 
 
-def _step_dir_item(storage: Storage, name: str) -> str | None:
-    """'' when `name/` is an item itself, 'default' (etc.) when its one item is a sub-directory."""
-    sub_dirs, sub_files = storage.listdir(name)
-    sub = storage.child(name)
-    if _is_item(sub, sub_files):
-        return ""
-    items = [d for d in sub_dirs[:8] if TREE_FILE in sub.listdir(d)[1] and not sub.exists(f"{d}/{TREE_METADATA}")]
-    if len(items) == 1 and is_tree_file(sub, f"{items[0]}/{TREE_FILE}"):
-        return items[0]
-    return None
+def _layout_by_dir(storage: Storage) -> dict[str, dict[str, set[str]]]:
+    """For each top-level directory, in one pass over the listing: where its `checkpoint`,
+    `_METADATA` and JSON-item `metadata` files are ('' = the directory itself)."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for key in storage.list():
+        parts = key.split("/")
+        if len(parts) not in (2, 3) or parts[-1] not in (TREE_FILE, TREE_METADATA, "metadata"):
+            continue
+        where = parts[1] if len(parts) == 3 else ""
+        out.setdefault(parts[0], {}).setdefault(parts[-1], set()).add(where)
+    return out
+
+
+def _step_items(storage: Storage, name: str, found: dict[str, set[str]]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(msgpack items, JSON items) of a step directory, or None when it holds no msgpack tree."""
+    metadata = found.get(TREE_METADATA, set())
+    if "" in metadata:
+        return None  # an orbax >= 0.5 item: the Orbax reader's
+    trees = found.get(TREE_FILE, set()) - metadata
+    if "" in trees:
+        return (("",), ()) if is_tree_file(storage, f"{name}/{TREE_FILE}") else None
+    items = tuple(sorted(i for i in trees if is_tree_file(storage, f"{name}/{i}/{TREE_FILE}")))
+    if not items:
+        return None
+    json_items = tuple(sorted(found.get("metadata", set()) - set(items) - metadata - {""}))
+    return items, json_items
 
 
 def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[_Entry], list[str]]:
     """The steps of a root, and the loose msgpack files that are not steps."""
     steps: list[_Entry] = []
     loose: list[str] = []
+    layout = _layout_by_dir(storage) if dirs else {}
     sniffed = 0
     for d in dirs:
         number = _step_of(d)
-        if number is None:
+        if number is None or d not in layout:
             continue
         if _is_tmp(d):
             # an unfinished save: shown, never read as a step
-            steps.append(_Entry(d, number, True, False, "uncommitted save (temporary directory name)"))
+            if TREE_FILE in layout[d] and not layout[d].get(TREE_METADATA):
+                steps.append(_Entry(d, number, True, False, "uncommitted save (temporary directory name)"))
             continue
-        if _step_dir_item(storage, d) is not None:
-            steps.append(_Entry(d, number, True, True))
+        found = _step_items(storage, d, layout[d])
+        if found is not None:
+            steps.append(_Entry(d, number, True, True, items=found[0], json_items=found[1]))
     for f in files:
         if f.startswith((".", "_")) or sniffed >= _MAX_SNIFFED:
             continue
@@ -190,9 +213,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         raise NotFoundError("no msgpack checkpoint here", storage.url)
     chosen = _choose(storage, steps, step)
     if chosen.is_dir:
-        item = _step_dir_item(storage, chosen.name) or ""
-        sub = storage.child(chosen.name + ("/" + item if item else ""))
-        ckpt = _read_item(sub, chosen.name)
+        ckpt = _read_step_dir(storage, chosen)
     else:
         ckpt = read_file(storage, chosen.name)
     return _with_steps(ckpt, storage, steps, chosen.step, chosen.name)
@@ -238,13 +259,27 @@ def step_entries(storage: Storage) -> list[StepInfo]:
     return [StepInfo(e.name, e.step, e.committed, e.reason) for e in steps]
 
 
-def entry_storage(storage: Storage, name: str) -> tuple[Storage, str | None]:
-    """For a step entry: the item directory's storage (None file), or the root and the file's name."""
-    dirs, files = storage.listdir()
-    if name in files:
-        return storage, name
-    item = _step_dir_item(storage, name) or ""
-    return storage.child(name + ("/" + item if item else "")), None
+def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
+    """A step directory: one item, or several (named items; `default/` alone is unnamed, as orbax shows it)."""
+    if entry.items == ("",):
+        return _read_item(storage.child(entry.name), entry.name)
+    from .orbax import _read_json_item
+
+    unnamed = entry.items == ("default",) and not entry.json_items
+    leaves: list[Leaf] = []
+    notes: list[str] = []
+    layout: dict[str, Any] = {} if unnamed else {"items": sorted(entry.items + entry.json_items)}
+    fmt = "orbax"
+    for item in entry.items:
+        ckpt = _read_item(storage.child(f"{entry.name}/{item}"), item, prefix=() if unnamed else (item,))
+        fmt = ckpt.format
+        leaves += ckpt.leaves
+        notes += [n if unnamed else f"{item}: {n}" for n in ckpt.notes]
+        for k, v in ckpt.layout.items():
+            layout.setdefault(k, v)
+    for item in entry.json_items:
+        leaves += _read_json_item(storage.child(f"{entry.name}/{item}"), (item,))
+    return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=leaves, notes=notes)
 
 
 # -- one document ---------------------------------------------------------------
@@ -261,7 +296,7 @@ def read_file(storage: Storage, key: str) -> Checkpoint:
     return Checkpoint(path=f"{storage.url}/{key}", format="flax", layout=layout, leaves=builder.leaves)
 
 
-def _read_item(storage: Storage, name: str) -> Checkpoint:
+def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Checkpoint:
     """An orbax <= 0.4 item or a T5X step directory: the `checkpoint` file plus its arrays."""
     dirs, files = storage.listdir()
     tree = ms.scan(storage, TREE_FILE)
@@ -275,7 +310,7 @@ def _read_item(storage: Storage, name: str) -> Checkpoint:
             t5x_version = version.value
             tree = top["optimizer"]
     builder = _Builder(storage, TREE_FILE, t5x=t5x_version is not None)
-    builder.walk(tree, ())
+    builder.walk(tree, prefix)
     committed = not _is_tmp(name)
     if t5x_version is not None:
         layout: dict[str, Any] = {"storage": "directories", "zarr": 2, "t5x_version": t5x_version}

@@ -48,11 +48,17 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None, 
             report("uncommitted-save", f"{entry.reason}; the library will not restore it", file=entry.name + ("/" if entry.is_dir else ""))
             continue
         committed_any = True
-        sub, name = mt.entry_storage(storage, entry.name)
-        if name is not None:
-            family = _check_file(sub, name, findings, where="")
-        else:
-            family = _check_item(sub, entry.name, findings, where=sub.url[len(storage.url) + 1:] + "/")
+        if not entry.is_dir:
+            family = _check_file(storage, entry.name, findings, where="")
+            continue
+        for item in entry.items:
+            rel = f"{entry.name}/{item}" if item else entry.name
+            family = _check_item(storage.child(rel), item or entry.name, findings, where=rel + "/")
+        for item in entry.json_items:
+            try:
+                json.loads(storage.read(f"{entry.name}/{item}/metadata"))
+            except (ValueError, CkptError) as exc:
+                findings.error("bad-metadata", f"JSON item unreadable: {getattr(exc, 'message', exc)}", file=f"{entry.name}/{item}/metadata")
     if not committed_any:
         findings.error("no-steps", "no complete step in this directory", file=".")
     return family
