@@ -1,8 +1,11 @@
-"""`ckpt diff`: identical copies compare equal; one altered chunk is named exactly."""
+"""`ckpt diff`: identical copies compare equal; one altered chunk is named exactly; an
+`inspect --json` document as one side checks structure (and layout, when asked)."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,10 +13,11 @@ import tensorstore as ts
 from click.testing import CliRunner
 
 import ckpt_tool
-from ckpt_tool.cli.main import cli
+from ckpt_tool.cli.main import _run, cli
 from ckpt_tool.diff import diff_checkpoints
+from ckpt_tool.structure import MAX_DOCUMENT_BYTES, is_inspect_json_file, load_structure
 
-from conftest import ALL_FIXTURES, fixture_path
+from conftest import ALL_FIXTURES, ROOT, fixture_path, run_ckpt
 
 
 @pytest.mark.parametrize("name", ALL_FIXTURES)
@@ -60,14 +64,6 @@ def test_bad_rename_is_usage_error():
 
 
 # --- `ckpt diff CKPT EXPECTED.json`: an inspect --json document as one side ---
-
-import subprocess
-import sys
-
-from ckpt_tool.cli.main import _run
-from ckpt_tool.structure import MAX_DOCUMENT_BYTES, is_inspect_json_file, load_structure
-
-from conftest import ROOT, run_ckpt
 
 
 def _inspect_json(path, *args) -> dict:
