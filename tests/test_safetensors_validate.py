@@ -130,6 +130,8 @@ def test_header_length_refused_without_allocating(one, n, code, text):
 def test_short_file(one):
     (one / "model.safetensors").write_bytes(b"\1\2\3")
     assert _codes(one) == [("error", "truncated-file")]
+    (one / "model.safetensors").write_bytes(b"")
+    assert _codes(one) == [("error", "empty-file")]
 
 
 def test_deep_nesting_small_memory(one):

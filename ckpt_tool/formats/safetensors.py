@@ -176,6 +176,8 @@ def read_header(storage: Storage, name: str) -> Header:
     """
     where = f"{storage.url}/{name}"
     file_size = storage.size(name)
+    if file_size == 0:
+        raise HeaderError("empty-file", "0 bytes: no header, no data", where)
     if file_size < 8:
         raise HeaderError("truncated-file", f"{file_size} bytes: too short for the 8-byte header length", where)
     (n,) = struct.unpack("<Q", storage.read_range(name, 0, 8))
