@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-VARIANTS = ["dcp_conj", "dcp_zstd", "dcp_dups", "dcp_threads"]
+VARIANTS = ["dcp_conj", "dcp_zstd", "dcp_dups", "dcp_dups_replicated", "dcp_threads"]
 runner = CliRunner()
 
 
@@ -169,11 +169,11 @@ def test_validate_strict_passes(name, deep):
     code, out = ckpt(*args)
     doc = json.loads(out)
     assert code == 0 and doc["findings"] == [], doc
-    if deep and name == "dcp_dups":
+    if deep and name.startswith("dcp_dups"):
         assert doc["checked"]["duplicate_copies_compared"] == 2  # both dropped copies found and compared
 
 
-def test_validate_deep_is_silent_for_inspect_and_validate_imports():
+def test_validate_deep_of_zstd_imports_neither_torch_nor_jax():
     # inspect / validate of a zstd save must not pull in torch or jax
     import subprocess
     import sys
@@ -363,13 +363,16 @@ def _dropped_copy(path: Path, shape=(4, 3)) -> tuple[str, int, int]:
     spans: dict[str, list[tuple[int, int]]] = {}
     for info in md.storage_data.values():
         spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
-    for name, ranges in sorted(spans.items()):
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".distcp")):
+        ranges = spans.get(name, [])
         data = (path / name).read_bytes()
         gaps, pos = [], 0
         for a, b in sorted(ranges):
             if a > pos:
                 gaps.append((pos, a))
             pos = b
+        if pos < len(data):
+            gaps.append((pos, len(data)))
         for a, b in gaps:
             while a < b:
                 end = data.index(b"PK\x05\x06", a) + 22
@@ -425,6 +428,47 @@ def test_partial_overlap_is_still_an_error(copy_fixture):
         pickle.dump(md, f, protocol=4)
     report = validate_checkpoint(str(path))
     assert ("error", "chunk-overlap", "model/rep") in [(f.severity, f.code, f.leaf) for f in report.findings]
+
+
+def test_whole_unreferenced_file_of_copies_is_checked(copy_fixture):
+    """Data parallel: every item rank 0 wrote is a copy, so .metadata references none of its file."""
+    path = copy_fixture("dcp_dups_replicated")
+    assert {entry[0] for entry in _storage_files(path)} == {"__1_0.distcp"}
+    name, start, end = _dropped_copy(path, shape=(6, 2))
+    assert name == "__0_0.distcp"
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(6, 2), buf)
+    blob = bytearray((path / name).read_bytes())
+    assert len(buf.getvalue()) == end - start
+    blob[start:end] = buf.getvalue()
+    (path / name).write_bytes(bytes(blob))
+    assert validate_checkpoint(str(path)).ok(strict=True)
+    report = validate_checkpoint(str(path), deep=True)
+    assert [(f.code, f.leaf, f.file) for f in report.findings] == [("duplicate-mismatch", "model/w", name)]
+
+
+def _storage_files(path: Path) -> set[tuple[str, int, int]]:
+    from library_reference import dcp_storage
+
+    return set(dcp_storage(path).values())
+
+
+def test_unreferenced_files_that_are_not_copies_stay_stray(copy_fixture):
+    path = copy_fixture("dcp_dups_replicated")
+    (path / "__7_0.distcp").write_bytes(b"junk from elsewhere")  # not an item at all: shallow says so
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(5, 5), buf)  # a torch.save archive, but of no duplicated chunk: --deep says so
+    (path / "__8_0.distcp").write_bytes(buf.getvalue())
+    report = validate_checkpoint(str(path))
+    assert [(f.severity, f.code, f.file) for f in report.findings] == [("warning", "stray-file", "__7_0.distcp")]
+    report = validate_checkpoint(str(path), deep=True)
+    assert sorted((f.severity, f.code, f.file) for f in report.findings) == [
+        ("warning", "stray-file", "__7_0.distcp"), ("warning", "stray-file", "__8_0.distcp")
+    ]
 
 
 def test_nonempty_unreferenced_file_is_still_stray(copy_fixture):
@@ -538,6 +582,21 @@ def test_quantized_tensor_in_a_payload_is_refused_by_name():
     assert "model.q" in str(info.value) and "allow-list" not in str(info.value)
 
 
+def test_quantized_dcp_save_is_refused_by_name(tmp_path):
+    """A real dcp.save of a quantized tensor: validate says so, inspect and read refuse in one line."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "q"
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    dcp.save({"q": q, "w": torch.ones(2)}, checkpoint_id=str(path))
+    report = validate_checkpoint(str(path))
+    assert [(f.severity, f.code, f.leaf) for f in report.findings] == [("error", "bad-metadata", "q")]
+    assert "qint8" in report.findings[0].message
+    result = run_ckpt("inspect", str(path))
+    assert result.returncode == 1 and "qint8" in result.stderr and "[q]" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_sparse_layout_in_metadata_is_refused_on_read(copy_fixture):
     path = copy_fixture("dcp_threads")
     with open(path / ".metadata", "rb") as f:
@@ -548,3 +607,6 @@ def test_sparse_layout_in_metadata_is_refused_on_read(copy_fixture):
     with pytest.raises(ckpt_tool.CkptError, match="sparse_coo") as info:
         ckpt_tool.open(str(path))["w"].read()
     assert "[w]" in str(info.value)
+    report = validate_checkpoint(str(path))
+    assert [(f.code, f.leaf) for f in report.findings] == [("bad-metadata", "w")]
+    assert "sparse_coo" in report.findings[0].message

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .. import dtypes
 from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, short_repr
 from ..findings import Findings
 from ..formats import dcp, dcp_transforms, safe_pickle
@@ -188,11 +189,12 @@ def check_path(storage: Storage, findings: Findings) -> None:
     duplicates = sum(t.duplicates for t in tensors)
     for name in data_files:
         if name not in referenced:
-            if _size_or_none(storage, name) == 0:
+            size = _size_or_none(storage, name)
+            if size == 0:
                 # a thread_count > 1 save leaves an empty file for each thread
                 # that got no item: nothing was lost in it
                 continue
-            if duplicates:
+            if duplicates and size and _starts_like_an_item(storage, name):
                 # a planner that keeps replicated duplicates writes every copy,
                 # but .metadata points at one: a rank whose items were all
                 # copies has an unreferenced file. --deep checks what it holds.
@@ -214,6 +216,14 @@ def check_path(storage: Storage, findings: Findings) -> None:
     findings.count("files", len(referenced))
     if duplicates:
         findings.count("duplicate_chunks", duplicates)
+
+
+def _starts_like_an_item(storage: Storage, name: str) -> bool:
+    """Whether a data file begins as DCP items do: a torch.save zip or a zstd frame (4 bytes read)."""
+    try:
+        return storage.read_range(name, 0, 4) in (b"PK\x03\x04", b"\x28\xb5\x2f\xfd")
+    except (CkptError, OSError):
+        return False
 
 
 def _size_or_none(storage: Storage, name: str) -> int | None:
@@ -339,6 +349,20 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
         if not isinstance(props, safe_pickle.TensorProperties) or not isinstance(props.dtype, safe_pickle.TorchDType):
             findings.error("bad-metadata", f"{fqn}: tensor properties carry no torch dtype", leaf=leaf, file=where)
             continue
+        try:
+            dtypes.from_torch(props.dtype.name)
+        except CkptError as exc:  # e.g. a quantized tensor's qint8: reading it would fail, so would --deep
+            findings.error(
+                "bad-metadata", f"{fqn}: {exc.message}: ckpt cannot read, check or convert this tensor (load it with torch)",
+                leaf=leaf, file=where,
+            )
+        if isinstance(props.layout, str) and props.layout != "torch.strided":
+            findings.error(
+                "bad-metadata",
+                f"{fqn}: a {props.layout.removeprefix('torch.')} tensor: ckpt reads only strided (dense) tensors "
+                "and cannot check or convert it (load it with torch)",
+                leaf=leaf, file=where,
+            )
         try:
             shape = dcp._int_tuple(item.size, "tensor size", where)
         except CkptError as exc:
@@ -769,8 +793,8 @@ def check_duplicates_deep(storage: Storage, findings: Findings) -> None:
                     unexplained = True
                     break
                 compared += 1
-        if unexplained and name not in referenced:
-            # (the shallow check left unreferenced files of a duplicates save to this one)
+        if unexplained and name not in referenced and _starts_like_an_item(storage, name):
+            # (the shallow check left such files of a duplicates save to this one)
             findings.warning(
                 "stray-file",
                 "data file not referenced by .metadata and not holding copies of its replicated duplicates (left by "
