@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-VARIANTS = ["dcp_conj", "dcp_zstd", "dcp_dups", "dcp_dups_replicated", "dcp_threads"]
+VARIANTS = ["dcp_conj", "dcp_zstd", "dcp_dups", "dcp_dups_replicated", "dcp_dups_zstd", "dcp_threads"]
 runner = CliRunner()
 
 
@@ -414,6 +414,50 @@ def test_flipped_byte_in_a_dropped_copy_is_duplicate_mismatch(copy_fixture):
     (path / name).write_bytes(bytes(blob))
     report = validate_checkpoint(str(path), deep=True)
     assert [(f.code, f.leaf) for f in report.findings] == [("duplicate-mismatch", "model/rep")]
+
+
+def test_diverged_zstd_replica_is_duplicate_mismatch(copy_fixture):
+    """The dropped copies of a ZStandard save are zstd frames: one re-compressed from other values is found and compared."""
+    import io
+
+    import zstandard
+
+    path = copy_fixture("dcp_dups_zstd")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(path)).read_metadata()
+    ranges = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values() if i.relative_path == "__0_0.distcp")
+    data = (path / "__0_0.distcp").read_bytes()
+    gap_start = next(b for (a, b), (c, _) in zip(ranges, ranges[1:]) if c > b) if len(ranges) > 1 else ranges[0][1]
+    gap_end = next(c for (_, b), (c, _) in zip(ranges, ranges[1:]) if c > b)
+    # the gap holds the two dropped copies as zstd frames: decode each with zstandard, find model.rep's
+    reader = zstandard.ZstdDecompressor()
+    frames, pos = [], gap_start
+    while pos < gap_end:
+        obj = reader.decompressobj()
+        archive = obj.decompress(data[pos:gap_end])
+        end = gap_end - len(obj.unused_data)
+        frames.append((pos, end, archive))
+        pos = end
+    [(start, end, _)] = [
+        (a, b, arc) for a, b, arc in frames if tuple(torch.load(io.BytesIO(arc), weights_only=True).shape) == (4, 3)
+    ]
+    buf = io.BytesIO()
+    torch.save(torch.full((4, 3), 2.0), buf)
+    frame = zstandard.ZstdCompressor().compress(buf.getvalue())
+    blob = data[:start] + frame + data[end:]
+    (path / "__0_0.distcp").write_bytes(blob)
+    # .metadata's offsets after the replaced frame move with it
+    delta = len(frame) - (end - start)
+    for info in md.storage_data.values():
+        if info.relative_path == "__0_0.distcp" and info.offset >= end:
+            info.offset += delta
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f, protocol=4)
+    assert validate_checkpoint(str(path)).ok(strict=True)
+    report = validate_checkpoint(str(path), deep=True)
+    assert [(f.code, f.leaf, f.file) for f in report.findings] == [("duplicate-mismatch", "model/rep", "__0_0.distcp")]
+    assert "holds other values" in report.findings[0].message
 
 
 def test_partial_overlap_is_still_an_error(copy_fixture):
