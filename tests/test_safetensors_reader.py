@@ -206,3 +206,21 @@ def test_inspect_and_validate_import_no_torch_jax_safetensors():
 def test_diff_across_formats_same_file(written):
     res = run_ckpt("diff", str(written["bf16"]), str(written["bf16"] / "model.safetensors"), "--values")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_float8_e8m0_as_safe_open_reads_it(tmp_path):
+    """F8_E8M0 (MX scales), newer than safetensors.numpy: a hand-made file, read as safe_open reads it."""
+    import struct
+
+    import ml_dtypes
+
+    arr = np.array([[1, 2], [4, 0.5], [2**-20, 2**30]], dtype=ml_dtypes.float8_e8m0fnu)
+    header = json.dumps({"x": {"dtype": "F8_E8M0", "shape": [3, 2], "data_offsets": [0, 6]}}).encode()
+    header += b" " * (-len(header) % 8)
+    f = tmp_path / "scales.safetensors"
+    f.write_bytes(struct.pack("<Q", len(header)) + header + arr.tobytes())
+    with safe_open(str(f), framework="pt") as h:
+        ref = h.get_tensor("x")
+    leaf = ckpt_tool.open(str(f))["x"]
+    assert leaf.dtype == "float8_e8m0fnu"
+    assert _bits(leaf.read()) == _torch_bits(ref) == arr.tobytes()
