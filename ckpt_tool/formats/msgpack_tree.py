@@ -299,36 +299,40 @@ def read_file(storage: Storage, key: str) -> Checkpoint:
 def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Checkpoint:
     """An orbax <= 0.4 item or a T5X step directory: the `checkpoint` file plus its arrays."""
     dirs, files = storage.listdir()
-    tree = ms.scan(storage, TREE_FILE)
+    tree, t5x_version = t5x_state(ms.scan(storage, TREE_FILE))
     notes: list[str] = []
-    t5x_version = None
-    if isinstance(tree, ms.MapNode):
-        top = dict(tree.items)
-        version = top.get("version")
-        if "optimizer" in top and isinstance(version, ms.Scalar) and isinstance(version.value, int):
-            # t5x: {'version': 3, 'optimizer': state}; t5x restores the state under 'optimizer'
-            t5x_version = version.value
-            tree = top["optimizer"]
-    builder = _Builder(storage, TREE_FILE, t5x=t5x_version is not None)
+    builder = _Builder(storage, TREE_FILE)
     builder.walk(tree, prefix)
     committed = not _is_tmp(name)
-    if t5x_version is not None:
-        layout: dict[str, Any] = {"storage": "directories", "zarr": 2, "t5x_version": t5x_version}
+    layout: dict[str, Any]
+    if t5x_version is not None or builder.specs:
+        layout = {"storage": "directories", "zarr": 2, "t5x_version": t5x_version}
         builder.resolve_specs()
         fmt = "t5x"
     else:
         fmt = "orbax"
         layout = {"tree": "msgpack (orbax <= 0.4: no _METADATA)"}
-        if builder.placeholders:
-            use_ocdbt = ROOT_MANIFEST in files
-            layout.update(storage="ocdbt" if use_ocdbt else "directories", zarr=2, processes=1)
-            if use_ocdbt:
-                layout["ocdbt"] = "merged"
-            builder.resolve_placeholders(use_ocdbt, _read_shardings(storage, files))
         notes.append(f"tree from the msgpack file '{TREE_FILE}' (orbax <= 0.4 or Flax 0.7 with orbax: no {TREE_METADATA})")
+    if builder.placeholders:
+        use_ocdbt = ROOT_MANIFEST in files
+        layout.update(storage="ocdbt" if use_ocdbt else "directories", zarr=2, processes=1)
+        if use_ocdbt:
+            layout["ocdbt"] = "merged"
+        builder.resolve_placeholders(use_ocdbt, _read_shardings(storage, files))
     if not committed:
         notes.insert(0, "uncommitted save (temporary directory name)")
     return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=builder.leaves, committed=committed, notes=notes)
+
+
+def t5x_state(tree: ms.Node) -> tuple[ms.Node, int | None]:
+    """T5X's {'version': 3, 'optimizer': state}: the state (what t5x restores) and the version."""
+    if isinstance(tree, ms.MapNode):
+        top = dict(tree.items)
+        version = top.get("version")
+        if "optimizer" in top and isinstance(version, ms.Scalar) and isinstance(version.value, int) \
+                and not isinstance(version.value, bool):
+            return top["optimizer"], version.value
+    return tree, None
 
 
 def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
@@ -374,10 +378,9 @@ def _plain(node: ms.Node, where: str) -> Any:
 class _Builder:
     """Turns the scanned tree into leaves; external arrays are resolved afterwards."""
 
-    def __init__(self, storage: Storage, key: str, *, t5x: bool = False) -> None:
+    def __init__(self, storage: Storage, key: str) -> None:
         self.storage = storage
         self.key = key
-        self.t5x = t5x
         self.leaves: list[Leaf] = []
         self.placeholders: list[tuple[int, tuple[Key, ...], str]] = []
         self.specs: list[tuple[int, tuple[Key, ...], dict[str, Any]]] = []
@@ -392,7 +395,8 @@ class _Builder:
         if isinstance(node, ms.MapNode):
             if not node.items:
                 self._value(keys, "Dict", None, lambda: {})
-            elif self.t5x and _is_ts_spec(node):
+            elif _is_ts_spec(node):
+                # a T5X array stored by tensorstore
                 self.specs.append((len(self.leaves), keys, _plain(node, self.where)))
                 self.leaves.append(None)  # type: ignore[arg-type]  # filled by resolve_specs
             elif any(k == CHUNKED for k, _ in node.items):

@@ -74,8 +74,8 @@ def _scan(storage: Storage, key: str, findings: Findings, where: str) -> ms.Node
     return None
 
 
-def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where: str, *, t5x: bool = False) -> mt._Builder | None:
-    builder = mt._Builder(storage, key, t5x=t5x)
+def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where: str) -> mt._Builder | None:
+    builder = mt._Builder(storage, key)
     try:
         builder.walk(tree, ())
     except CkptError as exc:
@@ -109,16 +109,13 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
     tree = _scan(storage, mt.TREE_FILE, findings, where)
     if tree is None:
         return "orbax"
-    t5x = False
-    if isinstance(tree, ms.MapNode):
-        top = dict(tree.items)
-        if "optimizer" in top and isinstance(top.get("version"), ms.Scalar):
-            t5x, tree = True, top["optimizer"]
-    builder = _build(storage, mt.TREE_FILE, tree, findings, where, t5x=t5x)
+    tree, version = mt.t5x_state(tree)
+    builder = _build(storage, mt.TREE_FILE, tree, findings, where)
     if builder is None:
-        return "t5x" if t5x else "orbax"
+        return "orbax" if version is None else "t5x"
     dirs, files = storage.listdir()
-    if t5x:
+    family = "t5x" if version is not None or builder.specs else "orbax"
+    if builder.specs:
         arrays = []
         for _, keys, spec in builder.specs:
             leaf = "/".join(str(k) for k in keys)
@@ -127,7 +124,6 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
             except CkptError as exc:
                 findings.error("bad-metadata", exc.message, leaf=leaf, file=where + mt.TREE_FILE)
         _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
-        return "t5x"
     if builder.placeholders:
         use_ocdbt = mt.ROOT_MANIFEST in files
         keys = oc._check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
@@ -138,7 +134,7 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
             shardings = {}
         arrays = [("/".join(str(k) for k in keys_), pname, None) for _, keys_, pname in builder.placeholders]
         _check_arrays(storage, arrays, keys, use_ocdbt, files, shardings, findings, where)
-    return "orbax"
+    return family
 
 
 def _check_arrays(
