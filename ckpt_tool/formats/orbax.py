@@ -92,8 +92,8 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
 # wrote it (read from orbax's atomicity.py / step.py of each release):
 #
 #   version        _CHECKPOINT_METADATA        commit_success.txt
-#   <= 0.5.x       none (late 0.5.x: as 0.6)   gs:// only
-#   0.6 - 0.12.2   commit_timestamp_nsecs      gs:// only
+#   <= 0.5.10      none                        gs:// only
+#   0.5.11-0.12.2  commit_timestamp_nsecs      gs:// only
 #   0.12.3 and on  commit_timestamp_nsecs      everywhere (local: inside the
 #                                              tmp dir, before the rename)
 #
