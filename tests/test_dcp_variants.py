@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import tempfile
 from pathlib import Path
 

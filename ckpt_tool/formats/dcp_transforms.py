@@ -118,6 +118,18 @@ class _Cursor:
         self.pos += len(data)
         return data
 
+    def read_into(self, buffer: memoryview, where: str) -> int:
+        try:
+            n = self.reader.readinto(buffer)
+        except CkptError:
+            raise
+        except Exception as exc:
+            raise CorruptMetadataError(
+                f"the {self.what} stream does not decode: {_first_line(exc)}", where
+            ) from None
+        self.pos += n
+        return n
+
 
 _cursors: OrderedDict[tuple[Any, ...], _Cursor] = OrderedDict()
 _cursor_lock = threading.Lock()
@@ -183,21 +195,21 @@ class DecodedEntry:
             while cursor.pos < start:  # skip forward (decoded and dropped block by block)
                 if not cursor.read(min(_BLOCK, start - cursor.pos), self.where):
                     raise CorruptMetadataError("zstd stream ended early", self.where)
-            parts = []
-            need = end - start
-            while need:
-                block = cursor.read(need, self.where)
-                if not block:
+            out = bytearray(end - start)  # the region's bytes, decoded straight into place
+            view = memoryview(out)
+            filled = 0
+            while filled < len(out):
+                n = cursor.read_into(view[filled : filled + _BLOCK], self.where)
+                if not n:
                     raise CorruptMetadataError("zstd stream ended early", self.where)
-                parts.append(block)
-                need -= len(block)
+                filled += n
         except BaseException:
             cursor = None  # a failed cursor is not reused
             raise
         finally:
             if cursor is not None:
                 self._give_cursor(cursor)
-        return b"".join(parts)
+        return out  # type: ignore[return-value]  # (bytes-like: callers only slice and buffer it)
 
     def read_all(self) -> bytes:
         """The whole decoded item (for small bytes items), at most max_decoded bytes."""
