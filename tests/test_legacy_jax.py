@@ -390,6 +390,16 @@ def test_directory_of_step_directories_names_them(tmp_path, ckpt):
     assert f"ckpt inspect {tmp_path}/2" in err
 
 
+def test_bare_orbax_step_directories_open_as_a_root(tmp_path, ckpt):
+    # no CheckpointManager markers: just `1/` and `2/` saves side by side
+    for step in ("1", "2"):
+        shutil.copytree(FIXTURES / "orbax_ocdbt_zarr2", tmp_path / step)
+    r = ckpt("inspect", tmp_path, "--json", "--step", "1")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["step"] == 1 and [s["name"] for s in doc["steps"]] == ["1", "2"]
+
+
 def test_flax_step_directories_open_as_a_root_with_step(ckpt):
     r = ckpt("inspect", str(FIXTURES / "flax_orbax"), "--step", "1")
     assert r.returncode == 0, r.stderr

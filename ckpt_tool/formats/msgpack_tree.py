@@ -25,8 +25,10 @@ latest complete one. A local path naming one msgpack file reads that file.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -177,8 +179,6 @@ def detect(storage: Storage) -> bool:
 
 def split_local_file(url: str) -> tuple[str, str] | None:
     """(directory, file name) when `url` is a local path naming a file that holds a msgpack tree."""
-    import os
-
     if "://" in url and not url.startswith("file://"):
         return None  # object stores: a checkpoint is a prefix (directory) there
     path = os.path.abspath(os.path.expanduser(url[len("file://"):] if url.startswith("file://") else url))
@@ -248,15 +248,6 @@ def _choose(storage: Storage, steps: list[_Entry], step: str | int | None) -> _E
             f"no step {want}; steps here: " + ", ".join(str(s.step) for s in steps if s.step is not None), storage.url
         )
     return matches[0]
-
-
-def step_entries(storage: Storage) -> list[StepInfo]:
-    """The steps of a root (for validate), empty for a single checkpoint."""
-    dirs, files = storage.listdir()
-    if _is_item(storage, files):
-        return []
-    steps, _ = _entries(storage, dirs, files)
-    return [StepInfo(e.name, e.step, e.committed, e.reason) for e in steps]
 
 
 def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
@@ -609,7 +600,7 @@ class _FlatArray:
         run = (region[j].stop - region[j].start) * strides[j]
         lead = [range(r.start, r.stop) for r in region[:j]]
         pos = 0
-        for idx in _product(lead):
+        for idx in itertools.product(*lead):
             start = sum(i * s for i, s in zip(idx, strides)) + region[j].start * strides[j]
             self._copy(start * self.itemsize, run * self.itemsize, buf[pos: pos + run * self.itemsize])
             pos += run * self.itemsize
@@ -627,12 +618,3 @@ class _FlatArray:
                 self.storage.read_range_into(self.key, offset + lo - base, into[lo - flat_start: hi - flat_start])
                 done = hi - flat_start
             base += size
-
-
-def _product(ranges: list[range]):
-    if not ranges:
-        yield ()
-        return
-    import itertools
-
-    yield from itertools.product(*ranges)

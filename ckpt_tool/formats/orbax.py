@@ -60,8 +60,9 @@ def _step_number(name: str) -> int | None:
 def _looks_like_step(storage: Storage, dirs: list[str], files: list[str]) -> bool:
     if any(f in files for f in _MARKERS) or any(_PROCESS_DB.match(d) for d in dirs):
         return True
-    # a step made only of named items: <item>/_METADATA
-    return any(storage.exists(f"{d}/{TREE_METADATA}") for d in dirs[:32])
+    # a step made only of named items: <item>/_METADATA. Sub-directories named
+    # like steps (`1/`, `2/`: saves side by side) make a root of steps, not items.
+    return any(_step_number(d) is None and storage.exists(f"{d}/{TREE_METADATA}") for d in dirs[:32])
 
 
 def detect(storage: Storage) -> bool:
