@@ -20,8 +20,11 @@ straight to its final offset (a region of whole rows is one contiguous byte
 range), from several threads at once, with no reassembly: memory stays at
 the engine's few chunks in flight. A local file is written in place with
 pwritev and, once its last byte is there, fsynced and dropped from the page
-cache (storage.LocalFileWriter, buffered: O_DIRECT's block padding would
-overwrite the start of the next tensor). Other storage (S3, GCS) receives
+cache (storage.LocalFileWriter). Where the file system suits O_DIRECT
+(directio.py), the whole 4 KiB blocks inside a range bypass the page cache
+and only its two ends, which share a block with the neighbouring ranges, are
+written buffered: O_DIRECT's zero padding must never reach a byte of the next
+range. Other storage (S3, GCS) receives
 each file as one value, so a file is held in memory until complete: use a
 smaller --max-shard-size there.
 
@@ -41,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
+from .. import directio, dtypes
 from ..errors import CkptError, IncompleteCheckpointError
 from ..model import Region, stored_chunks
 from ..storage import LocalFileWriter, Storage
@@ -301,7 +304,7 @@ class SafetensorsWriter:
         if self._storage.local_root is not None:
             path = os.path.join(self._storage.local_root, f.name)  # our own file names: no containment risk
             os.makedirs(self._storage.local_root, exist_ok=True)
-            f.local = LocalFileWriter(path, f"{self._storage.url}/{f.name}", direct=False)
+            f.local = LocalFileWriter(path, f"{self._storage.url}/{f.name}", direct=directio.supported(self._storage.local_root))
             f.local.write_at(0, [f.header])
         else:
             f.data = bytearray(f.size)
@@ -309,7 +312,21 @@ class SafetensorsWriter:
 
     def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
         if f.local is not None:
-            f.local.write_at(offset, [view])
+            # the whole blocks inside the range can go to the disk with O_DIRECT
+            # (no padding: they end on a block boundary); the ends, which share
+            # a block with the neighbouring range, are written buffered
+            n = view.nbytes
+            start = directio.align_up(offset)
+            stop = (offset + n) // directio.ALIGNMENT * directio.ALIGNMENT
+            if stop - start >= directio.MIN_DIRECT_BYTES:
+                head, body = start - offset, stop - offset
+                if head:
+                    f.local.write_at(offset, [view[:head]])
+                f.local.write_at(start, [view[head:body]])
+                if body < n:
+                    f.local.write_at(stop, [view[body:]])
+            else:
+                f.local.write_at(offset, [view])
         else:
             assert f.data is not None
             f.data[offset : offset + view.nbytes] = view.data
