@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from click.testing import CliRunner
+
 import ckpt_tool
+from ckpt_tool.cli.main import cli
 from conftest import FIXTURES, fixture_path, run_ckpt, run_two_processes
 
 pytest.importorskip("safetensors")
@@ -22,9 +25,10 @@ LLAMA = FIXTURES / "safetensors_llama_sharded"
 
 
 def convert(src: Path | str, dst: Path, *args: str) -> dict:
-    res = run_ckpt("convert", str(src), str(dst), *args, "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    return json.loads(res.stdout)
+    """In-process (CliRunner): a fresh interpreter per conversion would double this file's time."""
+    res = CliRunner().invoke(cli, ["convert", str(src), str(dst), *args, "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
 
 
 def _bits(a) -> bytes:  # noqa: ANN001
