@@ -99,7 +99,12 @@ def validate_checkpoint(
     except UnsafePickleError as exc:
         findings.error("unsafe-pickle", exc.message, file=exc.where)
     except PathEscapeError as exc:
-        findings.error("path-escape", exc.message, file=exc.where)
+        where = exc.where or ""
+        for root in (storage.url, storage.local_root or storage.url):  # named relative to the checkpoint
+            if where.startswith(root.rstrip("/") + "/"):
+                where = where[len(root.rstrip("/")) + 1 :]
+                break
+        findings.error("path-escape", exc.message, file=where or exc.where)
     except CkptError as exc:
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
