@@ -274,6 +274,15 @@ def test_orbax_to_orbax_keeps_the_tuples(hops, tmp_path):
     same(orbax_restore(dst, rich=True), hops["source"])
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "ckpt diff matches leaves by path: DCP's one bytes item (betas, params, pair) against the Orbax "
+    "leaves below it (betas/0, betas/1) is only-in-A / only-in-B until diff.py flattens such a value "
+    "as convert does"))
+def test_diff_across_formats_compares_a_bytes_item_with_its_orbax_subtree(hops):
+    report = diff_checkpoints(ckpt_tool.open(str(SRC)), ckpt_tool.open(str(hops["orbax"])), values=True)
+    assert report.same, [d.to_json() for d in report.differences]
+
+
 def test_validate_strict_on_both_outputs(hops):
     for path in (hops["orbax"], hops["dcp"]):
         r = run_ckpt("validate", str(path), "--strict", "--deep")

@@ -153,39 +153,44 @@ def _unordered_set_order(hashes: list[int]) -> list[int]:
     """The iteration order of a libstdc++ std::unordered_set<std::string> after inserting
     strings with these hashes in this order (torch's files_written_).
 
-    A node goes to the front of the list when its bucket is empty, else to
-    the front of its bucket's run of nodes; a rehash relinks the nodes in list order the
-    same way. The first insertion allocates 13 buckets (11 asked for, then the
-    next listed prime), and the count grows to the next prime >= twice it
-    when the elements would outnumber the buckets.
+    The set is one linked list in which each bucket's nodes are contiguous: a
+    node goes to the front of the list when its bucket is empty, else to the
+    front of its bucket's run; a rehash relinks the nodes, in list order, the
+    same way. So the list is the buckets in order of first use, newest first,
+    each bucket's nodes newest first. The first insertion allocates 13
+    buckets (11 asked for, then the next listed prime); the count grows to the
+    next listed prime >= twice it when the elements would outnumber it.
     """
-    order: list[int] = []  # the singly linked list, as a Python list of hashes
+    runs: dict[int, list[int]] = {}  # bucket -> its nodes, oldest first (read reversed)
+    firsts: list[int] = []  # buckets in order of first use, oldest first (read reversed)
     buckets = 1
     next_resize = 0
+
+    def insert(h: int) -> None:
+        b = h % buckets
+        run = runs.get(b)
+        if run is None:
+            runs[b] = [h]
+            firsts.append(b)
+        else:
+            run.append(h)
+
+    def order() -> list[int]:
+        return [h for b in reversed(firsts) for h in reversed(runs[b])]
 
     for i, h in enumerate(hashes):
         if i + 1 > next_resize:
             min_buckets = max(i + 1, 0 if next_resize else 11)
             if min_buckets >= buckets:
+                nodes = order()
                 buckets = _next_bucket_count(max(min_buckets + 1, buckets * 2))
-                next_resize = buckets
-                order = _rehash(order, buckets)
-            else:
-                next_resize = buckets
-        b = h % buckets
-        first = next((j for j, x in enumerate(order) if x % buckets == b), None)
-        order.insert(0 if first is None else first, h)
-    return order
-
-
-def _rehash(nodes: list[int], count: int) -> list[int]:
-    """libstdc++'s _M_rehash_aux (unique keys): relink the nodes, in list order, into `count` buckets."""
-    out: list[int] = []
-    for h in nodes:
-        b = h % count
-        first = next((i for i, x in enumerate(out) if x % count == b), None)
-        out.insert(0 if first is None else first, h)
-    return out
+                runs.clear()
+                firsts.clear()
+                for node in nodes:
+                    insert(node)
+            next_resize = buckets
+        insert(h)
+    return order()
 
 
 class _ZipBuilder:
