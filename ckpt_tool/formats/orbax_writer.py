@@ -189,7 +189,8 @@ def _value_leaf(target: TargetValue, zarr3: bool) -> _Leaf:
         # orbax itself saves None and empty containers as metadata-only leaves
         return _Leaf(tuple(target.keys), target.name, empty)
     raise UnsupportedValueError(
-        f"a {type(value).__name__} value has no Orbax leaf type (only arrays, numbers and strings)", where
+        f"a {type(value).__name__} value has no Orbax leaf type (only arrays, numbers, strings, None and empty containers)",
+        where,
     )
 
 
