@@ -210,6 +210,8 @@ def _run_killing(server: MotoServer, args: list[str], *, after: int, method: str
     full_env = dict(os.environ)
     full_env.pop("CKPT_DEBUG", None)
     full_env.update(server.env)
+    # two attempts per request: the defaults are timed by the closed-port tests
+    full_env["CKPT_IO_RETRIES"] = "2"
     full_env.update(env or {})
     fired = server.freeze_after(after, method)
     started = time.monotonic()
@@ -277,13 +279,18 @@ def test_server_killed_mid_write(moto, name, to, after):
     _assert_one_line_naming(r, elapsed, moto.endpoint)
 
 
-def test_hung_server_hits_the_deadline(moto, tmp_path):
+@pytest.mark.parametrize("name, command", [
+    ("dcp_multirank", ["convert", "{src}", "{dst}", "--to", "orbax"]),
+    ("orbax_ocdbt_zarr2", ["convert", "{src}", "{dst}", "--to", "dcp"]),
+    ("orbax_ocdbt_zarr2", ["validate", "{src}", "--deep"]),
+])
+def test_hung_server_hits_the_deadline(moto, tmp_path, name, command):
     """A server that accepts connections and never answers: CKPT_IO_TIMEOUT ends the run."""
-    src = moto.upload("dcp_multirank")
+    src = moto.upload(name)
     moto.proc.send_signal(signal.SIGSTOP)  # the kernel still accepts connections; nothing answers
     dst = tmp_path / "out"
     started = time.monotonic()
-    r = run_ckpt("convert", src, str(dst), "--to", "orbax", env={**moto.env, "CKPT_IO_TIMEOUT": "3"}, timeout=WALL_LIMIT_S)
+    r = run_ckpt(*[c.format(src=src, dst=dst) for c in command], env={**moto.env, "CKPT_IO_TIMEOUT": "3"}, timeout=WALL_LIMIT_S)
     elapsed = time.monotonic() - started
     _assert_one_line_naming(r, elapsed, moto.endpoint)
     assert "no answer within 3 s" in r.stderr and "CKPT_IO_TIMEOUT" in r.stderr

@@ -252,7 +252,9 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
     if not storage.exists(manifest_key):
         findings.error("lost-process-data", f"{ob.ROOT_MANIFEST} missing", file=base_where + ob.ROOT_MANIFEST)
         return set()
-    base_kv = ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context).result()
+    # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
+    base_kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context),
+                           "cannot open the OCDBT database", base_where or ".")
     needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
 
     def need(location: str) -> tuple[str, int, int] | None:
@@ -268,9 +270,9 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
 
     lost_files: set[str] = set()
     try:
-        manifest = ts.ocdbt.dump(base_kv, context=storage.context).result()
-    except Exception as exc:  # tensorstore raises ValueError with a status text
-        findings.error("lost-process-data", f"unreadable manifest: {ts_error_text(exc)}", file=base_where + ob.ROOT_MANIFEST)
+        manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
+    except CkptError as exc:  # tensorstore raises ValueError with a status text
+        findings.error("lost-process-data", exc.message, file=base_where + ob.ROOT_MANIFEST)
         return set()
     roots = [v.get("root", {}).get("location") for v in manifest.get("versions", [])]
     roots += [n.get("location") for n in manifest.get("version_tree_nodes", []) if isinstance(n, dict)]
@@ -292,9 +294,9 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
             # node files are enough (walking every leaf again doubles the cost)
             continue
         try:
-            node = ts.ocdbt.dump(base_kv, loc, context=storage.context).result()
-        except Exception as exc:
-            findings.error("lost-process-data", f"unreadable B-tree node {loc}: {ts_error_text(exc)}", file=base_where + file)
+            node = storage.wait(ts.ocdbt.dump(base_kv, loc, context=storage.context), f"unreadable B-tree node {loc}", base_where)
+        except CkptError as exc:
+            findings.error("lost-process-data", exc.message, file=base_where + file)
             continue
         seen += 1
         for entry in node.get("entries", []):
