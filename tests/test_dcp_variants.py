@@ -625,6 +625,27 @@ def test_quantized_tensor_in_a_payload_is_refused_by_name():
     assert "model.q" in str(info.value) and "allow-list" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (lambda: torch.randn(3, 3).to_sparse(), "sparse tensor"),
+        (lambda: torch.randn(3, 3).to_sparse_csr(), "sparse tensor"),
+        (lambda: torch.empty(3, device="meta"), "meta-device tensor"),
+        (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "nested tensor"),
+    ],
+    ids=["sparse_coo", "sparse_csr", "meta", "nested"],
+)
+def test_tensors_ckpt_cannot_honour_are_refused_by_name(make, what):
+    """torch.save's other rebuilds (DCP cannot save these, but a bytes item or another writer's archive can hold them)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(make(), buf)
+    with pytest.raises(ckpt_tool.CkptError, match=what) as info:
+        torch_payload.open_payload(buf.getvalue(), "x.distcp [model.t]")
+    assert "model.t" in str(info.value) and "allow-list" not in str(info.value)
+
+
 def test_quantized_dcp_save_is_refused_by_name(tmp_path):
     """A real dcp.save of a quantized tensor: validate says so, inspect and read refuse in one line."""
     import torch.distributed.checkpoint as dcp
