@@ -73,6 +73,27 @@ def _renamed(path: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     return path
 
 
+def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, Leaf]:
+    """Value leaves whose path is an inner node on the other side, flattened as
+    convert flattens them (only those are loaded: a few small items)."""
+    from .engine import _flatten_value, _memory_leaf  # convert's own flattening rule
+
+    inner = {p.rsplit("/", i)[0] for p in other for i in range(1, p.count("/") + 1)}
+    out: dict[str, Leaf] = {}
+    for path, leaf in side.items():
+        if not (isinstance(leaf, ValueLeaf) and path not in other and path in inner):
+            out[path] = leaf
+            continue
+        for sub_keys, sub in _flatten_value((), leaf.load()):
+            sub_path = "/".join([path, *(str(k) for k in sub_keys)])
+            keys = tuple(leaf.keys) + sub_keys
+            if isinstance(sub, np.ndarray):
+                out[sub_path] = _memory_leaf(keys, ".".join(map(str, keys)), sub)
+            else:
+                out[sub_path] = ValueLeaf(keys, leaf.name, leaf.value_type, loader=lambda v=sub: v)
+    return out
+
+
 def diff_checkpoints(
     a: Checkpoint,
     b: Checkpoint,
@@ -95,6 +116,12 @@ def diff_checkpoints(
     rules = parse_rename_rules(rename or [])
     left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
     right = {leaf.path: leaf for leaf in b.leaves}
+    # a DCP bytes item holding a list/tuple/dict is a subtree once converted to
+    # Orbax: compare it the way convert flattens it
+    if not isinstance(a, RecordedStructure):
+        left = _expand_values(left, right)
+    if not isinstance(b, RecordedStructure):
+        right = _expand_values(right, left)
     if pattern:
         rx = glob_to_regex(pattern)
         left = {p: leaf for p, leaf in left.items() if rx.fullmatch(p)}

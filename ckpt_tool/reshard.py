@@ -650,7 +650,7 @@ def plan_reshard(
         )
         targets.append(replace(target, layout=RegularGrid(lp.chunk_shape), sharding=sharding))
 
-    plan = WritePlan(targets, info=dict(base.info, mesh=mesh.to_json()))
+    plan = WritePlan(targets, info=dict(base.info, mesh=mesh.to_json()), tuples=base.tuples)
     by_path = {lp.path: lp for lp in leaves}
     owners: list[int] = []
     loads = [ProcessLoad() for _ in range(process_count)]
