@@ -846,6 +846,8 @@ def _zip_end(window: _Window, start: int, limit: int) -> int | None:
                 if ok and eocd + _EOCD.size + comment <= limit:
                     return eocd + _EOCD.size + comment
             at = block.find(b"PK\x05\x06", at + 1)
+        if pos + len(block) >= limit:
+            return None
         pos += max(1, len(block) - 3)  # overlap: a signature across two blocks
     return None
 
