@@ -34,6 +34,8 @@ bench: compile
 # Regenerate the committed fixtures with real orbax-checkpoint and torch.
 fixtures: $(STAMP)
 	$(PY) fixtures/generate.py
+	$(PY) fixtures/gen_fsdp2.py
+	$(PYTHON) fixtures/gen_orbax_versions.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
