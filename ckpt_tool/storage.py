@@ -33,6 +33,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections import Counter
 from typing import Any, Iterable, Iterator
 
@@ -100,30 +101,40 @@ _TRANSPORT = re.compile(
     r"Operation timed out|Timeout was reached|Failure when receiving|Empty reply from server|Recv failure|"
     r"Send failure|Connection reset|Server returned nothing"
 )
-_UNAVAILABLE: StorageUnavailableError | None = None
-_UNAVAILABLE_LOCK = threading.Lock()
+# (when, endpoint, error) of every endpoint that stopped answering, oldest first
+_FAILURES: list[tuple[float, str | None, StorageUnavailableError]] = []
+_FAILURES_LOCK = threading.Lock()
 # the endpoint of the last remote store opened, for errors that come from
 # tensorstore calls made outside this module (array reads, OCDBT dumps)
 _LAST_ENDPOINT: str | None = None
 
 
-def unavailable() -> StorageUnavailableError | None:
-    """The first remote endpoint failure of this run, if any."""
-    return _UNAVAILABLE
+def raise_if_unavailable(*, endpoint: str | None = None, since: float | None = None) -> None:
+    """Raise the StorageUnavailableError of an endpoint that stopped answering.
+
+    `since` (a time.monotonic() value): the first failure recorded since then,
+    however long ago (validate asks this at the end of its run). Otherwise
+    fail fast: a failure of `endpoint` (any endpoint when None) within the
+    last CKPT_IO_TIMEOUT seconds, so one dead server costs a run one
+    deadline, not one per chunk, while a long-lived process (a notebook)
+    gets to try again later.
+    """
+    now = time.monotonic()
+    with _FAILURES_LOCK:
+        for when, ep, err in _FAILURES:
+            if since is not None:
+                hit = when >= since
+            else:
+                hit = (endpoint is None or ep == endpoint) and now - when < IO_TIMEOUT
+            if hit:
+                raise StorageUnavailableError(err.message, err.where)
 
 
-def raise_if_unavailable() -> None:
-    """Fail at once when a remote endpoint already stopped answering in this run."""
-    if _UNAVAILABLE is not None:
-        raise StorageUnavailableError(_UNAVAILABLE.message, _UNAVAILABLE.where)
-
-
-def _note_unavailable(message: str, where: str | None) -> StorageUnavailableError:
-    global _UNAVAILABLE
+def _note_unavailable(message: str, where: str | None, endpoint: str | None) -> StorageUnavailableError:
     err = StorageUnavailableError(message, where)
-    with _UNAVAILABLE_LOCK:
-        if _UNAVAILABLE is None:
-            _UNAVAILABLE = err
+    with _FAILURES_LOCK:
+        _FAILURES.append((time.monotonic(), endpoint, err))
+        del _FAILURES[:-64]  # bounded: only the recent ones matter
     return err
 
 
@@ -469,6 +480,8 @@ class Storage:
         self._check_local = check_local and local_root is not None
         # every key under the root, once listed (see list())
         self._listing: list[str] | None = None
+        # when this store was opened (time.monotonic()): failures since then belong to this run
+        self.opened_at = time.monotonic()
         # remote stores: the endpoint named when it stops answering, and deadlines apply
         self._endpoint = _endpoint_of(spec)
         # local roots opened for reading: the scan behind guard(), and where this root sits in it
@@ -500,9 +513,11 @@ class Storage:
         endpoint = _endpoint_of(spec)
         if endpoint is not None:
             _LAST_ENDPOINT = endpoint
-        probe = Storage.__new__(Storage)  # only for its deadline and error wording
-        probe._endpoint = endpoint
-        return probe.wait(ts.KvStore.open(spec, context=_CONTEXT), what, url)
+        try:
+            fut = ts.KvStore.open(spec, context=_CONTEXT)
+        except Exception as exc:  # tensorstore raises ValueError for bad specs
+            raise _error_for(exc, endpoint, what, url) from exc
+        return _wait_for(fut, endpoint, 0, what, url)
 
     def child(self, relpath: str) -> "Storage":
         """The storage rooted at a sub-directory (containment checked)."""
@@ -874,35 +889,22 @@ class Storage:
 
         For tensorstore calls made outside this module (array opens and reads):
         a failure is a CkptError `<where>: <what>: ...`; a remote endpoint that
-        does not answer is a StorageUnavailableError naming it.
+        does not answer is a StorageUnavailableError naming it. `nbytes`: what
+        the operation moves, which extends the deadline.
         """
         try:
-            return self._wait(future, nbytes, what, where)
+            return _wait_for(future, self._endpoint, nbytes, what, where)
         except CkptError:
             raise
         except Exception as exc:
             raise self._error(exc, what, where) from exc
 
     def _wait(self, future: Any, nbytes: int, what: str, where: str) -> Any:
-        if self._endpoint is None:
-            return future.result()
-        raise_if_unavailable()
-        timeout = _deadline(nbytes)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise _note_unavailable(
-                f"{what}: storage endpoint {self._endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where
-            ) from None
+        """As wait(), but tensorstore's own exceptions pass through (callers that read their status)."""
+        return _wait_for(future, self._endpoint, nbytes, what, where)
 
     def _error(self, exc: BaseException, what: str, where: str) -> CkptError:
-        text = _text(exc)
-        if self._endpoint is not None and _TRANSPORT.search(text):
-            return _note_unavailable(f"{what}: {_transport_detail(text, self._endpoint)}", where)
-        if "Too many levels of symbolic links" in text:
-            return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
-        return CkptError(f"{what}: {text}", where)
+        return _error_for(exc, self._endpoint, what, where)
 
     # -- internals -------------------------------------------------------
     def _where(self, key: str) -> str:
@@ -963,6 +965,31 @@ class Storage:
         return bytes(res.value)
 
 
+def _wait_for(future: Any, endpoint: str | None, nbytes: int, what: str, where: str) -> Any:
+    """future.result(), with the deadline and the fail-fast check when the store is remote."""
+    if endpoint is None:
+        return future.result()
+    raise_if_unavailable(endpoint=endpoint)
+    timeout = _deadline(nbytes)
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise _note_unavailable(
+            f"{what}: storage endpoint {endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where, endpoint
+        ) from None
+
+
+def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) -> CkptError:
+    """A tensorstore failure as one line: no answer from a remote endpoint, a symlink loop, or its own text."""
+    text = _text(exc)
+    if endpoint is not None and _TRANSPORT.search(text):
+        return _note_unavailable(f"{what}: {_transport_detail(text, endpoint)}", where, endpoint)
+    if "Too many levels of symbolic links" in text:
+        return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    return CkptError(f"{what}: {text}", where)
+
+
 def _fsync_path(path: str, flags: int) -> None:
     fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -993,5 +1020,5 @@ def ts_error_text(exc: BaseException) -> str:
     text = _text(exc)
     if _LAST_ENDPOINT is not None and _TRANSPORT.search(text):
         text = _transport_detail(text, _LAST_ENDPOINT)
-        _note_unavailable(text, None)
+        _note_unavailable(text, None, _LAST_ENDPOINT)
     return text

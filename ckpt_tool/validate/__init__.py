@@ -117,6 +117,6 @@ def validate_checkpoint(
         if not any(n == rel or n.endswith("/" + rel) for n in named):
             findings.error("path-escape", message, file=rel)
     # a remote store that stopped answering is the run's one error, not a finding per chunk
-    raise_if_unavailable()
+    raise_if_unavailable(since=storage.opened_at)
     url = f"{storage.url}/{single[1]}" if single else storage.url
     return ValidationReport(url, fmt, findings.items, findings.checked, deep)
