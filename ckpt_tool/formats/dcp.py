@@ -473,7 +473,8 @@ class _TensorReader:
         """Chunk i's bulk read: fill a buffer with its entry's bytes from a position."""
         entry = self._item.entries[i]
         if entry.transforms:
-            return None  # the stored bytes are not the archive's: read through the decoder
+            # the stored bytes are not the archive's: decode straight into the buffer
+            return self._decoded(i, entry, where, _entry_fetch(self._storage, entry, where)).fetch_into
 
         def fetch_into(start: int, buffer: Any) -> None:
             if start + memoryview(buffer).nbytes > entry.length:
@@ -481,6 +482,18 @@ class _TensorReader:
             self._storage.read_range_into(entry.relative_path, entry.offset + start, buffer)
 
         return fetch_into
+
+    def _decoded(self, i: int, entry: _Entry, where: str, fetch: Fetch) -> Any:
+        """Chunk i's transformed entry as a DecodedEntry (its decoded length once known)."""
+        with self._lock:
+            known = self._decoded_lengths.get(i)
+        # the decoded archive holds the chunk's bytes plus small records
+        expected = math.prod(self._item.chunks[i].sizes) * self._dtype.itemsize
+        return _transforms_module().DecodedEntry(
+            fetch, entry.length, entry.transforms, where,
+            max_decoded=2 * expected + _ARCHIVE_SLACK,
+            key=(self._storage.url, entry.relative_path, entry.offset), length=known,
+        )
 
     def _locate(self, i: int) -> tuple[TensorPayload, Fetch, str]:
         """Chunk i's validated payload location, a fetch over its entry, and its `where`."""
@@ -492,15 +505,7 @@ class _TensorReader:
         length = entry.length
         decoded = None
         if entry.transforms:
-            with self._lock:
-                known = self._decoded_lengths.get(i)
-            # the decoded archive holds the chunk's bytes plus small records
-            expected = math.prod(chunk.sizes) * self._dtype.itemsize
-            decoded = _transforms_module().DecodedEntry(
-                fetch, entry.length, entry.transforms, where,
-                max_decoded=2 * expected + _ARCHIVE_SLACK,
-                key=(self._storage.url, entry.relative_path, entry.offset), length=known,
-            )
+            decoded = self._decoded(i, entry, where, fetch)
             fetch = decoded.fetch
 
         with self._lock:

@@ -133,6 +133,11 @@ class _Cursor:
 
 _cursors: OrderedDict[tuple[Any, ...], _Cursor] = OrderedDict()
 _cursor_lock = threading.Lock()
+# Reads of one entry are serialised (a zstd stream decodes in order anyway):
+# a worker asking for the next block waits for the cursor instead of
+# decoding the stream again from its start. Striped: a lock per entry would
+# grow with the checkpoint.
+_ENTRY_LOCKS = tuple(threading.Lock() for _ in range(64))
 
 
 class DecodedEntry:
@@ -190,16 +195,37 @@ class DecodedEntry:
         tail_start = length - len(self._tail)
         if start >= tail_start and self._tail:
             return self._tail[start - tail_start : end - tail_start]
-        cursor = self._take_cursor(start)
+        out = bytearray(end - start)
+        self.fetch_into(start, out)
+        return out  # type: ignore[return-value]  # (bytes-like: callers only slice and buffer it)
+
+    def fetch_into(self, start: int, buffer: Any) -> None:
+        """Decode bytes [start, start + len(buffer)) straight into `buffer` (no second copy of a big region)."""
+        length = self.length if self.length is not None else self.scan()
+        view = memoryview(buffer).cast("B")
+        if start < 0 or start + len(view) > length:
+            raise CorruptMetadataError(
+                f"read of [{start}, {start + len(view)}) past the decoded item's {length} bytes", self.where
+            )
+        lock = _ENTRY_LOCKS[hash(self._key) % len(_ENTRY_LOCKS)] if self._key is not None else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            self._decode_into(start, view)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _decode_into(self, start: int, view: memoryview) -> None:
+        cursor: _Cursor | None = self._take_cursor(start)
         try:
             while cursor.pos < start:  # skip forward (decoded and dropped block by block)
                 if not cursor.read(min(_BLOCK, start - cursor.pos), self.where):
                     raise CorruptMetadataError("zstd stream ended early", self.where)
-            out = bytearray(end - start)  # the region's bytes, decoded straight into place
-            view = memoryview(out)
+            out = view
             filled = 0
             while filled < len(out):
-                n = cursor.read_into(view[filled : filled + _BLOCK], self.where)
+                n = cursor.read_into(out[filled : filled + _BLOCK], self.where)
                 if not n:
                     raise CorruptMetadataError("zstd stream ended early", self.where)
                 filled += n
@@ -209,7 +235,6 @@ class DecodedEntry:
         finally:
             if cursor is not None:
                 self._give_cursor(cursor)
-        return out  # type: ignore[return-value]  # (bytes-like: callers only slice and buffer it)
 
     def read_all(self) -> bytes:
         """The whole decoded item (for small bytes items), at most max_decoded bytes."""
