@@ -469,7 +469,7 @@ class _TensorReader:
             where,
         )
 
-    def _fetch_into(self, i: int, where: str) -> Callable[[int, Any], None] | None:
+    def _fetch_into(self, i: int, where: str) -> Callable[[int, Any], None]:
         """Chunk i's bulk read: fill a buffer with its entry's bytes from a position."""
         entry = self._item.entries[i]
         if entry.transforms:
