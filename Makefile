@@ -36,6 +36,7 @@ fixtures: $(STAMP)
 	$(PY) fixtures/generate.py
 	$(PY) fixtures/gen_fsdp2.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
+	$(PYTHON) fixtures/gen_legacy_jax.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

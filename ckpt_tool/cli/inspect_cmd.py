@@ -62,7 +62,14 @@ def _layout_text(ck: Any) -> str:
             text += f", {lay['processes']} processes"
         if lay.get("items"):
             text += ", items: " + ", ".join(lay["items"])
+        if lay.get("tree", "").startswith("msgpack"):
+            text += ", msgpack tree (orbax <= 0.4)"
         return text
+    if ck.format == "flax":
+        return f"Flax msgpack ({lay['file']})" if lay.get("file") else "Flax msgpack"
+    if ck.format == "t5x":
+        text = "T5X" + (f" v{lay['t5x_version']}" if lay.get("t5x_version") is not None else "")
+        return text + (f", zarr{lay['zarr']} array directories" if lay.get("zarr") else "")
     if ck.format == "dcp":
         text = "torch.distributed.checkpoint"
         if lay.get("files") is not None:
