@@ -35,6 +35,7 @@ bench: compile
 fixtures: $(STAMP)
 	$(PY) fixtures/generate.py
 	$(PY) fixtures/gen_fsdp2.py
+	$(PY) fixtures/gen_dcp_variants.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
 	$(PYTHON) fixtures/gen_legacy_jax.py
 
