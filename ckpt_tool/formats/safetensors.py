@@ -363,9 +363,11 @@ class Layout:
 
 
 def scan(storage: Storage, only: str | None = None) -> Layout:
-    """Read the index (if any) and every header; raise on unusable headers, list the rest as problems."""
-    _, top = storage.listdir()
-    top_set = set(top)
+    """Read the index (if any) and every header; raise on unusable headers, list the rest as problems.
+
+    `only`: just that file (no listing: its directory may hold anything, e.g. a home directory)."""
+    top = [] if only is not None else storage.listdir()[1]
+    top_set = set(top) if only is None else {only}
     index: dict[str, str] | None = None
     total: int | None = None
     stray: list[str] = []
@@ -524,7 +526,7 @@ def _checkpoint(storage: Storage, layout: Layout) -> Checkpoint:
     notes = _notes(layout)
     notes[:0] = [p.message if p.tensor is None else f"{p.tensor}: {p.message}" for p in layout.problems
                  if p.code in ("leaf-missing", "missing-file") and p.severity == "error"]
-    if "sharded" in storage.listdir()[0]:
+    if layout.index is not None and "sharded" in storage.listdir()[0]:
         notes.append("sharded/: torch DCP per-rank files of a consolidated save (not read; the files here are the consolidated ones)")
     ranks = None
     if layout.dcp:

@@ -18,8 +18,9 @@ from ..storage import Storage
 
 
 def check_path(storage: Storage, findings: Findings, *, only: str | None = None) -> None:
-    _, top = storage.listdir()
-    top_set = set(top)
+    """`only`: check just that file of `storage` (not listed: its directory may hold anything)."""
+    top = [] if only is not None else storage.listdir()[1]
+    top_set = set(top) if only is None else ({only} if storage.exists(only) else set())
     index: dict[str, str] | None = None
     total: int | None = None
     if only is not None:
@@ -46,7 +47,8 @@ def check_path(storage: Storage, findings: Findings, *, only: str | None = None)
     headers: dict[str, st.Header] = {}
     for name in files:
         if name not in top_set:
-            findings.error("missing-file", f"named in {st.INDEX_FILE} but does not exist", file=name)
+            why = "no such file" if only is not None else f"named in {st.INDEX_FILE} but does not exist"
+            findings.error("missing-file", why, file=name)
             continue
         try:
             header = st.read_header(storage, name)
