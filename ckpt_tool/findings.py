@@ -7,6 +7,7 @@ README lists them from CODES.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,18 +64,53 @@ class Finding:
         }
 
 
+# findings of one severity and code for one leaf past this many are counted,
+# not listed: a tensor claiming 2^62 chunks must not print 2^62 lines
+MAX_PER_LEAF = 50
+
+
 @dataclass
 class Findings:
-    """An append-only collector the checks share."""
+    """An append-only collector the checks share (thread-safe: --deep adds from workers).
+
+    Per leaf, the first MAX_PER_LEAF findings of each (severity, code) are
+    kept; the rest are counted in one closing finding "... and N more".
+    """
 
     items: list[Finding] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
+    # (severity, code, leaf) -> [findings seen, index of the "and N more" item or -1]
+    _per_leaf: dict[tuple[str, str, str], list[int]] = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def _add(self, finding: Finding) -> None:
+        with self._lock:
+            if finding.leaf is None:
+                self.items.append(finding)
+                return
+            key = (finding.severity, finding.code, finding.leaf)
+            seen = self._per_leaf.setdefault(key, [0, -1])
+            seen[0] += 1
+            if seen[0] <= MAX_PER_LEAF:
+                self.items.append(finding)
+                return
+            more = seen[0] - MAX_PER_LEAF
+            summary = Finding(
+                finding.severity, finding.code,
+                f"... and {more:,} more {finding.code} finding{'s' if more > 1 else ''} for this leaf (not listed)",
+                finding.leaf, None,
+            )
+            if seen[1] < 0:
+                seen[1] = len(self.items)
+                self.items.append(summary)
+            else:
+                self.items[seen[1]] = summary
 
     def error(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
-        self.items.append(Finding(ERROR, code, message, leaf, file))
+        self._add(Finding(ERROR, code, message, leaf, file))
 
     def warning(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
-        self.items.append(Finding(WARNING, code, message, leaf, file))
+        self._add(Finding(WARNING, code, message, leaf, file))
 
     def count(self, what: str, n: int = 1) -> None:
         self.checked[what] = self.checked.get(what, 0) + n

@@ -21,6 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from .. import dtypes
+from . import orbax_schema as schema
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
 from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
 from ..storage import PendingReads, Storage, ts_error_text
@@ -169,7 +170,10 @@ def read_step_metadata(storage: Storage, files: list[str]) -> Any:
     if CHECKPOINT_METADATA not in files:
         return None
     try:
-        return _read_json(storage, CHECKPOINT_METADATA)
+        doc = _read_json(storage, CHECKPOINT_METADATA)
+        # the fields orbax validates (types, timestamp range): a bad one is unreadable metadata
+        schema.parse_step_metadata(doc, f"{storage.url}/{CHECKPOINT_METADATA}")
+        return doc
     except CkptError as exc:
         return exc
 
@@ -313,36 +317,13 @@ class _Item:
     notes: list[str] = field(default_factory=list)
 
 
-def _parse_keys(entry: dict[str, Any], where: str) -> tuple[Key, ...]:
-    try:
-        keys: list[Key] = []
-        for km in entry["key_metadata"]:
-            key = km["key"]
-            keys.append(int(key) if km.get("key_type") == _KEY_SEQUENCE else str(key))
-        return tuple(keys)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptMetadataError(f"bad key_metadata in {TREE_METADATA}: {exc}", where) from None
+def _tree_entries(meta: Any, where: str) -> list[tuple[tuple[Key, ...], schema.ValueMeta]]:
+    """(keys, value metadata) of every leaf in `_METADATA`, checked against orbax's schema."""
+    return parse_tree(meta, where).entries
 
 
-def _tree_entries(meta: dict[str, Any], where: str) -> list[tuple[tuple[Key, ...], dict[str, Any]]]:
-    tree = meta.get("tree_metadata")
-    if not isinstance(tree, dict):
-        raise CorruptMetadataError(f"{TREE_METADATA} has no tree_metadata object", where)
-    out = []
-    for flat_key, entry in tree.items():
-        if isinstance(entry, dict) and "key_metadata" in entry:
-            keys = _parse_keys(entry, where)
-        else:
-            # very old _METADATA: the key is a repr'd tuple and the entry is the value metadata
-            import ast  # only for these old files
-
-            try:
-                keys = tuple(ast.literal_eval(flat_key))
-            except (ValueError, SyntaxError):
-                raise CorruptMetadataError(f"unparseable tree key {flat_key!r}", where) from None
-            entry = {"value_metadata": entry}
-        out.append((keys, entry.get("value_metadata") or {}))
-    return out
+def parse_tree(meta: Any, where: str) -> schema.TreeMetadata:
+    return schema.parse_tree_metadata(meta, where)
 
 
 def _param_name(keys: tuple[Key, ...]) -> str:
@@ -353,13 +334,12 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
     dirs, files = storage.listdir()
     if TREE_METADATA not in files:
         raise NotFoundError(f"no {TREE_METADATA}: not an Orbax item (or an incomplete save)", storage.url)
-    meta = _read_json(storage, TREE_METADATA)
-    if not isinstance(meta, dict):
-        raise CorruptMetadataError("not a JSON object", f"{storage.url}/{TREE_METADATA}")
-    entries = _tree_entries(meta, f"{storage.url}/{TREE_METADATA}")
-    use_zarr3 = bool(meta.get("use_zarr3", False))
+    tree = parse_tree(_read_json(storage, TREE_METADATA), f"{storage.url}/{TREE_METADATA}")
+    entries = tree.entries
+    use_zarr3 = tree.use_zarr3
     process_dbs = sorted((int(m.group(1)), d) for d in dirs if (m := _PROCESS_DB.match(d)))
-    use_ocdbt = bool(meta.get("use_ocdbt", ROOT_MANIFEST in files or bool(process_dbs)))
+    use_ocdbt = tree.use_ocdbt if tree.use_ocdbt is not None else (ROOT_MANIFEST in files or bool(process_dbs))
+    meta = tree.raw
     notes: list[str] = []
     layout: dict[str, Any] = {
         "storage": "ocdbt" if use_ocdbt else "directories",
@@ -388,7 +368,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
 
     meta_key = "zarr.json" if use_zarr3 else ".zarray"
     names = [_param_name(k) for k, _ in entries]
-    array_names = [n for n, (_, v) in zip(names, entries) if v.get("value_type") in ZARR_TYPES]
+    array_names = [n for n, (_, v) in zip(names, entries) if v.value_type in ZARR_TYPES]
     # tensorstore reads the arrays' metadata on its own threads while this
     # thread parses _sharding
     first_reads = sources[0].view.start_reads(f"{n}/{meta_key}" for n in array_names)
@@ -399,10 +379,10 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
 
     leaves: list[Leaf] = []
     for name, (keys, vmeta) in zip(names, entries):
-        value_type = vmeta.get("value_type", "unknown")
+        value_type = vmeta.value_type
         full_keys = prefix + keys
         extra: dict[str, Any] = {"value_type": value_type}
-        if vmeta.get("skip_deserialize"):
+        if vmeta.skip_deserialize:
             extra["skip_deserialize"] = True
         if value_type in ZARR_TYPES:
             found = zmetas.get(name)
@@ -416,6 +396,10 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
             if id(zmeta) not in parsed_zmeta:
                 parsed_zmeta[id(zmeta)] = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
             shape, dtype, chunk_shape, info = parsed_zmeta[id(zmeta)]
+            why = schema.shape_disagreement(shape, vmeta.write_shape)
+            if why:
+                # orbax would restore another shape than the one stored, or fail
+                raise CorruptMetadataError(f"{meta_key} shape {list(shape)} disagrees with {TREE_METADATA}: {why}", f"{storage.url}/{name}")
             extra.update(info)
             if len(sources) > 1:
                 # unmerged OCDBT: each process holds its own chunks of the array
@@ -428,8 +412,8 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                     loader=reader.scalar, extra=extra,
                 ))
                 continue
-            if "write_shape" in vmeta:
-                extra["write_shape"] = vmeta["write_shape"]
+            if vmeta.write_shape is not None:
+                extra["write_shape"] = list(vmeta.write_shape)
             leaves.append(ArrayLeaf(
                 keys=full_keys, name=name, shape=shape, dtype=dtype,
                 layout=RegularGrid(chunk_shape), sharding=shardings.get(name),
@@ -501,55 +485,19 @@ def _read_zarr_metadata(
             if data is None:
                 still.append(n)
                 continue
-            try:
-                if data not in parsed:
-                    parsed[data] = json.loads(data)
-                found[n] = (parsed[data], source)
-            except ValueError as exc:
-                raise CorruptMetadataError(f"invalid JSON: {exc}", f"{source.view.url}/{n}/{meta_key}") from None
+            if data not in parsed:
+                parsed[data] = schema.load_json(data, f"{source.view.url}/{n}/{meta_key}")
+            found[n] = (parsed[data], source)
         remaining = still
     return found
-
-
-def _int_list(value: Any, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
-        raise CorruptMetadataError(f"{what} must be a list of non-negative integers, got {value!r}", where)
-    return tuple(value)
 
 
 def _parse_zarr_metadata(
     zmeta: Any, zarr3: bool, where: str
 ) -> tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]:
-    """shape, dtype, stored chunk shape and codec facts from .zarray / zarr.json."""
-    if not isinstance(zmeta, dict):
-        raise CorruptMetadataError("zarr metadata is not a JSON object", where)
-    info: dict[str, Any] = {}
-    try:
-        shape = _int_list(zmeta["shape"], "shape", where)
-        if zarr3:
-            dtype = dtypes.from_zarr3(zmeta["data_type"]).name
-            chunk_shape = _int_list(zmeta["chunk_grid"]["configuration"]["chunk_shape"], "chunk_shape", where)
-            codecs = zmeta.get("codecs") or []
-            info["codecs"] = [c.get("name") for c in codecs if isinstance(c, dict)]
-            for codec in codecs:
-                if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
-                    cfg = codec.get("configuration", {})
-                    info["inner_chunk_shape"] = list(_int_list(cfg.get("chunk_shape"), "chunk_shape", where))
-                    info["codecs"] = ["sharding_indexed"] + [c.get("name") for c in cfg.get("codecs", [])]
-        else:
-            dtype = dtypes.from_zarr2(zmeta["dtype"]).name
-            chunk_shape = _int_list(zmeta["chunks"], "chunks", where)
-            comp = zmeta.get("compressor")
-            info["compressor"] = comp.get("id") if isinstance(comp, dict) else None
-    except (KeyError, TypeError) as exc:
-        raise CorruptMetadataError(f"zarr metadata lacks {exc}", where) from None
-    except CkptError as exc:
-        raise CorruptMetadataError(exc.message, where) from None
-    if len(chunk_shape) != len(shape):
-        raise CorruptMetadataError(f"chunk shape {list(chunk_shape)} does not match shape {list(shape)}", where)
-    if any(c == 0 for c in chunk_shape) and any(s > 0 for s in shape):
-        raise CorruptMetadataError(f"zero chunk size in {list(chunk_shape)}", where)
-    return shape, dtype, chunk_shape, info
+    """shape, dtype, stored chunk shape and codec facts from .zarray / zarr.json (schema-checked)."""
+    z = schema.parse_zarr_metadata(zmeta, zarr3, where)
+    return z.shape, z.dtype, z.chunk_shape, z.info
 
 
 class _ZarrRegionReader:
@@ -596,6 +544,24 @@ class _ZarrRegionReader:
     def scalar(self) -> Any:
         value = self.read(())
         return value.item() if value.shape == () else value
+
+    def stored_chunk(self, index: tuple[int, ...]) -> tuple[Storage, str, dict[str, Any], bool]:
+        """Where the stored chunk at grid position `index` lives: (storage, key, zarr metadata, zarr3),
+        for decoding its bytes as a stream (ckpt_tool/codecs.py) when it is too large to decode whole."""
+        return self._source.view, chunk_key(self._name, index, self._zarr3, self._zmeta), self._zmeta, self._zarr3
+
+
+def chunk_key(name: str, index: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]) -> str:
+    """The key of one chunk of an array's regular grid (as chunk_keys names them)."""
+    if zarr3:
+        enc = zmeta.get("chunk_key_encoding") or {}
+        default = enc.get("name", "default") == "default"
+        sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
+        if default:
+            return f"{name}/c" + "".join(sep + str(i) for i in index)
+        return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
+    sep = zmeta.get("dimension_separator") or "."
+    return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
 
 
 def chunk_keys(name: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]):
@@ -703,24 +669,17 @@ def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Sharding]:
     if SHARDING not in files:
         return {}
     where = f"{storage.url}/{SHARDING}"
-    raw = _read_json(storage, SHARDING)
-    if not isinstance(raw, dict):
-        raise CorruptMetadataError("not a JSON object", where)
-    out: dict[str, Sharding] = {}
-    # most arrays share a handful of shardings: parse each distinct text once
-    parsed: dict[str, Sharding | None] = {}
-    for encoded, value in raw.items():
-        try:
-            name = base64.urlsafe_b64decode(encoded.encode()).decode("utf-8")
-            key = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-            if key not in parsed:
-                info = json.loads(value) if isinstance(value, str) else value
-                parsed[key] = parse_sharding(info, where) if isinstance(info, dict) else None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptMetadataError(f"bad entry {encoded!r}: {exc}", where) from None
-        if parsed[key] is not None:
-            out[name] = parsed[key]  # type: ignore[assignment]
-    return out
+    infos = schema.parse_sharding_file(_read_json(storage, SHARDING), where)
+    return {name: _sharding_model(info) for name, info in infos.items()}
+
+
+def _sharding_model(info: schema.ShardingInfo) -> Sharding:
+    if info.kind == "single_device":
+        return Sharding("single_device", device=info.device)
+    return Sharding(
+        "named", mesh_shape=info.mesh_shape, axis_names=info.axis_names,
+        partition_spec=info.partition_spec, device_ids=info.device_ids,
+    )
 
 
 def parse_sharding(info: dict[str, Any], where: str) -> Sharding:
@@ -764,15 +723,23 @@ class _StringsFile:
 
     def get(self, name: str) -> Any:
         if self._values is None:
-            self._values = _read_json(self._storage, STRINGS) if self._storage.exists(STRINGS) else {}
-        if not isinstance(self._values, dict) or name not in self._values:
+            self._values = (
+                schema.parse_strings(_read_json(self._storage, STRINGS), f"{self._storage.url}/{STRINGS}")
+                if self._storage.exists(STRINGS) else {}
+            )
+        if name not in self._values:
             raise NotFoundError(f"string {name!r} missing from {STRINGS}", self._storage.url)
         return self._values[name]
 
 
 def _read_json(storage: Storage, key: str) -> Any:
-    data = storage.read(key)
-    try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise CorruptMetadataError(f"invalid JSON: {exc}", f"{storage.url}/{key}") from None
+    """A JSON metadata file, parsed with the schema layer's size and nesting bounds."""
+    where = f"{storage.url}/{key}"
+    if storage.local_root:  # a stat is free here: refuse a huge file before reading it
+        try:
+            size = storage.size(key)
+        except FileNotFoundError:
+            size = 0  # the read below says it is missing
+        if size > schema.MAX_JSON_BYTES:
+            raise CorruptMetadataError(f"{size:,} bytes, more than the {schema.MAX_JSON_BYTES:,} a metadata file may have", where)
+    return schema.load_json(storage.read(key), where)

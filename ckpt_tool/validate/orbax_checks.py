@@ -5,7 +5,6 @@ describe. Array chunks are never read (that is --deep, in deep.py).
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -14,6 +13,7 @@ import tensorstore as ts
 from ..errors import CkptError
 from ..findings import Findings
 from ..formats import orbax as ob
+from ..formats import orbax_schema as schema
 from ..storage import Storage, ts_error_text
 
 # more chunks than this per array are not enumerated key by key; the count is compared instead
@@ -90,9 +90,9 @@ def check_step(
             sub = storage.child(d)
             if ob._is_json_item(sub, ""):
                 try:
-                    json.loads(sub.read("metadata"))
-                except (ValueError, CkptError) as exc:
-                    findings.error("bad-metadata", f"JSON item unreadable: {exc}", file=f"{where}{d}/metadata")
+                    ob._read_json(sub, "metadata")
+                except CkptError as exc:
+                    findings.error("bad-metadata", f"JSON item unreadable: {exc.message}", file=f"{where}{d}/metadata")
                 continue
             check_item(sub, findings, where=f"{where}{d}/")
     return committed
@@ -105,15 +105,15 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         findings.error("missing-metadata", f"no {ob.TREE_METADATA}: orbax cannot restore this item", file=where + ob.TREE_METADATA)
         return
     try:
-        meta = json.loads(storage.read(ob.TREE_METADATA))
-        entries = ob._tree_entries(meta, where + ob.TREE_METADATA)
-    except (ValueError, CkptError) as exc:
-        findings.error("bad-metadata", f"unreadable tree metadata: {getattr(exc, 'message', exc)}", file=where + ob.TREE_METADATA)
+        tree = ob.parse_tree(ob._read_json(storage, ob.TREE_METADATA), where + ob.TREE_METADATA)
+    except CkptError as exc:
+        findings.error("bad-metadata", f"unreadable tree metadata: {exc.message}", file=where + ob.TREE_METADATA)
         return
-    zarr3 = bool(meta.get("use_zarr3", False))
+    entries = tree.entries
+    zarr3 = tree.use_zarr3
     process_dbs = sorted(d for d in dirs if ob._PROCESS_DB.match(d))
-    use_ocdbt = bool(meta.get("use_ocdbt", ob.ROOT_MANIFEST in files or bool(process_dbs)))
-    fills_zeros = "store_array_data_equal_to_fill_value" not in meta
+    use_ocdbt = tree.use_ocdbt if tree.use_ocdbt is not None else (ob.ROOT_MANIFEST in files or bool(process_dbs))
+    fills_zeros = tree.store_array_data_equal_to_fill_value is None
 
     # 1. where arrays live, and every OCDBT data file that is referenced
     keys: set[str] = set()
@@ -145,22 +145,32 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     meta_key = "zarr.json" if zarr3 else ".zarray"
     declared = _array_metadatas(storage, files, dirs, findings, where)
     shardings: dict[str, Any] = {}
-    try:
-        shardings = ob._read_shardings(storage, files)
-    except CkptError as exc:
-        findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
+    if ob.SHARDING in files:
+        bad: list[tuple[str, schema.SchemaError]] = []
+        try:
+            infos = schema.parse_sharding_file(ob._read_json(storage, ob.SHARDING), where + ob.SHARDING, bad)
+            shardings = {n: ob._sharding_model(i) for n, i in infos.items()}
+        except CkptError as exc:
+            findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
+        for name, exc in bad:
+            # orbax's restore fails on this entry (its from_serialized_string raises)
+            leaf = next(("/".join(str(k) for k in ks) for ks, _ in entries if ob._param_name(ks) == name), name)
+            findings.error("bad-sharding", exc.message, leaf=leaf, file=where + ob.SHARDING)
     # every stored .zarray / zarr.json, read concurrently (one by one costs ~2 ms each)
     wanted = [
         ob._param_name(k) for k, v in entries
-        if v.get("value_type") in ob.ZARR_TYPES and f"{ob._param_name(k)}/{meta_key}" in keys
+        if v.value_type in ob.ZARR_TYPES and f"{ob._param_name(k)}/{meta_key}" in keys
     ]
     zarr_texts = _read_array_metadata(storage, use_ocdbt, files, process_dbs, wanted, meta_key)
     parsed: dict[bytes, Any] = {}
     array_names = set()
+    strings_leaves: list[tuple[str, str]] = []
     for leaf_keys, vmeta in entries:
-        vt = vmeta.get("value_type")
+        vt = vmeta.value_type
         name = ob._param_name(leaf_keys)
         leaf_path = "/".join(str(k) for k in leaf_keys)
+        if vt == "string":
+            strings_leaves.append((name, leaf_path))
         if vt not in ob.ZARR_TYPES:
             continue
         findings.count("arrays")
@@ -177,13 +187,22 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             if text is None:
                 raise CkptError(f"{meta_key} listed but unreadable")
             if text not in parsed:  # arrays of one shape and dtype share their metadata text
-                zmeta_ = json.loads(text)
+                # the file named in a message is the first array's; the text is the same
+                zmeta_ = schema.load_json(text, f"{where}{name}/{meta_key}")
                 parsed[text] = (zmeta_, ob._parse_zarr_metadata(zmeta_, zarr3, f"{where}{name}/{meta_key}"))
             zmeta, (shape, _dtype, chunk_shape, _info) = parsed[text]
-        except (ValueError, CkptError) as exc:
-            findings.error("bad-array-metadata", f"unreadable {meta_key}: {getattr(exc, 'message', exc)}", leaf=leaf_path, file=f"{where}{name}/{meta_key}")
+        except CkptError as exc:
+            message = exc.message if isinstance(exc, schema.SchemaError) else f"unreadable {meta_key}: {exc.message}"
+            findings.error("bad-array-metadata", message, leaf=leaf_path, file=f"{where}{name}/{meta_key}")
             continue
-        write_shape = vmeta.get("write_shape")
+        write_shape = vmeta.write_shape
+        why = schema.shape_disagreement(shape, write_shape)
+        if why:
+            findings.error(
+                "bad-array-metadata", f"{meta_key} shape {list(shape)} disagrees with {ob.TREE_METADATA}: {why}",
+                leaf=leaf_path, file=f"{where}{name}/{meta_key}",
+            )
+            continue
         if write_shape is not None and list(write_shape) != list(chunk_shape):
             findings.error(
                 "bad-array-metadata",
@@ -192,6 +211,13 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             )
         if name in declared:
             d_write, d_chunk = declared[name]
+            why = schema.shape_disagreement(shape, d_write)
+            if why:
+                findings.error(
+                    "bad-array-metadata", f"{meta_key} shape {list(shape)} disagrees with array_metadatas: {why}",
+                    leaf=leaf_path, file=f"{where}{name}/{meta_key}",
+                )
+                continue
             if d_chunk is not None and list(d_chunk) != list(chunk_shape):
                 findings.error(
                     "bad-array-metadata",
@@ -203,6 +229,9 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
         if not use_ocdbt:
             _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
+
+    if strings_leaves:
+        _check_strings(storage, files, strings_leaves, findings, where)
 
     # 3. stored arrays nobody declared
     stored = {k.split("/", 1)[0] for k in keys if k.endswith("/" + meta_key)}
@@ -349,13 +378,27 @@ def _array_metadatas(storage: Storage, files: list[str], dirs: list[str], findin
         return out
     for key in storage.list("array_metadatas"):
         try:
-            doc = json.loads(storage.read(key))
-            for item in doc.get("array_metadatas", []):
-                am = item.get("array_metadata", item)
-                out[am["param_name"]] = (am.get("write_shape"), am.get("chunk_shape"))
-        except (ValueError, KeyError, TypeError, AttributeError, CkptError) as exc:
-            findings.error("bad-metadata", f"unreadable array metadata: {exc}", file=where + key)
+            out.update(schema.parse_array_metadatas(ob._read_json(storage, key), where + key))
+        except CkptError as exc:
+            findings.error("bad-metadata", f"unreadable array metadata: {exc.message}", file=where + key)
     return out
+
+
+def _check_strings(storage: Storage, files: list[str], leaves: list[tuple[str, str]], findings: Findings, where: str) -> None:
+    """String leaves live in `_strings.json`: present, of strings, naming every one."""
+    file = where + ob.STRINGS
+    if ob.STRINGS not in files:
+        for _name, leaf in leaves:
+            findings.error("leaf-missing", f"a string leaf, but there is no {ob.STRINGS}", leaf=leaf, file=file)
+        return
+    try:
+        values = schema.parse_strings(ob._read_json(storage, ob.STRINGS), file)
+    except CkptError as exc:
+        findings.error("bad-metadata", exc.message, file=file)
+        return
+    for name, leaf in leaves:
+        if name not in values:
+            findings.error("leaf-missing", f"string leaf not in {ob.STRINGS}", leaf=leaf, file=file)
 
 
 def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, leaf: str, file: str) -> None:
