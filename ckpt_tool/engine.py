@@ -32,7 +32,8 @@ import numpy as np
 from . import dtypes
 from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
-from .parallel import default_workers, run_bounded
+from .parallel import default_workers
+from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .formats import TMP_MARKER
 from .model import (
     ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
@@ -62,6 +63,7 @@ class ConvertOptions:
     workers: int = field(default_factory=default_workers)
     overwrite: bool = False
     step: str | int | None = None
+    memory: int = DEFAULT_MEMORY  # --memory: bytes of decoded data, assembly and write-behind in flight
 
 
 @dataclass
@@ -139,7 +141,21 @@ def default_grid(shape: tuple[int, ...], itemsize: int, cap_bytes: int) -> tuple
     return tuple(max(1, c) for c in chunk)
 
 
-def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None) -> ChunkLayout:
+def output_chunk_limit(memory: int) -> int:
+    """The largest output chunk under a memory budget: a chunk is assembled, then
+    encoded (zarr) or archived (DCP) whole, and the writer keeps some pending."""
+    return max(2**20, memory // 8)
+
+
+def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
+    if cap is None:
+        # chunks that the memory budget could not hold whole are split (a big stored chunk is
+        # decoded as a stream, each output chunk assembled from its bands)
+        limit = output_chunk_limit(memory)
+        source_max = max((math.prod(c.sizes) for c in stored_chunks(tuple(leaf.shape), leaf.layout)), default=0) \
+            if isinstance(leaf.layout, ChunkList) else math.prod(min(c, s) for c, s in zip(leaf.layout.chunk_shape, leaf.shape))
+        if source_max * itemsize > limit:
+            cap = limit
     cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
     if to == "safetensors":
         # blocks of whole rows: each is one contiguous byte range of the output file
@@ -239,7 +255,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
             dtype, source_dtype = opts.dtype, leaf.dtype
         itemsize = dtypes.get(dtype).itemsize
-        layout = _target_layout(leaf, opts.to, itemsize, cap)
+        layout = _target_layout(leaf, opts.to, itemsize, cap, opts.memory)
         sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
         targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
         sources[path] = leaf
@@ -414,32 +430,42 @@ def stream(
     workers: int = 4,
     progress: Progress = no_progress,
     owns: Callable[[int], bool] = lambda n: True,
+    memory: int = DEFAULT_MEMORY,
 ) -> tuple[int, int]:
-    """Copy every chunk this process owns; returns (chunks, bytes) written."""
-    tasks = []
+    """Copy every chunk this process owns; returns (chunks, bytes) written.
+
+    The read scheduler decodes each source chunk once and assembles the
+    output chunks from it, within `memory` (less what the writer keeps
+    pending: its write-behind window).
+    """
+    wants: list[Want] = []
     n = 0
+    total = 0
     for target in plan.arrays():
+        leaf = sources[target.path]
+        itemsize = dtypes.get(target.dtype).itemsize
         for index, region in chunk_regions(target):
             if owns(n):
-                tasks.append((target, index, region))
+                wants.append(Want([(leaf, region)], _copier(writer, target, index, region), keeps=True))
+                total += math.prod(r.stop - r.start for r in region) * itemsize
             n += 1
-    total = sum(math.prod(r.stop - r.start for r in region) * dtypes.get(t.dtype).itemsize for t, _, region in tasks)
+    # the Orbax writer keeps up to this many bytes copied into tensorstore, not yet committed
+    reserve = int(getattr(writer, "pending_bytes_limit", None) or getattr(writer, "_max_pending", 0) or 0)
+    scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve)
+    progress("write", 0, total)
+    done = scheduler.run(on_done=lambda n: progress("write", n, total))
+    return len(wants), done
 
-    def copy(target: TargetArray, index: int, region: Region) -> int:
-        data = sources[target.path].read(region)
+
+def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region) -> Callable[[list[np.ndarray]], int]:
+    def copy(arrays: list[np.ndarray]) -> int:
+        data = arrays[0]
         if target.source_dtype is not None:
             data = data.astype(dtypes.numpy_dtype(target.dtype))
         writer.write_array(target, index, region, data)
         return int(data.nbytes)
 
-    progress("write", 0, total)
-    done = run_bounded(
-        tasks, lambda task: copy(*task), workers=workers,
-        on_done=lambda n: progress("write", n, total), name="ckpt-copy",
-        # a chunk is held as read, maybe cast, and as the writer's copy
-        size=lambda task: 2 * math.prod(r.stop - r.start for r in task[2]) * dtypes.get(task[0].dtype).itemsize,
-    )
-    return len(tasks), done
+    return copy
 
 
 # -- the output directory -------------------------------------------------------
@@ -660,7 +686,7 @@ def convert(
             # a writer whose files each belong to one process (safetensors) says who writes what
             chosen = planned.owns if planned is not None else getattr(writer, "owns", None)
             result.chunks, result.bytes = stream(
-                plan, sources, writer, workers=opts.workers, progress=progress,
+                plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory,
                 owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),
             )
             if primary:

@@ -5,7 +5,7 @@ import click
 
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
-from .options import multihost_options, output_options
+from .options import memory_option, multihost_options, output_options
 from .render import Output, esc, human_bytes, human_rate, process_note
 
 
@@ -21,13 +21,14 @@ from .render import Output, esc, human_bytes, human_rate, process_note
 @click.option("--max-shard-size", metavar="SIZE",
               help="safetensors: bytes per file, e.g. 5GB (default, as transformers), 500MB, 2GiB.")
 @output_options
+@memory_option
 @multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
     dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
-    process_id: int | None, as_json: bool,
+    process_id: int | None, as_json: bool, memory: int,
 ) -> None:
     """Convert the checkpoint at SRC (Orbax, DCP or safetensors, detected) into
     DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
@@ -39,7 +40,7 @@ def convert_command(
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), dtype=dtype,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
-        overwrite=overwrite, step=step,
+        overwrite=overwrite, step=step, memory=memory,
         max_shard_size=_shard_size(max_shard_size, to),
     )
     out = Output(json_mode=as_json)

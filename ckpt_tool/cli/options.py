@@ -30,3 +30,22 @@ def output_options(command: Callable) -> Callable:
     ]):
         command = option(command)
     return command
+
+
+def memory_option(command: Callable) -> Callable:
+    """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler.py)."""
+    from ..scheduler import DEFAULT_MEMORY, parse_memory
+
+    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> int:
+        if value is None:
+            return DEFAULT_MEMORY
+        try:
+            return parse_memory(value)
+        except Exception as exc:  # CkptError: a usage error, one line
+            raise click.BadParameter(getattr(exc, "message", str(exc))) from None
+
+    return click.option(
+        "--memory", metavar="SIZE", callback=convert, show_default="512MiB",
+        help="Memory budget for decoded chunks, assembly and write-behind, e.g. 512MiB, 4GiB. "
+             "Stored chunks larger than it are decoded as a stream.",
+    )(command)

@@ -1,0 +1,613 @@
+"""The read scheduler: every stored chunk fetched and decoded once, within a memory budget.
+
+convert and reshard (engine.stream), `validate --deep` and `diff --values`
+each say which regions of which leaves they need (`Want`s: an output chunk;
+a block to check; a pair of regions to compare). Reading each region on its
+own decodes a stored chunk again for every region inside it (tensorstore
+decodes whole chunks), so a 768 MiB chunk feeding 8 output chunks was
+decoded 8 times. Here the work is planned by SOURCE chunk instead: a unit of
+work decodes one stored chunk once and hands every region it feeds its
+piece; a region spanning several chunks is assembled from the pieces and
+handed over when its last piece arrives.
+
+Memory. A byte budget (`--memory`, default 512 MiB) covers the decoded
+chunks in flight, the regions being assembled and what the consumer keeps
+(the writers' pending windows are reserved from it by the caller). Units are
+admitted in order against it, in parallel across chunks; one unit always
+runs when nothing else does, so a region larger than the budget still
+completes (alone). A stored chunk whose whole decode would not fit (twice
+its size: tensorstore's decoded buffer and the copy it returns) is decoded
+as a stream instead (codecs.py): its compressed bytes are read in windows
+and decoded in bands of rows, in C order, each band feeding the regions it
+overlaps; such a chunk runs alone, and when the regions it feeds would not
+fit at once (columns of a chunk streamed in rows), they are served in
+several passes over the stream, each pass stopping after the last band it
+needs. DCP chunks are raw (or zstd-framed) archives read by byte ranges: a
+band there is a ranged read of just its bytes.
+
+Units run in the order of the first region they feed (the consumers' own
+order), so assembled regions complete soon after they start.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import CkptError
+from .model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
+
+MiB = 2**20
+DEFAULT_MEMORY = 512 * MiB
+# the smallest budget accepted: below it the bands and windows alone would not fit
+MIN_MEMORY = 4 * MiB
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": MiB, "MB": 10**6, "MIB": MiB,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_memory(text: str | int) -> int:
+    """'512MiB', '2GiB', '512MB' (10^6), '1G' (2^30) or plain bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise CkptError(f"--memory: {text!r} is not a size (e.g. 512MiB, 2GiB, 512MB)")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < MIN_MEMORY:
+        raise CkptError(f"--memory must be at least {MIN_MEMORY // MiB} MiB, got {text!r}")
+    return value
+
+
+@dataclass
+class Want:
+    """Regions a consumer needs, handed to `deliver` together once all are read.
+
+    parts: (leaf, region) pairs (one for a writer or a check; two for a diff).
+    deliver(arrays) returns a byte count (summed by run()). `keeps`: deliver
+    keeps the arrays (a writer that holds chunks until committed): it is
+    given arrays of its own, never views into a larger decoded chunk.
+    order: units run in the order of the smallest order among the wants
+    they feed (default: the wants' positions).
+    """
+
+    parts: list[tuple[ArrayLeaf, Region]]
+    deliver: Callable[[list[np.ndarray]], int]
+    keeps: bool = False
+    order: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(leaf, region) for leaf, region in self.parts)
+
+
+@dataclass
+class ReadStats:
+    """What a run read: decodes per stored chunk (path, chunk index), and the budget's high mark."""
+
+    decodes: Counter = field(default_factory=Counter)
+    streamed: set = field(default_factory=set)
+    passes: int = 0
+    peak_bytes: int = 0
+    budget: int = 0
+
+    @property
+    def chunks(self) -> int:
+        return len(self.decodes)
+
+
+# -- geometry -----------------------------------------------------------------------
+
+
+def _nbytes(leaf: ArrayLeaf, region: Region) -> int:
+    return math.prod(r.stop - r.start for r in region) * dtypes.get(leaf.dtype).itemsize
+
+
+def _size(region: Region) -> int:
+    return math.prod(r.stop - r.start for r in region)
+
+
+def _intersect(a: Region, b: Region) -> Region | None:
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def _local(region: Region, origin: Region) -> tuple[slice, ...]:
+    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin))
+
+
+class _LeafChunks:
+    """A leaf's stored chunks, and which of them a region overlaps."""
+
+    def __init__(self, leaf: ArrayLeaf) -> None:
+        self.leaf = leaf
+        self.itemsize = dtypes.get(leaf.dtype).itemsize
+        self.chunks: list[Chunk] = stored_chunks(tuple(leaf.shape), leaf.layout)
+        self._starts = self._ends = None
+        if isinstance(leaf.layout, ChunkList) and leaf.shape and self.chunks:
+            self._starts = np.array([c.offsets for c in self.chunks], dtype=np.int64).reshape(len(self.chunks), -1)
+            self._ends = self._starts + np.array([c.sizes for c in self.chunks], dtype=np.int64).reshape(len(self.chunks), -1)
+
+    def overlapping(self, region: Region) -> list[int]:
+        if not region:
+            return [0] if self.chunks else []
+        if any(r.stop <= r.start for r in region):
+            return []
+        layout = self.leaf.layout
+        if isinstance(layout, RegularGrid):
+            cs = [max(1, c) for c in layout.chunk_shape]
+            counts = [-(-s // c) for s, c in zip(self.leaf.shape, cs)]
+            ranges = [range(r.start // c, -(-r.stop // c)) for r, c in zip(region, cs)]
+            out = []
+            for idx in itertools.product(*ranges):
+                flat = 0
+                for i, n in zip(idx, counts):
+                    flat = flat * n + i
+                out.append(flat)
+            return out
+        assert self._starts is not None and self._ends is not None
+        lo = np.array([r.start for r in region])
+        hi = np.array([r.stop for r in region])
+        hit = ((self._starts < hi) & (self._ends > lo) & (self._ends > self._starts)).all(axis=1)
+        return [int(i) for i in np.nonzero(hit)[0]]
+
+    def grid_index(self, i: int) -> tuple[int, ...]:
+        layout = self.leaf.layout
+        assert isinstance(layout, RegularGrid)
+        return tuple(o // max(1, c) for o, c in zip(self.chunks[i].offsets, layout.chunk_shape))
+
+
+# -- what a stored chunk's decode looks like ------------------------------------------
+
+
+def decoded_cost(nbytes: int) -> int:
+    """Memory a whole decode of a chunk of `nbytes` takes: tensorstore's decoded
+    chunk and the array it returns."""
+    return 2 * nbytes
+
+
+def band_bytes(memory: int) -> int:
+    """The decoded band size of a streamed chunk under a budget."""
+    return max(MiB, min(64 * MiB, memory // 16))
+
+
+class _Streamer:
+    """Bands of one stored chunk, in C order, decoded once front to back."""
+
+    def __init__(self, lc: _LeafChunks, index: int, band: int) -> None:
+        self.lc = lc
+        self.index = index
+        chunk = lc.chunks[index]
+        self.chunk = chunk
+        leaf = lc.leaf
+        self.zarr = None
+        self.stored_shape: tuple[int, ...] = tuple(chunk.sizes)
+        owner = getattr(leaf.reader, "__self__", None)
+        if isinstance(leaf.layout, RegularGrid) and hasattr(owner, "stored_chunk"):
+            storage, key, zmeta, zarr3 = owner.stored_chunk(lc.grid_index(index))
+            self.zarr = (storage, key, zmeta, zarr3)
+            # zarr stores edge chunks padded to the whole chunk shape
+            self.stored_shape = tuple(leaf.layout.chunk_shape)
+        self.bands = _bands(self.stored_shape, lc.itemsize, band)
+
+    def problem(self) -> str | None:
+        """Why this chunk cannot be streamed, or None."""
+        if self.zarr is not None:
+            from .codecs import zarr2_stream_problem
+
+            _, _, zmeta, zarr3 = self.zarr
+            if zarr3:
+                return "zarr v3 chunks have no streaming decoder here"
+            return zarr2_stream_problem(zmeta)
+        if _is_dcp(self.lc.leaf):
+            return None  # byte-range reads of the archive
+        return "its format has no streaming reader"
+
+    def global_band(self, band: Region) -> Region | None:
+        """A band (stored-chunk coordinates) in array coordinates, clipped to the array."""
+        out = []
+        for b, o, s in zip(band, self.chunk.offsets, self.chunk.sizes):
+            lo, hi = o + b.start, min(o + b.stop, o + s)
+            if lo >= hi:
+                return None
+            out.append(slice(lo, hi))
+        return tuple(out)
+
+    def iterate(self, last: int) -> Any:
+        """(band region in array coordinates or None, decoded band clipped) for bands 0..last."""
+        if self.zarr is not None:
+            from .codecs import ChunkStream
+
+            storage, key, zmeta, _ = self.zarr
+            stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize)
+            for i, band in enumerate(self.bands[: last + 1]):
+                data = stream.read_band(tuple(b.stop - b.start for b in band))
+                region = self.global_band(band)
+                if region is None:
+                    yield None, None
+                    continue
+                yield region, data[tuple(slice(0, r.stop - r.start) for r in region)]
+            if last == len(self.bands) - 1:
+                stream.finish()
+            return
+        for band in self.bands[: last + 1]:
+            region = self.global_band(band)
+            yield region, (self.lc.leaf.read(region) if region is not None else None)
+
+
+def _is_dcp(leaf: ArrayLeaf) -> bool:
+    try:
+        from .formats.dcp import _TensorReader
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(leaf.reader, _TensorReader)
+
+
+def _bands(shape: tuple[int, ...], itemsize: int, band: int) -> list[Region]:
+    """Consecutive C-order bands of a chunk of `shape`, each at most `band` bytes
+    (at least one element): a range along the first dimension whose trailing
+    block fits, the dimensions before it one index at a time."""
+    if not shape:
+        return [()]
+    ndim = len(shape)
+    d = 0
+    while d < ndim - 1 and math.prod(shape[d + 1 :]) * itemsize > band:
+        d += 1
+    step = max(1, band // max(1, math.prod(shape[d + 1 :]) * itemsize))
+    out = []
+    for prefix in itertools.product(*(range(s) for s in shape[:d])):
+        for a in range(0, shape[d], step):
+            out.append(
+                tuple(slice(i, i + 1) for i in prefix) + (slice(a, min(a + step, shape[d])),)
+                + tuple(slice(0, s) for s in shape[d + 1 :])
+            )
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+class _WantState:
+    __slots__ = ("want", "left", "bufs", "charged", "failed", "lock", "units", "done")
+
+    def __init__(self, want: Want) -> None:
+        self.want = want
+        self.left = [_size(region) for _, region in want.parts]
+        self.bufs: list[np.ndarray | None] = [None] * len(want.parts)
+        self.charged = 0
+        self.failed = False
+        self.done = False
+        self.lock = threading.Lock()
+        self.units = 0  # units feeding it
+
+
+@dataclass
+class _Unit:
+    lc: _LeafChunks
+    index: int
+    order: int
+    pieces: list[tuple[int, int, Region]] = field(default_factory=list)  # (want, part, region)
+    streamed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.lc.chunks[self.index].sizes) * self.lc.itemsize
+
+
+class Scheduler:
+    """Plans wants by source chunk and runs them (see the module docstring)."""
+
+    def __init__(self, wants: Sequence[Want], *, memory: int = DEFAULT_MEMORY, workers: int = 4,
+                 reserve: int = 0) -> None:
+        self.memory = memory
+        self.budget = max(MIN_MEMORY // 2, memory - reserve)
+        self.workers = max(1, workers)
+        self.band = band_bytes(self.budget)
+        self.wants = list(wants)
+        self.stats = ReadStats(budget=memory)
+        self._leaves: dict[int, _LeafChunks] = {}
+        self.states = [_WantState(w) for w in self.wants]
+        units: dict[tuple[int, int], _Unit] = {}
+        self.empty: list[int] = []
+        for wi, want in enumerate(self.wants):
+            order = want.order if want.order is not None else wi
+            touched = 0
+            for pi, (leaf, region) in enumerate(want.parts):
+                lc = self._chunks_of(leaf)
+                if _size(region) == 0 and region:
+                    continue
+                for ci in lc.overlapping(region):
+                    inter = _intersect(region, lc.chunks[ci].region) if region else ()
+                    if inter is None:
+                        continue
+                    key = (id(leaf), ci)
+                    unit = units.get(key)
+                    if unit is None:
+                        unit = units[key] = _Unit(lc, ci, order)
+                    unit.order = min(unit.order, order)
+                    unit.pieces.append((wi, pi, inter))
+                    touched += 1
+            self.states[wi].units = touched
+            if touched == 0:
+                self.empty.append(wi)
+        self.units = sorted(units.values(), key=lambda u: (u.order, id(u.lc), u.index))
+        for unit in self.units:
+            unit.streamed = decoded_cost(unit.nbytes) > self.budget
+        self._cond = threading.Condition()
+        self._used = 0
+        self._running = 0
+
+    def _chunks_of(self, leaf: ArrayLeaf) -> _LeafChunks:
+        lc = self._leaves.get(id(leaf))
+        if lc is None:
+            lc = self._leaves[id(leaf)] = _LeafChunks(leaf)
+        return lc
+
+    # -- planning facts ----------------------------------------------------------------
+    def decodes_whole(self, leaf: ArrayLeaf, index: int) -> bool:
+        """Whether stored chunk `index` of `leaf` is decoded whole (not as a stream)."""
+        lc = self._chunks_of(leaf)
+        return decoded_cost(math.prod(lc.chunks[index].sizes) * lc.itemsize) <= self.budget
+
+    def check_streamable(self) -> None:
+        """Refuse before any work starts when a chunk too large to decode whole has no streaming decoder."""
+        for unit in self.units:
+            if not unit.streamed:
+                continue
+            problem = _Streamer(unit.lc, unit.index, self.band).problem()
+            if problem:
+                need = -(-decoded_cost(unit.nbytes) // MiB) + 1
+                raise CkptError(
+                    f"stored chunk {unit.index} decodes to {unit.nbytes / MiB:.1f} MiB, more than the memory budget "
+                    f"allows, and {problem}; use --memory {need}MiB or more",
+                    unit.lc.leaf.path,
+                )
+
+    # -- budget ---------------------------------------------------------------------------
+    def _take(self, n: int) -> None:
+        with self._cond:
+            self._used += n
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self._used)
+
+    def _give(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+
+    # -- delivering -----------------------------------------------------------------------
+    def _feed(self, unit: _Unit, pieces: list[tuple[int, int, Region]], origin: Region, block: np.ndarray,
+              deliver: Callable[[int, list[np.ndarray]], None], lazy_charge: bool) -> None:
+        """Hand the pieces of `block` (covering `origin`) to the wants they feed."""
+        for wi, pi, inter in pieces:
+            sub = _intersect(inter, origin) if origin else ()
+            if sub is None:
+                continue
+            st = self.states[wi]
+            want = st.want
+            src = block[_local(sub, origin)] if origin else block
+            part_region = want.parts[pi][1]
+            n = _size(sub) if sub else 1
+            whole_part = n == (_size(part_region) if part_region else 1)
+            with st.lock:
+                if st.failed or st.done:
+                    continue
+                if whole_part and st.bufs[pi] is None:
+                    # the block holds the whole part: no assembly
+                    own = (want.keeps or len(want.parts) > 1) and src.nbytes != block.nbytes
+                    st.bufs[pi] = np.array(src) if own else src
+                    copy = False
+                else:
+                    if st.bufs[pi] is None:
+                        need = want.nbytes
+                        if lazy_charge and not st.charged:
+                            self._take(need)
+                            st.charged = need
+                        st.bufs[pi] = np.empty(tuple(r.stop - r.start for r in part_region),
+                                               dtype=dtypes.numpy_dtype(want.parts[pi][0].dtype))
+                    copy = True
+            if copy:
+                st.bufs[pi][_local(sub, part_region)] = src  # type: ignore[index]
+            with st.lock:
+                st.left[pi] -= n
+                ready = not st.done and not st.failed and all(x <= 0 for x in st.left)
+                if ready:
+                    st.done = True
+            if ready:
+                arrays = [
+                    b if b is not None else np.empty(tuple(r.stop - r.start for r in reg), dtype=dtypes.numpy_dtype(lf.dtype))
+                    for b, (lf, reg) in zip(st.bufs, want.parts)
+                ]
+                st.bufs = [None] * len(st.bufs)
+                try:
+                    deliver(wi, arrays)  # type: ignore[arg-type]
+                finally:
+                    if st.charged:
+                        self._give(st.charged)
+                        st.charged = 0
+
+    def _fail_unit(self, unit: _Unit) -> None:
+        for wi, _, _ in unit.pieces:
+            st = self.states[wi]
+            with st.lock:
+                if st.done:
+                    continue
+                st.failed = True
+                st.bufs = [None] * len(st.bufs)
+                charged, st.charged = st.charged, 0
+            if charged:
+                self._give(charged)
+
+    def _run_whole(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
+        region = unit.lc.chunks[unit.index].region
+        data = unit.lc.leaf.read(region)
+        self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
+        self._feed(unit, unit.pieces, region, data, deliver, lazy_charge=True)
+
+    def _run_streamed(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
+        streamer = _Streamer(unit.lc, unit.index, self.band)
+        problem = streamer.problem()
+        if problem:
+            need = -(-decoded_cost(unit.nbytes) // MiB) + 1
+            raise CkptError(
+                f"stored chunk {unit.index} decodes to {unit.nbytes / MiB:.1f} MiB, more than the memory budget "
+                f"allows, and {problem}; use --memory {need}MiB or more", unit.lc.leaf.path,
+            )
+        self.stats.streamed.add((unit.lc.leaf.path, unit.index))
+        bands = [streamer.global_band(b) for b in streamer.bands]
+        # each piece: the bands it spans, and whether it needs an assembly buffer
+        spans = []
+        for wi, pi, inter in unit.pieces:
+            hit = [i for i, b in enumerate(bands) if b is not None and (not inter or _intersect(inter, b) is not None)]
+            if not hit:
+                continue
+            st = self.states[wi]
+            direct = len(hit) == 1 and len(st.want.parts) == 1 and st.units == 1
+            spans.append((hit[0], hit[-1], 0 if direct else st.want.nbytes, (wi, pi, inter)))
+        limit = max(self.band, self.budget - 2 * self.band - self._used)
+        passes = _group(spans, limit)
+        for group in passes:
+            last = max(s[1] for s in group)
+            pieces = [s[3] for s in group]
+            self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
+            self.stats.passes += 1
+            self._take(2 * self.band)
+            try:
+                for region, data in streamer.iterate(last):
+                    if region is None:
+                        continue
+                    self._feed(unit, pieces, region, data, deliver, lazy_charge=True)
+            finally:
+                self._give(2 * self.band)
+
+    def run(self, *, on_done: Callable[[int], None] | None = None,
+            on_error: Callable[[ArrayLeaf, int, CkptError], None] | None = None) -> int:
+        """Decode every needed chunk once (per pass) and deliver every want; the sum of deliver's results.
+
+        on_error(leaf, chunk index, error): a chunk that does not read is
+        reported there (the wants it feeds are dropped) instead of raising.
+        """
+        self.check_streamable() if on_error is None else None
+        total = 0
+        lock = threading.Lock()
+
+        def deliver(wi: int, arrays: list[np.ndarray]) -> None:
+            nonlocal total
+            n = self.wants[wi].deliver(arrays)
+            with lock:
+                total += int(n or 0)
+                done = total
+            if on_done is not None:
+                on_done(done)
+
+        for wi in self.empty:
+            want = self.wants[wi]
+            deliver(wi, [np.empty(tuple(r.stop - r.start for r in region), dtype=dtypes.numpy_dtype(leaf.dtype))
+                         for leaf, region in want.parts])
+        error: list[BaseException] = []
+
+        def work(unit: _Unit, cost: int) -> None:
+            try:
+                if unit.streamed:
+                    self._run_streamed(unit, deliver)
+                else:
+                    self._run_whole(unit, deliver)
+            except CkptError as exc:
+                self._fail_unit(unit)
+                if on_error is None:
+                    raise
+                on_error(unit.lc.leaf, unit.index, exc)
+            except BaseException:
+                self._fail_unit(unit)
+                raise
+            finally:
+                with self._cond:
+                    self._used -= cost
+                    self._running -= 1
+                    self._cond.notify_all()
+
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpt-read") as pool:
+            futures: list[Future[None]] = []
+
+            def collect(block: bool) -> None:
+                keep = []
+                for fut in futures:
+                    if fut.done():
+                        exc = fut.exception()
+                        if exc is not None and not error:
+                            error.append(exc)
+                    else:
+                        keep.append(fut)
+                futures[:] = keep
+
+            for unit in self.units:
+                cost = 0 if unit.streamed else decoded_cost(unit.nbytes)
+                with self._cond:
+                    while True:
+                        collect(False)
+                        if error:
+                            break
+                        if unit.streamed:
+                            ok = self._running == 0  # a streamed chunk runs alone, with the whole budget
+                        else:
+                            ok = self._running < self.workers * 2 and (
+                                self._running == 0 or self._used + cost <= self.budget)
+                        if ok:
+                            break
+                        self._cond.wait(0.05)
+                    if error:
+                        break
+                    self._used += cost
+                    self.stats.peak_bytes = max(self.stats.peak_bytes, self._used)
+                    self._running += 1
+                if unit.streamed:
+                    work(unit, cost)  # here, so that nothing else is admitted meanwhile
+                else:
+                    futures.append(pool.submit(work, unit, cost))
+            for fut in futures:
+                try:
+                    fut.result()
+                except BaseException as exc:  # noqa: BLE001
+                    if not error:
+                        error.append(exc)
+        if error:
+            raise error[0]
+        return total
+
+
+def _group(spans: list[tuple[int, int, int, Any]], limit: int) -> list[list[tuple[int, int, int, Any]]]:
+    """Pieces of a streamed chunk in passes whose assembly buffers fit `limit` at every band.
+
+    A piece holds its buffer from its first band to its last (first, last,
+    bytes); the greedy fill keeps stream order, so each pass reads the
+    stream up to the last band it needs.
+    """
+    passes: list[tuple[list[Any], Counter]] = []
+    for span in sorted(spans, key=lambda s: (s[0], s[1])):
+        first, last, nbytes, _ = span
+        for members, load in passes:
+            if nbytes == 0 or all(load[b] + nbytes <= limit for b in range(first, last + 1)):
+                members.append(span)
+                for b in range(first, last + 1):
+                    load[b] += nbytes
+                break
+        else:
+            load: Counter = Counter()
+            for b in range(first, last + 1):
+                load[b] += nbytes
+            passes.append(([span], load))
+    return [members for members, _ in passes]
