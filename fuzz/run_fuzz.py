@@ -1,0 +1,264 @@
+"""The long fuzzing run behind `make fuzz`.
+
+    .venv/bin/python fuzz/run_fuzz.py --mutants 5000 --seed 1 --jobs 2 --out build/fuzz
+
+Builds N mutants of the committed fixtures (both formats first; also the
+safetensors and msgpack readers), runs `ckpt inspect --json`, `ckpt validate`
+and `ckpt validate --deep` on each as whole processes, checks the contract
+(tests/fuzz_lib.py) and the library oracle (tests/fuzz_oracle.py), plus every
+explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once.
+
+Writes DIR/summary.json (rewritten as the run goes, so an interrupted run
+still has figures) and, for every failing mutant, DIR/failures/<class>/<id>/
+holding the mutant checkpoint and outcome.json (its runs, stderr and the
+oracle's answer): `ckpt validate --deep DIR/failures/<class>/<id>/<fixture>`
+reproduces it. Mutant i of seed S is the same on every run of this code.
+Exit status: 0 when no contract violation was found, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import fuzz_lib as F  # noqa: E402
+
+
+def _signature(cls: str, detail: str) -> str:
+    """A violation's detail with paths, numbers and names blurred, to group
+    the same failure across mutants."""
+    s = re.sub(r"/tmp/\S+|/work/\S+", "<path>", detail)
+    s = re.sub(r"\b[0-9a-f]{16,}\b", "<hex>", s)
+    s = re.sub(r"\d+", "N", s)
+    s = re.sub(r"'[^']*'", "'<s>'", s)
+    return f"{cls}: {s[:160]}"
+
+
+class Summary:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.lock = threading.Lock()
+        self.args = args
+        self.t0 = time.monotonic()
+        self.mutants = 0
+        self.runs = 0
+        self.explicit = 0
+        self.by_format: Counter = Counter()
+        self.by_kind: Counter = Counter()
+        self.exit_codes: dict[str, Counter] = defaultdict(Counter)
+        self.oracle_checked = 0
+        self.oracle_seconds = 0.0
+        self.unconfirmed = 0
+        self.classes: Counter = Counter()
+        self.signatures: dict[str, dict] = {}
+        self.slowest: dict | None = None
+        self.max_rss: dict | None = None
+        self.failing = 0
+        # what was measured: the tree at the start (the zygote imports it once)
+        import subprocess
+
+        def git(*a: str) -> str:
+            try:
+                return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+            except Exception:  # noqa: BLE001 - not a git checkout
+                return ""
+        self.commit = git("rev-parse", "HEAD").strip()
+        self.dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+
+    def add(self, ident: str, outcome: F.Outcome, unconfirmed: list[str], saved: str | None) -> None:
+        m = outcome.mutant
+        with self.lock:
+            if m.kind in ("hostile-pickle", "path", "bomb"):
+                self.explicit += 1
+            else:
+                self.mutants += 1
+            self.by_format[m.format] += 1
+            self.by_kind[f"{m.format}:{m.kind}"] += 1
+            self.unconfirmed += len(unconfirmed)
+            for c, r in outcome.runs.items():
+                self.runs += 1
+                self.exit_codes[c][str(r.exit_code if r.signal is None else f"signal {r.signal}")] += 1
+                if self.slowest is None or r.seconds > self.slowest["seconds"]:
+                    self.slowest = {"id": ident, "command": c, "seconds": round(r.seconds, 3), "mutant": m.label()}
+                if r.rss_kb and (self.max_rss is None or r.rss_kb / 1024 > self.max_rss["rss_mb"]):
+                    self.max_rss = {"id": ident, "command": c, "rss_mb": round(r.rss_kb / 1024, 1),
+                                    "mutant": m.label()}
+            if outcome.oracle is not None:
+                self.oracle_checked += 1
+                self.oracle_seconds += outcome.oracle.get("seconds", 0) or 0
+            if outcome.violations:
+                self.failing += 1
+            for cls in outcome.classes():
+                self.classes[cls] += 1
+            for v in outcome.violations:
+                sig = _signature(v.cls, v.detail)
+                entry = self.signatures.setdefault(sig, {"class": v.cls, "count": 0, "example": None,
+                                                         "mutant": None, "dir": None, "formats": Counter()})
+                entry["count"] += 1
+                entry["formats"][m.format] += 1
+                if entry["example"] is None:
+                    entry.update(example=v.detail[:500], mutant=m.label(), command=v.command, dir=saved)
+
+    def to_json(self) -> dict:
+        with self.lock:
+            elapsed = time.monotonic() - self.t0
+            per = elapsed / max(1, self.mutants + self.explicit)
+            sigs = sorted(self.signatures.values(), key=lambda e: (F.CLASSES.index(e["class"]), -e["count"]))
+            return {
+                "commit": self.commit, "dirty_files": self.dirty,
+                "seed": self.args.seed, "jobs": self.args.jobs, "requested_mutants": self.args.mutants,
+                "mutants": self.mutants, "explicit_cases": self.explicit, "runs": self.runs,
+                "elapsed_s": round(elapsed, 1), "seconds_per_mutant": round(per, 3),
+                "extrapolated_s_for_requested": round(per * (self.args.mutants + self.explicit), 1),
+                "by_format": dict(self.by_format), "by_kind": dict(sorted(self.by_kind.items())),
+                "exit_codes": {c: dict(v) for c, v in self.exit_codes.items()},
+                "oracle_checked": self.oracle_checked, "oracle_seconds": round(self.oracle_seconds, 1),
+                "forked_violations_not_reproduced_by_a_fresh_process": self.unconfirmed,
+                "failing_mutants": self.failing,
+                "counts": {
+                    "internal_errors": self.classes["internal-error"],
+                    "hangs": self.classes["hang"],
+                    "slow_over_20s": self.classes["slow"],
+                    "signals": self.classes["signal"],
+                    "rss_over_1gb": self.classes["rss"],
+                    "oracle_failures": self.classes["oracle-deep"] + self.classes["oracle-shallow"]
+                    + self.classes["oracle-mismatch"],
+                },
+                "classes": {c: self.classes[c] for c in F.CLASSES if self.classes[c]},
+                "slowest": self.slowest, "max_rss": self.max_rss,
+                "signatures": [{**e, "formats": dict(e["formats"])} for e in sigs],
+            }
+
+
+def _save_failure(out: Path, ident: str, outcome: F.Outcome) -> str:
+    cls = outcome.classes()[0]
+    dst = out / "failures" / cls / ident
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    m = outcome.mutant
+    shutil.copytree(m.dir, dst / m.dir.name, symlinks=True)
+    # explicit path cases keep their outside files next to the checkpoint
+    for p in m.dir.parent.iterdir():
+        if p != m.dir and not p.name.startswith("."):
+            if p.is_dir() and not p.is_symlink():
+                shutil.copytree(p, dst / p.name, symlinks=True)
+            elif p.is_file():
+                shutil.copy(p, dst / p.name)
+    (dst / "outcome.json").write_text(json.dumps(outcome.to_json(), indent=1, default=str) + "\n")
+    return str(dst / m.dir.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mutants", type=int, default=5000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "fuzz")
+    ap.add_argument("--formats", default="orbax,dcp,safetensors,msgpack",
+                    help="comma-separated formats to mutate")
+    ap.add_argument("--no-explicit", action="store_true", help="skip the explicit cases")
+    ap.add_argument("--no-oracle", action="store_true", help="contract only, no library loads")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="stop starting mutants after this many seconds (the summary says how many ran)")
+    ap.add_argument("--start", type=int, default=0, help="first mutant index (to replay: --start I --mutants 1)")
+    args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    work_root = Path(tempfile.mkdtemp(prefix="ckpt-fuzz-"))
+    summary = Summary(args)
+    oracle = None if args.no_oracle else F.Oracle()
+    oracle_lock = threading.Lock()
+
+    class LockedOracle:
+        def check(self, *a, **k):
+            with oracle_lock:
+                return oracle.check(*a, **k)
+
+    locked = None if oracle is None else LockedOracle()
+    mutant_lock = threading.Lock()  # torch's unpickling in the structured operators, one at a time
+
+    def write_summary() -> None:
+        (args.out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1, default=str) + "\n")
+
+    jobs: list[tuple[str, object]] = []
+    if not args.no_explicit:
+        jobs += [(f"explicit-{name}", name) for name in F.explicit_cases()]
+    jobs += [(f"m{args.seed}-{i:05d}", i) for i in range(args.start, args.start + args.mutants)]
+    queue_lock = threading.Lock()
+    cases = F.explicit_cases()
+    stop = threading.Event()
+
+    def worker(wid: int) -> None:
+        zygote = F.Zygote()
+        try:
+            while not stop.is_set():
+                with queue_lock:
+                    if not jobs:
+                        return
+                    ident, what = jobs.pop(0)
+                if args.time_budget and time.monotonic() - summary.t0 > args.time_budget:
+                    stop.set()
+                    return
+                work = work_root / ident
+                work.mkdir()
+                try:
+                    with mutant_lock:
+                        if isinstance(what, str):
+                            m = cases[what](work)
+                        else:
+                            rng = random.Random(f"{args.seed}:{what}")
+                            spec = F.pick_spec(rng, formats)
+                            m = F.make_mutant(rng, spec, work)
+                    outcome, unconfirmed = F.evaluate_forked(m, zygote, locked)
+                    saved = _save_failure(args.out, ident, outcome) if outcome.violations else None
+                    summary.add(ident, outcome, unconfirmed, saved)
+                    if outcome.violations:
+                        print(f"{ident}: {outcome.classes()} {m.label()[:140]}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - a harness problem: say so, go on
+                    print(f"{ident}: harness error {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                done = summary.mutants + summary.explicit
+                if done % 100 == 0:
+                    write_summary()
+                    print(f"-- {done} done, {summary.failing} failing, "
+                          f"{time.monotonic() - summary.t0:.0f} s", flush=True)
+        finally:
+            zygote.close()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.jobs)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(1.0)
+    except KeyboardInterrupt:
+        stop.set()
+        print("interrupted: writing the summary of what ran", file=sys.stderr)
+    finally:
+        if oracle is not None:
+            oracle.close()
+        write_summary()
+        shutil.rmtree(work_root, ignore_errors=True)
+    s = summary.to_json()
+    print(json.dumps({k: s[k] for k in ("mutants", "explicit_cases", "runs", "elapsed_s", "counts", "classes",
+                                        "slowest", "max_rss")}, indent=1, default=str))
+    return 1 if s["failing_mutants"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1575 @@
+"""The fuzzing suite's machinery: mutants of the committed fixtures, the
+contract every `ckpt` run must keep on them, and the library oracle.
+
+Used by tests/test_fuzz.py (a seeded, fast subset in `make test`) and by
+fuzz/run_fuzz.py (the long run behind `make fuzz`).
+
+A *mutant* is a copy of one committed fixture (never the fixture itself) with
+one file damaged by one mutation operator: byte-level (flips, truncation,
+insertion, deletion), structure-aware (JSON fields of every Orbax metadata
+kind, pickle opcodes of a DCP `.metadata`, the fields of torch's Metadata
+object re-pickled, zip records of a `.distcp` archive, a safetensors header)
+or removal of the file. Every operator takes a `random.Random`, so a mutant is
+reproducible from (seed, index) and hypothesis can drive the choices.
+
+The contract, for `ckpt inspect --json`, `ckpt validate` and
+`ckpt validate --deep` on every mutant, as whole processes:
+  * no Python traceback and no `internal error` on stderr;
+  * exit code 0 or 1, no signal;
+  * under 20 s wall time; peak RSS under 1 GB;
+  * on failure, stderr is (at most) one line; inspect's stdout on success is JSON;
+and the oracle: where validate exits 0 (--deep; or shallow, for a mutant of a
+metadata file, which shallow validate claims to check), the real library
+(torch's dcp_to_torch_save, orbax's restore with no target, safetensors'
+safe_open) loads it, and with the values ckpt's Python API reads.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import pickle
+import pickletools
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+CORPUS = ROOT / "tests" / "fuzz_corpus"
+ORACLE_SCRIPT = ROOT / "tests" / "fuzz_oracle.py"
+
+TIME_LIMIT_S = 20.0
+RSS_LIMIT_KB = 1024 * 1024  # 1 GB
+# a run is killed here (a little past the limit, to tell slow from hung)
+KILL_AFTER_S = 30.0
+# the zygote stops a child whose RSS passes this (the limit is 1 GB; the
+# machine is shared)
+RSS_GUARD_KB = 3 * 1024 * 1024
+
+COMMANDS = {
+    "inspect": ["inspect", "--json"],
+    "validate": ["validate"],
+    "deep": ["validate", "--deep"],
+}
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    name: str
+    format: str  # "orbax" | "dcp" | "safetensors" | "msgpack"
+    oracle: str | None  # the oracle worker's format, None when no library reader is available
+    mode: str = ""  # oracle mode ("numpy": orbax restore as host arrays)
+
+
+FIXTURE_SPECS = [
+    FixtureSpec("orbax_plain_zarr2", "orbax", "orbax"),
+    FixtureSpec("orbax_ocdbt_zarr2", "orbax", "orbax"),
+    FixtureSpec("orbax_ocdbt_zarr3", "orbax", "orbax"),
+    # device ids 0-3 and 2048-2051 (two processes): one process restores it only as numpy
+    FixtureSpec("orbax_two_process", "orbax", "orbax", "numpy"),
+    FixtureSpec("dcp_single", "dcp", "dcp"),
+    FixtureSpec("dcp_multirank", "dcp", "dcp"),
+    FixtureSpec("dcp_fsdp2_adam", "dcp", "dcp"),
+    FixtureSpec("dcp_zstd", "dcp", "dcp"),
+    FixtureSpec("safetensors_numpy", "safetensors", "safetensors"),
+    FixtureSpec("safetensors_llama_sharded", "safetensors", "safetensors"),
+    # flax is not installed: contract only, no oracle
+    FixtureSpec("flax_msgpack", "msgpack", None),
+]
+SPECS = {s.name: s for s in FIXTURE_SPECS}
+
+# share of mutants per format in a long run ("both formats" first)
+FORMAT_WEIGHTS = {"orbax": 0.44, "dcp": 0.44, "safetensors": 0.08, "msgpack": 0.04}
+
+# kinds whose damage shallow validate claims to catch (metadata); damage to
+# the others (array data) is --deep's job
+METADATA_KINDS = {
+    "checkpoint_metadata", "metadata", "sharding", "array_metadatas", "zarr_meta", "strings_json",
+    "commit_marker", "ocdbt_manifest", "dcp_metadata", "safetensors_index", "safetensors_header",
+}
+
+
+# --------------------------------------------------------------------------
+# targets: which file of a fixture is which kind
+# --------------------------------------------------------------------------
+
+
+def target_kind(rel: str) -> str | None:
+    name = rel.rsplit("/", 1)[-1]
+    parts = rel.split("/")
+    if name == "_CHECKPOINT_METADATA":
+        return "checkpoint_metadata"
+    if name == "_METADATA":
+        return "metadata"
+    if name == "_sharding":
+        return "sharding"
+    if len(parts) >= 2 and parts[-2] == "array_metadatas":
+        return "array_metadatas"
+    if name in (".zarray", "zarr.json", ".zattrs"):
+        return "zarr_meta"
+    if name == "_strings.json":
+        return "strings_json"
+    if name == "commit_success.txt":
+        return "commit_marker"
+    if name == "manifest.ocdbt":
+        return "ocdbt_manifest"
+    if len(parts) >= 2 and parts[-2] == "d":
+        return "ocdbt_data"
+    if name == ".metadata":
+        return "dcp_metadata"
+    if name.endswith(".distcp"):
+        return "distcp"
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name == "model.safetensors.index.json":
+        return "safetensors_index"
+    if name.startswith("checkpoint"):
+        return "msgpack"
+    if name.endswith(".json"):
+        return None  # config.json etc.: not part of the checkpoint
+    if len(parts) >= 2:
+        return "zarr_chunk"  # plain zarr chunk files (0.1, 3, c/0/1)
+    return None
+
+
+def fixture_targets(root: Path) -> dict[str, list[str]]:
+    """{kind: [relative paths]} of a fixture's files."""
+    out: dict[str, list[str]] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            rel = p.relative_to(root).as_posix()
+            kind = target_kind(rel)
+            if kind:
+                out.setdefault(kind, []).append(rel)
+    return out
+
+
+# --------------------------------------------------------------------------
+# byte-level operators
+# --------------------------------------------------------------------------
+
+INTERESTING_INTS = [0, 1, -1, 2, 7, 8, 255, 256, 65535, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40,
+                    2**53, 2**62, 2**63 - 1, 2**63, 2**64, -(2**31), -(2**63)]
+
+
+def _pos(rng: random.Random, n: int) -> int:
+    return rng.randrange(n) if n else 0
+
+
+def bytes_mutation(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One byte-level mutation; None means delete the file."""
+    n = len(data)
+    op = rng.choice(["flip", "flip", "set", "insert", "delete", "truncate", "truncate0", "extend",
+                     "zero_range", "dup_range", "remove", "head_flip"])
+    b = bytearray(data)
+    if op in ("flip", "head_flip") and n:
+        i = _pos(rng, min(n, 64)) if op == "head_flip" else _pos(rng, n)
+        bit = rng.randrange(8)
+        b[i] ^= 1 << bit
+        return bytes(b), f"{op} bit {bit} of byte {i}"
+    if op == "set" and n:
+        i = _pos(rng, n)
+        v = rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])
+        b[i] = v
+        return bytes(b), f"set byte {i} to {v:#x}"
+    if op == "insert":
+        i = _pos(rng, n + 1)
+        chunk = bytes(rng.randrange(256) for _ in range(rng.choice([1, 1, 4, 64])))
+        return data[:i] + chunk + data[i:], f"insert {len(chunk)} bytes at {i}"
+    if op == "delete" and n:
+        i = _pos(rng, n)
+        k = min(n - i, rng.choice([1, 1, 4, 64]))
+        return data[:i] + data[i + k:], f"delete {k} bytes at {i}"
+    if op == "truncate" and n:
+        i = _pos(rng, n)
+        return data[:i], f"truncate to {i} of {n} bytes"
+    if op == "truncate0":
+        return b"", "truncate to 0 bytes"
+    if op == "extend":
+        k = rng.choice([1, 8, 4096])
+        return data + bytes(k), f"append {k} zero bytes"
+    if op == "zero_range" and n:
+        i = _pos(rng, n)
+        k = min(n - i, rng.choice([4, 16, 256]))
+        return data[:i] + bytes(k) + data[i + k:], f"zero {k} bytes at {i}"
+    if op == "dup_range" and n:
+        i = _pos(rng, n)
+        k = min(n - i, rng.choice([4, 16, 256]))
+        return data[:i + k] + data[i:i + k] + data[i + k:], f"duplicate {k} bytes at {i}"
+    if op == "remove":
+        return None, "remove the file"
+    return data + b"\0", "append one zero byte"
+
+
+# --------------------------------------------------------------------------
+# JSON operators (every Orbax metadata kind; safetensors headers and index)
+# --------------------------------------------------------------------------
+
+
+class _Nested:
+    """A JSON string whose content is itself JSON (`_sharding` values)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _decode_nested(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _decode_nested(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_nested(v) for v in obj]
+    if isinstance(obj, str) and obj[:1] in "{[":
+        try:
+            return _Nested(_decode_nested(json.loads(obj)))
+        except ValueError:
+            return obj
+    return obj
+
+
+def _encode_nested(obj: Any) -> Any:
+    if isinstance(obj, _Nested):
+        return json.dumps(_encode_nested(obj.value))
+    if isinstance(obj, dict):
+        return {k: _encode_nested(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_encode_nested(v) for v in obj]
+    return obj
+
+
+def _json_slots(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """Every (path, value) in the tree, containers included."""
+    out = [(path, obj)]
+    inner = obj.value if isinstance(obj, _Nested) else obj
+    if isinstance(inner, dict):
+        for k, v in inner.items():
+            out.extend(_json_slots(v, path + (k,)))
+    elif isinstance(inner, list):
+        for i, v in enumerate(inner):
+            out.extend(_json_slots(v, path + (i,)))
+    return out
+
+
+def _container(root: Any, path: tuple) -> Any:
+    node = root
+    for k in path:
+        node = node.value if isinstance(node, _Nested) else node
+        node = node[k]
+    return node.value if isinstance(node, _Nested) else node
+
+
+def _typo(rng: random.Random, s: str) -> str:
+    if not s:
+        return "x"
+    i = rng.randrange(len(s))
+    op = rng.choice(["dup", "drop", "swap", "case", "char"])
+    if op == "dup":
+        return s[:i] + s[i] + s[i:]
+    if op == "drop":
+        return s[:i] + s[i + 1:]
+    if op == "swap" and len(s) > 1:
+        i = min(i, len(s) - 2)
+        return s[:i] + s[i + 1] + s[i] + s[i + 2:]
+    if op == "case":
+        return s[:i] + s[i].swapcase() + s[i + 1:]
+    return s[:i] + rng.choice("xZ_0.-/ ") + s[i + 1:]
+
+
+def _replacement(rng: random.Random, value: Any) -> tuple[Any, str]:
+    if isinstance(value, bool):
+        return rng.choice([not value, 0, 1, "true", None]), "bool"
+    if isinstance(value, int):
+        choice = rng.choice([value + 1, value - 1, 0, -1, value * 2, rng.choice(INTERESTING_INTS),
+                             str(value), float(value) + 0.5, None, [value]])
+        return choice, "int"
+    if isinstance(value, float):
+        return rng.choice([0.0, -1.0, 1e308, float(2**63), str(value), None, int(value)]), "float"
+    if isinstance(value, str):
+        return rng.choice([_typo(rng, value), "", value + "x", "unknown", None, 0, [value],
+                           {"v": value}, value.upper(), "\udcff" if False else "\u00e9"]), "str"
+    if value is None:
+        return rng.choice([0, "", [], {}, "null", -1]), "null"
+    if isinstance(value, list):
+        if value and rng.random() < 0.5:
+            return rng.choice([value[:-1], value + value[-1:], [], value[::-1], [None] * len(value),
+                               [-1] + value[1:], [2**62] * len(value), [0] * len(value),
+                               [str(v) for v in value]]), "list"
+        return rng.choice([{}, None, "[]", 0, [value]]), "list"
+    if isinstance(value, dict):
+        return rng.choice([[], None, {}, "{}", 0, [value]]), "dict"
+    return None, "other"
+
+
+def json_mutation(rng: random.Random, obj: Any) -> tuple[Any, str]:
+    """Mutate a decoded JSON tree (a `_Nested` may appear inside) in place or
+    by replacement; returns (new tree, description)."""
+    slots = _json_slots(obj)
+    path, value = rng.choice(slots)
+    op = rng.choice(["replace", "replace", "replace", "delete_key", "rename_key", "add_key",
+                     "deep_nest", "nested_to_plain"])
+    if not path:
+        op = "replace_root"
+    parent = _container(obj, path[:-1]) if path else None
+    key = path[-1] if path else None
+    where = "/".join(map(str, path)) or "<root>"
+    if op == "replace_root":
+        new = rng.choice([None, [], {}, 0, "x", [obj]])
+        return new, f"root replaced by {json.dumps(new)[:40]}"
+    if op == "delete_key" and isinstance(parent, dict):
+        del parent[key]
+        return obj, f"delete key {where}"
+    if op == "rename_key" and isinstance(parent, dict):
+        v = parent.pop(key)
+        new_key = _typo(rng, str(key))
+        parent[new_key] = v
+        return obj, f"rename key {where} -> {new_key!r}"
+    if op == "add_key" and isinstance(parent, dict):
+        parent[rng.choice(["extra", "zz_unknown", "_"])] = rng.choice([1, None, "x", []])
+        return obj, f"add a key beside {where}"
+    if op == "deep_nest":
+        # a placeholder, expanded in the text (json.dumps itself would recurse)
+        depth = rng.choice([100, 5000, 100_000])
+        parent[key] = f"{DEEP}{depth}"
+        return obj, f"{where} replaced by {depth}-deep nested lists"
+    if op == "nested_to_plain" and isinstance(value, _Nested):
+        parent[key] = value.value
+        return obj, f"{where}: nested JSON string stored as an object"
+    new, _ = _replacement(rng, value.value if isinstance(value, _Nested) else value)
+    parent[key] = new
+    try:
+        shown = json.dumps(_encode_nested(new))[:60]
+    except (TypeError, ValueError):
+        shown = repr(new)[:60]
+    return obj, f"{where} = {shown}"
+
+
+def json_text_mutation(rng: random.Random, text: bytes) -> tuple[bytes, str]:
+    """Syntax-level damage of a JSON file."""
+    op = rng.choice(["truncate", "nan", "huge_number", "not_utf8", "bom", "duplicate_key", "trailing",
+                     "deep_open"])
+    if op == "truncate" and text:
+        i = rng.randrange(len(text))
+        return text[:i], f"JSON truncated at {i}"
+    if op == "nan":
+        return text.replace(b"1", b"NaN", 1) if b"1" in text else text + b"NaN", "a NaN literal"
+    if op == "huge_number":
+        return text.replace(b"2", b"1e400", 1) if b"2" in text else text, "a number 1e400"
+    if op == "not_utf8":
+        i = rng.randrange(max(1, len(text)))
+        return text[:i] + b"\xff\xfe" + text[i:], f"invalid UTF-8 at {i}"
+    if op == "bom":
+        return b"\xef\xbb\xbf" + text, "a UTF-8 BOM"
+    if op == "duplicate_key" and text.startswith(b"{"):
+        return b'{"a": 1, "a": 2, ' + text[1:] if len(text) > 2 else text, "duplicate keys"
+    if op == "trailing":
+        return text + b" x", "trailing garbage"
+    return b"[" * 200_000 + b"]" * 200_000, "200000-deep nested lists"
+
+
+def mutate_json_file(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    r = rng.random()
+    if r < 0.12:
+        return json_text_mutation(rng, data)
+    if r < 0.18:
+        return bytes_mutation(rng, data)
+    try:
+        obj = _decode_nested(json.loads(data))
+    except ValueError:
+        return bytes_mutation(rng, data)
+    obj, desc = json_mutation(rng, obj)
+    return dump_json(obj), desc
+
+
+DEEP = "__fuzz_deep_nesting__:"
+
+
+def dump_json(obj: Any) -> bytes:
+    """json.dumps of a mutated tree, deep-nesting placeholders expanded."""
+    text = json.dumps(_encode_nested(obj))
+    for quote in ('\\"', '"'):
+        while True:
+            i = text.find(quote + DEEP)
+            if i < 0:
+                break
+            j = text.find(quote, i + len(quote) + len(DEEP))
+            depth = int(text[i + len(quote) + len(DEEP):j])
+            text = text[:i] + "[" * depth + "0" + "]" * depth + text[j + len(quote):]
+    return text.encode()
+
+
+# --------------------------------------------------------------------------
+# pickle operators (DCP .metadata)
+# --------------------------------------------------------------------------
+
+
+def _ops(data: bytes) -> list[tuple[Any, Any, int, int]]:
+    """(opcode, arg, start, end) of each opcode."""
+    ops = list(pickletools.genops(data))
+    out = []
+    for i, (op, arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
+        out.append((op, arg, pos, end))
+    return out
+
+
+def _encode_int_op(name: str, value: int) -> bytes | None:
+    try:
+        if name == "BININT1":
+            return b"K" + struct.pack("<B", value)
+        if name == "BININT2":
+            return b"M" + struct.pack("<H", value)
+        if name == "BININT":
+            return b"J" + struct.pack("<i", value)
+    except struct.error:
+        pass
+    if name in ("BININT1", "BININT2", "BININT", "LONG1"):
+        raw = value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        return b"\x8a" + bytes([len(raw)]) + raw
+    return None
+
+
+def pickle_opcode_mutation(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    ops = _ops(data)
+    op_kind = rng.choice(["int_arg", "int_arg", "string_arg", "delete_op", "dup_op", "memo_index",
+                          "truncate_op", "global_swap", "big_memo"])
+    if op_kind == "int_arg":
+        cands = [o for o in ops if o[0].name in ("BININT1", "BININT2", "BININT", "LONG1")]
+        if cands:
+            op, arg, s, e = rng.choice(cands)
+            new = rng.choice([arg + 1, arg - 1, 0, -1, arg * 2, rng.choice(INTERESTING_INTS)])
+            enc = _encode_int_op(op.name, new)
+            if enc:
+                return data[:s] + enc + data[e:], f"pickle int at {s}: {arg} -> {new}"
+    if op_kind == "string_arg":
+        cands = [o for o in ops if o[0].name in ("SHORT_BINUNICODE", "BINUNICODE")]
+        if cands:
+            op, arg, s, e = rng.choice(cands)
+            new = rng.choice([_typo(rng, arg), "", "../" + arg, "/etc/passwd", arg + "x", "posix", "system"])
+            raw = new.encode("utf-8", "surrogatepass")
+            enc = (b"\x8c" + bytes([len(raw)]) if len(raw) < 256 else b"X" + struct.pack("<I", len(raw))) + raw
+            return data[:s] + enc + data[e:], f"pickle string at {s}: {arg!r} -> {new!r}"
+    if op_kind == "delete_op" and len(ops) > 2:
+        op, arg, s, e = rng.choice(ops[1:-1])
+        return data[:s] + data[e:], f"pickle opcode {op.name} at {s} deleted"
+    if op_kind == "dup_op" and len(ops) > 2:
+        op, arg, s, e = rng.choice(ops[1:-1])
+        return data[:e] + data[s:e] + data[e:], f"pickle opcode {op.name} at {s} duplicated"
+    if op_kind == "memo_index":
+        cands = [o for o in ops if o[0].name in ("BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT")]
+        if cands:
+            op, arg, s, e = rng.choice(cands)
+            new = rng.choice([arg + 1, max(0, arg - 1), 0, 255, rng.randrange(1, 2**20)])
+            code = {"BINGET": b"j", "LONG_BINGET": b"j", "BINPUT": b"r", "LONG_BINPUT": b"r"}[op.name]
+            return data[:s] + code + struct.pack("<I", new) + data[e:], f"pickle memo {op.name} {arg} -> {new}"
+    if op_kind == "truncate_op" and len(ops) > 1:
+        op, arg, s, e = rng.choice(ops[1:])
+        return data[:s], f"pickle truncated before {op.name} at {s}"
+    if op_kind == "global_swap":
+        cands = [o for o in ops if o[0].name in ("SHORT_BINUNICODE", "BINUNICODE") and "." in str(o[1])]
+        if cands:
+            op, arg, s, e = rng.choice(cands)
+            new = rng.choice(["torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata",
+                              "builtins", "torch", "torch.serialization", "pathlib"])
+            raw = new.encode()
+            return data[:s] + b"\x8c" + bytes([len(raw)]) + raw + data[e:], f"pickle module {arg!r} -> {new!r}"
+    if op_kind == "big_memo" and len(ops) > 2:
+        op, arg, s, e = rng.choice(ops[1:-1])
+        idx = rng.choice([2**20, 2**28, 2**31 - 1])
+        return data[:s] + b"r" + struct.pack("<I", idx) + data[s:], f"pickle LONG_BINPUT {idx} inserted at {s}"
+    return bytes_mutation(rng, data)[0] or b"", "pickle byte mutation"
+
+
+def _torch():
+    import torch  # noqa: F401 - the structured DCP operators need torch's classes
+    import torch.distributed.checkpoint.filesystem  # noqa: F401
+    import torch.distributed.checkpoint.metadata as m
+
+    return m
+
+
+def _dim_value(rng: random.Random, d: int) -> int:
+    return rng.choice([d + 1, d - 1, 0, -1, d * 2, 2**62, 2**31, 2**41, 1])
+
+
+def _size(values: list[int]) -> Any:
+    import torch
+
+    try:
+        return torch.Size(values)
+    except Exception:  # noqa: BLE001 - out of int64
+        return tuple(values)
+
+
+def metadata_object_mutation(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    """Unpickle a (trusted: our own fixture's) .metadata with torch's classes,
+    change one field of the Metadata object, pickle it again."""
+    import torch
+
+    m = _torch()
+    md = pickle.loads(data)
+    tensors = [k for k, v in md.state_dict_metadata.items() if isinstance(v, m.TensorStorageMetadata)]
+    items = list(md.state_dict_metadata)
+    storage = list(md.storage_data)
+    op = rng.choice(["size", "size", "chunk_offsets", "chunk_sizes", "chunk_drop", "chunk_dup", "dtype",
+                     "properties_none", "to_bytes", "drop_item", "storage_offset", "storage_length",
+                     "storage_length", "relative_path", "drop_storage", "storage_none", "index_fqn",
+                     "planner", "storage_meta", "version", "root", "size_rank", "chunks_none"])
+    desc = op
+    if op in ("size", "size_rank", "chunk_offsets", "chunk_sizes", "chunk_drop", "chunk_dup", "dtype",
+              "properties_none", "chunks_none") and tensors:
+        fqn = rng.choice(tensors)
+        t = md.state_dict_metadata[fqn]
+        if op == "size":
+            dims = list(t.size)
+            if dims:
+                i = rng.randrange(len(dims))
+                dims[i] = _dim_value(rng, dims[i])
+            t.size = _size(dims)
+            desc = f"{fqn}: size -> {list(t.size)}"
+        elif op == "size_rank":
+            dims = list(t.size)
+            dims = dims[:-1] if dims and rng.random() < 0.5 else dims + [rng.choice([1, 2, 2**62])]
+            t.size = _size(dims)
+            desc = f"{fqn}: size -> {dims}"
+        elif op in ("chunk_offsets", "chunk_sizes") and t.chunks:
+            c = rng.choice(t.chunks)
+            name = "offsets" if op == "chunk_offsets" else "sizes"
+            vals = list(getattr(c, name))
+            if vals:
+                i = rng.randrange(len(vals))
+                vals[i] = _dim_value(rng, vals[i])
+            setattr(c, name, _size(vals))
+            desc = f"{fqn}: chunk {name} -> {vals}"
+        elif op == "chunk_drop" and t.chunks:
+            t.chunks.pop(rng.randrange(len(t.chunks)))
+            desc = f"{fqn}: a chunk dropped"
+        elif op == "chunk_dup" and t.chunks:
+            t.chunks.append(dataclasses.replace(rng.choice(t.chunks)))
+            desc = f"{fqn}: a chunk duplicated"
+        elif op == "dtype":
+            new = rng.choice([torch.float64, torch.int64, torch.bfloat16, torch.float16, torch.uint8,
+                              torch.bool, torch.int8, torch.complex64, torch.float8_e4m3fn, torch.qint8])
+            t.properties.dtype = new
+            desc = f"{fqn}: dtype -> {new}"
+        elif op == "properties_none":
+            t.properties = None
+            desc = f"{fqn}: properties None"
+        elif op == "chunks_none":
+            t.chunks = rng.choice([None, []])
+            desc = f"{fqn}: chunks {t.chunks!r}"
+    elif op == "to_bytes" and tensors:
+        fqn = rng.choice(tensors)
+        md.state_dict_metadata[fqn] = m.BytesStorageMetadata()
+        desc = f"{fqn}: tensor entry replaced by BytesStorageMetadata"
+    elif op == "drop_item" and items:
+        fqn = rng.choice(items)
+        del md.state_dict_metadata[fqn]
+        desc = f"{fqn}: dropped from state_dict_metadata"
+    elif op in ("storage_offset", "storage_length", "relative_path", "storage_none") and storage:
+        idx = rng.choice(storage)
+        info = md.storage_data[idx]
+        if op == "storage_offset":
+            info.offset = rng.choice([info.offset + 1, info.offset - 1, 0, -1, 2**62, info.offset + info.length])
+            desc = f"{idx.fqn}: storage offset -> {info.offset}"
+        elif op == "storage_length":
+            info.length = rng.choice([info.length + 1, info.length - 1, 0, -1, 2**62, 1, 2**43])
+            desc = f"{idx.fqn}: storage length -> {info.length}"
+        elif op == "relative_path":
+            info.relative_path = rng.choice(["../" + info.relative_path, "/etc/passwd", "", "nope.distcp",
+                                             "__9_0.distcp", ".metadata", "./" + info.relative_path, "."])
+            desc = f"{idx.fqn}: relative_path -> {info.relative_path!r}"
+        else:
+            md.storage_data[idx] = None
+            desc = f"{idx.fqn}: storage info None"
+    elif op == "drop_storage" and storage:
+        idx = rng.choice(storage)
+        del md.storage_data[idx]
+        desc = f"{idx.fqn}: storage entry dropped"
+    elif op == "index_fqn" and storage:
+        idx = rng.choice(storage)
+        info = md.storage_data.pop(idx)
+        new = dataclasses.replace(idx, fqn=_typo(rng, idx.fqn))
+        md.storage_data[new] = info
+        desc = f"storage key {idx.fqn!r} -> {new.fqn!r}"
+    elif op == "planner":
+        if md.planner_data and rng.random() < 0.5:
+            k = rng.choice(list(md.planner_data))
+            md.planner_data[k] = rng.choice([None, (), ("x",), 5, (k, k)])
+            desc = f"planner_data[{k!r}] -> {md.planner_data[k]!r}"
+        else:
+            md.planner_data = rng.choice([None, {}, []])
+            desc = f"planner_data -> {md.planner_data!r}"
+    elif op == "storage_meta":
+        md.storage_meta = None
+        desc = "storage_meta None"
+    elif op == "version":
+        md.version = rng.choice([None, "2.0.0", "", 5, "0.0.1"])
+        desc = f"version -> {md.version!r}"
+    elif op == "root":
+        new = rng.choice([None, 0, [], {}, md.state_dict_metadata, "metadata", (md,)])
+        desc = f".metadata pickles {type(new).__name__}"
+        md = new
+    return pickle.dumps(md, protocol=rng.choice([2, 4, 5])), desc
+
+
+def mutate_dcp_metadata(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    r = rng.random()
+    if r < 0.45:
+        return metadata_object_mutation(rng, data)
+    if r < 0.8:
+        return pickle_opcode_mutation(rng, data)
+    return bytes_mutation(rng, data)
+
+
+# --------------------------------------------------------------------------
+# zip operators (.distcp archives: one torch.save zip per item)
+# --------------------------------------------------------------------------
+
+ZIP_SIGS = {b"PK\x03\x04": ("local", 30, [(14, 4), (18, 4), (22, 4), (26, 2), (28, 2), (8, 2), (6, 2)]),
+            b"PK\x01\x02": ("central", 46, [(16, 4), (20, 4), (24, 4), (28, 2), (30, 2), (42, 4), (10, 2)]),
+            b"PK\x05\x06": ("eocd", 22, [(8, 2), (10, 2), (12, 4), (16, 4), (20, 2)]),
+            b"PK\x06\x06": ("eocd64", 56, [(24, 8), (32, 8), (40, 8), (48, 8)]),
+            b"PK\x06\x07": ("locator64", 20, [(8, 8), (16, 4)])}
+
+
+def zip_records(data: bytes) -> list[tuple[int, str, int, list]]:
+    out = []
+    for sig, (name, size, fields) in ZIP_SIGS.items():
+        i = data.find(sig)
+        while i >= 0:
+            out.append((i, name, size, fields))
+            i = data.find(sig, i + 1)
+    return sorted(out)
+
+
+def mutate_distcp(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    recs = zip_records(data)
+    op = rng.choice(["field", "field", "header_flip", "name", "data_flip", "data_flip", "bytes", "truncate_at_record"])
+    b = bytearray(data)
+    if op == "field" and recs:
+        pos, name, _size, fields = rng.choice(recs)
+        off, width = rng.choice(fields)
+        if pos + off + width <= len(b):
+            v = rng.choice([0, 1, 2**(8 * width) - 1, rng.randrange(2**(8 * width)),
+                            int.from_bytes(b[pos + off:pos + off + width], "little") + rng.choice([-1, 1, 64])])
+            v %= 2**(8 * width)
+            b[pos + off:pos + off + width] = v.to_bytes(width, "little")
+            return bytes(b), f"zip {name} record at {pos}: field +{off} ({width} bytes) -> {v}"
+    if op == "header_flip" and recs:
+        pos, name, size, _ = rng.choice(recs)
+        i = min(len(b) - 1, pos + rng.randrange(size))
+        bit = rng.randrange(8)
+        b[i] ^= 1 << bit
+        return bytes(b), f"zip {name} record at {pos}: bit {bit} of byte {i - pos} flipped"
+    if op == "name" and recs:
+        cands = [r for r in recs if r[1] in ("local", "central")]
+        if cands:
+            pos, name, size, _ = rng.choice(cands)
+            nlen_off = 26 if name == "local" else 28
+            nlen = int.from_bytes(b[pos + nlen_off:pos + nlen_off + 2], "little")
+            if nlen and pos + size + nlen <= len(b):
+                i = pos + size + rng.randrange(nlen)
+                old = b[i]
+                b[i] = ord(rng.choice("xZ/._0"))
+                return bytes(b), (f"zip {name} record at {pos}: file name byte {i - pos - size} "
+                                  f"{chr(old)!r} -> {chr(b[i])!r}")
+    if op == "data_flip" and data:
+        # a byte outside every zip record header: storage bytes or a pickle
+        spans = [(p, p + s) for p, _, s, _ in recs]
+        for _ in range(20):
+            i = rng.randrange(len(b))
+            if not any(s <= i < e for s, e in spans):
+                bit = rng.randrange(8)
+                b[i] ^= 1 << bit
+                return bytes(b), f"data byte {i}: bit {bit} flipped"
+    if op == "truncate_at_record" and recs:
+        pos = rng.choice(recs)[0]
+        return data[:pos], f"truncated at the zip record at {pos}"
+    return bytes_mutation(rng, data)
+
+
+# --------------------------------------------------------------------------
+# safetensors operators
+# --------------------------------------------------------------------------
+
+
+def mutate_safetensors(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    if len(data) < 8:
+        return bytes_mutation(rng, data)
+    hlen = struct.unpack("<Q", data[:8])[0]
+    header, body = data[8:8 + hlen], data[8 + hlen:]
+    r = rng.random()
+    if r < 0.5:
+        try:
+            obj = json.loads(header)
+        except ValueError:
+            return bytes_mutation(rng, data)
+        obj, desc = json_mutation(rng, obj)
+        new = dump_json(obj)
+        if rng.random() < 0.8:
+            new = new + b" " * ((8 - len(new) % 8) % 8)
+            return struct.pack("<Q", len(new)) + new + body, "header: " + desc
+        return data[:8] + new + body, "header (length not updated): " + desc
+    if r < 0.65:
+        v = rng.choice([0, 1, hlen + 1, hlen - 1, 2**62, 100_000_001, len(data)])
+        return struct.pack("<Q", v) + data[8:], f"header length {hlen} -> {v}"
+    if r < 0.8 and body:
+        i = 8 + hlen + rng.randrange(len(body))
+        b = bytearray(data)
+        b[i] ^= 1 << rng.randrange(8)
+        return bytes(b), f"data byte {i} flipped"
+    return bytes_mutation(rng, data)
+
+
+# --------------------------------------------------------------------------
+# mutants
+# --------------------------------------------------------------------------
+
+MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] = {
+    "checkpoint_metadata": mutate_json_file,
+    "metadata": mutate_json_file,
+    "sharding": mutate_json_file,
+    "array_metadatas": mutate_json_file,
+    "zarr_meta": mutate_json_file,
+    "strings_json": mutate_json_file,
+    "safetensors_index": mutate_json_file,
+    "commit_marker": bytes_mutation,
+    "ocdbt_manifest": bytes_mutation,
+    "ocdbt_data": bytes_mutation,
+    "zarr_chunk": bytes_mutation,
+    "dcp_metadata": mutate_dcp_metadata,
+    "distcp": mutate_distcp,
+    "safetensors": mutate_safetensors,
+    "msgpack": bytes_mutation,
+}
+
+
+@dataclass
+class Mutant:
+    dir: Path  # the checkpoint path given to ckpt
+    fixture: str
+    format: str
+    kind: str  # target kind, or "explicit"
+    target: str  # relative path of the damaged file
+    description: str
+    oracle: str | None
+    mode: str = ""
+    # explicit cases: {command: required exit code}
+    expect: dict[str, int] = field(default_factory=dict)
+    canary: Path | None = None  # must not exist after the runs (code execution)
+    check_oracle: bool = True
+
+    def label(self) -> str:
+        return f"{self.fixture}:{self.target} [{self.kind}] {self.description}"
+
+
+def copy_fixture(name: str, dst: Path) -> Path:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(FIXTURES / name, dst, symlinks=True)
+    return dst
+
+
+def make_mutant(rng: random.Random, spec: FixtureSpec, workdir: Path, kind: str | None = None) -> Mutant:
+    """Copy `spec`'s fixture under workdir and damage one file of it."""
+    dst = copy_fixture(spec.name, workdir / spec.name)
+    targets = fixture_targets(dst)
+    kinds = sorted(targets)
+    kind = kind if kind in targets else rng.choice(kinds)
+    rel = rng.choice(targets[kind])
+    path = dst / rel
+    data = path.read_bytes()
+    try:
+        new, desc = MUTATORS[kind](rng, data)
+    except Exception as exc:  # noqa: BLE001 - an operator that does not apply: fall back to bytes
+        new, desc = bytes_mutation(rng, data)
+        desc += f" (structured operator failed: {type(exc).__name__})"
+    if new is None:
+        path.unlink()
+    else:
+        path.write_bytes(new)
+    return Mutant(dst, spec.name, spec.format, kind, rel, desc, spec.oracle, spec.mode)
+
+
+def pick_spec(rng: random.Random, formats: list[str] | None = None) -> FixtureSpec:
+    weights = {f: w for f, w in FORMAT_WEIGHTS.items() if formats is None or f in formats}
+    fmt = rng.choices(list(weights), weights=list(weights.values()))[0]
+    return rng.choice([s for s in FIXTURE_SPECS if s.format == fmt])
+
+
+# --------------------------------------------------------------------------
+# running ckpt
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    command: str
+    exit_code: int | None
+    signal: int | None
+    seconds: float
+    rss_kb: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    def brief(self) -> dict[str, Any]:
+        return {"command": self.command, "exit": self.exit_code, "signal": self.signal,
+                "seconds": round(self.seconds, 3), "rss_mb": None if self.rss_kb is None else round(self.rss_kb / 1024, 1),
+                "stderr": self.stderr[-600:]}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CKPT_DEBUG", None)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+def run_process(command: str, path: Path, *, kill_after: float = KILL_AFTER_S, tmp: Path | None = None) -> RunResult:
+    """`python -m ckpt_tool <command> PATH` as a whole process: exit code,
+    signal, wall time and this child's own peak RSS (wait4)."""
+    argv = [sys.executable, "-m", "ckpt_tool", *COMMANDS[command], str(path)]
+    tmp = tmp or path.parent
+    out_f, err_f = tmp / f".{command}.out", tmp / f".{command}.err"
+    with open(out_f, "wb") as out, open(err_f, "wb") as err:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT, env=_env(),
+                                start_new_session=True)
+        timed_out = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - t0 > kill_after:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.005)
+        seconds = time.monotonic() - t0
+        proc.returncode = -1  # reaped by wait4 above; keep Popen from waiting again
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    stdout = out_f.read_bytes().decode("utf-8", "replace")
+    stderr = err_f.read_bytes().decode("utf-8", "replace")
+    out_f.unlink()
+    err_f.unlink()
+    if timed_out:
+        sig = None  # our own kill, reported as a hang
+    return RunResult(command, code, sig, seconds, usage.ru_maxrss, stdout, stderr, timed_out)
+
+
+def run_inprocess(command: str, path: Path, *, kill_after: float = KILL_AFTER_S) -> RunResult:
+    """The same command through ckpt_tool.cli.main._run in this process, with
+    a watchdog (a hung call is reported, its thread abandoned). No RSS or
+    signal figures: those need run_process."""
+    from ckpt_tool.cli.main import _run
+
+    argv = [*COMMANDS[command], str(path)]
+    out, err = io.StringIO(), io.StringIO()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                box["code"] = _run(argv)
+        except BaseException as exc:  # noqa: BLE001 - escaped _run: a traceback for a user
+            import traceback
+
+            box["code"] = None
+            box["exc"] = "Traceback (escaped _run):\n" + "".join(traceback.format_exception(exc))
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(kill_after)
+    seconds = time.monotonic() - t0
+    if th.is_alive():
+        return RunResult(command, None, None, seconds, None, out.getvalue(), err.getvalue(), timed_out=True)
+    stderr = err.getvalue() + box.get("exc", "")
+    return RunResult(command, box.get("code"), None, seconds, None, out.getvalue(), stderr)
+
+
+# --------------------------------------------------------------------------
+# the contract
+# --------------------------------------------------------------------------
+
+# violation classes, worst first (the long run's summary uses these names)
+CLASSES = [
+    "code-execution", "oracle-deep", "oracle-shallow", "oracle-mismatch", "accepted-bad-input",
+    "signal", "hang", "slow", "rss", "internal-error", "bad-exit", "stderr-lines", "inspect-json",
+    "ckpt-read-fails", "oracle-worker",
+]
+
+
+@dataclass
+class Violation:
+    cls: str
+    command: str
+    detail: str
+
+
+def check_run(r: RunResult) -> list[Violation]:
+    v: list[Violation] = []
+    if r.timed_out:
+        v.append(Violation("hang", r.command, f"no exit after {r.seconds:.1f} s (killed)"))
+        return v
+    if r.signal is not None:
+        v.append(Violation("signal", r.command, f"killed by signal {r.signal} ({signal.Signals(r.signal).name})"))
+    if r.seconds > TIME_LIMIT_S:
+        v.append(Violation("slow", r.command, f"{r.seconds:.1f} s"))
+    if r.rss_kb is not None and r.rss_kb > RSS_LIMIT_KB:
+        v.append(Violation("rss", r.command, f"peak RSS {r.rss_kb / 1024:.0f} MB"))
+    if "Traceback" in r.stderr or "internal error" in r.stderr:
+        line = next((ln for ln in r.stderr.splitlines() if "internal error" in ln), None)
+        v.append(Violation("internal-error", r.command, line or r.stderr.strip().splitlines()[-1][:300]))
+    if r.signal is None and r.exit_code not in (0, 1):
+        v.append(Violation("bad-exit", r.command, f"exit code {r.exit_code}: {r.stderr.strip()[-200:]}"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    if len(lines) > 1 and not any(x.cls == "internal-error" for x in v):
+        v.append(Violation("stderr-lines", r.command, f"{len(lines)} stderr lines: " + " | ".join(lines[:3])[:300]))
+    if r.command == "inspect" and r.exit_code == 0:
+        try:
+            json.loads(r.stdout)
+        except ValueError:
+            v.append(Violation("inspect-json", r.command, "exit 0 but stdout is not JSON"))
+    return v
+
+
+def check_oracle(m: Mutant, runs: dict[str, RunResult], oracle: "Oracle | None") -> tuple[list[Violation], dict | None]:
+    """Where validate passed, the library must load the mutant with ckpt's values."""
+    shallow_ok = runs["validate"].exit_code == 0
+    deep_ok = runs["deep"].exit_code == 0
+    # shallow validate reads no array data: data damage is --deep's business
+    relevant = deep_ok or (shallow_ok and m.kind in METADATA_KINDS)
+    if not relevant or not m.check_oracle:
+        return [], None
+    if m.format == "dcp" and (m.dir / ".metadata").is_file():
+        from fuzz_oracle import foreign_globals
+
+        bad = foreign_globals((m.dir / ".metadata").read_bytes())
+        if bad:
+            return [Violation("accepted-bad-input", "validate",
+                              f"validate passed a .metadata naming globals {bad[:3]}")], None
+    if oracle is None or m.oracle is None:
+        return [], None
+    res = oracle.check(m.oracle, m.dir, m.mode)
+    which = "deep" if deep_ok else "validate"
+    if "worker_error" in res or "oracle_timeout" in res:
+        return [Violation("oracle-worker", which, str(res)[:400])], res
+    if not res["library_ok"]:
+        cls = "oracle-deep" if deep_ok else "oracle-shallow"
+        return [Violation(cls, which, f"validate{' --deep' if deep_ok else ''} exit 0, library: "
+                                      f"{res['library_error']}")], res
+    if not res["ckpt_ok"]:
+        if deep_ok:
+            return [Violation("ckpt-read-fails", "deep", f"validate --deep exit 0, library loads it, ckpt's "
+                                                         f"read fails: {res['ckpt_error']}")], res
+        return [], res
+    if res["mismatch"]:
+        return [Violation("oracle-mismatch", which, res["mismatch"])], res
+    return [], res
+
+
+def check_expectations(m: Mutant, runs: dict[str, RunResult]) -> list[Violation]:
+    v = []
+    for cmd, want in m.expect.items():
+        r = runs.get(cmd)
+        if r is not None and not r.timed_out and r.exit_code is not None and r.exit_code != want:
+            v.append(Violation("accepted-bad-input", cmd, f"exit {r.exit_code}, expected {want}: "
+                                                          f"{(r.stderr or r.stdout).strip()[:200]}"))
+    if m.canary is not None and m.canary.exists():
+        v.append(Violation("code-execution", "any", f"the pickle ran code: {m.canary} was created"))
+    return v
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    runs: dict[str, RunResult]
+    violations: list[Violation]
+    oracle: dict | None = None
+
+    def classes(self) -> list[str]:
+        return sorted({v.cls for v in self.violations}, key=CLASSES.index)
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.mutant
+        return {"fixture": m.fixture, "format": m.format, "kind": m.kind, "target": m.target,
+                "mutation": m.description, "classes": self.classes(),
+                "violations": [dataclasses.asdict(v) for v in self.violations],
+                "runs": {k: r.brief() for k, r in self.runs.items()}, "oracle": self.oracle}
+
+
+def evaluate(m: Mutant, *, runner: str = "process", oracle: "Oracle | None" = None,
+             commands: tuple[str, ...] = ("inspect", "validate", "deep")) -> Outcome:
+    run = run_process if runner == "process" else run_inprocess
+    runs = {c: run(c, m.dir) for c in commands}
+    violations = [v for r in runs.values() for v in check_run(r)]
+    violations += check_expectations(m, runs)
+    ores = None
+    if "validate" in runs and "deep" in runs:
+        ov, ores = check_oracle(m, runs, oracle)
+        violations += ov
+    return Outcome(m, runs, violations, ores)
+
+
+# --------------------------------------------------------------------------
+# the oracle worker
+# --------------------------------------------------------------------------
+
+
+class Oracle:
+    """A client of one long-lived tests/fuzz_oracle.py worker (restarted when it
+    dies or hangs)."""
+
+    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors"), timeout: float = 120.0) -> None:
+        self.formats = formats
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.calls = 0
+
+    def _start(self) -> None:
+        env = _env()
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        env["JAX_PLATFORMS"] = "cpu"
+        env["PYTHONWARNINGS"] = "ignore"
+        self.proc = subprocess.Popen([sys.executable, str(ORACLE_SCRIPT), *self.formats], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env,
+                                     text=True, start_new_session=True)
+        ready = self._readline(300.0)
+        if not ready or "ready" not in ready:
+            self.close()
+            raise RuntimeError("the oracle worker did not start")
+
+    # the library under test may believe a bomb's claimed sizes: a worker
+    # past this is killed (the answer is then a worker error, not a verdict)
+    MAX_WORKER_RSS = 6 * 1024**3
+
+    def _readline(self, timeout: float) -> str | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        box: list[str] = []
+        th = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        th.start()
+        deadline = time.monotonic() + timeout
+        while th.is_alive() and time.monotonic() < deadline:
+            th.join(0.2)
+            try:
+                import psutil
+
+                if psutil.Process(self.proc.pid).memory_info().rss > self.MAX_WORKER_RSS:
+                    self.close()
+                    return None
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        return box[0] if box else None
+
+    def check(self, fmt: str, path: Path, mode: str = "") -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.calls += 1
+        try:
+            self.proc.stdin.write(json.dumps({"format": fmt, "path": str(path), "mode": mode}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self.close()
+            return {"worker_error": "the oracle worker died"}
+        line = self._readline(self.timeout)
+        if not line:
+            died = self.proc.poll()
+            self.close()
+            return {"oracle_timeout": self.timeout} if died is None else {"worker_error": f"worker died ({died})"}
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self.proc.wait(10)
+            self.proc = None
+
+    def __enter__(self) -> "Oracle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------
+# the explicit cases: hostile pickles, path tricks, FIFOs, memory bombs
+# --------------------------------------------------------------------------
+
+
+def _pickle_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _hostile_pickles(canary: Path) -> dict[str, bytes]:
+    cmd = f"touch {canary}".encode()
+    reduce_call = lambda mod, name, arg: (  # noqa: E731
+        b"\x80\x04" + _pickle_global(mod, name) + b"\x8c" + bytes([len(arg)]) + arg + b"\x85R.")
+    deep = b"\x80\x04" + b"]" * 0 + b"(" * 100_000 + b"." * 1
+    nested_lists = b"\x80\x04" + b"]" * 200_000 + b"." 
+    return {
+        "os_system": reduce_call("os", "system", cmd),
+        "posix_system": reduce_call("posix", "system", cmd),
+        "builtins_eval": reduce_call("builtins", "eval", b"__import__('os').system('" + cmd + b"')"),
+        "builtins_exec": reduce_call("builtins", "exec", b"open('" + str(canary).encode() + b"','w')"),
+        "subprocess_popen": reduce_call("subprocess", "getoutput", cmd),
+        "stack_global_os": (b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x8c" + bytes([len(cmd)]) + cmd
+                            + b"\x85R."),
+        "getattr_chain": (b"\x80\x04" + _pickle_global("builtins", "getattr") + _pickle_global("builtins", "__import__")
+                          + b"\x8c\x02os\x85R\x8c\x06system\x86R\x8c" + bytes([len(cmd)]) + cmd + b"\x85R."),
+        "importlib": reduce_call("importlib", "import_module", b"os"),
+        "torch_load": reduce_call("torch", "load", b"/etc/passwd"),
+        "allowed_class_bad_reduce": (b"\x80\x04" + _pickle_global("pathlib", "PosixPath")
+                                     + b"\x8c\x05/etc/\x85R."),
+        "memo_get_2_28": b"\x80\x04j\x00\x00\x00\x10.",  # LONG_BINGET 2**28
+        "memo_put_2_28": b"\x80\x04N" + b"r\x00\x00\x00\x10" + b".",  # LONG_BINPUT 2**28
+        "memo_put_2_31": b"\x80\x04N" + b"r\xff\xff\xff\x7f" + b".",
+        "deep_marks": deep,
+        "deep_lists": nested_lists,
+        "deep_tuples": b"\x80\x04" + b")" + b"\x85" * 200_000 + b".",
+        "binbytes_claim_4gb": b"\x80\x04B\xff\xff\xff\xff" + b"x" * 16 + b".",
+        "binbytes8_claim": b"\x80\x04\x8e" + struct.pack("<Q", 2**62) + b"x" * 16 + b".",
+        "none": pickle.dumps(None),
+        "int": pickle.dumps(7),
+        "list": pickle.dumps([1, 2]),
+        "dict": pickle.dumps({"state_dict_metadata": {}}),
+        "empty": b"",
+        "stop_only": b".",
+        "proto_99": b"\x80\x63N.",
+    }
+
+
+def _bomb_metadata(data: bytes, how: str) -> bytes:
+    m = _torch()
+    md = pickle.loads(data)
+    fqn, t = next((k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, m.TensorStorageMetadata))
+    if how == "size_2_62":
+        t.size = _size([2**62] * len(t.size))
+        for c in t.chunks:
+            c.sizes = _size([2**62] * len(c.sizes))
+            c.offsets = _size([0] * len(c.offsets))
+        t.chunks = t.chunks[:1]
+    elif how == "tb_8":
+        # 2**41 float32 elements = 8 TB, one chunk claiming it all
+        t.size = _size([2**21, 2**20] + [1] * (len(t.size) - 2) if len(t.size) >= 2 else [2**41])
+        t.chunks = [m.ChunkStorageMetadata(offsets=_size([0] * len(t.size)), sizes=t.size)]
+        for idx, info in list(md.storage_data.items()):
+            if idx.fqn == fqn:
+                del md.storage_data[idx]
+        first = next(iter(md.storage_data.values()))
+        md.storage_data[m.MetadataIndex(fqn, list(t.chunks[0].offsets), 0)] = dataclasses.replace(first)
+    elif how == "length_8tb":
+        info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+        info.length = 2**43
+    elif how == "many_chunks":
+        n = 50_000
+        t.chunks = [m.ChunkStorageMetadata(offsets=_size([0] * len(t.size)), sizes=_size([1] * len(t.size)))
+                    for _ in range(n)]
+    return pickle.dumps(md, protocol=4)
+
+
+def _edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
+    obj = json.loads(path.read_text())
+    obj = fn(obj) or obj
+    path.write_text(json.dumps(obj))
+
+
+def explicit_cases() -> dict[str, Callable[[Path], Mutant]]:
+    """name -> builder(workdir) of each explicit case. Every one must be
+    refused (validate and validate --deep exit 1), quickly and in bounded
+    memory; the pickle cases by inspect too, and none may run code."""
+    cases: dict[str, Callable[[Path], Mutant]] = {}
+    reject_all = {"inspect": 1, "validate": 1, "deep": 1}
+    reject_validate = {"validate": 1, "deep": 1}
+
+    def mk(fixture: str, kind: str, target: str, desc: str, expect: dict, dst: Path, canary: Path | None = None):
+        spec = SPECS.get(fixture) or FixtureSpec(fixture, "dcp" if fixture.startswith("dcp") else "orbax", None)
+        return Mutant(dst, fixture, spec.format, kind, target, desc, spec.oracle, spec.mode, expect, canary,
+                      check_oracle=False)
+
+    # hostile and malformed .metadata pickles
+    for name in _hostile_pickles(Path("/x")):
+        def build(work: Path, name: str = name) -> Mutant:
+            dst = copy_fixture("dcp_single", work / "dcp_single")
+            canary = work / "CANARY"
+            (dst / ".metadata").write_bytes(_hostile_pickles(canary)[name])
+            return mk("dcp_single", "hostile-pickle", ".metadata", f"hostile .metadata: {name}", reject_all, dst,
+                      canary)
+        cases[f"pickle_{name}"] = build
+
+    # hostile payload pickle inside the .distcp (a bytes item's torch.save archive)
+    def build_payload(work: Path) -> Mutant:
+        dst = copy_fixture("dcp_single", work / "dcp_single")
+        canary = work / "CANARY"
+        data = bytearray((dst / "__0_0.distcp").read_bytes())
+        evil = b"\x80\x02" + _pickle_global("os", "system") + b"X" + struct.pack("<I", len(f"touch {canary}")) \
+            + f"touch {canary}".encode() + b"\x85R."
+        i = data.find(b"data.pkl")
+        j = data.find(b"\x80\x02", i)
+        if j > 0:
+            k = data.find(b".", j)
+            if k > j:
+                data[j:j + len(evil)] = evil[: max(0, min(len(evil), len(data) - j))]
+        (dst / "__0_0.distcp").write_bytes(bytes(data))
+        return mk("dcp_single", "hostile-pickle", "__0_0.distcp", "os.system in an item's data.pkl",
+                  {"deep": 1}, dst, canary)
+    cases["payload_os_system"] = build_payload
+
+    # DCP relative_path tricks
+    def dcp_path(how: str) -> Callable[[Path], Mutant]:
+        def build(work: Path) -> Mutant:
+            dst = copy_fixture("dcp_single", work / "dcp_single")
+            outside = work / "outside.distcp"
+            shutil.copy(dst / "__0_0.distcp", outside)
+            m = _torch()
+            md = pickle.loads((dst / ".metadata").read_bytes())
+            for info in md.storage_data.values():
+                info.relative_path = {"dotdot": "../outside.distcp", "absolute": str(outside),
+                                      "dot_metadata": ".metadata"}[how]
+            (dst / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+            assert m
+            return mk("dcp_single", "path", ".metadata", f"relative_path {how}", reject_validate, dst)
+        return build
+    for how in ("dotdot", "absolute", "dot_metadata"):
+        cases[f"dcp_relative_path_{how}"] = dcp_path(how)
+
+    def link_case(fixture: str, rel: str, how: str) -> Callable[[Path], Mutant]:
+        def build(work: Path) -> Mutant:
+            dst = copy_fixture(fixture, work / fixture)
+            p = dst / rel
+            outside = work / ("outside_" + p.name)
+            if p.is_dir():
+                shutil.copytree(p, outside)
+                shutil.rmtree(p)
+            else:
+                shutil.copy(p, outside)
+                p.unlink()
+            if how == "symlink_out":
+                p.symlink_to(outside)
+            elif how == "dev_zero":
+                p.symlink_to("/dev/zero")
+            elif how == "fifo":
+                os.mkfifo(p)
+            elif how == "loop":
+                p.symlink_to(p.name)
+            elif how == "dotdot":
+                p.symlink_to(os.path.relpath(outside, p.parent))
+            return mk(fixture, "path", rel, f"{rel} is {how}", reject_validate, dst)
+        return build
+
+    for fixture, rel in [("orbax_plain_zarr2", "layers.1.w/0.0"), ("orbax_ocdbt_zarr2", "manifest.ocdbt"),
+                         ("orbax_ocdbt_zarr2", "ocdbt.process_0"), ("dcp_single", "__0_0.distcp"),
+                         ("orbax_plain_zarr2", "layers.1.w/.zarray"), ("orbax_ocdbt_zarr2", "array_metadatas/process_0")]:
+        for how in ("symlink_out", "dotdot", "loop"):
+            cases[f"{fixture}_{rel.replace('/', '_')}_{how}"] = link_case(fixture, rel, how)
+    for fixture, rel in [("orbax_plain_zarr2", "layers.1.w/0.0"), ("orbax_ocdbt_zarr2", "manifest.ocdbt"),
+                         ("orbax_ocdbt_zarr2", "ocdbt.process_0/manifest.ocdbt"), ("orbax_ocdbt_zarr2", "_METADATA"),
+                         ("orbax_ocdbt_zarr2", "array_metadatas/process_0"), ("orbax_plain_zarr2", "layers.1.w/.zarray"),
+                         ("dcp_single", "__0_0.distcp"), ("dcp_single", ".metadata"),
+                         ("safetensors_numpy", "model.safetensors")]:
+        cases[f"{fixture}_{rel.replace('/', '_')}_fifo"] = link_case(fixture, rel, "fifo")
+    for fixture, rel in [("orbax_plain_zarr2", "layers.1.w/0.0"), ("dcp_single", "__0_0.distcp"),
+                         ("orbax_ocdbt_zarr2", "manifest.ocdbt")]:
+        cases[f"{fixture}_{rel.replace('/', '_')}_dev_zero"] = link_case(fixture, rel, "dev_zero")
+
+    def ocdbt_data_fifo(work: Path) -> Mutant:
+        dst = copy_fixture("orbax_ocdbt_zarr2", work / "orbax_ocdbt_zarr2")
+        d = next((dst / "ocdbt.process_0" / "d").iterdir())
+        d.unlink()
+        os.mkfifo(d)
+        return mk("orbax_ocdbt_zarr2", "path", str(d.relative_to(dst)), "a d/ data file is a FIFO",
+                  reject_validate, dst)
+    cases["orbax_ocdbt_zarr2_process_d_fifo"] = ocdbt_data_fifo
+
+    # memory bombs: shapes and lengths claiming far more than is stored
+    for how in ("size_2_62", "tb_8", "length_8tb", "many_chunks"):
+        def build_bomb(work: Path, how: str = how) -> Mutant:
+            dst = copy_fixture("dcp_single", work / "dcp_single")
+            (dst / ".metadata").write_bytes(_bomb_metadata((dst / ".metadata").read_bytes(), how))
+            return mk("dcp_single", "bomb", ".metadata", f"DCP {how}", reject_validate, dst)
+        cases[f"bomb_dcp_{how}"] = build_bomb
+
+    def zarr_bomb(how: str) -> Callable[[Path], Mutant]:
+        def build(work: Path) -> Mutant:
+            dst = copy_fixture("orbax_plain_zarr2", work / "orbax_plain_zarr2")
+            za = dst / "layers.1.w" / ".zarray"
+            if how == "shape_2_62":
+                _edit_json(za, lambda o: o.update(shape=[2**62, 2**62]))
+            elif how == "chunk_2_62":
+                _edit_json(za, lambda o: o.update(shape=[2**62, 8], chunks=[2**62, 8]))
+            elif how == "tb_8":
+                _edit_json(za, lambda o: o.update(shape=[2**21, 2**20]))
+            return mk("orbax_plain_zarr2", "bomb", "layers.1.w/.zarray", f"zarr {how}", reject_validate, dst)
+        return build
+    for how in ("shape_2_62", "chunk_2_62", "tb_8"):
+        cases[f"bomb_zarr_{how}"] = zarr_bomb(how)
+
+    def zarr3_bomb(work: Path) -> Mutant:
+        # OCDBT zarr3: the shape claim is in _METADATA/array_metadatas (zarr.json is inside the database)
+        dst = copy_fixture("orbax_ocdbt_zarr3", work / "orbax_ocdbt_zarr3")
+
+        def edit(o: Any) -> None:
+            for a in o["array_metadatas"]:
+                a["array_metadata"]["write_shape"] = [2**62] * len(a["array_metadata"]["write_shape"])
+                a["array_metadata"]["chunk_shape"] = [2**62] * len(a["array_metadata"]["chunk_shape"])
+        _edit_json(dst / "array_metadatas" / "process_0", edit)
+        return mk("orbax_ocdbt_zarr3", "bomb", "array_metadatas/process_0", "write/chunk shapes 2^62",
+                  reject_validate, dst)
+    cases["bomb_orbax_array_metadatas_2_62"] = zarr3_bomb
+
+    def safetensors_bomb(work: Path) -> Mutant:
+        dst = copy_fixture("safetensors_numpy", work / "safetensors_numpy")
+        f = dst / "model.safetensors"
+        data = f.read_bytes()
+        hlen = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + hlen])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["shape"] = [2**31, 2**31]
+        new = json.dumps(header).encode()
+        f.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + hlen:])
+        return mk("safetensors_numpy", "bomb", "model.safetensors", "a shape of 2^62 elements", reject_validate, dst)
+    cases["bomb_safetensors_shape"] = safetensors_bomb
+    return cases
+
+
+# which explicit cases must run as whole processes in `make test` (they can
+# take the process down or its memory up); the others run in-process there
+PROCESS_ONLY_PREFIXES = ("bomb_", "pickle_memo", "pickle_deep", "pickle_binbytes")
+PROCESS_ONLY_SUBSTR = ("_fifo", "dev_zero", "pickle_os_system")
+
+
+def needs_process(case: str) -> bool:
+    return case.startswith(PROCESS_ONLY_PREFIXES) or any(s in case for s in PROCESS_ONLY_SUBSTR)
+
+
+# --------------------------------------------------------------------------
+# the regression corpus: a mutant stored as the files that differ from its fixture
+# --------------------------------------------------------------------------
+
+
+def save_corpus_case(m: Mutant, name: str, note: str, dest: Path = CORPUS) -> Path:
+    """Store a mutant as tests/fuzz_corpus/<name>/: case.json + the files that
+    differ from the fixture (deletions listed)."""
+    out = dest / name
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "files").mkdir(parents=True)
+    fixture = FIXTURES / m.fixture
+    changed, deleted = [], []
+    for p in sorted(fixture.rglob("*")):
+        rel = p.relative_to(fixture).as_posix()
+        q = m.dir / rel
+        if p.is_file() and not (q.exists() or q.is_symlink()):
+            deleted.append(rel)
+    for q in sorted(m.dir.rglob("*")):
+        rel = q.relative_to(m.dir).as_posix()
+        p = fixture / rel
+        if q.is_symlink() or not q.is_file():
+            continue
+        if not p.is_file() or p.read_bytes() != q.read_bytes():
+            changed.append(rel)
+            (out / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(q, out / "files" / rel)
+    (out / "case.json").write_text(json.dumps({
+        "fixture": m.fixture, "kind": m.kind, "target": m.target, "mutation": m.description,
+        "note": note, "changed": changed, "deleted": deleted, "expect": m.expect}, indent=1) + "\n")
+    return out
+
+
+def load_corpus_case(case_dir: Path, workdir: Path) -> Mutant:
+    info = json.loads((case_dir / "case.json").read_text())
+    spec = SPECS[info["fixture"]]
+    dst = copy_fixture(spec.name, workdir / spec.name)
+    for rel in info["deleted"]:
+        (dst / rel).unlink()
+    for rel in info["changed"]:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(case_dir / "files" / rel, dst / rel)
+    return Mutant(dst, spec.name, spec.format, info["kind"], info["target"], info["mutation"], spec.oracle,
+                  spec.mode, info.get("expect") or {})
+
+
+# --------------------------------------------------------------------------
+# the zygote: whole processes without paying the interpreter start per run
+# --------------------------------------------------------------------------
+#
+# A fresh `python -m ckpt_tool` costs ~0.7 s here, nearly all of it imports;
+# the command itself takes 10-100 ms on a fixture. The zygote is a process
+# that has imported ckpt's modules (never jax or torch) and forks one child
+# per run: the child is a whole process of its own (own exit code, signals,
+# memory, file descriptors) running ckpt's real entry point. Every violation
+# a forked run shows is re-run as a fresh `python -m ckpt_tool` process before
+# it is reported, so that nothing fork-specific is ever blamed on ckpt.
+
+
+def zygote_main() -> None:
+    import traceback
+
+    for mod in ("ckpt_tool.cli.main", "ckpt_tool.cli.inspect_cmd", "ckpt_tool.cli.validate_cmd",
+                "ckpt_tool.formats", "ckpt_tool.validate.deep", "ckpt_tool.inspect"):
+        __import__(mod)
+    import ckpt_tool.formats as formats_pkg
+
+    for name in ("dcp", "orbax", "safetensors", "msgpack_tree"):
+        with contextlib.suppress(Exception):
+            __import__(f"{formats_pkg.__name__}.{name}")
+    out = sys.stdout
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: one ckpt process
+            code = 1
+            try:
+                os.setsid()
+                fd_in = os.open(os.devnull, os.O_RDONLY)
+                fd_out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd_err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd_in, 0)
+                os.dup2(fd_out, 1)
+                os.dup2(fd_err, 2)
+                sys.argv = ["ckpt", *req["argv"]]
+                from ckpt_tool.cli.main import main
+
+                main(req["argv"])
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001 - what an uncaught exception does to a process
+                traceback.print_exc()
+                code = 1
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                with contextlib.suppress(Exception):
+                    sys.stderr.flush()
+                os._exit(code)
+        timed_out = False
+        peak_kb = 0
+        while True:
+            got, status, usage = os.wait4(pid, os.WNOHANG)
+            if got:
+                break
+            # a guard for the shared machine: a child far past the limit is
+            # stopped (and reported as over the limit, not as a signal)
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/statm") as f:
+                    peak_kb = max(peak_kb, int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024))
+            if peak_kb > RSS_GUARD_KB:
+                timed_out = "rss"
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                got, status, usage = os.wait4(pid, 0)
+                break
+            if time.monotonic() - t0 > req["kill_after"]:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                got, status, usage = os.wait4(pid, 0)
+                break
+            time.sleep(0.002)
+        out.write(json.dumps({"status": status, "seconds": time.monotonic() - t0,
+                              "rss_kb": max(usage.ru_maxrss, peak_kb), "timed_out": timed_out}) + "\n")
+        out.flush()
+
+
+class Zygote:
+    """Client of one zygote process (started lazily, restarted if it dies)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True)
+        assert self.proc.stdout is not None
+        if "ready" not in self.proc.stdout.readline():
+            raise RuntimeError("the zygote did not start")
+
+    def run(self, command: str, path: Path, *, kill_after: float = KILL_AFTER_S, tmp: Path | None = None) -> RunResult:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        tmp = tmp or path.parent
+        out_f, err_f = tmp / f".{command}.out", tmp / f".{command}.err"
+        req = {"argv": [*COMMANDS[command], str(path)], "stdout": str(out_f), "stderr": str(err_f),
+               "kill_after": kill_after}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        res = json.loads(self.proc.stdout.readline())
+        status = res["status"]
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) and not res["timed_out"] else None
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        if res["timed_out"] == "rss":  # stopped by the guard: an RSS violation, not a hang
+            res["timed_out"] = False
+        stdout = out_f.read_bytes().decode("utf-8", "replace") if out_f.exists() else ""
+        stderr = err_f.read_bytes().decode("utf-8", "replace") if err_f.exists() else ""
+        with contextlib.suppress(FileNotFoundError):
+            out_f.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            err_f.unlink()
+        return RunResult(command, code, sig, res["seconds"], res["rss_kb"], stdout, stderr, res["timed_out"])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            with contextlib.suppress(Exception):
+                self.proc.kill()
+            self.proc = None
+
+
+# classes a fresh process must confirm before a forked run's violation counts
+PROCESS_CLASSES = {"signal", "hang", "slow", "rss", "internal-error", "bad-exit", "stderr-lines", "inspect-json"}
+
+
+def evaluate_forked(m: Mutant, zygote: Zygote, oracle: "Oracle | None" = None, *,
+                    kill_after: float = KILL_AFTER_S, confirm: bool = True) -> tuple[Outcome, list[str]]:
+    """evaluate() through the zygote; each run with a process-level violation
+    is re-run as a fresh process, whose result replaces it. Returns the
+    outcome and the commands whose forked violation a fresh process did not
+    reproduce."""
+    runs = {c: zygote.run(c, m.dir, kill_after=kill_after) for c in ("inspect", "validate", "deep")}
+    unconfirmed = []
+    for c, r in list(runs.items()):
+        found = {v.cls for v in check_run(r)} & PROCESS_CLASSES
+        # (a forked run that hung or blew up its memory is believed as it is
+        # when confirm is off: the fast subset cannot wait twice)
+        if found and (confirm or not found & {"hang", "slow", "rss"}):
+            fresh = run_process(c, m.dir, kill_after=kill_after)
+            if not check_run(fresh):
+                unconfirmed.append(c)
+            runs[c] = fresh
+    violations = [v for r in runs.values() for v in check_run(r)]
+    violations += check_expectations(m, runs)
+    ov, ores = check_oracle(m, runs, oracle)
+    return Outcome(m, runs, violations + ov, ores), unconfirmed
+
+
+if __name__ == "__main__" and "--zygote" in sys.argv:
+    sys.path.insert(0, str(ROOT))
+    zygote_main()
