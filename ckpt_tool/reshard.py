@@ -40,6 +40,7 @@ from .engine import Coordinator, ConvertOptions, PlannedWrite, chunk_regions, co
 from .errors import CkptError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
+from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
 from .writers import TargetArray, WritePlan
 
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
@@ -64,6 +65,7 @@ class ReshardOptions:
     skip_unsupported: bool = False
     # plan for this many processes without a coordinator (dry runs for a pod)
     process_count: int | None = None
+    memory: int = DEFAULT_MEMORY  # --memory: the read scheduler's budget
 
 
 # -- the mesh ------------------------------------------------------------------------
@@ -325,6 +327,11 @@ class LeafPlan:
     chunks: int = 0
     replicas: int = 1
     split_dim: int | None = None  # replica-parallel split dimension
+    # the source's stored chunks this process's outputs read (each decoded once), the
+    # largest one's decoded bytes, and how many are too large to decode whole (streamed)
+    source_chunks: int = 0
+    source_chunk_bytes: int = 0
+    streamed_chunks: int = 0
     notes: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -346,6 +353,8 @@ class LeafPlan:
             "shard_shape": list(self.shard_shape) if self.shard_shape is not None else None,
             "chunk_shape": list(self.chunk_shape), "chunks": self.chunks, "replicas": self.replicas,
             "split_dim": self.split_dim, "shard_bytes": self.shard_bytes,
+            "source_chunks": self.source_chunks, "source_chunk_bytes": self.source_chunk_bytes,
+            "streamed_chunks": self.streamed_chunks,
             "notes": self.notes, "error": self.error,
         }
 
@@ -353,11 +362,15 @@ class LeafPlan:
 @dataclass
 class ProcessLoad:
     chunks: int = 0
-    bytes_read: int = 0  # bytes of the source chunks its output chunks touch (decoded)
+    # decoded bytes of the source chunks its output chunks touch, each chunk counted once
+    # (the read scheduler decodes each stored chunk once for all the outputs it feeds)
+    bytes_read: int = 0
     bytes_written: int = 0
+    source_chunks: int = 0
 
     def to_json(self) -> dict[str, int]:
-        return {"chunks": self.chunks, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+        return {"chunks": self.chunks, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "source_chunks": self.source_chunks}
 
 
 @dataclass
@@ -375,6 +388,7 @@ class ReshardPlan:
     write_plan: WritePlan = field(repr=False)
     sources: dict[str, ArrayLeaf] = field(repr=False)
     owners: list[int] = field(repr=False)  # the writing process of each chunk, in stream() order
+    memory: int = DEFAULT_MEMORY  # the read scheduler's budget
 
     @property
     def errors(self) -> list[LeafPlan]:
@@ -403,6 +417,7 @@ class ReshardPlan:
             "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
             "processes": [dict(process=i, **p.to_json()) for i, p in enumerate(self.processes)],
             "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+            "memory": self.memory,
             "errors": [{"leaf": leaf.path, "message": leaf.error} for leaf in self.errors],
         }
 
@@ -523,41 +538,6 @@ def _owners(lp: LeafPlan, target: TargetArray, mesh: DeviceMesh) -> list[int]:
     return out
 
 
-class _ReadCost:
-    """Decoded bytes of the source chunks a region overlaps (what reading it costs)."""
-
-    def __init__(self, leaf: ArrayLeaf) -> None:
-        self.leaf = leaf
-        self.itemsize = dtypes.get(leaf.dtype).itemsize
-        self.starts: np.ndarray | None = None
-        self.ends: np.ndarray | None = None
-        self.nbytes: np.ndarray | None = None
-        if isinstance(leaf.layout, ChunkList) and leaf.shape:
-            # DCP chunk lists can be long: test them all at once per region
-            chunks = leaf.layout.chunks
-            self.starts = np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
-            self.ends = self.starts + np.array([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
-            self.nbytes = np.prod(self.ends - self.starts, axis=1) * self.itemsize
-
-    def __call__(self, region: Region) -> int:
-        if not region:
-            return self.itemsize
-        if any(r.stop <= r.start for r in region):
-            return 0
-        layout = self.leaf.layout
-        if isinstance(layout, RegularGrid):
-            total = self.itemsize
-            for r, c, s in zip(region, layout.chunk_shape, self.leaf.shape):
-                c = max(1, c)
-                total *= min(s, -(-r.stop // c) * c) - (r.start // c) * c
-            return total
-        assert self.starts is not None and self.ends is not None and self.nbytes is not None
-        lo = [r.start for r in region]
-        hi = [r.stop for r in region]
-        hit = ((self.starts < hi) & (self.ends > lo) & (self.ends > self.starts)).all(axis=1)
-        return int(self.nbytes[hit].sum())
-
-
 def resolve_mesh(opts: ReshardOptions, process_count: int) -> DeviceMesh:
     axes = parse_mesh(opts.mesh)
     if opts.devices is not None:
@@ -601,7 +581,7 @@ def plan_reshard(
         raise CkptError("the source is an uncommitted save; refusing to reshard it", src.path)
     # the same leaves, names, values and skips as `convert --to orbax`; only the arrays' layout changes
     base, skipped, sources = plan_conversion(src, ConvertOptions(
-        to="orbax", zarr3=opts.zarr3, skip_unsupported=opts.skip_unsupported, step=opts.step,
+        to="orbax", zarr3=opts.zarr3, skip_unsupported=opts.skip_unsupported, step=opts.step, memory=opts.memory,
     ))
     target_file_size = _GCS_TARGET_DATA_FILE_SIZE if destination.startswith("gs://") else _TARGET_DATA_FILE_SIZE
 
@@ -663,17 +643,27 @@ def plan_reshard(
         else:  # host arrays have no devices: round robin, as convert splits them
             mine = [(len(owners) + i) % process_count for i in range(lp.chunks)]
         itemsize = lp.itemsize
-        cost = _ReadCost(sources[target.path])
+        lc = _LeafChunks(sources[target.path])
+        touched: list[set[int]] = [set() for _ in range(process_count)]
         for (_, region), owner in zip(chunk_regions(target), mine):
             load = loads[owner]
             load.chunks += 1
             load.bytes_written += math.prod(r.stop - r.start for r in region) * itemsize
-            load.bytes_read += cost(region)
+            for ci in lc.overlapping(region):
+                if ci not in touched[owner]:
+                    touched[owner].add(ci)
+                    load.source_chunks += 1
+                    load.bytes_read += math.prod(lc.chunks[ci].sizes) * lc.itemsize
+        used = set().union(*touched)
+        sizes = [math.prod(lc.chunks[ci].sizes) * lc.itemsize for ci in used]
+        lp.source_chunks = len(used)
+        lp.source_chunk_bytes = max(sizes, default=0)
+        lp.streamed_chunks = sum(1 for n in sizes if decoded_cost(n) > opts.memory)
         owners.extend(mine)
     values = [t.path for t in plan.values()]
     return ReshardPlan(
         str(source if isinstance(source, str) else src.path), destination, src.format, mesh, process_count,
-        leaves, values, skipped, loads, src, plan, sources, owners,
+        leaves, values, skipped, loads, src, plan, sources, owners, opts.memory,
     )
 
 
@@ -731,7 +721,8 @@ def reshard(
     owners = plan.owners
     result = convert(
         source, destination,
-        ConvertOptions(to="orbax", zarr3=opts.zarr3, workers=opts.workers, overwrite=opts.overwrite, step=opts.step),
+        ConvertOptions(to="orbax", zarr3=opts.zarr3, workers=opts.workers, overwrite=opts.overwrite, step=opts.step,
+                       memory=opts.memory),
         progress=progress, coordinator=coord,
         planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank),
     )

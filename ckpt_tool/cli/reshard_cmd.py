@@ -7,7 +7,7 @@ import click
 
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .progress import progress_for
-from .options import multihost_options, output_options
+from .options import memory_option, multihost_options, output_options
 from .render import Output, esc, human_bytes, human_rate, process_note
 
 
@@ -22,12 +22,13 @@ from .render import Output, esc, human_bytes, human_rate, process_note
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (specs, shard shapes, bytes per process, memory per device); write nothing.")
 @output_options
+@memory_option
 @multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the plan with --dry-run, else a summary).")
 def reshard_command(
     src: str, dst: str, mesh: str, devices: int | None, rules: str | None, fsdp: str | None, dry_run: bool,
     zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
-    coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool,
+    coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
 ) -> None:
     """Write SRC (Orbax or DCP) into DST as an Orbax checkpoint laid out for a
     new device mesh: each array keeps its recorded partition spec where it
@@ -39,7 +40,7 @@ def reshard_command(
     spec = process_spec(coordinator, num_processes, process_id)
     opts = ReshardOptions(
         mesh=mesh, devices=devices, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
-        overwrite=overwrite, step=step, skip_unsupported=skip_unsupported,
+        overwrite=overwrite, step=step, skip_unsupported=skip_unsupported, memory=memory,
     )
     if dry_run and devices is not None:
         # a plan for N hypothetical devices needs neither devices nor the other hosts
@@ -119,8 +120,14 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     out.line()
     for i, load in enumerate(plan.processes):
-        out.line(f"process {i}: {load.chunks} chunks, read {human_bytes(load.bytes_read)}, "
+        out.line(f"process {i}: {load.chunks} chunks, read {human_bytes(load.bytes_read)} "
+                 f"({load.source_chunks} source chunk{'s' * (load.source_chunks != 1)}, each decoded once), "
                  f"write {human_bytes(load.bytes_written)}")
+    largest = max((lp.source_chunk_bytes for lp in plan.leaves), default=0)
+    streamed = sum(lp.streamed_chunks for lp in plan.leaves)
+    out.line(f"memory budget {human_bytes(plan.memory)} (--memory); largest source chunk {human_bytes(largest)} decoded"
+             + (f"; {streamed} source chunk{'s' * (streamed != 1)} larger than the budget allows decoded as a stream"
+                if streamed else ""))
     host = f"; host arrays {human_bytes(plan.host_bytes)}" if plan.host_bytes else ""
     out.line(f"per device after restore: {human_bytes(plan.device_bytes)}{host}")
     if plan.errors:
