@@ -15,7 +15,7 @@ or converted checkpoint with the same keys, shapes and dtypes matches.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ import numpy as np
 from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
 from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, glob_to_regex, parse_rename_rules
+from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .structure import RecordedStructure
 from .validate.deep import chunk_regions
 
@@ -106,6 +107,7 @@ def diff_checkpoints(
     progress: Progress = no_progress,
     layout: bool = False,
     pattern: str | None = None,
+    memory: int = DEFAULT_MEMORY,
 ) -> DiffReport:
     """Compare A and B by keys (A's renamed first); `layout` adds chunk layout
     and recorded sharding; `pattern` (a --filter glob over the matched keys)
@@ -150,16 +152,7 @@ def diff_checkpoints(
             if not _values_equal(va, vb):
                 report.differences.append(LeafDiff(path, "value", f"{short_repr(va)} != {short_repr(vb)}"))
     if pairs:
-        total = sum(la.nbytes for _, la, _ in pairs)
-        done = 0
-        progress("compare", 0, total)
-        # leaves are compared in parallel; each one walks its chunks in order
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-diff") as pool:
-            for (path, la, _), result in zip(pairs, pool.map(lambda p: _compare_arrays(*p, rtol, atol), pairs)):
-                done += la.nbytes
-                progress("compare", done, total)
-                if result:
-                    report.differences.append(result)
+        report.differences.extend(_compare_values(pairs, rtol, atol, workers=workers, memory=memory, progress=progress))
     report.differences.sort(key=lambda d: d.path)  # stable: a leaf's chunks line stays before its sharding line
     return report
 
@@ -216,44 +209,85 @@ def _sharding_text(leaf: ArrayLeaf) -> str:
     return leaf.sharding.describe() if leaf.sharding is not None else "none recorded"
 
 
-def _compare_arrays(path: str, la: ArrayLeaf, lb: ArrayLeaf, rtol: float, atol: float) -> LeafDiff | None:
-    max_abs = 0.0
-    max_rel = 0.0
-    mismatched = 0
+@dataclass
+class _Tally:
+    mismatched: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+
+
+def _compare_values(
+    pairs: list[tuple[str, ArrayLeaf, ArrayLeaf]], rtol: float, atol: float, *,
+    workers: int, memory: int, progress: Progress,
+) -> list[LeafDiff]:
+    """Compare every pair region by region along A's stored chunks.
+
+    The read scheduler reads both sides by stored chunk: each chunk of A and
+    of B is decoded once, whatever the other side's chunking, and the pairs
+    of regions are compared as soon as both are read, within `memory`.
+    """
+    from .engine import output_chunk_limit
+
+    block = output_chunk_limit(memory)
+    tallies = {path: _Tally() for path, _, _ in pairs}
+    lock = threading.Lock()
+    wants: list[Want] = []
+    for path, la, lb in pairs:
+        tally = tallies[path]
+
+        def compare(arrays: list[np.ndarray], tally: _Tally = tally) -> int:
+            n, max_abs, max_rel = _compare_block(arrays[0], arrays[1], rtol, atol)
+            if n:
+                with lock:
+                    tally.mismatched += n
+                    tally.max_abs = max(tally.max_abs, max_abs)
+                    tally.max_rel = max(tally.max_rel, max_rel)
+            return int(arrays[0].nbytes)
+
+        for region in chunk_regions(la, block):
+            wants.append(Want([(la, region), (lb, region)], compare))
+    total = sum(la.nbytes for _, la, _ in pairs)
+    progress("compare", 0, total)
+    Scheduler(wants, memory=memory, workers=workers).run(on_done=lambda n: progress("compare", n, total))
+    out = []
+    for path, la, _ in pairs:
+        t = tallies[path]
+        if t.mismatched:
+            out.append(LeafDiff(
+                path, "values",
+                f"{t.mismatched} of {la.size} elements differ (max abs {t.max_abs:.6g}, max rel {t.max_rel:.6g})",
+                max_abs=t.max_abs, max_rel=t.max_rel, mismatched=t.mismatched,
+            ))
+    return out
+
+
+def _compare_block(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tuple[int, float, float]:
+    """(mismatched elements, max abs, max rel) of one pair of regions."""
     exact = rtol == 0 and atol == 0
-    for region in chunk_regions(la):
-        xa = np.ascontiguousarray(la.read(region)).reshape(-1)
-        xb = np.ascontiguousarray(lb.read(region)).reshape(-1)
-        if exact and xa.tobytes() == xb.tobytes():
-            continue  # bit-identical: the common case for copies and conversions
-        fa = xa.astype(np.float64) if xa.dtype.kind not in "c" else xa.astype(np.complex128)
-        fb = xb.astype(np.float64) if xb.dtype.kind not in "c" else xb.astype(np.complex128)
-        both_nan = np.isnan(fa) & np.isnan(fb)
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            delta = np.abs(fa - fb)
-            delta = np.where(both_nan, 0.0, delta)
-            delta = np.where(np.isnan(delta), np.inf, delta)  # NaN against a number
-            same_inf = (fa == fb)
-            delta = np.where(same_inf, 0.0, delta)
-            bad = delta > atol + rtol * np.abs(fb)
-            rel = np.where(np.abs(fb) > 0, delta / np.abs(fb), np.where(delta > 0, np.inf, 0.0))
-        if exact:
-            # bitwise differences that compare equal as numbers (-0.0 vs 0.0) still count
-            bits_a = xa.view(np.uint8).reshape(xa.size, -1)
-            bits_b = xb.view(np.uint8).reshape(xb.size, -1)
-            bad = bad | ((bits_a != bits_b).any(axis=1) & ~both_nan)
-        n = int(bad.sum())
-        if n:
-            mismatched += n
-            max_abs = max(max_abs, float(delta.max()))
-            max_rel = max(max_rel, float(rel.max()))
-    if mismatched:
-        return LeafDiff(
-            path, "values",
-            f"{mismatched} of {la.size} elements differ (max abs {max_abs:.6g}, max rel {max_rel:.6g})",
-            max_abs=max_abs, max_rel=max_rel, mismatched=mismatched,
-        )
-    return None
+    xa = np.ascontiguousarray(a).reshape(-1)
+    xb = np.ascontiguousarray(b).reshape(-1)
+    if exact and xa.tobytes() == xb.tobytes():
+        return 0, 0.0, 0.0  # bit-identical: the common case for copies and conversions
+    fa = xa.astype(np.float64) if xa.dtype.kind not in "c" else xa.astype(np.complex128)
+    fb = xb.astype(np.float64) if xb.dtype.kind not in "c" else xb.astype(np.complex128)
+    both_nan = np.isnan(fa) & np.isnan(fb)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        delta = np.abs(fa - fb)
+        delta = np.where(both_nan, 0.0, delta)
+        delta = np.where(np.isnan(delta), np.inf, delta)  # NaN against a number
+        same_inf = (fa == fb)
+        delta = np.where(same_inf, 0.0, delta)
+        bad = delta > atol + rtol * np.abs(fb)
+        rel = np.where(np.abs(fb) > 0, delta / np.abs(fb), np.where(delta > 0, np.inf, 0.0))
+    if exact:
+        # bitwise differences that compare equal as numbers (-0.0 vs 0.0) still count
+        bits_a = xa.view(np.uint8).reshape(xa.size, -1)
+        bits_b = xb.view(np.uint8).reshape(xb.size, -1)
+        bad = bad | ((bits_a != bits_b).any(axis=1) & ~both_nan)
+    n = int(bad.sum())
+    if not n:
+        return 0, 0.0, 0.0
+    return n, float(delta.max()), float(rel.max())
 
 
 def _values_equal(a: Any, b: Any) -> bool:

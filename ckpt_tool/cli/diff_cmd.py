@@ -15,6 +15,7 @@ from .. import open as open_checkpoint
 from ..diff import diff_checkpoints
 from ..model import Checkpoint
 from ..structure import is_inspect_json_file, load_structure
+from .options import memory_option
 from .render import Output, esc
 
 
@@ -31,10 +32,12 @@ from .render import Output, esc
 @click.option("--step-a", help="Step of A when A is a CheckpointManager root.")
 @click.option("--step-b", help="Step of B when B is a CheckpointManager root.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Leaves compared in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Chunks read and compared in parallel.")
+@memory_option
 def diff_command(
     a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
+    memory: int,
 ) -> None:
     """Compare checkpoints A and B (either format) by their keys: leaves only in
     one, changed kind, shape or dtype, and with --values the max absolute and
@@ -52,7 +55,7 @@ def diff_command(
     ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
     report = diff_checkpoints(
         ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
-        layout=layout, pattern=pattern,
+        layout=layout, pattern=pattern, memory=memory,
     )
     out = Output(json_mode=as_json)
     if as_json:
