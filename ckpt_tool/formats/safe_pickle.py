@@ -667,6 +667,154 @@ _UNSUPPORTED_REBUILDS: dict[tuple[str, str], str] = {
     ("torch._tensor", "_rebuild_from_type"): "a tensor subclass",
 }
 
+# ---------------------------------------------------------------------------
+# Resource limits, checked on the opcodes before the unpickler runs
+# ---------------------------------------------------------------------------
+# The C unpickler allocates from what the opcodes say: a LONG_BINPUT of index
+# 2**28 makes it grow its memo table to 2**29 slots (4 GB) for a 12-byte
+# input, and BYTEARRAY8 allocates its claimed length before reading it. So
+# one pass over the opcodes first checks what the run would build: memo
+# indices (each at most the number of memo stores before it, which is how
+# every pickler numbers them), every length field against the bytes actually
+# there, the stack depth, the objects made and how deeply MARKs nest. The
+# limits are far above what torch writes (its pickler batches dict and list
+# items by 1,000, so a .metadata's stack stays ~1,000 deep and its MARKs ~10).
+# Values nested without MARKs (TUPLE1 chains) are bounded by the object
+# count, and `finalize` turns a RecursionError into a clear error.
+MAX_MEMO_ENTRIES = 1 << 24
+MAX_STACK_DEPTH = 1 << 20
+MAX_OBJECTS = 1 << 25
+MAX_NESTING = 200
+# LONG4 integers: 1 KiB is ~2,500 decimal digits (Python refuses to print
+# more than 4,300); nothing torch stores needs a tenth of that
+MAX_LONG_BYTES = 1 << 10
+
+
+def _tables() -> tuple[list[int], list[int], list[int]]:
+    """Per opcode byte: argument kind, stack delta, and the MARK action.
+
+    Argument kinds: N > 0 fixed bytes; -1/-4/-8 a length of that many bytes
+    then the value; -10 one text line, -20 two. Unknown bytes get kind -99.
+    MARK actions: 1 MARK, 2 pop to MARK and push one (TUPLE, LIST, DICT, ...),
+    3 pop to MARK into the container below (APPENDS, ...) or drop (POP_MARK).
+    """
+    import pickletools
+
+    arg = [-99] * 256
+    delta = [0] * 256
+    mark = [0] * 256
+    argkind = {
+        "uint1": 1, "uint2": 2, "int4": 4, "uint4": 4, "uint8": 8, "float8": 8,
+        "long1": -1, "string1": -1, "bytes1": -1, "unicodestring1": -1,
+        "long4": -4, "string4": -4, "bytes4": -4, "unicodestring4": -4,
+        "bytes8": -8, "bytearray8": -8, "unicodestring8": -8,
+        "decimalnl_short": -10, "decimalnl_long": -10, "floatnl": -10, "stringnl": -10,
+        "unicodestringnl": -10, "stringnl_noescape": -10, "stringnl_noescape_pair": -20,
+    }
+    for op in pickletools.opcodes:
+        b = op.code.encode("latin-1")[0]
+        arg[b] = argkind[op.arg.name] if op.arg is not None else 0
+        before = [s.name for s in op.stack_before]
+        if op.name == "MARK":
+            mark[b] = 1
+        elif "mark" in before:
+            mark[b] = 3 if op.name in ("APPENDS", "SETITEMS", "ADDITEMS", "POP_MARK") else 2
+        else:
+            delta[b] = len(op.stack_after) - len(before)
+    return arg, delta, mark
+
+
+_ARG, _DELTA, _MARK = _tables()
+_LONG_BINPUT, _PUT, _BINPUT, _MEMOIZE, _LONG4, _BYTEARRAY8, _FRAME, _STOP = b"rpq\x94\x8b\x96\x95."
+
+
+def check_limits(data: bytes, where: str) -> None:
+    """Walk the opcodes, counting what the unpickler would build; refuse past a limit.
+
+    Malformed input (a truncated pickle, an unknown opcode, a stack
+    underflow) ends the walk quietly: the unpickler then reports it, before
+    reaching anything this walk did not check.
+    """
+    n = len(data)
+    pos = depth = objects = stores = 0
+    marks: list[int] = []
+    arg_of, delta_of, mark_of = _ARG, _DELTA, _MARK
+
+    def refuse(what: str, at: int) -> None:
+        raise CorruptMetadataError(f"pickle refused at byte {at}: {what}", where)
+
+    while pos < n:
+        b = data[pos]
+        kind = arg_of[b]
+        at = pos
+        pos += 1
+        if kind > 0:
+            if b == _LONG_BINPUT or b == _FRAME:
+                value = int.from_bytes(data[pos:pos + kind], "little")
+                if b == _FRAME:
+                    if value > n - pos - kind:
+                        raise CorruptMetadataError(f"truncated pickle: a frame at byte {at} runs past its end", where)
+                elif value > stores or value >= MAX_MEMO_ENTRIES:
+                    refuse(f"memo index {value} after {stores} memo stores", at)
+            pos += kind
+        elif kind < 0:
+            if kind == -99:
+                return  # not an opcode: the unpickler refuses it
+            if kind >= -8:
+                size = -kind
+                length = int.from_bytes(data[pos:pos + size], "little")
+                pos += size
+                if length > n - pos:
+                    # (BYTEARRAY8 would be allocated before finding its bytes missing)
+                    raise CorruptMetadataError(
+                        f"truncated pickle: a {length}-byte value at byte {at} with {max(0, n - pos)} bytes left",
+                        where,
+                    )
+                if b == _LONG4 and length > MAX_LONG_BYTES:
+                    refuse(f"a {length}-byte integer (limit {MAX_LONG_BYTES})", at)
+                pos += length
+            else:
+                for _ in range(kind // -10):
+                    end = data.find(b"\n", pos)
+                    if end < 0:
+                        return
+                    line, pos = data[pos:end], end + 1
+                    if end - at > 8 * MAX_LONG_BYTES:
+                        refuse("a text argument of more than 8,192 bytes", at)
+                if b == _PUT:
+                    if not line.isdigit():
+                        return
+                    value = int(line)
+                    if value > stores or value >= MAX_MEMO_ENTRIES:
+                        refuse(f"memo index {value} after {stores} memo stores", at)
+        if b == _BINPUT or b == _MEMOIZE or b == _PUT or b == _LONG_BINPUT:
+            stores += 1
+            continue
+        action = mark_of[b]
+        if action == 0:
+            d = delta_of[b]
+            depth += d
+            if d > 0:
+                objects += 1
+                if depth > MAX_STACK_DEPTH or objects > MAX_OBJECTS:
+                    refuse(f"more than {MAX_STACK_DEPTH} stack entries or {MAX_OBJECTS} objects", at)
+            elif depth < 0:
+                return
+            elif b == _STOP:
+                return
+        elif action == 1:
+            marks.append(depth)
+            if len(marks) > MAX_NESTING:
+                refuse(f"MARKs nested more than {MAX_NESTING} deep", at)
+        else:
+            if not marks:
+                return
+            depth = marks.pop()
+            if action == 2:
+                depth += 1
+                objects += 1
+
+
 # Protocol 0-2 pickles from Python 3 spell a few modules the Python 2 way.
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
@@ -720,7 +868,9 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, d
         raise CorruptMetadataError(f"pickle of {len(data)} bytes exceeds the {limit}-byte limit", where)
     if not data:
         raise CorruptMetadataError("empty pickle", where)
-    unpickler = SafeUnpickler(bytes(data), where, payload=payload)
+    data = bytes(data)
+    check_limits(data, where)  # before the unpickler allocates anything the opcodes ask for
+    unpickler = SafeUnpickler(data, where, payload=payload)
     try:
         obj = unpickler.load()
     except UnsupportedTensorError as exc:
