@@ -201,8 +201,22 @@ def safetensors_library_values(path: str, mode: str = "") -> dict:
     from library_reference import _tensor_to_numpy
     from safetensors import safe_open
 
-    files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
     out = {}
+    if os.path.isdir(path) and os.path.isfile(index):
+        # a sharded set loads as transformers loads it: the tensors the
+        # index's weight_map names, each from the file it names
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        by_file: dict[str, list[str]] = {}
+        for name, fn in weight_map.items():
+            by_file.setdefault(fn, []).append(name)
+        for fn, names in by_file.items():
+            with safe_open(os.path.join(path, fn), framework="pt") as f:
+                for name in names:
+                    out[tuple(name.split("."))] = _tensor_to_numpy(f.get_tensor(name))
+        return out
+    files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
     for fn in files:
         # torch, not numpy: numpy has no float8
         with safe_open(fn, framework="pt") as f:
