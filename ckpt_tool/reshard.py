@@ -36,7 +36,7 @@ import numpy as np
 
 from . import dtypes
 from .parallel import default_workers
-from .engine import Coordinator, ConvertOptions, PlannedWrite, chunk_regions, convert, plan_conversion
+from .engine import Coordinator, ConvertOptions, PlannedWrite, chunk_regions, convert, output_chunk_limit, plan_conversion
 from .errors import CkptError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
@@ -504,7 +504,7 @@ def subchunk_shape(global_shape: Sequence[int], write_shape: Sequence[int], item
     return tuple(f[-1] for f in factors)
 
 
-def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int) -> None:
+def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int = DEFAULT_MEMORY) -> None:
     """Shard shape, replica-parallel write shape and chunk shape, as orbax 0.12 picks them."""
     spec = lp.new_spec
     assert spec is not None
@@ -519,6 +519,14 @@ def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int) -> None:
     lp.shard_shape, lp.replicas, lp.split_dim = shard, replicas, split_dim
     nbytes = math.prod(write) * lp.itemsize
     lp.chunk_shape = subchunk_shape(lp.shape, write, lp.itemsize, target_file_size if nbytes > target_file_size else None)
+    # an output chunk is assembled and encoded whole: one the memory budget cannot hold is
+    # cut further, the way orbax cuts one above its target file size
+    limit = output_chunk_limit(memory)
+    if math.prod(lp.chunk_shape) * lp.itemsize > limit:
+        capped = subchunk_shape(lp.shape, lp.chunk_shape, lp.itemsize, limit)
+        lp.notes.append(f"chunk {list(lp.chunk_shape)} cut to {list(capped)} to fit --memory "
+                        f"({limit // 2**20} MiB per output chunk)")
+        lp.chunk_shape = capped
 
 
 def _owners(lp: LeafPlan, target: TargetArray, mesh: DeviceMesh) -> list[int]:
@@ -621,7 +629,7 @@ def plan_reshard(
                     lp.new_spec = spec
             if old_spec is None and target.shape and not any(lp.new_spec):
                 lp.notes.insert(0, "no recorded partition spec: replicated")
-        _layout(lp, mesh, target_file_size)
+        _layout(lp, mesh, target_file_size, opts.memory)
         leaves.append(lp)
         sharding = Sharding(
             "named", mesh_shape=mesh.shape, axis_names=mesh.axis_names,

@@ -258,6 +258,17 @@ def _is_dcp(leaf: ArrayLeaf) -> bool:
     return isinstance(leaf.reader, _TensorReader)
 
 
+def _band_index(streamer: "_Streamer") -> Callable[[Region], tuple[int, int]]:
+    """For a region inside the chunk: the first and last band it overlaps (first > last: none)."""
+    bands = [streamer.global_band(b) for b in streamer.bands]
+
+    def span(region: Region) -> tuple[int, int]:
+        hit = [i for i, b in enumerate(bands) if b is not None and (not region or _intersect(region, b) is not None)]
+        return (hit[0], hit[-1]) if hit else (1, 0)
+
+    return span
+
+
 def _bands(shape: tuple[int, ...], itemsize: int, band: int) -> list[Region]:
     """Consecutive C-order bands of a chunk of `shape`, each at most `band` bytes
     (at least one element): a range along the first dimension whose trailing
@@ -458,7 +469,13 @@ class Scheduler:
         self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
         self._feed(unit, unit.pieces, region, data, deliver, lazy_charge=True)
 
-    def _run_streamed(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
+    def _plan_stream(self, unit: _Unit) -> tuple[_Streamer, list[list[tuple[int, int, Region]]], list[int], int]:
+        """How a chunk is streamed: (streamer, pieces of each pass, last band of each pass, memory it takes).
+
+        A piece needs an assembly buffer from its first band to its last unless
+        it lies in one band (and is all its want needs); the passes keep the
+        buffers open at any band within the budget.
+        """
         streamer = _Streamer(unit.lc, unit.index, self.band)
         problem = streamer.problem()
         if problem:
@@ -467,32 +484,41 @@ class Scheduler:
                 f"stored chunk {unit.index} decodes to {unit.nbytes / MiB:.1f} MiB, more than the memory budget "
                 f"allows, and {problem}; use --memory {need}MiB or more", unit.lc.leaf.path,
             )
-        self.stats.streamed.add((unit.lc.leaf.path, unit.index))
         bands = [streamer.global_band(b) for b in streamer.bands]
-        # each piece: the bands it spans, and whether it needs an assembly buffer
+        rows = _band_index(streamer)
         spans = []
         for wi, pi, inter in unit.pieces:
-            hit = [i for i, b in enumerate(bands) if b is not None and (not inter or _intersect(inter, b) is not None)]
-            if not hit:
+            first, last = rows(inter)
+            if first > last:
                 continue
             st = self.states[wi]
-            direct = len(hit) == 1 and len(st.want.parts) == 1 and st.units == 1
-            spans.append((hit[0], hit[-1], 0 if direct else st.want.nbytes, (wi, pi, inter)))
-        limit = max(self.band, self.budget - 2 * self.band - self._used)
-        passes = _group(spans, limit)
-        for group in passes:
-            last = max(s[1] for s in group)
-            pieces = [s[3] for s in group]
+            direct = first == last and len(st.want.parts) == 1 and st.units == 1
+            spans.append((first, last, 0 if direct else st.want.nbytes, (wi, pi, inter)))
+        del bands
+        limit = max(self.band, self.budget - 2 * self.band)
+        groups = _group(spans, limit)
+        passes = [[s[3] for s in g] for g in groups]
+        lasts = [max(s[1] for s in g) for g in groups]
+        peak = 0
+        for g in groups:
+            load: Counter = Counter()
+            for first, last, nbytes, _ in g:
+                for b in range(first, last + 1):
+                    load[b] += nbytes
+            peak = max(peak, max(load.values(), default=0))
+        return streamer, passes, lasts, peak + 2 * self.band
+
+    def _run_streamed(self, unit: _Unit, plan: Any, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
+        streamer, passes, lasts, _ = plan
+        self.stats.streamed.add((unit.lc.leaf.path, unit.index))
+        for pieces, last in zip(passes, lasts):
             self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
             self.stats.passes += 1
-            self._take(2 * self.band)
-            try:
-                for region, data in streamer.iterate(last):
-                    if region is None:
-                        continue
-                    self._feed(unit, pieces, region, data, deliver, lazy_charge=True)
-            finally:
-                self._give(2 * self.band)
+            for region, data in streamer.iterate(last):
+                if region is None:
+                    continue
+                # the unit's admission covered its bands and assembly buffers
+                self._feed(unit, pieces, region, data, deliver, lazy_charge=False)
 
     def run(self, *, on_done: Callable[[int], None] | None = None,
             on_error: Callable[[ArrayLeaf, int, CkptError], None] | None = None) -> int:
@@ -520,10 +546,10 @@ class Scheduler:
                          for leaf, region in want.parts])
         error: list[BaseException] = []
 
-        def work(unit: _Unit, cost: int) -> None:
+        def work(unit: _Unit, cost: int, plan: Any) -> None:
             try:
                 if unit.streamed:
-                    self._run_streamed(unit, deliver)
+                    self._run_streamed(unit, plan, deliver)
                 else:
                     self._run_whole(unit, deliver)
             except CkptError as exc:
@@ -555,17 +581,27 @@ class Scheduler:
                 futures[:] = keep
 
             for unit in self.units:
-                cost = 0 if unit.streamed else decoded_cost(unit.nbytes)
+                plan = None
+                if unit.streamed:
+                    try:
+                        plan = self._plan_stream(unit)
+                    except CkptError as exc:
+                        if on_error is None:
+                            error.append(exc)
+                            break
+                        self._fail_unit(unit)
+                        on_error(unit.lc.leaf, unit.index, exc)
+                        continue
+                    cost = plan[3]
+                else:
+                    cost = decoded_cost(unit.nbytes)
                 with self._cond:
                     while True:
                         collect(False)
                         if error:
                             break
-                        if unit.streamed:
-                            ok = self._running == 0  # a streamed chunk runs alone, with the whole budget
-                        else:
-                            ok = self._running < self.workers * 2 and (
-                                self._running == 0 or self._used + cost <= self.budget)
+                        ok = self._running < self.workers * 2 and (
+                            self._running == 0 or self._used + cost <= self.budget)
                         if ok:
                             break
                         self._cond.wait(0.05)
@@ -574,10 +610,7 @@ class Scheduler:
                     self._used += cost
                     self.stats.peak_bytes = max(self.stats.peak_bytes, self._used)
                     self._running += 1
-                if unit.streamed:
-                    work(unit, cost)  # here, so that nothing else is admitted meanwhile
-                else:
-                    futures.append(pool.submit(work, unit, cost))
+                futures.append(pool.submit(work, unit, cost, plan))
             for fut in futures:
                 try:
                     fut.result()
