@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -174,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop starting mutants after this many seconds (the summary says how many ran)")
     ap.add_argument("--start", type=int, default=0, help="first mutant index (to replay: --start I --mutants 1)")
     args = ap.parse_args(argv)
+    args.out = args.out.resolve()
     formats = args.formats.split(",")
+
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)  # a killed run still writes its summary
 
     args.out.mkdir(parents=True, exist_ok=True)
     work_root = Path(tempfile.mkdtemp(prefix="ckpt-fuzz-"))
