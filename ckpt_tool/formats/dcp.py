@@ -37,6 +37,7 @@ from .safe_pickle import (
     MetadataIndex,
     Size,
     StorageInfo,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
     TorchDType,
@@ -201,32 +202,93 @@ class _ParsedMetadata:
         return tuple(fqn.split("."))
 
 
-def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
+def metadata_problem(md: Any) -> str | None:
+    """What about `.metadata`'s top-level object torch's reader would fail on (None if nothing).
+
+    FileSystemReader.read_metadata sets `storage_meta.load_id` (so it must be
+    a StorageMeta or None), set_up_storage_reader needs storage_data, and the
+    load planners iterate state_dict_metadata and look keys up in planner_data.
+    """
     if not isinstance(md, Metadata):
-        raise CorruptMetadataError(f"expected a DCP Metadata object, found {type(md).__name__}", where)
-    sdm = md.state_dict_metadata
-    if not isinstance(sdm, dict):
-        raise CorruptMetadataError("state_dict_metadata is not a dict", where)
+        return f"expected a DCP Metadata object, found {type(md).__name__}"
+    if not isinstance(md.state_dict_metadata, dict):
+        return f"state_dict_metadata is {type(md.state_dict_metadata).__name__}, not a dict"
     if not isinstance(md.storage_data, dict):
-        raise CorruptMetadataError(
-            "storage_data is missing (saved with a custom storage writer?); cannot locate the data", where
-        )
-    version = md.version if isinstance(md.version, str) else None
+        return "storage_data is missing (saved with a custom storage writer?); the data cannot be located"
+    if md.storage_meta is not None and not isinstance(md.storage_meta, StorageMeta):
+        return f"storage_meta is {type(md.storage_meta).__name__}, not a StorageMeta (torch's reader sets its load_id)"
+    if md.version is not None and not isinstance(md.version, str):
+        return f"version is {short_repr(md.version)}, not a string"
+    if md.planner_data is not None and not isinstance(md.planner_data, dict):
+        return f"planner_data is {type(md.planner_data).__name__}, not a dict (torch looks state-dict keys up in it)"
+    return None
+
+
+def planner_path_problem(planner_data: Any, fqn: str) -> str | None:
+    """A planner_data entry torch's set_element cannot follow (it rebuilds the nested state dict from it)."""
+    if not isinstance(planner_data, dict) or fqn not in planner_data:
+        return None
+    path = planner_data[fqn]
+    if not isinstance(path, (tuple, list)) or not path or not all(type(k) in (str, int) for k in path):
+        return f"planner_data path {short_repr(path)} is not a non-empty tuple of str and int keys"
+    if any(type(k) is int and not 0 <= k < _MAX_LIST_INDEX for k in path):
+        return f"planner_data path {short_repr(path)} has a list index outside [0, {_MAX_LIST_INDEX})"
+    return None
+
+
+# torch's set_element grows a list to a planner_data index with None: a
+# larger index is a memory bomb for torch, never a real state dict
+_MAX_LIST_INDEX = 1 << 20
+_MEMORY_FORMATS = frozenset({"contiguous_format", "channels_last", "preserve_format"})
+
+
+def index_problem(index: Any) -> str | None:
+    """A storage_data key torch's unpickler could not rebuild as a MetadataIndex dict key."""
+    if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        return f"storage_data key {short_repr(index)} is not a MetadataIndex"
+    # torch hashes MetadataIndex by (fqn, offset): a list offset is unhashable
+    if index.offset is not None and not isinstance(index.offset, tuple):
+        return f"storage_data offset of {index.fqn} is {type(index.offset).__name__}, not a torch.Size"
+    if index.index is not None and type(index.index) is not int:
+        return f"storage_data index hint of {index.fqn} is {short_repr(index.index)}, not an int"
+    return None
+
+
+def properties_problem(props: Any) -> str | None:
+    """TensorProperties torch could not rebuild: its __setstate__ takes a 5-tuple with a memory-format enum."""
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, TorchDType):
+        return "tensor properties carry no torch dtype"
+    if props.memory_format not in _MEMORY_FORMATS:
+        return f"tensor properties have memory format {short_repr(props.memory_format)} (torch's reader refuses it)"
+    return None
+
+
+def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
+    problem = metadata_problem(md)
+    if problem:
+        raise CorruptMetadataError(problem, where)
+    sdm = md.state_dict_metadata
+    version = md.version
 
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
     for index, info in md.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
-            raise CorruptMetadataError(f"storage_data key {short_repr(index)} is not a MetadataIndex", where)
+        problem = index_problem(index)
+        if problem:
+            raise CorruptMetadataError(problem, where)
         offset = None if index.offset is None else _int_tuple(index.offset, f"storage_data offset of {index.fqn}", where)
         entry = _entry(info, f"{where} [{index.fqn}]")
-        # MetadataIndex.index is only a lookup hint; (fqn, offset) is the identity
-        storage.setdefault((index.fqn, offset), entry)
+        # MetadataIndex.index is only a lookup hint; (fqn, offset) is the
+        # identity, and like torch's dict the last entry for it wins
+        storage[(index.fqn, offset)] = entry
 
     items: dict[str, _TensorItem | _BytesItem] = {}
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
             raise CorruptMetadataError(f"state_dict_metadata key {short_repr(fqn)} is not a string", where)
         item_where = f"{where} [{fqn}]"
+        problem = planner_path_problem(md.planner_data, fqn)
+        if problem:
+            raise CorruptMetadataError(problem, item_where)
         if isinstance(item, TensorStorageMetadata):
             items[fqn] = _tensor_item(fqn, item, storage, item_where)
         elif isinstance(item, BytesStorageMetadata):
@@ -241,8 +303,9 @@ def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
 
 def _tensor_item(fqn: str, item: TensorStorageMetadata, storage: dict, where: str) -> _TensorItem:
     props = item.properties
-    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, TorchDType):
-        raise CorruptMetadataError("tensor properties carry no torch dtype", where)
+    problem = properties_problem(props)
+    if problem:
+        raise CorruptMetadataError(problem, where)
     try:
         dtype = dtypes.from_torch(props.dtype.name).name
     except CkptError as exc:
@@ -298,6 +361,31 @@ def _entry(info: Any, where: str) -> _Entry:
     if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
         raise CorruptMetadataError(f"invalid transform descriptors {short_repr(transforms)}", where)
     return _Entry(path, offset, length, tuple(transforms))
+
+
+# zstd's densest encoding (an RLE block: a 3-byte header and one byte that
+# stands for up to 128 KiB) decodes to at most ~32,768 times its size
+MAX_TRANSFORM_RATIO = 1 << 15
+
+
+def entry_capacity(entry: _Entry) -> int:
+    """The most bytes an entry's stored bytes can stand for (its length; more when it is zstd-compressed)."""
+    return entry.length * (MAX_TRANSFORM_RATIO if entry.transforms else 1)
+
+
+def chunk_claim_problem(sizes: tuple[int, ...], itemsize: int, entry: _Entry) -> str | None:
+    """Why a chunk's claimed size cannot be in its storage entry (a torch.save archive holds the raw bytes), or None.
+
+    Checked before anything is sized by the claim: a 16-byte entry cannot
+    hold an 8 TB chunk, and a read must fail in one line instead of trying.
+    """
+    if entry.length == 0:
+        return f"its storage entry in {entry.relative_path} has length 0 (torch.load of 0 bytes fails)"
+    claimed = math.prod(sizes) * itemsize
+    if claimed > entry_capacity(entry):
+        stored = f"{entry.length} stored bytes" + (" (compressed)" if entry.transforms else "")
+        return f"chunk of sizes {list(sizes)} claims {claimed} bytes but its storage entry has {stored}"
+    return None
 
 
 def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
@@ -427,6 +515,10 @@ class _TensorReader:
         if covered < volume:
             self._check_coverage(region, tasks, covered, volume)
 
+        for i, _, _ in tasks:
+            problem = chunk_claim_problem(self._item.chunks[i].sizes, self._dtype.itemsize, self._item.entries[i])
+            if problem:
+                raise CorruptMetadataError(problem, _entry_where(self._storage, self._item.entries[i], self._fqn))
         # Locate every chunk first: its archive header is checked against
         # .metadata and against the bytes actually stored before anything
         # sized by .metadata alone (the output, a coverage mask) is allocated.

@@ -64,6 +64,9 @@ class _Tensor:
     chunks: list[Chunk]  # distinct chunks (a replicated duplicate once)
     duplicates: int = 0  # chunks listed again with the same offsets and sizes
     copies: dict[Chunk, int] = field(default_factory=dict)  # chunk -> times listed, when more than once
+    itemsize: int = 0  # 0: a dtype ckpt cannot read (reported already)
+    claims: list[str] = field(default_factory=list)  # chunks whose claimed size their entries cannot hold
+    oversized: bool = False  # a chunk claims more bytes than its (non-empty) entry holds
 
 
 @dataclass(frozen=True)
@@ -107,21 +110,15 @@ def check_path(storage: Storage, findings: Findings) -> None:
         )
 
     md = _load_metadata(storage, findings)
-    if md is None:
+    if md is _UNREADABLE:
         return
-    if not isinstance(md, safe_pickle.Metadata):
-        findings.error("bad-metadata", f"expected a DCP Metadata object, found {type(md).__name__}", file=dcp.METADATA_FILE)
-        return
-    if not isinstance(md.state_dict_metadata, dict):
-        findings.error("bad-metadata", "state_dict_metadata is not a dict", file=dcp.METADATA_FILE)
-        return
-    if not isinstance(md.storage_data, dict):
-        findings.error(
-            "bad-metadata",
-            "storage_data is missing (saved with a custom storage writer?); the data cannot be located",
-            file=dcp.METADATA_FILE,
-        )
-        return
+    # the object torch's reader gets (a pickled None is a value, not a failure)
+    problem = dcp.metadata_problem(md)
+    if problem:
+        findings.error("bad-metadata", problem, file=dcp.METADATA_FILE)
+    if not (isinstance(md, safe_pickle.Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        return  # nothing below can be located
 
     # the reader's leaf paths (planner_data's original keys), so that findings
     # name the same leaf as `ckpt inspect` and --deep do
@@ -131,7 +128,7 @@ def check_path(storage: Storage, findings: Findings) -> None:
         return keys_path(naming.keys_for(fqn))
 
     entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
-    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings)
+    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings, md.planner_data)
 
     # every chunk and bytes item needs a storage entry; every entry needs an owner
     placed: list[_Placed] = []
@@ -152,6 +149,11 @@ def check_path(storage: Storage, findings: Findings) -> None:
             elif key not in used:
                 used.add(key)
                 placed.append(_Placed(key, entry, tensor.leaf, chunk.sizes))
+                problem = dcp.chunk_claim_problem(chunk.sizes, tensor.itemsize, entry) if tensor.itemsize else None
+                if problem:
+                    tensor.claims.append(f"{_chunk_label(tensor.fqn, chunk)}: {problem}")
+                    if entry.length:
+                        tensor.oversized = True
     for fqn in bytes_fqns:
         key = (fqn, None)
         entry = entries.get(key)
@@ -164,6 +166,13 @@ def check_path(storage: Storage, findings: Findings) -> None:
         elif entry is not None:
             used.add(key)
             placed.append(_Placed(key, entry, leaf_of(fqn)))
+            if entry.length == 0:
+                findings.error(
+                    "empty-chunk",
+                    f"non-tensor item {fqn}: its storage entry in {entry.relative_path} has length 0 (torch.load "
+                    "of 0 bytes fails)",
+                    leaf=leaf_of(fqn), file=dcp.METADATA_FILE,
+                )
     orphans = [(key, entry) for key, entry in entries.items() if key not in used]
     for key, entry in orphans[:_MAX_ORPHAN_FINDINGS]:
         fqn, offsets = key
@@ -207,7 +216,8 @@ def check_path(storage: Storage, findings: Findings) -> None:
             )
 
     for tensor in tensors:
-        _check_geometry(tensor, findings)
+        if _check_claims(tensor, entries, findings):
+            _check_geometry(tensor, findings)
     _check_transforms(placed, findings)
 
     findings.count("tensors", len(tensors))
@@ -216,6 +226,40 @@ def check_path(storage: Storage, findings: Findings) -> None:
     findings.count("files", len(referenced))
     if duplicates:
         findings.count("duplicate_chunks", duplicates)
+
+
+def _check_claims(tensor: _Tensor, entries: dict[EntryKey, dcp._Entry], findings: Findings) -> bool:
+    """Sizes claimed against bytes stored: each chunk within its entry, the tensor within its chunks' entries.
+
+    One finding per kind per tensor (the first chunk named, the rest
+    counted). False when the tensor claims more than is stored: its geometry
+    is then not worth checking (and a 2**62 x 2**62 shape would overflow the
+    coverage arithmetic).
+    """
+    def report(code: str, claims: list[str]) -> None:
+        more = f" (and {len(claims) - 1} more chunk{'s' if len(claims) > 2 else ''} like it)" if len(claims) > 1 else ""
+        findings.error(code, claims[0] + more, leaf=tensor.leaf, file=dcp.METADATA_FILE)
+
+    empty = [c for c in tensor.claims if "has length 0" in c]
+    oversized = [c for c in tensor.claims if "has length 0" not in c]
+    if empty:
+        report("empty-chunk", empty)
+    if oversized:
+        report("bad-metadata", oversized)
+    if not tensor.itemsize:
+        return True
+    capacity = sum(dcp.entry_capacity(e) for e in (entries.get((tensor.fqn, c.offsets)) for c in tensor.chunks) if e)
+    claimed = math.prod(tensor.shape) * tensor.itemsize
+    if claimed > capacity:
+        findings.error(
+            "bad-metadata",
+            f"shape {list(tensor.shape)} claims {claimed} bytes but the storage entries of its {len(tensor.chunks)} "
+            f"chunk{'s' if len(tensor.chunks) != 1 else ''} hold {capacity} at most: the metadata does not describe "
+            "the stored data",
+            leaf=tensor.leaf, file=dcp.METADATA_FILE,
+        )
+        return False
+    return not tensor.oversized
 
 
 def _starts_like_an_item(storage: Storage, name: str) -> bool:
@@ -273,8 +317,12 @@ def _report_missing_metadata(
     findings.error("missing-metadata", message, file=dcp.METADATA_FILE)
 
 
-def _load_metadata(storage: Storage, findings: Findings) -> Any | None:
-    """`.metadata` through the allow-list unpickler, or None after reporting why not."""
+# what _load_metadata returns for a .metadata it could not unpickle (None is a value a pickle can hold)
+_UNREADABLE: Any = object()
+
+
+def _load_metadata(storage: Storage, findings: Findings) -> Any:
+    """`.metadata` through the allow-list unpickler, or _UNREADABLE after reporting why not."""
     name = dcp.METADATA_FILE
     try:
         size = storage.size(name)
@@ -282,7 +330,7 @@ def _load_metadata(storage: Storage, findings: Findings) -> Any | None:
             findings.error(
                 "bad-metadata", f"{size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", file=name
             )
-            return None
+            return _UNREADABLE
         return safe_pickle.load_metadata(storage.read(name), f"{storage.url}/{name}")
     except UnsafePickleError as exc:
         findings.error(
@@ -295,7 +343,7 @@ def _load_metadata(storage: Storage, findings: Findings) -> Any | None:
         findings.error("path-escape", exc.message, file=name)
     except (CkptError, OSError) as exc:
         findings.error("bad-metadata", f"unreadable: {getattr(exc, 'message', exc)}", file=name)
-    return None
+    return _UNREADABLE
 
 
 def _storage_entries(
@@ -309,8 +357,10 @@ def _storage_entries(
     malformed: set[EntryKey] = set()
     where = dcp.METADATA_FILE
     for index, info in storage_data.items():
-        if not isinstance(index, safe_pickle.MetadataIndex) or not isinstance(index.fqn, str):
-            findings.error("bad-metadata", f"storage_data key {short_repr(index)} is not a MetadataIndex", file=where)
+        problem = dcp.index_problem(index)
+        if problem:
+            fqn = getattr(index, "fqn", None)
+            findings.error("bad-metadata", problem, leaf=leaf_of(fqn) if isinstance(fqn, str) else None, file=where)
             continue
         fqn = index.fqn
         try:
@@ -324,12 +374,16 @@ def _storage_entries(
             findings.error("bad-metadata", f"storage_data entry of {fqn}: {exc.message}", leaf=leaf_of(fqn), file=where)
             malformed.add((fqn, offsets))
             continue
-        # MetadataIndex.index is only a lookup hint; (fqn, offsets) is the identity
-        out.setdefault((fqn, offsets), entry)
+        # MetadataIndex.index is only a lookup hint; (fqn, offsets) is the
+        # identity, and like torch's dict the last entry for it wins
+        out[(fqn, offsets)] = entry
+        malformed.discard((fqn, offsets))
     return out, malformed
 
 
-def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tuple[list[_Tensor], list[str]]:
+def _items(
+    sdm: dict, leaf_of: Callable[[str], str], findings: Findings, naming_data: Any = None
+) -> tuple[list[_Tensor], list[str]]:
     """The tensors (with their well-formed chunks) and the bytes items' fqns."""
     tensors: list[_Tensor] = []
     bytes_fqns: list[str] = []
@@ -339,6 +393,9 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
             findings.error("bad-metadata", f"state_dict_metadata key {short_repr(fqn)} is not a string", file=where)
             continue
         leaf = leaf_of(fqn)
+        problem = dcp.planner_path_problem(naming_data, fqn)
+        if problem:
+            findings.error("bad-metadata", f"{fqn}: {problem}", leaf=leaf, file=where)
         if isinstance(item, safe_pickle.BytesStorageMetadata):
             bytes_fqns.append(fqn)
             continue
@@ -346,11 +403,13 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
             findings.error("bad-metadata", f"{fqn}: unknown storage metadata {type(item).__name__}", leaf=leaf, file=where)
             continue
         props = item.properties
-        if not isinstance(props, safe_pickle.TensorProperties) or not isinstance(props.dtype, safe_pickle.TorchDType):
-            findings.error("bad-metadata", f"{fqn}: tensor properties carry no torch dtype", leaf=leaf, file=where)
+        problem = dcp.properties_problem(props)
+        if problem:
+            findings.error("bad-metadata", f"{fqn}: {problem}", leaf=leaf, file=where)
             continue
+        itemsize = 0
         try:
-            dtypes.from_torch(props.dtype.name)
+            itemsize = dtypes.get(dtypes.from_torch(props.dtype.name).name).itemsize
         except CkptError as exc:  # e.g. a quantized tensor's qint8: reading it would fail, so would --deep
             findings.error(
                 "bad-metadata", f"{fqn}: {exc.message}: ckpt cannot read, check or convert this tensor (load it with torch)",
@@ -404,7 +463,7 @@ def _items(sdm: dict, leaf_of: Callable[[str], str], findings: Findings) -> tupl
                 continue
             seen.add(chunk)
             chunks.append(chunk)
-        tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates, copies))
+        tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates, copies, itemsize))
     return tensors, bytes_fqns
 
 
