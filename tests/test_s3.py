@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -271,12 +272,109 @@ def test_server_killed_mid_convert_from_s3(moto, tmp_path, name, to, after):
     _no_temp_output(dst)
 
 
-# orbax -> dcp writes the data file, then .metadata; dcp -> orbax ~15 PUTs
-@pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 1), ("dcp_multirank", "orbax", 4)])
-def test_server_killed_mid_write(moto, name, to, after):
+class CuttingProxy:
+    """A TCP proxy in front of the moto server that forwards `limit` PUT requests whole and,
+    at the next one, kills the server and stops listening: a write cut off exactly mid-way
+    (the server's own log comes too late to stop it between two quick PUTs)."""
+
+    def __init__(self, server: MotoServer, limit: int) -> None:
+        import socket
+
+        self.server = server
+        self.limit = limit
+        self.puts = 0
+        self.cut = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: list[Any] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.cut.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.server.port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks += [client, upstream]
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def _requests(self, client: Any, upstream: Any) -> None:
+        """Forward whole requests (head, then Content-Length bytes of body), counting PUTs."""
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                if head.startswith(b"PUT "):
+                    with self._lock:
+                        self.puts += 1
+                        over = self.puts > self.limit
+                    if over:
+                        self._cut_off()
+                        return
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value.strip())
+                upstream.sendall(head + b"\r\n\r\n")
+                while len(buf) < length:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                upstream.sendall(buf[:length])
+                buf = buf[length:]
+        except OSError:
+            pass
+
+    def _cut_off(self) -> None:
+        if self.cut.is_set():
+            return
+        self.cut.set()
+        self.server.kill()
+        self.listener.close()  # from now on: connection refused
+        with self._lock:
+            for sock in self._socks:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+# orbax -> dcp writes the data file, then .metadata (cut at .metadata); dcp -> orbax ~15 PUTs
+@pytest.mark.parametrize("name, to, limit", [("orbax_ocdbt_zarr2", "dcp", 1), ("dcp_multirank", "orbax", 4)])
+def test_server_killed_mid_write(moto, name, to, limit):
+    proxy = CuttingProxy(moto, limit)
     dst = f"s3://{BUCKET}/out/{name}"
-    r, elapsed = _run_killing(moto, ["convert", str(fixture_path(name)), dst, "--to", to], after=after, method="PUT")
-    _assert_one_line_naming(r, elapsed, moto.endpoint)
+    env = {**moto.env, "AWS_ENDPOINT_URL": proxy.endpoint, "CKPT_IO_RETRIES": "2"}
+    started = time.monotonic()
+    r = run_ckpt("convert", str(fixture_path(name)), dst, "--to", to, env=env, timeout=WALL_LIMIT_S + 30)
+    elapsed = time.monotonic() - started
+    assert proxy.cut.is_set(), f"the write finished before the cut: {r.stdout}{r.stderr}"
+    _assert_one_line_naming(r, elapsed, proxy.endpoint)
+    assert "cannot write" in r.stderr or "cannot create" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("name, command", [
