@@ -46,8 +46,11 @@ def validate_checkpoint(
     deep: bool = False,
     workers: int = 4,
     progress: Progress = no_progress,
+    memory: int | None = None,
 ) -> ValidationReport:
-    """Check the checkpoint at `path`; collects every finding instead of stopping at the first."""
+    """Check the checkpoint at `path`; collects every finding instead of stopping at the first.
+
+    `memory`: the --deep read scheduler's budget in bytes (None: its default)."""
     from ..formats import TMP_MARKER, detect
     from ..formats.msgpack_tree import split_local_file
 
@@ -95,7 +98,8 @@ def validate_checkpoint(
 
             # leaves already reported broken are not read again
             broken = {f.leaf for f in findings.errors if f.leaf}
-            deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, skip_leaves=broken)
+            deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, skip_leaves=broken,
+                       **({"memory": memory} if memory is not None else {}))
     except UnsafePickleError as exc:
         findings.error("unsafe-pickle", exc.message, file=exc.where)
     except PathEscapeError as exc:

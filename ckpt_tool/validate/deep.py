@@ -1,16 +1,18 @@
 """`validate --deep`: read and decode every chunk, in parallel, with bounded memory.
 
 Works on the format-neutral model: each array leaf's stored chunks (a zarr
-grid or a DCP chunk list) are read one region at a time through the
-format's reader, which decodes them (zarr codecs through tensorstore; the
-torch.save payload through the allow-list). At most `workers * 2` chunks are
-in flight, so memory is bounded by a few chunks whatever the checkpoint size.
+grid or a DCP chunk list) are read through the format's reader, which
+decodes them (zarr codecs through tensorstore; the torch.save payload
+through the allow-list). The read scheduler (scheduler.py) decodes each
+stored chunk once, within the --memory budget (a chunk too large to decode
+whole is decoded as a stream, in bands), and each block of it is checked
+(shape, dtype, NaN/Inf) as it arrives.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from ..errors import CkptError
 from ..findings import Findings, Progress
 from ..parallel import run_bounded
 from ..model import ArrayLeaf, Region, split_to_cap, stored_chunks
+from ..scheduler import DEFAULT_MEMORY, Scheduler, Want
 
 
 @dataclass
@@ -72,6 +75,7 @@ def deep_check(
     workers: int = 4,
     progress: Progress,
     skip_leaves: set[str] | None = None,
+    memory: int = DEFAULT_MEMORY,
 ) -> None:
     from ..formats import open_checkpoint
 
@@ -83,62 +87,67 @@ def deep_check(
         return
     skip = skip_leaves or set()
     leaves = [leaf for leaf in ckpt.arrays() if leaf.path not in skip]
-    tasks: list[tuple[ArrayLeaf, Region | int]] = []
-    for leaf in leaves:
-        verified: set[int] = set()
-        for index, region, split in chunk_blocks(leaf):
-            tasks.append((leaf, region))
-            # a chunk read in blocks never passes through its checksum whole:
-            # stream it once through the format's verifier
-            if split and leaf.verifier is not None and index not in verified:
-                verified.add(index)
-                tasks.append((leaf, index))
     total_bytes = sum(leaf.nbytes for leaf in leaves)
     stats = {leaf.path: _LeafStats() for leaf in leaves}
     lock = threading.Lock()
 
-    def run(leaf: ArrayLeaf, region: Region | int) -> int:
-        if isinstance(region, int):
-            try:
-                leaf.verifier(region)  # type: ignore[misc]
-            except CkptError as exc:
-                findings.error("bad-chunk", f"chunk {region}: {exc.message}", leaf=leaf.path, file=_relative(exc.where, ckpt.path))
-            return 0
-        want = tuple(r.stop - r.start for r in region)
-        try:
-            data = leaf.read(region)
-        except CkptError as exc:
-            with lock:
-                stats[leaf.path].failed = True
-            where = ", ".join(f"{r.start}:{r.stop}" for r in region)
-            findings.error(
-                "bad-chunk", f"chunk [{where}] does not decode: {exc.message}",
-                leaf=leaf.path, file=_relative(exc.where, ckpt.path),
-            )
-            return 0
-        if data.shape != want or data.dtype != dtypes.numpy_dtype(leaf.dtype):
-            findings.error(
-                "bad-chunk",
-                f"chunk decoded to {data.dtype}{list(data.shape)}, metadata says {leaf.dtype}{list(want)}",
-                leaf=leaf.path,
-            )
-        elif dtypes.get(leaf.dtype).is_float and data.size:
-            as_float = data.astype(np.float32) if data.dtype.itemsize < 4 else data
-            nan = int(np.isnan(as_float).sum())
-            inf = int(np.isinf(as_float).sum())
-            if nan or inf:
-                with lock:
-                    stats[leaf.path].nan += nan
-                    stats[leaf.path].inf += inf
-        return int(data.nbytes)
+    def check(leaf: ArrayLeaf, region: Region) -> Callable[[list[np.ndarray]], int]:
+        def run(arrays: list[np.ndarray]) -> int:
+            data = arrays[0]
+            want = tuple(r.stop - r.start for r in region)
+            if data.shape != want or data.dtype != dtypes.numpy_dtype(leaf.dtype):
+                findings.error(
+                    "bad-chunk",
+                    f"chunk decoded to {data.dtype}{list(data.shape)}, metadata says {leaf.dtype}{list(want)}",
+                    leaf=leaf.path,
+                )
+            elif dtypes.get(leaf.dtype).is_float and data.size:
+                as_float = data.astype(np.float32) if data.dtype.itemsize < 4 else data
+                nan = int(np.isnan(as_float).sum())
+                inf = int(np.isinf(as_float).sum())
+                if nan or inf:
+                    with lock:
+                        stats[leaf.path].nan += nan
+                        stats[leaf.path].inf += inf
+            return int(data.nbytes)
+
+        return run
+
+    # blocks: what is checked at once (a whole-tensor chunk of several GB never sits in memory whole)
+    block = min(BLOCK_BYTES, max(2**20, memory // 8))
+    wants = [Want([(leaf, region)], check(leaf, region)) for leaf in leaves for _, region, _ in chunk_blocks(leaf, block)]
+    scheduler = Scheduler(wants, memory=memory, workers=workers)
+
+    def failed(leaf: ArrayLeaf, index: int, exc: CkptError) -> None:
+        with lock:
+            stats[leaf.path].failed = True
+        region = stored_chunks(leaf.shape, leaf.layout)[index].region
+        where = ", ".join(f"{r.start}:{r.stop}" for r in region)
+        findings.error(
+            "bad-chunk", f"chunk [{where}] does not decode: {exc.message}",
+            leaf=leaf.path, file=_relative(exc.where, ckpt.path),
+        )
 
     progress("read", 0, total_bytes)
-    done_bytes = run_bounded(
-        tasks, lambda task: run(*task), workers=workers,
-        on_done=lambda n: progress("read", n, total_bytes), name="ckpt-deep",
-        size=lambda task: 0 if isinstance(task[1], int) else 2 * _region_bytes(task[0], task[1]),
-    )
+    done_bytes = scheduler.run(on_done=lambda n: progress("read", n, total_bytes), on_error=failed)
 
+    # a chunk decoded as a stream (in bands) never passes through its checksum
+    # whole: stream it once more through the format's verifier
+    verify = [
+        (leaf, index) for leaf in leaves if leaf.verifier is not None and not stats[leaf.path].failed
+        for index in range(len(stored_chunks(leaf.shape, leaf.layout))) if not scheduler.decodes_whole(leaf, index)
+    ]
+
+    def run_verifier(leaf: ArrayLeaf, index: int) -> int:
+        try:
+            leaf.verifier(index)  # type: ignore[misc]
+        except CkptError as exc:
+            findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=leaf.path, file=_relative(exc.where, ckpt.path))
+        return 0
+
+    if verify:
+        run_bounded(verify, lambda task: run_verifier(*task), workers=workers, name="ckpt-verify")
+    tasks = scheduler.units
     findings.count("chunks_read", len(tasks))
     if fmt == "dcp":
         # copies of replicated duplicates that .metadata does not point at
