@@ -56,7 +56,8 @@ KEY_SEQUENCE, KEY_DICT = 1, 2
 KEY_TYPES = (KEY_SEQUENCE, KEY_DICT)
 # value typestrs of orbax's type handlers and empty values (type_handlers.py, empty_values.py)
 ZARR_VALUE_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
-VALUE_TYPES = ZARR_VALUE_TYPES | {"string", "placeholder", "None", "Dict", "List", "Tuple", "NamedTuple", "Unknown"}
+EMPTY_VALUE_TYPES = frozenset({"None", "Dict", "List", "Tuple", "NamedTuple"})
+VALUE_TYPES = ZARR_VALUE_TYPES | EMPTY_VALUE_TYPES | {"string", "placeholder"}
 # orbax's ShardingTypes; PositionalSharding is refused by orbax 0.12 ("deprecated")
 SHARDING_TYPES = ("NamedSharding", "SingleDeviceSharding")
 # str(jax.sharding.AxisType member), as orbax writes axis_types
@@ -278,8 +279,13 @@ def _value_meta(v: Any, file: str, where: str, *, legacy: bool) -> ValueMeta:
     skip = v.get("skip_deserialize", False)
     if not isinstance(skip, bool):
         raise SchemaError(f"skip_deserialize must be true or false, got {short_repr(skip)}", file, where)
-    ws = v.get("write_shape")
-    write_shape = int_list(ws, file, f"{where}.write_shape") if ws is not None else None
+    if not legacy and skip != (vt in EMPTY_VALUE_TYPES):
+        # orbax skips exactly the empty containers and looks a handler up for the rest
+        raise SchemaError(
+            f"skip_deserialize is {str(skip).lower()} for value_type {vt!r} (orbax skips only empty containers)", file, where
+        )
+    # orbax: tuple(json_dict["write_shape"]) whenever the key is there, so null fails it
+    write_shape = int_list(v["write_shape"], file, f"{where}.write_shape") if "write_shape" in v else None
     return ValueMeta(vt, skip, write_shape)
 
 
@@ -366,7 +372,7 @@ def _mesh_ids(mesh: Any, file: str, where: str) -> tuple[int, ...]:
                 raise SchemaError("device_mesh.mesh is not a rectangular nested list", file, where)
             stack.extend((n, depth + 1) for n in reversed(node))
             continue
-        if not isinstance(node, dict) or "id" not in node or not _is_int(node["id"]) or node["id"] < 0:
+        if not isinstance(node, dict) or "id" not in node or not _is_int(node["id"]) or not 0 <= node["id"] < 2**31:
             raise SchemaError(f"device_mesh entry must be {{\"id\": <device id>}}, got {short_repr(node)}", file, where)
         if leaf_depth is None:
             leaf_depth = depth
@@ -405,7 +411,7 @@ def parse_sharding_entry(text: Any, file: str, where: str) -> ShardingInfo | Non
         raise SchemaError(f"mesh shape {list(shape)} has more than 2^20 devices", file, where)
     types_ = info.get("axis_types")
     if types_:
-        if not isinstance(types_, list) or len(types_) != len(shape) or not all(t in AXIS_TYPES for t in types_):
+        if not isinstance(types_, list) or len(types_) != len(shape) or not all(isinstance(t, str) and t in AXIS_TYPES for t in types_):
             raise SchemaError(f"axis_types must list one of {sorted(AXIS_TYPES)} per axis, got {short_repr(types_)}", file, where)
     spec_raw = info["partition_spec"]
     if not isinstance(spec_raw, list):
@@ -446,7 +452,10 @@ def parse_sharding_file(
         try:
             name = base64.urlsafe_b64decode(encoded.encode("ascii")).decode("utf-8")
         except (ValueError, UnicodeError, binascii.Error):
-            raise SchemaError("key is not the urlsafe base64 of a parameter name", file, f"entry {short_repr(encoded)}") from None
+            name = None
+        # orbax looks an array's entry up by the exact encoding of its name
+        if name is None or base64.urlsafe_b64encode(name.encode()).decode("ascii") != encoded:
+            raise SchemaError("key is not the urlsafe base64 of a parameter name", file, f"entry {short_repr(encoded)}")
         where = f"entry {name!r}"
         if isinstance(value, str) and value in parsed:
             info = parsed[value]

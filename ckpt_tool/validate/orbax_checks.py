@@ -145,6 +145,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     meta_key = "zarr.json" if zarr3 else ".zarray"
     declared = _array_metadatas(storage, files, dirs, findings, where)
     shardings: dict[str, Any] = {}
+    bad_shardings: set[str] = set()
     if ob.SHARDING in files:
         bad: list[tuple[str, schema.SchemaError]] = []
         try:
@@ -152,10 +153,12 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             shardings = {n: ob._sharding_model(i) for n, i in infos.items()}
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
+            files = [f for f in files if f != ob.SHARDING]  # reported once, not once per array
+        bad_shardings = {name for name, _ in bad}
+        leaf_of = {ob._param_name(ks): "/".join(str(k) for k in ks) for ks, _ in entries} if bad else {}
         for name, exc in bad:
             # orbax's restore fails on this entry (its from_serialized_string raises)
-            leaf = next(("/".join(str(k) for k in ks) for ks, _ in entries if ob._param_name(ks) == name), name)
-            findings.error("bad-sharding", exc.message, leaf=leaf, file=where + ob.SHARDING)
+            findings.error("bad-sharding", exc.message, leaf=leaf_of.get(name, name), file=where + ob.SHARDING)
     # every stored .zarray / zarr.json, read concurrently (one by one costs ~2 ms each)
     wanted = [
         ob._param_name(k) for k, v in entries
@@ -226,6 +229,10 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
                 )
         if name in shardings:
             _check_sharding(shardings[name], shape, findings, leaf_path, where + ob.SHARDING)
+        elif ob.SHARDING in files and vt == "jax.Array" and name not in bad_shardings:
+            # orbax reads each jax.Array's sharding from this file (a JSON pointer to its entry)
+            findings.error("bad-sharding", f"no entry in {ob.SHARDING}: orbax cannot restore this array without a target sharding",
+                           leaf=leaf_path, file=where + ob.SHARDING)
         _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
         if not use_ocdbt:
             _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
@@ -413,6 +420,16 @@ def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, l
         )
     if sharding.device_ids is not None and len(set(sharding.device_ids)) != len(sharding.device_ids):
         findings.error("bad-sharding", "a device id appears twice in the mesh", leaf=leaf, file=file)
+    elif sharding.device_ids is not None and set(sharding.device_ids) != set(range(len(sharding.device_ids))):
+        # not damage for sure (a sub-mesh of a bigger save), but orbax's restore
+        # without target shardings needs devices with exactly these ids
+        outside = sorted(set(sharding.device_ids) - set(range(len(sharding.device_ids))))
+        findings.warning(
+            "bad-sharding",
+            f"mesh device ids {outside[:4]} are outside 0..{len(sharding.device_ids) - 1}: a restore without "
+            "target shardings works only where devices with these ids exist",
+            leaf=leaf, file=file,
+        )
     spec = list(sharding.partition_spec or ())
     if len(spec) > len(shape):
         findings.error("bad-sharding", f"partition spec has {len(spec)} entries for a rank-{len(shape)} array", leaf=leaf, file=file)
