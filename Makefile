@@ -36,6 +36,7 @@ fixtures: $(STAMP)
 	$(PY) fixtures/generate.py
 	$(PY) fixtures/gen_fsdp2.py
 	$(PY) fixtures/gen_dcp_variants.py
+	$(PY) fixtures/gen_safetensors.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
 	$(PYTHON) fixtures/gen_legacy_jax.py
 
