@@ -60,7 +60,8 @@ def _human(out: Output, report: ValidationReport, strict: bool) -> None:
             indent = "    " if leaf else "  "
             out.line(f"{indent}[{colour}]{f.severity}[/{colour}] {f.code}: {esc(f.message)}{where}")
     checked = ", ".join(
-        f"{human_bytes(v) if k == 'bytes_read' else f'{v:,}'} {k.replace('_', ' ')}" for k, v in report.checked.items()
+        (f"{human_bytes(v)} read" if k == "bytes_read" else f"{v:,} {k.replace('_', ' ')}")
+        for k, v in report.checked.items()
     )
     errors = sum(f.severity == ERROR for f in report.findings)
     warnings = len(report.findings) - errors
