@@ -17,14 +17,15 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from . import dtypes
 from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
-from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf, glob_to_regex, parse_rename_rules
-from .scheduler import DEFAULT_MEMORY, Scheduler, Want
+from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, glob_to_regex, parse_rename_rules
+from .scheduler import DEFAULT_MEMORY, Scheduler, Want, streams
 from .structure import RecordedStructure
 from .validate.deep import chunk_regions
 
@@ -244,6 +245,17 @@ def _compare_values(
                     tally.max_rel = max(tally.max_rel, max_rel)
             return int(arrays[0].nbytes)
 
+        if streams(la, memory) != streams(lb, memory):
+            # one side holds chunks decoded as a stream: its bands arrive in order, and
+            # the other side's region is read beside each (pairing them in the scheduler
+            # would hold the whole streamed chunk until the other side's reads catch up)
+            big, small, swap = (la, lb, False) if streams(la, memory) else (lb, la, True)
+
+            for region in chunk_regions(big, block):
+                # the other side's read: the region, and the stored chunks tensorstore decodes for it
+                extra = 2 * _region_nbytes(small, region)
+                wants.append(Want([(big, region)], _paired(compare, small, region, swap), extra=extra))
+            continue
         for region in chunk_regions(la, block):
             wants.append(Want([(la, region), (lb, region)], compare))
     total = sum(la.nbytes for _, la, _ in pairs)
@@ -261,13 +273,49 @@ def _compare_values(
     return out
 
 
+def _region_nbytes(leaf: ArrayLeaf, region: Region) -> int:
+    n = dtypes.get(leaf.dtype).itemsize
+    for r in region:
+        n *= r.stop - r.start
+    return n
+
+
+def _paired(compare: Callable[[list[np.ndarray]], int], other: ArrayLeaf, region: Region,
+            swap: bool) -> Callable[[list[np.ndarray]], int]:
+    """Compare a delivered region with the same region of `other`, read when it arrives."""
+    def run(arrays: list[np.ndarray]) -> int:
+        theirs = other.read(region)
+        pair = [theirs, arrays[0]] if swap else [arrays[0], theirs]
+        compare(pair)
+        return int(arrays[0].nbytes)
+
+    return run
+
+
+# elements compared at once when a block differs (the float64 copies take 8 bytes each, several times)
+_COMPARE_ELEMENTS = 2**21
+
+
 def _compare_block(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tuple[int, float, float]:
     """(mismatched elements, max abs, max rel) of one pair of regions."""
-    exact = rtol == 0 and atol == 0
     xa = np.ascontiguousarray(a).reshape(-1)
     xb = np.ascontiguousarray(b).reshape(-1)
-    if exact and xa.tobytes() == xb.tobytes():
+    if rtol == 0 and atol == 0 and xa.tobytes() == xb.tobytes():
         return 0, 0.0, 0.0  # bit-identical: the common case for copies and conversions
+    n, max_abs, max_rel = 0, 0.0, 0.0
+    for start in range(0, xa.size, _COMPARE_ELEMENTS):
+        part = slice(start, start + _COMPARE_ELEMENTS)
+        k, pa, pr = _compare_flat(xa[part], xb[part], rtol, atol)
+        if k:
+            n += k
+            max_abs, max_rel = max(max_abs, pa), max(max_rel, pr)
+    return n, max_abs, max_rel
+
+
+def _compare_flat(xa: np.ndarray, xb: np.ndarray, rtol: float, atol: float) -> tuple[int, float, float]:
+    exact = rtol == 0 and atol == 0
+    if exact and xa.tobytes() == xb.tobytes():
+        return 0, 0.0, 0.0
     fa = xa.astype(np.float64) if xa.dtype.kind not in "c" else xa.astype(np.complex128)
     fb = xb.astype(np.float64) if xb.dtype.kind not in "c" else xb.astype(np.complex128)
     both_nan = np.isnan(fa) & np.isnan(fb)

@@ -85,6 +85,8 @@ class Want:
     deliver: Callable[[list[np.ndarray]], int]
     keeps: bool = False
     order: int | None = None
+    # bytes deliver holds beside the arrays while it runs (a diff's read of the other side)
+    extra: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -173,6 +175,17 @@ class _LeafChunks:
 
 
 # -- what a stored chunk's decode looks like ------------------------------------------
+
+
+def streams(leaf: ArrayLeaf, memory: int) -> bool:
+    """Whether some stored chunk of `leaf` is too large to decode whole under `memory` (so it is streamed)."""
+    itemsize = dtypes.get(leaf.dtype).itemsize
+    layout = leaf.layout
+    if isinstance(layout, RegularGrid):
+        largest = math.prod(min(c, s) for c, s in zip(layout.chunk_shape, leaf.shape))
+    else:
+        largest = max((math.prod(c.sizes) for c in layout.chunks), default=0)
+    return decoded_cost(largest * itemsize) > memory
 
 
 def decoded_cost(nbytes: int) -> int:
@@ -493,7 +506,7 @@ class Scheduler:
                 continue
             st = self.states[wi]
             direct = first == last and len(st.want.parts) == 1 and st.units == 1
-            spans.append((first, last, 0 if direct else st.want.nbytes, (wi, pi, inter)))
+            spans.append((first, last, (0 if direct else st.want.nbytes) + st.want.extra, (wi, pi, inter)))
         del bands
         limit = max(self.band, self.budget - 2 * self.band)
         groups = _group(spans, limit)
@@ -594,7 +607,8 @@ class Scheduler:
                         continue
                     cost = plan[3]
                 else:
-                    cost = decoded_cost(unit.nbytes)
+                    # its deliveries run one after another in its thread: the largest extra counts
+                    cost = decoded_cost(unit.nbytes) + max((self.wants[wi].extra for wi, _, _ in unit.pieces), default=0)
                 with self._cond:
                     while True:
                         collect(False)
