@@ -6,19 +6,29 @@ raw little-endian bytes, STORED and 64-byte aligned). The stem is usually
 "archive" but is whatever the writer chose, so members are found by suffix.
 
 The archive can be given as bytes, or as a fetch function over a byte range
-(a DCP storage entry inside a `.distcp` file). In the ranged case the zip is
-parsed by the stdlib zipfile over a lazily fetched file object that caches
-only the head and the tail of the archive: the central directory (at the
-end) and `data.pkl` plus the storage's local header (at the start) cost a
-couple of small reads, after which just the needed bytes of the storage are
-read.
+(a DCP storage entry inside a `.distcp` file). The zip is parsed over a
+lazily fetched file object that caches only the head and the tail of the
+archive: the central directory (at the end) and `data.pkl` plus the
+storage's local header (at the start) cost a couple of small reads, after
+which just the needed bytes of the storage are read.
+
+The zip structure is checked the way torch's reader does it
+(PyTorchFileReader over miniz, then torch/serialization.py's `_load`), not
+the lenient way of Python's zipfile: the end-of-central-directory and zip64
+records, every central-directory entry (signature, sizes, disk numbers,
+flags, bounds), the local header of each record read, one top-level
+directory holding every member, the `version` (or `.data/version`) record
+as a supported number, `byteorder` exactly "little" or "big",
+`.storage_alignment` an integer, and the CRC-32 of every record torch reads
+(`data.pkl`, `.format_version`, `byteorder`, `.storage_alignment`, the
+version, `.data/serialization_id`; the storages' CRCs are checked when read).
+An archive that passes here is one torch.load opens.
 """
 from __future__ import annotations
 
 import io
 import math
 import struct
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +54,38 @@ MAX_TENSOR_BYTES = 1 << 40
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_CENTRAL_SIGNATURE = 0x02014B50
+_EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
+_EOCD_SIGNATURE = 0x06054B50
+_ZIP64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_ZIP64_LOCATOR_SIGNATURE = 0x07064B50
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
+_ZIP64_EOCD_SIGNATURE = 0x06064B50
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+# general-purpose flags miniz refuses: encrypted, compressed patch, strong
+# encryption, masked local headers
+_REFUSED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
+# torch's caffe2/serialize/versions.h: kMinSupportedFileFormatVersion and
+# kMaxSupportedFileFormatVersion (torch 2.13 reads 1 to 10, writes 3)
+_MIN_FILE_VERSION, _MAX_FILE_VERSION = 1, 10
+# the records torch reads (and so CRC-checks) besides data.pkl and the storages
+_SMALL_RECORDS = (".format_version", "byteorder", ".storage_alignment", ".data/serialization_id")
+_MAX_RECORD_BYTES = 1 << 10
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One central-directory entry (the fields torch's reader uses)."""
+
+    filename: str  # latin-1 decoded: one character per byte, as miniz compares them
+    header_offset: int
+    compress_size: int
+    file_size: int
+    CRC: int
+    flag_bits: int
+    compress_type: int
 
 
 @dataclass(frozen=True)
@@ -163,36 +205,166 @@ class PayloadArchive:
                 "e.g. safetensors, is not supported)",
                 where,
             )
-        try:
-            self._zip = zipfile.ZipFile(self._file)
-            infos = self._zip.infolist()
-        except CkptError:
-            raise
-        except Exception as exc:
-            raise CorruptMetadataError(f"damaged zip archive: {_first_line(exc)}", where) from None
-        self._members = {info.filename: info for info in infos}
-        self.prefix = self._find_prefix()
+        infos = self._central_directory()
+        self._members: dict[str, _Member] = {}
+        for info in infos:
+            if info.filename in self._members:
+                raise CorruptMetadataError(f"zip archive lists {info.filename} twice", where)
+            self._members[info.filename] = info
+        self.prefix = self._find_prefix(infos)
+        self._check_records()
         self.big_endian = self._byteorder() == "big"
         self.obj, self.storages = safe_pickle.load_payload(self._member_bytes("data.pkl"), where)
 
-    # -- members ---------------------------------------------------------
-    def _find_prefix(self) -> str:
-        """The archive stem ('archive/'): the directory holding the top-level data.pkl."""
-        pickles = [n for n in self._members if n.endswith("data.pkl") and n.count("/") <= 1
-                   and (n == "data.pkl" or n.endswith("/data.pkl"))]
-        if len(pickles) != 1:
-            found = "none" if not pickles else ", ".join(sorted(pickles))
-            raise CorruptMetadataError(f"expected one data.pkl in the torch.save archive, found {found}", self.where)
-        return pickles[0][: -len("data.pkl")]
+    # -- the zip structure, as miniz reads it ------------------------------
+    def _damaged(self, what: str) -> CorruptMetadataError:
+        return CorruptMetadataError(f"damaged zip archive: {what} (torch cannot open it)", self.where)
 
-    def _info(self, suffix: str) -> zipfile.ZipInfo | None:
+    def _end_records(self) -> tuple[int, int, int]:
+        """(central directory offset, its size, entry count) from the end records, checked as miniz does."""
+        n = self.length
+        if n < _EOCD.size:
+            raise self._damaged("too short for an end-of-central-directory record")
+        # miniz finds the last EOCD signature with a whole record after it,
+        # searching back ~64 KiB; torch writes it at the very end
+        lo = n - _EOCD.size
+        tail = self._file.get(lo, n)
+        at = 0 if tail.startswith(b"PK\x05\x06") else -1
+        if at < 0:
+            lo = max(0, n - (_U16 + _EOCD.size))
+            tail = self._file.get(lo, n)
+            at = tail.rfind(b"PK\x05\x06", 0, len(tail) - _EOCD.size + 4)
+        if at < 0:
+            raise self._damaged("no end-of-central-directory record")
+        eocd = lo + at
+        _, disk, cd_disk, entries_here, entries, cd_size, cd_offset, _ = _EOCD.unpack(tail[at:at + _EOCD.size])
+        if eocd >= _ZIP64_LOCATOR.size + _ZIP64_EOCD.size:
+            loc = self._file.get(eocd - _ZIP64_LOCATOR.size, eocd)
+            sig, _, z64_offset, disks = _ZIP64_LOCATOR.unpack(loc)
+            if sig == _ZIP64_LOCATOR_SIGNATURE:
+                if z64_offset > n - _ZIP64_EOCD.size:
+                    raise self._damaged("zip64 end record outside the archive")
+                rec = _ZIP64_EOCD.unpack(self._file.get(z64_offset, z64_offset + _ZIP64_EOCD.size))
+                if rec[0] == _ZIP64_EOCD_SIGNATURE:  # otherwise miniz keeps the 32-bit values
+                    if rec[1] < _ZIP64_EOCD.size - 12:
+                        raise self._damaged("zip64 end record too small")
+                    if disks != 1:
+                        raise self._damaged("multi-disk archive")
+                    if rec[7] > _U32:
+                        raise self._damaged("too many entries")
+                    disk, cd_disk, entries_here, entries, cd_size, cd_offset = rec[4:10]
+        if entries != entries_here or ((disk | cd_disk) != 0 and (disk != 1 or cd_disk != 1)):
+            raise self._damaged("multi-disk archive")
+        if cd_size < entries * _CENTRAL.size or cd_offset + cd_size > n:
+            raise self._damaged("central directory outside the archive")
+        if entries == 0:
+            raise self._damaged("no members")
+        return cd_offset, cd_size, entries
+
+    def _central_directory(self) -> list[_Member]:
+        cd_offset, cd_size, entries = self._end_records()
+        cd = self._file.get(cd_offset, cd_offset + cd_size)
+        out: list[_Member] = []
+        p = 0
+        for _ in range(entries):
+            if cd_size - p < _CENTRAL.size:
+                raise self._damaged("central directory entry cut short")
+            (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
+             disk_start, _, _, offset) = _CENTRAL.unpack_from(cd, p)
+            if sig != _CENTRAL_SIGNATURE:
+                raise self._damaged("bad central directory entry signature")
+            end = p + _CENTRAL.size + name_len + extra_len + comment_len
+            if end > cd_size:
+                raise self._damaged("central directory entry runs past the directory")
+            raw_name = cd[p + _CENTRAL.size : p + _CENTRAL.size + name_len]
+            try:
+                raw_name.decode("utf-8")  # torch.load lists every record name as a str
+            except UnicodeDecodeError:
+                raise self._damaged(f"member name {raw_name[:60]!r} is not UTF-8") from None
+            name = raw_name.decode("latin-1")
+            if _U32 in (csize, usize, offset):
+                usize, csize, offset = self._zip64_extra(
+                    cd[p + _CENTRAL.size + name_len : p + _CENTRAL.size + name_len + extra_len], usize, csize, offset, name
+                )
+            if (method == 0 and usize != csize) or (usize and not csize):
+                raise self._damaged(f"member {name} has inconsistent sizes")
+            if disk_start == _U16 or disk_start not in (0, 1):
+                raise self._damaged(f"member {name} is on another disk")
+            if offset + _LOCAL_HEADER.size + csize > self.length:
+                raise self._damaged(f"member {name} lies outside the archive")
+            if flags & _REFUSED_FLAGS:
+                raise self._damaged(f"member {name} is encrypted or patched (flags 0x{flags:04x})")
+            out.append(_Member(name, offset, csize, usize, crc, flags, method))
+            p = end
+        return out
+
+    def _zip64_extra(self, extra: bytes, usize: int, csize: int, offset: int, name: str) -> tuple[int, int, int]:
+        """The zip64 extended-information field's 8-byte values for the 32-bit fields that are 0xFFFFFFFF."""
+        pos = 0
+        while pos + 4 <= len(extra):
+            field_id, size = struct.unpack_from("<HH", extra, pos)
+            if pos + 4 + size > len(extra):
+                break
+            if field_id == 0x0001:
+                values = list(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+                out = []
+                for v in (usize, csize, offset):
+                    if v == _U32:
+                        if not values:
+                            raise self._damaged(f"member {name}: zip64 field too short")
+                        v = values.pop(0)
+                    out.append(v)
+                return out[0], out[1], out[2]
+            pos += 4 + size
+        raise self._damaged(f"member {name}: 32-bit size or offset overflowed without a zip64 field")
+
+    def _check_records(self) -> None:
+        """The records torch reads before the pickle, with the checks it makes on them."""
+        if self._info(".data/version") is not None:
+            raw = self._member_bytes(".data/version", limit=_MAX_RECORD_BYTES)
+        elif self._info("version") is not None:
+            raw = self._member_bytes("version", limit=_MAX_RECORD_BYTES)
+        else:
+            raise self._damaged(f"no {self.prefix}version record")
+        text = raw.decode("latin-1").strip()
+        if not text.isdigit() or not _MIN_FILE_VERSION <= int(text) <= _MAX_FILE_VERSION:
+            raise CorruptMetadataError(
+                f"torch.save file format version {text[:20]!r} is not one torch reads "
+                f"({_MIN_FILE_VERSION} to {_MAX_FILE_VERSION})",
+                self.where,
+            )
+        for record in _SMALL_RECORDS:
+            if self._info(record) is not None:
+                raw = self._member_bytes(record, limit=_MAX_RECORD_BYTES)
+                if record == ".storage_alignment":
+                    try:
+                        int(raw)  # what torch.load does with it
+                    except ValueError:
+                        raise CorruptMetadataError(f"storage alignment record {raw[:20]!r} is not a number",
+                                                   self.where) from None
+
+    # -- members ---------------------------------------------------------
+    def _find_prefix(self, infos: list[_Member]) -> str:
+        """The archive stem ('archive/'): torch takes the first member's directory, and every member must be in it."""
+        first = infos[0].filename
+        if "/" not in first:
+            raise self._damaged(f"member {first!r} is not in the archive's directory")
+        prefix = first[: first.index("/") + 1]
+        stray = [i.filename for i in infos if not i.filename.startswith(prefix)]
+        if stray:
+            raise self._damaged(f"member {stray[0]!r} is outside the archive's directory {prefix}")
+        if prefix + "data.pkl" not in self._members:
+            raise CorruptMetadataError(f"expected one data.pkl in the torch.save archive, found none", self.where)
+        return prefix
+
+    def _info(self, suffix: str) -> _Member | None:
         return self._members.get(self.prefix + suffix)
 
-    def _member_position(self, info: zipfile.ZipInfo) -> tuple[int, int]:
+    def _member_position(self, info: _Member) -> tuple[int, int]:
         """(data start, size) of a STORED member, from its local header."""
         if info.flag_bits & 0x1:
             raise CorruptMetadataError(f"member {info.filename} is encrypted", self.where)
-        if info.compress_type != zipfile.ZIP_STORED:
+        if info.compress_type != 0:
             raise CorruptMetadataError(
                 f"member {info.filename} is compressed (method {info.compress_type}); torch.save stores members uncompressed",
                 self.where,
@@ -232,8 +404,8 @@ class PayloadArchive:
         # archives from torch < 2.1 have no byteorder record: little-endian
         if self._info("byteorder") is None:
             return "little"
-        order = self._member_bytes("byteorder", limit=16).decode("ascii", "replace").strip()
-        if order not in ("little", "big"):
+        order = self._member_bytes("byteorder", limit=16).decode("ascii", "replace")
+        if order not in ("little", "big"):  # (torch compares the bytes exactly)
             raise CorruptMetadataError(f"unknown byteorder record {order!r}", self.where)
         return order
 

@@ -28,7 +28,7 @@ from .. import dtypes
 from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, short_repr
 from ..findings import Findings
 from ..formats import dcp, dcp_transforms, safe_pickle
-from ..model import Chunk, keys_path
+from ..model import Chunk, ValueLeaf, keys_path
 from ..storage import Storage
 
 # how many regions / files one message names before "... and N more"
@@ -786,6 +786,41 @@ class _Window:
             self._start = pos
             self._data = self._storage.read_range(self._name, pos, min(self.size, pos + max(n, _WINDOW)))
         return self._data[pos - self._start : pos - self._start + n]
+
+
+def check_dcp_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+    """--deep's DCP part besides the chunk reads: every non-tensor item, and the replicated duplicates.
+
+    A bytes item is a torch.save archive of a pickled value: it is opened
+    (its zip structure and records checked as torch's reader checks them)
+    and unpickled through the allow-list, so a damaged item is found here
+    and not by the first `dcp.load`. Its size is bounded by the entry length
+    (and the payload-pickle limit), never by anything it claims.
+    """
+    items = 0
+    for leaf in ckpt.leaves:
+        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
+            continue
+        items += 1
+        try:
+            leaf.load()
+        except UnsafePickleError as exc:
+            findings.error(
+                "unsafe-pickle", f"non-tensor item refers to {exc.module}.{exc.name}: refused, nothing was executed",
+                leaf=leaf.path, file=_relative_file(storage, exc.where),
+            )
+        except CkptError as exc:
+            findings.error(
+                "bad-chunk", f"non-tensor item does not decode: {exc.message}",
+                leaf=leaf.path, file=_relative_file(storage, exc.where),
+            )
+    findings.count("bytes_items_read", items)
+    check_duplicates_deep(storage, findings)
+
+
+def _relative_file(storage: Storage, where: str | None) -> str | None:
+    root = storage.url.rstrip("/") + "/"
+    return where[len(root):] if where and where.startswith(root) else where
 
 
 def check_duplicates_deep(storage: Storage, findings: Findings) -> None:

@@ -150,11 +150,11 @@ def deep_check(
     tasks = scheduler.units
     findings.count("chunks_read", len(tasks))
     if fmt == "dcp":
-        # copies of replicated duplicates that .metadata does not point at
+        # every non-tensor item decoded; copies of replicated duplicates that .metadata does not point at
         from ..storage import Storage
-        from .dcp_checks import check_duplicates_deep
+        from .dcp_checks import check_dcp_deep
 
-        check_duplicates_deep(Storage.open(ckpt.path), findings)
+        check_dcp_deep(Storage.open(ckpt.path), ckpt, findings, skip)
     findings.count("bytes_read", done_bytes)
     for path_, st in stats.items():
         if st.nan or st.inf:
