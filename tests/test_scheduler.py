@@ -211,6 +211,8 @@ def test_validate_deep(ckpts):
         assert res.exit_code == 0, res.output
         doc = json.loads(res.output)
         assert doc["ok"], doc
+        # each stored chunk read once (not once per 32 MiB block, as before)
+        assert doc["checked"]["chunks_read"] == 3, doc["checked"]
 
 
 def test_diff_values(ckpts):
