@@ -316,6 +316,21 @@ def test_huge_claimed_shape_refused_before_allocating(copy_fixture):
     assert len(errs) <= 3 and errs[0][0] == "bad-array-metadata" and "elements" in errs[0][3], errs
 
 
+@pytest.mark.parametrize("fixture,stored", [("orbax_plain_zarr2", "file"), ("orbax_ocdbt_zarr2", "ocdbt")])
+def test_8tb_claim_is_refused_at_shallow_validate_and_deep_stays_bounded(copy_fixture, fixture, stored):
+    import time
+
+    # 2^21 x 2^20 float32 = 8 TiB in 4x4 chunks of a checkpoint of a few KB
+    path = _mutate_file(copy_fixture, fixture, f"{KERNEL}/.zarray", lambda d: d.update(shape=[2**21, 2**20]), stored)
+    shallow = [(f.code, f.leaf) for f in validate_checkpoint(str(path)).findings if f.severity == "error"]
+    assert ("bad-array-metadata", "params/dense/kernel") in shallow
+    t0 = time.monotonic()
+    deep = validate_checkpoint(str(path), deep=True)
+    assert time.monotonic() - t0 < 10
+    kernel = [f for f in deep.findings if f.leaf == "params/dense/kernel"]
+    assert len(kernel) <= 3 and "claims" in kernel[0].message, kernel
+
+
 def test_cli_lines_name_file_and_field(copy_fixture, capsys):
     from ckpt_tool.cli.main import _run
 

@@ -16,6 +16,7 @@ from ..formats import orbax as ob
 from ..formats import orbax_schema as schema
 from ..storage import Storage, ts_error_text
 
+ROOT_METADATA = "_ROOT_METADATA"
 # more chunks than this per array are not enumerated key by key; the count is compared instead
 _MAX_ENUMERATED_CHUNKS = 1_000_000
 
@@ -28,6 +29,12 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None) 
         check_step(storage, name, dirs, files, findings, where="")
         return
     steps = [d for d in dirs if ob._step_number(d) is not None]
+    if "metadata" in dirs and storage.exists(f"metadata/{ROOT_METADATA}"):
+        # CheckpointManager's own record of the root (orbax reads it for metadata())
+        try:
+            schema.parse_root_metadata(ob._read_json(storage, f"metadata/{ROOT_METADATA}"), f"metadata/{ROOT_METADATA}")
+        except CkptError as exc:
+            findings.error("bad-metadata", f"unreadable: {exc.message}", file=f"metadata/{ROOT_METADATA}")
     if step not in (None, "all"):
         if step == "latest":
             infos = sorted((ob._step_status(storage, d) for d in steps), key=lambda s: s.step or -1)
@@ -117,6 +124,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
 
     # 1. where arrays live, and every OCDBT data file that is referenced
     keys: set[str] = set()
+    stored = [0]  # bytes of the OCDBT files the databases refer to (the most any array can hold)
     if use_ocdbt:
         databases: list[str]
         if ob.ROOT_MANIFEST in files:
@@ -133,7 +141,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             findings.error("lost-process-data", f"OCDBT item without {ob.ROOT_MANIFEST} or ocdbt.process_N/", file=where or ".")
             return
         for db in databases:
-            keys |= _check_ocdbt(storage, db, findings, where=where)
+            keys |= _check_ocdbt(storage, db, findings, where=where, stored=stored)
         if databases == [""]:
             # per-process databases beside the merged root must be intact too
             for db in process_dbs:
@@ -233,9 +241,14 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             # orbax reads each jax.Array's sharding from this file (a JSON pointer to its entry)
             findings.error("bad-sharding", f"no entry in {ob.SHARDING}: orbax cannot restore this array without a target sharding",
                            leaf=leaf_path, file=where + ob.SHARDING)
+        # what the array's chunks hold on disk bounds what they can decode to
+        if use_ocdbt:
+            have = stored[0]
+        else:
+            have = _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
+        if not _size_plausible(shape, _dtype, have, findings, leaf_path, f"{where}{name}/{meta_key}"):
+            continue
         _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
-        if not use_ocdbt:
-            _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
 
     if strings_leaves:
         _check_strings(storage, files, strings_leaves, findings, where)
@@ -281,7 +294,9 @@ def _read_array_metadata(
     return out
 
 
-def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True) -> set[str]:
+def _check_ocdbt(
+    storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True, stored: list[int] | None = None
+) -> set[str]:
     """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough."""
     base_where = f"{where}{db + '/' if db else ''}"
     manifest_key = f"{db}/{ob.ROOT_MANIFEST}" if db else ob.ROOT_MANIFEST
@@ -349,6 +364,8 @@ def _check_ocdbt(storage: Storage, db: str, findings: Findings, *, where: str, l
         if file not in lost_files:
             _file_long_enough(storage, db, file, end, findings, base_where, lost_files)
     findings.count("ocdbt_files", len(needed))
+    if stored is not None:
+        stored[0] += sum(needed.values())
     if not list_keys or lost_files:
         # a lost node makes the listing fail; report what is lost rather than a listing error
         if lost_files and list_keys:
@@ -455,14 +472,46 @@ def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, l
 
 def _check_empty_chunk_files(
     storage: Storage, name: str, leaf: str, keys: set[str], meta_key: str, findings: Findings, where: str
-) -> None:
-    """Per-array directories: a zero-byte chunk file is a write that never happened."""
+) -> int:
+    """Per-array directories: a zero-byte chunk file is a write that never happened. The bytes stored."""
+    total = 0
     for key in sorted(k for k in keys if k.startswith(name + "/") and not k.endswith("/" + meta_key)):
         try:
-            if storage.size(key) == 0:
-                findings.error("empty-chunk", "chunk file has no bytes", leaf=leaf, file=where + key)
+            size = storage.size(key)
         except (CkptError, OSError):
             continue
+        total += size
+        if size == 0:
+            findings.error("empty-chunk", "chunk file has no bytes", leaf=leaf, file=where + key)
+    return total
+
+
+# The most a stored byte can decode to: zstd packs a run of one byte at about
+# 1:32,768 (an RLE block of 128 KiB in a few bytes), far beyond gzip's 1:1,032
+# or blosc's. An array claiming more than that of its stored bytes (and more
+# than a small floor, for arrays of fill values) cannot be what was saved;
+# refusing it here also keeps --deep from decoding a claimed size.
+MAX_DECODE_RATIO = 2**15
+_SIZE_FLOOR = 2**30
+
+
+def _size_plausible(
+    shape: tuple[int, ...], dtype: str, stored: int, findings: Findings, leaf: str, file: str,
+) -> bool:
+    from .. import dtypes
+
+    itemsize = dtypes.get(dtype).itemsize
+    claimed = math.prod(shape) * itemsize
+    limit = max(_SIZE_FLOOR, stored * MAX_DECODE_RATIO)
+    if claimed > limit:
+        findings.error(
+            "bad-array-metadata",
+            f"shape {list(shape)} claims {claimed:,} bytes, but only {stored:,} bytes are stored "
+            f"(at most {limit:,} bytes can decode from them)",
+            leaf=leaf, file=file,
+        )
+        return False
+    return True
 
 
 def _check_chunks(
