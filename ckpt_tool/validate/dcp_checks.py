@@ -246,6 +246,8 @@ def _check_claims(tensor: _Tensor, entries: dict[EntryKey, dcp._Entry], findings
         report("empty-chunk", empty)
     if oversized:
         report("bad-metadata", oversized)
+    if tensor.claims:
+        return not tensor.oversized  # (the tensor-level claim would repeat what the chunk's says)
     if not tensor.itemsize:
         return True
     capacity = sum(dcp.entry_capacity(e) for e in (entries.get((tensor.fqn, c.offsets)) for c in tensor.chunks) if e)
