@@ -281,6 +281,20 @@ def test_zero_dimension_that_disagrees(copy_fixture):
     assert "dimension 1" in msg and "write_shape" not in msg or "disagrees" in msg
 
 
+def test_zero_dimension_without_write_shape(copy_fixture, tmp_path):
+    # orbax 0.9 wrote no write_shape and no array_metadatas: the zero-size jax.Array itself gives it away
+    src = FIXTURES / "orbax_v0_9" / "standard"
+    path = tmp_path / "standard"
+    shutil.copytree(src, path)
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    zmeta = json.loads(kv.read("layers.0/.zarray").result().value)
+    zmeta["shape"][-1] = 0
+    kv.write("layers.0/.zarray", json.dumps(zmeta)).result()
+    errs = _errors(path)
+    assert [(c, leaf) for c, leaf, _, _ in errs] == [("bad-array-metadata", "layers/0")], errs
+    assert "larger than the array" in errs[0][3]
+
+
 def test_deep_nesting_is_a_finding(copy_fixture):
     path = copy_fixture("orbax_plain_zarr2")
     (path / "_METADATA").write_text("[" * 100_000 + "]" * 100_000)

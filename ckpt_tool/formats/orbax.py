@@ -397,6 +397,8 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 parsed_zmeta[id(zmeta)] = _parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
             shape, dtype, chunk_shape, info = parsed_zmeta[id(zmeta)]
             why = schema.shape_disagreement(shape, vmeta.write_shape)
+            if not why and value_type == "jax.Array" and any(c > max(n, 1) for c, n in zip(chunk_shape, shape)):
+                why = f"its chunks {list(chunk_shape)} are larger than the array (a jax.Array's chunk is part of one shard)"
             if why:
                 # orbax would restore another shape than the one stored, or fail
                 raise CorruptMetadataError(f"{meta_key} shape {list(shape)} disagrees with {TREE_METADATA}: {why}", f"{storage.url}/{name}")

@@ -208,6 +208,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             continue
         write_shape = vmeta.write_shape
         why = schema.shape_disagreement(shape, write_shape)
+        if not why and vt == "jax.Array" and any(c > max(n, 1) for c, n in zip(chunk_shape, shape)):
+            # each chunk of a jax.Array is (a part of) one device's shard, never
+            # larger than the array (a zero-length dimension has chunks of 1):
+            # a shrunken or zeroed dimension, which orbax would restore silently
+            why = f"its chunks {list(chunk_shape)} are larger than the array"
         if why:
             findings.error(
                 "bad-array-metadata", f"{meta_key} shape {list(shape)} disagrees with {ob.TREE_METADATA}: {why}",
@@ -229,6 +234,12 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
                     leaf=leaf_path, file=f"{where}{name}/{meta_key}",
                 )
                 continue
+            if write_shape is not None and d_write is not None and list(write_shape) != list(d_write):
+                findings.error(
+                    "bad-array-metadata",
+                    f"array_metadatas write_shape {list(d_write)} disagrees with {ob.TREE_METADATA} write_shape {list(write_shape)}",
+                    leaf=leaf_path, file=f"{where}{name}/{meta_key}",
+                )
             if d_chunk is not None and list(d_chunk) != list(chunk_shape):
                 findings.error(
                     "bad-array-metadata",
