@@ -925,6 +925,8 @@ def check_run(r: RunResult) -> list[Violation]:
     v: list[Violation] = []
     if r.timed_out:
         v.append(Violation("hang", r.command, f"no exit after {r.seconds:.1f} s (killed)"))
+        if r.rss_kb is not None and r.rss_kb > RSS_LIMIT_KB:
+            v.append(Violation("rss", r.command, f"peak RSS {r.rss_kb / 1024:.0f} MB before it was killed"))
         return v
     if r.signal is not None:
         v.append(Violation("signal", r.command, f"killed by signal {r.signal} ({signal.Signals(r.signal).name})"))
