@@ -212,9 +212,10 @@ class PayloadArchive:
                 raise CorruptMetadataError(f"zip archive lists {info.filename} twice", where)
             self._members[info.filename] = info
         self.prefix = self._find_prefix(infos)
-        self._check_records()
         self.big_endian = self._byteorder() == "big"
         self.obj, self.storages = safe_pickle.load_payload(self._member_bytes("data.pkl"), where)
+        # (after the pickle, so that a hostile one is named as such even in an archive torch would refuse)
+        self._check_records()
 
     # -- the zip structure, as miniz reads it ------------------------------
     def _damaged(self, what: str) -> CorruptMetadataError:
