@@ -396,6 +396,26 @@ def test_hung_server_hits_the_deadline(moto, tmp_path, name, command):
     _no_temp_output(dst)
 
 
+@pytest.mark.parametrize("name, to", [("dcp_multirank", "orbax"), ("orbax_ocdbt_zarr2", "dcp")])
+def test_server_silent_mid_write_hits_the_deadline(moto, name, to):
+    """The server stops answering (never dies) after a few uploads: every writer wait has the deadline."""
+    dst = f"s3://{BUCKET}/out/{name}-silent"
+    env = dict(os.environ)
+    env.pop("CKPT_DEBUG", None)
+    env.update(moto.env, CKPT_IO_TIMEOUT="3", CKPT_IO_RETRIES="2")
+    fired = moto.freeze_after(2, "PUT")
+    started = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", str(fixture_path(name)), dst, "--to", to],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=WALL_LIMIT_S + 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"convert to a silent server hung past {WALL_LIMIT_S + 30} s")
+    elapsed = time.monotonic() - started
+    assert fired.is_set(), f"the write finished before the server went silent: {r.stdout}{r.stderr}"
+    _assert_one_line_naming(r, elapsed, moto.endpoint)
+    assert elapsed < 30, elapsed
+
+
 @pytest.mark.parametrize("command", [
     ["inspect", f"s3://{BUCKET}/run/x"],
     ["validate", f"s3://{BUCKET}/run/x", "--deep"],

@@ -395,10 +395,8 @@ class OrbaxWriter:
                 # others assume it, as orbax does, and do no I/O to open
                 fut = ts.open(self._array_spec(leaf), open=True, assume_metadata=True, context=self._context)
                 self._stores[leaf.name] = fut
-        try:
-            return fut.result()
-        except Exception as exc:
-            raise CkptError(f"cannot open the output array: {ts_error_text(exc)}", leaf.name) from exc
+        # under the storage deadline: a remote store that stops answering must not hang the writer
+        return self._storage.wait(fut, "cannot open the output array", leaf.name)
 
     # -- the protocol ------------------------------------------------------------
 
@@ -440,10 +438,7 @@ class OrbaxWriter:
             for leaf in leaves if leaf.stored
         }
         for name, fut in futures.items():
-            try:
-                fut.result()
-            except Exception as exc:
-                raise CkptError(f"cannot create the output array: {ts_error_text(exc)}", name) from exc
+            self._storage.wait(fut, "cannot create the output array", name)
             self._stores[name] = fut
 
     def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
@@ -525,9 +520,10 @@ class OrbaxWriter:
         # future does not stop an OCDBT commit already under way, which would
         # then land in the output directory after the caller removed it. What
         # is pending is bounded (max_pending_bytes), so this wait is short.
-        for fut, _, _ in pending:
+        for fut, nbytes, where in pending:
             try:
-                fut.result()
+                # bounded by the storage deadline: an abort after a dead endpoint must not hang
+                self._storage.wait(fut, "cannot finish a pending write", where, nbytes=nbytes)
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled or failed: either way it is over
                 pass
         self._state = "aborted"
@@ -548,7 +544,9 @@ class OrbaxWriter:
             # the array is ours now (see CheckpointWriter): tensorstore may
             # encode straight from it rather than first copying it
             futures = store.write(data, can_reference_source_data_indefinitely=True)
-            futures.copy.result()
+            self._storage.wait(futures.copy, "cannot write", where, nbytes=int(data.nbytes))
+        except CkptError:
+            raise
         except Exception as exc:
             raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
         with self._lock:
@@ -567,9 +565,7 @@ class OrbaxWriter:
                     return
                 fut, nbytes, where = self._pending.popleft()
             try:
-                fut.result()
-            except Exception as exc:
-                raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
+                self._storage.wait(fut, "cannot write", where, nbytes=nbytes)
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
@@ -593,20 +589,21 @@ class OrbaxWriter:
             if self._storage.exists(f"{db}/{ob.ROOT_MANIFEST}"):
                 children.append(ts.KvStore.open(self._ocdbt_spec(db, write=False), context=self._context))
         try:
-            parent = ts.KvStore.open(self._ocdbt_spec("", write=True), context=self._context).result()
+            what, where = "cannot merge the per-process OCDBT databases", self._storage.url
+            wait = self._storage.wait
+            parent = wait(ts.KvStore.open(self._ocdbt_spec("", write=True), context=self._context), what, where)
             txn = ts.Transaction(atomic=True)
             target = parent.with_transaction(txn)
-            copies = [child.result().experimental_copy_range_to(target) for child in children]
+            copies = [wait(child, what, where).experimental_copy_range_to(target) for child in children]
             for fut in copies:
-                fut.result()
-            keys = [k.decode("utf-8", "surrogateescape") for k in target.list().result()]
+                wait(fut, what, where)
+            keys = [k.decode("utf-8", "surrogateescape") for k in wait(target.list(), what, where)]
+        except CkptError:
+            raise
         except Exception as exc:
             raise CkptError(f"cannot merge the per-process OCDBT databases: {ts_error_text(exc)}", self._storage.url) from exc
         self._check_all_chunks(keys)
-        try:
-            txn.commit_sync()
-        except Exception as exc:
-            raise CkptError(f"cannot write the root OCDBT manifest: {ts_error_text(exc)}", self._storage.url) from exc
+        self._storage.wait(txn.commit_async(), "cannot write the root OCDBT manifest", self._storage.url)
 
     def _check_all_chunks(self, keys: list[str]) -> None:
         """Every array has its zarr metadata and every chunk, or the commit is refused."""
