@@ -51,40 +51,24 @@ DCP = ("DCP reading fix not landed (formats/dcp.py, torch_payload.py, safe_pickl
 ORBAX = ("Orbax fix not landed (validate/orbax_checks.py, formats/orbax.py, the orbax schema): validate exits 0 "
          "where orbax's restore fails: ")
 KNOWN_GROUPS: dict[tuple[str, str], str] = {
-    **{(f, "distcp"): DCP + "--deep passes .distcp archives whose zip records (central directory sizes and "
-                            "names, zstd frames) torch cannot read"
-       for f in ("dcp_single", "dcp_multirank", "dcp_zstd")},
     ("dcp_single", "dcp_metadata"): DCP + "validate passes .metadata objects torch's load fails on "
                                           "(planner_data entries, storage offsets into other records)",
 }
-KNOWN_CASES: dict[str, str] = {
-    "pickle_none": DCP + "a .metadata that unpickles to None passes validate",
-    "payload_os_system": DCP + "--deep does not decode non-tensor items (an os.system global passes)",
-    "bomb_dcp_size_2_62": DCP + "a 2^62 x 2^62 claim passes shallow validate; --deep runs past 20 s",
-    "bomb_dcp_tb_8": DCP + "an 8 TB claim passes shallow validate; --deep runs past 20 s",
-}
+KNOWN_CASES: dict[str, str] = {}
 KNOWN_CORPUS: dict[str, str] = {
-    "ckpt-read-fails-dcp_distcp_data_byte_1198_bit_1_flipped":
-        DCP + "--deep passes a bytes item (zstd) whose archive ckpt's own reader then calls damaged",
     "oracle-deep-dcp_dcp_metadata_optim_param_groups_0_capturable_storage_off":
         DCP + "a bytes item's storage offset pointing into another record passes --deep",
-    "oracle-deep-dcp_dcp_metadata_planner_data_lr_none": DCP + "planner_data entry None passes validate",
-    "oracle-deep-dcp_distcp_head_flip_bit_4_of_byte_56": DCP + "a damaged zstd frame header passes --deep",
-    "oracle-deep-dcp_distcp_zip_central_record_at_18494_file_name_byte_1_r":
-        DCP + "a central-directory file name torch rejects passes --deep",
-    "oracle-deep-dcp_distcp_zip_central_record_at_2152_field_20_4_bytes_0":
-        DCP + "a zeroed central-directory size passes --deep",
-    "oracle-deep-orbax_array_metadatas_a_utf_8_bom": ORBAX + "a UTF-8 BOM orbax's json.loads rejects passes",
     "oracle-deep-orbax_ocdbt_manifest_remove_the_file":
         ORBAX + "no root manifest.ocdbt (unmerged): orbax's restore fails, validate exits 0",
-    "oracle-deep-orbax_sharding_remove_the_file":
-        ORBAX + "no _sharding: orbax's restore without a target fails, validate exits 0",
-    "oracle-mismatch-dcp_dcp_metadata_planner_data":
-        DCP + "planner_data [] : torch keys the items by flat fqn, ckpt nests them",
+    "oracle-deep-orbax_zarr_chunk_flip_bit_2_of_byte_8":
+        ORBAX + "--deep does not decode a 0-d array's chunk (lr/0): a corrupt zstd frame passes",
+    "oracle-shallow-orbax_zarr_meta_compressor_null":
+        ORBAX + "a .zarray compressor set to null passes shallow validate although each chunk file's size is "
+                "then not the raw size (--deep catches it)",
     "oracle-shallow-dcp_dcp_metadata_pickle_int_at_8541_36578_36579":
         DCP + "a storage offset one byte off passes shallow validate (--deep catches it)",
 }
-KNOWN_FRESH = {("dcp_multirank", "distcp", 5): DCP + "a zip record torch cannot read passes --deep"}
+KNOWN_FRESH: dict[tuple, str] = {}
 
 
 def _params(items, known, ids):
