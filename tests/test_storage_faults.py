@@ -339,3 +339,19 @@ def test_rename_errors_other_than_the_race_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.os, "rename", refuse)
     with pytest.raises(CkptError, match="cannot move the output into place: Permission denied"):
         engine.finalize_output(out, overwrite=False)
+
+
+def test_one_file_validated_by_its_path_does_not_scan_its_directory(tmp_path):
+    # the file's directory may be a home directory: what lies beside the file is not the checkpoint's
+    import shutil
+
+    shutil.copy(fixture_path("safetensors_numpy") / "model.safetensors", tmp_path / "model.safetensors")
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink("/dev/zero", tmp_path / "elsewhere" / "zero")
+    os.mkfifo(tmp_path / "pipe")
+    report = within_deadline(lambda: validate_checkpoint(str(tmp_path / "model.safetensors")))
+    assert report.ok(True), [f.to_json() for f in report.findings]
+    # the file itself is still checked: a link out is refused
+    os.symlink("/etc/passwd", tmp_path / "link.safetensors")
+    report = within_deadline(lambda: validate_checkpoint(str(tmp_path / "link.safetensors")))
+    assert [f.code for f in report.findings] == ["path-escape"]
