@@ -406,12 +406,16 @@ class Scheduler:
                 continue
             problem = _Streamer(unit.lc, unit.index, self.band).problem()
             if problem:
-                need = -(-decoded_cost(unit.nbytes) // MiB) + 1
+                need = self._memory_needed(unit)
                 raise CkptError(
                     f"stored chunk {unit.index} decodes to {unit.nbytes / MiB:.1f} MiB, more than the memory budget "
                     f"allows, and {problem}; use --memory {need}MiB or more",
                     unit.lc.leaf.path,
                 )
+
+    def _memory_needed(self, unit: _Unit) -> int:
+        """The --memory (MiB) under which `unit`'s chunk would be decoded whole."""
+        return -(-(decoded_cost(unit.nbytes) + self.memory - self.budget) // MiB) + 1
 
     # -- budget ---------------------------------------------------------------------------
     def _take(self, n: int) -> None:
@@ -503,7 +507,7 @@ class Scheduler:
         streamer = _Streamer(unit.lc, unit.index, self.band)
         problem = streamer.problem()
         if problem:
-            need = -(-decoded_cost(unit.nbytes) // MiB) + 1
+            need = self._memory_needed(unit)
             raise CkptError(
                 f"stored chunk {unit.index} decodes to {unit.nbytes / MiB:.1f} MiB, more than the memory budget "
                 f"allows, and {problem}; use --memory {need}MiB or more", unit.lc.leaf.path,
