@@ -157,6 +157,14 @@ def corpus(tmp: Path, kinds: list[tuple[str, str, str]]) -> list[tuple[Path, str
         for i, m in enumerate(rng.sample(muts, min(PER_KIND, len(muts)))):
             path = _make(tmp, fixture, rel, stored, _dump(rel, _apply(doc, m)), f"{rel.replace('/', '_')}-{i}")
             out.append((path, f"{fixture}/{rel}: {m[0]} {m[1]!r}{' = ' + repr(m[2]) if len(m) > 2 else ''}"))
+        # the whole file: a byte order mark before it, and the file gone
+        path = _make(tmp, fixture, rel, stored, b"\xef\xbb\xbf" + _dump(rel, doc), f"{rel.replace('/', '_')}-bom")
+        out.append((path, f"{fixture}/{rel}: a UTF-8 BOM"))
+        if stored == "file":
+            path = tmp / f"{fixture}-{rel.replace('/', '_')}-removed"
+            shutil.copytree(FIXTURES / fixture, path, symlinks=True)
+            (path / rel).unlink()
+            out.append((path, f"{fixture}/{rel}: removed"))
     return out
 
 
@@ -293,6 +301,21 @@ def test_zero_dimension_without_write_shape(copy_fixture, tmp_path):
     errs = _errors(path)
     assert [(c, leaf) for c, leaf, _, _ in errs] == [("bad-array-metadata", "layers/0")], errs
     assert "larger than the array" in errs[0][3]
+
+
+def test_no_sharding_file_for_jax_arrays(copy_fixture):
+    # orbax: "Sharding of jax.Array cannot be None" on a restore without target shardings
+    path = copy_fixture("orbax_plain_zarr2")
+    (path / "_sharding").unlink()
+    assert [(c, f) for c, _, f, _ in _errors(path)] == [("bad-sharding", "_sharding")]
+
+
+def test_byte_order_mark_is_refused(copy_fixture):
+    path = copy_fixture("orbax_ocdbt_zarr2")
+    p = path / "array_metadatas" / "process_0"
+    p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())
+    [(code, _leaf, file, msg)] = _errors(path)
+    assert (code, file) == ("bad-metadata", "array_metadatas/process_0") and "byte order mark" in msg
 
 
 def test_deep_nesting_is_a_finding(copy_fixture):

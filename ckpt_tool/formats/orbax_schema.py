@@ -118,6 +118,9 @@ def load_json(data: bytes | str, file: str, *, max_depth: int = MAX_JSON_DEPTH, 
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise SchemaError(f"{len(raw):,} bytes of JSON, more than the {max_bytes:,} a metadata file may have", file)
+    if raw.startswith(b"\xef\xbb\xbf"):
+        # orbax reads its files as text and json.loads refuses a BOM there
+        raise SchemaError("starts with a UTF-8 byte order mark, which orbax's JSON reader refuses", file)
     depth = json_depth(raw)
     if depth > max_depth:
         raise SchemaError(f"JSON nested {depth} levels deep (at most {max_depth} allowed)", file)

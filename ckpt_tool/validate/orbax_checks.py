@@ -133,7 +133,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             findings.warning(
                 "unmerged-ocdbt",
                 f"no root {ob.ROOT_MANIFEST}: {len(process_dbs)} per-process database(s) were never merged; "
-                "orbax restores them only if every process finished",
+                "orbax 0.12's restore reads only the merged root and fails on this (ckpt reads the per-process data)",
                 file=where + ob.ROOT_MANIFEST,
             )
             databases = process_dbs
@@ -167,6 +167,15 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         for name, exc in bad:
             # orbax's restore fails on this entry (its from_serialized_string raises)
             findings.error("bad-sharding", exc.message, leaf=leaf_of.get(name, name), file=where + ob.SHARDING)
+    elif any(v.value_type == "jax.Array" for _, v in entries):
+        # orbax's restore without a target takes each jax.Array's sharding from this file
+        n = sum(v.value_type == "jax.Array" for _, v in entries)
+        findings.error(
+            "bad-sharding",
+            f"no {ob.SHARDING}: orbax's restore without target shardings fails for the {n} jax.Array leaves "
+            "(restore them with target shardings, or as numpy arrays)",
+            file=where + ob.SHARDING,
+        )
     # every stored .zarray / zarr.json, read concurrently (one by one costs ~2 ms each)
     wanted = [
         ob._param_name(k) for k, v in entries
