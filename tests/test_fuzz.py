@@ -50,10 +50,7 @@ DCP = ("DCP reading fix not landed (formats/dcp.py, torch_payload.py, safe_pickl
        "deep.py): ")
 ORBAX = ("Orbax fix not landed (validate/orbax_checks.py, formats/orbax.py, the orbax schema): validate exits 0 "
          "where orbax's restore fails: ")
-KNOWN_GROUPS: dict[tuple[str, str], str] = {
-    ("dcp_single", "dcp_metadata"): DCP + "validate passes .metadata objects torch's load fails on "
-                                          "(planner_data entries, storage offsets into other records)",
-}
+KNOWN_GROUPS: dict[tuple[str, str], str] = {}
 KNOWN_CASES: dict[str, str] = {}
 KNOWN_CORPUS: dict[str, str] = {
     "oracle-deep-dcp_dcp_metadata_optim_param_groups_0_capturable_storage_off":
