@@ -27,11 +27,12 @@ import io
 import os
 import pickle
 import random
-import resource
 import shutil
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -446,10 +447,18 @@ def _mutated(tmp: Path, label: str, name: str = "dcp_single") -> Path:
 
 def ckpt_cli(*args: str) -> tuple[int, str, str, int]:
     """(exit code, stdout, stderr, peak RSS in MB) of one `ckpt` run."""
-    proc = subprocess.Popen([*CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
-    # wait4 already reaped it inside communicate: the children's peak covers it
-    return proc.returncode, out, err, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([*CKPT, *args], stdout=out, stderr=err)
+        watchdog = threading.Timer(120, proc.kill)
+        watchdog.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
+        finally:
+            watchdog.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss // 1024
 
 
 def test_metadata_of_none_is_an_error_in_every_output_format(tmp_path: Path) -> None:

@@ -226,13 +226,19 @@ def metadata_problem(md: Any) -> str | None:
 
 def planner_path_problem(planner_data: Any, fqn: str) -> str | None:
     """A planner_data entry torch's set_element cannot follow (it rebuilds the nested state dict from it)."""
-    if not isinstance(planner_data, dict) or fqn not in planner_data:
+    if not isinstance(planner_data, dict) or not planner_data:
         return None
+    if fqn not in planner_data:
+        # torch's load planner rebuilds the state dict from planner_data and
+        # flattens it again: a key it does not map comes out under another name
+        return "state-dict key has no planner_data entry (torch's load planner cannot map it back)"
     path = planner_data[fqn]
     if not isinstance(path, (tuple, list)) or not path or not all(type(k) in (str, int) for k in path):
         return f"planner_data path {short_repr(path)} is not a non-empty tuple of str and int keys"
     if any(type(k) is int and not 0 <= k < _MAX_LIST_INDEX for k in path):
         return f"planner_data path {short_repr(path)} has a list index outside [0, {_MAX_LIST_INDEX})"
+    if ".".join(map(str, path)) != fqn:
+        return f"planner_data path {short_repr(path)} does not flatten back to the key (torch's load planner needs it to)"
     return None
 
 

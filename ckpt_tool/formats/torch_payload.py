@@ -271,7 +271,7 @@ class PayloadArchive:
             if cd_size - p < _CENTRAL.size:
                 raise self._damaged("central directory entry cut short")
             (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
-             disk_start, _, _, offset) = _CENTRAL.unpack_from(cd, p)
+             disk_start, _, external_attr, offset) = _CENTRAL.unpack_from(cd, p)
             if sig != _CENTRAL_SIGNATURE:
                 raise self._damaged("bad central directory entry signature")
             end = p + _CENTRAL.size + name_len + extra_len + comment_len
@@ -295,6 +295,9 @@ class PayloadArchive:
                 raise self._damaged(f"member {name} lies outside the archive")
             if flags & _REFUSED_FLAGS:
                 raise self._damaged(f"member {name} is encrypted or patched (flags 0x{flags:04x})")
+            if name.endswith("/") or external_attr & 0x10:
+                # miniz extracts nothing for a directory: torch would leave the storage uninitialised
+                raise self._damaged(f"member {name} is marked as a directory")
             out.append(_Member(name, offset, csize, usize, crc, flags, method))
             p = end
         return out
