@@ -1,13 +1,17 @@
 """Shared test fixtures: the committed checkpoints under fixtures/."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -56,6 +60,60 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, what: str, timeout: float = 30.0) -> None:
+    """Poll `url` until the server answers; a test failure if it dies or takes longer."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"{what} did not start")
+            time.sleep(0.2)
+
+
+# what moto accepts, and what points the AWS clients (and tensorstore) at it
+S3_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
+
+
+def s3_client(endpoint: str):  # noqa: ANN201 - a boto3 client
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id="test", aws_secret_access_key="test")
+
+
+def upload_fixture(s3, bucket: str, name: str, prefix: str = "run/") -> str:  # noqa: ANN001
+    """Upload fixtures/<name> to s3://bucket/<prefix><name>; its URL."""
+    for dirpath, _, files in os.walk(FIXTURES / name):
+        for f in files:
+            local = os.path.join(dirpath, f)
+            s3.upload_file(local, bucket, prefix + os.path.relpath(local, FIXTURES))
+    return f"s3://{bucket}/{prefix}{name}"
+
+
+@contextlib.contextmanager
+def moto_s3_serving(bucket: str, names: list[str]) -> Iterator[dict[str, str]]:
+    """A real S3-compatible server (moto) on 127.0.0.1 serving fixtures `names`
+    under s3://bucket/run/<name>; yields the environment that points ckpt at it."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_serving(server, endpoint, "moto server")
+        s3 = s3_client(endpoint)
+        s3.create_bucket(Bucket=bucket)
+        for name in names:
+            upload_fixture(s3, bucket, name)
+        yield {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def run_two_processes(argv: list[str], env: dict, timeout: float = 240) -> list[tuple[str, str]]:

@@ -15,7 +15,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -31,7 +30,7 @@ from ckpt_tool.cli.main import cli
 from ckpt_tool.storage import Storage
 from ckpt_tool.validate import validate_checkpoint
 
-from conftest import FIXTURES, free_port, run_ckpt
+from conftest import FIXTURES, free_port, run_ckpt, wait_until_serving
 from library_reference import dcp_values, orbax_values
 
 FAMILIES = ["orbax_v0_5", "orbax_v0_9", "orbax_v0_11"]
@@ -317,15 +316,7 @@ def gcs():
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    pytest.fail("GCS emulator did not start")
-                time.sleep(0.2)
+        wait_until_serving(server, f"{endpoint}/storage/v1/b", "GCS emulator")
         env = {
             "TENSORSTORE_GCS_HTTP_URL": endpoint,
             "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",

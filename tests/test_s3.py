@@ -9,13 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, ROOT, fixture_path, free_port, run_ckpt
+from conftest import (ROOT, S3_TEST_CREDENTIALS, fixture_path, free_port, moto_s3_serving, run_ckpt,
+                      s3_client, upload_fixture, wait_until_serving)
 
 BUCKET = "ckpt-test"
 S3_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_two_process", "dcp_multirank"]
@@ -25,40 +25,8 @@ S3_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_two_process", "dcp_multirank"]
 
 @pytest.fixture(scope="module")
 def s3_env():
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    pytest.fail("moto server did not start")
-                time.sleep(0.2)
-        env = {
-            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-        }
-        import boto3
-
-        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")
-        s3.create_bucket(Bucket=BUCKET)
-        for name in S3_FIXTURES:
-            for dirpath, _, files in os.walk(FIXTURES / name):
-                for f in files:
-                    local = os.path.join(dirpath, f)
-                    s3.upload_file(local, BUCKET, "run/" + os.path.relpath(local, FIXTURES))
+    with moto_s3_serving(BUCKET, S3_FIXTURES) as env:
         yield env
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 @pytest.mark.parametrize("name", S3_FIXTURES)
@@ -133,25 +101,10 @@ class MotoServer:
         self.requests: list[str] = []
         self._trigger: tuple[str, int, threading.Event] | None = None
         threading.Thread(target=self._read_log, daemon=True).start()
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    pytest.fail("moto server did not start")
-                time.sleep(0.2)
-        import boto3
-
-        self.s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                               aws_access_key_id="test", aws_secret_access_key="test")
+        wait_until_serving(self.proc, self.endpoint, "moto server")
+        self.s3 = s3_client(self.endpoint)
         self.s3.create_bucket(Bucket=BUCKET)
-        self.env = {
-            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint,
-        }
+        self.env = {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def _read_log(self) -> None:
         # werkzeug logs one line per request: ... "GET /bucket/key HTTP/1.1" 200 -
@@ -173,11 +126,7 @@ class MotoServer:
         return sum(f'"{method} ' in r for r in self.requests)
 
     def upload(self, name: str) -> str:
-        for dirpath, _, files in os.walk(FIXTURES / name):
-            for f in files:
-                local = os.path.join(dirpath, f)
-                self.s3.upload_file(local, BUCKET, "run/" + os.path.relpath(local, FIXTURES))
-        return f"s3://{BUCKET}/run/{name}"
+        return upload_fixture(self.s3, BUCKET, name)
 
     def freeze_after(self, count: int, method: str = "GET") -> threading.Event:
         """Stop answering once `count` more requests of `method` were served."""
@@ -396,7 +345,9 @@ def test_hung_server_hits_the_deadline(moto, tmp_path, name, command):
     _no_temp_output(dst)
 
 
-@pytest.mark.parametrize("name, to", [("dcp_multirank", "orbax"), ("orbax_ocdbt_zarr2", "dcp")])
+# the Orbax writer's ~15 PUTs leave room to go silent between them (the DCP
+# writer's two do not: the freeze, read off the server's log, comes too late)
+@pytest.mark.parametrize("name, to", [("dcp_multirank", "orbax")])
 def test_server_silent_mid_write_hits_the_deadline(moto, name, to):
     """The server stops answering (never dies) after a few uploads: every writer wait has the deadline."""
     dst = f"s3://{BUCKET}/out/{name}-silent"

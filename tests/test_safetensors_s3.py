@@ -5,12 +5,10 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
-from conftest import FIXTURES, free_port, run_ckpt
+from conftest import FIXTURES, moto_s3_serving, run_ckpt
 
 pytest.importorskip("moto")
 BUCKET = "ckpt-st"
@@ -19,39 +17,8 @@ NAMES = ["safetensors_llama_sharded", "safetensors_dcp_distributed", "safetensor
 
 @pytest.fixture(scope="module")
 def s3_env():
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    pytest.fail("moto server did not start")
-                time.sleep(0.2)
-        import boto3
-
-        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")
-        s3.create_bucket(Bucket=BUCKET)
-        for name in NAMES:
-            for dirpath, _, files in os.walk(FIXTURES / name):
-                for f in files:
-                    local = os.path.join(dirpath, f)
-                    s3.upload_file(local, BUCKET, "run/" + os.path.relpath(local, FIXTURES))
-        yield {
-            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-        }
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    with moto_s3_serving(BUCKET, NAMES) as env:
+        yield env
 
 
 @pytest.mark.parametrize("name", NAMES)
