@@ -50,6 +50,10 @@ MAX_JSON_DEPTH = 100
 # arrays claiming more bytes than this are refused: no checkpoint holds 2^50
 # bytes (1 PiB) in one array, and the claim must not drive any allocation
 MAX_ARRAY_BYTES = 2**50
+# an array whose chunk grid has more chunks than this is refused: orbax writes
+# one chunk per device shard (or a few per shard), and every consumer of the
+# grid (validate, convert, reshard) walks it chunk by chunk
+MAX_CHUNKS_PER_ARRAY = 2**24
 # orbax's KeyType enum (metadata/tree.py)
 KEY_SEQUENCE, KEY_DICT = 1, 2
 KEY_TYPES = (KEY_SEQUENCE, KEY_DICT)
@@ -178,6 +182,16 @@ def _str_keys(v: dict[str, Any], file: str, field_: str) -> None:
     for k in v:
         if not isinstance(k, str):  # JSON keys always are; kept for documents built in code
             raise SchemaError(f"key {short_repr(k)} is not a string", file, field_)
+
+
+def check_chunk_count(shape: tuple[int, ...], chunks: tuple[int, ...], file: str) -> None:
+    """Refuse chunk grids no writer makes, before anything walks them."""
+    n = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if chunks else 1
+    if n > MAX_CHUNKS_PER_ARRAY:
+        raise SchemaError(
+            f"{list(shape)} in chunks of {list(chunks)} makes {n:,} chunks, more than the "
+            f"{MAX_CHUNKS_PER_ARRAY:,} an array may have", file, "shape",
+        )
 
 
 def check_array_size(shape: tuple[int, ...], itemsize: int, file: str, field_: str = "shape") -> None:
@@ -589,6 +603,7 @@ def parse_zarray(zmeta: Any, file: str) -> ZarrMeta:
     _tensorstore_check(zmeta, "zarr", _ZARR2_MEMBERS, file)
     check_array_size(shape, dtype.itemsize, file)
     check_array_size(chunks, dtype.itemsize, file, "chunks")
+    check_chunk_count(shape, chunks, file)
     info = {"compressor": comp.get("id") if isinstance(comp, dict) else None}
     return ZarrMeta(shape, dtype.name, chunks, info, sep, False)
 
@@ -639,6 +654,7 @@ def parse_zarr_json(zmeta: Any, file: str) -> ZarrMeta:
             info["inner_chunk_shape"] = list(int_list(inner, file, "codecs.sharding_indexed.chunk_shape", positive=True))
             info["codecs"] = ["sharding_indexed"] + [c.get("name") for c in ccfg.get("codecs", []) if isinstance(c, dict)]
     check_array_size(chunks, dtype.itemsize, file, "chunk_grid")
+    check_chunk_count(shape, chunks, file)
     return ZarrMeta(shape, dtype.name, chunks, info, sep, enc_name == "default")
 
 
