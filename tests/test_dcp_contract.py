@@ -11,7 +11,7 @@ fixtures (copied to tmp; the fixtures are never touched):
     central directory, data descriptors) and in the small records it reads
     (data.pkl, version, byteorder, .storage_alignment, .format_version,
     .data/serialization_id), tensor and non-tensor items alike;
-  * truncated data files;
+  * truncated data files, and bit flips anywhere in data files and `.metadata`;
   * structured `.metadata` mutations: the genuine pickle is loaded with
     torch, one field is changed, and it is pickled again.
 
@@ -237,6 +237,18 @@ def truncation_mutants(name: str, rng: random.Random, n: int) -> list[tuple[str,
     return out
 
 
+def anywhere_mutants(name: str, rng: random.Random, per_file: int) -> list[tuple[str, Callable[[Path], None]]]:
+    """Bit flips at random places of every data file and of `.metadata` (pickle opcodes, strings, tensor bytes)."""
+    out = []
+    root = FIXTURES / name
+    for f in [*sorted(root.glob("*.distcp")), root / ".metadata"]:
+        size = f.stat().st_size
+        for _ in range(per_file):
+            pos, bit = rng.randrange(size), rng.randrange(8)
+            out.append((f"{name}/{f.name}@{pos}.{bit} anywhere", lambda p, f=f.name, pos=pos, bit=bit: flip(p / f, pos, bit)))
+    return out
+
+
 def _write_metadata(root: Path, md: Any) -> None:
     with open(root / ".metadata", "wb") as f:
         pickle.dump(md, f)
@@ -389,6 +401,7 @@ def _corpus(rng: random.Random) -> list[tuple[str, str, Callable[[Path], None]]]
     for name in FULL:
         corpus += [(name, label, m) for label, m in archive_mutants(name, rng, 1)]
         corpus += [(name, label, m) for label, m in truncation_mutants(name, rng, 2)]
+        corpus += [(name, label, m) for label, m in anywhere_mutants(name, rng, 25)]
     for name in SAMPLED:
         sample = archive_mutants(name, rng, 1)
         corpus += [(name, label, m) for label, m in rng.sample(sample, min(12, len(sample)))]
@@ -400,7 +413,7 @@ def test_archive_mutants_validate_only_what_torch_loads(tmp_path: Path) -> None:
     corpus = _corpus(rng)
     # a fixed share of the corpus per run keeps the file under a minute and a
     # half; the seed makes it the same share each time
-    corpus = rng.sample(corpus, min(len(corpus), 500))
+    corpus = rng.sample(corpus, min(len(corpus), 550))
     outcomes: dict[str, int] = {}
     for i, (name, label, mutate) in enumerate(corpus):
         root = copy_fixture(name, tmp_path, f"m{i}")
