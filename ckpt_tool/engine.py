@@ -155,7 +155,10 @@ def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None, mem
         source_max = max((math.prod(c.sizes) for c in stored_chunks(tuple(leaf.shape), leaf.layout)), default=0) \
             if isinstance(leaf.layout, ChunkList) else math.prod(min(c, s) for c, s in zip(leaf.layout.chunk_shape, leaf.shape))
         if source_max * itemsize > limit:
-            cap = limit
+            # where the source's own chunks would be kept (DCP lists, an Orbax grid); elsewhere
+            # the default cap applies, never raised by this one
+            keeps_source = to == "dcp" or (to == "orbax" and isinstance(leaf.layout, RegularGrid))
+            cap = limit if keeps_source else min(limit, int(DEFAULT_CHUNK_MB * 2**20))
     cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
     if to == "safetensors":
         # blocks of whole rows: each is one contiguous byte range of the output file
