@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install compile demo test bench fixtures clean
+.PHONY: install compile demo test bench fixtures fuzz clean
 
 # compat mode puts the source on sys.path through a .pth file instead of an
 # import hook that costs every `ckpt` start ~20 ms
@@ -30,6 +30,14 @@ test: compile
 
 bench: compile
 	$(PY) bench/run_all.py
+
+# the long fuzzing run (tests/fuzz_lib.py): mutants of every fixture file kind + the explicit cases,
+# summary in build/fuzz/summary.json, each failing mutant under build/fuzz/failures/; exit 1 if any
+MUTANTS ?= 5000
+SEED ?= 1
+JOBS ?= 2
+fuzz: compile
+	$(PY) fuzz/run_fuzz.py --mutants $(MUTANTS) --seed $(SEED) --jobs $(JOBS) --out build/fuzz
 
 # Regenerate the committed fixtures with real orbax-checkpoint and torch.
 fixtures: $(STAMP)
