@@ -170,6 +170,33 @@ def dcp_library_values(path: str, mode: str = "") -> dict:
     return dcp_values(path)
 
 
+def _recorded_devices_here(path: str) -> bool:
+    """Whether every device id `_sharding` records is one of this process's jax devices."""
+    import jax
+
+    here = {d.id for d in jax.devices()}
+    try:
+        with open(os.path.join(path, "_sharding")) as f:
+            entries = json.load(f)
+        ids: set = set()
+
+        def collect(node) -> None:  # noqa: ANN001
+            if isinstance(node, dict):
+                if "id" in node and isinstance(node["id"], int):
+                    ids.add(node["id"])
+                for v in node.values():
+                    collect(v)
+            elif isinstance(node, list):
+                for v in node:
+                    collect(v)
+
+        for text in entries.values():
+            collect(json.loads(text).get("device_mesh"))
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        return True  # no readable record: let orbax's restore decide
+    return ids <= here
+
+
 def orbax_library_values(path: str, mode: str = "restore") -> dict:
     """orbax's own restore with no target (what `restore(path)` gives a user):
     jax arrays on the shardings `_sharding` records, then to numpy. mode
@@ -180,7 +207,9 @@ def orbax_library_values(path: str, mode: str = "restore") -> dict:
     import orbax.checkpoint as ocp
     from library_reference import _flatten, orbax_values
 
-    if mode == "numpy":
+    if mode == "numpy" or not _recorded_devices_here(path):
+        # a mesh on device ids this process does not have is valid, but
+        # restores without target shardings only on that topology
         return orbax_values(path)
 
     with ocp.PyTreeCheckpointer() as ckptr:

@@ -55,8 +55,6 @@ KNOWN_CASES: dict[str, str] = {}
 KNOWN_CORPUS: dict[str, str] = {
     "oracle-deep-dcp_dcp_metadata_optim_param_groups_0_capturable_storage_off":
         DCP + "a bytes item's storage offset pointing into another record passes --deep",
-    "oracle-deep-orbax_ocdbt_manifest_remove_the_file":
-        ORBAX + "no root manifest.ocdbt (unmerged): orbax's restore fails, validate exits 0",
     "oracle-deep-orbax_zarr_chunk_flip_bit_2_of_byte_8":
         ORBAX + "--deep does not decode a 0-d array's chunk (lr/0): a corrupt zstd frame passes",
     "oracle-shallow-orbax_zarr_meta_compressor_null":

@@ -94,12 +94,18 @@ def test_truncated_ocdbt_data_file(copy_fixture):
     assert "needs" in report.findings[0].message
 
 
-def test_unmerged_ocdbt_is_a_warning(copy_fixture):
+def test_unmerged_ocdbt_is_an_error_but_still_reads(copy_fixture, tmp_path):
+    # orbax's restore reads only the merged root: validate must not say OK (the
+    # validation contract), but the per-process data is still read and converts
     path = copy_fixture("orbax_two_process")
     (path / "manifest.ocdbt").unlink()
     report = validate_checkpoint(str(path), deep=True)
-    assert codes(report) == []
-    assert ("unmerged-ocdbt", None, "manifest.ocdbt") in codes(report, "warning")
+    assert codes(report) == [("unmerged-ocdbt", None, "manifest.ocdbt")]
+    assert not report.ok(False)
+    from ckpt_tool.engine import ConvertOptions, convert
+
+    convert(str(path), str(tmp_path / "merged"), ConvertOptions(to="orbax"))
+    assert validate_checkpoint(str(tmp_path / "merged"), deep=True).ok(True)
 
 
 def test_uncommitted_timestamp(copy_fixture):
