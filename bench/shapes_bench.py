@@ -94,8 +94,31 @@ for path, v in flat.items():
     node = state
     for k in path.split("/"):
         node = node[k]
-    same += int(np.array_equal(node.numpy(), v))
+    if node.dtype == torch.bfloat16:  # numpy has no bfloat16: compare the bits
+        same += int(np.array_equal(node.view(torch.int16).numpy(), v.view(np.int16)))
+    else:
+        same += int(np.array_equal(node.numpy(), v))
 print(len(flat), same)
+"""
+
+# convert_bench's ORBAX_TO_DCP, with bfloat16 arrays handed to torch by their bits
+ORBAX_TO_DCP = r"""
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import numpy as np, jax, torch
+import orbax.checkpoint as ocp
+import torch.distributed.checkpoint as dcp
+src, dst = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+tree = ocp.StandardCheckpointer().metadata(src).item_metadata.tree
+args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+restored = ocp.PyTreeCheckpointer().restore(src, restore_args=args)
+def to_torch(x):
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+leaves = jax.tree.leaves(restored)
+dcp.save(jax.tree.map(to_torch, restored), checkpoint_id=dst)
+print(len(leaves), sum(x.nbytes for x in leaves))
 """
 
 SHAPES = {
@@ -183,12 +206,21 @@ def bench_shape(shape: str, log) -> list[dict]:
         with open(os.path.join(TMP, "rows.jsonl"), "a") as f:
             f.write(json.dumps(entry) + "\n")
 
+    only = os.environ.get("SHAPES_ONLY")  # e.g. "convert,diff": just those commands
+    if only:
+        keep = only.split(",")
+        inner = row
+
+        def row(what, *a, **k):  # noqa: F811
+            if any(what.startswith(w) for w in keep):
+                inner(what, *a, **k)
+
     row("validate --deep", [py, "-m", "ckpt_tool", "validate", src, "--deep", "--json", *mem],
         [py, "-c", vb.READ_ORBAX, src, "4"], [], [], 1.5, "<=")
     # convert: its output is kept as the DCP twin for diff
     shutil.rmtree(twin, ignore_errors=True)
     row("convert --to dcp", [py, "-m", "ckpt_tool", "convert", src, twin, "--to", "dcp", "--json", *mem],
-        [py, "-c", cb.ORBAX_TO_DCP, src, os.path.join(TMP, "base-dcp")], [], [os.path.join(TMP, "base-dcp")],
+        [py, "-c", ORBAX_TO_DCP, src, os.path.join(TMP, "base-dcp")], [], [os.path.join(TMP, "base-dcp")],
         3.0, ">=", heavy=True)
     if os.path.isdir(twin):
         row("diff --values", [py, "-m", "ckpt_tool", "diff", src, twin, "--values", "--json", *mem],
