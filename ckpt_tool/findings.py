@@ -26,7 +26,7 @@ CODES: dict[str, str] = {
     "missing-chunk": "a chunk of an array's chunk grid is not stored; a restore may fill it with zeros",
     "empty-chunk": "a stored chunk with no bytes",
     "lost-process-data": "an OCDBT manifest or data file is missing or shorter than the manifest says",
-    "unmerged-ocdbt": "per-process OCDBT databases without a root manifest (the merge step did not run)",
+    "unmerged-ocdbt": "per-process OCDBT databases without a root manifest (the merge step did not run; orbax cannot restore it)",
     "empty-file": "a data file with no bytes while the metadata places items in it",
     "truncated-file": "a data file shorter than offset+length of an item stored in it",
     "missing-file": "a data file the metadata refers to does not exist",
