@@ -332,10 +332,16 @@ def _check_ocdbt(
     needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
 
     def need(location: str) -> tuple[str, int, int] | None:
-        # "<type>::<file>:<offset>:<length>"
+        # "<type>:<base path>:<file>:<offset>:<length>", the base path relative
+        # to the database directory: empty for its own files, "ocdbt.process_0/"
+        # for a merged root's values that stay in a process database
         try:
-            _kind, rest = location.split("::", 1)
+            _kind, _, rest = location.partition(":")
+            base, sep, rest = rest.partition(":")
+            if not sep:
+                return None
             file, offset, length = rest.rsplit(":", 2)
+            file = base + file
             end = int(offset) + int(length)
         except ValueError:
             return None
@@ -379,9 +385,9 @@ def _check_ocdbt(
             for field in ("node", "location", "indirect_value"):
                 value = entry.get(field)
                 if isinstance(value, str):
-                    if value.startswith("btreenode::"):
+                    if value.startswith("btreenode:"):
                         stack.append(value)
-                    elif value.startswith("value::"):
+                    elif value.startswith("value:"):
                         need(value)
     for file, end in sorted(needed.items()):
         if file not in lost_files:
