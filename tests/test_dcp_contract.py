@@ -571,3 +571,18 @@ def test_shapes_claiming_more_than_is_stored(tmp_path: Path, label: str) -> None
         leaf.read()
     code, out, err, rss = ckpt_cli("validate", "--deep", os.fspath(root))
     assert code == 1 and "Traceback" not in err and "internal error" not in err and rss < 500
+
+
+@pytest.mark.parametrize("label", ["tensor entry one byte later", "bytes entry one byte short"])
+def test_entries_reaching_into_a_neighbour_fail_shallow_validate(tmp_path: Path, label: str) -> None:
+    root = _mutated(tmp_path, label, "dcp_multirank")
+    ok, errors = run_validate(root, deep=False)
+    if label == "bytes entry one byte short":
+        # a shorter entry overlaps nothing: shallow validate cannot see it, --deep opens the archive
+        assert ok, errors
+        ok, errors = run_validate(root, deep=True)
+        assert not ok and any("non-tensor item does not decode" in e for e in errors), errors
+    else:
+        assert not ok and any("storage entries overlap" in e for e in errors), errors
+    with pytest.raises((Exception, CheckpointException)):
+        torch_values(root)

@@ -521,6 +521,7 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 leaf=_one_leaf(items), file=name,
             )
             continue
+        _check_overlaps(name, items, findings)
         past = [p for p in items if p.entry.offset + p.entry.length > size]
         if past:
             need = max(p.entry.offset + p.entry.length for p in past)
@@ -532,6 +533,31 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 leaf=_one_leaf(past), file=name,
             )
     return set(by_file)
+
+
+def _check_overlaps(name: str, items: list[_Placed], findings: Findings) -> None:
+    """Entries of one data file sharing bytes: torch writes each item once, back to back, so an
+    entry reaching into its neighbour has a wrong offset or length (torch.load then reads a
+    stream that does not start or end where an archive does). One identical range listed
+    twice is not an overlap."""
+    ranges = sorted({(p.entry.offset, p.entry.offset + p.entry.length): p for p in items if p.entry.length}.items())
+    clashes: list[tuple[_Placed, _Placed]] = []
+    end, last = -1, None
+    for (start, stop), p in ranges:
+        if last is not None and start < end:
+            clashes.append((last, p))
+        if stop > end:
+            end, last = stop, p
+    if clashes:
+        a, b = clashes[0]
+        more = f" (and {len(clashes) - 1} more overlapping entries)" if len(clashes) > 1 else ""
+        findings.error(
+            "bad-metadata",
+            f"storage entries overlap: {a.label} at [{a.entry.offset}:{a.entry.offset + a.entry.length}] and "
+            f"{b.label} at [{b.entry.offset}:{b.entry.offset + b.entry.length}]{more}; one of them has a wrong "
+            "offset or length (torch would read a damaged item)",
+            leaf=b.leaf, file=name,
+        )
 
 
 def _items_text(items: list[_Placed]) -> str:
