@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,29 +43,16 @@ import numpy as np
 from . import dtypes
 from .errors import CkptError
 from .model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
+from .sizes import parse_size
 
 MiB = 2**20
 DEFAULT_MEMORY = 512 * MiB
 # the smallest budget accepted: below it the bands and windows alone would not fit
 MIN_MEMORY = 4 * MiB
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": MiB, "MB": 10**6, "MIB": MiB,
-          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-
-
 def parse_memory(text: str | int) -> int:
-    """'512MiB', '2GiB', '512MB' (10^6), '1G' (2^30) or plain bytes."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise CkptError(f"--memory: {text!r} is not a size (e.g. 512MiB, 2GiB, 512MB)")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value < MIN_MEMORY:
-        raise CkptError(f"--memory must be at least {MIN_MEMORY // MiB} MiB, got {text!r}")
-    return value
+    """--memory: '512MiB', '2GiB', '512MB' (10^6), '1G' (2^30) or plain bytes."""
+    return parse_size(text, "--memory", minimum=MIN_MEMORY, examples="512MiB, 2GiB, 512MB")
 
 
 @dataclass

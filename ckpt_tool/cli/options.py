@@ -42,7 +42,8 @@ def memory_option(command: Callable) -> Callable:
         try:
             return parse_memory(value)
         except Exception as exc:  # CkptError: a usage error, one line
-            raise click.BadParameter(getattr(exc, "message", str(exc))) from None
+            # click names the option itself
+            raise click.BadParameter(getattr(exc, "message", str(exc)).removeprefix("--memory: ")) from None
 
     return click.option(
         "--memory", metavar="SIZE", callback=convert, show_default="512MiB",

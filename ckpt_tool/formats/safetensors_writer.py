@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .. import directio, dtypes
+from .. import sizes
 from ..errors import CkptError, IncompleteCheckpointError
 from ..model import Region, stored_chunks
 from ..storage import LocalFileWriter, Storage
@@ -53,8 +53,6 @@ from .safetensors import INDEX_FILE, KEYS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 class SafetensorsWriteError(CkptError):
@@ -62,18 +60,8 @@ class SafetensorsWriteError(CkptError):
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB' (10^9, as huggingface_hub reads it), '500MiB' (2^20), or plain bytes."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise CkptError(f"--max-shard-size: {text!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1000000)")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise CkptError(f"--max-shard-size must be positive, got {text!r}")
-    return value
+    """--max-shard-size: '5GB' (10^9, as huggingface_hub reads it), '500MiB' (2^20), or plain bytes."""
+    return sizes.parse_size(text, "--max-shard-size", examples="5GB, 500MB, 2GiB")
 
 
 @dataclass
