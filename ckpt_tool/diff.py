@@ -147,7 +147,12 @@ def diff_checkpoints(
         if layout and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
             report.differences.extend(_layout_differences(path, la, lb))
         if values and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
-            pairs.append((path, la, lb))
+            unreadable = [f"{side}: {leaf.unreadable}" for side, leaf in (("A", la), ("B", lb)) if leaf.unreadable]
+            if unreadable:
+                # never size a comparison by a claim the stored bytes cannot hold
+                report.differences.append(LeafDiff(path, "values", "cannot be read: " + "; ".join(unreadable)))
+            else:
+                pairs.append((path, la, lb))
         elif values and isinstance(la, ValueLeaf) and isinstance(lb, ValueLeaf):
             va, vb = la.load(), lb.load()
             if not _values_equal(va, vb):

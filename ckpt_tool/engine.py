@@ -253,6 +253,9 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         return name, "/".join(str(k) for k in keys)
 
     def add_array(leaf: ArrayLeaf, keys: tuple[Key, ...], name: str, path: str) -> None:
+        if leaf.unreadable:
+            # before any output chunk is planned from the claimed shape
+            raise CkptError(f"cannot be read: {leaf.unreadable}", leaf.path)
         dtype = leaf.dtype
         source_dtype = None
         if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:

@@ -231,6 +231,11 @@ class ArrayLeaf:
     verifier: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
     # format-specific facts worth showing (e.g. Orbax value_type, zarr codecs)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # why the stored bytes cannot hold what the metadata claims (a 16-byte
+    # entry claiming 8 TB), found when the metadata was read: inspect still
+    # shows the leaf; every command that would size work by the claim
+    # (convert, reshard) refuses it first
+    unreadable: str | None = field(default=None, compare=False)
 
     kind = "array"
 

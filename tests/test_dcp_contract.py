@@ -571,6 +571,15 @@ def test_shapes_claiming_more_than_is_stored(tmp_path: Path, label: str) -> None
         leaf.read()
     code, out, err, rss = ckpt_cli("validate", "--deep", os.fspath(root))
     assert code == 1 and "Traceback" not in err and "internal error" not in err and rss < 500
+    # the commands that plan work from shapes refuse the claim first (convert planned 8 TB of output chunks)
+    for args in (["convert", os.fspath(root), os.fspath(tmp_path / "out"), "--to", "orbax"],
+                 ["reshard", os.fspath(root), os.fspath(tmp_path / "out"), "--mesh", "data=1", "--devices", "1"],
+                 ["diff", os.fspath(root), os.fspath(root), "--values"]):
+        t0 = time.monotonic()
+        code, out, err, rss = ckpt_cli(*args)
+        assert code == 1 and time.monotonic() - t0 < 30 and rss < 500, (args, code, out, err)
+        assert "Traceback" not in err and "internal error" not in err, err
+        assert "claims" in out + err and not (tmp_path / "out").exists(), (args, out, err)
 
 
 @pytest.mark.parametrize("label", ["tensor entry one byte later", "bytes entry one byte short"])

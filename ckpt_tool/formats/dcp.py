@@ -416,6 +416,11 @@ def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _Tensor
         extra["requires_grad"] = True
     if item.duplicates:
         extra["duplicate_chunks"] = item.duplicates
+    itemsize = dtypes.get(item.dtype).itemsize
+    unreadable = next(
+        (p for chunk, entry in zip(item.chunks, item.entries) if (p := chunk_claim_problem(chunk.sizes, itemsize, entry))),
+        None,
+    )
     return ArrayLeaf(
         keys=keys,
         name=fqn,
@@ -426,6 +431,7 @@ def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _Tensor
         reader=reader,
         verifier=reader.verify_chunk,
         extra=extra,
+        unreadable=unreadable,
     )
 
 
