@@ -23,7 +23,6 @@ not weakened for them.
 """
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -44,25 +43,11 @@ GROUPS = [(s.name, k) for s in F.FIXTURE_SPECS for k in sorted(F.fixture_targets
 EXAMPLES = {"dcp_metadata": 6, "distcp": 4, "commit_marker": 1, "zarr_chunk": 3, "msgpack": 3}
 DEFAULT_EXAMPLES = 2
 
-# fixes in flight elsewhere in the tree (see the fuzzing report); strict=False
-# so that a landed fix turns them into XPASS, not a failure
-DCP = ("DCP reading fix not landed (formats/dcp.py, torch_payload.py, safe_pickle.py, validate/dcp_checks.py, "
-       "deep.py): ")
-ORBAX = ("Orbax fix not landed (validate/orbax_checks.py, formats/orbax.py, the orbax schema): validate exits 0 "
-         "where orbax's restore fails: ")
+# cases waiting on a fix: id -> reason, marked xfail(strict=False) so that a
+# landed fix shows as XPASS (none are open now: every corpus case must pass)
 KNOWN_GROUPS: dict[tuple[str, str], str] = {}
 KNOWN_CASES: dict[str, str] = {}
-KNOWN_CORPUS: dict[str, str] = {
-    "oracle-deep-dcp_dcp_metadata_optim_param_groups_0_capturable_storage_off":
-        DCP + "a bytes item's storage offset pointing into another record passes --deep",
-    "oracle-deep-orbax_zarr_chunk_flip_bit_2_of_byte_8":
-        ORBAX + "--deep does not decode a 0-d array's chunk (lr/0): a corrupt zstd frame passes",
-    "oracle-shallow-orbax_zarr_meta_compressor_null":
-        ORBAX + "a .zarray compressor set to null passes shallow validate although each chunk file's size is "
-                "then not the raw size (--deep catches it)",
-    "oracle-shallow-dcp_dcp_metadata_pickle_int_at_8541_36578_36579":
-        DCP + "a storage offset one byte off passes shallow validate (--deep catches it)",
-}
+KNOWN_CORPUS: dict[str, str] = {}
 KNOWN_FRESH: dict[tuple, str] = {}
 
 

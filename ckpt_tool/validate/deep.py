@@ -20,7 +20,7 @@ from .. import dtypes
 from ..errors import CkptError
 from ..findings import Findings, Progress
 from ..parallel import run_bounded
-from ..model import ArrayLeaf, Region, split_to_cap, stored_chunks
+from ..model import ArrayLeaf, Region, ValueLeaf, split_to_cap, stored_chunks
 from ..scheduler import DEFAULT_MEMORY, Scheduler, Want
 
 
@@ -155,6 +155,18 @@ def deep_check(
         from .dcp_checks import check_dcp_deep
 
         check_dcp_deep(Storage.open(ckpt.path), ckpt, findings, skip)
+    else:
+        # scalars, strings and JSON items are stored data too (an Orbax scalar is
+        # a 0-d zarr chunk): decode each, as a restore would
+        values = [leaf for leaf in ckpt.leaves if isinstance(leaf, ValueLeaf) and leaf.path not in skip]
+        for leaf in values:
+            try:
+                leaf.load()
+            except CkptError as exc:
+                findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
+                               file=_relative(exc.where, ckpt.path))
+        if values:
+            findings.count("values_read", len(values))
     findings.count("bytes_read", done_bytes)
     for path_, st in stats.items():
         if st.nan or st.inf:

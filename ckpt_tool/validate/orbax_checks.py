@@ -10,11 +10,12 @@ from typing import Any
 
 import tensorstore as ts
 
+from .. import dtypes
 from ..errors import CkptError
 from ..findings import Findings
 from ..formats import orbax as ob
 from ..formats import orbax_schema as schema
-from ..storage import Storage, ts_error_text
+from ..storage import Storage
 
 ROOT_METADATA = "_ROOT_METADATA"
 # more chunks than this per array are not enumerated key by key; the count is compared instead
@@ -268,7 +269,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         if use_ocdbt:
             have = stored[0]
         else:
-            have = _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where)
+            # zarr v2 without compressor or filters stores every chunk whole and raw
+            raw = (not zarr3 and isinstance(zmeta, dict) and zmeta.get("compressor") is None
+                   and not zmeta.get("filters") and _dtype is not None)
+            raw_size = math.prod(chunk_shape) * dtypes.get(_dtype).itemsize if raw else None
+            have = _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where, raw_size=raw_size)
         if not _size_plausible(shape, _dtype, have, findings, leaf_path, f"{where}{name}/{meta_key}"):
             continue
         _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
@@ -493,9 +498,14 @@ def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, l
 
 
 def _check_empty_chunk_files(
-    storage: Storage, name: str, leaf: str, keys: set[str], meta_key: str, findings: Findings, where: str
+    storage: Storage, name: str, leaf: str, keys: set[str], meta_key: str, findings: Findings, where: str,
+    *, raw_size: int | None = None,
 ) -> int:
-    """Per-array directories: a zero-byte chunk file is a write that never happened. The bytes stored."""
+    """Per-array directories: a zero-byte chunk file is a write that never happened. The bytes stored.
+
+    `raw_size`: the size every chunk file has when the array is stored
+    uncompressed (zarr v2 with no compressor): another size cannot decode.
+    """
     total = 0
     for key in sorted(k for k in keys if k.startswith(name + "/") and not k.endswith("/" + meta_key)):
         try:
@@ -505,6 +515,11 @@ def _check_empty_chunk_files(
         total += size
         if size == 0:
             findings.error("empty-chunk", "chunk file has no bytes", leaf=leaf, file=where + key)
+        elif raw_size is not None and size != raw_size:
+            findings.error(
+                "bad-chunk", f"{meta_key} says uncompressed, so each chunk holds {raw_size} bytes, but this one has {size}",
+                leaf=leaf, file=where + key,
+            )
     return total
 
 
