@@ -595,3 +595,16 @@ def test_entries_reaching_into_a_neighbour_fail_shallow_validate(tmp_path: Path,
         assert not ok and any("storage entries overlap" in e for e in errors), errors
     with pytest.raises((Exception, CheckpointException)):
         torch_values(root)
+
+
+def test_a_storage_entry_pointing_into_the_metadata_file_fails_shallow_validate(tmp_path: Path) -> None:
+    import pickle
+
+    root = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp_multirank", root)
+    md = pickle.loads((root / ".metadata").read_bytes())
+    index = next(i for i in md.storage_data if i.fqn == "step")
+    md.storage_data[index].relative_path = ".metadata"
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    ok, errors = run_validate(root, deep=False)
+    assert not ok and any("points into .metadata itself" in e for e in errors), errors

@@ -16,6 +16,7 @@ import bisect
 import functools
 import itertools
 import math
+import posixpath
 import re
 import struct
 from collections import defaultdict
@@ -486,6 +487,13 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
             findings.error(
                 "bad-metadata",
                 f"storage entry file name {name!r} contains a NUL byte; .metadata places {_items_text(items)}",
+                leaf=_one_leaf(items), file=dcp.METADATA_FILE,
+            )
+            continue
+        if posixpath.normpath(name) == dcp.METADATA_FILE:
+            # the coordinator's own pickle is never a data file (torch writes it last, over nothing)
+            findings.error(
+                "bad-metadata", f"a storage entry points into {dcp.METADATA_FILE} itself; .metadata places {_items_text(items)}",
                 leaf=_one_leaf(items), file=dcp.METADATA_FILE,
             )
             continue
