@@ -608,3 +608,22 @@ def test_a_storage_entry_pointing_into_the_metadata_file_fails_shallow_validate(
     (root / ".metadata").write_bytes(pickle.dumps(md))
     ok, errors = run_validate(root, deep=False)
     assert not ok and any("points into .metadata itself" in e for e in errors), errors
+
+
+def test_keys_planner_data_does_not_map_stay_flat_as_torch_loads_them(tmp_path: Path) -> None:
+    # a save that did not flatten (planner_data {}): torch's loader keeps each fqn as one key
+    import ckpt_tool
+
+    root = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp_single", root)
+    md = pickle.loads((root / ".metadata").read_bytes())
+    md.planner_data = {}
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    ok, errors = run_validate(root, deep=True)
+    assert ok, errors
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.fspath(root), os.fspath(tmp_path / "sd.pt"))
+    theirs = set(torch.load(tmp_path / "sd.pt", weights_only=True))  # top-level keys: the fqns, flat
+    ours = {leaf.keys for leaf in ckpt_tool.open(os.fspath(root)).leaves}
+    assert ours == {(k,) for k in theirs}, (sorted(ours)[:3], sorted(theirs)[:3])

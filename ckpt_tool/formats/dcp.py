@@ -190,7 +190,11 @@ class _ParsedMetadata:
     version: str | None
 
     def keys_for(self, fqn: str) -> tuple[Key, ...]:
-        """The original state-dict path: planner_data's tuple (ints stay ints), else the dotted name."""
+        """The original state-dict path: planner_data's tuple (ints stay ints), else the fqn as one key.
+
+        As torch loads it (`_EmptyStateDictLoadPlanner`): a key planner_data
+        does not map (none is, when a save did not flatten) stays one flat key.
+        """
         if isinstance(self.planner_data, dict):
             keys = self.planner_data.get(fqn)
             if (
@@ -199,7 +203,7 @@ class _ParsedMetadata:
                 and all(type(k) in (str, int) for k in keys)
             ):
                 return tuple(keys)
-        return tuple(fqn.split("."))
+        return (fqn,)
 
 
 def metadata_problem(md: Any) -> str | None:
