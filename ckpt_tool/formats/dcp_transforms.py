@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import CkptError, CorruptMetadataError
 
@@ -165,16 +165,7 @@ class DecodedEntry:
         cursor = _Cursor(self._fetch, self._raw_length, self._descriptors)
         head = bytearray()
         tail = bytearray()
-        while True:
-            block = cursor.read(_BLOCK, self.where)
-            if not block:
-                break
-            if cursor.pos > self.max_decoded:
-                raise CorruptMetadataError(
-                    f"zstd stream decodes to more than {self.max_decoded} bytes, more than .metadata "
-                    "says this item holds",
-                    self.where,
-                )
+        for block in self._decoded_blocks(cursor):
             if len(head) < _KEEP:
                 head += block[: _KEEP - len(head)]
             tail += block
@@ -239,17 +230,21 @@ class DecodedEntry:
     def read_all(self) -> bytes:
         """The whole decoded item (for small bytes items), at most max_decoded bytes."""
         cursor = _Cursor(self._fetch, self._raw_length, self._descriptors)
-        parts = []
+        return b"".join(self._decoded_blocks(cursor))
+
+    def _decoded_blocks(self, cursor: _Cursor) -> Iterator[bytes]:
+        """The cursor's blocks to the end of the stream, never past max_decoded bytes (a zstd bomb stops early)."""
         while True:
             block = cursor.read(_BLOCK, self.where)
             if not block:
-                break
+                return
             if cursor.pos > self.max_decoded:
                 raise CorruptMetadataError(
-                    f"zstd stream decodes to more than {self.max_decoded} bytes", self.where
+                    f"zstd stream decodes to more than {self.max_decoded} bytes, more than .metadata "
+                    "says this item holds",
+                    self.where,
                 )
-            parts.append(block)
-        return b"".join(parts)
+            yield block
 
     def _take_cursor(self, start: int) -> _Cursor:
         if self._key is not None:

@@ -41,14 +41,15 @@ from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepI
 from ..storage import Storage
 from . import msgpack_scan as ms
 # the zarr array plumbing of the Orbax reader: the same arrays, opened the same way
-from .orbax import _ArraySource, _parse_zarr_metadata, _ZarrRegionReader, is_tmp_name, parse_sharding
+# (TREE_METADATA: orbax >= 0.5 writes it, and then the Orbax reader reads the step)
+from .orbax import (
+    ROOT_MANIFEST, SHARDING, TREE_METADATA, _ArraySource, _parse_zarr_metadata, _ZarrRegionReader, is_tmp_name,
+    parse_sharding,
+)
 
 NAME = "msgpack_tree"
 
 TREE_FILE = "checkpoint"  # orbax's aggregate file, and T5X's
-TREE_METADATA = "_METADATA"  # orbax >= 0.5 writes it: then the Orbax reader reads the step
-SHARDING = "_sharding"
-ROOT_MANIFEST = "manifest.ocdbt"
 PLACEHOLDER = "PLACEHOLDER://"
 CHUNKED = "__msgpack_chunked_array__"
 # a step entry: `checkpoint_12` (flax, t5x; any prefix), or `12`
