@@ -570,14 +570,20 @@ def _tensorstore_check(zmeta: dict[str, Any], driver: str, members: frozenset[st
         raise SchemaError(f"tensorstore rejects it: {text}", file) from None
 
 
-def parse_zarray(zmeta: Any, file: str) -> ZarrMeta:
-    """`.zarray` (zarr v2), as tensorstore's zarr driver reads it."""
+def _zarr_members(zmeta: Any, file: str, required: Any, version: int) -> dict:
+    """A zarr metadata object with the members tensorstore requires and its zarr_format."""
     zmeta = _dict(zmeta, file, None)
-    for key in _ZARR2_REQUIRED:
+    for key in required:
         if key not in zmeta:
             raise SchemaError("missing (tensorstore requires it)", file, key)
-    if _as_int(zmeta["zarr_format"]) != 2:
-        raise SchemaError(f"must be 2, got {short_repr(zmeta['zarr_format'])}", file, "zarr_format")
+    if _as_int(zmeta["zarr_format"]) != version:
+        raise SchemaError(f"must be {version}, got {short_repr(zmeta['zarr_format'])}", file, "zarr_format")
+    return zmeta
+
+
+def parse_zarray(zmeta: Any, file: str) -> ZarrMeta:
+    """`.zarray` (zarr v2), as tensorstore's zarr driver reads it."""
+    zmeta = _zarr_members(zmeta, file, _ZARR2_REQUIRED, 2)
     shape = int_list(zmeta["shape"], file, "shape")
     chunks = int_list(zmeta["chunks"], file, "chunks", positive=True)
     if len(chunks) != len(shape):
@@ -610,12 +616,7 @@ def parse_zarray(zmeta: Any, file: str) -> ZarrMeta:
 
 def parse_zarr_json(zmeta: Any, file: str) -> ZarrMeta:
     """`zarr.json` (zarr v3), as tensorstore's zarr3 driver reads it."""
-    zmeta = _dict(zmeta, file, None)
-    for key in _ZARR3_REQUIRED:
-        if key not in zmeta:
-            raise SchemaError("missing (tensorstore requires it)", file, key)
-    if _as_int(zmeta["zarr_format"]) != 3:
-        raise SchemaError(f"must be 3, got {short_repr(zmeta['zarr_format'])}", file, "zarr_format")
+    zmeta = _zarr_members(zmeta, file, _ZARR3_REQUIRED, 3)
     if zmeta["node_type"] != "array":
         raise SchemaError(f"must be 'array', got {short_repr(zmeta['node_type'])}", file, "node_type")
     shape = int_list(zmeta["shape"], file, "shape")
