@@ -622,6 +622,21 @@ def metadata_object_mutation(rng: random.Random, data: bytes) -> tuple[bytes, st
     return pickle.dumps(md, protocol=rng.choice([2, 4, 5])), desc
 
 
+def edit_storage_entry(data: bytes, fqn: str, change: Callable[[Any], None], nth: int = 0) -> tuple[bytes, Any]:
+    """What the storage_offset / storage_length operators above do, at a chosen entry.
+
+    Unpickles a (trusted: our own fixture's) .metadata with torch's classes,
+    applies `change` to the `nth` storage_data entry of item `fqn` (a torch
+    _StorageInfo: .offset, .length, .relative_path), pickles it again.
+    Returns the new bytes and the changed entry.
+    """
+    _torch()
+    md = pickle.loads(data)
+    info = [v for k, v in md.storage_data.items() if k.fqn == fqn][nth]
+    change(info)
+    return pickle.dumps(md, protocol=4), info
+
+
 def mutate_dcp_metadata(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
     r = rng.random()
     if r < 0.45:

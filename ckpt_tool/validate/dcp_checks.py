@@ -26,7 +26,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .. import dtypes
-from ..errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, short_repr
+from ..errors import (
+    CkptError, NotFoundError, PathEscapeError, StorageUnavailableError, UnsafePickleError, short_repr,
+)
 from ..findings import Findings
 from ..formats import dcp, dcp_transforms, safe_pickle
 from ..model import Chunk, ValueLeaf, keys_path
@@ -195,7 +197,8 @@ def check_path(storage: Storage, findings: Findings) -> None:
     for key, entry in orphans:
         placed.append(_Placed(key, entry, leaf_of(key[0]), orphan=True))
 
-    referenced = _check_files(storage, placed, findings)
+    referenced, sound = _check_files(storage, placed, findings)
+    _check_entry_bounds(storage, sound, findings)
     duplicates = sum(t.duplicates for t in tensors)
     for name in data_files:
         if name not in referenced:
@@ -473,11 +476,15 @@ def _items(
 # ---------------------------------------------------------------------------
 # Data files
 # ---------------------------------------------------------------------------
-def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) -> set[str]:
+def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) -> tuple[set[str], list[_Placed]]:
     """Each referenced data file: inside the checkpoint, present, non-empty, long enough.
 
-    One size() per file; returns the referenced names (for the stray-file check).
+    One size() per file; returns the referenced names (for the stray-file
+    check) and the entries nothing here found wrong with (in a readable
+    file, within it, not overlapping another, non-empty, torch reads them):
+    those whose bytes _check_entry_bounds may look at.
     """
+    sound: list[_Placed] = []
     by_file: dict[str, list[_Placed]] = defaultdict(list)
     for p in placed:
         by_file[p.entry.relative_path].append(p)
@@ -529,8 +536,10 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 leaf=_one_leaf(items), file=name,
             )
             continue
-        _check_overlaps(name, items, findings)
+        clashing = _check_overlaps(name, items, findings)
         past = [p for p in items if p.entry.offset + p.entry.length > size]
+        sound += [p for p in items if p.entry.length > 0 and not p.orphan and p.entry.offset + p.entry.length <= size
+                  and (p.entry.offset, p.entry.length) not in clashing]
         if past:
             need = max(p.entry.offset + p.entry.length for p in past)
             findings.error(
@@ -540,10 +549,10 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 f"{_named([p.label for p in past], _MAX_NAMED_ITEMS)}",
                 leaf=_one_leaf(past), file=name,
             )
-    return set(by_file)
+    return set(by_file), sound
 
 
-def _check_overlaps(name: str, items: list[_Placed], findings: Findings) -> None:
+def _check_overlaps(name: str, items: list[_Placed], findings: Findings) -> set[tuple[int, int]]:
     """Entries of one data file sharing bytes: torch writes each item once, back to back, so an
     entry reaching into its neighbour has a wrong offset or length (torch.load then reads a
     stream that does not start or end where an archive does). One identical range listed
@@ -566,6 +575,30 @@ def _check_overlaps(name: str, items: list[_Placed], findings: Findings) -> None
             "offset or length (torch would read a damaged item)",
             leaf=b.leaf, file=name,
         )
+    clashing = {(p.entry.offset, p.entry.length) for pair in clashes for p in pair}
+    # one range listed for items of different sizes (tensor archives of a few
+    # dozen bytes all have the same length, so an offset moved onto another
+    # item's start overlaps nothing): one archive cannot be both
+    by_range: dict[tuple[int, int], list[_Placed]] = defaultdict(list)
+    for p in items:
+        if p.entry.length and not p.orphan:
+            by_range[(p.entry.offset, p.entry.length)].append(p)
+    shared = [(r, ps) for r, ps in sorted(by_range.items()) if len({p.sizes for p in ps}) > 1]
+    if shared:
+        (start, length), ps = shared[0]
+        a = ps[0]
+        b = next(p for p in ps if p.sizes != a.sizes)
+        more = f" (and {len(shared) - 1} more ranges like it)" if len(shared) > 1 else ""
+        findings.error(
+            "bad-metadata",
+            f"storage entries of {a.label} and {b.label} both point at bytes [{start}:{start + length}]{more}: "
+            "items of different sizes cannot be one archive; one of them has a wrong offset (torch would read "
+            "the wrong item)",
+            leaf=b.leaf, file=name,
+        )
+        clashing |= {r for r, _ in shared}
+    # (offset, length) of every entry in a clash: reported here, not probed again
+    return clashing
 
 
 def _items_text(items: list[_Placed]) -> str:
@@ -576,6 +609,244 @@ def _one_leaf(items: list[_Placed]) -> str | None:
     """The leaf a file-level finding is about, when every item belongs to the same one."""
     leaves = {p.leaf for p in items}
     return next(iter(leaves)) if len(leaves) == 1 else None
+
+
+# ---------------------------------------------------------------------------
+# Entry bounds: each storage entry holds exactly one whole item
+# ---------------------------------------------------------------------------
+# torch.save's legacy (pre-zip) format begins with this pickle of its magic
+# number; torch.load still reads it, and its end has no record to check
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+# the end records torch.save writes (miniz opened with zip64): zip64 end
+# record (56 bytes), its locator (20), the end of central directory (22)
+_TAIL_BYTES = 56 + 20 + 22
+_MAX_ZIP_COMMENT = 0xFFFF
+# read-ahead of a zstd frame walk: small blocks' headers come in one read
+_ZSTD_READ_AHEAD = 4096
+# reads one entry's check may make before it gives up quietly (a zstd walk
+# reads one block header per 128 KiB block of a large frame; remote reads are
+# round trips, so far fewer there)
+_ENTRY_READS_LOCAL = 4096
+_ENTRY_READS_REMOTE = 16
+# reads in flight at once on remote storage (each a round trip)
+_REMOTE_PROBES = 32
+# first ranges of one file closer than this are read as one: a file of 3,000
+# small archives costs a few reads, not 3,000
+_MERGE_GAP = 64 << 10
+_MERGE_MAX = 4 << 20
+
+
+class _OutOfReads(Exception):
+    """An entry's check ran out of its read budget: it is left unjudged."""
+
+
+class _EntryBytes:
+    """Bytes [0, length) of one storage entry, read in small cached ranges within a budget."""
+
+    def __init__(self, storage: Storage, entry: dcp._Entry, reads: int, seed: tuple[int, bytes]) -> None:
+        self._storage, self._entry, self._reads = storage, entry, reads
+        self.length, self.transforms = entry.length, entry.transforms
+        self._segments: list[tuple[int, bytes]] = [seed]  # (position in the entry, bytes read there)
+
+    def get(self, pos: int, n: int, ahead: int = 0) -> bytes:
+        """Bytes [pos, pos + n) of the entry, clipped to it; reading `ahead` more when it must read."""
+        end = min(self.length, pos + n)
+        if pos < 0 or pos >= end:
+            return b""
+        for lo, data in self._segments:
+            if lo <= pos and end <= lo + len(data):
+                return data[pos - lo : end - lo]
+        if self._reads <= 0:
+            raise _OutOfReads
+        self._reads -= 1
+        stop = min(self.length, max(end, pos + ahead))
+        base = self._entry.offset
+        data = self._storage.read_range(self._entry.relative_path, base + pos, base + stop)
+        self._segments.append((pos, data))
+        return data[: end - pos]
+
+
+class _ZstdView:
+    """_zstd_frame_end's window over one entry (positions relative to its offset)."""
+
+    def __init__(self, entry: _EntryBytes) -> None:
+        self._entry = entry
+
+    def get(self, pos: int, n: int) -> bytes:
+        return self._entry.get(pos, n, _ZSTD_READ_AHEAD)
+
+
+def _zip_problem(b: _EntryBytes) -> str | None:
+    """Why entry `b` is not exactly one torch.save zip archive, or None.
+
+    torch.save ends an archive with its end-of-central-directory record (and
+    the zip64 records before it), whose central-directory offset counts from
+    the archive's first byte: from one read of the entry's last 98 bytes,
+    the record sitting at the entry's end says the end is right, and the
+    directory ending where those records begin says the start is. torch
+    (miniz) fails on an entry cut inside its archive ("failed finding
+    central directory") or starting inside it ("invalid load key").
+    """
+    n = b.length
+    tail_at = max(0, n - _TAIL_BYTES)
+    tail = b.get(tail_at, n - tail_at)
+    if n >= _EOCD.size and tail[-_EOCD.size:-_EOCD.size + 4] == b"PK\x05\x06" and tail[-2:] == b"\x00\x00":
+        eocd = n - _EOCD.size  # where torch writes it: the last 22 bytes, no comment
+    else:
+        head = b.get(0, len(_LEGACY_MAGIC))
+        if head == _LEGACY_MAGIC:
+            return None  # legacy torch.save format: torch.load reads it; nothing here to check
+        if head[:4] != _LOCAL_HEADER:
+            return "does not start with a zip archive (no local header at its offset)"
+        # an archive with a comment: its record is further back (as miniz looks, up to 64 KiB)
+        lo = max(0, n - (_MAX_ZIP_COMMENT + _EOCD.size))
+        block = b.get(lo, n - lo)
+        at = block.rfind(b"PK\x05\x06", 0, len(block) - _EOCD.size + 4)
+        if at < 0:
+            return ("does not end where its archive does: no end-of-central-directory record at its end "
+                    "(the entry ends inside the archive, or the archive is damaged there)")
+        eocd = lo + at
+        comment = _EOCD.unpack(block[at : at + _EOCD.size])[7]
+        if eocd + _EOCD.size + comment != n:
+            return (f"does not end where its archive does: the archive's end record says it ends at byte "
+                    f"{eocd + _EOCD.size + comment} of the entry's {n}")
+    cd_size, cd_offset = _EOCD.unpack(b.get(eocd, _EOCD.size))[5:7]
+    locator = b.get(eocd - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size) if eocd >= _ZIP64_LOCATOR.size else b""
+    if locator[:4] == b"PK\x06\x07":
+        record_at = _ZIP64_LOCATOR.unpack(locator)[2]  # counted from the archive's start, as everything here
+        locator_at = eocd - _ZIP64_LOCATOR.size
+        record = b.get(record_at, _ZIP64_EOCD.size) if record_at + _ZIP64_EOCD.size <= locator_at else b""
+        if record[:4] != b"PK\x06\x06" or record_at + 12 + _ZIP64_EOCD.unpack(record)[1] != locator_at:
+            return ("does not start where its archive does: the archive's zip64 end record is not where its "
+                    "locator, counted from the entry's offset, puts it")
+        cd_size, cd_offset = _ZIP64_EOCD.unpack(record)[8:10]
+        cd_end, records_at = cd_offset + cd_size, record_at
+    else:
+        cd_end, records_at = cd_offset + cd_size, eocd
+    if cd_end != records_at:
+        return (f"does not start where its archive does: the central directory, counted from the entry's "
+                f"offset, ends {cd_end - records_at:+d} bytes away from the end records (the archive starts "
+                f"{records_at - cd_end:+d} bytes from the entry's offset)")
+    return None
+
+
+def _zstd_problem(b: _EntryBytes) -> str | None:
+    """Why entry `b` (transform stream.zstd/1) is not exactly one zstd frame, or None.
+
+    torch's ZStandard extension decompresses one frame; the frame's end is
+    found by walking its block headers from the start (RFC 8878).
+    """
+    if b.get(0, 4, _ZSTD_READ_AHEAD) != _ZSTD_MAGIC:
+        return "does not start with a zstd frame (its transform is stream.zstd/1)"
+    end = _zstd_frame_end(_ZstdView(b), 0, b.length)  # type: ignore[arg-type]
+    if end is None:
+        return "does not end where its zstd frame does (the entry ends inside the frame, or the frame is damaged)"
+    if end != b.length:
+        return f"does not end where its zstd frame does: the frame ends at byte {end} of the entry's {b.length}"
+    return None
+
+
+def _first_range(entry: dcp._Entry) -> tuple[int, int]:
+    """The bytes of its file an entry's check reads first: a zip's end records, a zstd frame's start."""
+    if entry.transforms:
+        return entry.offset, entry.offset + min(entry.length, _ZSTD_READ_AHEAD)
+    return entry.offset + max(0, entry.length - _TAIL_BYTES), entry.offset + entry.length
+
+
+def _read_groups(entries: list[dcp._Entry]) -> list[tuple[str, int, int, list[dcp._Entry]]]:
+    """The entries' first ranges, merged per file where they lie close: (file, start, end, entries)."""
+    groups: list[list[Any]] = []
+    for entry in sorted(entries, key=lambda e: (e.relative_path, _first_range(e))):
+        lo, hi = _first_range(entry)
+        last = groups[-1] if groups else None
+        if (last is not None and last[0] == entry.relative_path and lo - last[2] <= _MERGE_GAP
+                and max(hi, last[2]) - last[1] <= _MERGE_MAX):
+            last[2] = max(last[2], hi)
+            last[3].append(entry)
+        else:
+            groups.append([entry.relative_path, lo, hi, [entry]])
+    return [(name, lo, hi, members) for name, lo, hi, members in groups]
+
+
+def _check_group(
+    storage: Storage, group: tuple[str, int, int, list[dcp._Entry]], reads: int
+) -> list[tuple[dcp._Entry, str | None]]:
+    """One read for a group of entries, then each entry judged (further reads only where it needs them)."""
+    name, lo, hi, members = group
+    try:
+        data = storage.read_range(name, lo, hi)
+    except (PathEscapeError, StorageUnavailableError):
+        raise  # one finding for the run, not one per entry
+    except (CkptError, OSError) as exc:
+        problem = f"cannot be read ({getattr(exc, 'message', None) or exc})"
+        return [(entry, problem) for entry in members]
+    out: list[tuple[dcp._Entry, str | None]] = []
+    for entry in members:
+        a, b = _first_range(entry)
+        out.append((entry, _entry_problem(_EntryBytes(storage, entry, reads, (a - entry.offset, data[a - lo : b - lo])))))
+    return out
+
+
+def _entry_problem(b: _EntryBytes) -> str | None:
+    try:
+        return _zstd_problem(b) if b.transforms else _zip_problem(b)
+    except _OutOfReads:
+        return None  # (a frame too long to walk within the budget: --deep reads it)
+    except (PathEscapeError, StorageUnavailableError):
+        raise
+    except CkptError as exc:
+        return f"cannot be read ({exc.message})"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+
+
+def _check_entry_bounds(storage: Storage, sound: list[_Placed], findings: Findings) -> None:
+    """Each entry holds one whole item: starts and ends exactly where its archive (or zstd frame) does.
+
+    An offset or length changed by a few bytes, so that the entry stays
+    inside its file and clear of its neighbours, passes every check above;
+    torch.load of it fails. One small read per entry (neighbouring entries'
+    reads merged into one; a walk of block headers for a zstd entry); on
+    remote storage many reads at once. Entries with a transform other than
+    torch's ZStandard are not judged (reported already as undecodable), nor
+    is anything torch never reads.
+    """
+    distinct: dict[dcp._Entry, list[_Placed]] = {}
+    for p in sound:
+        if p.entry.transforms and p.entry.transforms != (dcp_transforms.KNOWN[0],):
+            continue
+        distinct.setdefault(p.entry, []).append(p)
+    if not distinct:
+        return
+    groups = _read_groups(list(distinct))
+    results: list[tuple[dcp._Entry, str | None]] = []
+    if storage.local_root is not None:
+        for group in groups:
+            results += _check_group(storage, group, _ENTRY_READS_LOCAL)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(_REMOTE_PROBES, len(groups)), thread_name_prefix="ckpt-bounds") as pool:
+            for part in pool.map(lambda g: _check_group(storage, g, _ENTRY_READS_REMOTE), groups):
+                results += part
+    bad: dict[str, list[tuple[_Placed, str]]] = defaultdict(list)
+    for entry, problem in results:
+        if problem:
+            bad[entry.relative_path] += [(p, problem) for p in distinct[entry]]
+    for name, items in sorted(bad.items()):
+        shown = "; ".join(
+            f"{p.label} at [{p.entry.offset}:{p.entry.offset + p.entry.length}] {problem}"
+            for p, problem in items[:_MAX_NAMED]
+        )
+        more = f"; and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else ""
+        plural = len(items) != 1
+        findings.error(
+            "bad-metadata",
+            f"{len(items)} storage entr{'ies' if plural else 'y'} in .metadata do{'' if plural else 'es'} not "
+            f"hold one whole item: {shown}{more}; the offset or length in .metadata is wrong (or the file is "
+            "damaged there): torch.load of it fails",
+            leaf=_one_leaf([p for p, _ in items]), file=name,
+        )
 
 
 # ---------------------------------------------------------------------------
