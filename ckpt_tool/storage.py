@@ -351,13 +351,18 @@ class LocalFileWriter:
             return start, start + directio.align_up(length)
         return cursor, cursor + length
 
-    def write_at(self, offset: int, parts: Iterable[Any]) -> None:
-        """Write the buffers back to back from `offset` (reserved through `place`)."""
+    def write_at(self, offset: int, parts: Iterable[Any], *, padded: bool = True) -> None:
+        """Write the buffers back to back from `offset` (reserved through `place`).
+
+        padded=False: the range was not reserved through `place` as one piece
+        (several small ranges written as one), so it must not be written
+        direct, whose zeros up to the next 4 KiB would cover its neighbour.
+        """
         views = [memoryview(p).cast("B") for p in parts]
         length = sum(v.nbytes for v in views)
         with self._lock:
             self._end = max(self._end, offset + length)
-        if self._direct and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
+        if padded and self._direct and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
             try:
                 directio.write_direct(self._direct_fd, offset, views)
                 return

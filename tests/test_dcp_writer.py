@@ -731,11 +731,11 @@ def test_failed_data_write_then_abort_leaves_no_file_open(tmp_path: Path, monkey
     real = LocalFileWriter.write_at
     calls = {"n": 0}
 
-    def failing_second(self, offset, parts):
+    def failing_second(self, offset, parts, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise CkptError("cannot write: No space left on device", self.where)
-        return real(self, offset, parts)
+        return real(self, offset, parts, **kw)
 
     monkeypatch.setattr(LocalFileWriter, "write_at", failing_second)
     writer.write_array(target, 0, (slice(0, 2),), np.zeros(2, dtype=np.float32))

@@ -30,6 +30,7 @@ on the primary reads them, deletes them and writes `.metadata`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -52,6 +53,11 @@ from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, 
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."
 DEFAULT_FILE_MB = 32  # files buffered at once: the one filling plus those being flushed
+# archives under COALESCE_BELOW bytes are gathered and written COALESCE_BYTES at a time
+# (13,500 archives of 1 to 16 KiB each: one pwritev per archive cost more than the copy);
+# below directio.MIN_DIRECT_BYTES, so they are placed back to back, unaligned
+COALESCE_BELOW = 64 * 1024
+COALESCE_BYTES = 1 << 20
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
 
 Buffer = Union[bytes, memoryview]
@@ -206,7 +212,7 @@ class _ZipBuilder:
     def add(self, name: str, data: Buffer, crc: int | None = None) -> None:
         size = len(data) if isinstance(data, bytes) else data.nbytes
         if crc is None:
-            crc = crc32(data)
+            crc = _small_crc(data) if type(data) is bytes and size <= 4096 else crc32(data)
         full = (_ARCHIVE_PREFIX + name).encode("utf-8")
         ofs = self.pos
         zip64 = size >= _U32 or ofs >= _U32
@@ -249,10 +255,7 @@ class _ZipBuilder:
         # in its unordered_set's iteration order (see _unordered_set_order; the
         # tests compare whole archives with torch.save's), then the hash of the
         # data-descriptor CRCs
-        name_hash = 0
-        hashes = [_hash_bytes(name.encode("utf-8")) for name in self.names]
-        for h in _unordered_set_order(hashes):
-            name_hash = _hash_combine(name_hash, h)
+        name_hash = _names_hash(tuple(self.names))
         self.add(".data/serialization_id", f"{name_hash:020d}{self.combined_crc:020d}".encode("ascii"))
         cd_ofs = self.pos
         central = b"".join(self.central)
@@ -269,6 +272,22 @@ class _ZipBuilder:
         )
         self._emit(tail)
         return self.parts, self.pos
+
+
+# every archive of a checkpoint repeats the same few small records (data.pkl of one
+# dtype and shape, the version records) and the same record names: computed once
+@functools.lru_cache(maxsize=4096)
+def _small_crc(data: bytes) -> int:
+    return crc32(data)
+
+
+@functools.lru_cache(maxsize=256)
+def _names_hash(names: tuple[str, ...]) -> int:
+    """The record-name half of writeSerializationId (see _ZipBuilder.finish)."""
+    name_hash = 0
+    for h in _unordered_set_order([_hash_bytes(name.encode("utf-8")) for name in names]):
+        name_hash = _hash_combine(name_hash, h)
+    return name_hash
 
 
 def _archive(pickle_bytes: bytes, storage: tuple[memoryview, int] | list[tuple[memoryview, int]] | None) -> tuple[list[Buffer], int]:
@@ -318,6 +337,7 @@ def _tensor_reduce(dtype: dtypes.DType, shape: tuple[int, ...], key: str) -> Red
     return Reduce(_REBUILD_V3, args)
 
 
+@functools.lru_cache(maxsize=4096)  # chunks of one array share their shape
 def tensor_pickle(dtype: dtypes.DType, shape: tuple[int, ...]) -> bytes:
     """torch.save's data.pkl for a contiguous tensor in storage "0"."""
     return dumps(_tensor_reduce(dtype, shape, "0"), 2)
@@ -379,7 +399,77 @@ def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
 def tensor_archive(dtype: dtypes.DType, data: np.ndarray) -> tuple[list[Buffer], int]:
     """torch.save of a tensor holding `data` (C-contiguous, little-endian, of `dtype`)."""
     raw = memoryview(data.reshape(-1).view(np.uint8))
-    return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, crc32(raw)))
+    crc = crc32(raw)
+    if not raw.nbytes or raw.nbytes >= _U32:  # no data descriptor, or zip64 records: built in full
+        return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, crc))
+    return _archive_template(dtype, tuple(data.shape)).fill(raw, crc)
+
+
+@dataclass
+class _ArchiveTemplate:
+    """The archive of one dtype and shape with the data's CRC left open.
+
+    Every chunk of an array (13,500 chunks of 3,000 leaves) has the same
+    archive but for its data, the data's CRC (in its data descriptor and
+    central record) and the serialization id (which folds that CRC in) with
+    its own CRC: built once by _ZipBuilder, then filled in per chunk.
+    """
+
+    head: bytes  # the records before the data, and the data's local header
+    size: int
+    between: bytes  # after the data descriptor: the version record, the id's local header
+    central: bytes  # the central directory, the zip64 records and the end record
+    data_crc_at: int  # where in `central` the data's and the id's CRC go
+    id_crc_at: int
+    crc_before: int  # the combined CRC up to the data's
+    version_crc: int
+    name_hash: int
+
+    def fill(self, raw: memoryview, crc: int) -> tuple[list[Buffer], int]:
+        combined = _hash_combine(_hash_combine(self.crc_before, crc), self.version_crc)
+        ident = f"{self.name_hash:020d}{combined:020d}".encode("ascii")
+        ident_crc = crc32(ident)
+        central = bytearray(self.central)
+        struct.pack_into("<I", central, self.data_crc_at, crc)
+        struct.pack_into("<I", central, self.id_crc_at, ident_crc)
+        parts: list[Buffer] = [
+            self.head, raw, struct.pack("<IIII", 0x08074B50, crc, self.size, self.size), self.between,
+            ident + struct.pack("<IIII", 0x08074B50, ident_crc, len(ident), len(ident)), central,
+        ]
+        return parts, len(self.head) + self.size + 16 + len(self.between) + len(ident) + 16 + len(central)
+
+
+@functools.lru_cache(maxsize=1024)
+def _archive_template(dtype: dtypes.DType, shape: tuple[int, ...]) -> _ArchiveTemplate:
+    size = math.prod(shape) * dtype.itemsize
+    parts, _ = _archive(tensor_pickle(dtype, shape), (memoryview(bytes(size)), 0))
+    # the data is the one memoryview among the parts (see _ZipBuilder.add)
+    joined = [bytes(p) for p in parts]
+    idx = next(i for i, p in enumerate(parts) if isinstance(p, memoryview))
+    head = b"".join(joined[:idx])
+    # after the data: its descriptor (16 bytes), the version record's header, data and
+    # descriptor, the id's local header, the id, its descriptor, then the central directory
+    after = joined[idx + 1:]
+    assert len(after[0]) == 16  # the data's descriptor
+    between = b"".join(after[1:5])  # version: header, data, descriptor; the id's header
+    assert len(after[5]) == 40 and len(after[6]) == 16  # the id and its descriptor
+    central = after[7]
+    # central records in order: data.pkl, .format_version, .storage_alignment, byteorder, data/0, version, id
+    at = 0
+    offsets = []
+    for _ in range(7):
+        offsets.append(at)
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, at + 28)
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+    crcs = [struct.unpack_from("<I", central, o + 16)[0] for o in offsets]
+    crc_before = 0
+    for c in crcs[:4]:
+        crc_before = _hash_combine(crc_before, c)
+    return _ArchiveTemplate(
+        head=head, size=size, between=between, central=central, data_crc_at=offsets[4] + 16,
+        id_crc_at=offsets[6] + 16, crc_before=crc_before, version_crc=crcs[5],
+        name_hash=_names_hash(("data.pkl", ".format_version", ".storage_alignment", "byteorder", "data/0", "version")),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -431,6 +521,17 @@ def metadata_pickle(
     planner: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     paths: dict[str, str] = {}  # one str object per file, so the pickle refers back to it
+    # one torch.Size per distinct value, referred back to as well: a checkpoint of 13,500
+    # chunks repeats a few chunk shapes and offsets (torch pickles a fresh one each time;
+    # torch.Size is immutable, so the unpickled objects are the same either way)
+    sizes: dict[tuple[int, ...], Reduce] = {}
+
+    def size(dims: Iterable[int]) -> Reduce:
+        key = tuple(int(d) for d in dims)
+        found = sizes.get(key)
+        if found is None:
+            found = sizes[key] = _size(key)
+        return found
 
     def info(entry: _Entry) -> Obj:
         path = paths.setdefault(entry.relative_path, entry.relative_path)
@@ -451,15 +552,15 @@ def metadata_pickle(
             _TENSOR_PROPERTIES, (Global("torch", dt.torch or ""), _LAYOUT_STRIDED, False, _CONTIGUOUS_FORMAT, False)
         )
         chunk_md = [
-            Obj(_CHUNK_STORAGE_METADATA, {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}) for c in chunks
+            Obj(_CHUNK_STORAGE_METADATA, {"offsets": size(c.offsets), "sizes": size(c.sizes)}) for c in chunks
         ]
         sdm[target.name] = Obj(
-            _TENSOR_STORAGE_METADATA, {"properties": props, "size": _size(target.shape), "chunks": chunk_md}
+            _TENSOR_STORAGE_METADATA, {"properties": props, "size": size(target.shape), "chunks": chunk_md}
         )
         planner[target.name] = _planner_keys(target.keys)
         for i, c in enumerate(chunks):
             # MetadataIndex.__init__ sets fqn, index, then offset: that is its __dict__ order
-            index = Obj(_METADATA_INDEX, {"fqn": target.name, "index": i, "offset": _size(c.offsets)})
+            index = Obj(_METADATA_INDEX, {"fqn": target.name, "index": i, "offset": size(c.offsets)})
             storage[index] = info(entries[(target.name, i)])
     storage_meta = Obj(
         _STORAGE_META, {"checkpoint_id": checkpoint_id, "save_id": save_id, "load_id": None, "modules": []}
@@ -584,6 +685,9 @@ class _OpenFile:
     writing: int = 0  # archives being written into `local` right now
     sealed: bool = False  # no more archives go into this file
     done: bool = False  # flushed or closed
+    # small archives placed back to back, not yet written (local files): one write for many
+    pending: bytearray = field(default_factory=bytearray)
+    pending_at: int = 0
 
 
 class DcpWriter:
@@ -849,8 +953,22 @@ class DcpWriter:
             else:
                 offset, cur.size = cur.size, cur.size + length
             self._entries[key] = _Entry(cur.name, offset, length)
+            writes: list[tuple[int, list[Buffer], bool]] = []  # what this thread writes into cur.local
             if cur.local is not None:
-                cur.writing += 1
+                small = length < COALESCE_BELOW
+                if cur.pending and (not small or cur.pending_at + len(cur.pending) != offset):
+                    writes.append(self._take_pending(cur))
+                if small:
+                    # copied: the caller may reuse its arrays once we return
+                    if not cur.pending:
+                        cur.pending_at = offset
+                    for part in parts:
+                        cur.pending += part
+                    if len(cur.pending) >= COALESCE_BYTES:
+                        writes.append(self._take_pending(cur))
+                else:
+                    writes.append((offset, parts, True))
+                cur.writing += len(writes)
             elif not offset and length >= self._file_bytes:
                 # an archive with a file of its own: allocated once at its exact
                 # size (growing a bytearray would copy it and over-allocate 1/8)
@@ -866,10 +984,10 @@ class DcpWriter:
                     cur.data += part
             if cur.size >= self._file_bytes:
                 self._seal(cur, ready)
-        if cur.local is not None:
-            # outside the lock: other threads write their archives meanwhile
+        # outside the lock: other threads write their archives meanwhile
+        for at, data, padded in writes:
             try:
-                cur.local.write_at(offset, parts)
+                cur.local.write_at(at, data, padded=padded)  # type: ignore[union-attr]
             finally:
                 with self._lock:
                     cur.writing -= 1
@@ -879,8 +997,18 @@ class DcpWriter:
         for f in ready:
             self._flush(f)
 
+    @staticmethod
+    def _take_pending(f: _OpenFile) -> tuple[int, list[Buffer], bool]:
+        """The small archives waiting in `f`, as one write, never direct (lock held)."""
+        data, f.pending = f.pending, bytearray()
+        return f.pending_at, [data], False
+
     def _seal(self, f: _OpenFile, ready: list[_OpenFile]) -> None:
         """No more archives go into `f`; it is ready to flush once its writes are done (lock held)."""
+        if f.pending and f.local is not None:
+            # the last small archives: written here, at most COALESCE_BYTES once per file
+            at, data, _ = self._take_pending(f)
+            f.local.write_at(at, data, padded=False)
         f.sealed = True
         if self._current is f:
             self._current = None

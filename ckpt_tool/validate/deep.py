@@ -147,8 +147,7 @@ def deep_check(
 
     if verify:
         run_bounded(verify, lambda task: run_verifier(*task), workers=workers, name="ckpt-verify")
-    tasks = scheduler.units
-    findings.count("chunks_read", len(tasks))
+    findings.count("chunks_read", scheduler.planned_chunks)
     if fmt == "dcp":
         # every non-tensor item decoded; copies of replicated duplicates that .metadata does not point at
         from ..storage import Storage
