@@ -10,6 +10,7 @@ scalar, string or other non-tensor item, decoded only when asked.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import math
 import re
@@ -114,13 +115,26 @@ def split_to_cap(chunk: Chunk, itemsize: int, cap_bytes: int) -> list[Chunk]:
 
 def grid_chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Chunk]:
     """A regular grid as a chunk list, in C order (the engine's chunk indices)."""
+    shape, chunk_shape = tuple(shape), tuple(chunk_shape)
+    count = math.prod(-(-s // c) if c else 0 for s, c in zip(shape, chunk_shape))
+    # planning, the scheduler and the writers each ask for a leaf's chunks, and thousands
+    # of leaves share a few shapes: small grids are made once (Chunk is frozen: sharing is safe)
+    return list(_small_grid(shape, chunk_shape) if count <= 1024 else _grid(shape, chunk_shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _small_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[Chunk, ...]:
+    return _grid(shape, chunk_shape)
+
+
+def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[Chunk, ...]:
     if not shape:
-        return [Chunk((), ())]
+        return (Chunk((), ()),)
     ranges = [range(0, s, c) if c else range(0) for s, c in zip(shape, chunk_shape)]
-    return [
+    return tuple(
         Chunk(tuple(off), tuple(min(c, s - o) for o, c, s in zip(off, chunk_shape, shape)))
         for off in itertools.product(*ranges)
-    ]
+    )
 
 
 def stored_chunks(shape: tuple[int, ...], layout: ChunkLayout) -> list[Chunk]:

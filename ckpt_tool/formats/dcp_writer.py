@@ -526,7 +526,10 @@ def metadata_pickle(
     # torch.Size is immutable, so the unpickled objects are the same either way)
     sizes: dict[tuple[int, ...], Reduce] = {}
 
-    def size(dims: Iterable[int]) -> Reduce:
+    def size(dims: tuple[int, ...]) -> Reduce:
+        found = sizes.get(dims)
+        if found is not None:
+            return found
         key = tuple(int(d) for d in dims)
         found = sizes.get(key)
         if found is None:
