@@ -15,6 +15,7 @@ legacy torch.save format) raise nothing.
 from __future__ import annotations
 
 import io
+import shutil
 import os
 import pickle
 import struct
@@ -304,3 +305,35 @@ def test_over_s3_a_cut_entry_is_refused_and_good_ones_pass(tmp_path):
             lines = [ln for ln in r.stdout.splitlines() if "does not hold one whole item" in ln]
             assert r.returncode == 1 and len(lines) == 1, (r.stdout, r.stderr)
             assert fqn in lines[0] and info.relative_path in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def big_zstd(tmp_path_factory) -> Path:
+    """torch's ZStandard extension on an 8 MiB tensor that hardly compresses: a frame of 64 blocks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = tmp_path_factory.mktemp("big_zstd") / "dcp"
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.rand((2 << 20,), generator=g), "step": 7}
+    dcp.save(state, storage_writer=FileSystemWriter(str(path), _extensions=[ZStandard()]), no_dist=True)
+    return path
+
+
+def test_a_long_zstd_frame_is_walked_to_its_end(big_zstd, tmp_path):
+    report = validate_checkpoint(str(big_zstd))
+    assert report.ok(True) and "zstd_frames_too_long_to_walk" not in report.checked, report.to_json()
+    root = tmp_path / "cut"
+    shutil.copytree(big_zstd, root)
+    info = _edit(root, "w", _shorter(4))
+    assert info.length > 64 * 4096  # the walk needs many reads past the first one
+    _assert_refused(root, "w", info.relative_path)
+
+
+def test_a_frame_too_long_for_the_read_budget_is_counted_not_refused(big_zstd, monkeypatch):
+    from ckpt_tool.validate import dcp_checks
+
+    monkeypatch.setattr(dcp_checks, "_ENTRY_READS_LOCAL", 2)
+    report = validate_checkpoint(str(big_zstd))
+    assert report.ok(True) and report.checked.get("zstd_frames_too_long_to_walk") == 1, report.to_json()
