@@ -49,6 +49,7 @@ OUT = ib.OUT
 TMP = os.path.join(OUT, "tmp_shapes")
 MIB = 2**20
 DEFAULT_MEMORY = 512 * MIB
+SETTLE_S = float(os.environ.get("SHAPES_SETTLE", "3"))
 
 GEN = r"""
 import os, sys, json
@@ -162,6 +163,10 @@ def _run(argv: list[str], src: str, outputs: list[str], capture: bool = True) ->
     for o in outputs:
         shutil.rmtree(o, ignore_errors=True)
     ib.warm_page_cache(src)
+    # as convert_bench: the previous command's writeback and freed memory settle first,
+    # so neither side pays for the other's
+    os.sync()
+    time.sleep(SETTLE_S)
     r = ib.run_once(argv, capture=capture)
     for o in outputs:
         shutil.rmtree(o, ignore_errors=True)
