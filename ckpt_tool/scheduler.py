@@ -239,15 +239,18 @@ class _Streamer:
 
             storage, key, zmeta, _ = self.zarr
             stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize)
-            for i, band in enumerate(self.bands[: last + 1]):
-                data = stream.read_band(tuple(b.stop - b.start for b in band))
-                region = self.global_band(band)
-                if region is None:
-                    yield None, None
-                    continue
-                yield region, data[tuple(slice(0, r.stop - r.start) for r in region)]
-            if last == len(self.bands) - 1:
-                stream.finish()
+            try:
+                for i, band in enumerate(self.bands[: last + 1]):
+                    data = stream.read_band(tuple(b.stop - b.start for b in band))
+                    region = self.global_band(band)
+                    if region is None:
+                        yield None, None
+                        continue
+                    yield region, data[tuple(slice(0, r.stop - r.start) for r in region)]
+                if last == len(self.bands) - 1:
+                    stream.finish()
+            finally:
+                stream.close()
             return
         for band in self.bands[: last + 1]:
             region = self.global_band(band)
@@ -759,14 +762,32 @@ class Scheduler:
     def _run_streamed(self, unit: _Unit, plan: Any, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
         streamer, passes, lasts, _ = plan
         self.stats.streamed.add((unit.lc.leaf.path, unit.index))
-        for pieces, last in zip(passes, lasts):
-            self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
-            self.stats.passes += 1
-            for region, data in streamer.iterate(last):
-                if region is None:
-                    continue
-                # the unit's admission covered its bands and assembly buffers
-                self._feed(unit, pieces, region, data, deliver, lazy_charge=False)
+        # a completed region is delivered (written) in another thread while the
+        # stream decodes on: one delivery at a time, so memory holds one region
+        # more than the plan; the stream runs alone, so the cores are free for it
+        pending: list[Future[None]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-deliver") as handoff:
+
+            def hand_off(wi: int, arrays: list[np.ndarray]) -> None:
+                if pending:
+                    pending.pop().result()  # its failure stops the stream here
+                pending.append(handoff.submit(deliver, wi, arrays))
+
+            try:
+                for pieces, last in zip(passes, lasts):
+                    self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
+                    self.stats.passes += 1
+                    for region, data in streamer.iterate(last):
+                        if region is None:
+                            continue
+                        # the unit's admission covered its bands and assembly buffers
+                        self._feed(unit, pieces, region, data, hand_off, lazy_charge=False)
+            except BaseException:
+                for fut in pending:  # the first failure is the one reported
+                    fut.exception()
+                raise
+            while pending:
+                pending.pop().result()
 
     def run(self, *, on_done: Callable[[int], None] | None = None,
             on_error: Callable[[ArrayLeaf, int, CkptError], None] | None = None) -> int:
