@@ -8,9 +8,12 @@ whatever the chunk's size. The scheduler (scheduler.py) hands the bands out
 in C order to the regions they feed.
 
 Codecs: zarr v2 chunks compressed with zstd (orbax's default), gzip, zlib,
-or not at all, with no filters and C order. Others (blosc, whose blocks
-are not a stream; filters; Fortran order) have no streaming decoder: the
-scheduler then says which `--memory` would decode the chunk whole.
+or not at all, with no filters and C order; zarr v3 chunks of `bytes` then
+zstd or gzip, plain or in a shard of one inner chunk (as orbax writes zarr
+v3: the inner chunk's byte range comes from the shard's index). Others
+(blosc, whose blocks are not a stream; filters; Fortran order; transposes;
+shards of several chunks) have no streaming decoder: the scheduler then
+says which `--memory` would decode the chunk whole.
 """
 from __future__ import annotations
 
@@ -44,11 +47,11 @@ class _WindowedSource:
     after the other); memory holds two windows.
     """
 
-    def __init__(self, storage: Storage, key: str, size: int, window: int = WINDOW_BYTES) -> None:
+    def __init__(self, storage: Storage, key: str, size: int, window: int = WINDOW_BYTES, start: int = 0) -> None:
         self._storage = storage
         self._key = key
-        self._size = size
-        self._pos = 0
+        self._size = size  # the end of the bytes read (a shard's inner chunk ends before its index)
+        self._pos = start
         self._window = window
         self._ahead: tuple[int, int, Future[bytes]] | None = None  # (start, end, fetch)
 
@@ -154,19 +157,75 @@ def zarr2_stream_problem(zmeta: dict[str, Any]) -> str | None:
     return None
 
 
-class ChunkStream:
-    """The decoded bytes of one stored zarr v2 chunk, read front to back."""
+def _zarr3_codecs(zmeta: dict[str, Any]) -> tuple[str | None, str, bool] | str:
+    """A zarr v3 array's chunk codecs as (compressor or None, endian, sharded), or why they cannot stream.
 
-    def __init__(self, storage: Storage, key: str, zmeta: dict[str, Any], stored_nbytes: int) -> None:
-        problem = zarr2_stream_problem(zmeta)
+    Streamable: `bytes` then optionally `zstd` or `gzip`; or, as orbax writes
+    zarr v3, `sharding_indexed` holding ONE inner chunk of the whole chunk's
+    shape with those codecs, its index (bytes + crc32c) at the end.
+    """
+    codecs = zmeta.get("codecs")
+    if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
+        return "its codecs"
+    sharded = codecs[0].get("name") == "sharding_indexed"
+    if sharded:
+        conf = codecs[0].get("configuration") or {}
+        outer = ((zmeta.get("chunk_grid") or {}).get("configuration") or {}).get("chunk_shape")
+        if len(codecs) != 1 or conf.get("chunk_shape") != outer:
+            return "a shard of several inner chunks"
+        if conf.get("index_location", "end") != "end":
+            return "a shard index at the start"
+        index = [c.get("name") for c in conf.get("index_codecs") or [] if isinstance(c, dict)]
+        if index != ["bytes", "crc32c"]:
+            return f"shard index codecs {index}"
+        codecs = conf.get("codecs")
+        if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
+            return "its codecs"
+    names = [c.get("name") for c in codecs]
+    if not names or names[0] != "bytes" or len(names) > 2 or (len(names) == 2 and names[1] not in ("zstd", "gzip")):
+        return f"its codecs {names} (streamed: bytes, then zstd or gzip)"
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    return (names[1] if len(names) == 2 else None), ("<" if endian == "little" else ">"), sharded
+
+
+def zarr3_stream_problem(zmeta: dict[str, Any]) -> str | None:
+    """Why a zarr v3 array's chunks cannot be decoded as a stream, or None."""
+    found = _zarr3_codecs(zmeta)
+    return found if isinstance(found, str) else None
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), for the 16-byte index of a one-chunk shard."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+class ChunkStream:
+    """The decoded bytes of one stored zarr chunk (v2, or v3 as orbax writes it), read front to back."""
+
+    def __init__(self, storage: Storage, key: str, zmeta: dict[str, Any], stored_nbytes: int,
+                 zarr3: bool = False) -> None:
+        problem = zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
         if problem:
             raise CkptError(f"cannot decode as a stream: {problem}", key)
         self.key = key
         self.expected = stored_nbytes
         size = storage.size(key)
-        self._src = _WindowedSource(storage, key, size)
-        comp = zmeta.get("compressor")
-        cid = comp.get("id") if isinstance(comp, dict) else None
+        start = 0
+        if zarr3:
+            cid, endian, sharded = _zarr3_codecs(zmeta)  # type: ignore[misc]
+            if sharded:
+                start, size = _one_chunk_shard(storage, key, size)
+            self._np_dtype = _zarr3_numpy_dtype(zmeta, endian)
+        else:
+            comp = zmeta.get("compressor")
+            cid = comp.get("id") if isinstance(comp, dict) else None
+            self._np_dtype = _zarr2_numpy_dtype(zmeta)
+        self._src = _WindowedSource(storage, key, size, start=start)
         self.codec = cid or "raw"
         if cid == "zstd":
             self._stream: ByteStream = _zstd(self._src)
@@ -175,11 +234,11 @@ class ChunkStream:
         elif cid == "zlib":
             self._stream = _Zlib(self._src, zlib.MAX_WBITS)
         else:
-            if size != stored_nbytes:
-                raise CkptError(f"uncompressed chunk holds {size} bytes, its shape needs {stored_nbytes}", storage._where(key))
+            if size - start != stored_nbytes:
+                raise CkptError(f"uncompressed chunk holds {size - start} bytes, its shape needs {stored_nbytes}",
+                                storage._where(key))
             self._stream = _Raw(self._src)
         self._where = storage._where(key)
-        self._np_dtype = _zarr2_numpy_dtype(zmeta)
         self.decoded = 0
 
     def read_band(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -220,6 +279,27 @@ class ChunkStream:
             raise CkptError(f"chunk does not decode ({self.codec}): {exc}", self._where) from None
         if more:
             raise CkptError(f"chunk decodes to more than the {self.expected} bytes its shape needs ({self.codec})", self._where)
+
+
+def _one_chunk_shard(storage: Storage, key: str, size: int) -> tuple[int, int]:
+    """Where the one inner chunk of a zarr v3 shard lies: (start, end), from the shard's index."""
+    where = storage._where(key)
+    if size < 20:
+        raise CkptError(f"shard of {size} bytes has no room for its 20-byte index", where)
+    index = storage.read_range(key, size - 20, size)
+    if _crc32c(index[:16]) != int.from_bytes(index[16:], "little"):
+        raise CkptError("shard index fails its crc32c check", where)
+    offset, nbytes = int.from_bytes(index[:8], "little"), int.from_bytes(index[8:16], "little")
+    if offset == nbytes == 2**64 - 1:
+        raise CkptError("shard holds no chunk (its index marks it missing)", where)
+    if offset + nbytes > size - 20:
+        raise CkptError(f"shard index points at bytes [{offset}, {offset + nbytes}) of a {size - 20}-byte shard", where)
+    return offset, offset + nbytes
+
+
+def _zarr3_numpy_dtype(zmeta: dict[str, Any], endian: str) -> np.dtype:
+    native = dtypes.numpy_dtype(dtypes.from_zarr3(zmeta["data_type"]).name)
+    return native.newbyteorder(endian) if native.itemsize > 1 else native
 
 
 def _zarr2_numpy_dtype(zmeta: dict[str, Any]) -> np.dtype:

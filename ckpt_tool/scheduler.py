@@ -214,10 +214,10 @@ class _Streamer:
         if self.zarr is not None:
             from .codecs import zarr2_stream_problem
 
+            from .codecs import zarr3_stream_problem
+
             _, _, zmeta, zarr3 = self.zarr
-            if zarr3:
-                return "zarr v3 chunks have no streaming decoder here"
-            return zarr2_stream_problem(zmeta)
+            return zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
         if _is_dcp(self.lc.leaf):
             return None  # byte-range reads of the archive
         return "its format has no streaming reader"
@@ -237,8 +237,8 @@ class _Streamer:
         if self.zarr is not None:
             from .codecs import ChunkStream
 
-            storage, key, zmeta, _ = self.zarr
-            stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize)
+            storage, key, zmeta, zarr3 = self.zarr
+            stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize, zarr3)
             try:
                 for i, band in enumerate(self.bands[: last + 1]):
                     data = stream.read_band(tuple(b.stop - b.start for b in band))
