@@ -908,3 +908,30 @@ def _print_profiles(profiles: list[dict]) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def summary_rows(doc: dict, bench: str = "convert") -> list[dict]:
+    """This bench's rows for run_all's overall table: per direction, on the default --workers, one row
+    against the restore-then-save baseline and one against `cp -r`; the RSS target goes with both.
+
+    The no-target figures ("info": other --workers, back to back, cp + fsync) stay in the bench's own table.
+    safetensors_bench, whose JSON has the same form, uses this too.
+    """
+    by = {r["name"]: r for r in doc.get("results", [])}
+    rss_q = {q["ckpt"]: q for q in doc.get("targets", []) if q["what"] == "ckpt_rss_mib"}
+    rows = []
+    for q in doc.get("targets", []):
+        if q["what"] == "ckpt_rss_mib":
+            continue
+        a, b = by.get(q["ckpt"], {}), by.get(q["other"], {})
+        r = rss_q.get(q["ckpt"], {})
+        against = "baseline/ckpt" if q["what"] == "baseline/ckpt" else "ckpt/cp"
+        rows.append({
+            "bench": bench, "case": f"{q['direction'].replace('->', ' -> ')}, {doc.get('bytes', 0) / 2**30:.0f} GiB",
+            "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["other"]), "baseline_s": b.get("best_s"),
+            "ratio": q["value"], "target": f"{against} {q['op']} {q['target']:g}x", "met": q["met"],
+            "rss_mib": r.get("value"),
+            "rss_target": f"<= {r['target']:g} MiB" if r.get("target") else None, "rss_met": r.get("met"),
+            "error": a.get("error") or b.get("error") or "; ".join(a.get("check_errors", []) + b.get("check_errors", [])),
+        })
+    return rows

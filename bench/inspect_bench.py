@@ -553,3 +553,20 @@ def _print_table(report: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """This bench's rows for run_all's overall table: one per ratio (ckpt vs its library's metadata read)."""
+    by = {r["name"]: r for r in doc.get("results", [])}
+    rows = []
+    for q in doc.get("ratios", []):
+        a, b = by.get(q["ckpt"], {}), by.get(q["baseline"], {})
+        rss = a.get("peak_rss_kib")
+        rows.append({
+            "bench": "inspect", "case": f"{doc.get('leaves', '?'):,} leaves, {q['format']}",
+            "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["baseline"]), "baseline_s": b.get("best_s"),
+            "ratio": q["ratio"], "target": f"baseline/ckpt >= {q['target']:g}x", "met": q["met"],
+            "rss_mib": round(rss / 1024) if rss else None,
+            "error": a.get("error") or b.get("error") or "; ".join(a.get("check_errors", []) + b.get("check_errors", [])),
+        })
+    return rows

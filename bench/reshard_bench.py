@@ -585,3 +585,26 @@ def _print_report(report: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """This bench's rows for run_all's overall table: one per case against orbax restore on the new mesh
+    + save, with the RSS target (cases without a target, e.g. model=8, show none)."""
+    by = {r["name"]: r for r in doc.get("results", [])}
+    rows = []
+    for case, c in doc.get("cases", {}).items():
+        qs = {q["what"]: q for q in doc.get("targets", []) + doc.get("info", []) if q["case"] == case}
+        a, b = by.get(f"ckpt-reshard-{case}"), by.get(f"orbax-restore-save-{case}")
+        if a is None:
+            continue
+        b = b or {}
+        t, r = qs.get("baseline/ckpt", {}), qs.get("ckpt_rss_mib", {})
+        rows.append({
+            "bench": "reshard", "case": f"--mesh {c['mesh']}, {doc.get('bytes', 0) / 2**30:.0f} GiB",
+            "ckpt_s": a.get("best_s"), "baseline": b.get("command", "orbax restore + save"), "baseline_s": b.get("best_s"),
+            "ratio": t.get("value"), "target": f"baseline/ckpt {t['op']} {t['target']:g}x" if "target" in t else None,
+            "met": t.get("met"), "rss_mib": r.get("value"),
+            "rss_target": f"<= {r['target']:g} MiB" if "target" in r else None, "rss_met": r.get("met"),
+            "error": a.get("error") or b.get("error") or "; ".join(a.get("check_errors", []) + b.get("check_errors", [])),
+        })
+    return rows

@@ -211,3 +211,8 @@ def _print_report(report: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """This bench's rows for run_all's overall table (the same form as convert_bench's)."""
+    return cb.summary_rows(doc, bench="safetensors")

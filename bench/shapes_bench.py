@@ -288,3 +288,39 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# what each command is measured against (see the docstring), for run_all's overall table
+_BASELINES = {
+    "validate": "tensorstore reading every array once",
+    "convert": "orbax restore + dcp.save",
+    "diff": "orbax restore + dcp.load, numpy compare",
+    "reshard": "orbax restore on the new mesh + save",
+}
+
+
+def _target(t: str | None) -> str | None:
+    """"<= 1.5x" -> "ckpt/baseline <= 1.5x" (what the ratio is, as bench_shape computes it)."""
+    if not t:
+        return None
+    return ("baseline/ckpt " if t.startswith(">=") else "ckpt/baseline ") + t
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """This bench's rows for run_all's overall table: one per shape and command, as print_table shows them."""
+    rows = []
+    for r in doc.get("results", []):
+        ok, base_ok = r.get("ckpt_rc") == 0, r.get("baseline_rc") == 0
+        budget = r.get("budget")
+        rss = r.get("ckpt_rss_kib")
+        rows.append({
+            "bench": "shapes", "case": f"{r['shape']}: {r['what']}",
+            "ckpt_s": r.get("ckpt_s") if ok else None,
+            "baseline": next((v for k, v in _BASELINES.items() if r["what"].startswith(k)), "baseline"),
+            "baseline_s": r.get("baseline_s") if base_ok else None,
+            "ratio": r.get("ratio"), "target": _target(r.get("target")), "met": r.get("met"),
+            "rss_mib": round(rss / 1024) if rss and ok else None,
+            "rss_target": f"<= {(budget + 128 * MIB) / MIB:g} MiB" if budget else None, "rss_met": r.get("rss_met"),
+            "error": (r.get("error") or "") if not (ok and base_ok) else "", "note": r.get("note") or "",
+        })
+    return rows

@@ -474,3 +474,24 @@ def _print_table(report: dict) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """This bench's rows for run_all's overall table: one per ratio (shallow: vs a key listing, --deep: vs a read)."""
+    by = {r["name"]: r for r in doc.get("results", [])}
+    rows = []
+    for q in doc.get("ratios", []):
+        a, b = by.get(q["ckpt"], {}), by.get(q["baseline"], {})
+        rss = q.get("ckpt_peak_rss_kib")
+        if q["mode"] == "shallow":
+            case = f"shallow, {doc.get('leaves', '?'):,} leaves, {q['format']}"
+        else:
+            case = f"--deep, {(doc.get('deep_bytes') or 0) / 2**30:.0f} GiB, {q['format']}"
+        rows.append({
+            "bench": "validate", "case": case,
+            "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["baseline"]), "baseline_s": b.get("best_s"),
+            "ratio": q["ratio"], "target": None if q["target"] is None else f"ckpt/baseline <= {q['target']:g}x",
+            "met": q["met"], "rss_mib": round(rss / 1024) if rss else None,
+            "error": a.get("error") or b.get("error") or "; ".join(a.get("check_errors", []) + b.get("check_errors", [])),
+        })
+    return rows
