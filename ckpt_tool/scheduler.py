@@ -762,16 +762,21 @@ class Scheduler:
     def _run_streamed(self, unit: _Unit, plan: Any, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
         streamer, passes, lasts, _ = plan
         self.stats.streamed.add((unit.lc.leaf.path, unit.index))
-        # a completed region is delivered (written) in another thread while the
-        # stream decodes on: one delivery at a time, so memory holds one region
-        # more than the plan; the stream runs alone, so the cores are free for it
+        # each decoded band is handed to another thread, which copies it into the
+        # regions it feeds and delivers (writes) the regions it completes, while
+        # this one decodes the next band: the stream runs alone, so both cores
+        # work on it. One band in hand-off at a time: the plan counts two bands.
+        # The regions it completes are written by a third thread, one at a time
+        # (memory: one region more than the plan).
         pending: list[Future[None]] = []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-deliver") as handoff:
+        writing: list[Future[None]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-feed") as handoff, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-deliver") as writer:
 
-            def hand_off(wi: int, arrays: list[np.ndarray]) -> None:
-                if pending:
-                    pending.pop().result()  # its failure stops the stream here
-                pending.append(handoff.submit(deliver, wi, arrays))
+            def write_behind(wi: int, arrays: list[np.ndarray]) -> None:
+                if writing:
+                    writing.pop().result()
+                writing.append(writer.submit(deliver, wi, arrays))
 
             try:
                 for pieces, last in zip(passes, lasts):
@@ -780,14 +785,18 @@ class Scheduler:
                     for region, data in streamer.iterate(last):
                         if region is None:
                             continue
+                        if pending:
+                            pending.pop().result()  # its failure stops the stream here
                         # the unit's admission covered its bands and assembly buffers
-                        self._feed(unit, pieces, region, data, hand_off, lazy_charge=False)
+                        pending.append(handoff.submit(self._feed, unit, pieces, region, data, write_behind, False))
             except BaseException:
-                for fut in pending:  # the first failure is the one reported
+                for fut in pending + writing:  # the first failure is the one reported
                     fut.exception()
                 raise
             while pending:
                 pending.pop().result()
+            while writing:
+                writing.pop().result()
 
     def run(self, *, on_done: Callable[[int], None] | None = None,
             on_error: Callable[[ArrayLeaf, int, CkptError], None] | None = None) -> int:
