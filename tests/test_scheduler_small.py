@@ -145,3 +145,38 @@ def test_small_archives_are_written_in_few_large_writes(tmp_path, monkeypatch):
     assert arrays
     for key, want in arrays.items():
         assert np.asarray(got[key]).tobytes() == want.tobytes(), key
+
+
+def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
+    """reshard's shape: each chunk split between two output regions; tensorstore writes the pieces in place."""
+    from ckpt_tool import scheduler as sched_mod
+
+    used = []
+    real = sched_mod.Scheduler._run_into
+    monkeypatch.setattr(sched_mod.Scheduler, "_run_into", lambda self, *a: (used.append(1), real(self, *a))[1])
+    # the fixture's leaves are small: without this they are read in batches and groups instead
+    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
+    monkeypatch.setattr(sched_mod, "GROUP_BYTES", 0)
+    name = "orbax_ocdbt_zarr2"
+    ckpt = open_checkpoint(str(fixture_path(name)))
+    reference = orbax_values(fixture_path(name))
+    got: dict = {}
+    wants = []
+    # 2-d leaves whose chunks are at least 2 wide: regions of half a chunk's columns, all rows
+    leaves = [leaf for leaf in _arrays(ckpt) if len(leaf.shape) == 2 and leaf.layout.chunk_shape[1] >= 2
+              and leaf.layout.chunk_shape[1] % 2 == 0]
+    assert leaves
+    for leaf in leaves:
+        step = leaf.layout.chunk_shape[1] // 2
+        for c in range(0, leaf.shape[1], step):
+            region = (slice(0, leaf.shape[0]), slice(c, min(c + step, leaf.shape[1])))
+            wants.append(Want([(leaf, region)], _keeper(got, (leaf.path, c)), keeps=True))
+    sched = Scheduler(wants, workers=2)
+    sched.run()
+    assert used, "no chunk was read into its regions"
+    assert set(sched.stats.decodes.values()) == {1}
+    for leaf in leaves:
+        arr = np.asarray(reference[tuple(leaf.keys)])
+        step = leaf.layout.chunk_shape[1] // 2
+        for c in range(0, leaf.shape[1], step):
+            assert got[(leaf.path, c)][0].tobytes() == np.ascontiguousarray(arr[:, c : c + step]).tobytes(), (leaf.path, c)

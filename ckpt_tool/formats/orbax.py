@@ -560,6 +560,16 @@ class _ZarrRegionReader:
         nbytes = view.size * view.dtype.numpy_dtype.itemsize
         return lambda: np.asarray(self._source.storage.wait(fut, "cannot read data", self._name, nbytes=nbytes))
 
+    def start_read_into(self, region: Region, out: np.ndarray) -> Callable[[], None]:
+        """Start reading a region straight into `out` (of the region's shape); the returned call waits."""
+        store = self._open()
+        try:
+            target = ts.array(out, copy=False)
+            fut = target.write(store[tuple(region)].translate_to[(0,) * len(region)])
+        except Exception as exc:
+            raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+        return lambda: self._source.storage.wait(fut, "cannot read data", self._name, nbytes=out.nbytes)
+
     def scalar(self) -> Any:
         value = self.read(())
         return value.item() if value.shape == () else value
