@@ -211,8 +211,9 @@ def test_server_killed_mid_read(moto, args, after):
     assert r.stdout == "" or args[0] != "inspect"
 
 
-# orbax -> dcp: 7 GETs of metadata, then 20 for chunks; dcp -> orbax: 6 of metadata, then 36 for chunks
-@pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 14), ("dcp_multirank", "orbax", 15)])
+# orbax -> dcp: 7 GETs of metadata, then fewer than 7 for chunks (small leaves are read together); dcp -> orbax:
+# 6 of metadata, then 36 for chunks
+@pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 9), ("dcp_multirank", "orbax", 15)])
 def test_server_killed_mid_convert_from_s3(moto, tmp_path, name, to, after):
     src = moto.upload(name)
     dst = tmp_path / "out"
