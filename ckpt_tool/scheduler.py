@@ -54,6 +54,8 @@ BATCH_BYTES = 8 * MiB
 # small reads started together, as one unit of work: at most this much memory and this many reads
 GROUP_BYTES = 32 * MiB
 GROUP_UNITS = 256
+# wants sharing their chunks, read region by region together: at most this much memory
+CLUSTER_BYTES = 64 * MiB
 
 def parse_memory(text: str | int) -> int:
     """--memory: '512MiB', '2GiB', '512MB' (10^6), '1G' (2^30) or plain bytes."""
@@ -355,6 +357,8 @@ class _Unit:
     batch: Region | None = None
     # a group: small units whose reads are started together, then fed one by one
     group: list["_Unit"] = field(default_factory=list)
+    # a cluster: wants that share their chunks (`members`), each read whole, all reads started together
+    cluster: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -463,7 +467,54 @@ class Scheduler:
             region = tuple(slice(0, n) for n in lc.leaf.shape)
             out.append(_Unit(lc, min(u.index for u in members), min(u.order for u in members),
                              members=members, batch=region))
-        return out
+        return self._clusters(out)
+
+    def _clusters(self, units: list[_Unit]) -> list[_Unit]:
+        """Wants that share their chunks and nothing else, read whole with their reads started together.
+
+        Per-device shards regathered (reshard: each output region takes half
+        of each of two stored chunks, each chunk feeds two regions) are
+        faster read region by region than chunk by chunk and assembled:
+        reads of one chunk started together share one decode in
+        tensorstore's cache (measured: the CPU time of reading both halves
+        at once is that of reading the chunk once), and each region comes
+        back as the array delivered, with no copy of ours.
+        """
+        plain = [u for u in units if u.want is None and u.batch is None and not u.members
+                 and decoded_cost(u.nbytes) <= self.budget]
+        parent: dict[int, int] = {}
+
+        def find(x: int) -> int:
+            while parent.setdefault(x, x) != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for unit in plain:  # wants are joined through the chunks they share
+            wis = [wi for wi, _, _ in unit.pieces]
+            for wi in wis[1:]:
+                parent[find(wis[0])] = find(wi)
+        of_root: dict[int, list[_Unit]] = {}
+        for unit in plain:
+            of_root.setdefault(find(unit.pieces[0][0]), []).append(unit)
+        limit = min(CLUSTER_BYTES, self.budget // 8)
+        taken: set[int] = set()
+        out: list[_Unit] = []
+        for members in of_root.values():
+            wants = sorted({wi for u in members for wi, _, _ in u.pieces})
+            pieces = Counter(wi for u in members for wi, _, _ in u.pieces)
+            ok = (
+                len(wants) > 1
+                and all(pieces[wi] == self.states[wi].units for wi in wants)  # no chunk of theirs elsewhere
+                and all(_starts_reads(leaf) for wi in wants for leaf, _ in self.wants[wi].parts)
+                and sum(decoded_cost(self.wants[wi].nbytes) for wi in wants) <= limit
+            )
+            if not ok:
+                continue
+            first = min(members, key=lambda u: (u.order, u.index))
+            out.append(_Unit(first.lc, first.index, first.order, members=members, cluster=wants))
+            taken.update(id(u) for u in members)
+        return out + [u for u in units if id(u) not in taken]
 
     def _grouped(self, units: list[_Unit]) -> list[_Unit]:
         """Consecutive small reads in groups whose reads start together (see `_run_group`)."""
@@ -481,7 +532,7 @@ class Scheduler:
             group, cost = [], 0
 
         for unit in units:
-            small = unit.want is None and not unit.streamed and _starts_reads(unit.lc.leaf)
+            small = unit.want is None and not unit.cluster and not unit.streamed and _starts_reads(unit.lc.leaf)
             c = self._unit_cost(unit) if small else 0
             if not small or c > limit // 4:
                 close()
@@ -498,6 +549,9 @@ class Scheduler:
         """The memory a (non-streamed) unit is admitted for."""
         if unit.group:
             return sum(self._unit_cost(m) for m in unit.group)
+        if unit.cluster:
+            return sum(decoded_cost(self.wants[wi].nbytes) for wi in unit.cluster) + max(
+                self.wants[wi].extra for wi in unit.cluster)
         if unit.want is not None:
             want = self.wants[unit.want]
             return decoded_cost(want.nbytes) + want.extra
@@ -606,24 +660,23 @@ class Scheduler:
                     deliver: Callable[[int, list[np.ndarray]], None]) -> None:
         """`n` more elements of part `pi` are in place; deliver the want when it is complete."""
         want = st.want
-        if True:
-            with st.lock:
-                st.left[pi] -= n
-                ready = not st.done and not st.failed and all(x <= 0 for x in st.left)
-                if ready:
-                    st.done = True
+        with st.lock:
+            st.left[pi] -= n
+            ready = not st.done and not st.failed and all(x <= 0 for x in st.left)
             if ready:
-                arrays = [
-                    b if b is not None else np.empty(tuple(r.stop - r.start for r in reg), dtype=dtypes.numpy_dtype(lf.dtype))
-                    for b, (lf, reg) in zip(st.bufs, want.parts)
-                ]
-                st.bufs = [None] * len(st.bufs)
-                try:
-                    deliver(wi, arrays)  # type: ignore[arg-type]
-                finally:
-                    if st.charged:
-                        self._give(st.charged)
-                        st.charged = 0
+                st.done = True
+        if ready:
+            arrays = [
+                b if b is not None else np.empty(tuple(r.stop - r.start for r in reg), dtype=dtypes.numpy_dtype(lf.dtype))
+                for b, (lf, reg) in zip(st.bufs, want.parts)
+            ]
+            st.bufs = [None] * len(st.bufs)
+            try:
+                deliver(wi, arrays)  # type: ignore[arg-type]
+            finally:
+                if st.charged:
+                    self._give(st.charged)
+                    st.charged = 0
 
     def _fail_unit(self, unit: _Unit) -> None:
         for member in unit.group:
@@ -647,7 +700,7 @@ class Scheduler:
         share its cache entry in tensorstore, so the chunk is still decoded
         once; what this saves is the whole decoded chunk as an array of its
         own and the copy out of it (per-device shards regathered by reshard:
-        4.7 s against 5.3 s for 2 GiB).
+        4.8 s against 5.1 s for 2 GiB).
         """
         start_into = unit.lc.leaf.reader.__self__.start_read_into  # type: ignore[union-attr]
         started = []
@@ -727,6 +780,27 @@ class Scheduler:
             for chunk in member.members if member.batch is not None else [member]:
                 self.stats.decodes[(chunk.lc.leaf.path, chunk.index)] += 1
                 self._feed(chunk, chunk.pieces, region, data, deliver, lazy_charge=True)
+
+    def _run_cluster(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None],
+                     on_error: Callable[[ArrayLeaf, int, CkptError], None] | None) -> None:
+        """Start every region read of the cluster's wants at once, then deliver each want."""
+        try:
+            started = [(wi, [_start_read(leaf, region) for leaf, region in self.wants[wi].parts])
+                       for wi in unit.cluster]
+            arrays = [(wi, [finish() for finish in handles]) for wi, handles in started]
+        except CkptError:
+            self._run_members(unit, deliver, on_error)  # which chunk failed, each with its own error
+            return
+        for member in unit.members:
+            self.stats.decodes[(member.lc.leaf.path, member.index)] += 1
+        for wi, got in arrays:
+            st = self.states[wi]
+            with st.lock:
+                if st.failed or st.done:
+                    continue
+                st.done = True
+                st.left = [0] * len(st.left)
+            deliver(wi, got)
 
     def _run_members(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None],
                      on_error: Callable[[ArrayLeaf, int, CkptError], None] | None) -> None:
@@ -875,6 +949,8 @@ class Scheduler:
             try:
                 if unit.group:
                     self._run_group(unit, deliver, on_error)
+                elif unit.cluster:
+                    self._run_cluster(unit, deliver, on_error)
                 elif unit.want is not None:
                     self._run_want(unit, deliver, on_error)
                 elif unit.batch is not None:

@@ -157,6 +157,7 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
     # the fixture's leaves are small: without this they are read in batches and groups instead
     monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
     monkeypatch.setattr(sched_mod, "GROUP_BYTES", 0)
+    monkeypatch.setattr(sched_mod, "CLUSTER_BYTES", 0)  # (else the two regions read as a cluster: below)
     name = "orbax_ocdbt_zarr2"
     ckpt = open_checkpoint(str(fixture_path(name)))
     reference = orbax_values(fixture_path(name))
@@ -180,3 +181,56 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
         step = leaf.layout.chunk_shape[1] // 2
         for c in range(0, leaf.shape[1], step):
             assert got[(leaf.path, c)][0].tobytes() == np.ascontiguousarray(arr[:, c : c + step]).tobytes(), (leaf.path, c)
+
+
+def test_regions_sharing_their_chunks_are_read_as_a_cluster(monkeypatch):
+    """The same shape without its chunks read into place: each region read whole, all reads started together."""
+    from ckpt_tool import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
+    name = "orbax_ocdbt_zarr2"
+    ckpt = open_checkpoint(str(fixture_path(name)))
+    reference = orbax_values(fixture_path(name))
+    got: dict = {}
+    wants = []
+    leaves = [leaf for leaf in _arrays(ckpt) if len(leaf.shape) == 2 and leaf.layout.chunk_shape[1] >= 2
+              and leaf.layout.chunk_shape[1] % 2 == 0]
+    for leaf in leaves:
+        step = leaf.layout.chunk_shape[1] // 2
+        for c in range(0, leaf.shape[1], step):
+            region = (slice(0, leaf.shape[0]), slice(c, min(c + step, leaf.shape[1])))
+            wants.append(Want([(leaf, region)], _keeper(got, (leaf.path, c)), keeps=True))
+    sched = Scheduler(wants, workers=2)
+    clusters = [u for u in sched.units if u.cluster]
+    assert clusters and sum(len(u.cluster) for u in clusters) == len(wants)
+    sched.run()
+    total = sum(len(stored_chunks(leaf.shape, leaf.layout)) for leaf in leaves)
+    assert sched.planned_chunks == total and sum(sched.stats.decodes.values()) == total
+    for leaf in leaves:
+        arr = np.asarray(reference[tuple(leaf.keys)])
+        step = leaf.layout.chunk_shape[1] // 2
+        for c in range(0, leaf.shape[1], step):
+            assert got[(leaf.path, c)][0].tobytes() == np.ascontiguousarray(arr[:, c : c + step]).tobytes(), (leaf.path, c)
+
+
+def test_damaged_chunk_in_a_cluster_is_reported_as_that_chunk(tmp_path, monkeypatch):
+    """A cluster whose read fails is decoded chunk by chunk: one finding, naming the bad chunk."""
+    from ckpt_tool import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
+    src = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("orbax_plain_zarr2"), src)
+    chunk = src / "layers.0.w" / "1.1"
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    ckpt = open_checkpoint(str(src))
+    leaf = next(l for l in _arrays(ckpt) if l.path == "layers/0/w")
+    step = leaf.layout.chunk_shape[1] // 2
+    wants = [Want([(leaf, (slice(0, leaf.shape[0]), slice(c, c + step)))], lambda arrays: 0)
+             for c in range(0, leaf.shape[1], step)]
+    sched = Scheduler(wants, workers=2)
+    assert any(u.cluster for u in sched.units)
+    failed = []
+    sched.run(on_error=lambda lf, index, exc: failed.append((lf.path, index)))
+    chunks = stored_chunks(leaf.shape, leaf.layout)
+    bad = [i for i, c in enumerate(chunks) if c.offsets == (2, 4)]
+    assert failed == [("layers/0/w", bad[0])], failed

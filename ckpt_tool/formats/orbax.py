@@ -9,9 +9,7 @@ array data is read on request through tensorstore.
 """
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import re
 import threading
 from dataclasses import dataclass, field
