@@ -276,7 +276,7 @@ class _ZipBuilder:
 
 # every archive of a checkpoint repeats the same few small records (data.pkl of one
 # dtype and shape, the version records) and the same record names: computed once
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=512)  # at most 2 MiB of records kept
 def _small_crc(data: bytes) -> int:
     return crc32(data)
 
