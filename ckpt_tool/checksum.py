@@ -10,8 +10,52 @@ from __future__ import annotations
 from typing import Any
 
 from zlib_ng.zlib_ng import crc32 as _crc32
+from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 
 
 def crc32(data: Any, value: int = 0) -> int:
     """The CRC-32 of a bytes-like object, continuing from `value`."""
     return _crc32(data, value)
+
+
+def crc32_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC-32 of A + B from the CRC-32s of A and B (B of `second_length` bytes):
+    pieces of one member read apart (bands, in any order) check it without a second read."""
+    return _crc32_combine(first, second, second_length)
+
+
+class CrcTiling:
+    """The CRC-32 of one byte range [start, end), put together from the CRC-32s
+    of pieces of it read in any order.
+
+    Pieces that continue the checked prefix extend it; others wait (at most
+    `max_pending`, beyond which tiling gives up and the caller falls back to
+    reading the range once more). Overlapping pieces that do not continue
+    the prefix never extend it.
+    """
+
+    def __init__(self, start: int, end: int, max_pending: int = 4096) -> None:
+        self.end = end
+        self._prefix_end = start
+        self._prefix_crc = 0
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._max_pending = max_pending
+        self.gave_up = False
+
+    def add(self, start: int, end: int, crc: int) -> int | None:
+        """Add the CRC-32 of [start, end); the CRC-32 of the whole range once it is covered, else None."""
+        if self.gave_up or end <= self._prefix_end or start < self._prefix_end:
+            return None  # read before (an overlap), or a re-read of what is already counted
+        if start > self._prefix_end:
+            if len(self._pending) >= self._max_pending:
+                self.gave_up, self._pending = True, {}
+                return None
+            self._pending.setdefault(start, (end, crc))
+            return None
+        self._prefix_crc = crc32_combine(self._prefix_crc, crc, end - start)
+        self._prefix_end = end
+        while self._prefix_end in self._pending:
+            nxt_end, nxt_crc = self._pending.pop(self._prefix_end)
+            self._prefix_crc = crc32_combine(self._prefix_crc, nxt_crc, nxt_end - self._prefix_end)
+            self._prefix_end = nxt_end
+        return self._prefix_crc if self._prefix_end == self.end else None

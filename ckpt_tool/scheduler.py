@@ -234,8 +234,14 @@ class _Streamer:
             out.append(slice(lo, hi))
         return tuple(out)
 
-    def iterate(self, last: int) -> Any:
-        """(band region in array coordinates or None, decoded band clipped) for bands 0..last."""
+    def iterate(self, last: int, first: int = 0) -> Any:
+        """(band region in array coordinates or None, decoded band clipped) for bands first..last.
+
+        A compressed zarr chunk is a stream: its bands before `first` are
+        decoded too (and handed out, to no piece). A DCP chunk is read by byte
+        ranges: a pass reads only its own bands, so several passes over one
+        chunk read each band once, not the chunk's head again each time.
+        """
         if self.zarr is not None:
             from .codecs import ChunkStream
 
@@ -254,7 +260,7 @@ class _Streamer:
             finally:
                 stream.close()
             return
-        for band in self.bands[: last + 1]:
+        for band in self.bands[first : last + 1]:
             region = self.global_band(band)
             yield region, (self.lc.leaf.read(region) if region is not None else None)
 
@@ -841,8 +847,10 @@ class Scheduler:
             st.left = [0] * len(st.left)
         deliver(wi, arrays)
 
-    def _plan_stream(self, unit: _Unit) -> tuple[_Streamer, list[list[tuple[int, int, Region]]], list[int], int]:
-        """How a chunk is streamed: (streamer, pieces of each pass, last band of each pass, memory it takes).
+    def _plan_stream(
+        self, unit: _Unit
+    ) -> tuple[_Streamer, list[list[tuple[int, int, Region]]], list[tuple[int, int]], int]:
+        """How a chunk is streamed: (streamer, pieces of each pass, (first, last) band of each pass, memory it takes).
 
         A piece needs an assembly buffer from its first band to its last unless
         it lies in one band (and is all its want needs); the passes keep the
@@ -870,7 +878,7 @@ class Scheduler:
         limit = max(self.band, self.budget - 2 * self.band)
         groups = _group(spans, limit)
         passes = [[s[3] for s in g] for g in groups]
-        lasts = [max(s[1] for s in g) for g in groups]
+        bounds = [(min(s[0] for s in g), max(s[1] for s in g)) for g in groups]
         peak = 0
         for g in groups:
             load: Counter = Counter()
@@ -878,10 +886,10 @@ class Scheduler:
                 for b in range(first, last + 1):
                     load[b] += nbytes
             peak = max(peak, max(load.values(), default=0))
-        return streamer, passes, lasts, peak + 2 * self.band
+        return streamer, passes, bounds, peak + 2 * self.band
 
     def _run_streamed(self, unit: _Unit, plan: Any, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
-        streamer, passes, lasts, _ = plan
+        streamer, passes, bounds, _ = plan
         self.stats.streamed.add((unit.lc.leaf.path, unit.index))
         # each decoded band is handed to another thread, which copies it into the
         # regions it feeds and delivers (writes) the regions it completes, while
@@ -900,10 +908,10 @@ class Scheduler:
                 writing.append(writer.submit(deliver, wi, arrays))
 
             try:
-                for pieces, last in zip(passes, lasts):
+                for pieces, (first, last) in zip(passes, bounds):
                     self.stats.decodes[(unit.lc.leaf.path, unit.index)] += 1
                     self.stats.passes += 1
-                    for region, data in streamer.iterate(last):
+                    for region, data in streamer.iterate(last, first):
                         if region is None:
                             continue
                         if pending:

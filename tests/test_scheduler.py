@@ -187,6 +187,77 @@ def test_dcp_whole_tensor_chunk_to_orbax_exact(ckpts, tmp_path):
     _same(orbax_values(dst), dcp_values(ckpts / "dcp"))
 
 
+class _BytesRead:
+    """Bytes read per key through the Storage layer (the real reads, counted on the way)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from ckpt_tool.storage import Storage
+
+        self.bytes: dict[str, int] = {}
+        read_range, read_range_into = Storage.read_range, Storage.read_range_into
+
+        def counted_range(storage, key, start, end):
+            self.bytes[key] = self.bytes.get(key, 0) + end - start
+            return read_range(storage, key, start, end)
+
+        def counted_into(storage, key, start, buffer):
+            self.bytes[key] = self.bytes.get(key, 0) + memoryview(buffer).nbytes
+            return read_range_into(storage, key, start, buffer)
+
+        monkeypatch.setattr(Storage, "read_range", counted_range)
+        monkeypatch.setattr(Storage, "read_range_into", counted_into)
+
+    def distcp(self) -> int:
+        return sum(n for k, n in self.bytes.items() if k.endswith(".distcp"))
+
+
+def _distcp_size(path: Path) -> int:
+    """The .distcp bytes, plus the small reads of zip records (locating a payload, checking an entry's end)."""
+    return sum(f.stat().st_size for f in path.glob("*.distcp")) + 2**20
+
+
+def test_dcp_chunk_over_the_budget_is_read_once_by_deep_validate(ckpts, monkeypatch):
+    """--deep reads a DCP chunk larger than --memory in bands; its CRC-32 is put
+    together from the bands, not checked by reading the chunk a second time."""
+    counted = _BytesRead(monkeypatch)
+    doc = _cli("validate", str(ckpts / "dcp"), "--deep", "--memory", MEMORY)
+    assert doc["ok"], doc
+    assert 24 * 2**20 < counted.distcp() <= _distcp_size(ckpts / "dcp"), counted.bytes
+
+
+def test_dcp_chunk_over_the_budget_with_a_flipped_bit_fails_its_crc(ckpts, tmp_path, monkeypatch):
+    bad = tmp_path / "dcp"
+    shutil.copytree(ckpts / "dcp", bad)
+    (data,) = [f for f in bad.glob("*.distcp") if f.stat().st_size > 24 * 2**20]
+    with open(data, "r+b") as f:  # inside the 24 MiB tensor's bytes, far from its zip records
+        f.seek(f.seek(0, os.SEEK_END) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    counted = _BytesRead(monkeypatch)
+    res = runner.invoke(cli, ["validate", str(bad), "--deep", "--memory", MEMORY, "--json"])
+    assert res.exit_code == 1, res.output
+    (problem,) = [f for f in json.loads(res.output)["findings"] if f["severity"] == "error"]
+    assert problem["code"] == "bad-chunk" and "CRC-32" in problem["message"] and problem["leaf"] == "big"
+    assert counted.distcp() <= _distcp_size(bad)
+    # convert refuses it too, in one line, leaving no output
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", str(bad), str(tmp_path / "out"), "--to",
+                           "orbax", "--memory", MEMORY], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "CRC-32" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["dcp"]
+
+
+def test_dcp_chunk_served_in_passes_is_read_once(ckpts, tmp_path, monkeypatch):
+    """A DCP chunk is read by byte ranges: when its output regions are served in
+    several passes (a budget smaller than their assembly buffers), each pass
+    reads its own bands, not the chunk from its first row again."""
+    counted = _BytesRead(monkeypatch)
+    dst = tmp_path / "out"
+    _cli("convert", str(ckpts / "dcp"), str(dst), "--to", "orbax", "--memory", "16MiB")
+    assert counted.distcp() <= _distcp_size(ckpts / "dcp"), counted.bytes
+    _same(orbax_values(dst), dcp_values(ckpts / "dcp"))
+
+
 def test_reshard_exact(ckpts, tmp_path):
     from test_reshard import _restore
 

@@ -505,6 +505,10 @@ class _TensorReader:
         # a chunk's payload location (from its zip headers) never changes: keep it
         self._located: dict[int, TensorPayload] = {}
         self._decoded_lengths: dict[int, int] = {}  # transformed entries: decoded archive sizes
+        # chunks read in parts (bands of a chunk larger than the budget): their
+        # storage member's CRC-32 put together from the parts as they are read
+        self._crc_tiles: dict[int, Any] = {}  # chunk -> checksum.CrcTiling
+        self._crc_checked: set[int] = set()
         self._lock = threading.Lock()
 
     def __call__(self, region: Region) -> np.ndarray:
@@ -544,20 +548,51 @@ class _TensorReader:
         if len(tasks) == 1 and covered == volume:
             # one chunk covers the region: its decoded array is the answer (no second copy)
             (index, local, _), (payload, fetch, where) = tasks[0], sources[0]
-            return _payload_module().read_region(payload, local, fetch, where, self._fetch_into(index, where))
+            return _payload_module().read_region(
+                payload, local, fetch, where, self._fetch_into(index, where), self._on_span(index, payload, where)
+            )
         out = np.empty(out_shape, dtype=self._dtype)
 
         def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str]]) -> None:
             (i, local, target), (payload, fetch, where) = args
-            out[target] = _payload_module().read_region(payload, local, fetch, where, self._fetch_into(i, where))
+            out[target] = _payload_module().read_region(
+                payload, local, fetch, where, self._fetch_into(i, where), self._on_span(i, payload, where)
+            )
 
         _map(copy, list(zip(tasks, sources)))
         return out
 
     def verify_chunk(self, i: int) -> None:
-        """Stream chunk i's stored bytes through its CRC-32 (for chunks read in blocks)."""
+        """Check chunk i's CRC-32 (for chunks read in blocks): done already if
+        its blocks tiled its storage member, else by streaming its bytes once more."""
+        with self._lock:
+            if i in self._crc_checked:
+                return
         payload, fetch, where = self._locate(i)
         _payload_module().verify_crc(payload, fetch, where)
+
+    def _on_span(self, i: int, payload: TensorPayload, where: str) -> Callable[[int, int, int], None]:
+        """What read_region tells of a part of chunk i it read: the part's CRC-32, tiled into the member's."""
+
+        def on_span(start: int, end: int, crc: int) -> None:
+            with self._lock:
+                if i in self._crc_checked:
+                    return
+                tiles = self._crc_tiles.get(i)
+                if tiles is None:
+                    from ..checksum import CrcTiling  # (zlib-ng: only once data is read)
+
+                    tiles = self._crc_tiles[i] = CrcTiling(payload.data_offset, payload.data_offset + payload.data_length)
+                whole = tiles.add(start, end, crc)
+                if whole is None:
+                    return
+                del self._crc_tiles[i]
+                if whole == payload.data_crc:
+                    self._crc_checked.add(i)
+                    return
+            raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
+
+        return on_span
 
     def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
         """Every element of the region must come from some chunk (no uninitialised output)."""

@@ -489,14 +489,23 @@ def load_value(data: bytes, where: str) -> Any:
 
 
 def read_region(
-    payload: TensorPayload, region: Region | None, fetch: Fetch, where: str, fetch_into: FetchInto | None = None
+    payload: TensorPayload,
+    region: Region | None,
+    fetch: Fetch,
+    where: str,
+    fetch_into: FetchInto | None = None,
+    on_span: Callable[[int, int, int], None] | None = None,
 ) -> np.ndarray:
     """Read `region` (slices local to the tensor) of a located tensor into numpy.
 
     Only the byte span from the region's first to its last element is fetched;
     strides (non-contiguous tensors) and the storage offset are applied here.
     Given `fetch_into`, a region whose bytes lie contiguous and in C order
-    (the usual case: a whole chunk) is read straight into the result.
+    (the usual case: a whole chunk) is read straight into the result. A read
+    of the whole storage member is checked against its CRC-32 here; of a part
+    of it, `on_span(start, end, crc)` is told the CRC-32 of the bytes read, so
+    the caller can check the member once its parts tile it (a chunk read in
+    bands is then never read a second time only for its checksum).
     """
     region = _full_region(payload.shape) if region is None else region
     dtype = dtypes.numpy_dtype(payload.dtype)
@@ -514,6 +523,8 @@ def read_region(
         fetch_into(start, flat)
         if payload.data_crc and whole_storage and crc32(flat) != payload.data_crc:
             raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
+        if payload.data_crc and on_span is not None and not whole_storage:
+            on_span(start, end, crc32(flat))  # before the view bits change the buffer
         return _apply_view_bits(_to_native(out) if payload.big_endian else out, payload)
     raw = fetch(start, end)
     if len(raw) != end - start:
@@ -522,6 +533,8 @@ def read_region(
     if payload.data_crc and whole_storage:
         if crc32(raw) != payload.data_crc:
             raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
+    elif payload.data_crc and on_span is not None:
+        on_span(start, end, crc32(raw))
     itemsize = dtype.itemsize
     # stride over opaque items: as_strided goes through __array_interface__,
     # which cannot spell some ml_dtypes (float8 variants); view back after copying

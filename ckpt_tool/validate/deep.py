@@ -132,7 +132,8 @@ def deep_check(
     done_bytes = scheduler.run(on_done=lambda n: progress("read", n, total_bytes), on_error=failed)
 
     # a chunk decoded as a stream (in bands) never passes through its checksum
-    # whole: stream it once more through the format's verifier
+    # whole: the format's verifier checks it (DCP: from the bands' CRC-32s
+    # when they tiled the chunk's storage, else by streaming it once more)
     verify = [
         (leaf, index) for leaf in leaves if leaf.verifier is not None and not stats[leaf.path].failed
         for index in range(len(stored_chunks(leaf.shape, leaf.layout))) if not scheduler.decodes_whole(leaf, index)
