@@ -27,8 +27,14 @@ from . import dtypes
 from .errors import CkptError
 from .storage import Storage
 
-# compressed bytes fetched per range read
+# compressed bytes fetched per range read (at most; smaller under a small budget)
 WINDOW_BYTES = 8 * 2**20
+
+
+def window_bytes(budget: int) -> int:
+    """The compressed window under a memory budget: a stream holds three at a
+    time (scheduler.py counts them), so a small budget gets small windows."""
+    return max(256 * 2**10, min(WINDOW_BYTES, budget // 32))
 
 
 class ByteStream(Protocol):
@@ -138,10 +144,10 @@ class _Zlib:
         return got
 
 
-def _zstd(src: _WindowedSource) -> ByteStream:
+def _zstd(src: _WindowedSource, window: int) -> ByteStream:
     import zstandard
 
-    return zstandard.ZstdDecompressor().stream_reader(src, read_size=WINDOW_BYTES, read_across_frames=False)
+    return zstandard.ZstdDecompressor().stream_reader(src, read_size=window, read_across_frames=False)
 
 
 def zarr2_stream_problem(zmeta: dict[str, Any]) -> str | None:
@@ -208,7 +214,7 @@ class ChunkStream:
     """The decoded bytes of one stored zarr chunk (v2, or v3 as orbax writes it), read front to back."""
 
     def __init__(self, storage: Storage, key: str, zmeta: dict[str, Any], stored_nbytes: int,
-                 zarr3: bool = False) -> None:
+                 zarr3: bool = False, window: int = WINDOW_BYTES) -> None:
         problem = zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
         if problem:
             raise CkptError(f"cannot decode as a stream: {problem}", key)
@@ -225,10 +231,10 @@ class ChunkStream:
             comp = zmeta.get("compressor")
             cid = comp.get("id") if isinstance(comp, dict) else None
             self._np_dtype = _zarr2_numpy_dtype(zmeta)
-        self._src = _WindowedSource(storage, key, size, start=start)
+        self._src = _WindowedSource(storage, key, size, window=window, start=start)
         self.codec = cid or "raw"
         if cid == "zstd":
-            self._stream: ByteStream = _zstd(self._src)
+            self._stream: ByteStream = _zstd(self._src, window)
         elif cid == "gzip":
             self._stream = _Zlib(self._src, 16 + zlib.MAX_WBITS)
         elif cid == "zlib":

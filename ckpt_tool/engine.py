@@ -455,8 +455,8 @@ def stream(
                 wants.append(Want([(leaf, region)], _copier(writer, target, index, region), keeps=True))
                 total += math.prod(r.stop - r.start for r in region) * itemsize
             n += 1
-    # the Orbax writer keeps up to this many bytes copied into tensorstore, not yet committed
-    reserve = int(getattr(writer, "pending_bytes_limit", None) or getattr(writer, "_max_pending", 0) or 0)
+    # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
+    reserve = int(getattr(writer, "pending_bytes_limit", 0) or 0)
     scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve)
     progress("write", 0, total)
     done = scheduler.run(on_done=lambda n: progress("write", n, total))
@@ -603,15 +603,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None) -> CheckpointWriter:
+def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None,
+                memory: int = DEFAULT_MEMORY) -> CheckpointWriter:
     if fmt == "dcp":
         from .formats.dcp_writer import DcpWriter
 
         return DcpWriter(storage)
     if fmt == "orbax":
-        from .formats.orbax_writer import OrbaxWriter
+        from .formats.orbax_writer import OrbaxWriter, pending_window
 
-        return OrbaxWriter(storage, zarr3=zarr3)
+        return OrbaxWriter(storage, zarr3=zarr3, max_pending_bytes=pending_window(memory))
     if fmt == "safetensors":
         from .formats.safetensors_writer import SafetensorsWriter
 
@@ -686,7 +687,8 @@ def convert(
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output
     with _terminate_unwinds():
         try:
-            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3, max_shard_size=opts.max_shard_size)
+            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3, max_shard_size=opts.max_shard_size,
+                                 memory=opts.memory)
             writer.begin(plan)
             rank, size = coord.process_index, coord.process_count
             # a writer whose files each belong to one process (safetensors) says who writes what

@@ -195,9 +195,10 @@ def band_bytes(memory: int) -> int:
 class _Streamer:
     """Bands of one stored chunk, in C order, decoded once front to back."""
 
-    def __init__(self, lc: _LeafChunks, index: int, band: int) -> None:
+    def __init__(self, lc: _LeafChunks, index: int, band: int, window: int) -> None:
         self.lc = lc
         self.index = index
+        self.window = window  # compressed bytes per read (codecs.window_bytes)
         chunk = lc.chunks[index]
         self.chunk = chunk
         leaf = lc.leaf
@@ -210,6 +211,13 @@ class _Streamer:
             # zarr stores edge chunks padded to the whole chunk shape
             self.stored_shape = tuple(leaf.layout.chunk_shape)
         self.bands = _bands(self.stored_shape, lc.itemsize, band)
+
+    def decoder_bytes(self) -> int:
+        """Memory the decoder holds besides the bands: a compressed zarr chunk's
+        windows (the one being decoded, the one fetched ahead, and the next
+        fetch started as the decoder takes it); DCP bands are read straight
+        into their buffers."""
+        return 0 if self.zarr is None else 3 * self.window
 
     def problem(self) -> str | None:
         """Why this chunk cannot be streamed, or None."""
@@ -246,7 +254,8 @@ class _Streamer:
             from .codecs import ChunkStream
 
             storage, key, zmeta, zarr3 = self.zarr
-            stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize, zarr3)
+            stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize, zarr3,
+                                 window=self.window)
             try:
                 for i, band in enumerate(self.bands[: last + 1]):
                     data = stream.read_band(tuple(b.stop - b.start for b in band))
@@ -380,6 +389,9 @@ class Scheduler:
         self.budget = max(MIN_MEMORY // 2, memory - reserve)
         self.workers = max(1, workers)
         self.band = band_bytes(self.budget)
+        from .codecs import window_bytes
+
+        self.window = window_bytes(self.budget)
         self.wants = list(wants)
         self.stats = ReadStats(budget=memory)
         self._leaves: dict[int, _LeafChunks] = {}
@@ -603,7 +615,7 @@ class Scheduler:
         for unit in self.units:
             if not unit.streamed:
                 continue
-            problem = _Streamer(unit.lc, unit.index, self.band).problem()
+            problem = _Streamer(unit.lc, unit.index, self.band, self.window).problem()
             if problem:
                 need = self._memory_needed(unit)
                 raise CkptError(
@@ -856,7 +868,7 @@ class Scheduler:
         it lies in one band (and is all its want needs); the passes keep the
         buffers open at any band within the budget.
         """
-        streamer = _Streamer(unit.lc, unit.index, self.band)
+        streamer = _Streamer(unit.lc, unit.index, self.band, self.window)
         problem = streamer.problem()
         if problem:
             need = self._memory_needed(unit)
@@ -875,7 +887,7 @@ class Scheduler:
             direct = first == last and len(st.want.parts) == 1 and st.units == 1
             spans.append((first, last, (0 if direct else st.want.nbytes) + st.want.extra, (wi, pi, inter)))
         del bands
-        limit = max(self.band, self.budget - 2 * self.band)
+        limit = max(self.band, self.budget - 2 * self.band - streamer.decoder_bytes())
         groups = _group(spans, limit)
         passes = [[s[3] for s in g] for g in groups]
         bounds = [(min(s[0] for s in g), max(s[1] for s in g)) for g in groups]
@@ -886,7 +898,7 @@ class Scheduler:
                 for b in range(first, last + 1):
                     load[b] += nbytes
             peak = max(peak, max(load.values(), default=0))
-        return streamer, passes, bounds, peak + 2 * self.band
+        return streamer, passes, bounds, peak + 2 * self.band + streamer.decoder_bytes()
 
     def _run_streamed(self, unit: _Unit, plan: Any, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
         streamer, passes, bounds, _ = plan

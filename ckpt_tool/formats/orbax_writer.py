@@ -84,6 +84,11 @@ _EMPTY_TYPES = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
 DEFAULT_MAX_PENDING_BYTES = 64 * 2**20  # with the engine's in-flight chunks, keeps a convert under ~512 MiB
 
 
+def pending_window(memory: int) -> int:
+    """The write-behind window under a --memory budget: 64 MiB from 512 MiB up, an eighth below."""
+    return max(4 * 2**20, min(DEFAULT_MAX_PENDING_BYTES, memory // 8))
+
+
 class UnsupportedValueError(UnsupportedLeafError):
     """A leaf Orbax cannot hold (e.g. a non-empty list or a bytes object)."""
 
@@ -399,6 +404,13 @@ class OrbaxWriter:
         return self._storage.wait(fut, "cannot open the output array", leaf.name)
 
     # -- the protocol ------------------------------------------------------------
+
+    @property
+    def pending_bytes_limit(self) -> int:
+        """Memory the writer holds besides the reader's (the engine's reserve): the
+        window of decoded bytes copied into tensorstore, and their encoded copy
+        while tensorstore commits them."""
+        return 2 * self._max_pending
 
     def begin(self, plan: WritePlan) -> None:
         if self._state != "new":
