@@ -354,6 +354,16 @@ class _WantState:
         self.lock = threading.Lock()
         self.units = 0  # units feeding it
 
+    def take_whole(self) -> bool:
+        """Mark the want as read whole (nothing left to assemble); False if it
+        failed or another unit already delivered it."""
+        with self.lock:
+            if self.failed or self.done:
+                return False
+            self.done = True
+            self.left = [0] * len(self.left)
+            return True
+
 
 @dataclass
 class _Unit:
@@ -812,13 +822,8 @@ class Scheduler:
         for member in unit.members:
             self.stats.decodes[(member.lc.leaf.path, member.index)] += 1
         for wi, got in arrays:
-            st = self.states[wi]
-            with st.lock:
-                if st.failed or st.done:
-                    continue
-                st.done = True
-                st.left = [0] * len(st.left)
-            deliver(wi, got)
+            if self.states[wi].take_whole():
+                deliver(wi, got)
 
     def _run_members(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None],
                      on_error: Callable[[ArrayLeaf, int, CkptError], None] | None) -> None:
@@ -852,12 +857,8 @@ class Scheduler:
             return
         for member in unit.members:
             self.stats.decodes[(member.lc.leaf.path, member.index)] += 1
-        with st.lock:
-            if st.failed or st.done:
-                return
-            st.done = True
-            st.left = [0] * len(st.left)
-        deliver(wi, arrays)
+        if st.take_whole():
+            deliver(wi, arrays)
 
     def _plan_stream(
         self, unit: _Unit

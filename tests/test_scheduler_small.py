@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -158,12 +159,23 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
     monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
     monkeypatch.setattr(sched_mod, "GROUP_BYTES", 0)
     monkeypatch.setattr(sched_mod, "CLUSTER_BYTES", 0)  # (else the two regions read as a cluster: below)
+    leaves, wants, check = _half_chunk_wants()
+    sched = Scheduler(wants, workers=2)
+    sched.run()
+    assert used, "no chunk was read into its regions"
+    assert set(sched.stats.decodes.values()) == {1}
+    check()
+
+
+def _half_chunk_wants() -> tuple[list, list[Want], Callable[[], None]]:
+    """Reshard's shape on orbax_ocdbt_zarr2: each 2-d leaf whose chunks are an even number (>= 2) of
+    columns wide, read as regions of half a chunk's columns and all rows, so each chunk feeds two
+    regions. (leaves, wants, check): check() compares what the wants got with orbax's restore."""
     name = "orbax_ocdbt_zarr2"
     ckpt = open_checkpoint(str(fixture_path(name)))
     reference = orbax_values(fixture_path(name))
     got: dict = {}
     wants = []
-    # 2-d leaves whose chunks are at least 2 wide: regions of half a chunk's columns, all rows
     leaves = [leaf for leaf in _arrays(ckpt) if len(leaf.shape) == 2 and leaf.layout.chunk_shape[1] >= 2
               and leaf.layout.chunk_shape[1] % 2 == 0]
     assert leaves
@@ -172,15 +184,16 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
         for c in range(0, leaf.shape[1], step):
             region = (slice(0, leaf.shape[0]), slice(c, min(c + step, leaf.shape[1])))
             wants.append(Want([(leaf, region)], _keeper(got, (leaf.path, c)), keeps=True))
-    sched = Scheduler(wants, workers=2)
-    sched.run()
-    assert used, "no chunk was read into its regions"
-    assert set(sched.stats.decodes.values()) == {1}
-    for leaf in leaves:
-        arr = np.asarray(reference[tuple(leaf.keys)])
-        step = leaf.layout.chunk_shape[1] // 2
-        for c in range(0, leaf.shape[1], step):
-            assert got[(leaf.path, c)][0].tobytes() == np.ascontiguousarray(arr[:, c : c + step]).tobytes(), (leaf.path, c)
+
+    def check() -> None:
+        for leaf in leaves:
+            arr = np.asarray(reference[tuple(leaf.keys)])
+            step = leaf.layout.chunk_shape[1] // 2
+            for c in range(0, leaf.shape[1], step):
+                want = np.ascontiguousarray(arr[:, c : c + step]).tobytes()
+                assert got[(leaf.path, c)][0].tobytes() == want, (leaf.path, c)
+
+    return leaves, wants, check
 
 
 def test_regions_sharing_their_chunks_are_read_as_a_cluster(monkeypatch):
@@ -188,29 +201,14 @@ def test_regions_sharing_their_chunks_are_read_as_a_cluster(monkeypatch):
     from ckpt_tool import scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
-    name = "orbax_ocdbt_zarr2"
-    ckpt = open_checkpoint(str(fixture_path(name)))
-    reference = orbax_values(fixture_path(name))
-    got: dict = {}
-    wants = []
-    leaves = [leaf for leaf in _arrays(ckpt) if len(leaf.shape) == 2 and leaf.layout.chunk_shape[1] >= 2
-              and leaf.layout.chunk_shape[1] % 2 == 0]
-    for leaf in leaves:
-        step = leaf.layout.chunk_shape[1] // 2
-        for c in range(0, leaf.shape[1], step):
-            region = (slice(0, leaf.shape[0]), slice(c, min(c + step, leaf.shape[1])))
-            wants.append(Want([(leaf, region)], _keeper(got, (leaf.path, c)), keeps=True))
+    leaves, wants, check = _half_chunk_wants()
     sched = Scheduler(wants, workers=2)
     clusters = [u for u in sched.units if u.cluster]
     assert clusters and sum(len(u.cluster) for u in clusters) == len(wants)
     sched.run()
     total = sum(len(stored_chunks(leaf.shape, leaf.layout)) for leaf in leaves)
     assert sched.planned_chunks == total and sum(sched.stats.decodes.values()) == total
-    for leaf in leaves:
-        arr = np.asarray(reference[tuple(leaf.keys)])
-        step = leaf.layout.chunk_shape[1] // 2
-        for c in range(0, leaf.shape[1], step):
-            assert got[(leaf.path, c)][0].tobytes() == np.ascontiguousarray(arr[:, c : c + step]).tobytes(), (leaf.path, c)
+    check()
 
 
 def test_damaged_chunk_in_a_cluster_is_reported_as_that_chunk(tmp_path, monkeypatch):
