@@ -15,15 +15,12 @@ are what makes the output a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
-import os
+import os  # noqa: F401 - tests patch engine.os (the output layer's os calls)
 import re
-import shutil
 import signal
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -34,12 +31,12 @@ from .errors import CkptError, UnsupportedLeafError
 from .findings import Progress, no_progress
 from .parallel import default_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
-from .formats import TMP_MARKER
 from .model import (
     ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
     grid_chunks, parse_rename_rules, split_to_cap, stored_chunks,
 )
-from .storage import Storage, _kvstore_spec
+from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
+from .storage import Storage
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
 # Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
@@ -81,6 +78,8 @@ class ConvertResult:
     cast: list[str] = field(default_factory=list)
     process_index: int = 0
     process_count: int = 1
+    # what was done with temporary outputs of killed runs beside DST, one line each (output.py)
+    cleanup: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +89,7 @@ class ConvertResult:
             "seconds": round(self.seconds, 3),
             "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
             "cast": self.cast, "process_index": self.process_index, "process_count": self.process_count,
+            "cleanup": self.cleanup,
         }
 
 
@@ -475,85 +475,9 @@ def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: R
 
 
 # -- the output directory -------------------------------------------------------
-
-
-def _same_or_inside(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
-
-
-@dataclass
-class OutputDir:
-    """Where the writer writes, and how it becomes the destination."""
-
-    destination: str
-    write_url: str
-    local_tmp: str | None  # local: the temporary directory renamed into place
-
-    def storage(self) -> Storage:
-        return Storage.create(self.write_url)
-
-
-def prepare_output(source: str, destination: str, *, overwrite: bool, shared_name: bool = False) -> OutputDir:
-    _, src_local = _kvstore_spec(source)
-    _, dst_local = _kvstore_spec(destination)
-    if dst_local is None:
-        # object stores: no rename; the commit markers written last make it a checkpoint
-        dst = Storage.create(destination)
-        if dst.list() and not overwrite:
-            raise CkptError("destination exists (use --overwrite to replace it)", destination)
-        if overwrite:
-            dst.delete_all()
-        return OutputDir(destination, destination, None)
-    if src_local is not None and _same_or_inside(src_local, dst_local):
-        raise CkptError("destination is the source or inside it; the source is never written", destination)
-    if os.path.lexists(dst_local) and not overwrite:
-        raise CkptError("destination exists (use --overwrite to replace it)", destination)
-    parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as exc:
-        raise CkptError(f"cannot create the parent directory: {exc.strerror or exc}", destination) from None
-    base = os.path.basename(dst_local.rstrip(os.sep))
-    # several processes must agree on the name; a single process gets a unique one
-    suffix = TMP_MARKER if shared_name else f"{TMP_MARKER}-{uuid.uuid4().hex[:8]}"
-    tmp = os.path.join(parent, f".{base}{suffix}")
-    return OutputDir(destination, tmp, tmp)
-
-
-def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
-    """Move the finished temporary directory into place (local outputs)."""
-    if out.local_tmp is None:
-        return
-    _, dst = _kvstore_spec(out.destination)
-    assert dst is not None
-    appeared = CkptError(
-        "destination appeared while converting; another run wrote it first (use --overwrite to replace it)",
-        out.destination,
-    )
-    try:
-        if os.path.lexists(dst):
-            if not overwrite:
-                raise appeared
-            trash = f"{dst}{TMP_MARKER}-old-{uuid.uuid4().hex[:8]}"
-            os.rename(dst, trash)
-            os.rename(out.local_tmp, dst)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            # a rename onto a directory that another run renamed into place
-            # meanwhile fails (ENOTEMPTY/EEXIST): that run won, this output goes
-            os.rename(out.local_tmp, dst)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-            raise appeared from None
-        raise CkptError(f"cannot move the output into place: {exc.strerror or exc}", out.destination) from None
-    _fsync_dir(os.path.dirname(dst) or ".")
-
-
-def discard_output(out: OutputDir) -> None:
-    """Remove an unfinished local output (object stores: nothing to remove; no commit marker was written)."""
-    if out.local_tmp is not None:
-        shutil.rmtree(out.local_tmp, ignore_errors=True)
+#
+# output.py: the temporary directory beside DST (with its owner record), what
+# --overwrite may replace, leftovers of killed runs, and errors that name DST.
 
 
 class Terminated(KeyboardInterrupt):
@@ -588,19 +512,6 @@ def _terminate_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None,
@@ -675,13 +586,17 @@ def convert(
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     primary = coord.process_index == 0
-    out = prepare_output(source, destination, overwrite=opts.overwrite, shared_name=coord.process_count > 1)
-    if primary and out.local_tmp and os.path.lexists(out.local_tmp):
-        shutil.rmtree(out.local_tmp)  # a leftover of an interrupted multi-host run
+    # the primary clears the leftovers of killed runs (or refuses: another run writes DST) and
+    # creates the temporary output, its owner record first, before any process writes into it
+    out = prepare_output(source, destination, overwrite=opts.overwrite, shared_name=coord.process_count > 1,
+                         primary=primary)
+    if primary:
+        begin_output(out)
     coord.barrier("ckpt-convert-start")
     result = ConvertResult(source, destination, src.format, opts.to, skipped=skipped,
                            process_index=coord.process_index, process_count=coord.process_count)
     result.cast = [t.path for t in plan.arrays() if t.source_dtype]
+    result.cleanup = list(out.notes)
     writer: CheckpointWriter | None = None
     # from the first byte written to the rename, any failure (a dead endpoint,
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output
@@ -706,13 +621,14 @@ def convert(
                 writer.commit()
                 finalize_output(out, overwrite=opts.overwrite)
             coord.barrier("ckpt-convert-done")
-        except BaseException:
+        except BaseException as exc:
             try:
                 if writer is not None:
                     writer.abort()
             finally:  # whatever abort does, an unfinished output never stays behind
                 if primary or coord.process_count == 1:
                     discard_output(out)
+            out.name_destination(exc)  # DST in the message, not the hidden temporary directory
             raise
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())

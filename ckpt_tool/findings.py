@@ -42,6 +42,7 @@ CODES: dict[str, str] = {
     "bad-chunk": "a chunk that does not decode, or decodes to the wrong size or dtype (--deep)",
     "non-finite": "a float array holding NaN or Inf values (--deep)",
     "no-steps": "a CheckpointManager root with no committed step",
+    "stale-temporary": "a temporary output (.NAME.ckpt-tmp-*) of a ckpt convert/reshard whose run is gone (warning)",
 }
 
 

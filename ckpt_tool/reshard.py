@@ -686,6 +686,7 @@ class ReshardResult:
     seconds: float = 0.0
     process_index: int = 0
     process_count: int = 1
+    cleanup: list[str] = field(default_factory=list)  # leftovers of killed runs beside DST (output.py)
 
     def to_json(self) -> dict[str, Any]:
         p = self.plan
@@ -698,6 +699,7 @@ class ReshardResult:
             "notes": [{"leaf": lp.path, "note": n} for lp in p.leaves for n in lp.notes],
             "skipped": [{"leaf": path, "reason": r} for path, r in p.skipped],
             "process_index": self.process_index, "process_count": self.process_count,
+            "cleanup": self.cleanup,
         }
 
 
@@ -734,4 +736,5 @@ def reshard(
         progress=progress, coordinator=coord,
         planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank),
     )
-    return ReshardResult(plan, result.chunks, result.bytes, result.seconds, result.process_index, result.process_count)
+    return ReshardResult(plan, result.chunks, result.bytes, result.seconds, result.process_index, result.process_count,
+                         cleanup=result.cleanup)

@@ -49,6 +49,8 @@ def convert_command(
     if as_json:
         out.json(result.to_json())
         return
+    for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
+        out.line(f"[yellow]{esc(line)}[/yellow]")
     for path, reason in result.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     if result.cast:

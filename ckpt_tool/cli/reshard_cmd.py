@@ -61,6 +61,8 @@ def reshard_command(
         out.json(result.to_json())
         return
     plan = result.plan
+    for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
+        out.line(f"[yellow]{esc(line)}[/yellow]")
     # one line per distinct note (a model repeats the same reason for many layers); --dry-run has them per leaf
     by_note: dict[str, list[str]] = {}
     for lp in plan.leaves:

@@ -113,6 +113,12 @@ def validate_checkpoint(
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
         findings.error("bad-metadata", exc.message, file=exc.where)
+    if single is None and storage.local_root is not None:
+        # `.5.ckpt-tmp-1a2b3c4d/` in a run root: what a killed convert/reshard left (never a step)
+        from ..output import stale_temporaries
+
+        for name, message in stale_temporaries(storage.local_root):
+            findings.warning("stale-temporary", message, file=name)
     # symlinks out of the root, symlink loops, FIFOs/devices/sockets anywhere
     # under it (the storage layer never opens them): each one the checks above
     # did not already name
