@@ -188,6 +188,17 @@ def scan(storage: Storage, key: str) -> Node:
     return root
 
 
+def scan_tree(storage: Storage, key: str) -> MapNode:
+    """The saved tree at `key`: a document whose root is a map (what flax's to_state_dict and
+    orbax's aggregate file always write; a damaged file whose root is anything else is
+    refused here, not read as one nameless leaf)."""
+    root = scan(storage, key)
+    if not isinstance(root, MapNode):
+        raise CorruptMetadataError(f"the msgpack document's root is {_kind(root)}, not a map: not a saved tree",
+                                   f"{storage.url}/{key}")
+    return root
+
+
 def _scan(r: _Reader, end: int) -> Node:
     """One value from r.pos (iterative: nesting costs no Python stack)."""
     stack: list[_Frame] = []
@@ -235,11 +246,34 @@ def _scan(r: _Reader, end: int) -> Node:
 
 
 def _as_key(value: Any, r: _Reader, at: int) -> Any:
-    if isinstance(value, Scalar) and isinstance(value.value, (str, int)) and not isinstance(value.value, bool):
+    """A map key: str, or bin (decoded). Anything else is refused as flax and orbax refuse it:
+    their msgpack_restore unpacks with msgpack's default strict_map_key, under which a key
+    that is not str or bytes fails the whole file ("int is not allowed for map key")."""
+    if isinstance(value, Scalar) and isinstance(value.value, str):
         return value.value
     if isinstance(value, Scalar) and isinstance(value.value, bytes):
         return value.value.decode("utf-8", "surrogateescape")
-    raise CorruptMetadataError(f"map key at byte {at} is not a string or integer", r.where())
+    raise CorruptMetadataError(
+        f"map key at byte {at} is {_kind(value)}, not a string: flax and orbax refuse the file "
+        "(msgpack's strict_map_key)", r.where(),
+    )
+
+
+def _kind(node: Any) -> str:
+    """What a scanned value is, for messages ("an int", "a list", ...)."""
+    if isinstance(node, Scalar):
+        v = node.value
+        name = "None" if v is None else type(v).__name__
+        return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+    if isinstance(node, MapNode):
+        return "a map"
+    if isinstance(node, ListNode):
+        return "a list"
+    if isinstance(node, LazyBytes):
+        return "a long str" if node.is_str else "a long bin value"
+    if isinstance(node, InlineArray):
+        return "an array"
+    return f"a msgpack ext type {getattr(node, 'code', '?')} value"
 
 
 def _length(r: _Reader, n: int, what: str) -> int:

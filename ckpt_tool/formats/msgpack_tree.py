@@ -78,9 +78,17 @@ def _is_item(storage: Storage, files: list[str]) -> bool:
 
 
 def _step_of(name: str) -> int | None:
-    base = _T5X_TMP.sub("", re.sub(r"\.orbax-checkpoint-tmp(-\d+)?$", "", name))
-    m = _STEP_NAME.match(base)
+    m = _STEP_NAME.match(_untmp(name))
     return int(m.group(1)) if m else None
+
+
+def _untmp(name: str) -> str:
+    return _T5X_TMP.sub("", re.sub(r"\.orbax-checkpoint-tmp(-\d+)?$", "", name))
+
+
+def _prefix(name: str) -> str:
+    """A step entry's name without its number: `checkpoint_` for `checkpoint_12`."""
+    return _untmp(name).rstrip("0123456789")
 
 
 def _is_tmp(name: str) -> bool:
@@ -115,16 +123,21 @@ def _layout_by_dir(storage: Storage) -> dict[str, dict[str, set[str]]]:
     return out
 
 
-def _step_items(storage: Storage, name: str, found: dict[str, set[str]]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(msgpack items, JSON items) of a step directory, or None when it holds no msgpack tree."""
+def _step_items(storage: Storage, name: str, found: dict[str, set[str]],
+                lenient: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(msgpack items, JSON items) of a step directory, or None when it holds no msgpack tree.
+
+    Once one item's `checkpoint` file starts like a saved tree, every item's
+    is kept (a damaged one is then read, and reported, never dropped); with
+    `lenient` (a step of a root already known to be ours) none need to."""
     metadata = found.get(TREE_METADATA, set())
     if "" in metadata:
         return None  # an orbax >= 0.5 item: the Orbax reader's
     trees = found.get(TREE_FILE, set()) - metadata
     if "" in trees:
-        return (("",), ()) if is_tree_file(storage, f"{name}/{TREE_FILE}") else None
-    items = tuple(sorted(i for i in trees if is_tree_file(storage, f"{name}/{i}/{TREE_FILE}")))
-    if not items:
+        return (("",), ()) if lenient or is_tree_file(storage, f"{name}/{TREE_FILE}") else None
+    items = tuple(sorted(i for i in trees if i))
+    if not items or not (lenient or any(is_tree_file(storage, f"{name}/{i}/{TREE_FILE}") for i in items)):
         return None
     json_items = tuple(sorted(found.get("metadata", set()) - set(items) - metadata - {""}))
     return items, json_items
@@ -136,6 +149,9 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
     loose: list[str] = []
     layout = _layout_by_dir(storage) if dirs else {}
     sniffed = 0
+    # step-named entries that do not start like a saved tree: steps all the same when the
+    # root is ours (flax's latest_checkpoint goes by the name alone, then fails on the file)
+    unsniffed: list[tuple[str, int, bool]] = []
     for d in dirs:
         number = _step_of(d)
         if number is None or d not in layout:
@@ -148,6 +164,8 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
         found = _step_items(storage, d, layout[d])
         if found is not None:
             steps.append(_Entry(d, number, True, True, items=found[0], json_items=found[1]))
+        else:
+            unsniffed.append((d, number, True))
     for f in files:
         if f.startswith((".", "_")) or sniffed >= _MAX_SNIFFED:
             continue
@@ -157,6 +175,8 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
             continue
         sniffed += 1
         if not is_tree_file(storage, f):
+            if number is not None and not _FLAX_TMP.match(f):
+                unsniffed.append((f, number, False))
             continue
         if _FLAX_TMP.match(f):
             steps.append(_Entry(f, None, False, False, "uncommitted save (flax's temporary file)"))
@@ -164,6 +184,18 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
             steps.append(_Entry(f, number, False, True))
         else:
             loose.append(f)
+    prefixes = {_prefix(e.name) for e in steps if e.committed}
+    for name, number, is_dir in unsniffed:
+        # a damaged step of this root (named like its steps): listed, so that reading or
+        # validating it reports the damage instead of falling back to an older step
+        if _prefix(name) not in prefixes:
+            continue
+        if not is_dir:
+            steps.append(_Entry(name, number, False, True))
+            continue
+        found = _step_items(storage, name, layout[name], lenient=True)
+        if found is not None:
+            steps.append(_Entry(name, number, True, True, items=found[0], json_items=found[1]))
     steps.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
     return steps, loose
 
@@ -213,10 +245,18 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
             )
         raise NotFoundError("no msgpack checkpoint here", storage.url)
     chosen = _choose(storage, steps, step)
-    if chosen.is_dir:
-        ckpt = _read_step_dir(storage, chosen)
-    else:
-        ckpt = read_file(storage, chosen.name)
+    try:
+        if chosen.is_dir:
+            ckpt = _read_step_dir(storage, chosen)
+        else:
+            ckpt = read_file(storage, chosen.name)
+    except CorruptMetadataError as exc:
+        older = [s for s in steps if s.committed and s.step is not None and chosen.step is not None and s.step < chosen.step]
+        if step in (None, "latest") and older:
+            # the library would fail on this step too (it goes by the name); say which one reads
+            raise type(exc)(f"{exc.message} (the latest step; --step {older[-1].step} reads the one before)",
+                                       exc.where) from None
+        raise
     return _with_steps(ckpt, storage, steps, chosen.step, chosen.name)
 
 
@@ -279,7 +319,7 @@ def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
 
 def read_file(storage: Storage, key: str) -> Checkpoint:
     """A Flax msgpack file (save_checkpoint with orbax off, or serialization.to_bytes)."""
-    tree = ms.scan(storage, key)
+    tree = ms.scan_tree(storage, key)
     builder = _Builder(storage, key)
     builder.walk(tree, ())
     if builder.placeholders or builder.specs:
@@ -291,7 +331,7 @@ def read_file(storage: Storage, key: str) -> Checkpoint:
 def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Checkpoint:
     """An orbax <= 0.4 item or a T5X step directory: the `checkpoint` file plus its arrays."""
     dirs, files = storage.listdir()
-    tree, t5x_version = t5x_state(ms.scan(storage, TREE_FILE))
+    tree, t5x_version = t5x_state(ms.scan_tree(storage, TREE_FILE))
     notes: list[str] = []
     builder = _Builder(storage, TREE_FILE)
     builder.walk(tree, prefix)

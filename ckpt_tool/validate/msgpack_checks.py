@@ -66,7 +66,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None, 
 
 def _scan(storage: Storage, key: str, findings: Findings, where: str) -> ms.Node | None:
     try:
-        return ms.scan(storage, key)
+        return ms.scan_tree(storage, key)
     except ms.TruncatedMsgpack as exc:
         findings.error("truncated-file", exc.message, file=where + key)
     except CkptError as exc:
@@ -88,6 +88,13 @@ def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where:
         error = leaf.extra.get("payload_error")
         if error:
             findings.error("bad-chunk", error + "; flax cannot restore it", leaf=leaf.path, file=where + key)
+        if leaf.kind == "value" and leaf.value_type.startswith("msgpack-ext-"):
+            # not one of flax's ext types (ndarray, native complex, numpy scalar) nor orbax's
+            # tuple: orbax's msgpack_restore refuses the file, flax's gives an opaque
+            # msgpack.ExtType in the array's place, and ckpt cannot read or convert it
+            findings.error("bad-metadata", f"stored as msgpack ext type {leaf.value_type[len('msgpack-ext-'):]}, "
+                           "which no flax or orbax writer uses: orbax refuses the file and flax restores "
+                           "no array there", leaf=leaf.path, file=where + key)
     return builder
 
 
