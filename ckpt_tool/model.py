@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import numpy as np
 
 from . import dtypes
-from .errors import CkptError
+from .errors import CkptError, UsageError
 
 Key = Union[str, int]
 Region = tuple[slice, ...]
@@ -411,12 +411,12 @@ def parse_rename_rules(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]
     out = []
     for rule in rules:
         if "=" not in rule:
-            raise CkptError(f"--rename needs REGEX=REPL, got {rule!r}")
+            raise UsageError(f"--rename needs REGEX=REPL, got {rule!r}")
         pattern, repl = rule.split("=", 1)
         try:
             out.append((re.compile(pattern), repl))
         except re.error as exc:
-            raise CkptError(f"--rename: bad regex {pattern!r}: {exc}") from None
+            raise UsageError(f"--rename: bad regex {pattern!r}: {exc}") from None
     return out
 
 

@@ -48,7 +48,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CkptError
+from .errors import CkptError, DestinationExistsError
 from .formats import TMP_MARKER
 from .storage import Storage, _kvstore_spec
 
@@ -311,11 +311,11 @@ class Verdict:
     def exists_error(self, destination: str) -> CkptError:
         """The error for an existing DST without --overwrite: the hint only where --overwrite would work."""
         if self.replaceable:
-            return CkptError(f"destination exists: it is {self.what}; use --overwrite to replace it", destination)
-        return CkptError(f"destination exists and is {self.what}; choose another destination", destination)
+            return DestinationExistsError(f"destination exists: it is {self.what}; use --overwrite to replace it", destination)
+        return DestinationExistsError(f"destination exists and is {self.what}; choose another destination", destination)
 
     def refusal(self, destination: str) -> CkptError:
-        return CkptError(f"destination is {self.what}; refusing to replace it", destination)
+        return DestinationExistsError(f"destination is {self.what}; refusing to replace it", destination)
 
 
 def _is_within(inner: str, outer: str) -> bool:
@@ -599,7 +599,7 @@ def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
         verdict = judge_local(dst, out.source)
         hint = "use --overwrite to replace it" if verdict is None or verdict.replaceable else \
             f"it is {verdict.what}"
-        return CkptError(f"destination appeared while converting; another run wrote it first ({hint})",
+        return DestinationExistsError(f"destination appeared while converting; another run wrote it first ({hint})",
                          out.destination)
 
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import CkptError
+from .errors import UsageError
 
 _UNITS = {
     "": 1, "B": 1,
@@ -26,9 +26,9 @@ def parse_size(text: str | int, option: str, *, minimum: int = 1, examples: str 
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _UNITS:
-            raise CkptError(f"{option}: {text!r} is not a size (e.g. {examples}, or a number of bytes)")
+            raise UsageError(f"{option}: {text!r} is not a size (e.g. {examples}, or a number of bytes)")
         value = int(float(m.group(1)) * _UNITS[unit])
     if value < minimum:
         floor = f"{minimum // 2**20} MiB" if minimum >= 2**20 else f"{minimum} bytes"
-        raise CkptError(f"{option} must be at least {floor}, got {text!r}")
+        raise UsageError(f"{option} must be at least {floor}, got {text!r}")
     return value

@@ -156,7 +156,7 @@ def test_modified_expected_json_names_each_difference(tmp_path):
         "only_b   params/new/kernel: only in B",
         "shape    params/proj: shape [8, 16] in A, [8, 32] in B",
         "kind     step: value in A, array in B",
-        "different: 5 difference(s) in 18 common leaves",
+        "different: 5 differences in 18 common leaves",
     ]
     # the other way round, and as JSON (the diff contract)
     code, out, _ = _diff(expected, ckpt, "--json")

@@ -187,7 +187,7 @@ def test_values_refused_without_skip(tmp_path):
 @pytest.mark.parametrize("args", [["--max-shard-size", "5XB"], ["--max-shard-size", "0"]])
 def test_bad_max_shard_size(tmp_path, args):
     res = run_ckpt("convert", str(LLAMA), str(tmp_path / "o"), "--to", "safetensors", *args)
-    assert res.returncode == 1 and "--max-shard-size" in res.stderr and not (tmp_path / "o").exists()
+    assert res.returncode == 2 and "--max-shard-size" in res.stderr and not (tmp_path / "o").exists()  # a usage error
 
 
 def test_max_shard_size_only_for_safetensors(tmp_path):

@@ -6,7 +6,7 @@ import click
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options
-from .render import Output, esc, human_bytes, human_rate, process_note
+from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
 @click.command("convert")
@@ -30,8 +30,8 @@ def convert_command(
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int,
 ) -> None:
-    """Convert the checkpoint at SRC (Orbax, DCP or safetensors, detected) into
-    DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
+    """Convert the checkpoint at SRC (any format ckpt reads, detected: Orbax,
+    DCP, safetensors, Flax or T5X msgpack) into DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
     written. Run the same command on every host to split the work."""
     from ..distributed import JaxCoordinator, process_spec
 
@@ -54,11 +54,11 @@ def convert_command(
     for path, reason in result.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     if result.cast:
-        out.line(f"cast {len(result.cast)} leaves to {esc(dtype)}")
+        out.line(f"cast {plural(len(result.cast), 'leaf', 'leaves')} to {esc(dtype)}")
     where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]converted[/bold green] {esc(src)} ({result.source_format}) -> {esc(dst)} ({result.target_format}){where}: "
-        f"{result.arrays} arrays, {result.values} values, {result.chunks} chunks, "
+        f"{plural(result.arrays, 'array')}, {plural(result.values, 'value')}, {plural(result.chunks, 'chunk')}, "
         f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_rate(result.bytes, result.seconds)})"
     )
 

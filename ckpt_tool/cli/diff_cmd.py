@@ -16,7 +16,7 @@ from ..diff import diff_checkpoints
 from ..model import Checkpoint
 from ..structure import is_inspect_json_file, load_structure
 from .options import memory_option
-from .render import Output, esc
+from .render import Output, esc, plural
 
 
 @click.command("diff")
@@ -71,7 +71,7 @@ def diff_command(
         if report.same:
             out.line(f"[bold green]same[/bold green]: {report.compared} {what} match")
         else:
-            out.line(f"[bold red]different[/bold red]: {len(report.differences)} difference(s) in {report.compared} common leaves")
+            out.line(f"[bold red]different[/bold red]: {plural(len(report.differences), 'difference')} in {plural(report.compared, 'common leaf', 'common leaves')}")
     sys.exit(0 if report.same else 1)
 
 

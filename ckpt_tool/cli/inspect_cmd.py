@@ -9,7 +9,7 @@ import click
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
-from .render import Node, Output, esc, human_bytes, human_count
+from .render import Node, Output, esc, human_bytes, human_count, plural
 
 
 @click.command("inspect")
@@ -59,7 +59,7 @@ def _layout_text(ck: Any) -> str:
             parts.append(f"zarr{lay['zarr']}")
         text = "Orbax, " + " + ".join(parts) if parts else "Orbax"
         if lay.get("processes", 1) > 1:
-            text += f", {lay['processes']} processes"
+            text += f", {plural(lay['processes'], 'process', 'processes')}"
         if lay.get("items"):
             text += ", items: " + ", ".join(lay["items"])
         if lay.get("tree", "").startswith("msgpack"):
@@ -97,12 +97,12 @@ def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
         rows.append(("saved", when.strftime("%Y-%m-%d %H:%M:%S UTC")))
     rows.append((
         "leaves",
-        f"{s['leaves']} ({s['arrays']} arrays, {s['values']} values)",
+        f"{s['leaves']:,} ({plural(s['arrays'], 'array')}, {plural(s['values'], 'value')})",
     ))
     rows.append(("parameters", f"{human_count(s['parameters'])} ({s['parameters']:,})"))
-    rows.append(("size", f"{human_bytes(s['bytes'])} ({s['bytes']:,} bytes) in {s['chunks']:,} chunks"))
+    rows.append(("size", f"{human_bytes(s['bytes'])} ({s['bytes']:,} bytes) in {plural(s['chunks'], 'chunk')}"))
     for dtype, t in result.by_dtype.items():
-        rows.append((f"  {dtype}", f"{t.leaves} arrays, {human_count(t.parameters)} params, {human_bytes(t.bytes)}"))
+        rows.append((f"  {dtype}", f"{plural(t.leaves, 'array')}, {human_count(t.parameters)} params, {human_bytes(t.bytes)}"))
     for note in ck.notes:
         rows.append(("note", f"[yellow]{esc(note)}[/yellow]"))
     return rows
@@ -155,7 +155,7 @@ def _tree(result: InspectResult, depth: int | None) -> Node:
                 if depth is not None and level >= depth:
                     leaves = list(_iter_leaves(value))
                     nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, ArrayLeaf))
-                    nodes.append(Node(f"{label}  [dim]... {len(leaves)} leaves, {human_bytes(nbytes)}[/dim]"))
+                    nodes.append(Node(f"{label}  [dim]... {plural(len(leaves), 'leaf', 'leaves')}, {human_bytes(nbytes)}[/dim]"))
                 else:
                     nodes.append(Node(label, build(value, level + 1)))
             else:
@@ -163,7 +163,7 @@ def _tree(result: InspectResult, depth: int | None) -> Node:
         return nodes
 
     s = result.summary
-    return Node(f"[bold]{s['leaves']} leaves[/bold]", build(root, 1))
+    return Node(f"[bold]{plural(s['leaves'], 'leaf', 'leaves')}[/bold]", build(root, 1))
 
 
 def _natural(key: Key) -> Any:

@@ -1,34 +1,49 @@
 """The `ckpt` command group and the one place errors become messages and exit codes.
 
-Exit codes: 0 ok, 1 a problem with the input (or a finding), 2 usage.
-A CkptError prints one line on stderr; any other exception is a bug and
-prints one line too, unless CKPT_DEBUG=1 asks for the traceback.
+Exit codes (the README's table): 0 ok; 1 the checkpoint has a problem (or a
+finding, or a diff that differs); 2 a usage error: an option value, a rules
+file, flags that conflict. A usage error prints as click prints its own
+(usage line, "Try 'ckpt X --help'", "Error: ..."); a CkptError prints one
+line on stderr; any other exception is a bug and prints one line too, unless
+CKPT_DEBUG=1 asks for the traceback. With --json, a hard error also puts
+{"ok": false, "error": {"code", "message", "path"}} on stdout.
 """
 from __future__ import annotations
 
+import difflib
 import gc
 import importlib
+import json
 import os
 import sys
+from typing import Any
 
 import click
 
 from .. import __version__
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
-# command name -> "module:attribute"; a command's module is imported only
-# when that command runs, so `ckpt inspect` pays for nothing else
+# command name -> ("module:attribute", short help). A command's module is
+# imported only when that command runs, so `ckpt inspect` pays for nothing
+# else, and `ckpt --help` lists the commands from here, importing none of
+# them (their modules load numpy and tensorstore).
 COMMANDS = {
-    "inspect": "ckpt_tool.cli.inspect_cmd:inspect_command",
-    "validate": "ckpt_tool.cli.validate_cmd:validate_command",
-    "diff": "ckpt_tool.cli.diff_cmd:diff_command",
-    "convert": "ckpt_tool.cli.convert_cmd:convert_command",
-    "reshard": "ckpt_tool.cli.reshard_cmd:reshard_command",
+    "inspect": ("ckpt_tool.cli.inspect_cmd:inspect_command",
+                "Show leaves, dtypes, shapes, sizes, sharding (metadata only)."),
+    "validate": ("ckpt_tool.cli.validate_cmd:validate_command",
+                 "Check that a checkpoint is complete and consistent."),
+    "diff": ("ckpt_tool.cli.diff_cmd:diff_command",
+             "Compare two checkpoints' leaves and values; exit 1 if they differ."),
+    "convert": ("ckpt_tool.cli.convert_cmd:convert_command",
+                "Convert to Orbax, DCP or safetensors, streaming, all or nothing."),
+    "reshard": ("ckpt_tool.cli.reshard_cmd:reshard_command",
+                "Rewrite as an Orbax checkpoint laid out for a new device mesh."),
 }
 
 
@@ -37,18 +52,43 @@ class LazyGroup(click.Group):
         return list(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
+        entry = COMMANDS.get(name)
+        if entry is None:
             return None
-        module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        module, attr = entry[0].split(":")
+        command = getattr(importlib.import_module(module), attr)
+        command.short_help = entry[1]
+        return command
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if name and name not in COMMANDS and not name.startswith("-") and not ctx.resilient_parsing:
+            close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
+            if close:
+                ctx.fail(f"No such command {name!r}. Did you mean {close[0]!r}?")
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # from the table: click's default imports every command for its help line
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, entry[1]) for name, entry in COMMANDS.items()])
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def cli() -> None:
-    """Look inside, check, re-lay and convert distributed checkpoints
-    (Orbax / JAX and torch.distributed.checkpoint)."""
+    """Look inside, check, convert and re-lay ML checkpoints.
+
+    \b
+    Reads (detected, local or gs:// s3:// file:// memory:// URLs):
+      Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)
+      torch.distributed.checkpoint (DCP)
+      safetensors (one file, or a sharded Hugging Face save with its index)
+      Flax msgpack and T5X checkpoints
+    Writes Orbax, DCP or safetensors (convert), Orbax for a new mesh (reshard).
+
+    Exit codes: 0 ok, 1 the checkpoint has a problem (or a diff differs),
+    2 usage error. `ckpt COMMAND --help` for each command."""
 
 
 def _debug() -> bool:
@@ -94,25 +134,40 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> int:
-    """Run the command; the exit code, with every error turned into one line."""
+    """Run the command; the exit code, with every error turned into one line (and JSON with --json)."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
+        cli.main(args=args, prog_name="ckpt", standalone_mode=False)
     except SystemExit as exc:  # commands that decide their own exit code (validate, diff)
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_PROBLEM)
-    except click.exceptions.Abort:
-        click.echo("ckpt: aborted", err=True)
-        return 130
+    except click.exceptions.Abort as exc:
+        # click turns Ctrl-C (and SIGTERM, which ckpt raises as KeyboardInterrupt) into Abort
+        word = "interrupted" if isinstance(exc.__context__, KeyboardInterrupt) else "aborted"
+        click.echo(f"ckpt: {word}", err=True)
+        _json_error(args, "interrupted", word)
+        return EXIT_INTERRUPTED
     except click.ClickException as exc:
         exc.show()
+        _json_error(args, "usage" if isinstance(exc, click.UsageError) else "error", exc.format_message())
         return exc.exit_code if exc.exit_code else EXIT_USAGE
+    except UsageError as exc:
+        if _debug():
+            raise
+        # the core's usage errors (--mesh data:2, --step abc, a bad rules
+        # file) print exactly as click's own: usage line, help hint, Error:
+        click.UsageError(str(exc), _command_context(args)).show()
+        _json_error(args, exc.code, str(exc), exc.where)
+        return EXIT_USAGE
     except CkptError as exc:
         if _debug():
             raise
         click.echo(f"ckpt: error: {exc}", err=True)
+        _json_error(args, exc.code, str(exc), exc.where)
         return EXIT_PROBLEM
     except KeyboardInterrupt:
         click.echo("ckpt: interrupted", err=True)
-        return 130
+        _json_error(args, "interrupted", "interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `ckpt inspect | head`: the reader went away; that is not an error
         sys.stderr.close()
@@ -120,12 +175,51 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
         if _debug():
             raise
-        click.echo(
-            f"ckpt: internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)",
-            err=True,
-        )
+        message = f"{type(exc).__name__}: {exc}"
+        click.echo(f"ckpt: internal error: {message} (set CKPT_DEBUG=1 for the traceback)", err=True)
+        _json_error(args, "internal", message)
         return EXIT_PROBLEM
     return EXIT_OK
+
+
+def _command_context(args: list[str]) -> click.Context:
+    """A context naming the command in `args` (for its usage line), else the group's."""
+    group = click.Context(cli, info_name="ckpt")
+    name = args[0] if args else None
+    if name in COMMANDS:
+        return click.Context(cli.get_command(group, name), info_name=name, parent=group)
+    return group
+
+
+def _json_requested(args: list[str]) -> bool:
+    """Whether the command line asks for --json, as the command itself parses it.
+
+    The command line is parsed again leniently (no errors, no callbacks that
+    act), so that `--filter --json` (a pattern) does not count, and an error
+    raised before the command ran (a bad option value) still knows.
+    """
+    name = args[0] if args else None
+    if name not in COMMANDS or "--json" not in args:
+        return False
+    try:
+        group = click.Context(cli, info_name="ckpt", resilient_parsing=True)
+        command = cli.get_command(group, name)
+        ctx = command.make_context(name, list(args[1:]), parent=group, resilient_parsing=True)
+        return bool(ctx.params.get("as_json"))
+    except Exception:  # noqa: BLE001 - a command line click cannot even parse leniently
+        return False
+
+
+def _json_error(args: list[str], code: str, message: str, path: str | None = None) -> None:
+    """With --json, the error as one JSON object on stdout (scripts read stdout; stderr has the line)."""
+    if not _json_requested(args):
+        return
+    error: dict[str, Any] = {"code": code, "message": message, "path": path}
+    try:
+        sys.stdout.write(json.dumps({"ok": False, "error": error}) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        pass
 
 
 def _finish(code: int, *, fast: bool) -> None:

@@ -2,22 +2,35 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..findings import Progress, no_progress
-from .render import Output
+from .render import Output, human_bytes, human_rate
+
+
+def _columns() -> list[Any]:
+    """Description, bar, done/total, rate, time left; sizes in binary units (GiB), as every summary prints them."""
+    from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class Done(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            done = human_bytes(task.completed)
+            return Text(done if task.total is None else f"{done} / {human_bytes(task.total)}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else human_rate(int(speed), 1.0), style="progress.data.speed")
+
+    return [TextColumn("[progress.description]{task.description}"), BarColumn(), Done(), Rate(), TimeRemainingColumn()]
 
 
 class ProgressBar:
     def __init__(self, out: Output, description: str) -> None:
-        from rich.progress import (
-            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
-        )
+        from rich.progress import Progress
 
-        self._progress = Progress(
-            TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=out.console, transient=True,
-        )
+        self._progress = Progress(*_columns(), console=out.console, transient=True)
         self._task = self._progress.add_task(description, total=None)
         self._progress.start()
 

@@ -31,6 +31,11 @@ def human_bytes(n: int | float) -> str:
     return f"{n:.1f} PiB"
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """"1 array", "3 arrays", "1,024 leaves": a count and its noun, which agree (`many`: an irregular plural)."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
 def human_count(n: int) -> str:
     for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
         if n >= size:
@@ -88,13 +93,14 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            # plain mode: no colour, no box drawing, no wrapping of long lines
+            # plain mode: no colour, no box drawing, no wrapping of long lines;
+            # on a terminal, NO_COLOR (no-color.org) still turns colour off
             self._console = Console(
                 file=self.stream,
                 highlight=False,
                 soft_wrap=not self.is_terminal,
                 force_terminal=self.is_terminal,
-                no_color=not self.is_terminal,
+                no_color=True if not self.is_terminal else None,
             )
         return self._console
 

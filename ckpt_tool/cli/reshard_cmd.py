@@ -8,7 +8,7 @@ import click
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options
-from .render import Output, esc, human_bytes, human_rate, process_note
+from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
 @click.command("reshard")
@@ -18,7 +18,11 @@ from .render import Output, esc, human_bytes, human_rate, process_note
 @click.option("--devices", type=click.IntRange(min=1), metavar="N",
               help="Lay out for N devices (ids 0..N-1) instead of this machine's jax devices; needs no device.")
 @click.option("--rules", "rules", metavar="FILE",
-              help='TOML or JSON list of [regex, partition spec], first match wins, e.g. [["kernel$", [null, "model"]], [".*", []]].')
+              help="A JSON or TOML file of [regex, partition spec] rules; each regex is searched in the "
+                   "'/'-joined keys, the first match wins. "
+                   'JSON: [["kernel$", [null, "model"]], [".*", []]]; '
+                   'TOML: rules = [["kernel$", ["", "model"]], [".*", []]] ("" for null). '
+                   "README: ckpt reshard.")
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (specs, shard shapes, bytes per process, memory per device); write nothing.")
 @output_options
@@ -30,8 +34,8 @@ def reshard_command(
     zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
 ) -> None:
-    """Write SRC (Orbax or DCP) into DST as an Orbax checkpoint laid out for a
-    new device mesh: each array keeps its recorded partition spec where it
+    """Write SRC (any format ckpt reads: Orbax, DCP, safetensors, Flax or T5X
+    msgpack) into DST as an Orbax checkpoint laid out for a new device mesh: each array keeps its recorded partition spec where it
     fits the new mesh (else that dimension is replicated) unless --rules or
     --fsdp say otherwise. Every spec is checked before DST is created; SRC is
     never written. Run the same command on every host to split the work."""
@@ -76,8 +80,8 @@ def reshard_command(
     where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]resharded[/bold green] {esc(src)} ({plan.source_format}) -> {esc(dst)} for mesh "
-        f"{esc(plan.mesh.describe())} ({plan.mesh.size} devices){where}: {len(plan.leaves)} arrays, "
-        f"{len(plan.values)} values, {result.chunks} chunks, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
+        f"{esc(plan.mesh.describe())} ({plural(plan.mesh.size, 'device')}){where}: {plural(len(plan.leaves), 'array')}, "
+        f"{plural(len(plan.values), 'value')}, {plural(result.chunks, 'chunk')}, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
         f"({human_rate(result.bytes, result.seconds)}); {human_bytes(plan.device_bytes)} per device after restore"
     )
 
@@ -95,10 +99,10 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
     id_text = f"{ids[0]}..{ids[-1]}" if list(ids) == list(range(ids[0], ids[0] + len(ids))) else ", ".join(map(str, ids))
     origin = "--devices" if m.origin == "--devices" else f"this job's {m.platform} devices"
     out.header(f"reshard plan: {esc(plan.source)} ({plan.source_format}) -> {esc(plan.destination)}", [
-        ("mesh", f"{esc(m.describe())}: {m.size} devices ({origin}, ids {esc(id_text)})"),
+        ("mesh", f"{esc(m.describe())}: {plural(m.size, 'device')} ({origin}, ids {esc(id_text)})"),
         ("processes", str(plan.process_count)),
-        ("leaves", f"{sum(lp.placement == 'mesh' for lp in plan.leaves)} arrays on the mesh, "
-                   f"{sum(lp.placement == 'host' for lp in plan.leaves)} host arrays, {len(plan.values)} values"),
+        ("leaves", f"{plural(sum(lp.placement == 'mesh' for lp in plan.leaves), 'array')} on the mesh, "
+                   f"{plural(sum(lp.placement == 'host' for lp in plan.leaves), 'host array')}, {plural(len(plan.values), 'value')}"),
     ])
     out.line()
     for lp in plan.leaves:
@@ -122,7 +126,7 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     out.line()
     for i, load in enumerate(plan.processes):
-        out.line(f"process {i}: {load.chunks} chunks, read {human_bytes(load.bytes_read)} "
+        out.line(f"process {i}: {plural(load.chunks, 'chunk')}, read {human_bytes(load.bytes_read)} "
                  f"({load.source_chunks} source chunk{'s' * (load.source_chunks != 1)}, each decoded once), "
                  f"write {human_bytes(load.bytes_written)}")
     largest = max((lp.source_chunk_bytes for lp in plan.leaves), default=0)

@@ -12,7 +12,7 @@ from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
 from .options import memory_option
 from .progress import progress_for
-from .render import Output, esc, human_bytes
+from .render import Output, esc, human_bytes, plural
 
 
 @click.command("validate")
@@ -60,7 +60,7 @@ def _human(out: Output, report: ValidationReport, strict: bool) -> None:
             indent = "    " if leaf else "  "
             out.line(f"{indent}[{colour}]{f.severity}[/{colour}] {f.code}: {esc(f.message)}{where}")
     checked = ", ".join(
-        (f"{human_bytes(v)} read" if k == "bytes_read" else f"{v:,} {k.replace('_', ' ')}")
+        (f"{human_bytes(v)} read" if k == "bytes_read" else _counted(v, k))
         for k, v in report.checked.items()
     )
     errors = sum(f.severity == ERROR for f in report.findings)
@@ -69,7 +69,23 @@ def _human(out: Output, report: ValidationReport, strict: bool) -> None:
         verdict = "[bold green]OK[/bold green]"
     else:
         verdict = "[bold red]FAILED[/bold red]"
-    out.line(f"{verdict}: {errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}" + (f" (checked {checked})" if checked else ""))
+    out.line(f"{verdict}: {plural(errors, 'error')}, {plural(warnings, 'warning')}" + (f" (checked {checked})" if checked else ""))
+
+
+# the nouns of the report's counters ("chunks_read", "bytes_items"), singular for a count of 1
+_SINGULAR = {"steps": "step", "arrays": "array", "chunks": "chunk", "files": "file", "tensors": "tensor",
+             "leaves": "leaf", "items": "item", "values": "value", "copies": "copy", "frames": "frame"}
+
+
+def _counted(n: int, key: str) -> str:
+    """"1 step", "2 steps", "1 chunk read", "1 json item": a counter of the report, its noun agreeing."""
+    words = key.split("_")
+    if n == 1:
+        for i in range(len(words) - 1, -1, -1):  # the noun: the last word that has a singular
+            if words[i] in _SINGULAR:
+                words[i] = _SINGULAR[words[i]]
+                break
+    return f"{n:,} {' '.join(words)}"
 
 
 def _github(out: Output, report: ValidationReport) -> None:
@@ -81,4 +97,4 @@ def _github(out: Output, report: ValidationReport) -> None:
         message = f"{f.code}{leaf}: {f.message}{where}".replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
         out.write(f"::{level} title=ckpt validate::{message}\n")
     errors = sum(f.severity == ERROR for f in report.findings)
-    out.write(f"ckpt validate {report.path}: {errors} error(s), {len(report.findings) - errors} warning(s)\n")
+    out.write(f"ckpt validate {report.path}: {plural(errors, 'error')}, {plural(len(report.findings) - errors, 'warning')}\n")

@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import dtypes
 from ..checksum import crc32
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, a_type
 from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
 from ..storage import LocalFileWriter, Storage
 from ..writers import TargetArray, TargetValue, WritePlan
@@ -363,7 +363,7 @@ def plain_value(value: Any, where: str, storages: list[tuple[memoryview, int]] |
     if isinstance(value, np.ndarray) and storages is not None:
         return _tensor_value(value, where, storages)
     raise DcpWriteError(
-        f"a {type(value).__name__} value cannot be stored (only None, bool, int, float, str, bytes, list, tuple, dict"
+        f"{a_type(value)} value cannot be stored (only None, bool, int, float, str, bytes, list, tuple, dict"
         + (", numpy arrays)" if storages is not None else ")"),
         where,
     )

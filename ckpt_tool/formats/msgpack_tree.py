@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepInfo, ValueLeaf
 from ..storage import Storage
 from . import msgpack_scan as ms
@@ -229,7 +229,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     dirs, files = storage.listdir()
     if _is_item(storage, files):
         if step not in (None, "latest"):
-            raise CkptError(f"--step {step} given, but this is a single checkpoint, not a directory of steps", storage.url)
+            raise UsageError(f"--step {step} given, but this is a single checkpoint, not a directory of steps", storage.url)
         return _read_item(storage, storage.url.rsplit("/", 1)[-1])
     steps, loose = _entries(storage, dirs, files)
     if isinstance(step, str) and step in files and is_tree_file(storage, step):
@@ -282,7 +282,7 @@ def _choose(storage: Storage, steps: list[_Entry], step: str | int | None) -> _E
         named = [s for s in steps if s.name == step]
         if named:
             return named[0]
-        raise CkptError(f"--step must be a step number, 'latest' or an entry's name, got {step!r}") from None
+        raise UsageError(f"--step must be a step number, 'latest' or an entry's name, got {step!r}") from None
     matches = sorted((s for s in steps if s.step == want), key=lambda s: not s.committed)
     if not matches:
         raise NotFoundError(

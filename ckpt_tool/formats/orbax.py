@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from .. import dtypes
 from . import orbax_schema as schema
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
 from ..storage import PendingReads, Storage, ts_error_text
 
@@ -81,7 +81,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     dirs, files = storage.listdir()
     if _looks_like_step(storage, dirs, files):
         if step not in (None, "latest"):
-            raise CkptError(f"--step {step} given, but this is a single step, not a CheckpointManager root", storage.url)
+            raise UsageError(f"--step {step} given, but this is a single step, not a CheckpointManager root", storage.url)
         return _read_step(storage, storage.url.rsplit("/", 1)[-1], dirs, files)
     return _read_manager_root(storage, dirs, step)
 
@@ -205,7 +205,7 @@ def _read_manager_root(storage: Storage, dirs: list[str], step: str | int | None
         try:
             want = int(step)
         except (TypeError, ValueError):
-            raise CkptError(f"--step must be an integer or 'latest', got {step!r}") from None
+            raise UsageError(f"--step must be an integer or 'latest', got {step!r}") from None
         matches = [s for s in steps if s.step == want]
         if not matches:
             raise NotFoundError(

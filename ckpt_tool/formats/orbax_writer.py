@@ -37,7 +37,7 @@ import numpy as np
 import tensorstore as ts
 
 from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
 from ..model import Key, Region, RegularGrid, Sharding
 from ..pagecache import DirectoryDropper
 from ..storage import Storage, ts_error_text
@@ -194,7 +194,7 @@ def _value_leaf(target: TargetValue, zarr3: bool) -> _Leaf:
         # orbax itself saves None and empty containers as metadata-only leaves
         return _Leaf(tuple(target.keys), target.name, empty)
     raise UnsupportedValueError(
-        f"a {type(value).__name__} value has no Orbax leaf type (only arrays, numbers, strings, None and empty containers)",
+        f"{a_type(value)} value has no Orbax leaf type (only arrays, numbers, strings, None and empty containers)",
         where,
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptError, PathEscapeError, UnsafePickleError
+from ..errors import CkptError, PathEscapeError, UnsafePickleError, UsageError
 from ..findings import ERROR, CODES, Finding, Findings, Progress, no_progress
 from ..storage import Storage, raise_if_unavailable
 
@@ -109,6 +109,8 @@ def validate_checkpoint(
                 where = where[len(root.rstrip("/")) + 1 :]
                 break
         findings.error("path-escape", exc.message, file=where or exc.where)
+    except UsageError:
+        raise  # the command line's problem (--step abc), not a finding about the checkpoint
     except CkptError as exc:
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect

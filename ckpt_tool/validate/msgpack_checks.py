@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
 from ..findings import Findings
 from ..formats import msgpack_scan as ms
 from ..formats import msgpack_tree as mt
@@ -36,6 +36,8 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None, 
     if step not in (None, "all"):
         try:
             chosen = [mt._choose(storage, steps, step)]
+        except UsageError:
+            raise
         except CkptError as exc:
             findings.error("no-steps", exc.message, file=".")
             return "flax"

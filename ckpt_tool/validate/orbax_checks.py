@@ -11,7 +11,7 @@ from typing import Any
 import tensorstore as ts
 
 from .. import dtypes
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
 from ..findings import Findings
 from ..formats import orbax as ob
 from ..formats import orbax_schema as schema
@@ -42,7 +42,11 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None) 
             committed = [s.name for s in infos if s.committed]
             steps = committed[-1:]
         else:
-            steps = [d for d in steps if ob._step_number(d) == int(step)]
+            try:
+                want = int(step)
+            except (TypeError, ValueError):
+                raise UsageError(f"--step must be an integer, 'latest' or 'all', got {step!r}") from None
+            steps = [d for d in steps if ob._step_number(d) == want]
         if not steps:
             findings.error("no-steps", f"no step {step} in this CheckpointManager root", file=".")
             return
