@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import dtypes
-from .errors import CkptError, UnsupportedLeafError, UsageError, a_type
+from .errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError
 from .findings import Progress, no_progress
 from .parallel import default_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
@@ -221,14 +221,11 @@ def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf
 def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
     """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
     if opts.to not in ("orbax", "dcp", "safetensors"):
-        raise UsageError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
+        raise CkptError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
     if opts.dtype is not None:
-        if opts.dtype not in dtypes.BY_NAME:
-            floats = ", ".join(name for name, dt in dtypes.BY_NAME.items() if dt.is_float)
-            raise UsageError(f"--dtype: unknown dtype {opts.dtype!r} (floating types: {floats})")
         target_dtype = dtypes.get(opts.dtype)
         if not target_dtype.is_float:
-            raise UsageError(f"--dtype must be a floating type, got {opts.dtype}")
+            raise CkptError(f"--dtype must be a floating type, got {opts.dtype}")
     select = [glob_to_regex(p) for p in opts.select]
     exclude = [glob_to_regex(p) for p in opts.exclude]
     rules = parse_rename_rules(opts.rename)
@@ -321,13 +318,13 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
                     # a tensor inside a bytes item (e.g. a tuple of tensors): an array leaf
                     add_array(_memory_leaf(sub_keys, sub_name, sub_value), sub_keys, sub_name, where)
                 else:
-                    refuse(where, f"{a_type(sub_value)} value has no Orbax leaf type "
+                    refuse(where, f"a {type(sub_value).__name__} value has no Orbax leaf type "
                                   "(arrays, numbers, strings, None and containers of them)")
         elif opts.to == "safetensors":
-            refuse(leaf.path, f"safetensors holds tensors only, not {a_type(value)} value")
+            refuse(leaf.path, f"safetensors holds tensors only, not a {type(value).__name__} value")
         else:
             if not _is_simple(value):
-                refuse(leaf.path, f"{a_type(value)} value is not a simple Python value")
+                refuse(leaf.path, f"a {type(value).__name__} value is not a simple Python value")
                 continue
             targets.append(TargetValue(keys, name, _plain(value), "object"))
     for outer, (slot, members) in gathered.items():
@@ -534,6 +531,85 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_si
     raise CkptError(f"unknown target format {fmt!r}")
 
 
+# -- the source must be whole ------------------------------------------------------
+
+# error findings of shallow validate that do not make a copy partial or wrong:
+# a commit problem is refused before this with the reader's own wording, and
+# ckpt reads unmerged per-process OCDBT databases whole (a convert is how to
+# get the merged copy orbax needs)
+_PREFLIGHT_EXEMPT = frozenset({"uncommitted-save", "unmerged-ocdbt"})
+# findings that explain why a source could not even be opened (its metadata's bytes are gone)
+_LOST_DATA = frozenset({
+    "missing-file", "truncated-file", "empty-file", "lost-process-data", "missing-metadata", "leaf-missing",
+})
+
+
+def check_source_complete(src: Checkpoint, given: str | None = None) -> None:
+    """Refuse a source that shallow validate finds incomplete or damaged, before anything is written.
+
+    A shard file missing from a partial download, a rank's lost `.distcp`, an
+    OCDBT data file gone: readers open such a checkpoint from its metadata and
+    would copy what is there, silently leaving the rest out. The same checks
+    as `ckpt validate SRC` (metadata, listings, file sizes; no chunk is read)
+    run on the step being copied; the first error is named in one line.
+    Every process of a multi-host run checks for itself (same files, same answer).
+    """
+    # the chosen step only, not every step of a CheckpointManager root
+    error = _incomplete(src.path, src.step if src.steps else None, given or src.path)
+    if error is not None:
+        raise error
+
+
+def _incomplete(
+    path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None
+) -> IncompleteCheckpointError | None:
+    """The one-line refusal for the first error shallow validate finds at `path`, or None.
+
+    `codes`: only findings of these codes count (None: every error but the exempt ones)."""
+    from .findings import ERROR
+    from .validate import validate_checkpoint
+
+    try:
+        report = validate_checkpoint(path, step=step)
+    except (CkptError, ValueError, TypeError):
+        return None  # not a checkpoint (or a step) validate can check: the caller's own error stands
+    errors = [
+        f for f in report.findings
+        if f.severity == ERROR and f.code not in _PREFLIGHT_EXEMPT and (codes is None or f.code in codes)
+    ]
+    if not errors:
+        return None
+    first = errors[0]
+    where = first.file or first.leaf or "."
+    message = first.message
+    if len(message) > 120:  # one line: its first clause (validate prints the whole finding)
+        message = message.split("; ")[0]
+        message = message if len(message) <= 120 else message[:117] + "..."
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    option = f" --step {step}" if step not in (None, "latest") else ""
+    return IncompleteCheckpointError(
+        f"the source is incomplete: {first.code}: {where}: {message}{more}; "
+        f"run `ckpt validate {shown}{option}` for every finding",
+        shown,
+    )
+
+
+def open_source(source: str, step: str | int | None) -> Checkpoint:
+    """open_checkpoint, except that a source too damaged to open says so as validate would
+    (a lost OCDBT data file holding metadata: the finding, not the storage library's text)."""
+    from .formats import open_checkpoint
+
+    try:
+        return open_checkpoint(source, step=step)
+    except IncompleteCheckpointError:
+        raise
+    except CkptError:
+        better = _incomplete(source, step, source, _LOST_DATA)
+        if better is not None:
+            raise better from None
+        raise
+
+
 # -- convert ---------------------------------------------------------------------
 
 
@@ -575,14 +651,13 @@ def convert(
     `planned`: write that plan (made and checked by the caller, e.g. reshard)
     instead of planning a conversion; opts still give the output options.
     """
-    from .formats import open_checkpoint
-
     coord = coordinator or Coordinator()
     started = time.monotonic()
     if planned is None:
-        src = open_checkpoint(source, step=opts.step)
+        src = open_source(source, opts.step)
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
+        check_source_complete(src, source)
         plan, skipped, sources = plan_conversion(src, opts)
     else:
         src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources

@@ -1,0 +1,137 @@
+"""A source with data missing is never copied in part, inspected as whole or validated in part (issue 18).
+
+Real checkpoints (the committed fixtures written by transformers, torch and
+orbax; CheckpointManager roots written here by real orbax), damaged the way
+they are in practice: a shard file missing from a partial download, a rank's
+`.distcp` not copied, an OCDBT data file lost, a NaN in an older step.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import fixture_path, run_ckpt
+
+SHARDED = "safetensors_llama_sharded"  # transformers save_pretrained(max_shard_size=...): 4 shards + index
+MISSING_SHARD = "model-00003-of-00004.safetensors"
+
+
+def _names_in(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def _refused_before_writing(r, dst: Path, *words: str) -> None:
+    """Exit 1, one line on stderr naming the finding, and nothing written beside DST."""
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "the source is incomplete" in lines[0], lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert "ckpt validate" in lines[0]
+    assert not dst.exists()
+    # not even a temporary directory was made (it would be removed, but nothing is written at all)
+    assert not [n for n in os.listdir(dst.parent) if n.startswith(f".{dst.name}")], os.listdir(dst.parent)
+
+
+@pytest.fixture
+def partial_download(copy_fixture) -> Path:
+    src = copy_fixture(SHARDED)
+    (src / MISSING_SHARD).unlink()
+    return src
+
+
+@pytest.fixture
+def dcp_without_rank_file(copy_fixture) -> Path:
+    src = copy_fixture("dcp_multirank")
+    (src / "__1_0.distcp").unlink()
+    return src
+
+
+@pytest.fixture
+def orbax_lost_data_file(copy_fixture) -> Path:
+    """An OCDBT step whose values live in ocdbt.process_0/d/ (the merged root points there): those files lost.
+
+    The tree and array metadata (in the root's d/) still open; the array chunks are gone."""
+    src = copy_fixture("orbax_ocdbt_zarr3")
+    data = src / "ocdbt.process_0" / "d"
+    assert list(data.iterdir())
+    for f in data.iterdir():
+        f.unlink()
+    return src
+
+
+# -- convert and reshard refuse before writing ---------------------------------------
+
+
+def test_convert_of_a_partial_download_is_refused(partial_download, tmp_path):
+    out = tmp_path / "out" / "dcp"
+    out.parent.mkdir()
+    r = run_ckpt("convert", str(partial_download), str(out), "--to", "dcp")
+    _refused_before_writing(r, out, "missing-file", MISSING_SHARD)
+
+
+@pytest.mark.parametrize("to", ["orbax", "safetensors"])
+def test_convert_of_a_partial_download_is_refused_for_every_target(partial_download, tmp_path, to):
+    out = tmp_path / "out" / to
+    out.parent.mkdir()
+    r = run_ckpt("convert", str(partial_download), str(out), "--to", to)
+    _refused_before_writing(r, out, "missing-file", MISSING_SHARD)
+
+
+def test_reshard_of_a_partial_download_is_refused(partial_download, tmp_path):
+    out = tmp_path / "out" / "resharded"
+    out.parent.mkdir()
+    r = run_ckpt("reshard", str(partial_download), str(out), "--mesh", "data=1")
+    _refused_before_writing(r, out, "missing-file", MISSING_SHARD)
+
+
+def test_convert_and_reshard_of_a_dcp_without_a_rank_file_are_refused(dcp_without_rank_file, tmp_path):
+    for argv, name in (
+        (["convert", str(dcp_without_rank_file), "{}", "--to", "orbax"], "converted"),
+        (["reshard", str(dcp_without_rank_file), "{}", "--mesh", "data=1"], "resharded"),
+    ):
+        out = tmp_path / name
+        r = run_ckpt(*[a.format(out) if a == "{}" else a for a in argv])
+        _refused_before_writing(r, out, "missing-file", "__1_0.distcp")
+
+
+def test_convert_and_reshard_of_an_orbax_step_with_lost_ocdbt_data_are_refused(orbax_lost_data_file, tmp_path):
+    # before: convert wrote a checkpoint and exited 0 (the lost chunks read as nothing)
+    for argv, name in (
+        (["convert", str(orbax_lost_data_file), "{}", "--to", "dcp"], "converted"),
+        (["reshard", str(orbax_lost_data_file), "{}", "--mesh", "data=1"], "resharded"),
+    ):
+        out = tmp_path / name
+        r = run_ckpt(*[a.format(out) if a == "{}" else a for a in argv])
+        _refused_before_writing(r, out, "lost-process-data", "ocdbt.process_0/d/")
+
+
+def test_an_orbax_step_whose_metadata_file_is_lost_names_the_finding(copy_fixture, tmp_path):
+    """The merged root's own d/ file (tree nodes, zarr.json) gone: not the storage library's raw text."""
+    src = copy_fixture("orbax_ocdbt_zarr3")
+    for f in (src / "d").iterdir():
+        f.unlink()
+    out = tmp_path / "converted"
+    r = run_ckpt("convert", str(src), str(out), "--to", "dcp")
+    _refused_before_writing(r, out, "lost-process-data", "d/")
+    assert "NOT_FOUND" not in r.stderr
+
+
+def test_the_api_refuses_too(partial_download, tmp_path):
+    from ckpt_tool.engine import ConvertOptions, convert
+    from ckpt_tool.errors import IncompleteCheckpointError
+
+    with pytest.raises(IncompleteCheckpointError, match=MISSING_SHARD):
+        convert(str(partial_download), str(tmp_path / "out"), ConvertOptions(to="dcp"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_whole_source_still_converts(tmp_path):
+    out = tmp_path / "out"
+    r = run_ckpt("convert", str(fixture_path(SHARDED)), str(out), "--to", "dcp", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["arrays"] == 21
