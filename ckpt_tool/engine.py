@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import dtypes
-from .errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError
+from .errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, UsageError, a_type
 from .findings import Progress, no_progress
 from .parallel import default_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
@@ -221,11 +221,14 @@ def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf
 def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
     """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
     if opts.to not in ("orbax", "dcp", "safetensors"):
-        raise CkptError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
+        raise UsageError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
     if opts.dtype is not None:
+        if opts.dtype not in dtypes.BY_NAME:
+            floats = ", ".join(name for name, dt in dtypes.BY_NAME.items() if dt.is_float)
+            raise UsageError(f"--dtype: unknown dtype {opts.dtype!r} (floating types: {floats})")
         target_dtype = dtypes.get(opts.dtype)
         if not target_dtype.is_float:
-            raise CkptError(f"--dtype must be a floating type, got {opts.dtype}")
+            raise UsageError(f"--dtype must be a floating type, got {opts.dtype}")
     select = [glob_to_regex(p) for p in opts.select]
     exclude = [glob_to_regex(p) for p in opts.exclude]
     rules = parse_rename_rules(opts.rename)
@@ -318,13 +321,13 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
                     # a tensor inside a bytes item (e.g. a tuple of tensors): an array leaf
                     add_array(_memory_leaf(sub_keys, sub_name, sub_value), sub_keys, sub_name, where)
                 else:
-                    refuse(where, f"a {type(sub_value).__name__} value has no Orbax leaf type "
+                    refuse(where, f"{a_type(sub_value)} value has no Orbax leaf type "
                                   "(arrays, numbers, strings, None and containers of them)")
         elif opts.to == "safetensors":
-            refuse(leaf.path, f"safetensors holds tensors only, not a {type(value).__name__} value")
+            refuse(leaf.path, f"safetensors holds tensors only, not {a_type(value)} value")
         else:
             if not _is_simple(value):
-                refuse(leaf.path, f"a {type(value).__name__} value is not a simple Python value")
+                refuse(leaf.path, f"{a_type(value)} value is not a simple Python value")
                 continue
             targets.append(TargetValue(keys, name, _plain(value), "object"))
     for outer, (slot, members) in gathered.items():

@@ -40,7 +40,7 @@ from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
     plan_conversion,
 )
-from .errors import CkptError
+from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
@@ -114,11 +114,11 @@ def parse_mesh(text: str) -> list[tuple[str, int]]:
         name, eq, size = part.partition("=")
         name = name.strip()
         if not eq or not name or not size.strip().isdigit():
-            raise CkptError(f"--mesh wants NAME=SIZE[,NAME=SIZE...], e.g. data=2,model=4; got {text!r}")
+            raise UsageError(f"--mesh wants NAME=SIZE[,NAME=SIZE...], e.g. data=2,model=4; got {text!r}")
         if int(size) < 1:
-            raise CkptError(f"--mesh: axis {name!r} has size {size}; sizes are at least 1")
+            raise UsageError(f"--mesh: axis {name!r} has size {size}; sizes are at least 1")
         if name in (a for a, _ in axes):
-            raise CkptError(f"--mesh: axis {name!r} is named twice")
+            raise UsageError(f"--mesh: axis {name!r} is named twice")
         axes.append((name, int(size)))
     return axes
 
@@ -128,9 +128,9 @@ def mesh_for_devices(axes: Sequence[tuple[str, int]], devices: int, process_coun
     process p owns devices [p*N/P, (p+1)*N/P) of the flattened mesh."""
     names, shape = tuple(a for a, _ in axes), tuple(s for _, s in axes)
     if math.prod(shape) != devices:
-        raise CkptError(f"--mesh {_fmt_axes(axes)} has {math.prod(shape)} devices but --devices is {devices}")
+        raise UsageError(f"--mesh {_fmt_axes(axes)} has {math.prod(shape)} devices but --devices is {devices}")
     if devices % process_count:
-        raise CkptError(f"--devices {devices} cannot be split evenly over {process_count} processes")
+        raise UsageError(f"--devices {devices} cannot be split evenly over {process_count} processes")
     per = devices // process_count
     return DeviceMesh(names, shape, tuple(range(devices)), tuple(i // per for i in range(devices)), "--devices")
 
@@ -147,7 +147,7 @@ def mesh_from_jax(axes: Sequence[tuple[str, int]]) -> DeviceMesh:
     want = math.prod(shape)
     if want != len(devices):
         platform = devices[0].platform if devices else "none"
-        raise CkptError(
+        raise UsageError(
             f"--mesh {_fmt_axes(axes)} needs {want} devices but jax sees {len(devices)} {platform} device(s) here; "
             f"pass --devices {want} to lay out for another topology"
         )
@@ -247,20 +247,23 @@ def parse_rules(obj: Any, where: str = "--rules") -> list[Rule]:
     """An ordered list of [regex, partition spec]; also {"rules": [...]} (the TOML form)."""
     if isinstance(obj, dict):
         if set(obj) != {"rules"}:
-            raise CkptError("a rules table holds one key, 'rules' (a list of [regex, partition spec])", where)
+            raise UsageError("a rules table holds one key, 'rules' (a list of [regex, partition spec])", where)
         obj = obj["rules"]
     if not isinstance(obj, list):
-        raise CkptError("rules must be a list of [regex, partition spec] pairs", where)
+        raise UsageError("rules must be a list of [regex, partition spec] pairs", where)
     rules = []
     for i, item in enumerate(obj):
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], (list, tuple))):
-            raise CkptError(f"rule {i} is {item!r}; each rule is [regex, partition spec list]", where)
+            raise UsageError(f"rule {i} is {item!r}; each rule is [regex, partition spec list]", where)
         try:
             rx = re.compile(item[0])
         except re.error as exc:
-            raise CkptError(f"rule {i}: bad regex {item[0]!r}: {exc}", where) from None
-        spec = tuple(_entry_axes(e, f"rule {i} {item[0]!r}") for e in item[1])
+            raise UsageError(f"rule {i}: bad regex {item[0]!r}: {exc}", where) from None
+        try:
+            spec = tuple(_entry_axes(e, f"rule {i} {item[0]!r}") for e in item[1])
+        except CkptError as exc:  # the same check reads recorded specs, where it is the checkpoint's problem
+            raise UsageError(exc.message, where) from None
         rules.append(Rule(item[0], rx, spec, i))
     return rules
 
@@ -271,25 +274,25 @@ def load_rules(path: str) -> list[Rule]:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as exc:
-        raise CkptError(f"cannot read the rules file: {exc.strerror}", path) from None
+        raise UsageError(f"cannot read the rules file: {exc.strerror}", path) from None
     text = raw.decode("utf-8", "replace")
     if not path.endswith(".toml"):
         try:
             return parse_rules(json.loads(text), path)
         except json.JSONDecodeError as exc:
             if path.endswith(".json"):
-                raise CkptError(f"not valid JSON: {exc}", path) from None
+                raise UsageError(f"not valid JSON: {exc}", path) from None
     try:
         import tomllib  # Python 3.11+
     except ImportError:  # pragma: no cover - Python 3.10
         try:
             import tomli as tomllib  # type: ignore[no-redef]
         except ImportError:
-            raise CkptError("TOML rules need Python 3.11+ or `pip install tomli`; or write them as JSON", path) from None
+            raise UsageError("TOML rules need Python 3.11+ or `pip install tomli`; or write them as JSON", path) from None
     try:
         return parse_rules(tomllib.loads(text), path)
     except tomllib.TOMLDecodeError as exc:
-        raise CkptError(f"neither JSON nor TOML: {exc}", path) from None
+        raise UsageError(f"neither JSON nor TOML: {exc}", path) from None
 
 
 def _spec_problem(spec: Spec, shape: tuple[int, ...], mesh: DeviceMesh) -> str | None:
@@ -578,7 +581,7 @@ def plan_reshard(
     process_count = max(coord.process_count, opts.process_count or 1)
     mesh = resolve_mesh(opts, process_count)
     if opts.fsdp is not None and opts.fsdp not in mesh.axis_names:
-        raise CkptError(f"--fsdp: axis {opts.fsdp!r} is not in the mesh ({', '.join(mesh.axis_names)})")
+        raise UsageError(f"--fsdp: axis {opts.fsdp!r} is not in the mesh ({', '.join(mesh.axis_names)})")
     rules: list[Rule] = []
     if isinstance(opts.rules, str):
         rules = load_rules(opts.rules)
