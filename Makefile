@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make demo` runs ckpt only: its own venv with `pip install .` (ckpt and its
+# runtime dependencies, ~200 MB), not the test stack (torch, jax, transformers)
+DEMO_VENV := .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
+PIP_QUIET := -q --disable-pip-version-check
 
 .PHONY: install compile demo test bench fixtures fuzz clean
 
@@ -11,9 +16,15 @@ STAMP := $(VENV)/.installed
 # import hook that costs every `ckpt` start ~20 ms
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
+	$(PY) -m pip install $(PIP_QUIET) -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
+
+# a plain (not editable) install, as a user installs ckpt: rebuilt when a source changes
+$(DEMO_STAMP): pyproject.toml $(wildcard ckpt_tool/*.py ckpt_tool/*/*.py)
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install $(PIP_QUIET) .
+	touch $(DEMO_STAMP)
 
 # byte-compile our sources: where PYTHONDONTWRITEBYTECODE is set, every run
 # would otherwise recompile them
@@ -22,8 +33,8 @@ compile: $(STAMP)
 
 install: compile
 
-demo: compile
-	@bash fixtures/demo.sh $(CURDIR)/$(VENV)/bin/ckpt
+demo: $(DEMO_STAMP)
+	@bash fixtures/demo.sh $(CURDIR)/$(DEMO_VENV)/bin/ckpt
 
 test: compile
 	$(PY) -m pytest -q
@@ -49,4 +60,4 @@ fixtures: $(STAMP)
 	$(PYTHON) fixtures/gen_legacy_jax.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info

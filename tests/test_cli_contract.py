@@ -292,3 +292,23 @@ def test_demo_output_plain_when_piped(tmp_path):
         for args in (["inspect", ORBAX, "--depth", "2"], ["validate", DCP], ["diff", ORBAX, ORBAX]):
             out = run_ckpt(*args, env=env)
             assert out.returncode == 0 and "\x1b" not in out.stdout + out.stderr, args
+
+
+def test_cli_start_bench_row():
+    """bench/cli_start_bench.py's row in run_all's table (no bench is run here)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import cli_start_bench
+
+    def res(name, best, rss):
+        return {"name": name, "command": f"ckpt --{name}", "ok": True, "error": None, "runs_s": [best],
+                "best_s": best, "peak_rss_kib": rss, "check_errors": []}
+
+    doc = {"bench": "cli_start", "runs": 10, "results": [res("version", 0.11, 14000), res("help", 0.12, 15000)],
+           "ratio": 1.09, "target": 1.5, "met": True, "help_heavy_imports": [], "help_modules": 112, "ok": True}
+    [row] = cli_start_bench.summary_rows(doc)
+    assert row["case"] == "ckpt --help" and row["baseline"] == "ckpt --version"
+    assert (row["ckpt_s"], row["baseline_s"], row["ratio"], row["met"]) == (0.12, 0.11, 1.09, True)
+    assert row["target"] == "ckpt/baseline <= 1.5x" and row["rss_mib"] == 15 and not row["error"]
+    doc["help_heavy_imports"] = ["numpy"]
+    assert "numpy" in cli_start_bench.summary_rows(doc)[0]["case"]
+    assert cli_start_bench.check("help", "Usage: ckpt\n  inspect x") != []
