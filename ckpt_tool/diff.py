@@ -24,7 +24,8 @@ import numpy as np
 from . import dtypes
 from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
-from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, glob_to_regex, parse_rename_rules
+from .filters import Glob
+from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, parse_rename_rules
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want, streams
 from .structure import RecordedStructure
 from .validate.deep import chunk_regions
@@ -47,6 +48,19 @@ class LeafDiff:
 
 
 @dataclass
+class DtypeCast:
+    """Floating leaves whose dtype differs from A to B in the same way (cast_ok):
+    accepted as a cast, and compared by value when values are compared."""
+
+    a: str  # dtype in A
+    b: str  # dtype in B
+    paths: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "leaves": len(self.paths), "paths": list(self.paths)}
+
+
+@dataclass
 class DiffReport:
     a: str
     b: str
@@ -56,6 +70,12 @@ class DiffReport:
     layout_compared: bool = False
     # what each side is: "checkpoint", or "inspect-json" (structure only)
     sources: dict[str, str] = field(default_factory=lambda: {"a": "checkpoint", "b": "checkpoint"})
+    # the step each side was read at: what was asked (--step/--step-a/--step-b; None: the
+    # default, a root's latest committed step) and the step the checkpoint records
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cast_ok: bool = False
+    # with cast_ok: floating dtype changes, one entry per (dtype in A, dtype in B)
+    casts: list[DtypeCast] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
@@ -65,6 +85,8 @@ class DiffReport:
         return {
             "a": self.a, "b": self.b, "same": self.same, "compared": self.compared,
             "values": self.values_compared, "layout": self.layout_compared, "sources": dict(self.sources),
+            "steps": {side: dict(v) for side, v in self.steps.items()},
+            "cast_ok": self.cast_ok, "casts": [c.to_json() for c in self.casts],
             "differences": [d.to_json() for d in self.differences],
         }
 
@@ -109,10 +131,16 @@ def diff_checkpoints(
     layout: bool = False,
     pattern: str | None = None,
     memory: int = DEFAULT_MEMORY,
+    cast_ok: bool = False,
+    steps: tuple[str | int | None, str | int | None] = (None, None),
 ) -> DiffReport:
     """Compare A and B by keys (A's renamed first); `layout` adds chunk layout
-    and recorded sharding; `pattern` (a --filter glob over the matched keys)
-    limits the comparison to the leaves it matches on either side."""
+    and recorded sharding; `pattern` (a --filter glob, ckpt_tool/filters.py,
+    over the matched keys or their dotted names) limits the comparison to the
+    leaves it matches on either side: NoMatchError when it matches none on
+    both. `cast_ok`: a floating leaf whose dtype differs (a cast conversion)
+    is no difference; its values are compared in float64 within atol/rtol.
+    `steps`: the step asked for each side, recorded in the report."""
     structure = [ck.path for ck in (a, b) if isinstance(ck, RecordedStructure)]
     if values and structure:
         raise CkptError(f"{structure[0]} is an inspect JSON document: it holds no array data to compare values with")
@@ -126,12 +154,18 @@ def diff_checkpoints(
     if not isinstance(b, RecordedStructure):
         right = _expand_values(right, left)
     if pattern:
-        rx = glob_to_regex(pattern)
-        left = {p: leaf for p, leaf in left.items() if rx.fullmatch(p)}
-        right = {p: leaf for p, leaf in right.items() if rx.fullmatch(p)}
+        glob = Glob(pattern)
+        all_left, all_right = left, right
+        left = {p: leaf for p, leaf in left.items() if glob.matches(p, _flat_names(p, leaf))}
+        right = {p: leaf for p, leaf in right.items() if glob.matches(p, _flat_names(p, leaf))}
+        if not left and not right:
+            raise glob.no_match([*all_left.values(), *all_right.values()], what=f" of A ({a.path}) and B ({b.path})")
     report = DiffReport(a.path, b.path, values_compared=values, layout_compared=layout, sources={
         side: "inspect-json" if isinstance(ck, RecordedStructure) else "checkpoint" for side, ck in (("a", a), ("b", b))
+    }, cast_ok=cast_ok, steps={
+        side: {"requested": asked, "step": ck.step} for side, asked, ck in (("a", steps[0], a), ("b", steps[1], b))
     })
+    casts: dict[tuple[str, str], DtypeCast] = {}
     for path in sorted(set(left) - set(right)):
         report.differences.append(LeafDiff(path, "only_a", "only in A"))
     for path in sorted(set(right) - set(left)):
@@ -141,6 +175,11 @@ def diff_checkpoints(
         la, lb = left[path], right[path]
         report.compared += 1
         meta = _metadata_difference(path, la, lb)
+        if meta and cast_ok and meta.kind == "dtype" and _castable(la.dtype, lb.dtype):  # type: ignore[union-attr]
+            # a cast conversion: the dtype change is reported once per pair of dtypes, not per leaf
+            pair = (la.dtype, lb.dtype)  # type: ignore[union-attr]
+            casts.setdefault(pair, DtypeCast(*pair)).paths.append(path)
+            meta = None
         if meta:
             report.differences.append(meta)
             continue
@@ -157,10 +196,24 @@ def diff_checkpoints(
             va, vb = la.load(), lb.load()
             if not _values_equal(va, vb):
                 report.differences.append(LeafDiff(path, "value", f"{short_repr(va)} != {short_repr(vb)}"))
+    report.casts = list(casts.values())
     if pairs:
         report.differences.extend(_compare_values(pairs, rtol, atol, workers=workers, memory=memory, progress=progress))
     report.differences.sort(key=lambda d: d.path)  # stable: a leaf's chunks line stays before its sharding line
     return report
+
+
+def _flat_names(path: str, leaf: Leaf) -> tuple[str, ...]:
+    """The dotted spellings --filter also matches, for a leaf compared under `path`
+    (A's renamed path: its own name no longer describes it)."""
+    dotted = path.replace("/", ".")
+    return (dotted,) if path != leaf.path or leaf.name in (None, "", dotted) else (dotted, leaf.name)
+
+
+def _castable(dtype_a: str, dtype_b: str) -> bool:
+    """Two floating dtypes a cast converts between (real to real, complex to complex)."""
+    da, db = dtypes.get(dtype_a), dtypes.get(dtype_b)
+    return da.is_float and db.is_float and da.name.startswith("complex") == db.name.startswith("complex")
 
 
 def _metadata_difference(path: str, la: Leaf, lb: Leaf) -> LeafDiff | None:
@@ -231,18 +284,25 @@ def _compare_values(
     The read scheduler reads both sides by stored chunk: each chunk of A and
     of B is decoded once, whatever the other side's chunking, and the pairs
     of regions are compared as soon as both are read, within `memory`.
+
+    A pair of different dtypes (a cast, with cast_ok) cannot be compared
+    byte for byte: every block is compared in float64, whose working copies
+    (_COMPARE_BYTES per element of a piece) count in the budget as the
+    want's `extra`.
     """
     from .engine import output_chunk_limit
 
     block = output_chunk_limit(memory)
+    piece = _compare_elements(memory)
     tallies = {path: _Tally() for path, _, _ in pairs}
     lock = threading.Lock()
     wants: list[Want] = []
     for path, la, lb in pairs:
         tally = tallies[path]
+        cast = la.dtype != lb.dtype
 
         def compare(arrays: list[np.ndarray], tally: _Tally = tally) -> int:
-            n, max_abs, max_rel = _compare_block(arrays[0], arrays[1], rtol, atol)
+            n, max_abs, max_rel = _compare_block(arrays[0], arrays[1], rtol, atol, piece)
             if n:
                 with lock:
                     tally.mismatched += n
@@ -258,11 +318,12 @@ def _compare_values(
 
             for region in chunk_regions(big, block):
                 # the other side's read: the region, and the stored chunks tensorstore decodes for it
-                extra = 2 * _region_nbytes(small, region)
+                extra = 2 * _region_nbytes(small, region) + (_cast_cost(la, region, piece) if cast else 0)
                 wants.append(Want([(big, region)], _paired(compare, small, region, swap), extra=extra))
             continue
         for region in chunk_regions(la, block):
-            wants.append(Want([(la, region), (lb, region)], compare))
+            wants.append(Want([(la, region), (lb, region)], compare,
+                              extra=_cast_cost(la, region, piece) if cast else 0))
     total = sum(la.nbytes for _, la, _ in pairs)
     progress("compare", 0, total)
     Scheduler(wants, memory=memory, workers=workers).run(on_done=lambda n: progress("compare", n, total))
@@ -299,17 +360,36 @@ def _paired(compare: Callable[[list[np.ndarray]], int], other: ArrayLeaf, region
 
 # elements compared at once when a block differs (the float64 copies take 8 bytes each, several times)
 _COMPARE_ELEMENTS = 2**21
+# peak bytes per element _compare_flat holds (float64 copies of both sides, the
+# difference and its temporaries, masks): 52 measured with tracemalloc; twice for complex
+_COMPARE_BYTES = 56
 
 
-def _compare_block(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tuple[int, float, float]:
-    """(mismatched elements, max abs, max rel) of one pair of regions."""
+def _compare_elements(memory: int) -> int:
+    """Elements compared at once: one piece's float64 working copies take at most
+    an eighth of the budget (as an output chunk does), 2M elements at most."""
+    return max(4096, min(_COMPARE_ELEMENTS, memory // 8 // _COMPARE_BYTES))
+
+
+def _cast_cost(leaf: ArrayLeaf, region: Region, piece: int) -> int:
+    """Bytes a cast pair's comparison of `region` holds beside the two regions read."""
+    elements = 1
+    for r in region:
+        elements *= r.stop - r.start
+    complex_ = dtypes.get(leaf.dtype).name.startswith("complex")
+    return min(elements, piece) * _COMPARE_BYTES * (2 if complex_ else 1)
+
+
+def _compare_block(a: np.ndarray, b: np.ndarray, rtol: float, atol: float,
+                   piece: int = _COMPARE_ELEMENTS) -> tuple[int, float, float]:
+    """(mismatched elements, max abs, max rel) of one pair of regions, `piece` elements at a time."""
     xa = np.ascontiguousarray(a).reshape(-1)
     xb = np.ascontiguousarray(b).reshape(-1)
-    if rtol == 0 and atol == 0 and xa.tobytes() == xb.tobytes():
+    if rtol == 0 and atol == 0 and xa.dtype == xb.dtype and xa.tobytes() == xb.tobytes():
         return 0, 0.0, 0.0  # bit-identical: the common case for copies and conversions
     n, max_abs, max_rel = 0, 0.0, 0.0
-    for start in range(0, xa.size, _COMPARE_ELEMENTS):
-        part = slice(start, start + _COMPARE_ELEMENTS)
+    for start in range(0, xa.size, piece):
+        part = slice(start, start + piece)
         k, pa, pr = _compare_flat(xa[part], xb[part], rtol, atol)
         if k:
             n += k
@@ -318,7 +398,8 @@ def _compare_block(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tu
 
 
 def _compare_flat(xa: np.ndarray, xb: np.ndarray, rtol: float, atol: float) -> tuple[int, float, float]:
-    exact = rtol == 0 and atol == 0
+    # different dtypes (a cast): equal bytes say nothing, and values are compared as numbers only
+    exact = rtol == 0 and atol == 0 and xa.dtype == xb.dtype
     if exact and xa.tobytes() == xb.tobytes():
         return 0, 0.0, 0.0
     fa = xa.astype(np.float64) if xa.dtype.kind not in "c" else xa.astype(np.complex128)

@@ -28,11 +28,12 @@ import numpy as np
 
 from . import dtypes
 from .errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, UsageError, a_type
+from .filters import Selection
 from .findings import Progress, no_progress
 from .parallel import default_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .model import (
-    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf, glob_to_regex,
+    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf,
     grid_chunks, parse_rename_rules, split_to_cap, stored_chunks,
 )
 from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
@@ -229,9 +230,9 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         target_dtype = dtypes.get(opts.dtype)
         if not target_dtype.is_float:
             raise UsageError(f"--dtype must be a floating type, got {opts.dtype}")
-    select = [glob_to_regex(p) for p in opts.select]
-    exclude = [glob_to_regex(p) for p in opts.exclude]
     rules = parse_rename_rules(opts.rename)
+    # --select/--exclude by '/'-joined keys or dotted name; a pattern matching no leaf is refused here
+    selection = Selection(opts.select, opts.exclude, src.leaves, src.path)
     cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
     targets: list[Target | None] = []
     skipped: list[tuple[str, str]] = []
@@ -276,9 +277,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
 
     for leaf in src.leaves:
-        if select and not any(rx.fullmatch(leaf.path) for rx in select):
-            continue
-        if any(rx.fullmatch(leaf.path) for rx in exclude):
+        if not selection.keeps(leaf):
             continue
         outer = next((leaf.keys[:i] for i in range(1, len(leaf.keys)) if leaf.keys[:i] in source_tuples), None)
         if outer is not None:

@@ -83,6 +83,13 @@ class UnsupportedLeafError(CkptError):
     code = "unsupported-leaf"
 
 
+class NoMatchError(CkptError):
+    """A --filter, --select or --exclude pattern that matches no leaf (most
+    likely a typo): exit 1, as a problem with what was asked of this checkpoint."""
+
+    code = "no-match"
+
+
 class UsageError(CkptError):
     """A bad option value or a combination of options that cannot work.
 

@@ -124,11 +124,15 @@ def inspect_checkpoint(
     pattern: str | None = None,
     values: bool = False,
 ) -> InspectResult:
-    """Open `path` from metadata and describe it; decode value leaves if `values`."""
+    """Open `path` from metadata and describe it; decode value leaves if `values`.
+
+    `pattern` is a --filter glob (ckpt_tool/filters.py); NoMatchError when it matches no leaf."""
+    from .filters import filter_leaves
     from .formats import open_checkpoint
 
     ckpt = open_checkpoint(path, step=step)
-    leaves = ckpt.filtered(pattern)
+    # a pattern that matches nothing is an error (NoMatchError), not an empty listing
+    leaves = filter_leaves(ckpt.leaves, pattern, where=ckpt.path)
     decoded: dict[str, Any] | None = None
     errors: dict[str, str] = {}
     if values:

@@ -9,7 +9,6 @@ scalar, string or other non-tensor item, decoded only when asked.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import itertools
 import math
@@ -21,6 +20,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import CkptError, UsageError
+from .filters import Glob, glob_to_regex  # noqa: F401 - glob_to_regex: re-exported for callers of model
 
 Key = Union[str, int]
 Region = tuple[slice, ...]
@@ -397,10 +397,12 @@ class Checkpoint:
         return root
 
     def filtered(self, pattern: str | None) -> list[Leaf]:
+        """The leaves a --filter glob matches by '/'-joined keys or dotted name
+        (ckpt_tool/filters.py); all of them without a pattern, [] when none match."""
         if not pattern:
             return list(self.leaves)
-        rx = glob_to_regex(pattern)
-        return [leaf for leaf in self.leaves if rx.fullmatch(leaf.path)]
+        glob = Glob(pattern)
+        return [leaf for leaf in self.leaves if glob.matches_leaf(leaf)]
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, format={self.format!r}, leaves={len(self.leaves)})"
@@ -418,33 +420,3 @@ def parse_rename_rules(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]
         except re.error as exc:
             raise UsageError(f"--rename: bad regex {pattern!r}: {exc}") from None
     return out
-
-
-def glob_to_regex(pattern: str) -> re.Pattern[str]:
-    """Glob over '/'-joined keys: `*` stays within one key, `**` spans keys."""
-    out = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        else:
-            ch = pattern[i]
-            if ch == "*":
-                out.append("[^/]*")
-            elif ch == "?":
-                out.append("[^/]")
-            elif ch == "[":
-                j = pattern.find("]", i)
-                if j == -1:
-                    out.append(re.escape(ch))
-                else:
-                    out.append(fnmatch.translate(pattern[i : j + 1])[4:-3])
-                    i = j
-            else:
-                out.append(re.escape(ch))
-            i += 1
-    return re.compile("".join(out))

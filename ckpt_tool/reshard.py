@@ -69,6 +69,9 @@ class ReshardOptions:
     # plan for this many processes without a coordinator (dry runs for a pod)
     process_count: int | None = None
     memory: int = DEFAULT_MEMORY  # --memory: the read scheduler's budget
+    # leaves to keep / drop: globs over '/'-joined keys or dotted names, as convert's (ckpt_tool/filters.py)
+    select: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
 
 
 # -- the mesh ------------------------------------------------------------------------
@@ -596,6 +599,7 @@ def plan_reshard(
     # the same leaves, names, values and skips as `convert --to orbax`; only the arrays' layout changes
     base, skipped, sources = plan_conversion(src, ConvertOptions(
         to="orbax", zarr3=opts.zarr3, skip_unsupported=opts.skip_unsupported, step=opts.step, memory=opts.memory,
+        select=list(opts.select), exclude=list(opts.exclude),
     ))
     target_file_size = _GCS_TARGET_DATA_FILE_SIZE if destination.startswith("gs://") else _TARGET_DATA_FILE_SIZE
 

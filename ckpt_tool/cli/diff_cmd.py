@@ -26,7 +26,8 @@ from .render import Output, esc, plural
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Relative tolerance for --values.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance for --values.")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename A's '/'-joined keys before matching (repeatable).")
-@click.option("--filter", "pattern", metavar="GLOB", help="Compare only leaves whose (renamed) '/'-joined keys match, e.g. 'params/**' (as for inspect --filter).")
+@click.option("--filter", "pattern", metavar="GLOB", help="Compare only leaves whose (renamed) '/'-joined keys or dotted names match, e.g. 'params/**' or 'model.layers.0.*' (as for inspect --filter); matching no leaf is an error.")
+@click.option("--cast-ok", is_flag=True, help="A floating leaf whose dtype differs (e.g. after convert --dtype bfloat16) is no difference: with --values it is compared by value in float64 within --atol/--rtol; the dtype change is reported once.")
 @click.option("--layout", is_flag=True, help="Also compare each array's chunk shape, chunk count and recorded sharding.")
 @click.option("--step", help="Step of whichever side is a CheckpointManager root (both, when both are checkpoints).")
 @click.option("--step-a", help="Step of A when A is a CheckpointManager root.")
@@ -37,7 +38,7 @@ from .render import Output, esc, plural
 def diff_command(
     a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
-    memory: int,
+    memory: int, cast_ok: bool,
 ) -> None:
     """Compare checkpoints A and B (either format) by their keys: leaves only in
     one, changed kind, shape or dtype, and with --values the max absolute and
@@ -55,7 +56,8 @@ def diff_command(
     ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
     report = diff_checkpoints(
         ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
-        layout=layout, pattern=pattern, memory=memory,
+        layout=layout, pattern=pattern, memory=memory, cast_ok=cast_ok,
+        steps=(step_a if step is None else step, step_b if step is None else step),
     )
     out = Output(json_mode=as_json)
     if as_json:
@@ -64,6 +66,11 @@ def diff_command(
         for d in report.differences:
             colour = {"only_a": "red", "only_b": "green"}.get(d.kind, "yellow")
             out.line(f"[{colour}]{d.kind:8}[/{colour}] {esc(d.path)}: {esc(d.message)}")
+        for c in report.casts:
+            n = len(c.paths)
+            how = "compared by value in float64" if values else "values not compared (add --values)"
+            out.line(f"[cyan]{'cast':8}[/cyan] {n} lea{'ves' if n != 1 else 'f'} {c.a} in A, {c.b} in B "
+                     f"(--cast-ok): {how}")
         if values:
             what = "leaves and values"
         else:

@@ -16,7 +16,7 @@ from .render import Node, Output, esc, human_bytes, human_count, plural
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the documented contract).")
 @click.option("--flat", is_flag=True, help="One line per leaf instead of a tree.")
-@click.option("--filter", "pattern", metavar="GLOB", help="Only leaves whose '/'-joined keys match, e.g. 'params/**/kernel'.")
+@click.option("--filter", "pattern", metavar="GLOB", help="Only leaves whose '/'-joined keys or dotted names match, e.g. 'params/**/kernel' or 'model.layers.0.*'; matching no leaf is an error.")
 @click.option("--depth", type=click.IntRange(min=1), help="Collapse the tree below this depth.")
 @click.option("--step", help="CheckpointManager root: step number or 'latest' (latest committed by default).")
 @click.option("--values", is_flag=True, help="Decode scalars, strings and non-tensor items (never array data).")
@@ -32,9 +32,6 @@ def inspect_command(
         out.json(result.to_json())
         return
     out.header(_title(result), _header_rows(result))
-    if pattern and not result.leaves:
-        out.line(f"no leaf matches {esc(pattern)!s}")
-        return
     if flat:
         out.lines(_flat_lines(result))
     else:

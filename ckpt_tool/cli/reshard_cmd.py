@@ -24,6 +24,10 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
                    'TOML: rules = [["kernel$", ["", "model"]], [".*", []]] ("" for null). '
                    "README: ckpt reshard.")
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
+@click.option("--select", multiple=True, metavar="GLOB",
+              help="Keep only leaves whose '/'-joined keys or dotted names match, as for convert (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Drop leaves whose keys or dotted names match, e.g. 'opt_state/**' (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (specs, shard shapes, bytes per process, memory per device); write nothing.")
 @output_options
 @memory_option
@@ -33,6 +37,7 @@ def reshard_command(
     src: str, dst: str, mesh: str, devices: int | None, rules: str | None, fsdp: str | None, dry_run: bool,
     zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
+    select: tuple[str, ...], exclude: tuple[str, ...],
 ) -> None:
     """Write SRC (any format ckpt reads: Orbax, DCP, safetensors, Flax or T5X
     msgpack) into DST as an Orbax checkpoint laid out for a new device mesh: each array keeps its recorded partition spec where it
@@ -45,6 +50,7 @@ def reshard_command(
     opts = ReshardOptions(
         mesh=mesh, devices=devices, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, skip_unsupported=skip_unsupported, memory=memory,
+        select=list(select), exclude=list(exclude),
     )
     if dry_run and devices is not None:
         # a plan for N hypothetical devices needs neither devices nor the other hosts
