@@ -16,7 +16,13 @@ module waits for has a deadline (CKPT_IO_TIMEOUT seconds, plus a second per
 MiB moved). The first endpoint that stops answering is remembered; every
 later remote operation fails at once with the same one line
 (StorageUnavailableError), so a run ends within the deadline instead of
-retrying each chunk.
+retrying each chunk. Before the first request to an endpoint, its host
+name is resolved once: a name that does not resolve, or a credentials
+variable naming a file that is not there, fails at once as one line
+instead of after every retry. The C++ libraries under tensorstore (abseil,
+the AWS C SDK) log to file descriptor 2 (credential probing, IMDS lookups);
+once a remote store is opened those lines are dropped (see
+quiet_native_logs), so a failure is ckpt's one line, unless CKPT_DEBUG=1.
 
 Local roots are contained: every key read is checked (no `..`, no symlink
 out of the root, regular files only, opened non-blocking so a FIFO swapped
@@ -28,13 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import math
 import os
 import re
 import stat
+import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Iterable, Iterator
 
 import tensorstore as ts
@@ -107,6 +115,7 @@ _FAILURES_LOCK = threading.Lock()
 # the endpoint of the last remote store opened, for errors that come from
 # tensorstore calls made outside this module (array reads, OCDBT dumps)
 _LAST_ENDPOINT: str | None = None
+_LAST_SCHEME = ""  # "s3://" or "gs://": whose credentials an access denied is about
 
 
 def raise_if_unavailable(*, endpoint: str | None = None, since: float | None = None) -> None:
@@ -167,6 +176,275 @@ def _endpoint_of(spec: dict[str, Any]) -> str | None:
 
 def _deadline(nbytes: int) -> float:
     return IO_TIMEOUT + max(0, nbytes) * _SECONDS_PER_BYTE
+
+
+def _debug() -> bool:
+    return os.environ.get("CKPT_DEBUG", "") not in ("", "0")
+
+
+# -- the C++ libraries' own logging ------------------------------------------------
+#
+# tensorstore's dependencies log to file descriptor 2 themselves: the AWS C
+# SDK when its default credentials chain finds no ~/.aws files or no IMDS,
+# tensorstore when no gcloud credentials file exists (an anonymous read of a
+# public bucket prints it too). None of it can be turned off from Python:
+# abseil's thresholds are not exposed by the tensorstore module, and neither
+# TENSORSTORE_VERBOSE_LOGGING nor GRPC_VERBOSITY touches these lines. So once
+# a remote store is opened, fd 2 becomes a pipe whose reader drops abseil's
+# lines and passes everything else on, and Python's sys.stderr writes to the
+# original stream directly (ordering and terminal detection unchanged).
+
+# abseil's prefix: severity, MMDD, time, thread id, file:line]
+_NATIVE_LOG_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\n]*\] ")
+_NATIVE_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_NATIVE_LOG_START = re.compile(rb"^(?:[IWEF](?:\d{0,4}(?: [\d:.]*(?: +\d*(?: [^\]\n]*)?)?)?)?)$")
+_native_quiet = False
+_native_quiet_lock = threading.Lock()
+# the lines dropped last (for a one-line error that wants their gist)
+_native_dropped: deque[bytes] = deque(maxlen=64)
+
+
+def _is_native_log(line: bytes) -> bool:
+    return bool(_NATIVE_LOG_LINE.match(line)) or line.startswith(_NATIVE_PREAMBLE)
+
+
+def _forward_stderr(read_fd: int, write_fd: int) -> None:
+    """Copy the pipe behind fd 2 to the real stderr, without the C++ libraries' log lines."""
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(read_fd, 1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        out = []
+        for line in lines:
+            if _is_native_log(line):
+                _native_dropped.append(line)
+            else:
+                out.append(line + b"\n")
+        # a partial line (a progress bar's \r update) goes on at once unless it may be a log line's start
+        if pending and not (_NATIVE_LOG_START.match(pending) or _NATIVE_PREAMBLE.startswith(pending)):
+            out.append(pending)
+            pending = b""
+        _write_all(write_fd, b"".join(out))
+    if pending and not _is_native_log(pending):
+        _write_all(write_fd, pending)
+    os.close(read_fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except OSError:
+            return  # the reader of stderr went away: nothing more to show
+
+
+def quiet_native_logs() -> None:
+    """Drop the C++ libraries' log lines from file descriptor 2 for the rest of the process.
+
+    Called when the first remote store is opened (local runs never pay for
+    it); a no-op with CKPT_DEBUG=1, which keeps every line, or where fd 2
+    cannot be redirected. Everything that is not an abseil-formatted line
+    still reaches stderr.
+    """
+    global _native_quiet
+    if _native_quiet or _debug():
+        return
+    with _native_quiet_lock:
+        if _native_quiet:
+            return
+        _native_quiet = True
+        stream = sys.stderr
+        try:
+            rebind = stream is not None and stream.fileno() == 2
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            rebind = False  # a notebook's or a test runner's stream: not fd 2, leave it
+        try:
+            if stream is not None:
+                stream.flush()
+            real = os.dup(2)
+            read_fd, write_fd = os.pipe()
+        except (OSError, ValueError):
+            return
+        if rebind:
+            # Python's own stderr writes bypass the pipe: same order, same terminal
+            sys.stderr = io.TextIOWrapper(
+                io.FileIO(real, "w", closefd=False), encoding=stream.encoding, errors=stream.errors,
+                line_buffering=True, write_through=True,
+            )
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        threading.Thread(target=_forward_stderr, args=(read_fd, real), name="ckpt-stderr", daemon=True).start()
+
+
+# -- before the first request to a remote endpoint ----------------------------------
+
+# endpoint -> the problem found before its first request ("" = none)
+_PREFLIGHT: dict[str, str] = {}
+_PREFLIGHT_LOCK = threading.Lock()
+# how long a host name lookup may take before the requests are left to find out themselves
+_RESOLVE_WAIT = 5.0
+
+
+def _credentials_problem(spec: dict[str, Any]) -> str | None:
+    """A credentials variable naming a file that is not there (the libraries would ignore it silently)."""
+    driver = spec.get("driver")
+    if isinstance(spec.get("base"), dict):
+        return _credentials_problem(spec["base"])
+    if driver == "gcs":
+        if os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+            return None
+        names = ["GOOGLE_APPLICATION_CREDENTIALS"]
+    elif driver == "s3":
+        if isinstance(spec.get("aws_credentials"), dict) and spec["aws_credentials"].get("type") == "environment":
+            return None  # keys in the environment: no file is read
+        names = ["AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE"]
+    else:
+        return None
+    for name in names:
+        path = os.environ.get(name, "")
+        if not path:
+            continue
+        full = os.path.expanduser(path)
+        if not os.path.exists(full):
+            return f"{name} names {path}, which does not exist (point it at the credentials file, or unset it)"
+        if os.path.isdir(full):
+            return f"{name} names {path}, which is a directory, not a credentials file"
+        try:
+            with open(full, "rb"):
+                pass
+        except OSError as exc:
+            return f"{name} names {path}, which cannot be read: {exc.strerror or exc}"
+    return None
+
+
+def _proxied(host: str) -> bool:
+    """Whether requests to `host` go through an HTTP proxy (which resolves the name, not this machine)."""
+    if not any(os.environ.get(v) for v in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")):
+        return False
+    no_proxy = (os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or "").replace(" ", "")
+    for entry in filter(None, no_proxy.split(",")):
+        if entry == "*" or host == entry.lstrip(".") or host.endswith("." + entry.lstrip(".")):
+            return False
+    return True
+
+
+def _resolution_problem(endpoint: str) -> str | None:
+    """Why the endpoint's host name does not resolve, or None (resolves, is an address, or is not ours to resolve).
+
+    A name that does not resolve now will not in the next seconds either;
+    tensorstore would retry it CKPT_IO_RETRIES times (7.5 s) for the same line.
+    """
+    import socket
+
+    hostport = endpoint.partition("://")[2].split("/", 1)[0].rsplit("@", 1)[-1]
+    if hostport.startswith("["):
+        return None  # an IPv6 address
+    host = hostport.rsplit(":", 1)[0] if hostport.count(":") == 1 else hostport
+    if not host or re.fullmatch(r"[\d.]+", host) or ":" in host or _proxied(host):
+        return None
+    answer: list[BaseException | None] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            answer.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            answer.append(exc)
+
+    worker = threading.Thread(target=lookup, name="ckpt-resolve", daemon=True)
+    worker.start()
+    worker.join(min(IO_TIMEOUT, _RESOLVE_WAIT))
+    if not answer:
+        return None  # a slow resolver: the requests themselves will find out, under their deadline
+    exc = answer[0]
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve host name {host} ({exc.strerror or exc})"
+    return None
+
+
+def _preflight(spec: dict[str, Any], endpoint: str, url: str, what: str) -> None:
+    """Checks made once per endpoint before its first request: credentials variables, then the host name."""
+    quiet_native_logs()
+    problem = _credentials_problem(spec)
+    if problem is not None:
+        raise CkptError(f"{what}: {problem}", url)
+    with _PREFLIGHT_LOCK:
+        known = _PREFLIGHT.get(endpoint)
+    if known is None:
+        known = _resolution_problem(endpoint) or ""
+        with _PREFLIGHT_LOCK:
+            _PREFLIGHT[endpoint] = known
+    if known:
+        raise _note_unavailable(f"{what}: storage endpoint {endpoint} cannot be reached: {known}; not retried", url, endpoint)
+
+
+# -- tensorstore's error text, as ckpt words it --------------------------------------
+
+# what tensorstore says when a byte range of a value is past its end
+_PAST_END = re.compile(
+    r"Error reading (?:Byte range )?\[(\d+), (\d+)\) of (?:local file )?\"([^\"]+)\".*?"
+    r"not valid for value of size (\d+)"
+)
+_OCDBT_DATA_FILE = re.compile(r"(?:^|/)d/[0-9a-f]{32}$")
+_DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
+_HTTP_CODE = re.compile(r"\[http_response_code='?(\d+)'?\]")
+_TRAILERS = re.compile(r"\s*\[[A-Za-z0-9_.-]+='[^']*'\]")
+
+
+def ocdbt_truncated_message(size: int, needed: int) -> str:
+    """A truncated OCDBT data file, in the words `ckpt validate` uses (lost-process-data)."""
+    return f"OCDBT data file has {size} bytes but the database needs {needed}"
+
+
+def _past_end(text: str) -> tuple[str, str] | None:
+    """(message, file) for a read past the end of a stored file, else None."""
+    m = _PAST_END.search(text)
+    if m is None:
+        return None
+    end, path, size = int(m.group(2)), m.group(3), int(m.group(4))
+    if _OCDBT_DATA_FILE.search(path):
+        return ocdbt_truncated_message(size, end), path
+    return f"truncated: needed bytes [{m.group(1)}, {end}) but it has {size} bytes", path
+
+
+def _credentials_hint(where: str) -> str:
+    """What to do about an access denied by a remote store, when no credentials were configured."""
+    env = os.environ
+    if where.startswith("s3://"):
+        configured = (
+            (env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY")) or env.get("AWS_PROFILE")
+            or env.get("AWS_WEB_IDENTITY_TOKEN_FILE") or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+            or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+            or os.path.exists(os.path.expanduser(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"))
+        )
+        return "" if configured else (
+            "; no AWS credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+            "or write ~/.aws/credentials)"
+        )
+    if where.startswith("gs://"):
+        gcloud = os.path.join(env.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud"),
+                              "application_default_credentials.json")
+        configured = env.get("GOOGLE_APPLICATION_CREDENTIALS") or env.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") or os.path.exists(gcloud)
+        return "" if configured else (
+            "; no Google credentials were found (set GOOGLE_APPLICATION_CREDENTIALS to a credentials file, "
+            "or run `gcloud auth application-default login`)"
+        )
+    return ""
+
+
+def _denied(text: str, where: str) -> str | None:
+    """An access refused by a remote store, as one line (HTTP code, what to do), else None."""
+    m = _DENIED.search(text)
+    code = _HTTP_CODE.search(text)
+    if m is None and not (code and code.group(1) in ("401", "403")):
+        return None
+    status = f"HTTP {code.group(1)}" if code else (m.group(1) if m else "")
+    return f"access denied ({status}){_credentials_hint(where)}"
 
 
 # -- containment of local directories that tensorstore opens itself -----------------
@@ -313,7 +591,48 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
         return spec, None
     if scheme == "memory":
         return {"driver": "memory", "path": (netloc + "/" + path).strip("/") + "/"}, None
-    raise CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
+    raise _unsupported_scheme(scheme, url)
+
+
+def _url_scheme(url: str) -> str:
+    """The URL's scheme, lower case ("" for a plain path)."""
+    scheme, sep, _ = url.partition("://")
+    return scheme.lower() if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) else ""
+
+
+def _unsupported_scheme(scheme: str, url: str) -> CkptError:
+    if scheme in ("http", "https"):
+        host, _, path = url.partition("://")[2].partition("/")
+        bucket, _, key = path.partition("/")
+        if host in ("storage.googleapis.com", "storage.cloud.google.com") and bucket:
+            better = f"; for this bucket use gs://{bucket}/{key}"
+        elif host.endswith(".s3.amazonaws.com") or re.fullmatch(r"[^.]+\.s3\.[a-z0-9-]+\.amazonaws\.com", host):
+            better = f"; for this bucket use s3://{host.split('.s3.', 1)[0]}/{path}"
+        else:
+            better = ""
+        return CkptError(
+            f"{scheme}:// URLs are not supported (ckpt opens a path, file://, gs://, s3:// or memory://){better}", url,
+        )
+    return CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
+
+
+def local_path(url: str) -> str | None:
+    """The absolute local path a path or file:// URL names (None for other schemes)."""
+    scheme = _url_scheme(url)
+    if scheme not in ("", "file"):
+        return None
+    return _kvstore_spec(url)[1]
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL whose scheme no store here reads, naming the URL whole.
+
+    For callers that cut a URL before opening it (a file's URL becomes its
+    directory's): the error names what the user typed.
+    """
+    scheme = _url_scheme(url)
+    if scheme not in ("", "file", "gs", "s3", "memory"):
+        raise _unsupported_scheme(scheme, url)
 
 
 class LocalFileWriter:
@@ -514,10 +833,12 @@ class Storage:
 
     @staticmethod
     def _open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storage") -> ts.KvStore:
-        global _LAST_ENDPOINT
+        global _LAST_ENDPOINT, _LAST_SCHEME
         endpoint = _endpoint_of(spec)
         if endpoint is not None:
             _LAST_ENDPOINT = endpoint
+            _LAST_SCHEME = url.partition("://")[0] + "://"
+            _preflight(spec, endpoint, url, what)
         try:
             fut = ts.KvStore.open(spec, context=_CONTEXT)
         except Exception as exc:  # tensorstore raises ValueError for bad specs
@@ -992,6 +1313,13 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
         return _note_unavailable(f"{what}: {_transport_detail(text, endpoint)}", where, endpoint)
     if "Too many levels of symbolic links" in text:
         return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    past_end = _past_end(text)
+    if past_end is not None:  # the file that is short, named as validate names it
+        message, path = past_end
+        return CkptError(message, path if os.path.isabs(path) else where)
+    denied = _denied(text, where) if endpoint is not None else None
+    if denied is not None:
+        return CkptError(f"{what}: {denied}", where)
     return CkptError(f"{what}: {text}", where)
 
 
@@ -1026,4 +1354,10 @@ def ts_error_text(exc: BaseException) -> str:
     if _LAST_ENDPOINT is not None and _TRANSPORT.search(text):
         text = _transport_detail(text, _LAST_ENDPOINT)
         _note_unavailable(text, None, _LAST_ENDPOINT)
-    return text
+        return text
+    past_end = _past_end(text)
+    if past_end is not None:
+        message, path = past_end
+        return f"{path}: {message}"
+    denied = _denied(text, _LAST_SCHEME) if _LAST_ENDPOINT is not None else None
+    return denied or text

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from ..errors import UnknownFormatError
 from ..model import Checkpoint
-from ..storage import ReadLog, Storage
+from ..storage import ReadLog, Storage, check_url
 
 
 class FormatModule(Protocol):
@@ -44,6 +44,7 @@ def detect(storage: Storage) -> FormatModule:
 
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
+    check_url(url)  # before a file's URL is cut to its directory: the error names the URL whole
     if url.rstrip("/").endswith(".safetensors"):  # one file, not a directory
         from . import safetensors
 
@@ -57,6 +58,9 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
         from . import msgpack_tree
 
         return msgpack_tree.read_file(Storage.open(single_file[0], log=log), single_file[1])
+    from .unknown import refuse_file
+
+    refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
     storage = Storage.open(url, log=log)
     ckpt = detect(storage).read(storage, step=step)
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:

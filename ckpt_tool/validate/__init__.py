@@ -53,7 +53,9 @@ def validate_checkpoint(
     `memory`: the --deep read scheduler's budget in bytes (None: its default)."""
     from ..formats import TMP_MARKER, detect
     from ..formats.msgpack_tree import split_local_file
+    from ..storage import check_url
 
+    check_url(path)  # the error names the URL whole, not the directory of a file's URL
     msgpack_file = split_local_file(path)  # a path naming one Flax msgpack file
     if msgpack_file is not None:
         from . import msgpack_checks
@@ -67,6 +69,10 @@ def validate_checkpoint(
         from ..formats.safetensors import split_file_url
 
         single = split_file_url(path)
+    if single is None:
+        from ..formats.unknown import refuse_file
+
+        refuse_file(path, command="validate")  # a file inside a checkpoint, or one ckpt does not read
     storage = Storage.open(single[0] if single else path)
     try:
         module = detect(storage) if single is None else None

@@ -528,6 +528,15 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 leaf=_one_leaf(items), file=name,
             )
             continue
+        unreadable = _unreadable(storage, name) if size and storage.local_root is not None else None
+        if unreadable is not None:
+            # one finding for the file, with the OS's reason: not one per entry blaming .metadata's offsets
+            findings.error(
+                "missing-file",
+                f"data file cannot be read ({unreadable}); .metadata places {_items_text(items)}",
+                leaf=_one_leaf(items), file=name,
+            )
+            continue
         if size == 0:
             findings.error(
                 "empty-file",
@@ -550,6 +559,23 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
                 leaf=_one_leaf(past), file=name,
             )
     return set(by_file), sound
+
+
+def _unreadable(storage: Storage, name: str) -> str | None:
+    """Why a local data file that stat() sees cannot be read (permissions, an I/O error), or None.
+
+    One byte read: a file the OS refuses to open fails every entry in it
+    the same way, which is one problem with the file, not with .metadata.
+    """
+    try:
+        storage.read_range(name, 0, 1)
+    except PathEscapeError:
+        raise
+    except CkptError as exc:
+        return exc.message.removeprefix("cannot read: ")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _check_overlaps(name: str, items: list[_Placed], findings: Findings) -> set[tuple[int, int]]:
