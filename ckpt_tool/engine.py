@@ -301,6 +301,11 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
+        if opts.to == "safetensors" and _safetensors_number(value):
+            # a number (a step counter) is a 0-d tensor there; the writer records
+            # which were Python numbers, so ckpt reads them back as such
+            targets.append(TargetValue(keys, name, value, "scalar"))
+            continue
         if opts.to == "orbax":
             # lists, tuples and dicts are subtrees in a pytree: their elements
             # become leaves as orbax would have saved them (tuples recorded as
@@ -338,6 +343,13 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         raise CkptError("nothing to convert: every leaf was filtered out", src.path)
     plan = WritePlan(final, info={"source": src.path, "source_format": src.format}, tuples=tuples)
     return plan, skipped, sources
+
+
+def _safetensors_number(value: Any) -> bool:
+    """A number safetensors can hold as a 0-d tensor (not a string, bytes or a complex)."""
+    from .formats.safetensors_writer import scalar_tensor
+
+    return scalar_tensor(value) is not None
 
 
 def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:

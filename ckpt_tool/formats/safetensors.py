@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, NotFoundError
-from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding
+from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
 from ..storage import Storage
 
 NAME = "safetensors"
@@ -62,6 +62,9 @@ DCP_OFFSETS_KEY = "saved_offsets"
 # ckpt's own __metadata__ entry: the source's tree keys where they are not the
 # dotted split of the name ("flat": every tensor is one key, as in a DCP state dict)
 KEYS_KEY = "ckpt.keys"
+# ckpt's own __metadata__ entry: a JSON list of the 0-d tensors that were Python
+# numbers (a `step` int) in the source; read back as ValueLeaf scalars of their type
+SCALARS_KEY = "ckpt.python_scalars"
 SHARD_FILE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 DCP_SHARD_FILE = re.compile(r"^shard-(?P<rank>\d{5})-model-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 # safetensors dtypes numpy cannot hold one element per byte (packed sub-byte floats)
@@ -520,8 +523,12 @@ def _checkpoint(storage: Storage, layout: Layout) -> Checkpoint:
         more = f" (and {len(bad) - 1} more problems; `ckpt validate` lists them)" if len(bad) > 1 else ""
         raise CorruptMetadataError(what + more, where)
     keys_of = _keys_function(layout)
+    scalars = _python_scalars(layout)
     leaves: list[Leaf] = []
     for info in layout.tensors.values():
+        if info.name in scalars and info.shape == () and info.dtype in _PYTHON_TYPES:
+            leaves.append(_scalar_leaf(storage, info, keys_of(info.name)))
+            continue
         leaves.append(_array_leaf(storage, info, keys_of(info.name), layout.dcp))
     notes = _notes(layout)
     notes[:0] = [p.message if p.tensor is None else f"{p.tensor}: {p.message}" for p in layout.problems
@@ -574,13 +581,42 @@ def _keys_function(layout: Layout) -> Callable[[str], tuple[Key, ...]]:
     return keys_of
 
 
+# the dtypes ckpt's writer gives Python numbers, and the type each reads back as
+_PYTHON_TYPES = {"bool": bool, "int64": int, "uint64": int, "float64": float}
+
+
+def _python_scalars(layout: Layout) -> set[str]:
+    """The names ckpt's writer recorded as Python numbers (SCALARS_KEY), in any file's header."""
+    out: set[str] = set()
+    for h in layout.headers.values():
+        raw = (h.metadata or {}).get(SCALARS_KEY)
+        if not raw:
+            continue
+        try:
+            doc = parse_json(raw.encode("utf-8"), SCALARS_KEY)
+        except ValueError:
+            continue  # ckpt's own hint only: the tensors read as 0-d arrays
+        if isinstance(doc, list):
+            out.update(n for n in doc if isinstance(n, str))
+    return out
+
+
+def _scalar_leaf(storage: Storage, info: TensorInfo, keys: tuple[Key, ...]) -> ValueLeaf:
+    """A 0-d tensor that was a Python number: loads as that number (int, float or bool)."""
+    reader = _RegionReader(storage, info)
+    kind = _PYTHON_TYPES[info.dtype]
+    extra = {"file": info.pieces[0].file, "byte_offset": info.pieces[0].start} if len(info.pieces) == 1 else {}
+    return ValueLeaf(keys=keys, name=info.name, value_type="scalar", dtype=info.dtype,
+                     loader=lambda: kind(reader(()).item()), extra=extra)
+
+
 def _notes(layout: Layout) -> list[str]:
     notes: list[str] = []
     metas = {name: h.metadata for name, h in layout.headers.items() if h.metadata}
     shown: dict[str, list[str]] = {}
     for name, meta in metas.items():
         text = ", ".join(
-            f"{k}=<{len(v)} chars>" if k in (DCP_SHARDING_KEY, KEYS_KEY) else f"{k}={v}" for k, v in sorted(meta.items())
+            f"{k}=<{len(v)} chars>" if k in (DCP_SHARDING_KEY, KEYS_KEY, SCALARS_KEY) else f"{k}={v}" for k, v in sorted(meta.items())
         )
         shown.setdefault(text, []).append(name)
     for text, names in shown.items():

@@ -14,6 +14,13 @@ Output, as transformers 4.x/5.x names and indexes it:
     "shape", "data_offsets"}}`, padded with spaces to a multiple of 8 bytes
     as the safetensors library pads it.
 
+Numbers (a `step` int, a learning-rate float, a numpy scalar) are 0-d
+tensors, which every safetensors reader loads (a Python int as int64, a
+float as float64, a bool as bool, a numpy scalar in its own dtype). The
+names of those that were Python numbers are listed in `__metadata__`
+(`ckpt.python_scalars`), so ckpt's reader gives them back as Python numbers,
+as they were saved; strings, bytes and other values are refused.
+
 Every header is computed in begin() from the plan (shapes are known before
 any data), and written first; then each region the engine hands over goes
 straight to its final offset (a region of whole rows is one contiguous byte
@@ -49,7 +56,8 @@ from ..errors import CkptError, IncompleteCheckpointError
 from ..model import Region, stored_chunks
 from ..storage import LocalFileWriter, Storage
 from ..writers import TargetArray, TargetValue, WritePlan
-from .safetensors import INDEX_FILE, KEYS_KEY, SINGLE_FILE
+from ..model import RegularGrid
+from .safetensors import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -111,6 +119,29 @@ def file_names(count: int) -> list[str]:
     return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
+def scalar_tensor(value: Any) -> np.ndarray | None:
+    """The 0-d tensor a number is stored as, or None when `value` is not a number safetensors holds.
+
+    A Python int is int64 (uint64 past its range), a float float64, a bool
+    bool, as np.asarray makes them; a numpy scalar keeps its dtype. Strings,
+    bytes, complex numbers and ints past 64 bits have no tensor here."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if not isinstance(value, (bool, int, float, np.generic)):
+        return None
+    try:
+        arr = np.asarray(value)
+        dt = dtypes.from_numpy(arr.dtype)
+    except (OverflowError, CkptError):
+        return None
+    return arr if dt.safetensors is not None and arr.dtype.kind != "c" else None
+
+
+def is_python_scalar(value: Any) -> bool:
+    """A Python number (not a numpy scalar, which reads back as a 0-d array of its dtype)."""
+    return type(value) in (bool, int, float)
+
+
 def keys_metadata(targets: list[TargetArray]) -> str | None:
     """ckpt's record of tree keys the reader could not get back from the names, if any."""
     differ = {t.name: list(t.keys) for t in targets if tuple(str(k) for k in t.keys) != tuple(t.name.split("."))
@@ -146,21 +177,34 @@ class SafetensorsWriter:
         self._files: list[_File] = []
         self._mine: list[int] = []  # files this process writes
         self._owner_by_chunk: list[int] = []  # stream() order -> process
+        self._scalars: dict[str, np.ndarray] = {}  # numbers stored as 0-d tensors: name -> their bytes
         self._state = "new"
 
     # -- protocol ----------------------------------------------------------------
     def begin(self, plan: WritePlan) -> None:
         if self._state != "new":
             raise SafetensorsWriteError("begin() called twice")
-        values = plan.values()
-        if values:
-            raise SafetensorsWriteError(
-                "safetensors holds tensors only (use --skip-unsupported to leave values out)", values[0].path
-            )
+        # numbers become 0-d tensors, in plan order among the arrays; anything else is refused
+        tensors: list[TargetArray] = []
+        python_scalars: list[str] = []
+        for t in plan.targets:
+            if isinstance(t, TargetArray):
+                tensors.append(t)
+                continue
+            arr = scalar_tensor(t.value) if t.value_type == "scalar" else None
+            if arr is None:
+                raise SafetensorsWriteError(
+                    "safetensors holds tensors and numbers only (use --skip-unsupported to leave other values out)",
+                    t.path,
+                )
+            self._scalars[t.name] = arr
+            if is_python_scalar(t.value):
+                python_scalars.append(t.name)
+            tensors.append(TargetArray(tuple(t.keys), t.name, (), dtypes.from_numpy(arr.dtype).name, RegularGrid(())))
         arrays = plan.arrays()
         seen: set[str] = set()
         sizes: list[tuple[str, int]] = []
-        for t in arrays:
+        for t in tensors:
             if not isinstance(t.name, str) or not t.name or t.name == "__metadata__":
                 raise SafetensorsWriteError(f"invalid tensor name {t.name!r}", t.path)
             if t.name in seen:
@@ -177,9 +221,11 @@ class SafetensorsWriter:
         groups = split_into_files(sizes, self._max)
         names = file_names(len(groups))
         meta = {"format": "pt"}
-        recorded = keys_metadata(arrays)
+        recorded = keys_metadata(tensors)
         if recorded is not None:
             meta[KEYS_KEY] = recorded
+        if python_scalars:
+            meta[SCALARS_KEY] = json.dumps(sorted(python_scalars), separators=(",", ":"), ensure_ascii=False)
         for i, (fname, group) in enumerate(zip(names, groups)):
             entries = []
             cursor = 0
@@ -238,7 +284,10 @@ class SafetensorsWriter:
             self._close(f)
 
     def write_value(self, target: TargetValue) -> None:
-        raise SafetensorsWriteError("safetensors holds tensors only", target.path)
+        # a number's bytes went into its file when the file was opened (by the process owning it)
+        self._check_state("writing")
+        if target.name not in self._scalars:
+            raise SafetensorsWriteError("write_value for a value that is not in the plan", target.path)
 
     def finish_process(self) -> None:
         self._check_state("writing")
@@ -297,6 +346,12 @@ class SafetensorsWriter:
         else:
             f.data = bytearray(f.size)
             f.data[: len(f.header)] = f.header
+        for name in f.tensors:
+            arr = self._scalars.get(name)
+            if arr is not None:
+                t = self._tensors[name]
+                self._put(f, t.begin, _as_stored(arr, t.dt, (), name).reshape(-1).view(np.uint8))
+                f.remaining -= t.nbytes
 
     def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
         if f.local is not None:
