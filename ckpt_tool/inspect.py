@@ -70,6 +70,9 @@ class InspectResult:
             "format": ck.format,
             "layout": ck.layout,
             "committed": ck.committed,
+            # committed, uncommitted, or incomplete: committed but data files missing (listed in "missing")
+            "status": ck.status,
+            "missing": [m.to_json() for m in ck.missing],
             "saved_at": ck.saved_at,
             "step": ck.step,
             "steps": [s.to_json() for s in ck.steps],

@@ -357,6 +357,18 @@ class StepInfo:
 
 
 @dataclass
+class MissingData:
+    """A data file the metadata names that is not there whole, and the leaves stored in it."""
+
+    file: str  # relative to the checkpoint
+    reason: str  # "does not exist", "N of M bytes"
+    leaves: list[str] = field(default_factory=list)  # names of the leaves (or pieces) it holds
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "reason": self.reason, "leaves": list(self.leaves)}
+
+
+@dataclass
 class Checkpoint:
     """A checkpoint as ckpt sees it, whatever the format."""
 
@@ -369,6 +381,17 @@ class Checkpoint:
     steps: list[StepInfo] = field(default_factory=list)  # CheckpointManager roots
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # facts worth a line (e.g. "unmerged OCDBT")
+    # stored data the metadata names that is absent or cut short (a shard of a
+    # partial download, a rank's data file): the checkpoint is incomplete,
+    # whatever its commit record says; readers fill this from a stat per file
+    missing: list[MissingData] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """One of "committed", "uncommitted" (no commit record) and "incomplete" (committed, data missing)."""
+        if not self.committed:
+            return "uncommitted"
+        return "incomplete" if self.missing else "committed"
 
     def __iter__(self) -> Iterator[Leaf]:
         return iter(self.leaves)

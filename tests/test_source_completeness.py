@@ -135,3 +135,59 @@ def test_a_whole_source_still_converts(tmp_path):
     r = run_ckpt("convert", str(fixture_path(SHARDED)), str(out), "--to", "dcp", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["arrays"] == 21
+
+
+# -- inspect: incomplete, never "committed" -------------------------------------------
+
+
+def _status_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.strip().startswith("status"))
+
+
+def test_inspect_of_a_partial_download_says_incomplete_and_what_is_missing(partial_download):
+    index = json.loads((fixture_path(SHARDED) / "model.safetensors.index.json").read_text())["weight_map"]
+    lost = sorted(name for name, file in index.items() if file == MISSING_SHARD)
+    assert lost
+    r = run_ckpt("inspect", str(partial_download))
+    assert r.returncode == 0, r.stderr
+    status = _status_line(r.stdout)
+    assert "incomplete" in status and "committed" not in status, status
+    assert f"{len(lost)} leaves" in status
+    assert any(line.strip().startswith("missing") and MISSING_SHARD in line for line in r.stdout.splitlines())
+    r = run_ckpt("inspect", str(partial_download), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["status"] == "incomplete"
+    assert [m["file"] for m in doc["missing"]] == [MISSING_SHARD]
+    assert sorted(doc["missing"][0]["leaves"]) == lost
+    # the leaves that are there are listed; those of the missing shard are named in "missing" only
+    assert sorted(leaf["name"] for leaf in doc["leaves"]) == sorted(set(index) - set(lost))
+
+
+def test_inspect_of_a_dcp_without_a_rank_file_says_incomplete(dcp_without_rank_file):
+    r = run_ckpt("inspect", str(dcp_without_rank_file))
+    assert r.returncode == 0, r.stderr
+    status = _status_line(r.stdout)
+    assert "incomplete" in status and "committed" not in status, status
+    doc = json.loads(run_ckpt("inspect", str(dcp_without_rank_file), "--json").stdout)
+    assert doc["status"] == "incomplete"
+    assert [m["file"] for m in doc["missing"]] == ["__1_0.distcp"]
+    assert "model.w" in doc["missing"][0]["leaves"]
+
+
+def test_inspect_of_a_dcp_with_a_truncated_rank_file_says_incomplete(copy_fixture):
+    src = copy_fixture("dcp_multirank")
+    data = src / "__0_0.distcp"
+    whole = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(whole // 2)
+    doc = json.loads(run_ckpt("inspect", str(src), "--json").stdout)
+    assert doc["status"] == "incomplete"
+    (m,) = doc["missing"]
+    assert m["file"] == "__0_0.distcp" and f"{whole // 2:,} of the" in m["reason"]
+
+
+@pytest.mark.parametrize("name", [SHARDED, "dcp_multirank", "orbax_ocdbt_zarr3"])
+def test_inspect_of_a_whole_checkpoint_says_committed(name):
+    doc = json.loads(run_ckpt("inspect", str(fixture_path(name)), "--json").stdout)
+    assert doc["status"] == "committed" and doc["missing"] == [] and doc["committed"] is True

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
-from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
+from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ..storage import Storage
 from . import safe_pickle
 from .safe_pickle import (
@@ -112,13 +112,27 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     ranks = len({m.group(1) for m in matches if m}) if all(matches) else None
     notes: list[str] = []
     listed = set(storage.list()) if files else set()
-    missing = [f for f in files if f not in listed]
-    if missing:
-        notes.append(
-            f"{len(missing)} data file{'s' if len(missing) != 1 else ''} named in .metadata "
-            f"{'are' if len(missing) != 1 else 'is'} missing: {', '.join(missing[:5])}"
-            + (" ..." if len(missing) > 5 else "")
-        )
+    # every data file there and long enough (a stat each, no read): else the checkpoint is incomplete
+    needed: dict[str, int] = {}
+    held: dict[str, list[str]] = {}
+    for (fqn, _offset), info in parsed.storage.items():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        names = held.setdefault(info.relative_path, [])
+        if not names or names[-1] != fqn:
+            names.append(fqn)
+    missing: list[MissingData] = []
+    for f in files:
+        if f not in listed:
+            reason = "does not exist (named in .metadata)"
+        else:
+            try:
+                size = storage.size(f)
+            except CkptError:
+                continue  # unreadable, not missing: a read says why
+            if size >= needed[f]:
+                continue
+            reason = f"{size:,} of the {needed[f]:,} bytes .metadata places in it"
+        missing.append(MissingData(f, reason, sorted(set(held.get(f, [])))))
     transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
     unknown = _transforms_module().describe_unknown(transforms)
     if unknown:
@@ -144,6 +158,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         committed=True,
         saved_at=None,  # DCP records no save time
         notes=notes,
+        missing=missing,
     )
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, NotFoundError
-from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, Region, Sharding, ValueLeaf
+from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ..storage import Storage
 
 NAME = "safetensors"
@@ -531,8 +531,14 @@ def _checkpoint(storage: Storage, layout: Layout) -> Checkpoint:
             continue
         leaves.append(_array_leaf(storage, info, keys_of(info.name), layout.dcp))
     notes = _notes(layout)
+    # (a missing shard file is not a note: it makes the checkpoint incomplete, with its tensors named)
     notes[:0] = [p.message if p.tensor is None else f"{p.tensor}: {p.message}" for p in layout.problems
-                 if p.code in ("leaf-missing", "missing-file") and p.severity == "error"]
+                 if p.code == "leaf-missing" and p.severity == "error"]
+    missing = [
+        MissingData(name, f"does not exist (named in {INDEX_FILE})",
+                    [t for t, f in (layout.index or {}).items() if f == name])
+        for name in layout.files if name not in layout.headers
+    ]
     if layout.index is not None and "sharded" in storage.listdir()[0]:
         notes.append("sharded/: torch DCP per-rank files of a consolidated save (not read; the files here are the consolidated ones)")
     ranks = None
@@ -553,6 +559,7 @@ def _checkpoint(storage: Storage, layout: Layout) -> Checkpoint:
         committed=True,
         saved_at=None,
         notes=notes,
+        missing=missing,
     )
 
 
