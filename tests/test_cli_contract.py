@@ -312,3 +312,11 @@ def test_cli_start_bench_row():
     doc["help_heavy_imports"] = ["numpy"]
     assert "numpy" in cli_start_bench.summary_rows(doc)[0]["case"]
     assert cli_start_bench.check("help", "Usage: ckpt\n  inspect x") != []
+
+
+def test_readme_install_section_and_exit_code_table():
+    readme = (ROOT / "README.md").read_text()
+    assert "\n## Install\n" in readme and "pip install ." in readme and "pipx install ." in readme
+    table = readme.split("\n## Exit codes and errors\n", 1)[1].split("\n## ", 1)[0]
+    codes = [line.split("|")[1].strip() for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert codes == ["0", "1", "2", "130"]  # one row each, each with its test above
