@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -31,7 +30,7 @@ from ckpt_tool.engine import ConvertOptions, convert
 from ckpt_tool.errors import CkptError
 from ckpt_tool.validate import validate_checkpoint
 
-from conftest import ROOT, fixture_path, run_ckpt
+from conftest import ROOT, fixture_path, moto_s3_serving, run_ckpt, s3_client, upload_fixture
 
 SRC = str(fixture_path("dcp_single"))
 OWNER = ".ckpt-owner.json"
@@ -294,6 +293,18 @@ def test_a_reused_pid_is_not_the_owner(tmp_path):
     assert "removed 1 temporary output" in r.stdout and not temp.exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_reshard_removes_a_temporary_whose_owner_is_gone_and_says_so(tmp_path):
+    me = os.getpid()
+    temp = _fake_temp(tmp_path, "out", _owner(me, _pid_start(me) + 1))
+    r = run_ckpt("reshard", str(fixture_path("orbax_ocdbt_zarr2")), str(tmp_path / "out"), "--mesh", "data=1",
+                 "--devices", "1")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if temp.name in line]
+    assert len(said) == 1 and said[0].startswith("removed 1 temporary output"), r.stdout
+    assert not temp.exists() and validate_checkpoint(str(tmp_path / "out")).ok()
+
+
 def test_only_ckpt_temporaries_with_an_owner_record_are_removed(tmp_path):
     # no record (an older ckpt): left, and said; one from another host, recent: left, and said
     unowned = _fake_temp(tmp_path, "out", None, "-11111111")
@@ -361,11 +372,43 @@ def test_a_read_only_parent_names_the_destination(tmp_path):
 def test_a_failed_write_names_the_destination(tmp_path, big_safetensors):
     """A real write failure from the OS (the file size limit: EFBIG, as a full disk gives ENOSPC)."""
     dst = tmp_path / "out"
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
-    line = _one_line(_run("convert", str(big_safetensors), str(dst), "--to", "dcp", preexec_fn=limit))
+    # the limit set in the child itself, which then becomes ckpt (no preexec_fn: a fork of a threaded process)
+    limited = [sys.executable, "-c", "import os, resource, sys; "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'ckpt_tool', *sys.argv[1:]])"]
+    env = dict(os.environ)
+    env.pop("CKPT_DEBUG", None)
+    r = subprocess.run([*limited, "convert", str(big_safetensors), str(dst), "--to", "dcp"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=120)
+    line = _one_line(r)
     assert line.startswith(f"ckpt: error: {dst}/"), line
     assert ".ckpt-tmp" not in line and "File too large" in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+# -- object stores: the same rule for a prefix ---------------------------------------------
+
+
+def test_overwrite_on_s3_replaces_only_a_checkpoint_or_an_empty_prefix():
+    bucket = "ckpt-output-safety"
+    with moto_s3_serving(bucket, ["dcp_single"]) as env:
+        s3 = s3_client(env["AWS_ENDPOINT_URL"])
+        s3.put_object(Bucket=bucket, Key="work/notes.txt", Body=b"my notes")
+        s3.put_object(Bucket=bucket, Key="work/src/run.py", Body=b"print(1)")
+        line = _one_line(run_ckpt("convert", SRC, f"s3://{bucket}/work", "--to", "dcp", "--overwrite", env=env))
+        assert "not a checkpoint" in line and "notes.txt" in line and "refusing to replace it" in line, line
+        line = _one_line(run_ckpt("convert", SRC, f"s3://{bucket}/work", "--to", "dcp", env=env))
+        assert "destination exists" in line and "--overwrite" not in line, line
+        kept = {o["Key"]: s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+                for o in s3.list_objects_v2(Bucket=bucket, Prefix="work/")["Contents"]}
+        assert kept == {"work/notes.txt": b"my notes", "work/src/run.py": b"print(1)"}
+        # a whole bucket is never replaced
+        line = _one_line(run_ckpt("convert", SRC, f"s3://{bucket}", "--to", "dcp", "--overwrite", env=env))
+        assert "whole bucket" in line, line
+        # a checkpoint there is: the hint says so, and --overwrite replaces it
+        line = _one_line(run_ckpt("convert", SRC, f"s3://{bucket}/run/dcp_single", "--to", "orbax", env=env))
+        assert "destination exists" in line and "--overwrite" in line, line
+        r = run_ckpt("convert", str(fixture_path("orbax_ocdbt_zarr2")), f"s3://{bucket}/run/dcp_single", "--to", "dcp",
+                      "--overwrite", env=env)
+        assert r.returncode == 0, r.stderr
+        assert run_ckpt("validate", f"s3://{bucket}/run/dcp_single", env=env).returncode == 0
