@@ -156,6 +156,7 @@ def test_inspect_no_match_is_an_error():
 def test_inspect_json_no_match_is_an_error():
     code, out, err = _cli("inspect", ORBAX, "--json", "--filter", "parms/**")
     _one_line_error(code, out, err, "'parms/**'")
+    assert json.loads(out)["error"]["code"] == "no-match"  # --json: the error on stdout too
 
 
 def test_diff_no_match_is_an_error():
