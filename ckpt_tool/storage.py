@@ -444,7 +444,10 @@ def _denied(text: str, where: str) -> str | None:
     if m is None and not (code and code.group(1) in ("401", "403")):
         return None
     status = f"HTTP {code.group(1)}" if code else (m.group(1) if m else "")
-    return f"access denied ({status}){_credentials_hint(where)}"
+    # the store's own reason, when it gave one (GCS: "... does not have storage.objects.get access")
+    detail = _TRAILERS.sub("", text[m.end():] if m else "").lstrip(": ").strip()
+    detail = "" if detail.lower() in ("", "unknown") else f": {detail[:200]}"
+    return f"access denied ({status}){detail}{_credentials_hint(where)}"
 
 
 # -- containment of local directories that tensorstore opens itself -----------------
