@@ -191,3 +191,88 @@ def test_inspect_of_a_dcp_with_a_truncated_rank_file_says_incomplete(copy_fixtur
 def test_inspect_of_a_whole_checkpoint_says_committed(name):
     doc = json.loads(run_ckpt("inspect", str(fixture_path(name)), "--json").stdout)
     assert doc["status"] == "committed" and doc["missing"] == [] and doc["committed"] is True
+
+
+# -- validate --deep on a CheckpointManager root: every step it names -----------------
+
+
+@pytest.fixture(scope="module")
+def root_with_nan_in_an_older_step(tmp_path_factory) -> Path:
+    """Three steps written by orbax's CheckpointManager; step 1 (not the latest) holds a NaN."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    root = tmp_path_factory.mktemp("deep_root") / "root"
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=None)) as mgr:
+        for step in (1, 2, 3):
+            w = np.arange(12, dtype=np.float32).reshape(3, 4) + step
+            if step == 1:
+                w[1, 2] = np.nan
+            mgr.save(step, args=ocp.args.StandardSave({"params": {"w": w, "b": np.full(4, step, np.float32)}}))
+        mgr.wait_until_finished()
+        assert list(mgr.all_steps()) == [1, 2, 3]
+    return root
+
+
+def _validate_json(*args: str) -> tuple[int, dict]:
+    r = run_ckpt("validate", *args, "--json")
+    return r.returncode, json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("step", [None, "all"])
+def test_deep_reads_every_step_of_a_root(root_with_nan_in_an_older_step, step):
+    extra = ["--step", step] if step else []
+    code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", *extra)
+    assert doc["checked"]["steps"] == 3 and doc["checked"]["steps_deep_read"] == 3
+    nan = [(f["severity"], f["leaf"], f["file"]) for f in doc["findings"] if f["code"] == "non-finite"]
+    assert nan == [("warning", "params/w", "1/")]  # found, and named with its step
+    assert code == 0  # non-finite is a warning (the documented contract): --strict makes it fail
+    code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", "--strict", *extra)
+    assert code == 1 and not doc["ok"]
+    r = run_ckpt("validate", str(root_with_nan_in_an_older_step), "--deep", *extra)
+    assert "3 steps deep read" in r.stdout and "1/" in r.stdout
+
+
+@pytest.mark.parametrize("step, nan", [("1", True), ("3", False), ("latest", False)])
+def test_deep_reads_one_step_when_asked(root_with_nan_in_an_older_step, step, nan):
+    code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", "--step", step)
+    assert doc["checked"]["steps"] == 1
+    assert any(f["code"] == "non-finite" for f in doc["findings"]) == nan
+
+
+def test_deep_on_a_root_reports_progress_step_by_step_within_memory(root_with_nan_in_an_older_step):
+    from ckpt_tool.validate import validate_checkpoint
+
+    calls: list[str] = []
+    report = validate_checkpoint(str(root_with_nan_in_an_older_step), deep=True, memory=16 * 2**20,
+                                 progress=lambda what, done, total: calls.append(what))
+    assert report.checked["steps_deep_read"] == 3
+    # one step after another: each step's progress ends before the next begins
+    order = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+    assert order == ["step 1 (1 of 3)", "step 2 (2 of 3)", "step 3 (3 of 3)"]
+
+
+@pytest.mark.parametrize("name, steps", [("orbax_manager", 2), ("flax_msgpack", 2), ("orbax_v0_4_manager", 2)])
+def test_deep_on_the_fixture_roots_reads_each_committed_step(name, steps):
+    code, doc = _validate_json(str(fixture_path(name)), "--deep")
+    assert code == 0, doc["findings"]
+    assert doc["checked"]["steps_deep_read"] == steps
+
+
+def test_a_nan_in_an_older_flax_step_is_found(copy_fixture):
+    """Flax checkpoint_N files: an older file's float leaf made NaN (its bytes, in place)."""
+    import numpy as np
+
+    import ckpt_tool
+
+    root = copy_fixture("flax_msgpack")
+    older = ckpt_tool.open(str(root), step=1)
+    leaf = next(l for l in older.arrays() if l.dtype == "float32" and l.size)
+    raw = (root / "checkpoint_1").read_bytes()
+    value = np.asarray(leaf.read()).reshape(-1)[:1].tobytes()
+    assert raw.count(value) >= 1
+    at = raw.index(value)
+    (root / "checkpoint_1").write_bytes(raw[:at] + np.float32(np.nan).tobytes() + raw[at + 4:])
+    code, doc = _validate_json(str(root), "--deep")
+    assert doc["checked"]["steps_deep_read"] == 2
+    assert [f["file"] for f in doc["findings"] if f["code"] == "non-finite"] == ["checkpoint_1"]

@@ -32,9 +32,13 @@ class ProgressBar:
 
         self._progress = Progress(*_columns(), console=out.console, transient=True)
         self._task = self._progress.add_task(description, total=None)
+        self._description = description
         self._progress.start()
 
     def update(self, what: str, done: int, total: int) -> None:
+        if what.startswith("step "):  # validate --deep on a root: one bar per step, named
+            self._progress.update(self._task, description=f"{self._description}, {what}", completed=done, total=total)
+            return
         self._progress.update(self._task, completed=done, total=total)
 
     def close(self) -> None:

@@ -100,12 +100,12 @@ def validate_checkpoint(
 
             dcp_checks.check_path(storage, findings)
         if deep:
-            from .deep import deep_check
+            from .deep import deep_check_steps
 
-            # leaves already reported broken are not read again
-            broken = {f.leaf for f in findings.errors if f.leaf}
-            deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, skip_leaves=broken,
-                       **({"memory": memory} if memory is not None else {}))
+            # every step the shallow checks covered, one after another (leaves
+            # already reported broken are not read again)
+            deep_check_steps(path, fmt, findings, step=step, workers=workers, progress=progress,
+                             **({"memory": memory} if memory is not None else {}))
     except UnsafePickleError as exc:
         findings.error("unsafe-pickle", exc.message, file=exc.where)
     except PathEscapeError as exc:

@@ -20,7 +20,7 @@ from .. import dtypes
 from ..errors import CkptError
 from ..findings import Findings, Progress
 from ..parallel import run_bounded
-from ..model import ArrayLeaf, Region, ValueLeaf, split_to_cap, stored_chunks
+from ..model import ArrayLeaf, Checkpoint, Region, ValueLeaf, split_to_cap, stored_chunks
 from ..scheduler import DEFAULT_MEMORY, Scheduler, Want
 
 
@@ -88,6 +88,71 @@ def _relative(where: str | None, root: str) -> str | None:
     return where
 
 
+def deep_check_steps(
+    path: str,
+    fmt: str,
+    findings: Findings,
+    *,
+    step: str | int | None = None,
+    workers: int = 4,
+    progress: Progress,
+    memory: int = DEFAULT_MEMORY,
+) -> None:
+    """--deep on what the shallow checks covered: a checkpoint, or each step of a root.
+
+    On a CheckpointManager root (Orbax, Flax checkpoint_N, T5X) the default
+    and `--step all` read every committed step, one after another (each
+    within `memory`); `--step N` / `latest` read that one. Leaves the shallow
+    checks already found broken (in that step) are not read again.
+    """
+    from ..formats import open_checkpoint
+
+    try:
+        first = open_checkpoint(path, step=None if step in (None, "all") else step)
+    except CkptError as exc:
+        if not findings.errors:  # otherwise the shallow checks already said why
+            findings.error("bad-metadata", f"cannot open for --deep: {exc.message}", file=_relative(exc.where, path))
+        return
+    if not first.steps or step not in (None, "all"):
+        deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, memory=memory,
+                   skip_leaves=_broken(findings, first), ckpt=first)
+        return
+    numbers = sorted({s.step for s in first.steps if s.committed and s.step is not None})
+    for i, number in enumerate(numbers):
+        ckpt = first if number == first.step else None
+        if ckpt is None:
+            try:
+                ckpt = open_checkpoint(path, step=number)
+            except CkptError as exc:
+                findings.error("bad-metadata", f"step {number}: cannot open for --deep: {exc.message}",
+                               file=_relative(exc.where, path))
+                continue
+        label = f"step {number} ({i + 1} of {len(numbers)})"
+        deep_check(path, fmt, findings, step=number, workers=workers, memory=memory,
+                   progress=lambda what, done, total, label=label: progress(label, done, total),
+                   skip_leaves=_broken(findings, ckpt), ckpt=ckpt)
+        findings.count("steps_deep_read")
+
+
+def _step_prefix(ckpt: Checkpoint) -> str:
+    """Where a step's files are named from, relative to what validate was given: "3/" for a step
+    directory, "checkpoint_3" for a Flax step file, "" for a lone checkpoint."""
+    if not ckpt.steps:
+        return ""
+    if ckpt.layout.get("step_dir"):
+        return f"{ckpt.layout['step_dir']}/"
+    return str(ckpt.layout.get("step_file") or "")
+
+
+def _broken(findings: Findings, ckpt: Checkpoint) -> set[str]:
+    """Leaves the shallow checks reported with an error in this step (or in no file in particular)."""
+    prefix = _step_prefix(ckpt)
+    return {
+        f.leaf for f in findings.errors
+        if f.leaf and (not prefix or not f.file or f.file == prefix or f.file.startswith(prefix.rstrip("/") + "/"))
+    }
+
+
 def deep_check(
     path: str,
     fmt: str,
@@ -98,15 +163,20 @@ def deep_check(
     progress: Progress,
     skip_leaves: set[str] | None = None,
     memory: int = DEFAULT_MEMORY,
+    ckpt: Checkpoint | None = None,
 ) -> None:
+    """Read and check every chunk of one checkpoint (one step of a root; `ckpt`: already opened)."""
     from ..formats import open_checkpoint
 
-    try:
-        ckpt = open_checkpoint(path, step=None if step in (None, "all") else step)
-    except CkptError as exc:
-        if not findings.errors:  # otherwise the shallow checks already said why
-            findings.error("bad-metadata", f"cannot open for --deep: {exc.message}", file=_relative(exc.where, path))
-        return
+    if ckpt is None:
+        try:
+            ckpt = open_checkpoint(path, step=None if step in (None, "all") else step)
+        except CkptError as exc:
+            if not findings.errors:  # otherwise the shallow checks already said why
+                findings.error("bad-metadata", f"cannot open for --deep: {exc.message}", file=_relative(exc.where, path))
+            return
+    # a finding without a file of its own names the step it is in (a root holds several)
+    step_file = _step_prefix(ckpt) or None
     skip = skip_leaves or set()
     leaves = [leaf for leaf in ckpt.arrays() if leaf.path not in skip]
     total_bytes = sum(leaf.nbytes for leaf in leaves)
@@ -121,7 +191,7 @@ def deep_check(
                 findings.error(
                     "bad-chunk",
                     f"chunk decoded to {data.dtype}{list(data.shape)}, metadata says {leaf.dtype}{list(want)}",
-                    leaf=leaf.path,
+                    leaf=leaf.path, file=step_file,
                 )
             elif dtypes.get(leaf.dtype).is_float and data.size:
                 nan, inf = _non_finite(data)
@@ -145,7 +215,7 @@ def deep_check(
         where = ", ".join(f"{r.start}:{r.stop}" for r in region)
         findings.error(
             "bad-chunk", f"chunk [{where}] does not decode: {exc.message}",
-            leaf=leaf.path, file=_relative(exc.where, ckpt.path),
+            leaf=leaf.path, file=_relative(exc.where, ckpt.path) or step_file,
         )
 
     progress("read", 0, total_bytes)
@@ -163,7 +233,8 @@ def deep_check(
         try:
             leaf.verifier(index)  # type: ignore[misc]
         except CkptError as exc:
-            findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=leaf.path, file=_relative(exc.where, ckpt.path))
+            findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=leaf.path,
+                           file=_relative(exc.where, ckpt.path) or step_file)
         return 0
 
     if verify:
@@ -184,10 +255,10 @@ def deep_check(
                 leaf.load()
             except CkptError as exc:
                 findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
-                               file=_relative(exc.where, ckpt.path))
+                               file=_relative(exc.where, ckpt.path) or step_file)
         if values:
             findings.count("values_read", len(values))
     findings.count("bytes_read", done_bytes)
     for path_, st in stats.items():
         if st.nan or st.inf:
-            findings.warning("non-finite", f"{st.nan} NaN and {st.inf} Inf values", leaf=path_)
+            findings.warning("non-finite", f"{st.nan} NaN and {st.inf} Inf values", leaf=path_, file=step_file)
