@@ -568,7 +568,7 @@ def begin_output(out: OutputDir) -> None:
     if out.local_tmp is None:
         return
     try:
-        os.mkdir(out.local_tmp, 0o755)
+        os.mkdir(out.local_tmp)  # the umask decides, as for any directory the user creates
     except FileExistsError:
         # a leftover this run may replace (prepare_output checked its owner); or a racing run's
         raise CkptError("another ckpt run is starting to write this destination", out.destination) from None
