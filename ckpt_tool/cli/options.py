@@ -24,7 +24,8 @@ def output_options(command: Callable) -> Callable:
     for option in reversed([
         click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2."),
         click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold."),
-        click.option("--overwrite", is_flag=True, help="Replace an existing DST."),
+        click.option("--overwrite", is_flag=True,
+                     help="Replace an existing DST if it is a checkpoint or an empty directory (nothing else is ever replaced)."),
         click.option("--step", metavar="STEP", help="Source CheckpointManager root: step number or 'latest'."),
         click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Parallel chunk copies."),
     ]):
