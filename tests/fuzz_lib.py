@@ -390,6 +390,55 @@ def mutate_json_file(rng: random.Random, data: bytes) -> tuple[bytes | None, str
     return dump_json(obj), desc
 
 
+def mutate_key_types(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    """An Orbax `_METADATA` with the key types of its tree changed (issue 18).
+
+    "mix": one entry's key at one level turns from a sequence index into a dict
+    key (or back), so that the level mixes both (orbax's restore fails sorting
+    the key paths); "flip_level": every key of one level changes type together
+    (a list saved as a dict of "0", "1", ...: orbax restores that); "value": a
+    key_type that is not orbax's KeyType.
+    """
+    meta = json.loads(data)
+    tree = meta["tree_metadata"]
+    slots = [(flat, i) for flat, e in tree.items() for i in range(len(e["key_metadata"]))]
+    op = rng.choice(["mix", "mix", "flip_level", "value"])
+    if op == "value":
+        flat, i = rng.choice(slots)
+        new = rng.choice([0, 3, -1, "1", None, 1.5, True])
+        tree[flat]["key_metadata"][i]["key_type"] = new
+        return dump_json(meta), f"value: key_type of {flat}[{i}] = {json.dumps(new)}"
+    # sequence indices first: flipping one of them keeps the key parseable
+    seq = [(f, i) for f, i in slots if tree[f]["key_metadata"][i]["key_type"] == 1]
+    flat, i = rng.choice(seq or slots)
+
+    def flip(kt: Any) -> int:
+        return 2 if kt == 1 else 1
+
+    if op == "mix":
+        km = tree[flat]["key_metadata"][i]
+        km["key_type"] = flip(km["key_type"])
+        return dump_json(meta), f"mix: key_type of {flat}[{i}] = {km['key_type']}"
+    prefix = [k["key"] for k in tree[flat]["key_metadata"][:i]]
+    n = 0
+    for e in tree.values():
+        kms = e["key_metadata"]
+        if len(kms) > i and [k["key"] for k in kms[:i]] == prefix:
+            kms[i]["key_type"] = flip(kms[i]["key_type"])
+            n += 1
+    return dump_json(meta), f"flip_level: {n} key types under {prefix} at level {i}"
+
+
+def mutate_tree_metadata(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """`_METADATA`: a key-type mutation (mutate_key_types) or any JSON one."""
+    if rng.random() < 0.3:
+        try:
+            return mutate_key_types(rng, data)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            pass  # not a tree this operator knows: the generic operators below
+    return mutate_json_file(rng, data)
+
+
 DEEP = "__fuzz_deep_nesting__:"
 
 
@@ -752,7 +801,7 @@ def mutate_safetensors(rng: random.Random, data: bytes) -> tuple[bytes | None, s
 
 MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] = {
     "checkpoint_metadata": mutate_json_file,
-    "metadata": mutate_json_file,
+    "metadata": mutate_tree_metadata,  # JSON operators and Orbax key types
     "sharding": mutate_json_file,
     "array_metadatas": mutate_json_file,
     "zarr_meta": mutate_json_file,

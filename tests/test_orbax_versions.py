@@ -194,15 +194,15 @@ def test_commit_records_are_what_the_version_writes(family):
 
 
 @pytest.mark.parametrize("family", WITH_STEP_METADATA)
-def test_no_commit_timestamp_is_still_uncommitted(family, copy_fixture):
+def test_no_commit_timestamp_under_a_final_name_is_committed(family, copy_fixture):
+    """No version decides by the timestamp (issue 18): a final name is the commit off gs://."""
     path = copy_fixture(f"{family}/standard")
     meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
     del meta["commit_timestamp_nsecs"]
     (path / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
     report = validate_checkpoint(str(path))
-    assert [(f.severity, f.code, f.file) for f in report.findings] == [("error", "uncommitted-save", "_CHECKPOINT_METADATA")]
-    assert "commit_timestamp_nsecs" in report.findings[0].message
-    assert ckpt_tool.open(str(path)).committed is False
+    assert report.findings == []
+    assert ckpt_tool.open(str(path)).committed is True
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -216,8 +216,8 @@ def test_tmp_directory_name_is_still_uncommitted(family, copy_fixture, tmp_path)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_manager_step_left_unfinished(family, copy_fixture):
-    """A step its version left unfinished (tmp name; for 0.9+ also a final name without the
-    commit timestamp) is listed as uncommitted and never chosen as the latest."""
+    """A step its version left unfinished (tmp name) is listed as uncommitted and never
+    chosen as the latest; a final name without the commit timestamp is committed (issue 18)."""
     root = copy_fixture(f"{family}/manager")
     (root / "2").rename(root / ("2" + TMP_SUFFIX[family]))
     doc = json.loads(cli_ok("inspect", str(root), "--json"))
@@ -234,9 +234,9 @@ def test_manager_step_left_unfinished(family, copy_fixture):
         meta_file.write_text(json.dumps(meta))
         doc = json.loads(cli_ok("inspect", str(root), "--json", "--step", "latest"))
         assert doc["step"] == 2
-        assert [(s["step"], s["committed"]) for s in doc["steps"]] == [(1, False), (2, True)]
+        assert [(s["step"], s["committed"]) for s in doc["steps"]] == [(1, True), (2, True)]
         report = validate_checkpoint(str(root))
-        assert [(f.severity, f.code, f.file) for f in report.findings] == [("error", "uncommitted-save", "1/_CHECKPOINT_METADATA")]
+        assert report.findings == []
 
 
 @pytest.mark.parametrize("family", WITH_STEP_METADATA)
@@ -291,9 +291,9 @@ def test_memory_store_follows_the_local_rule(family):
         meta = json.loads(step.read("_CHECKPOINT_METADATA"))
         meta["commit_timestamp_nsecs"] = None
         step.write("_CHECKPOINT_METADATA", json.dumps(meta).encode())
-        assert ckpt_tool.open(url).step == 1
-        report = validate_checkpoint(url)
-        assert [(f.code, f.file) for f in report.findings] == [("uncommitted-save", "2/_CHECKPOINT_METADATA")]
+        # a final name is the commit off gs:// (issue 18: no version reads the timestamp)
+        assert ckpt_tool.open(url).step == 2
+        assert validate_checkpoint(url).findings == []
 
 
 def _gcs_request(endpoint: str, path: str, data: bytes, content_type: str = "application/octet-stream") -> None:

@@ -108,12 +108,16 @@ def test_unmerged_ocdbt_is_an_error_but_still_reads(copy_fixture, tmp_path):
     assert validate_checkpoint(str(tmp_path / "merged"), deep=True).ok(True)
 
 
-def test_uncommitted_timestamp(copy_fixture):
+def test_no_commit_timestamp_under_a_final_name_is_committed(copy_fixture, tmp_path):
+    # orbax decides by the directory name (issue 18): a null timestamp under the
+    # final name is a committed step; under a tmp name the save never finished
     path = copy_fixture("orbax_ocdbt_zarr2")
     meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
     meta["commit_timestamp_nsecs"] = None
     (path / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
-    assert ("uncommitted-save", None, "_CHECKPOINT_METADATA") in codes(validate_checkpoint(str(path)))
+    assert codes(validate_checkpoint(str(path))) == []
+    tmp = path.rename(tmp_path / "4.orbax-checkpoint-tmp")
+    assert ("uncommitted-save", None, "4.orbax-checkpoint-tmp") in codes(validate_checkpoint(str(tmp)))
 
 
 def test_tmp_directory_name(copy_fixture, tmp_path):

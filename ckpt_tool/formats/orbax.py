@@ -61,7 +61,32 @@ def _looks_like_step(storage: Storage, dirs: list[str], files: list[str]) -> boo
         return True
     # a step made only of named items: <item>/_METADATA. Sub-directories named
     # like steps (`1/`, `2/`: saves side by side) make a root of steps, not items.
-    return any(_step_number(d) is None and storage.exists(f"{d}/{TREE_METADATA}") for d in dirs[:32])
+    items = [d for d in dirs[:32] if _step_number(d) is None and storage.exists(f"{d}/{TREE_METADATA}")]
+    return bool(items) and not _separate_checkpoints(storage, dirs, items)
+
+
+def _separate_checkpoints(storage: Storage, dirs: list[str], items: list[str]) -> bool:
+    """Whether sub-directories that look like a step's items are checkpoints of their own, side by side.
+
+    orbax writes `_CHECKPOINT_METADATA` at the step level, never inside an
+    item (from 0.5.11 every save has one at its top): a sub-directory holding
+    its own is a separate save, and a directory of those is a folder of
+    checkpoints, not a step (whose own `_CHECKPOINT_METADATA` would have made
+    it one before this is asked). A step never holds a DCP or safetensors
+    checkpoint either. Saves of orbax <= 0.5.10 side by side, with nothing of
+    another format beside them, cannot be told from that version's items.
+    """
+    if any(storage.exists(f"{d}/{CHECKPOINT_METADATA}") for d in items):
+        return True
+    from . import dcp, safetensors
+
+    for d in dirs[:32]:
+        if d in items or _step_number(d) is not None:
+            continue
+        sub = storage.child(d)
+        if dcp.detect(sub) or safetensors.detect(sub):
+            return True
+    return False
 
 
 def detect(storage: Storage) -> bool:
@@ -102,10 +127,17 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
 # commit_success.txt there. So the marker's absence is never a sign of an
 # interrupted save off gs:// (0.12.3+ writes it before the rename), and
 # nothing on disk tells 0.12.3+ from 0.12.2, which never wrote it locally.
-# On gs:// the step is written under its final name; the commit timestamp
-# (written once every array is stored, just before the marker) says the save
-# finished, and orbax of every version restores from gs:// only with the
-# marker there (a save copied to gs:// from a disk lacks it).
+# Nor is the commit timestamp's: no version reads it to decide anything
+# (step.py's is_path_finalized looks at the name, and on gs:// at the marker;
+# a step without the timestamp is listed and restored, its commit time taken
+# from the directory's mtime), and 0.5.11 stamped it only after the rename,
+# so a finished save can lack it.
+# On gs:// the step is written under its final name; orbax of every version
+# restores from gs:// only with the marker there. A step with the commit
+# timestamp (written once every array is stored, just before the marker) but
+# no marker is a finished save copied to gs:// from a disk: committed, with
+# the warning that orbax needs the marker; with neither, the save never
+# finished.
 
 
 @dataclass(frozen=True)
@@ -149,13 +181,18 @@ def commit_status(storage: Storage, name: str, files: list[str], meta: Any) -> C
         if not isinstance(meta, dict):
             return CommitStatus(False, f"{CHECKPOINT_METADATA} is not a JSON object", CHECKPOINT_METADATA)
         stamp = meta.get("commit_timestamp_nsecs")
-        if stamp is None:
-            # every version that writes this file adds the timestamp at commit
-            return CommitStatus(False, f"{CHECKPOINT_METADATA} has no commit_timestamp_nsecs", CHECKPOINT_METADATA)
-        if not isinstance(stamp, int) or isinstance(stamp, bool):
+        if stamp is not None and (not isinstance(stamp, int) or isinstance(stamp, bool)):
             return CommitStatus(
                 False, f"commit_timestamp_nsecs in {CHECKPOINT_METADATA} is not an integer: {stamp!r}", CHECKPOINT_METADATA
             )
+        if stamp is None:
+            # orbax decides by the final name alone (and on gs:// by the marker)
+            if gcs and not has_marker:
+                return CommitStatus(
+                    False, f"{CHECKPOINT_METADATA} has no commit_timestamp_nsecs and there is no {COMMIT_MARKER} on gs://",
+                    CHECKPOINT_METADATA,
+                )
+            return CommitStatus(True)
         return CommitStatus(True, needs_marker=gcs and not has_marker)
     if gcs and not has_marker:
         # orbax <= 0.5 on gs://: no step metadata, and the marker is the only commit record
@@ -246,17 +283,22 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
             leaves, layout = item.leaves, item.layout
             notes += item.notes
         else:
-            items = [d for d in dirs if storage.exists(f"{d}/{TREE_METADATA}") or _is_json_item(storage, d)]
-            if not items:
+            found = step_items(storage, dirs, step_meta)
+            items = [i.name for i in found if i.kind != "unknown"]
+            notes += [unread_item_note(i) for i in found if i.kind == "unknown"]
+            if not found:
                 raise CorruptMetadataError(f"no {TREE_METADATA} and no items", storage.url)
             # CheckpointManager's single unnamed item lives in `default/`; orbax
             # presents its tree without that level, and so do we.
             unnamed = items == ["default"]
             layout = {"items": items}
-            for item_name in items:
+            for entry in found:
+                item_name = entry.name
+                if entry.kind == "unknown":
+                    continue
                 sub = storage.child(item_name)
-                if _is_json_item(sub, ""):
-                    leaves += _read_json_item(sub, () if unnamed else (item_name,))
+                if entry.kind == "json":
+                    leaves += _read_json_item(sub, () if unnamed else (item_name,), entry)
                     continue
                 item = _read_item(sub, prefix=() if unnamed else (item_name,))
                 leaves += item.leaves
@@ -281,14 +323,103 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
     )
 
 
-def _is_json_item(storage: Storage, item: str) -> bool:
-    """A JsonCheckpointHandler item: `<item>/metadata` JSON and no tree metadata."""
-    dirs, files = storage.listdir(item) if item else storage.listdir()
-    return "metadata" in files and TREE_METADATA not in files and not dirs
+# -- the items of a step ------------------------------------------------------------
+#
+# A step of several items records each item's handler in _CHECKPOINT_METADATA
+# (`item_handlers`: item name -> the handler class's module path). ckpt reads
+# the pytree items (`<item>/_METADATA`) and the items of orbax's JSON handlers:
+#   v0 JsonCheckpointHandler (ocp.args.JsonSave)     <item>/metadata
+#   v1 JsonHandler (save_checkpointables, the JSON   <item>/data.json; its load
+#      handler registered for a checkpointable)      also takes `metadata`
+#   v1 MetricsHandler (the `metrics` checkpointable) <item>/metrics
+# (the file names of json_handler.py's _get_supported_filenames). A JSON
+# value is shown as orbax's load returns it, flattened into leaves the way
+# every nested value is (dict keys, list indices; an empty container or a
+# scalar is one leaf), so `config/optimizer/b1` is the same leaf whether the
+# dict came from a JSON item, a pytree or a DCP bytes item. An item of any
+# other handler (proto, StatefulCheckpointable, a user's own) is named in a
+# note: ckpt does not read it, and never leaves it out without a word.
+
+_JSON_FILES = ("data.json", "metadata")
+_JSON_HANDLER_FILES = {
+    "JsonCheckpointHandler": ("metadata",),
+    "JsonHandler": _JSON_FILES,
+    "MetricsHandler": ("metrics",) + _JSON_FILES,
+}
+PYTREE_HANDLERS = frozenset({
+    "PyTreeCheckpointHandler", "StandardCheckpointHandler", "PyTreeHandler", "ArrayCheckpointHandler",
+})
 
 
-def _read_json_item(storage: Storage, prefix: tuple[Key, ...]) -> list[Leaf]:
-    data = _read_json(storage, "metadata")
+@dataclass(frozen=True)
+class StepItem:
+    """One item directory of a step: how ckpt reads it."""
+
+    name: str
+    kind: str  # "pytree" | "json" | "unknown"
+    handler: str | None = None  # the handler _CHECKPOINT_METADATA records for it
+    file: str | None = None  # json: the file holding the value (None: none of the handler's files)
+    files: tuple[str, ...] = ()  # json: the names the handler loads from, in its order
+
+    @property
+    def handler_name(self) -> str | None:
+        return self.handler.rsplit(".", 1)[-1] if self.handler else None
+
+
+def step_items(storage: Storage, dirs: list[str], step_meta: Any) -> list[StepItem]:
+    """The item directories of a step, classified.
+
+    A directory `item_handlers` names is an item, whatever its handler. Others
+    (no handler records: orbax < 0.9, or a single-item save whose
+    `item_handlers` is one string) are items when they hold what the pytree or
+    JSON handlers write: anything else there is not an item (the array
+    directories of a plain save that lost its _METADATA, say).
+    """
+    handlers = step_meta.get("item_handlers") if isinstance(step_meta, dict) else None
+    handlers = handlers if isinstance(handlers, dict) else {}
+    out: list[StepItem] = []
+    for d in sorted(dirs):
+        recorded = d in handlers
+        handler = handlers.get(d) if isinstance(handlers.get(d), str) else None
+        short = handler.rsplit(".", 1)[-1] if handler else None
+        if storage.exists(f"{d}/{TREE_METADATA}"):
+            out.append(StepItem(d, "pytree", handler))
+            continue
+        sub_dirs, sub_files = storage.listdir(d)
+        names = _JSON_HANDLER_FILES.get(short or "")
+        if names is None and short is None and not sub_dirs:
+            # no handler recorded: a JSON file where the JSON handlers put it
+            names = _JSON_FILES
+        if names is not None:
+            file = next((n for n in names if n in sub_files), None)
+            if file is not None or short in _JSON_HANDLER_FILES:
+                out.append(StepItem(d, "json", handler, file, names))
+                continue
+        if recorded:
+            out.append(StepItem(d, "unknown", handler))
+    return out
+
+
+def unread_item_note(item: StepItem) -> str:
+    """The note naming an item ckpt does not read."""
+    if item.handler_name in PYTREE_HANDLERS:
+        why = f"a pytree item ({item.handler_name}) without {TREE_METADATA}"
+    elif item.handler:
+        why = f"written by {item.handler_name}, a handler ckpt does not read"
+    else:
+        why = "no handler recorded for it and no file ckpt knows"
+    return f"item {item.name!r} not read: {why}; its contents are not shown"
+
+
+def _read_json_item(storage: Storage, prefix: tuple[Key, ...], item: StepItem | None = None) -> list[Leaf]:
+    """The leaves of a JSON item (`item` None: orbax <= 0.4's JsonCheckpointHandler file `metadata`)."""
+    if item is None:
+        item = StepItem(storage.url.rstrip("/").rsplit("/", 1)[-1], "json", None, "metadata", ("metadata",))
+    if item.file is None:
+        raise NotFoundError(
+            f"JSON item {item.name!r} has none of the files its handler loads ({', '.join(item.files)})", storage.url
+        )
+    data = _read_json(storage, item.file)
     leaves: list[Leaf] = []
 
     def walk(value: Any, keys: tuple[Key, ...]) -> None:
@@ -304,7 +435,8 @@ def _read_json_item(storage: Storage, prefix: tuple[Key, ...]) -> list[Leaf]:
                 loader=lambda v=value: v, extra={"json_type": type(value).__name__},
             ))
 
-    walk(data, prefix)
+    # a JSON item holding one scalar is one leaf named after the item, even as the unnamed `default`
+    walk(data, prefix or ((item.name,) if not isinstance(data, (dict, list)) or not data else ()))
     return leaves
 
 

@@ -333,6 +333,8 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
     use_zarr3 = bool(_opt_bool(doc, "use_zarr3", file, False))
     store_flag = _opt_bool(doc, "store_array_data_equal_to_fill_value", file, None)
     entries: list[tuple[tuple[Any, ...], ValueMeta]] = []
+    # the key type at each level of the tree: prefix -> (a key there, the entry it came from)
+    levels: dict[tuple[Any, ...], tuple[Any, str]] = {}
     for flat_key, entry in tree.items():
         where = f"tree_metadata[{short_repr(flat_key, 80)}]"
         if isinstance(entry, dict) and "key_metadata" in entry:
@@ -360,6 +362,7 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
             if "value_metadata" not in entry:
                 raise SchemaError("lacks value_metadata (orbax requires it)", file, where)
             vmeta = _value_meta(entry["value_metadata"], file, where, legacy=False)
+            _check_key_types(tuple(keys), levels, file, where)
         else:
             # very old _METADATA: the key is a repr'd tuple and the entry is the value metadata
             import ast  # only for these old files
@@ -374,6 +377,27 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
             vmeta = _value_meta(entry, file, where, legacy=True)
         entries.append((tuple(keys), vmeta))
     return TreeMetadata(entries, use_ocdbt, use_zarr3, store_flag, doc)
+
+
+def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[Any, str]], file: str, where: str) -> None:
+    """One level of the tree holds sequence indices or dict keys, never both.
+
+    orbax's restore (metadata/tree.py as_nested_tree) sorts the entries by
+    their key paths, a sequence index an int and a dict key a str: two paths
+    that agree up to a level and then hold an int and a str there make the
+    sort raise TypeError, and nothing restores. Entries of the legacy layout
+    (no key_metadata) are not sorted that way and are not checked.
+    """
+    for i, key in enumerate(keys):
+        seen, seen_where = levels.setdefault(keys[:i], (key, where))
+        if type(seen) is not type(key):
+            kind = lambda k: "a sequence index" if isinstance(k, int) else "a dict key"  # noqa: E731
+            under = "/".join(str(k) for k in keys[:i]) or "the root"
+            raise SchemaError(
+                f"key_metadata[{i}] makes {key!r} {kind(key)} under {under}, where {seen_where} has {seen!r} as "
+                f"{kind(seen)}: orbax's restore fails sorting a level that mixes them",
+                file, where,
+            )
 
 
 # -- _sharding ------------------------------------------------------------------
