@@ -276,6 +276,10 @@ def quiet_native_logs() -> None:
                 io.FileIO(real, "w", closefd=False), encoding=stream.encoding, errors=stream.errors,
                 line_buffering=True, write_through=True,
             )
+            import faulthandler
+
+            if faulthandler.is_enabled():  # a crash report must not depend on the reader thread
+                faulthandler.enable(file=sys.stderr)
         os.dup2(write_fd, 2)
         os.close(write_fd)
         threading.Thread(target=_forward_stderr, args=(read_fd, real), name="ckpt-stderr", daemon=True).start()
