@@ -232,7 +232,12 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise UsageError(f"--dtype must be a floating type, got {opts.dtype}")
     rules = parse_rename_rules(opts.rename)
     # --select/--exclude by '/'-joined keys or dotted name; a pattern matching no leaf is refused here
-    selection = Selection(opts.select, opts.exclude, src.leaves, src.path)
+    # items the reader does not read (an Orbax item of a handler ckpt does not
+    # know): a copy without them is partial, so they are refused like any leaf
+    # unless --skip-unsupported or --exclude leaves them out
+    unread = [ValueLeaf((item,), item, "unread", extra={"why": why})
+              for item, why in (src.layout.get("unread_items") or {}).items()]
+    selection = Selection(opts.select, opts.exclude, [*src.leaves, *unread], src.path)
     cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
     targets: list[Target | None] = []
     skipped: list[tuple[str, str]] = []
@@ -334,6 +339,9 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
                 refuse(leaf.path, f"{a_type(value)} value is not a simple Python value")
                 continue
             targets.append(TargetValue(keys, name, _plain(value), "object"))
+    for leaf in unread:
+        if selection.keeps(leaf):
+            refuse(leaf.path, f"an item ckpt does not read ({leaf.extra['why']})")
     for outer, (slot, members) in gathered.items():
         keys = _renamed_keys(outer, rules)
         name, _ = claim(keys, "/".join(str(k) for k in outer))
@@ -668,7 +676,7 @@ def convert(
     coord = coordinator or Coordinator()
     started = time.monotonic()
     if planned is None:
-        src = open_source(source, opts.step)
+        src = open_source(source, step=opts.step)
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)

@@ -223,7 +223,7 @@ def test_step_holding_only_a_json_item_opens(saves):
     assert cli_run("validate", str(path), "--strict").exit_code == 0
 
 
-def test_item_of_an_unknown_handler_is_named_not_dropped(saves):
+def test_item_of_an_unknown_handler_is_named_not_dropped(saves, tmp_path):
     path = saves["proto"]
     handlers = json.loads((path / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
     assert handlers["stamp"].endswith("ProtoHandler")
@@ -234,6 +234,14 @@ def test_item_of_an_unknown_handler_is_named_not_dropped(saves):
     assert "ProtoHandler" in cli_ok("inspect", str(path))
     report = validate_checkpoint(str(path))
     assert report.findings == [] and report.checked["unchecked_items"] == 1
+    # convert: a copy without it would be partial, so it is refused like any unsupported leaf
+    result = run_ckpt("convert", str(path), str(tmp_path / "out"), "--to", "dcp")
+    assert result.returncode == 1 and "stamp" in result.stderr and "--skip-unsupported" in result.stderr
+    assert not (tmp_path / "out").exists()
+    out = cli_ok("convert", str(path), str(tmp_path / "out2"), "--to", "dcp", "--skip-unsupported")
+    assert "skipped stamp" in out and "ProtoHandler" in out
+    cli_ok("convert", str(path), str(tmp_path / "out3"), "--to", "dcp", "--exclude", "stamp")
+    assert dcp_values(tmp_path / "out3") == {("metadata", "a"): 1, ("metadata", "b", "c"): "x"}
 
 
 def test_damaged_json_item_is_an_error_as_orbax_fails_on_it(saves, tmp_path):

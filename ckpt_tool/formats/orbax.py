@@ -285,13 +285,17 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
         else:
             found = step_items(storage, dirs, step_meta)
             items = [i.name for i in found if i.kind != "unknown"]
-            notes += [unread_item_note(i) for i in found if i.kind == "unknown"]
+            unread = [i for i in found if i.kind == "unknown"]
+            notes += [unread_item_note(i) for i in unread]
             if not found:
                 raise CorruptMetadataError(f"no {TREE_METADATA} and no items", storage.url)
             # CheckpointManager's single unnamed item lives in `default/`; orbax
             # presents its tree without that level, and so do we.
             unnamed = items == ["default"]
             layout = {"items": items}
+            if unread:
+                # convert refuses to leave them out unless told to (--skip-unsupported)
+                layout["unread_items"] = {i.name: unread_why(i) for i in unread}
             for entry in found:
                 item_name = entry.name
                 if entry.kind == "unknown":
@@ -400,15 +404,18 @@ def step_items(storage: Storage, dirs: list[str], step_meta: Any) -> list[StepIt
     return out
 
 
+def unread_why(item: StepItem) -> str:
+    """Why ckpt does not read an item."""
+    if item.handler_name in PYTREE_HANDLERS:
+        return f"a pytree item ({item.handler_name}) without {TREE_METADATA}"
+    if item.handler:
+        return f"written by {item.handler_name}, a handler ckpt does not read"
+    return "no handler recorded for it and no file ckpt knows"
+
+
 def unread_item_note(item: StepItem) -> str:
     """The note naming an item ckpt does not read."""
-    if item.handler_name in PYTREE_HANDLERS:
-        why = f"a pytree item ({item.handler_name}) without {TREE_METADATA}"
-    elif item.handler:
-        why = f"written by {item.handler_name}, a handler ckpt does not read"
-    else:
-        why = "no handler recorded for it and no file ckpt knows"
-    return f"item {item.name!r} not read: {why}; its contents are not shown"
+    return f"item {item.name!r} not read: {unread_why(item)}; its contents are not shown"
 
 
 def _read_json_item(storage: Storage, prefix: tuple[Key, ...], item: StepItem | None = None) -> list[Leaf]:
