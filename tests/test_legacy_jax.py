@@ -84,6 +84,17 @@ def reference(name: str) -> dict:
             out[keys] = (leaf["dtype"], tuple(leaf["shape"]), value)
         else:
             out[keys] = (leaf["python_type"], (), leaf["value"])
+    # where a reference (the library's restore without a target) is not what the writer saved:
+    # orbax 0.4's ScalarHandler keeps the fixture's Python numbers (gen_legacy_jax._state's
+    # step and lr) as 0-d int64/float64 zarr arrays, which its target-less restore returns
+    # as arrays; ckpt gives the numbers saved (issue 18). T5X keeps its version beside the state.
+    if name.startswith("orbax_v0_4"):
+        for keys, (dtype, shape, value) in list(out.items()):
+            if keys[-1] in ("step", "lr") and shape == () and dtype in ("int64", "float64"):
+                number = value.item()
+                out[keys] = (type(number).__name__, (), number)
+    if name.startswith("t5x"):
+        out[("version",)] = ("int", (), 3)
     return out
 
 

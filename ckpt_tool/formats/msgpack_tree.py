@@ -318,7 +318,14 @@ def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
 
 
 def read_file(storage: Storage, key: str) -> Checkpoint:
-    """A Flax msgpack file (save_checkpoint with orbax off, or serialization.to_bytes)."""
+    """A Flax msgpack file (save_checkpoint with orbax off, or serialization.to_bytes).
+
+    The `checkpoint` file of an orbax <= 0.4 item or a T5X step directory is
+    read as that directory (its arrays live beside it): the same leaves either way."""
+    if key == TREE_FILE and _is_item(storage, storage.listdir()[1]):
+        ckpt = _read_item(storage, storage.url.rstrip("/").rsplit("/", 1)[-1])
+        ckpt.path = f"{storage.url}/{key}"
+        return ckpt
     tree = ms.scan_tree(storage, key)
     builder = _Builder(storage, key)
     builder.walk(tree, ())
@@ -350,10 +357,19 @@ def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Che
         layout.update(storage="ocdbt" if use_ocdbt else "directories", zarr=2, processes=1)
         if use_ocdbt:
             layout["ocdbt"] = "merged"
-        builder.resolve_placeholders(use_ocdbt, _read_shardings(storage, files))
+        builder.resolve_placeholders(use_ocdbt, _read_shardings(storage, files), _sharding_names(storage, files))
     if not committed:
         notes.insert(0, "uncommitted save (temporary directory name)")
-    return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=builder.leaves, committed=committed, notes=notes)
+    leaves = builder.leaves
+    if t5x_version is not None:
+        # t5x keeps the version beside the state: a leaf like any other value
+        keys = prefix + ("version",)
+        if any(tuple(leaf.keys[: len(keys)]) == keys for leaf in leaves):
+            notes.append(f"T5X version {t5x_version} not shown: the state has its own 'version'")
+        else:
+            leaves = [ValueLeaf(keys=keys, name=".".join(str(k) for k in keys), value_type="scalar", dtype="int64",
+                                loader=lambda v=t5x_version: v, extra={"stored": "t5x checkpoint version"})] + leaves
+    return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=leaves, committed=committed, notes=notes)
 
 
 def t5x_state(tree: ms.Node) -> tuple[ms.Node, int | None]:
@@ -365,6 +381,18 @@ def t5x_state(tree: ms.Node) -> tuple[ms.Node, int | None]:
                 and not isinstance(version.value, bool):
             return top["optimizer"], version.value
     return tree, None
+
+
+def _sharding_names(storage: Storage, files: list[str]) -> set[str] | None:
+    """The param names orbax 0.4's `_sharding` lists (its jax.Arrays, '' for one device), or None
+    without the file: a name not listed was saved by the numpy or scalar handlers."""
+    if SHARDING not in files:
+        return None
+    try:
+        raw = json.loads(storage.read(SHARDING))
+    except (ValueError, CkptError):
+        return None  # _read_shardings reports it
+    return set(raw) if isinstance(raw, dict) else None
 
 
 def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
@@ -405,6 +433,10 @@ def _plain(node: ms.Node, where: str) -> Any:
     if isinstance(node, ms.ListNode):
         return [_plain(v, where) for v in node.items]
     raise CorruptMetadataError("a tensorstore spec holds an array", where)
+
+
+# the dtypes np.asarray gives a Python int, float and bool
+_PYTHON_NUMBER_DTYPES = frozenset({"int64", "float64", "bool"})
 
 
 class _Builder:
@@ -542,7 +574,17 @@ class _Builder:
 
     # -- external arrays -----------------------------------------------------------
 
-    def resolve_placeholders(self, use_ocdbt: bool, shardings: dict[str, Any]) -> None:
+    def resolve_placeholders(self, use_ocdbt: bool, shardings: dict[str, Any],
+                             jax_arrays: set[str] | None = None) -> None:
+        """The zarr arrays the placeholders name. `jax_arrays`: the names `_sharding` lists.
+
+        orbax 0.4 stores a Python number as a 0-d zarr array (its ScalarHandler:
+        np.asarray(7), int64; a float float64; a bool bool) and records no type;
+        jax.Arrays are the names in `_sharding`. A 0-d int64 / float64 / bool array
+        outside it is read as the Python number the writer saved (what orbax 0.4
+        restores into the saved tree as target), so it stays a number in every
+        output (a DCP bytes item holding 7, not tensor(7)); other 0-d arrays (an
+        np.int32 optimizer count) stay arrays of their dtype."""
         source = _ArraySource(self.storage, "" if use_ocdbt else None)
         names = [n for _, _, n in self.placeholders]
         raw = source.view.start_reads(f"{n}/.zarray" for n in names).result()
@@ -554,7 +596,15 @@ class _Builder:
                     f"array {pname!r} is a placeholder in '{TREE_FILE}' but its .zarray is not stored {where}",
                     self.storage.url,
                 )
-            self.leaves[index] = self._zarr_leaf(source, keys, pname, data, shardings.get(pname), "orbax placeholder")
+            leaf = self._zarr_leaf(source, keys, pname, data, shardings.get(pname), "orbax placeholder")
+            if jax_arrays is not None and pname not in jax_arrays and leaf.shape == () \
+                    and leaf.dtype in _PYTHON_NUMBER_DTYPES:
+                self.leaves[index] = ValueLeaf(
+                    keys=keys, name=leaf.name, value_type="scalar", dtype=leaf.dtype,
+                    loader=lambda r=leaf.reader: r(()).item(), extra={**leaf.extra, "python_scalar": True},
+                )
+            else:
+                self.leaves[index] = leaf
 
     def resolve_specs(self) -> None:
         source = _ArraySource(self.storage, None)

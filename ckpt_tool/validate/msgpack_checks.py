@@ -195,8 +195,12 @@ def validate_file(path: str, parts: tuple[str, str], *, deep: bool, workers: int
 
     storage = Storage.open(parts[0])
     findings = Findings()
-    _check_file(storage, parts[1], findings, where="")
+    if parts[1] == mt.TREE_FILE and mt._is_item(storage, storage.listdir()[1]):
+        # the `checkpoint` file of an orbax <= 0.4 item or a T5X step: checked with the arrays beside it
+        family = _check_item(storage, storage.url.rstrip("/").rsplit("/", 1)[-1], findings, where="")
+    else:
+        family = _check_file(storage, parts[1], findings, where="")
     if deep:
         broken = {f.leaf for f in findings.errors if f.leaf}
-        deep_check(path, "flax", findings, workers=workers, progress=progress, skip_leaves=broken)
-    return ValidationReport(f"{storage.url}/{parts[1]}", "flax", findings.items, findings.checked, deep)
+        deep_check(path, family, findings, workers=workers, progress=progress, skip_leaves=broken)
+    return ValidationReport(f"{storage.url}/{parts[1]}", family, findings.items, findings.checked, deep)
