@@ -276,3 +276,90 @@ def test_a_nan_in_an_older_flax_step_is_found(copy_fixture):
     code, doc = _validate_json(str(root), "--deep")
     assert doc["checked"]["steps_deep_read"] == 2
     assert [f["file"] for f in doc["findings"] if f["code"] == "non-finite"] == ["checkpoint_1"]
+
+
+# -- a folder of checkpoints is not one checkpoint ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def orbax_saves(tmp_path_factory) -> Path:
+    """Two independent saves by orbax's StandardCheckpointer, and a CheckpointManager root with named items."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    base = tmp_path_factory.mktemp("orbax_saves")
+    for name, bump in (("a", 0.0), ("b", 1.0)):
+        with ocp.StandardCheckpointer() as ck:
+            ck.save(base / "saves" / name, {"w": np.arange(4.0) + bump, "step": 3})
+    with ocp.CheckpointManager(base / "items_root", item_names=("state", "extra")) as mgr:
+        mgr.save(1, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"w": np.arange(6.0)}),
+            extra=ocp.args.StandardSave({"lr": np.float32(0.1), "v": np.ones(2)}),
+        ))
+        mgr.wait_until_finished()
+    return base
+
+
+def _folder_of_checkpoints(orbax_saves: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(orbax_saves / "saves", folder)
+    shutil.copytree(fixture_path("dcp_single"), folder / "c")
+    return folder
+
+
+def test_a_folder_of_checkpoints_is_refused_listing_them(orbax_saves, tmp_path):
+    folder = _folder_of_checkpoints(orbax_saves, tmp_path)
+    for argv in (["inspect", str(folder)], ["validate", str(folder)],
+                 ["convert", str(folder), str(tmp_path / "out"), "--to", "dcp"]):
+        r = run_ckpt(*argv)
+        assert r.returncode == 1, (argv, r.stdout, r.stderr)
+        (line,) = r.stderr.strip().splitlines()
+        assert "a directory of 3 checkpoints, not one" in line, line
+        for listed in ("a/ (orbax)", "b/ (orbax)", "c/ (dcp)"):
+            assert listed in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_orbax_saves_side_by_side_are_refused(orbax_saves):
+    # no _CHECKPOINT_METADATA at the top; each save has its own: not items of one step
+    r = run_ckpt("inspect", str(orbax_saves / "saves"))
+    assert r.returncode == 1
+    assert "a directory of 2 checkpoints, not one: a/ (orbax), b/ (orbax)" in r.stderr
+
+
+def test_an_items_only_step_beside_a_safetensors_dir_is_refused(copy_fixture, tmp_path):
+    """orbax 0.5 writes no _CHECKPOINT_METADATA: its item beside a safetensors model is no step either."""
+    import shutil
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(fixture_path("orbax_v0_5") / "manager" / "1" / "default", folder / "state")
+    shutil.copytree(fixture_path("safetensors_numpy"), folder / "model")
+    r = run_ckpt("inspect", str(folder))
+    assert r.returncode == 1
+    assert "model/ (safetensors)" in r.stderr and "state/ (orbax)" in r.stderr
+
+
+def test_a_multi_item_step_still_reads_as_one_checkpoint(orbax_saves):
+    import orbax.checkpoint as ocp
+
+    root = orbax_saves / "items_root"
+    with ocp.CheckpointManager(root, item_names=("state", "extra")) as mgr:
+        restored = mgr.restore(1, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), extra=ocp.args.StandardRestore()))
+    for path in (root, root / "1"):
+        doc = json.loads(run_ckpt("inspect", str(path), "--json").stdout)
+        assert doc["status"] == "committed" and sorted(doc["layout"]["items"]) == ["extra", "state"]
+        keys = sorted(tuple(leaf["keys"]) for leaf in doc["leaves"])
+        assert keys == sorted((item, k) for item in ("state", "extra") for k in restored[item])
+    code, report = _validate_json(str(root / "1"))
+    assert code == 0, report["findings"]
+
+
+@pytest.mark.parametrize("name", ["orbax_manager", "orbax_manager/1", "orbax_v0_5/manager", "orbax_v0_5/manager/1",
+                                  "orbax_v0_11/manager/1"])
+def test_the_manager_fixtures_still_read(name):
+    r = run_ckpt("inspect", str(fixture_path(name)), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["layout"]["items"]

@@ -52,6 +52,8 @@ def describe(storage: Storage, formats: Iterable[str], module: Callable[[str], A
                 f"a directory of {len(found)} step directories, not one checkpoint: {listed}; "
                 f"open one, e.g. ckpt inspect {example}"
             )
+        if len(found) == 1:
+            return f"a directory holding one checkpoint, not one itself: {listed}; open it: ckpt inspect {example}"
         return f"a directory of {len(found)} checkpoints, not one: {listed}; open one, e.g. ckpt inspect {example}"
     kinds = sorted({kind for f in files for rx, kind in _OTHER_FORMATS if rx.search(f)} | _sniffed_kinds(storage, files))
     if kinds:
