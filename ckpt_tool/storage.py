@@ -427,15 +427,15 @@ def _credentials_hint(where: str) -> str:
             or os.path.exists(os.path.expanduser(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"))
         )
         return "" if configured else (
-            "; no AWS credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
-            "or write ~/.aws/credentials)"
+            "; no AWS credentials in the environment or ~/.aws (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "or AWS_PROFILE, or write ~/.aws/credentials)"
         )
     if where.startswith("gs://"):
         gcloud = os.path.join(env.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud"),
                               "application_default_credentials.json")
         configured = env.get("GOOGLE_APPLICATION_CREDENTIALS") or env.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") or os.path.exists(gcloud)
         return "" if configured else (
-            "; no Google credentials were found (set GOOGLE_APPLICATION_CREDENTIALS to a credentials file, "
+            "; no Google credentials file (set GOOGLE_APPLICATION_CREDENTIALS, "
             "or run `gcloud auth application-default login`)"
         )
     return ""
@@ -1326,6 +1326,10 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
         return CkptError(message, path if os.path.isabs(path) else where)
     denied = _denied(text, where) if endpoint is not None else None
     if denied is not None:
+        if _credentials_hint(where):
+            # no credentials at all: every request will be refused alike, so this
+            # is the run's one error (validate too), not a finding per file
+            return _note_unavailable(f"{what}: {denied}", where, endpoint)
         return CkptError(f"{what}: {denied}", where)
     return CkptError(f"{what}: {text}", where)
 
@@ -1367,4 +1371,6 @@ def ts_error_text(exc: BaseException) -> str:
         message, path = past_end
         return f"{path}: {message}"
     denied = _denied(text, _LAST_SCHEME) if _LAST_ENDPOINT is not None else None
+    if denied is not None and _credentials_hint(_LAST_SCHEME):
+        _note_unavailable(denied, None, _LAST_ENDPOINT)  # no credentials: the run's one error
     return denied or text

@@ -152,9 +152,21 @@ def test_s3_without_credentials_is_one_line_and_fast(tmp_path, s3):
     _, baseline = _run(env, "inspect", str(FIXTURES / "dcp_multirank"))  # the interpreter's start, on this machine now
     r, took = _run(env, "inspect", f"s3://{BUCKET}/run/dcp_multirank")
     line = _one_line(r)  # the AWS C SDK's 5-9 lines of credential probing are gone
-    assert "access denied (HTTP 403)" in line and "no AWS credentials were found" in line, line
-    assert "x-amzn-requestid" not in line
+    assert line == (
+        f"ckpt: error: s3://{BUCKET}/run/dcp_multirank/.metadata: cannot read: access denied (HTTP 403); no AWS "
+        "credentials in the environment or ~/.aws (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+        "or write ~/.aws/credentials)"
+    )
     assert took - baseline < 2.0, (took, baseline)
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
+def test_s3_validate_without_credentials_is_the_runs_one_error(tmp_path, s3, deep):
+    """Not a finding per file on stdout: every request is refused alike."""
+    env = _clean_env(tmp_path, AWS_ENDPOINT_URL=s3, AWS_REGION="us-east-1")
+    r, _ = _run(env, "validate", f"s3://{BUCKET}/run/dcp_multirank", *(["--deep"] if deep else []))
+    assert "access denied (HTTP 403); no AWS credentials" in _one_line(r)
+    assert "error bad-metadata" not in r.stdout, r.stdout
 
 
 def test_s3_library_lines_come_back_with_ckpt_debug(tmp_path, s3):
