@@ -151,7 +151,8 @@ def mesh_from_jax(axes: Sequence[tuple[str, int]]) -> DeviceMesh:
     if want != len(devices):
         platform = devices[0].platform if devices else "none"
         raise UsageError(
-            f"--mesh {_fmt_axes(axes)} needs {want} devices but jax sees {len(devices)} {platform} device(s) here; "
+            f"--mesh {_fmt_axes(axes)} needs {want} devices but jax sees {len(devices)} {platform} "
+            f"device{'s' * (len(devices) != 1)} here; "
             f"pass --devices {want} to lay out for another topology"
         )
     try:

@@ -373,7 +373,7 @@ def test_this_machines_devices_or_a_clear_error(tmp_path):
     one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     r = run_ckpt("reshard", src, str(tmp_path / "a"), "--mesh", "data=2,model=4", env=one)
     assert r.returncode == 2 and not (tmp_path / "a").exists()  # a usage error: --mesh does not fit this machine
-    assert "needs 8 devices but jax sees 1 cpu device(s) here; pass --devices 8" in r.stderr
+    assert "needs 8 devices but jax sees 1 cpu device here; pass --devices 8" in r.stderr
     eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     r = run_ckpt("reshard", src, str(tmp_path / "b"), "--mesh", "data=4,model=2", "--json", env=eight)
     assert r.returncode == 0, r.stderr

@@ -40,7 +40,7 @@ def diff_command(
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
     memory: int, cast_ok: bool,
 ) -> None:
-    """Compare checkpoints A and B (either format) by their keys: leaves only in
+    """Compare checkpoints A and B (any formats ckpt reads, alike or not) by their keys: leaves only in
     one, changed kind, shape or dtype, and with --values the max absolute and
     relative difference per leaf. Exit 1 on any difference.
 

@@ -23,9 +23,10 @@ from .render import Node, Output, esc, human_bytes, human_count, plural
 def inspect_command(
     path: str, as_json: bool, flat: bool, pattern: str | None, depth: int | None, step: str | None, values: bool
 ) -> None:
-    """Show the tree of leaves in the checkpoint at PATH (a directory, file://,
-    gs://, s3:// or memory:// URL): dtype, shape, size, chunking and the
-    sharding recorded at save time. Reads metadata only; needs neither jax nor torch."""
+    """Show the tree of leaves in the checkpoint at PATH (Orbax, DCP,
+    safetensors, Flax or T5X msgpack, detected; a directory or file, or a
+    file://, gs://, s3:// or memory:// URL): dtype, shape, size, chunking and
+    the sharding recorded at save time. Reads metadata only; needs neither jax nor torch."""
     result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
     out = Output(json_mode=as_json)
     if as_json:
