@@ -90,6 +90,7 @@ USAGE_ERRORS = [
     # click's own and the commands' own usage errors: the same style
     (["inspect", ORBAX, "--depth", "0"], None),
     (["convert", ORBAX, "{dst}", "--to", "dcp", "--memory", "12zz"], None),
+    (["convert", ORBAX, "{dst}", "--to", "dcp", "--memory", "1KB"], "Invalid value for '--memory': must be at least 4 MiB, got '1KB'"),
     (["convert", LLAMA, "{dst}", "--to", "dcp", "--max-shard-size", "1GB"], "--max-shard-size applies to --to safetensors only"),
     (["diff", ROOT_DIR, ROOT_DIR, "--step", "1", "--step-a", "1"],
      "--step applies to both sides; give it or --step-a/--step-b, not both"),

@@ -44,7 +44,8 @@ def memory_option(command: Callable) -> Callable:
             return parse_memory(value)
         except Exception as exc:  # CkptError: a usage error, one line
             # click names the option itself
-            raise click.BadParameter(getattr(exc, "message", str(exc)).removeprefix("--memory: ")) from None
+            message = getattr(exc, "message", str(exc))
+            raise click.BadParameter(message.removeprefix("--memory: ").removeprefix("--memory ")) from None
 
     return click.option(
         "--memory", metavar="SIZE", callback=convert, show_default="512MiB",
