@@ -116,6 +116,7 @@ _FAILURES_LOCK = threading.Lock()
 # tensorstore calls made outside this module (array reads, OCDBT dumps)
 _LAST_ENDPOINT: str | None = None
 _LAST_SCHEME = ""  # "s3://" or "gs://": whose credentials an access denied is about
+_LAST_REMOTE_URL = ""  # and the URL opened there (its bucket names the keys tensorstore mentions)
 
 
 def raise_if_unavailable(*, endpoint: str | None = None, since: float | None = None) -> None:
@@ -390,9 +391,10 @@ def _preflight(spec: dict[str, Any], endpoint: str, url: str, what: str) -> None
 # -- tensorstore's error text, as ckpt words it --------------------------------------
 
 # what tensorstore says when a byte range of a value is past its end
+# (a local file: "... not valid for value of size N"; an object store: "... and total size N")
 _PAST_END = re.compile(
     r"Error reading (?:Byte range )?\[(\d+), (\d+)\) of (?:local file )?\"([^\"]+)\".*?"
-    r"not valid for value of size (\d+)"
+    r"(?:not valid for value of size|not satisfied by response .*? and total size) (\d+)"
 )
 _OCDBT_DATA_FILE = re.compile(r"(?:^|/)d/[0-9a-f]{32}$")
 _DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
@@ -414,6 +416,14 @@ def _past_end(text: str) -> tuple[str, str] | None:
     if _OCDBT_DATA_FILE.search(path):
         return ocdbt_truncated_message(size, end), path
     return f"truncated: needed bytes [{m.group(1)}, {end}) but it has {size} bytes", path
+
+
+def _object_url(path: str, where: str) -> str:
+    """A file tensorstore names (a local path, or a key in the bucket of `where`) as ckpt names files."""
+    scheme, sep, rest = where.partition("://")
+    if os.path.isabs(path) or not sep or scheme == "file":
+        return path
+    return f"{scheme}://{rest.split('/', 1)[0]}/{path}"
 
 
 def _credentials_hint(where: str) -> str:
@@ -840,11 +850,12 @@ class Storage:
 
     @staticmethod
     def _open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storage") -> ts.KvStore:
-        global _LAST_ENDPOINT, _LAST_SCHEME
+        global _LAST_ENDPOINT, _LAST_SCHEME, _LAST_REMOTE_URL
         endpoint = _endpoint_of(spec)
         if endpoint is not None:
             _LAST_ENDPOINT = endpoint
             _LAST_SCHEME = url.partition("://")[0] + "://"
+            _LAST_REMOTE_URL = url
             _preflight(spec, endpoint, url, what)
         try:
             fut = ts.KvStore.open(spec, context=_CONTEXT)
@@ -1323,7 +1334,7 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
     past_end = _past_end(text)
     if past_end is not None:  # the file that is short, named as validate names it
         message, path = past_end
-        return CkptError(message, path if os.path.isabs(path) else where)
+        return CkptError(message, _object_url(path, where))
     denied = _denied(text, where) if endpoint is not None else None
     if denied is not None:
         if _credentials_hint(where):
@@ -1369,7 +1380,7 @@ def ts_error_text(exc: BaseException) -> str:
     past_end = _past_end(text)
     if past_end is not None:
         message, path = past_end
-        return f"{path}: {message}"
+        return f"{_object_url(path, _LAST_REMOTE_URL) if _LAST_ENDPOINT else path}: {message}"
     denied = _denied(text, _LAST_SCHEME) if _LAST_ENDPOINT is not None else None
     if denied is not None and _credentials_hint(_LAST_SCHEME):
         _note_unavailable(denied, None, _LAST_ENDPOINT)  # no credentials: the run's one error

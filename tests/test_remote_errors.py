@@ -245,3 +245,22 @@ def test_native_log_filter_keeps_everything_else():
     with os.fdopen(out_r, "rb") as fh:
         got = fh.read()
     assert got == b"terminate called after throwing an instance of 'x'\nprogress 50%\rFatal Python error: Segmentation fault\n"
+
+
+def test_truncated_ocdbt_data_file_on_s3_is_worded_as_validate_words_it(tmp_path, s3):
+    """The object store's own words for a short object (`... and total size 100`) become validate's."""
+    from conftest import s3_client
+
+    src = FIXTURES / "orbax_ocdbt_zarr2"
+    data = next((src / "d").iterdir())
+    client = s3_client(s3)
+    for p in sorted(src.rglob("*")):
+        if p.is_file():
+            body = p.read_bytes()[:100] if p == data else p.read_bytes()
+            client.put_object(Bucket=BUCKET, Key=f"trunc/{p.relative_to(src)}", Body=body)
+    env = _clean_env(tmp_path, AWS_ENDPOINT_URL=s3, **KEYS)
+    r, _ = _run(env, "inspect", f"s3://{BUCKET}/trunc")
+    wording = f"OCDBT data file has 100 bytes but the database needs {data.stat().st_size}"
+    assert _one_line(r) == f"ckpt: error: s3://{BUCKET}/trunc/d/{data.name}: {wording}"
+    r, _ = _run(env, "validate", f"s3://{BUCKET}/trunc", "--json")
+    assert wording in [f["message"] for f in json.loads(r.stdout)["findings"] if f["code"] == "lost-process-data"]
