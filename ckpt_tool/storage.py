@@ -42,7 +42,7 @@ import stat
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any, Iterable, Iterator
 
 import tensorstore as ts
@@ -201,8 +201,6 @@ _NATIVE_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog() is c
 _NATIVE_LOG_START = re.compile(rb"^(?:[IWEF](?:\d{0,4}(?: [\d:.]*(?: +\d*(?: [^\]\n]*)?)?)?)?)$")
 _native_quiet = False
 _native_quiet_lock = threading.Lock()
-# the lines dropped last (for a one-line error that wants their gist)
-_native_dropped: deque[bytes] = deque(maxlen=64)
 
 
 def _is_native_log(line: bytes) -> bool:
@@ -220,12 +218,7 @@ def _forward_stderr(read_fd: int, write_fd: int) -> None:
         if not chunk:
             break
         *lines, pending = (pending + chunk).split(b"\n")
-        out = []
-        for line in lines:
-            if _is_native_log(line):
-                _native_dropped.append(line)
-            else:
-                out.append(line + b"\n")
+        out = [line + b"\n" for line in lines if not _is_native_log(line)]
         # a partial line (a progress bar's \r update) goes on at once unless it may be a log line's start
         if pending and not (_NATIVE_LOG_START.match(pending) or _NATIVE_PREAMBLE.startswith(pending)):
             out.append(pending)
@@ -342,7 +335,9 @@ def _resolution_problem(endpoint: str) -> str | None:
     """Why the endpoint's host name does not resolve, or None (resolves, is an address, or is not ours to resolve).
 
     A name that does not resolve now will not in the next seconds either;
-    tensorstore would retry it CKPT_IO_RETRIES times (7.5 s) for the same line.
+    tensorstore would retry it CKPT_IO_RETRIES times (seconds of backoff) for
+    the same line. The lookup runs in a thread, so a resolver that does not
+    answer costs at most _RESOLVE_WAIT before the requests take over.
     """
     import socket
 
