@@ -333,7 +333,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
                     refuse(where, f"{a_type(sub_value)} value has no Orbax leaf type "
                                   "(arrays, numbers, strings, None and containers of them)")
         elif opts.to == "safetensors":
-            refuse(leaf.path, f"safetensors holds tensors only, not {a_type(value)} value")
+            refuse(leaf.path, f"safetensors holds tensors and numbers only, not {a_type(value)} value")
         else:
             if not _is_simple(value):
                 refuse(leaf.path, f"{a_type(value)} value is not a simple Python value")

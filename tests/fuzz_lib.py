@@ -8,8 +8,8 @@ A *mutant* is a copy of one committed fixture (never the fixture itself) with
 one file damaged by one mutation operator: byte-level (flips, truncation,
 insertion, deletion), structure-aware (JSON fields of every Orbax metadata
 kind, pickle opcodes of a DCP `.metadata`, the fields of torch's Metadata
-object re-pickled, zip records of a `.distcp` archive, a safetensors header)
-or removal of the file. Every operator takes a `random.Random`, so a mutant is
+object re-pickled, zip records of a `.distcp` archive, a safetensors header,
+a msgpack tree's structure and ext types) or removal of the file. Every operator takes a `random.Random`, so a mutant is
 reproducible from (seed, index) and hypothesis can drive the choices.
 
 The contract, for `ckpt inspect --json`, `ckpt validate` and
@@ -21,7 +21,8 @@ The contract, for `ckpt inspect --json`, `ckpt validate` and
 and the oracle: where validate exits 0 (--deep; or shallow, for a mutant of a
 metadata file, which shallow validate claims to check), the real library
 (torch's dcp_to_torch_save, orbax's restore with no target, safetensors'
-safe_open) loads it, and with the values ckpt's Python API reads.
+safe_open, orbax's msgpack_restore for Flax msgpack) loads it, and with the
+values ckpt's Python API reads.
 """
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ FIXTURE_SPECS = [
     FixtureSpec("dcp_zstd", "dcp", "dcp"),
     FixtureSpec("safetensors_numpy", "safetensors", "safetensors"),
     FixtureSpec("safetensors_llama_sharded", "safetensors", "safetensors"),
-    # flax is not installed: contract only, no oracle
-    FixtureSpec("flax_msgpack", "msgpack", None),
+    # flax is not installed: orbax's msgpack_utils.msgpack_restore (flax's loader) is the oracle
+    FixtureSpec("flax_msgpack", "msgpack", "msgpack"),
 ]
 SPECS = {s.name: s for s in FIXTURE_SPECS}
 
@@ -796,6 +797,92 @@ def mutate_safetensors(rng: random.Random, data: bytes) -> tuple[bytes | None, s
 
 
 # --------------------------------------------------------------------------
+# msgpack trees (Flax msgpack, orbax <= 0.4 / T5X `checkpoint` files)
+# --------------------------------------------------------------------------
+
+# ext codes no flax or orbax writer uses (1 ndarray, 2 complex, 3 numpy scalar, 4 orbax tuple)
+UNKNOWN_EXT_CODES = [0, 5, 42, 127]  # (msgpack.ExtType packs 0..127 only)
+
+
+def _msgpack_slots(node: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, value) of every map value and list element of a decoded tree (the root excluded)."""
+    out: list[tuple[tuple, Any]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        out.append((path + (k,), v))
+        out.extend(_msgpack_slots(v, path + (k,)))
+    return out
+
+
+def _msgpack_set(root: Any, path: tuple, value: Any) -> None:
+    node = root
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+
+
+def mutate_msgpack(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """A structure-aware change to a msgpack tree, re-encoded with the msgpack package: the
+    root not a map, a map key that is not a string, deep nesting, an unknown ext type
+    (the classes where flax's / orbax's msgpack_restore and a lenient reader disagree);
+    else (and when the file does not decode) a byte-level mutation."""
+    import msgpack
+
+    op = rng.choice(["root", "key", "key", "nest", "ext", "ext", "bytes"])
+    try:
+        tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+    except Exception:  # noqa: BLE001 - already damaged: bytes only
+        op = "bytes"
+
+    def pack(obj: Any) -> bytes:
+        return msgpack.packb(obj, use_bin_type=True)
+
+    slots = _msgpack_slots(tree) if op != "bytes" else []
+    if op == "root":
+        new = rng.choice([7, -1, 2.5, None, True, "checkpoint", b"\x80", [], list(tree.values())[:3]
+                          if isinstance(tree, dict) else [tree]])
+        return pack(new), f"msgpack root replaced by {type(new).__name__} {str(new)[:40]}"
+    maps = [(p, v) for p, v in slots if isinstance(v, dict) and v] + ([((), tree)] if isinstance(tree, dict) and tree else [])
+    if op == "key" and maps:
+        path, node = rng.choice(maps)
+        keys = list(node)
+        i = rng.randrange(len(keys))
+        new_key = rng.choice([116, 0, -3, 2**40, 1.5, None, True])
+        items = [(new_key if j == i else k, v) for j, (k, v) in enumerate(node.items())]
+        rebuilt = dict(items)
+        if path:
+            _msgpack_set(tree, path, rebuilt)
+        else:
+            tree = rebuilt
+        return pack(tree), f"msgpack key {keys[i]!r} at {list(path)} -> {new_key!r}"
+    if op == "nest" and slots:
+        path, value = rng.choice(slots)
+        depth = rng.choice([64, 127, 128, 129, 200, 1000, 5000])
+        sentinel = msgpack.ExtType(99, b"ckpt-fuzz-nest")
+        _msgpack_set(tree, path, sentinel)
+        raw = pack(tree)
+        marker = pack(sentinel)
+        wrap = rng.choice([b"\x91", b"\x81\xa1k"])  # a 1-list or a {'k': ...} map per level
+        nested = wrap * depth + pack(value)
+        return raw.replace(marker, nested, 1), f"msgpack value at {list(path)} nested {depth} levels deep"
+    if op == "ext" and slots:
+        exts = [(p, v) for p, v in slots if isinstance(v, msgpack.ExtType)]
+        code = rng.choice(UNKNOWN_EXT_CODES)
+        if exts and rng.random() < 0.7:
+            path, value = rng.choice(exts)
+            _msgpack_set(tree, path, msgpack.ExtType(code, value.data))
+            return pack(tree), f"msgpack ext {value.code} at {list(path)} -> ext {code}"
+        path, value = rng.choice(slots)
+        try:
+            payload = pack(value)
+        except Exception:  # noqa: BLE001
+            payload = b"\xc0"
+        _msgpack_set(tree, path, msgpack.ExtType(code, payload))
+        return pack(tree), f"msgpack value at {list(path)} wrapped in ext {code}"
+    return bytes_mutation(rng, data)
+
+
+# --------------------------------------------------------------------------
 # mutants
 # --------------------------------------------------------------------------
 
@@ -814,7 +901,7 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] 
     "dcp_metadata": mutate_dcp_metadata,
     "distcp": mutate_distcp,
     "safetensors": mutate_safetensors,
-    "msgpack": bytes_mutation,
+    "msgpack": mutate_msgpack,
 }
 
 
@@ -1101,7 +1188,7 @@ class Oracle:
     """A client of one long-lived tests/fuzz_oracle.py worker (restarted when it
     dies or hangs)."""
 
-    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors"), timeout: float = 120.0) -> None:
+    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors", "msgpack"), timeout: float = 120.0) -> None:
         self.formats = formats
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None

@@ -2,7 +2,7 @@
 library and with ckpt's Python API, and says whether they agree.
 
 Run as a process (`python tests/fuzz_oracle.py`); it reads one JSON request per
-line on stdin ({"format": "dcp"|"orbax"|"safetensors", "path": ...}) and writes
+line on stdin ({"format": "dcp"|"orbax"|"safetensors"|"msgpack", "path": ...}) and writes
 one JSON answer per line on stdout:
 
     {"library_ok": bool, "library_error": str|None,
@@ -254,7 +254,49 @@ def safetensors_library_values(path: str, mode: str = "") -> dict:
     return out
 
 
-LIBRARIES = {"dcp": dcp_library_values, "orbax": orbax_library_values, "safetensors": safetensors_library_values}
+def _natural_key(name: str) -> list:
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def msgpack_library_values(path: str, mode: str = "") -> dict:
+    """A Flax msgpack checkpoint as the libraries load it (flax is not installed here):
+    the step flax.training.checkpoints.latest_checkpoint picks (the last `checkpoint_*`
+    file by natural sort, `checkpoint_tmp` excluded), decoded by orbax's
+    msgpack_utils.msgpack_restore, which is flax.serialization.msgpack_restore (msgpack's
+    unpackb with strict_map_key, flax's ext hook, chunked arrays joined) plus orbax's tuple
+    ext, and refuses an unknown ext type where flax would return a raw msgpack.ExtType."""
+    import numpy as np
+    from orbax.checkpoint import msgpack_utils
+
+    if os.path.isdir(path):
+        names = [n for n in os.listdir(path) if n.startswith("checkpoint_") and n != "checkpoint_tmp"
+                 and os.path.isfile(os.path.join(path, n))]
+        if not names:
+            raise FileNotFoundError(f"no checkpoint_* file in {path}")
+        path = os.path.join(path, sorted(names, key=_natural_key)[-1])
+    with open(path, "rb") as f:
+        tree = msgpack_utils.msgpack_restore(f.read())
+    out: dict = {}
+
+    def walk(node: Any, keys: tuple) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                # msgpack allows bytes keys; ckpt names them by their text
+                walk(v, keys + (k.decode("utf-8", "surrogateescape") if isinstance(k, bytes) else k,))
+        elif isinstance(node, (list, tuple)) and node:
+            for i, v in enumerate(node):
+                walk(v, keys + (i,))
+        else:
+            out[keys] = np.asarray(node) if isinstance(node, np.generic) else node
+
+    walk(tree, ())
+    return out
+
+
+LIBRARIES = {"dcp": dcp_library_values, "orbax": orbax_library_values, "safetensors": safetensors_library_values,
+             "msgpack": msgpack_library_values}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -300,9 +342,10 @@ def main() -> None:
     if "dcp" in fmts:
         import torch  # noqa: F401
         import torch.distributed.checkpoint  # noqa: F401
-    if "orbax" in fmts:
+    if "orbax" in fmts or "msgpack" in fmts:
         import jax
         import orbax.checkpoint  # noqa: F401
+        import orbax.checkpoint.msgpack_utils  # noqa: F401
 
         # int64 leaves restore as int64 (as orbax's users with x64 get them)
         jax.config.update("jax_enable_x64", True)

@@ -215,3 +215,35 @@ def test_bytes_keys_are_still_read(tmp_path, ckpt):
     raw = _mutate(root / "checkpoint_2", lambda t: {**t, b"extra": 1})
     assert orbax_restore(raw)[b"extra"] == 1
     assert ckpt("validate", root).returncode == 0
+
+
+def test_fuzz_msgpack_mutator_classes_are_refused(tmp_path, ckpt):
+    """`make fuzz`'s msgpack operator (tests/fuzz_lib.mutate_msgpack) makes each class above; every
+    structure / ext mutant of the newest step is a validate error (the library refuses it, or
+    gives no tree), nesting included past the 128 levels ckpt reads."""
+    import random
+
+    import fuzz_lib as F
+
+    seen = set()
+    for seed in range(40):
+        root = tmp_path / f"m{seed}"
+        shutil.copytree(FIXTURES / "flax_msgpack", root)
+        target = root / "checkpoint_2"
+        new, desc = F.mutate_msgpack(random.Random(seed), target.read_bytes())
+        if not desc.startswith("msgpack "):
+            continue  # a byte-level mutation (the operator's fallback)
+        kind = "root" if "root replaced" in desc else "key" if " key " in desc else \
+            "nest" if "nested" in desc else "ext"
+        seen.add(kind)
+        target.write_bytes(new)
+        if kind == "nest" and int(desc.split("nested ")[1].split()[0]) <= 127:
+            continue  # within flax's and ckpt's nesting limits: a valid tree
+        if kind == "root":
+            assert not isinstance(orbax_restore(new), dict)  # no tree: nothing a restore can use
+        elif kind != "nest":
+            with pytest.raises(ValueError):  # strict_map_key, or "Unsupported msgpack code"
+                orbax_restore(new)
+        r = ckpt("validate", root, "--deep")
+        assert r.returncode == 1, (desc, r.stdout)
+    assert seen == {"root", "key", "nest", "ext"}

@@ -191,7 +191,7 @@ def test_failure_leaves_no_output(tmp_path):
 def test_values_refused_without_skip(tmp_path):
     # numbers are 0-d tensors now (test_safetensors_scalars.py); DCP's str and tuple items are not
     res = run_ckpt("convert", str(DCP), str(tmp_path / "o"), "--to", "safetensors")
-    assert res.returncode == 1 and "tensors only" in res.stderr and "--skip-unsupported" in res.stderr
+    assert res.returncode == 1 and "tensors and numbers only" in res.stderr and "--skip-unsupported" in res.stderr
 
 
 @pytest.mark.parametrize("args", [["--max-shard-size", "5XB"], ["--max-shard-size", "0"]])
