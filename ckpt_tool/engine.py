@@ -27,7 +27,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import dtypes
-from .errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, UsageError, a_type
+from .errors import (
+    CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
+    UnsupportedLeafError, UsageError, a_type,
+)
 from .filters import Selection
 from .findings import Progress, no_progress
 from .parallel import default_workers
@@ -560,9 +563,10 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_si
 # ckpt reads unmerged per-process OCDBT databases whole (a convert is how to
 # get the merged copy orbax needs)
 _PREFLIGHT_EXEMPT = frozenset({"uncommitted-save", "unmerged-ocdbt"})
-# findings that explain why a source could not even be opened (its metadata's bytes are gone)
+# findings that say stored data is gone or cut short (the others: damaged or refused)
 _LOST_DATA = frozenset({
     "missing-file", "truncated-file", "empty-file", "lost-process-data", "missing-metadata", "leaf-missing",
+    "missing-chunk", "missing-storage-entry", "coverage-gap",
 })
 
 
@@ -577,22 +581,26 @@ def check_source_complete(src: Checkpoint, given: str | None = None) -> None:
     Every process of a multi-host run checks for itself (same files, same answer).
     """
     # the chosen step only, not every step of a CheckpointManager root
-    error = _incomplete(src.path, src.step if src.steps else None, given or src.path)
+    error = _refusal(src.path, src.step if src.steps else None, given or src.path)
     if error is not None:
         raise error
 
 
-def _incomplete(
+def _refusal(
     path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None
-) -> IncompleteCheckpointError | None:
+) -> CkptError | None:
     """The one-line refusal for the first error shallow validate finds at `path`, or None.
 
-    `codes`: only findings of these codes count (None: every error but the exempt ones)."""
+    `codes`: only findings of these codes count (None: every error but the exempt ones).
+    Lost data is an IncompleteCheckpointError, a path-escape a PathEscapeError (what
+    reading the file would have raised), anything else a CorruptMetadataError."""
     from .findings import ERROR
     from .validate import validate_checkpoint
 
     try:
         report = validate_checkpoint(path, step=step)
+    except StorageUnavailableError:
+        raise  # a store that stopped answering is the run's one error
     except (CkptError, ValueError, TypeError):
         return None  # not a checkpoint (or a step) validate can check: the caller's own error stands
     errors = [
@@ -606,12 +614,17 @@ def _incomplete(
     message = first.message
     if len(message) > 120:  # one line: its first clause (validate prints the whole finding)
         message = message.split("; ")[0]
-        message = message if len(message) <= 120 else message[:117] + "..."
+        message = message if len(message) <= 300 else message[:297] + "..."
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     option = f" --step {step}" if step not in (None, "latest") else ""
-    return IncompleteCheckpointError(
-        f"the source is incomplete: {first.code}: {where}: {message}{more}; "
-        f"run `ckpt validate {shown}{option}` for every finding",
+    if first.code in _LOST_DATA:
+        kind, what = IncompleteCheckpointError, "the source is incomplete"
+    elif first.code == "path-escape":
+        kind, what = PathEscapeError, "the source is refused"
+    else:
+        kind, what = CorruptMetadataError, "the source is damaged"
+    return kind(
+        f"{what}: {first.code}: {where}: {message}{more}; run `ckpt validate {shown}{option}` for every finding",
         shown,
     )
 
@@ -623,10 +636,10 @@ def open_source(source: str, step: str | int | None) -> Checkpoint:
 
     try:
         return open_checkpoint(source, step=step)
-    except IncompleteCheckpointError:
+    except (IncompleteCheckpointError, PathEscapeError, StorageUnavailableError):
         raise
     except CkptError:
-        better = _incomplete(source, step, source, _LOST_DATA)
+        better = _refusal(source, step, source, _LOST_DATA)
         if better is not None:
             raise better from None
         raise
