@@ -363,3 +363,29 @@ def test_the_manager_fixtures_still_read(name):
     r = run_ckpt("inspect", str(fixture_path(name)), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["layout"]["items"]
+
+
+def test_a_root_is_checked_at_the_step_being_copied(root_with_nan_in_an_older_step, tmp_path):
+    """Damage in an older step does not stop a copy of the latest; a copy of that step is refused."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(root_with_nan_in_an_older_step, root)
+    lost = sorted((root / "1" / "default" / "ocdbt.process_0" / "d").iterdir())
+    assert lost
+    for f in lost:
+        f.unlink()
+    r = run_ckpt("convert", str(root), str(tmp_path / "latest"), "--to", "dcp")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "older"
+    r = run_ckpt("convert", str(root), str(out), "--to", "dcp", "--step", "1")
+    _refused_before_writing(r, out, "lost-process-data", "1/default/ocdbt.process_0/d/", "--step 1")
+
+
+def test_a_truncated_rank_file_is_refused(copy_fixture, tmp_path):
+    src = copy_fixture("dcp_multirank")
+    with open(src / "__1_0.distcp", "r+b") as f:
+        f.truncate(100)
+    out = tmp_path / "out"
+    r = run_ckpt("convert", str(src), str(out), "--to", "orbax")
+    _refused_before_writing(r, out, "truncated-file", "__1_0.distcp")

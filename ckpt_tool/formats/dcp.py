@@ -124,11 +124,13 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     for f in files:
         if f not in listed:
             reason = "does not exist (named in .metadata)"
+        elif storage.local_root is None:
+            continue  # an object store has no stat (its size probe may read the file): validate checks it
         else:
             try:
                 size = storage.size(f)
-            except CkptError:
-                continue  # unreadable, not missing: a read says why
+            except (CkptError, OSError):
+                continue  # unreadable or gone since the listing: a read says why
             if size >= needed[f]:
                 continue
             reason = f"{size:,} of the {needed[f]:,} bytes .metadata places in it"
