@@ -236,7 +236,7 @@ def test_deep_reads_every_step_of_a_root(root_with_nan_in_an_older_step, step):
 @pytest.mark.parametrize("step, nan", [("1", True), ("3", False), ("latest", False)])
 def test_deep_reads_one_step_when_asked(root_with_nan_in_an_older_step, step, nan):
     code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", "--step", step)
-    assert doc["checked"]["steps"] == 1
+    assert doc["checked"]["steps"] == 1 and doc["checked"]["steps_deep_read"] == 1
     assert any(f["code"] == "non-finite" for f in doc["findings"]) == nan
 
 

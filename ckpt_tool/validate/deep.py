@@ -116,6 +116,8 @@ def deep_check_steps(
     if not first.steps or step not in (None, "all"):
         deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, memory=memory,
                    skip_leaves=_broken(findings, first), ckpt=first)
+        if first.steps:  # the one step of a root that was asked for
+            findings.count("steps_deep_read")
         return
     numbers = sorted({s.step for s in first.steps if s.committed and s.step is not None})
     for i, number in enumerate(numbers):
