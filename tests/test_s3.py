@@ -208,7 +208,11 @@ def test_server_killed_mid_read(moto, args, after):
     src = moto.upload("orbax_ocdbt_zarr2")
     r, elapsed = _run_killing(moto, [a.format(src=src) for a in args], after=after)
     _assert_one_line_naming(r, elapsed, moto.endpoint)
-    assert r.stdout == "" or args[0] != "inspect"
+    if args[0] == "inspect":
+        # --json: the hard error is also one JSON object on stdout, and nothing else is printed there
+        doc = json.loads(r.stdout)
+        assert doc["ok"] is False and doc["error"]["code"] == "storage-unavailable", doc
+        assert moto.endpoint in doc["error"]["message"]
 
 
 # orbax -> dcp: 7 GETs of metadata, then fewer than 7 for chunks (small leaves are read together); dcp -> orbax:
