@@ -43,6 +43,22 @@ def copy_fixture(tmp_path):
     return _copy
 
 
+@pytest.fixture
+def ckpt(capsys):
+    """`ckpt ARGS...` in this process, through the CLI's own error handling: an object with
+    returncode, stdout and stderr, like run_ckpt's (without a process start per call)."""
+    from types import SimpleNamespace
+
+    from ckpt_tool.cli.main import _run
+
+    def run(*args: str) -> SimpleNamespace:
+        code = _run([str(a) for a in args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
 def run_ckpt(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m ckpt_tool` as a whole process, as a user would."""
     full_env = dict(os.environ)

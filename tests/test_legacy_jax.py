@@ -56,20 +56,6 @@ def _norm(d: dict, ref: str) -> dict:
     return {tuple(str(k) for k in keys): v for keys, v in d.items()} if ref in STATE_DICT_KEYS else d
 
 
-@pytest.fixture
-def ckpt(capsys):
-    """`ckpt ARGS...` in this process, through the CLI's own error handling: (exit code, stdout, stderr)."""
-    from types import SimpleNamespace
-
-    from ckpt_tool.cli.main import _run
-
-    def run(*args: str) -> SimpleNamespace:
-        code = _run([str(a) for a in args])
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
-
 
 def reference(name: str) -> dict:
     """{keys: (dtype or python type, shape, value)} as the writing library restored it."""

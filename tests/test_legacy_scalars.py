@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -47,17 +46,6 @@ NUMPY_SCALARS = {
     "t5x": ("state", "step"),
 }
 
-
-@pytest.fixture
-def ckpt(capsys):
-    from ckpt_tool.cli.main import _run
-
-    def run(*args: str) -> SimpleNamespace:
-        code = _run([str(a) for a in args])
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
 
 
 def _torch_load(dcp_dir: Path, tmp_path: Path) -> dict:

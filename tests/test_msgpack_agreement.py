@@ -17,25 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgpack
 import pytest
 
 from conftest import FIXTURES
 
-
-@pytest.fixture
-def ckpt(capsys):
-    """`ckpt ARGS...` in this process, through the CLI's own error handling."""
-    from ckpt_tool.cli.main import _run
-
-    def run(*args: str) -> SimpleNamespace:
-        code = _run([str(a) for a in args])
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
 
 
 def _load(data: bytes):

@@ -85,14 +85,14 @@ def test_convert_of_a_partial_download_is_refused_for_every_target(partial_downl
 def test_reshard_of_a_partial_download_is_refused(partial_download, tmp_path):
     out = tmp_path / "out" / "resharded"
     out.parent.mkdir()
-    r = run_ckpt("reshard", str(partial_download), str(out), "--mesh", "data=1")
+    r = run_ckpt("reshard", str(partial_download), str(out), "--mesh", "data=1", "--devices", "1")
     _refused_before_writing(r, out, "missing-file", MISSING_SHARD)
 
 
 def test_convert_and_reshard_of_a_dcp_without_a_rank_file_are_refused(dcp_without_rank_file, tmp_path):
     for argv, name in (
         (["convert", str(dcp_without_rank_file), "{}", "--to", "orbax"], "converted"),
-        (["reshard", str(dcp_without_rank_file), "{}", "--mesh", "data=1"], "resharded"),
+        (["reshard", str(dcp_without_rank_file), "{}", "--mesh", "data=1", "--devices", "1"], "resharded"),
     ):
         out = tmp_path / name
         r = run_ckpt(*[a.format(out) if a == "{}" else a for a in argv])
@@ -103,7 +103,7 @@ def test_convert_and_reshard_of_an_orbax_step_with_lost_ocdbt_data_are_refused(o
     # before: convert wrote a checkpoint and exited 0 (the lost chunks read as nothing)
     for argv, name in (
         (["convert", str(orbax_lost_data_file), "{}", "--to", "dcp"], "converted"),
-        (["reshard", str(orbax_lost_data_file), "{}", "--mesh", "data=1"], "resharded"),
+        (["reshard", str(orbax_lost_data_file), "{}", "--mesh", "data=1", "--devices", "1"], "resharded"),
     ):
         out = tmp_path / name
         r = run_ckpt(*[a.format(out) if a == "{}" else a for a in argv])
