@@ -310,8 +310,15 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
                 for k, v in item.layout.items():
                     layout.setdefault(k, v)
     except CkptError:
-        if committed:
+        unstamped = isinstance(step_meta, dict) and step_meta.get("commit_timestamp_nsecs") is None
+        if committed and not unstamped:
             raise
+        if committed:
+            # under its final name without a commit timestamp, orbax would list the step; but with
+            # its tree unreadable it is a save cut off before its commit (ckpt's own writer on an
+            # object store, where there is no temporary name), not a damaged complete one
+            committed = False
+            reason = f"{CHECKPOINT_METADATA} has no commit_timestamp_nsecs and the tree cannot be read: an interrupted save"
         # an interrupted save: say so and show what is there instead of failing on it
         notes.append("could not read the tree of this incomplete save")
     if not committed:
