@@ -358,7 +358,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
 
 def _safetensors_number(value: Any) -> bool:
     """A number safetensors can hold as a 0-d tensor (not a string, bytes or a complex)."""
-    from .formats.safetensors_writer import scalar_tensor
+    from .formats.safetensors.write import scalar_tensor
 
     return scalar_tensor(value) is not None
 
@@ -367,7 +367,7 @@ def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
     """The tuples an Orbax source records (orbax's rich-types metadata), else none."""
     if src.format != "orbax":
         return set()
-    from .formats.orbax_writer import recorded_tuples
+    from .formats.orbax.write import recorded_tuples
 
     return recorded_tuples(src)
 
@@ -542,15 +542,15 @@ def _terminate_unwinds() -> Iterator[None]:
 def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None,
                 memory: int = DEFAULT_MEMORY) -> CheckpointWriter:
     if fmt == "dcp":
-        from .formats.dcp_writer import DcpWriter
+        from .formats.dcp.write import DcpWriter
 
         return DcpWriter(storage)
     if fmt == "orbax":
-        from .formats.orbax_writer import OrbaxWriter, pending_window
+        from .formats.orbax.write import OrbaxWriter, pending_window
 
         return OrbaxWriter(storage, zarr3=zarr3, max_pending_bytes=pending_window(memory))
     if fmt == "safetensors":
-        from .formats.safetensors_writer import SafetensorsWriter
+        from .formats.safetensors.write import SafetensorsWriter
 
         return SafetensorsWriter(storage, max_shard_size=max_shard_size)
     raise CkptError(f"unknown target format {fmt!r}")

@@ -300,7 +300,7 @@ def _start_read(leaf: ArrayLeaf, region: Region) -> Callable[[], np.ndarray]:
 
 def _is_dcp(leaf: ArrayLeaf) -> bool:
     try:
-        from .formats.dcp import _TensorReader
+        from .formats.dcp.reader import _TensorReader
     except ImportError:  # pragma: no cover
         return False
     return isinstance(leaf.reader, _TensorReader)

@@ -68,6 +68,6 @@ def _shard_size(text: str | None, to: str) -> int | None:
         return None
     if to != "safetensors":
         raise click.UsageError("--max-shard-size applies to --to safetensors only")
-    from ..formats.safetensors_writer import parse_size
+    from ..formats.safetensors.write import parse_size
 
     return parse_size(text)

@@ -23,8 +23,8 @@ class FormatModule(Protocol):
 
 
 # order matters only when two formats could claim one directory
-# msgpack_tree first: an orbax <= 0.4 save has OCDBT files but no _METADATA
-FORMATS = ("msgpack_tree", "orbax", "dcp", "safetensors")
+# msgpack first: an orbax <= 0.4 save has OCDBT files but no _METADATA
+FORMATS = ("msgpack", "orbax", "dcp", "safetensors")
 
 
 def format_module(name: str) -> FormatModule:
@@ -46,16 +46,16 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
     check_url(url)  # before a file's URL is cut to its directory: the error names the URL whole
     if url.rstrip("/").endswith(".safetensors"):  # one file, not a directory
-        from . import safetensors
+        from .safetensors import reader as safetensors
 
         single = safetensors.split_file_url(url)
         if single is not None:
             return safetensors.read_file(Storage.open(single[0], log=log), single[1])
-    from .msgpack_tree import split_local_file
+    from .msgpack.reader import split_local_file
 
     single_file = split_local_file(url)  # a Flax msgpack file's path
     if single_file is not None:
-        from . import msgpack_tree
+        from .msgpack import reader as msgpack_tree
 
         return msgpack_tree.read_file(Storage.open(single_file[0], log=log), single_file[1])
     from .unknown import refuse_file

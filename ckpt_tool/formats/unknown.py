@@ -87,7 +87,7 @@ LABELS = {
     "orbax": "Orbax",
     "dcp": "torch.distributed.checkpoint (DCP)",
     "safetensors": "safetensors",
-    "msgpack_tree": "Flax / T5X msgpack",
+    "msgpack": "Flax / T5X msgpack",
 }
 READS = "Orbax, torch.distributed.checkpoint (DCP), safetensors and Flax / T5X msgpack checkpoints"
 

@@ -52,13 +52,13 @@ def validate_checkpoint(
 
     `memory`: the --deep read scheduler's budget in bytes (None: its default)."""
     from ..formats import TMP_MARKER, detect
-    from ..formats.msgpack_tree import split_local_file
+    from ..formats.msgpack.reader import split_local_file
     from ..storage import check_url
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
     msgpack_file = split_local_file(path)  # a path naming one Flax msgpack file
     if msgpack_file is not None:
-        from . import msgpack_checks
+        from ..formats.msgpack import checks as msgpack_checks
 
         return msgpack_checks.validate_file(path, msgpack_file, deep=deep, workers=workers, progress=progress)
 
@@ -66,7 +66,7 @@ def validate_checkpoint(
     fmt = None
     single = None
     if path.rstrip("/").endswith(".safetensors"):  # one file, not a directory
-        from ..formats.safetensors import split_file_url
+        from ..formats.safetensors.reader import split_file_url
 
         single = split_file_url(path)
     if single is None:
@@ -83,20 +83,20 @@ def validate_checkpoint(
                 "temporary directory of an interrupted ckpt convert/reshard: not a finished checkpoint",
                 file=".",
             )
-        if fmt == "msgpack_tree":
-            from . import msgpack_checks
+        if fmt == "msgpack":
+            from ..formats.msgpack import checks as msgpack_checks
 
             fmt = msgpack_checks.check_path(storage, findings, step=step)  # the family: flax, orbax or t5x
         elif fmt == "orbax":
-            from . import orbax_checks
+            from ..formats.orbax import checks as orbax_checks
 
             orbax_checks.check_path(storage, findings, step=step)
         elif fmt == "safetensors":
-            from . import safetensors_checks
+            from ..formats.safetensors import checks as safetensors_checks
 
             safetensors_checks.check_path(storage, findings, only=single[1] if single else None)
         else:
-            from . import dcp_checks
+            from ..formats.dcp import checks as dcp_checks
 
             dcp_checks.check_path(storage, findings)
         if deep:

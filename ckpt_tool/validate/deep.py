@@ -245,7 +245,7 @@ def deep_check(
     if fmt == "dcp":
         # every non-tensor item decoded; copies of replicated duplicates that .metadata does not point at
         from ..storage import Storage
-        from .dcp_checks import check_dcp_deep
+        from ..formats.dcp.checks import check_dcp_deep
 
         check_dcp_deep(Storage.open(ckpt.path), ckpt, findings, skip)
     else:

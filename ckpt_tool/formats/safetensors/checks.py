@@ -11,10 +11,10 @@ per-rank pieces (overlaps, gaps).
 """
 from __future__ import annotations
 
-from ..errors import CkptError, PathEscapeError
-from ..findings import Findings
-from ..formats import safetensors as st
-from ..storage import Storage
+from ...errors import CkptError, PathEscapeError
+from ...findings import Findings
+from . import reader as st
+from ...storage import Storage
 
 
 def check_path(storage: Storage, findings: Findings, *, only: str | None = None) -> None:

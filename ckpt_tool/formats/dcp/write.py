@@ -42,13 +42,13 @@ from typing import Any, Iterable, Union
 
 import numpy as np
 
-from .. import dtypes
-from ..checksum import crc32
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, a_type
-from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
-from ..storage import LocalFileWriter, Storage
-from ..writers import TargetArray, TargetValue, WritePlan
-from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
+from ... import dtypes
+from ...checksum import crc32
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, a_type
+from ...model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
+from ...storage import LocalFileWriter, Storage
+from ...writers import TargetArray, TargetValue, WritePlan
+from ...torchsave.pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
 
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."

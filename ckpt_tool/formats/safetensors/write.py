@@ -50,14 +50,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import directio, dtypes
-from .. import sizes
-from ..errors import CkptError, IncompleteCheckpointError
-from ..model import Region, stored_chunks
-from ..storage import LocalFileWriter, Storage
-from ..writers import TargetArray, TargetValue, WritePlan
-from ..model import RegularGrid
-from .safetensors import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
+from ... import directio, dtypes
+from ... import sizes
+from ...errors import CkptError, IncompleteCheckpointError
+from ...model import Region, stored_chunks
+from ...storage import LocalFileWriter, Storage
+from ...writers import TargetArray, TargetValue, WritePlan
+from ...model import RegularGrid
+from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9

@@ -25,14 +25,16 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import (
+from ... import dtypes
+from ...errors import (
     CkptError, NotFoundError, PathEscapeError, StorageUnavailableError, UnsafePickleError, short_repr,
 )
-from ..findings import Findings
-from ..formats import dcp, dcp_transforms, safe_pickle
-from ..model import Chunk, ValueLeaf, keys_path
-from ..storage import Storage
+from ...findings import Findings
+from ...torchsave import safe_pickle
+from . import reader as dcp
+from . import transforms as dcp_transforms
+from ...model import Chunk, ValueLeaf, keys_path
+from ...storage import Storage
 
 # how many regions / files one message names before "... and N more"
 _MAX_NAMED = 5
@@ -1335,7 +1337,8 @@ def _compare_copy(
     entries: dict[EntryKey, dcp._Entry], findings: Findings,
 ) -> bool:
     """Compare one unreferenced stored item with the duplicated chunk it copies; False if it copies none."""
-    from ..formats import dcp_transforms, torch_payload
+    from . import transforms as dcp_transforms
+    from ...torchsave import payload as torch_payload
 
     where = f"{storage.url}/{name}[{start}:{end}]"
 
@@ -1391,8 +1394,8 @@ def _first_difference(a: Any, fetch_a: Callable, where_a: str, b: Any, fetch_b: 
     A failure to read `b` (the copy torch reads) propagates; `a` failing to
     decode is a difference.
     """
-    from ..formats import torch_payload
-    from ..model import split_to_cap
+    from ...torchsave import payload as torch_payload
+    from ...model import split_to_cap
 
     whole = Chunk(tuple(0 for _ in a.shape), tuple(a.shape))
     for piece in split_to_cap(whole, a.itemsize, _COMPARE_BLOCK):

@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
-from ..model import Key, Region, RegularGrid, Sharding
-from ..pagecache import DirectoryDropper
-from ..storage import Storage, ts_error_text
-from ..writers import TargetArray, TargetValue, WritePlan
-from . import orbax as ob
+from ... import dtypes
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
+from ...model import Key, Region, RegularGrid, Sharding
+from ...pagecache import DirectoryDropper
+from ...storage import Storage, ts_error_text
+from ...writers import TargetArray, TargetValue, WritePlan
+from . import reader as ob
 
 # the class paths orbax records in _CHECKPOINT_METADATA["item_handlers"]
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
