@@ -1,0 +1,165 @@
+"""The catalogue is complete: every registered format has fixtures, every fixture directory is
+catalogued, every catalogued format is registered; and a format dropped in at runtime (a
+throwaway package registered in ckpt_tool.formats.REGISTRY, with a fixture) is picked up by
+these checks and passes the suite's properties."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import catalogue as C
+import references as R
+
+
+def test_every_registered_format_has_fixtures():
+    assert not C.formats_without_fixtures(), "registered formats with no catalogue entry (add fixtures)"
+
+
+def test_every_fixture_directory_is_catalogued():
+    assert not C.uncatalogued(), "fixture directories in no catalogue entry (tests/conformance/catalogue.py)"
+
+
+def test_every_catalogued_format_is_registered():
+    assert not C.unregistered_entries()
+
+
+def test_every_entry_exists_and_every_format_has_damage_cases():
+    for e in C.ENTRIES:
+        assert e.full().exists(), e.id
+    for f in C.registered():
+        assert C.damage_cases([f]), f"{f.name}: no damage cases in catalogue.DAMAGE"
+
+
+def test_writable_formats_have_a_library_loader():
+    for fmt in C.writable():
+        try:
+            R.values(fmt, Path("/nonexistent"))
+        except KeyError:
+            pytest.fail(f"{fmt} writes but references.values has no library loader for it")
+        except Exception:  # noqa: BLE001 - it has a loader; the path just is not there
+            pass
+
+
+def test_the_registry_is_there():
+    """The suite runs over ckpt_tool.formats.registered() (the stand-in list is for a tree without it)."""
+    if not C.has_registry():
+        pytest.skip("ckpt_tool.formats has no registered() yet: the suite runs over a stand-in list")
+
+
+# --- a throwaway format ------------------------------------------------------------------------
+
+TOY = "toyst"
+
+
+def _toy_package(where: Path) -> Path:
+    """ckpt_tool/formats/safetensors copied as formats/toyst: its files are `*.toyst`."""
+    src = Path(importlib.import_module("ckpt_tool.formats.safetensors").__file__).parent
+    dst = where / TOY
+    dst.mkdir(parents=True)
+    for f in src.glob("*.py"):
+        text = f.read_text()
+        text = re.sub(r'^NAME = "safetensors"', f'NAME = "{TOY}"', text, flags=re.M)
+        text = text.replace('SUFFIX = ".safetensors"', f'SUFFIX = ".{TOY}"')
+        text = text.replace('SINGLE_FILE = "model.safetensors"', f'SINGLE_FILE = "model.{TOY}"')
+        text = text.replace('INDEX_FILE = "model.safetensors.index.json"', f'INDEX_FILE = "model.{TOY}.index.json"')
+        (dst / f.name).write_text(text)
+    return dst
+
+
+def _toy_fixtures(root: Path) -> None:
+    """fixtures/ as it is (linked), plus toyst_tiny/: a file the safetensors library wrote."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root.mkdir()
+    for d in C.fixture_dirs():
+        (root / d).symlink_to(C.FIXTURES / d)
+    (root / "toyst_tiny").mkdir()
+    rng = np.random.default_rng(0)
+    save_file({"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.arange(5, dtype=np.int64)},
+              str(root / "toyst_tiny" / f"model.{TOY}"))
+
+
+def _toy_reference(path: Path, step=None) -> dict:  # noqa: ANN001
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(path).glob(f"*.{TOY}")):
+        with safe_open(str(f), framework="np") as h:
+            for k in h.keys():
+                a = h.get_tensor(k)
+                out[R.by_name(k)] = R.Ref("array", tuple(a.shape), a.dtype.name)
+    return out
+
+
+@pytest.fixture
+def toy_registered(tmp_path, monkeypatch):
+    """The throwaway format in the registry (first, so that it is asked before the others)."""
+    from ckpt_tool import formats
+
+    pkg = _toy_package(tmp_path / "pkg")
+    monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(pkg.parent)])
+    if not C.has_registry():
+        if os.environ.get("CONFORMANCE_TOY_FALLBACK"):  # development only: the pre-registry FORMATS tuple
+            from types import SimpleNamespace
+
+            info = SimpleNamespace(**{**vars(C._STANDIN[2]), "name": TOY, "can_write": False})
+            monkeypatch.setattr(formats, "FORMATS", (TOY, *formats.FORMATS))
+            monkeypatch.setattr(C, "registered", lambda: [info, *C._STANDIN])
+            yield info
+            return
+        pytest.skip("ckpt_tool.formats has no REGISTRY yet")
+    safetensors = formats.REGISTRY["safetensors"]
+    info = dataclasses.replace(safetensors, name=TOY, title="Toy (safetensors bytes in .toyst files)",
+                               package=f"{formats.__name__}.{TOY}", can_write=False, claims=(f"*.{TOY}",))
+    monkeypatch.setattr(formats, "REGISTRY", {TOY: info, **formats.REGISTRY})
+    yield info
+    for name in [m for m in sys.modules if m.startswith(f"{formats.__name__}.{TOY}")]:
+        del sys.modules[name]
+
+
+def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
+    import test_conformance_damage as DMG
+    import test_conformance_fuzz as FZ
+    import test_conformance_read as READ
+
+    infos = C.registered()
+    assert TOY in [f.name for f in infos]
+    # registered without fixtures: flagged
+    assert C.formats_without_fixtures(infos) == [TOY]
+    # its fixture dropped into fixtures/ without a catalogue line: flagged
+    root = tmp_path / "fixtures"
+    _toy_fixtures(root)
+    assert C.uncatalogued(C.ENTRIES, root) == ["toyst_tiny"]
+    # with its catalogue line (and damage rows): nothing flagged, and it is among the cases
+    entries = [*C.ENTRIES, C.Entry("toyst_tiny", TOY, _toy_reference)]
+    damage = [*C.DAMAGE,
+              C.Damage(TOY, "truncated-file", "toyst_tiny", f"model.{TOY}", "truncate", "truncated-file"),
+              C.Damage(TOY, "path-escape", "toyst_tiny", f"model.{TOY}", "symlink-out", "path-escape")]
+    assert C.formats_without_fixtures(infos, entries) == []
+    assert C.uncatalogued(entries, root) == []
+    assert C.unregistered_entries(infos, entries) == []
+    [toy] = [e for e in C.cases(infos, entries) if e.format == TOY]
+    # ... and it passes the suite's properties, read through its own package
+    import ckpt_tool
+
+    ck = ckpt_tool.open(str(toy.full(root)))
+    assert ck.format == TOY
+    READ.inspect_agrees(toy, root)
+    READ.validate_passes(toy, False, root)
+    READ.validate_passes(toy, True, root)
+    for i, d in enumerate(C.damage_cases([toy_registered], damage)):
+        DMG.damage_is_reported(d, _mk(tmp_path / f"damage{i}"), root)
+    assert not FZ.smoke(TOY, _mk(tmp_path / "fuzz"), 20, entries, root)
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir(parents=True)
+    return p
