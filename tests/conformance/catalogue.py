@@ -71,10 +71,9 @@ class Entry:
     path: str  # under fixtures/ (a directory, a step of a root, or one file)
     format: str  # the registry name of the format that reads it
     reference: Callable[[Path, str | None], dict]  # the writing library's view (references.py)
+    values: Callable[[Path, str | None], dict] | None = None  # ... and its values; None: as `reference`'s kind
     step: str | None = None  # --step, for a root with several steps
     str_keys: bool = False  # compare key paths as strings (flax's restore of an orbax save)
-    # the representative subset that also goes through every target library and back
-    round_trip: bool = False
     # targets that must refuse it (an array dtype the target has no equivalent for): {target: message part}
     refused_by: tuple[tuple[str, str], ...] = ()
 
@@ -87,15 +86,24 @@ class Entry:
         """The directory directly under fixtures/ it belongs to."""
         return self.path.split("/")[0]
 
+    def library_values(self) -> Callable[[Path, str | None], dict] | None:
+        return self.values or VALUES.get(self.reference)
+
     def full(self, root: Path = FIXTURES) -> Path:
         return root / self.path
 
 
-_LEGACY = R.legacy_recorded
+def _LEGACY(name: str) -> dict:  # noqa: N802 - reads as the loader it gives
+    return {"reference": R.legacy_recorded(name), "values": R.legacy_recorded_values(name)}
+
+
+# reference loader -> the same library's values
+VALUES = {R.orbax_live: R.orbax_live_values, R.dcp_live: R.dcp_live_values, R.orbax_recorded: R.orbax_recorded_values,
+          R.safetensors_live: R.safetensors_live_values, R.safetensors_dcp_hf: R.safetensors_dcp_hf_values}
 ENTRIES: list[Entry] = [
     # orbax-checkpoint 0.12.8 (fixtures/generate.py): read live with the installed orbax
-    Entry("orbax_ocdbt_zarr2", "orbax", R.orbax_live, round_trip=True),
-    Entry("orbax_ocdbt_zarr3", "orbax", R.orbax_live, round_trip=True),
+    Entry("orbax_ocdbt_zarr2", "orbax", R.orbax_live),
+    Entry("orbax_ocdbt_zarr3", "orbax", R.orbax_live),
     Entry("orbax_plain_zarr2", "orbax", R.orbax_live),
     Entry("orbax_two_process", "orbax", R.orbax_live),
     Entry("orbax_manager", "orbax", R.orbax_live, step="1"),
@@ -105,31 +113,32 @@ ENTRIES: list[Entry] = [
       for fam in ("orbax_v0_5", "orbax_v0_9", "orbax_v0_11")
       for save in ("standard", "plain", "manager", "manager_plain")],
     # torch 2.13 DCP: read live with torch
-    Entry("dcp_single", "dcp", R.dcp_live, round_trip=True),
-    Entry("dcp_multirank", "dcp", R.dcp_live, round_trip=True),
+    Entry("dcp_single", "dcp", R.dcp_live),
+    Entry("dcp_multirank", "dcp", R.dcp_live),
     Entry("dcp_fsdp2_adam", "dcp", R.dcp_live),
     Entry("dcp_conj", "dcp", R.dcp_live, refused_by=(("safetensors", "complex128 has no safetensors equivalent"),)),
     *[Entry(n, "dcp", R.dcp_live) for n in
       ("dcp_zstd", "dcp_dups", "dcp_dups_replicated", "dcp_dups_zstd", "dcp_threads")],
     # safetensors (transformers, safetensors.numpy, DCP's HF writer): safe_open / torch's HF reader
-    Entry("safetensors_llama_sharded", "safetensors", R.safetensors_live, round_trip=True),
+    Entry("safetensors_llama_sharded", "safetensors", R.safetensors_live),
     Entry("safetensors_llama_bf16", "safetensors", R.safetensors_live),
-    Entry("safetensors_numpy", "safetensors", R.safetensors_live, round_trip=True),
+    Entry("safetensors_numpy", "safetensors", R.safetensors_live),
     Entry("safetensors_dcp_rank0", "safetensors", R.safetensors_live),
     Entry("safetensors_dcp_consolidated", "safetensors", R.safetensors_live),
     Entry("safetensors_dcp_distributed", "safetensors", R.safetensors_dcp_hf),
     # flax 0.7.5 / orbax 0.4.1 / t5x's calls (gen_legacy_jax.py): recorded restores
-    Entry("orbax_v0_4_ocdbt", "msgpack", _LEGACY("orbax_v0_4_ocdbt"), round_trip=True),
-    Entry("orbax_v0_4_plain", "msgpack", _LEGACY("orbax_v0_4_plain")),
-    Entry("orbax_v0_4_manager", "msgpack", _LEGACY("orbax_v0_4_manager.1"), step="1"),
-    Entry("orbax_v0_4_manager", "msgpack", _LEGACY("orbax_v0_4_manager.2"), step="2"),
-    Entry("flax_orbax", "msgpack", _LEGACY("flax_orbax.1"), step="1", str_keys=True),
-    Entry("flax_orbax", "msgpack", _LEGACY("flax_orbax.2"), step="2", str_keys=True),
-    Entry("flax_msgpack", "msgpack", _LEGACY("flax_msgpack.1"), step="1"),
-    Entry("flax_msgpack", "msgpack", _LEGACY("flax_msgpack.2"), step="2", round_trip=True),
-    Entry("flax_to_bytes/state.msgpack", "msgpack", _LEGACY("flax_to_bytes")),
-    Entry("flax_chunked", "msgpack", _LEGACY("flax_chunked")),
-    Entry("t5x", "msgpack", _LEGACY("t5x.1"), round_trip=True),
+    Entry("orbax_v0_4_ocdbt", "msgpack", **_LEGACY("orbax_v0_4_ocdbt")),
+    Entry("orbax_v0_4_plain", "msgpack", **_LEGACY("orbax_v0_4_plain")),
+    Entry("orbax_v0_4_manager", "msgpack", **_LEGACY("orbax_v0_4_manager.1"), step="1"),
+    Entry("orbax_v0_4_manager", "msgpack", **_LEGACY("orbax_v0_4_manager.2"), step="2"),
+    Entry("flax_orbax", "msgpack", **_LEGACY("flax_orbax.1"), step="1", str_keys=True),
+    Entry("flax_orbax", "msgpack", **_LEGACY("flax_orbax.2"), step="2", str_keys=True),
+    Entry("flax_msgpack", "msgpack", **_LEGACY("flax_msgpack.1"), step="1"),
+    Entry("flax_msgpack", "msgpack", **_LEGACY("flax_msgpack.2"), step="2"),
+    Entry("flax_msgpack/checkpoint_1", "msgpack", **_LEGACY("flax_msgpack.1")),  # one file, by its path
+    Entry("flax_to_bytes/state.msgpack", "msgpack", **_LEGACY("flax_to_bytes")),
+    Entry("flax_chunked", "msgpack", **_LEGACY("flax_chunked")),
+    Entry("t5x", "msgpack", **_LEGACY("t5x.1")),
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)

@@ -181,6 +181,129 @@ STR_KEYS = {"flax_orbax.1", "flax_orbax.2"}  # compare key paths as strings (see
 
 
 # --------------------------------------------------------------------------
+# values: what the writing library restores (live), or restored then (recorded)
+# --------------------------------------------------------------------------
+
+
+def orbax_live_values(path: Path, step: str | None = None) -> dict:
+    """orbax's own restore (as host numpy arrays), JSON items flattened; a manager step's items."""
+    return LR.orbax_values(Path(path) / step if step is not None else path)
+
+
+def dcp_live_values(path: Path, step: str | None = None) -> dict:
+    """torch's own load (dcp_to_torch_save + torch.load), conj / neg views resolved as torch does."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    keys = LR.dcp_keys(path)
+    with tempfile.TemporaryDirectory(prefix="ckpt-conformance-") as tmp:
+        dcp_to_torch_save(os.fspath(path), os.path.join(tmp, "full.pt"))
+        sd = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+    out = {}
+    for fqn, kp in keys.items():
+        obj = sd[fqn] if kp == (fqn,) and fqn in sd else _walk(sd, kp)
+        out[kp] = _torch_to_numpy(obj) if isinstance(obj, torch.Tensor) else obj
+    return out
+
+
+def _walk(obj: Any, keys: tuple) -> Any:
+    for k in keys:
+        obj = obj[k]
+    return obj
+
+
+def safetensors_live_values(path: Path, step: str | None = None) -> dict:
+    return values("safetensors", path)
+
+
+def safetensors_dcp_hf_values(path: Path, step: str | None = None) -> dict:
+    """torch's HF storage reader: dcp.load of the per-rank shards into full tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    shapes = safetensors_dcp_hf(path)
+    sd = {k[1]: torch.zeros(ref.shape, dtype=getattr(torch, ref.dtype)) for k, ref in shapes.items()}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path)))
+    return {by_name(k): _torch_to_numpy(v) for k, v in sd.items()}
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def orbax_recorded_values(path: Path, step: str | None = None) -> dict:
+    """_reference.json's bytes (base64) and Python values, as that orbax version restored them."""
+    import base64
+
+    import numpy as np
+
+    path = Path(path)
+    doc = json.loads((path.parent / "_reference.json").read_text())
+    save = doc["saves"][path.name]
+    leaves = save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
+    out = {}
+    for leaf in leaves:
+        if leaf["data"] is None or leaf["type"] in ("int", "float"):
+            out[tuple(leaf["keys"])] = leaf["value"]
+        else:
+            raw = base64.b64decode(leaf["data"])
+            out[tuple(leaf["keys"])] = np.frombuffer(raw, dtype=_np_dtype(leaf["dtype"])).reshape(leaf["shape"])
+    return out
+
+
+def legacy_recorded_values(name: str) -> Callable[[Path, str | None], dict]:
+    """legacy_jax_reference/<name>.json + .npz, with legacy_recorded's adjustments."""
+
+    def load(path: Path, step: str | None = None) -> dict:
+        import numpy as np
+
+        doc = json.loads((LEGACY / f"{name}.json").read_text())
+        arrays = np.load(LEGACY / f"{name}.npz")
+        out = {}
+        for leaf in doc["leaves"]:
+            keys = tuple(leaf["keys"])
+            if leaf["kind"] == "array":
+                raw = arrays[leaf["npz"]].tobytes()
+                value = np.frombuffer(raw, dtype=_np_dtype(leaf["dtype"])).reshape(leaf["shape"])
+                if name.startswith("orbax_v0_4") and keys[-1] in ("step", "lr") and value.shape == ():
+                    value = value.item()
+                out[keys] = value
+            else:
+                out[keys] = leaf["value"]
+        if name.startswith("t5x"):
+            out[("version",)] = 3
+        return out
+
+    load.__name__ = f"legacy_recorded_values[{name}]"
+    return load
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Arrays: dtype, shape and bytes; containers element-wise; anything else: same type and ==."""
+    import numpy as np
+
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def empty_subtree(v: Any) -> bool:
+    """None, [], {}, (): jax's tree flattening gives no leaf for them, so orbax restores none."""
+    return v is None or (isinstance(v, (list, tuple, dict)) and not v)
+
+
+# --------------------------------------------------------------------------
 # a checkpoint ckpt wrote, through the target format's own library
 # --------------------------------------------------------------------------
 

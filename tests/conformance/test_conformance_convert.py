@@ -1,6 +1,6 @@
 """Converting: every fixture of every registered format, converted to every format with a writer,
 (1) says `same` to `ckpt diff --values` against its source and is a good checkpoint itself;
-for the representative subset (catalogue Entry.round_trip) also (2) the target library's own
+also (2) the target library's own
 loader (orbax restore / dcp_to_torch_save + torch.load / safetensors safe_open) reads exactly
 the values ckpt reads from it, and (3) converted back to the source's format it says `same`.
 
@@ -20,9 +20,10 @@ from ckpt_inproc import ckpt
 
 CASES = C.cases()
 TARGETS = C.writable()
-ROUND_TRIP = [e for e in CASES if e.round_trip]
-# the way back needs a writer of the source's format (msgpack has none: its fixtures go one way)
-BACK = [e for e in ROUND_TRIP if e.format in TARGETS]
+# (entry, target) pairs the target holds; the way back needs a writer of the source's format
+# (msgpack has none: its fixtures go one way)
+PAIRS = [(e, to) for e in CASES for to in TARGETS if to not in dict(e.refused_by)]
+BACK = [(e, to) for e, to in PAIRS if e.format in TARGETS]
 
 
 def _safe(s: str) -> str:
@@ -100,17 +101,6 @@ def test_converted_says_same_and_validates(entry, to, conversions, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _equal(a, b) -> bool:  # noqa: ANN001
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        a, b = np.asarray(a), np.asarray(b)
-        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
-
-
 def library_reads_what_ckpt_reads(fmt: str, path) -> int:  # noqa: ANN001
     """The target library's values of `path` == ckpt's; the number of leaves compared."""
     import ckpt_tool
@@ -120,24 +110,24 @@ def library_reads_what_ckpt_reads(fmt: str, path) -> int:  # noqa: ANN001
     for leaf in ckpt_tool.open(str(path)).leaves:
         key = R.by_name(leaf.name) if fmt in R.NAMED else tuple(leaf.keys)
         ours[key] = leaf.read() if leaf.kind == "array" else leaf.load()
+        if fmt == "orbax" and R.empty_subtree(ours[key]):
+            del ours[key]  # jax's tree flattening has no leaf for None, [], {}, (): orbax restores none
     assert sorted(got, key=repr) == sorted(ours, key=repr)
     for key, want in ours.items():
         value = got[key]
         if isinstance(want, np.ndarray) and not isinstance(value, np.ndarray):
             value = np.asarray(value, dtype=want.dtype)
-        assert _equal(value, want), key
+        assert R.equal(value, want), key
     return len(ours)
 
 
-@pytest.mark.parametrize("to", TARGETS)
-@pytest.mark.parametrize("entry", ROUND_TRIP, ids=[f"{e.format}-{e.id}" for e in ROUND_TRIP])
+@pytest.mark.parametrize("entry, to", PAIRS, ids=[f"{e.format}-{e.id}-{to}" for e, to in PAIRS])
 def test_target_library_loads_the_same_values(entry, to, conversions):
     _, dst = conversions.get(entry, to)
     assert library_reads_what_ckpt_reads(to, dst) > 0
 
 
-@pytest.mark.parametrize("to", TARGETS)
-@pytest.mark.parametrize("entry", BACK, ids=[f"{e.format}-{e.id}" for e in BACK])
+@pytest.mark.parametrize("entry, to", BACK, ids=[f"{e.format}-{e.id}-{to}" for e, to in BACK])
 def test_and_back_says_same(entry, to, conversions):
     first, _ = conversions.get(entry, to)
     summary, back = conversions.back(entry, to)
