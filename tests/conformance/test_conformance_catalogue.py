@@ -87,16 +87,20 @@ def _toy_fixtures(root: Path) -> None:
               str(root / "toyst_tiny" / f"model.{TOY}"))
 
 
-def _toy_reference(path: Path, step=None) -> dict:  # noqa: ANN001
+def _toy_values(path: Path, step=None) -> dict:  # noqa: ANN001
+    """The safetensors library's own reader (safe_open) on the .toyst files."""
     from safetensors import safe_open
 
     out = {}
     for f in sorted(Path(path).glob(f"*.{TOY}")):
         with safe_open(str(f), framework="np") as h:
             for k in h.keys():
-                a = h.get_tensor(k)
-                out[R.by_name(k)] = R.Ref("array", tuple(a.shape), a.dtype.name)
+                out[R.by_name(k)] = h.get_tensor(k)
     return out
+
+
+def _toy_reference(path: Path, step=None) -> dict:  # noqa: ANN001
+    return {k: R.Ref("array", tuple(a.shape), a.dtype.name) for k, a in _toy_values(path).items()}
 
 
 @pytest.fixture
@@ -117,8 +121,12 @@ def toy_registered(tmp_path, monkeypatch):
             return
         pytest.skip("ckpt_tool.formats has no REGISTRY yet")
     safetensors = formats.REGISTRY["safetensors"]
-    info = dataclasses.replace(safetensors, name=TOY, title="Toy (safetensors bytes in .toyst files)",
-                               package=f"{formats.__name__}.{TOY}", can_write=False, claims=(f"*.{TOY}",))
+    changes = {"name": TOY, "title": "Toy (safetensors bytes in .toyst files)", "short": "Toy",
+               "reads": "Toy files", "package": f"{formats.__name__}.{TOY}", "can_write": False,
+               "claims": (f"*.{TOY}",), "file_suffixes": (f".{TOY}",), "options": (), "can_reshard": False,
+               "listed": len(formats.REGISTRY)}
+    fields = {f.name for f in dataclasses.fields(safetensors)}
+    info = dataclasses.replace(safetensors, **{k: v for k, v in changes.items() if k in fields})
     monkeypatch.setattr(formats, "REGISTRY", {TOY: info, **formats.REGISTRY})
     yield info
     for name in [m for m in sys.modules if m.startswith(f"{formats.__name__}.{TOY}")]:
@@ -126,6 +134,7 @@ def toy_registered(tmp_path, monkeypatch):
 
 
 def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
+    import test_conformance_convert as CONV
     import test_conformance_damage as DMG
     import test_conformance_fuzz as FZ
     import test_conformance_read as READ
@@ -139,7 +148,7 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     _toy_fixtures(root)
     assert C.uncatalogued(C.ENTRIES, root) == ["toyst_tiny"]
     # with its catalogue line (and damage rows): nothing flagged, and it is among the cases
-    entries = [*C.ENTRIES, C.Entry("toyst_tiny", TOY, _toy_reference)]
+    entries = [*C.ENTRIES, C.Entry("toyst_tiny", TOY, _toy_reference, values=_toy_values)]
     damage = [*C.DAMAGE,
               C.Damage(TOY, "truncated-file", "toyst_tiny", f"model.{TOY}", "truncate", "truncated-file"),
               C.Damage(TOY, "path-escape", "toyst_tiny", f"model.{TOY}", "symlink-out", "path-escape")]
@@ -155,6 +164,12 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     READ.inspect_agrees(toy, root)
     READ.validate_passes(toy, False, root)
     READ.validate_passes(toy, True, root)
+    READ.values_agree(toy, root)
+    conversions = CONV.Conversions(_mk(tmp_path / "convert"))
+    for to in C.writable():
+        summary, dst = conversions.get(toy, to, root)
+        CONV.diff_says_same(toy.full(root), dst, summary, toy)
+        assert CONV.library_reads_what_ckpt_reads(to, dst) > 0
     for i, d in enumerate(C.damage_cases([toy_registered], damage)):
         DMG.damage_is_reported(d, _mk(tmp_path / f"damage{i}"), root)
     assert not FZ.smoke(TOY, _mk(tmp_path / "fuzz"), 20, entries, root)

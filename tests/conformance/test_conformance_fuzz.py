@@ -24,13 +24,13 @@ FORKED_PER_FORMAT = 8  # as whole processes (validate --deep)
 KILL_AFTER_S = 20.0
 
 
-def specs_for(fmt: str, entries=None) -> list:  # noqa: ANN001
+def specs_for(fmt: str, entries=None, root: Path = C.FIXTURES) -> list:  # noqa: ANN001
     """fuzz_lib's fixture specs of `fmt`; for a format it does not know yet, the catalogue's fixtures."""
     specs = [s for s in F.FIXTURE_SPECS if s.format == fmt]
     if specs:
         return specs
     return [F.FixtureSpec(e.path, fmt, None) for e in C.cases(entries=entries or C.ENTRIES)
-            if e.format == fmt and (C.FIXTURES / e.path).is_dir()]
+            if e.format == fmt and (root / e.path).is_dir()]
 
 
 def mutant(rng: random.Random, spec, work: Path, root: Path = C.FIXTURES) -> F.Mutant:  # noqa: ANN001
@@ -55,7 +55,7 @@ def _violations(runs: list) -> list:  # noqa: ANN001
 
 def smoke(fmt: str, work: Path, n: int, entries=None, root: Path = C.FIXTURES) -> list[str]:  # noqa: ANN001
     """n mutants of fmt's fixtures, in process; the contract breaches, as reproducible labels."""
-    specs = specs_for(fmt, entries)
+    specs = specs_for(fmt, entries, root)
     assert specs, f"no fixture to fuzz for {fmt}"
     bad = []
     for i in range(n):
