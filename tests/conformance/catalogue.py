@@ -151,9 +151,23 @@ def fixture_dirs(root: Path = FIXTURES) -> list[str]:
 
 def uncatalogued(entries: Iterable[Entry] = (), root: Path = FIXTURES,
                  not_checkpoints: Iterable[str] = NOT_CHECKPOINTS) -> list[str]:
-    """Fixture directories no entry covers (a new fixture nobody wired in)."""
-    covered = {e.top for e in (entries or ENTRIES)} | set(not_checkpoints)
-    return [d for d in fixture_dirs(root) if d not in covered]
+    """Fixture directories no entry covers (a new fixture nobody wired in); in a family directory
+    that is no checkpoint itself (orbax_v0_5/: one save per sub-directory), each member too."""
+    entries = list(entries or ENTRIES)
+    out = []
+    for d in fixture_dirs(root):
+        if d in set(not_checkpoints):
+            continue
+        paths = [e.path for e in entries if e.top == d]
+        if not paths:
+            out.append(d)
+        elif d not in paths:  # a family: every member (not _reference.json and the like) is an entry
+            for child in sorted((root / d).iterdir()):
+                rel = f"{d}/{child.name}"
+                if not child.name.startswith(("_", ".")) and not any(p == rel or p.startswith(rel + "/")
+                                                                      for p in paths):
+                    out.append(rel)
+    return out
 
 
 def formats_without_fixtures(infos: Iterable = (), entries: Iterable[Entry] = ()) -> list[str]:

@@ -154,6 +154,10 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
               C.Damage(TOY, "path-escape", "toyst_tiny", f"model.{TOY}", "symlink-out", "path-escape")]
     assert C.formats_without_fixtures(infos, entries) == []
     assert C.uncatalogued(entries, root) == []
+    # a new member of a family directory is flagged too
+    (root / "toyst_family" / "one").mkdir(parents=True)
+    assert C.uncatalogued([*entries, C.Entry("toyst_family/zero", TOY, _toy_reference)], root) == ["toyst_family/one"]
+    shutil.rmtree(root / "toyst_family")
     assert C.unregistered_entries(infos, entries) == []
     [toy] = [e for e in C.cases(infos, entries) if e.format == TOY]
     # ... and it passes the suite's properties, read through its own package
