@@ -312,22 +312,30 @@ def _torch_to_numpy(t: Any) -> Any:
     return LR._tensor_to_numpy(t.resolve_conj().resolve_neg())
 
 
+def _safetensors_values(path: Path) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for f in _safetensors_files(Path(path)):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[by_name(k)] = _torch_to_numpy(h.get_tensor(k))
+    return out
+
+
+# a writable format -> its library's loader (orbax restore; dcp_to_torch_save + torch.load; safe_open)
+LOADERS: dict[str, Callable[[Path], dict]] = {
+    "orbax": LR.orbax_values,
+    "dcp": LR.dcp_values,
+    "safetensors": _safetensors_values,
+}
+
+
 def values(fmt: str, path: Path) -> dict:
     """{key: value} as the library of `fmt` loads `path` (keys as in `reference`)."""
-    if fmt == "orbax":
-        return LR.orbax_values(path)
-    if fmt == "dcp":
-        return LR.dcp_values(path)
-    if fmt == "safetensors":
-        from safetensors import safe_open
-
-        out = {}
-        for f in _safetensors_files(Path(path)):
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    out[by_name(k)] = _torch_to_numpy(h.get_tensor(k))
-        return out
-    raise KeyError(f"no library loader for {fmt!r}")
+    if fmt not in LOADERS:
+        raise KeyError(f"no library loader for {fmt!r}")
+    return LOADERS[fmt](path)
 
 
 # formats whose library keys leaves by flat name
