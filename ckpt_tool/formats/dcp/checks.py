@@ -95,8 +95,9 @@ class _Placed:
         return _chunk_label(fqn, Chunk(offsets, self.sizes))
 
 
-def check_path(storage: Storage, findings: Findings) -> None:
-    """Validate one DCP checkpoint directory; every problem becomes a finding."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """Validate one DCP checkpoint directory; every problem becomes a finding (a directory has no steps,
+    and no single file is a DCP checkpoint: `step` and `only` are unused)."""
     _, files = storage.listdir()
     data_files = sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX))
     tmp_metadata = sorted(f for f in files if _TMP_METADATA.match(f))
@@ -1132,7 +1133,7 @@ class _Window:
         return self._data[pos - self._start : pos - self._start + n]
 
 
-def check_dcp_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep's DCP part besides the chunk reads: every non-tensor item, and the replicated duplicates.
 
     A bytes item is a torch.save archive of a pickled value: it is opened

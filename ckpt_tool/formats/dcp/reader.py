@@ -514,6 +514,9 @@ _ARCHIVE_SLACK = 16 << 20
 class _TensorReader:
     """Reads a region of one DCP tensor from the chunks that overlap it."""
 
+    # any part of a chunk is read by byte ranges of its archive: the scheduler streams big chunks
+    reads_byte_ranges = True
+
     def __init__(self, storage: Storage, fqn: str, item: _TensorItem) -> None:
         self._storage = storage
         self._fqn = fqn

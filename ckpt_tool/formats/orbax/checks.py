@@ -22,8 +22,8 @@ ROOT_METADATA = "_ROOT_METADATA"
 _MAX_ENUMERATED_CHUNKS = 1_000_000
 
 
-def check_path(storage: Storage, findings: Findings, *, step: str | int | None) -> None:
-    """Validate a single step, or every step of a CheckpointManager root."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """Validate a single step, or every step of a CheckpointManager root (`only`: unused, no single files)."""
     dirs, files = storage.listdir()
     if ob._looks_like_step(storage, dirs, files):
         name = storage.url.rstrip("/").rsplit("/", 1)[-1]

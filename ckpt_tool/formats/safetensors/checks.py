@@ -17,8 +17,8 @@ from . import reader as st
 from ...storage import Storage
 
 
-def check_path(storage: Storage, findings: Findings, *, only: str | None = None) -> None:
-    """`only`: check just that file of `storage` (not listed: its directory may hold anything)."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """`only`: check just that file of `storage` (not listed: its directory may hold anything); no steps."""
     top = [] if only is not None else storage.listdir()[1]
     top_set = set(top) if only is None else ({only} if storage.exists(only) else set())
     index: dict[str, str] | None = None
