@@ -18,47 +18,40 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Iterable
 
 import references as R
 from conftest import FIXTURES
 
 # --------------------------------------------------------------------------
-# the registry (ckpt_tool.formats); a stand-in only while the registry is not there yet
+# the registry (ckpt_tool.formats): the suite asks it which formats there are
 # --------------------------------------------------------------------------
-
-_STANDIN = [  # what ckpt_tool/formats says today, for a tree without the registry
-    SimpleNamespace(name="orbax", title="Orbax", package="ckpt_tool.formats.orbax", can_write=True,
-                    value_kinds=frozenset({"array", "scalar", "string", "object"}), claims=()),
-    SimpleNamespace(name="dcp", title="torch.distributed.checkpoint", package="ckpt_tool.formats.dcp",
-                    can_write=True, value_kinds=frozenset({"array", "scalar", "string", "object"}), claims=()),
-    SimpleNamespace(name="safetensors", title="safetensors", package="ckpt_tool.formats.safetensors",
-                    can_write=True, value_kinds=frozenset({"array", "scalar"}), claims=()),
-    SimpleNamespace(name="msgpack", title="Flax / T5X msgpack", package="ckpt_tool.formats.msgpack",
-                    can_write=False, value_kinds=frozenset({"array", "scalar"}), claims=()),
-]
 
 
 def registered() -> list:
-    """The registry's FormatInfo list (ckpt_tool.formats.registered())."""
+    """The registry's FormatInfo list, in detection order."""
     from ckpt_tool import formats
 
-    fn = getattr(formats, "registered", None)
-    return list(fn()) if fn is not None else list(_STANDIN)
+    return list(formats.registered())
 
 
 def writable() -> list[str]:
+    """Names of the formats with a writer (`convert --to`)."""
     from ckpt_tool import formats
 
-    fn = getattr(formats, "writable", None)
-    return list(fn()) if fn is not None else [f.name for f in registered() if f.can_write]
+    return list(formats.writable())
 
 
-def has_registry() -> bool:
+def detected(path: Path) -> str:
+    """The registered format whose package reads `path` (as ckpt_tool.open picks it)."""
     from ckpt_tool import formats
+    from ckpt_tool.storage import Storage
 
-    return getattr(formats, "registered", None) is not None
+    single = formats.split_file(str(path))
+    if single is not None:
+        return single[0].name
+    module = formats.detect(Storage.open(str(path)))
+    return next(f.name for f in registered() if module.__name__ == f.package or module.__name__.startswith(f.package + "."))
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import re
 import shutil
 import sys
@@ -30,9 +29,13 @@ def test_every_catalogued_format_is_registered():
     assert not C.unregistered_entries()
 
 
-def test_every_entry_exists_and_every_format_has_damage_cases():
+def test_every_entry_exists_and_is_read_by_its_formats_package():
     for e in C.ENTRIES:
         assert e.full().exists(), e.id
+        assert C.detected(e.full()) == e.format, e.id
+
+
+def test_every_format_has_damage_cases():
     for f in C.registered():
         assert C.damage_cases([f]), f"{f.name}: no damage cases in catalogue.DAMAGE"
 
@@ -40,12 +43,6 @@ def test_every_entry_exists_and_every_format_has_damage_cases():
 def test_writable_formats_have_a_library_loader():
     missing = [fmt for fmt in C.writable() if fmt not in R.LOADERS]
     assert not missing, f"formats that write but have no library loader in references.LOADERS: {missing}"
-
-
-def test_the_registry_is_there():
-    """The suite runs over ckpt_tool.formats.registered() (the stand-in list is for a tree without it)."""
-    if not C.has_registry():
-        pytest.skip("ckpt_tool.formats has no registered() yet: the suite runs over a stand-in list")
 
 
 # --- a throwaway format ------------------------------------------------------------------------
@@ -105,16 +102,6 @@ def toy_registered(tmp_path, monkeypatch):
 
     pkg = _toy_package(tmp_path / "pkg")
     monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(pkg.parent)])
-    if not C.has_registry():
-        if os.environ.get("CONFORMANCE_TOY_FALLBACK"):  # development only: the pre-registry FORMATS tuple
-            from types import SimpleNamespace
-
-            info = SimpleNamespace(**{**vars(C._STANDIN[2]), "name": TOY, "can_write": False})
-            monkeypatch.setattr(formats, "FORMATS", (TOY, *formats.FORMATS))
-            monkeypatch.setattr(C, "registered", lambda: [info, *C._STANDIN])
-            yield info
-            return
-        pytest.skip("ckpt_tool.formats has no REGISTRY yet")
     safetensors = formats.REGISTRY["safetensors"]
     changes = {"name": TOY, "title": "Toy (safetensors bytes in .toyst files)", "short": "Toy",
                "reads": "Toy files", "package": f"{formats.__name__}.{TOY}", "can_write": False,
@@ -158,6 +145,7 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     # ... and it passes the suite's properties, read through its own package
     import ckpt_tool
 
+    assert C.detected(toy.full(root)) == TOY
     ck = ckpt_tool.open(str(toy.full(root)))
     assert ck.format == TOY
     READ.inspect_agrees(toy, root)
