@@ -440,17 +440,17 @@ def compute_targets(results: list[dict]) -> tuple[list[dict], list[dict]]:
 # Missing attributes are skipped, so the bench survives refactors of ckpt_tool.
 TIMED = [
     ("ckpt_tool.model", "ArrayLeaf.read", "source read (ArrayLeaf.read, total)"),
-    ("ckpt_tool.formats.orbax", "_ZarrRegionReader.read", "  orbax: tensorstore zarr read + decode"),
-    ("ckpt_tool.formats.dcp", "_TensorReader._locate", "  dcp: locate chunk (zip headers)"),
-    ("ckpt_tool.formats.torch_payload", "read_region", "  dcp: read_region (fetch + CRC + copy)"),
+    ("ckpt_tool.formats.orbax.reader", "_ZarrRegionReader.read", "  orbax: tensorstore zarr read + decode"),
+    ("ckpt_tool.formats.dcp.reader", "_TensorReader._locate", "  dcp: locate chunk (zip headers)"),
+    ("ckpt_tool.torchsave.payload", "read_region", "  dcp: read_region (fetch + CRC + copy)"),
     ("ckpt_tool.storage", "Storage._read", "    Storage._read (kvstore read + bytes())"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter.write_array", "writer.write_array (DCP, total)"),
-    ("ckpt_tool.formats.dcp_writer", "tensor_archive", "  tensor_archive (pickle + CRC-32)"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter._append", "  _append (pwritev at its offset; closes full files)"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter._flush", "    _flush (fsync of a full 64 MiB local file)"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.write_array", "writer.write_array (Orbax, total)"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter._submit", "  _submit (tensorstore write: copy + backpressure)"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter._drain", "    _drain (waiting for OCDBT commits)"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter.write_array", "writer.write_array (DCP, total)"),
+    ("ckpt_tool.formats.dcp.write", "tensor_archive", "  tensor_archive (pickle + CRC-32)"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter._append", "  _append (pwritev at its offset; closes full files)"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter._flush", "    _flush (fsync of a full 64 MiB local file)"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.write_array", "writer.write_array (Orbax, total)"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter._submit", "  _submit (tensorstore write: copy + backpressure)"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter._drain", "    _drain (waiting for OCDBT commits)"),
 ]
 # Sequential phases of engine.convert, in the main thread.
 PHASES = [
@@ -458,13 +458,13 @@ PHASES = [
     ("ckpt_tool.engine", "plan_conversion", "plan"),
     ("ckpt_tool.engine", "prepare_output", "prepare output dir"),
     ("ckpt_tool.engine", "make_writer", "make writer"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter.begin", "writer.begin"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.begin", "writer.begin"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter.begin", "writer.begin"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.begin", "writer.begin"),
     ("ckpt_tool.engine", "stream", "stream (copy every chunk)"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter.finish_process", "writer.finish_process"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.finish_process", "writer.finish_process"),
-    ("ckpt_tool.formats.dcp_writer", "DcpWriter.commit", "writer.commit"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.commit", "writer.commit"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter.finish_process", "writer.finish_process"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.finish_process", "writer.finish_process"),
+    ("ckpt_tool.formats.dcp.write", "DcpWriter.commit", "writer.commit"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.commit", "writer.commit"),
     ("ckpt_tool.engine", "finalize_output", "rename into place"),
 ]
 
@@ -667,10 +667,10 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
         from ckpt_tool import dtypes
 
         if mode == "read-only":  # the writer drops every chunk (and skips its commit checks)
-            for mod, attr in (("ckpt_tool.formats.dcp_writer", "DcpWriter"), ("ckpt_tool.formats.orbax_writer", "OrbaxWriter")):
+            for mod, attr in (("ckpt_tool.formats.dcp.write", "DcpWriter"), ("ckpt_tool.formats.orbax.write", "OrbaxWriter")):
                 _patch(mod, attr + ".write_array", lambda fn: (lambda self, *a, **k: None))
-            _patch("ckpt_tool.formats.orbax_writer", "OrbaxWriter._merge", lambda fn: (lambda self: None))
-            _patch("ckpt_tool.formats.dcp_writer", "DcpWriter.commit", lambda fn: (lambda self: None))
+            _patch("ckpt_tool.formats.orbax.write", "OrbaxWriter._merge", lambda fn: (lambda self: None))
+            _patch("ckpt_tool.formats.dcp.write", "DcpWriter.commit", lambda fn: (lambda self: None))
         else:  # the source is not read: every region comes from one cached array per shape
             cache: dict = {}
             lock = threading.Lock()

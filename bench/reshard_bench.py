@@ -369,12 +369,12 @@ CUMULATIVE = [
     ("ckpt_tool.reshard", "plan_reshard", "plan_reshard (metadata, specs, chunk grid)"),
     ("ckpt_tool.engine", "stream", "engine.stream (every chunk, main thread)"),
     ("ckpt_tool.model", "ArrayLeaf.read", "source read, thread-s (ArrayLeaf.read)"),
-    ("ckpt_tool.formats.orbax", "_ZarrRegionReader.read", "  tensorstore zarr read + zstd decode"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.write_array", "writer.write_array, thread-s"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter._submit", "  _submit (tensorstore write + backpressure)"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter._drain", "  _drain (waiting for OCDBT commits)"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.finish_process", "writer.finish_process"),
-    ("ckpt_tool.formats.orbax_writer", "OrbaxWriter.commit", "writer.commit (merge, metadata)"),
+    ("ckpt_tool.formats.orbax.reader", "_ZarrRegionReader.read", "  tensorstore zarr read + zstd decode"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.write_array", "writer.write_array, thread-s"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter._submit", "  _submit (tensorstore write + backpressure)"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter._drain", "  _drain (waiting for OCDBT commits)"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.finish_process", "writer.finish_process"),
+    ("ckpt_tool.formats.orbax.write", "OrbaxWriter.commit", "writer.commit (merge, metadata)"),
     ("ckpt_tool.engine", "finalize_output", "rename into place"),
 ]
 

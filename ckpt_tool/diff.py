@@ -100,7 +100,7 @@ def _renamed(path: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
 def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, Leaf]:
     """Value leaves whose path is an inner node on the other side, flattened as
     convert flattens them (only those are loaded: a few small items)."""
-    from .engine import _flatten_value, _memory_leaf  # convert's own flattening rule
+    from .model import flatten_value as _flatten_value, memory_leaf as _memory_leaf  # convert's own flattening rule
 
     inner = {p.rsplit("/", i)[0] for p in other for i in range(1, p.count("/") + 1)}
     out: dict[str, Leaf] = {}

@@ -138,3 +138,12 @@ def from_numpy(dtype: np.dtype) -> DType:
         if d.name == dtype.name:
             return d
     raise CorruptMetadataError(f"unsupported dtype {dtype}")
+
+
+def torch_name_of(arr: np.ndarray) -> str | None:
+    """The canonical name of an array's dtype when torch has it (a tensor torch can hold), else None."""
+    try:
+        dt = from_numpy(arr.dtype)
+    except CorruptMetadataError:
+        return None
+    return dt.name if dt.torch is not None else None

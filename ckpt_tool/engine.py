@@ -26,19 +26,20 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, formats
 from .errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
-    UnsupportedLeafError, UsageError, a_type,
+    UnsupportedLeafError, UsageError,
 )
 from .filters import Selection
 from .findings import Progress, no_progress
 from .parallel import default_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .model import (
-    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf,
-    grid_chunks, parse_rename_rules, split_to_cap, stored_chunks,
+    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, ValueLeaf,
+    flatten_value, memory_leaf, parse_rename_rules, stored_chunks,
 )
+from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
 from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
 from .storage import Storage
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
@@ -52,7 +53,7 @@ DEFAULT_CHUNK_MB = 8.0
 
 @dataclass
 class ConvertOptions:
-    to: str  # "orbax" | "dcp"
+    to: str  # a writable format's name (formats.writable())
     select: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
     rename: list[str] = field(default_factory=list)
@@ -117,41 +118,14 @@ def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]
     )
 
 
-def as_regular_grid(layout: ChunkLayout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The grid a chunk list already forms (DCP shards of an evenly split tensor), if any."""
-    if isinstance(layout, RegularGrid):
-        return layout.chunk_shape
-    chunks = [c for c in layout.chunks if all(s > 0 for s in c.sizes)]
-    if not chunks or not shape:
-        return None
-    grid = tuple(max(c.sizes[d] for c in chunks) for d in range(len(shape)))
-    for c in chunks:
-        for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
-            if o % grid[d] or s != min(grid[d], shape[d] - o):
-                return None
-    return grid
-
-
-def default_grid(shape: tuple[int, ...], itemsize: int, cap_bytes: int) -> tuple[int, ...]:
-    """A chunk shape for an array with no usable layout: whole rows up to the cap."""
-    if not shape:
-        return ()
-    chunk = list(shape)
-    for d in range(len(shape)):
-        rest = math.prod(chunk[d + 1 :]) * itemsize
-        if math.prod(chunk) * itemsize <= cap_bytes:
-            break
-        chunk[d] = max(1, min(shape[d], cap_bytes // max(1, rest)))
-    return tuple(max(1, c) for c in chunk)
-
-
 def output_chunk_limit(memory: int) -> int:
     """The largest output chunk under a memory budget: a chunk is assembled, then
     encoded (zarr) or archived (DCP) whole, and the writer keeps some pending."""
     return max(2**20, memory // 8)
 
 
-def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
+def _target_layout(leaf: ArrayLeaf, write: Any, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
+    """The output chunks of `leaf` in the format whose write module is `write`."""
     if cap is None:
         # chunks that the memory budget could not hold whole are split (a big stored chunk is
         # decoded as a stream, each output chunk assembled from its bands)
@@ -161,71 +135,16 @@ def _target_layout(leaf: ArrayLeaf, to: str, itemsize: int, cap: int | None, mem
         if source_max * itemsize > limit:
             # where the source's own chunks would be kept (DCP lists, an Orbax grid); elsewhere
             # the default cap applies, never raised by this one
-            keeps_source = to == "dcp" or (to == "orbax" and isinstance(leaf.layout, RegularGrid))
-            cap = limit if keeps_source else min(limit, int(DEFAULT_CHUNK_MB * 2**20))
+            cap = limit if write.keeps_source_chunks(leaf) else min(limit, int(DEFAULT_CHUNK_MB * 2**20))
     cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
-    if to == "safetensors":
-        # blocks of whole rows: each is one contiguous byte range of the output file
-        return RegularGrid(default_grid(tuple(leaf.shape), itemsize, cap_bytes))
-    if to == "orbax":
-        grid = as_regular_grid(leaf.layout, leaf.shape)
-        if grid is None:
-            grid = default_grid(leaf.shape, itemsize, cap_bytes)
-        elif (cap or isinstance(leaf.layout, ChunkList)) and math.prod(grid) * itemsize > cap_bytes:
-            # keep the source grid's alignment: shrink its leading dims to the cap
-            grid = default_grid(grid, itemsize, cap_bytes)
-        return RegularGrid(tuple(grid))
-    # DCP: the source chunks, as a list (split further only when capped)
-    if isinstance(leaf.layout, RegularGrid):
-        chunks = grid_chunks(leaf.shape, leaf.layout.chunk_shape)
-    else:
-        chunks = list(leaf.layout.chunks)
-    if cap:
-        chunks = [p for c in chunks for p in split_to_cap(c, itemsize, int(cap))]
-    return ChunkList(tuple(chunks))
-
-
-_SIMPLE = (int, float, bool, str, type(None))
-
-
-def _is_simple(value: Any) -> bool:
-    """A value a DCP bytes item can hold: plain Python values, numpy scalars, and
-    numpy arrays of a torch dtype (the tensors of a tuple torch saved as one item)."""
-    if isinstance(value, _SIMPLE) or isinstance(value, np.generic):
-        return True
-    if isinstance(value, np.ndarray):
-        return _torch_dtype_name(value) is not None
-    if isinstance(value, (list, tuple)):
-        return all(_is_simple(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
-    return False
-
-
-def _torch_dtype_name(arr: np.ndarray) -> str | None:
-    try:
-        dt = dtypes.from_numpy(arr.dtype)
-    except CkptError:
-        return None
-    return dt.name if dt.torch is not None else None
-
-
-def _memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf:
-    """An array held by a non-tensor item (a tensor inside a DCP bytes item), as a leaf of its own."""
-    arr = np.require(arr, requirements="C")  # (ascontiguousarray would make a 0-d array 1-d)
-    return ArrayLeaf(
-        keys=keys, name=name, shape=tuple(arr.shape), dtype=dtypes.from_numpy(arr.dtype).name,
-        layout=RegularGrid(tuple(arr.shape)),
-        reader=lambda region: np.asarray(arr[tuple(region)]),
-        # a host tensor, on no mesh: reshard keeps such leaves host arrays
-        extra={"value_type": "np.ndarray"},
-    )
+    return write.target_layout(leaf, itemsize, cap, cap_bytes)
 
 
 def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
     """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
-    if opts.to not in ("orbax", "dcp", "safetensors"):
-        raise UsageError(f"unknown target format {opts.to!r} (use orbax, dcp or safetensors)")
+    if opts.to not in formats.writable():
+        raise UsageError(f"unknown target format {opts.to!r} (use {formats.joined(formats.writable())})")
+    write = formats.get(opts.to).writer_module()
     if opts.dtype is not None:
         if opts.dtype not in dtypes.BY_NAME:
             floats = ", ".join(name for name, dt in dtypes.BY_NAME.items() if dt.is_float)
@@ -247,11 +166,11 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     sources: dict[str, ArrayLeaf] = {}
     seen: dict[str, str] = {}
     tuples: set[tuple[Key, ...]] = set()
-    # DCP keeps a tuple as one bytes item (torch's traversal stops at it); an
-    # Orbax source that recorded tuples gives their elements as leaves, which
-    # are gathered back into one value: tuple path -> (slot in targets, members)
+    # a format that keeps a tuple as one value (DCP's bytes item: torch's traversal
+    # stops at it) gets the tuples a source recorded (Orbax) gathered back from their
+    # element leaves into one value: tuple path -> (slot in targets, members)
     source_tuples = _source_tuples(src)
-    if opts.to in ("orbax", "safetensors"):
+    if not write.TUPLES_AS_VALUES:
         # Orbax to Orbax: the tuples stay recorded as tuples (safetensors: their arrays are tensors)
         tuples.update(_renamed_keys(t, rules) for t in source_tuples)
         source_tuples = set()
@@ -273,7 +192,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
             dtype, source_dtype = opts.dtype, leaf.dtype
         itemsize = dtypes.get(dtype).itemsize
-        layout = _target_layout(leaf, opts.to, itemsize, cap, opts.memory)
+        layout = _target_layout(leaf, write, itemsize, cap, opts.memory)
         sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
         targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
         sources[path] = leaf
@@ -283,6 +202,24 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             skipped.append((where, reason))
             return
         raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
+
+    class Context:  # what the format's plan_value gets (writers.PlanContext)
+        def __init__(self) -> None:
+            self.tuples = tuples
+
+        def claim(self, keys: tuple[Key, ...], source_path: str) -> str:
+            return claim(keys, source_path)[0]
+
+        def add_value(self, target: TargetValue) -> None:
+            targets.append(target)
+
+        def add_array(self, keys: tuple[Key, ...], name: str, arr: np.ndarray) -> None:
+            add_array(memory_leaf(keys, name, arr), keys, name, "/".join(str(k) for k in keys))
+
+        def refuse(self, where: str, reason: str) -> None:
+            refuse(where, reason)
+
+    ctx = Context()
 
     for leaf in src.leaves:
         if not selection.keeps(leaf):
@@ -309,46 +246,14 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
-        if opts.to == "safetensors" and _safetensors_number(value):
-            # a number (a step counter) is a 0-d tensor there; the writer records
-            # which were Python numbers, so ckpt reads them back as such
-            targets.append(TargetValue(keys, name, value, "scalar"))
-            continue
-        if opts.to == "orbax":
-            # lists, tuples and dicts are subtrees in a pytree: their elements
-            # become leaves as orbax would have saved them (tuples recorded as
-            # tuples); None and empty containers are orbax's empty values
-            for sub_keys, sub_value in _flatten_value(keys, value, tuples):
-                sub_name = ".".join(str(k) for k in sub_keys)
-                if sub_keys != keys:
-                    claim(sub_keys, leaf.path)
-                where = "/".join(str(k) for k in sub_keys)
-                if isinstance(sub_value, str):
-                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "string"))
-                elif isinstance(sub_value, (bool, int, float, np.generic)) and not isinstance(sub_value, (np.str_, np.bytes_)):
-                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "scalar"))
-                elif sub_value is None or (type(sub_value) in (list, tuple, dict) and not sub_value):
-                    targets.append(TargetValue(sub_keys, sub_name, sub_value, "object"))
-                elif isinstance(sub_value, np.ndarray) and _torch_dtype_name(sub_value) is not None:
-                    # a tensor inside a bytes item (e.g. a tuple of tensors): an array leaf
-                    add_array(_memory_leaf(sub_keys, sub_name, sub_value), sub_keys, sub_name, where)
-                else:
-                    refuse(where, f"{a_type(sub_value)} value has no Orbax leaf type "
-                                  "(arrays, numbers, strings, None and containers of them)")
-        elif opts.to == "safetensors":
-            refuse(leaf.path, f"safetensors holds tensors and numbers only, not {a_type(value)} value")
-        else:
-            if not _is_simple(value):
-                refuse(leaf.path, f"{a_type(value)} value is not a simple Python value")
-                continue
-            targets.append(TargetValue(keys, name, _plain(value), "object"))
+        write.plan_value(ctx, keys, name, value, leaf.path)
     for leaf in unread:
         if selection.keeps(leaf):
             refuse(leaf.path, f"an item ckpt does not read ({leaf.extra['why']})")
     for outer, (slot, members) in gathered.items():
         keys = _renamed_keys(outer, rules)
         name, _ = claim(keys, "/".join(str(k) for k in outer))
-        targets[slot] = TargetValue(keys, name, _gather_tuple(outer, members, source_tuples), "object")
+        targets[slot] = TargetValue(keys, name, _gather_tuple(outer, members, source_tuples, write), "object")
     final = [t for t in targets if t is not None]
     if not final:
         raise CkptError("nothing to convert: every leaf was filtered out", src.path)
@@ -356,23 +261,14 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     return plan, skipped, sources
 
 
-def _safetensors_number(value: Any) -> bool:
-    """A number safetensors can hold as a 0-d tensor (not a string, bytes or a complex)."""
-    from .formats.safetensors_writer import scalar_tensor
-
-    return scalar_tensor(value) is not None
-
-
 def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
-    """The tuples an Orbax source records (orbax's rich-types metadata), else none."""
-    if src.format != "orbax":
-        return set()
-    from .formats.orbax_writer import recorded_tuples
-
-    return recorded_tuples(src)
+    """The tuples a source records (orbax's rich-types metadata: its format says), else none."""
+    info = formats.for_checkpoint(src.format)
+    recorded = getattr(info.module(), "recorded_tuples", None) if info is not None else None
+    return recorded(src) if recorded is not None else set()
 
 
-def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]]) -> Any:
+def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]], write: Any) -> Any:
     """The value of the tuple at `outer` from its element leaves (arrays read whole, as torch holds them)."""
     where = "/".join(str(k) for k in outer)
     root: dict[Key, Any] = {}
@@ -397,10 +293,7 @@ def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[
             return tuple(items) if path in tuples else items
         return {str(k): build(v, path + (k,)) for k, v in node.items()}
 
-    value = build(root, outer)
-    if not _is_simple(value):
-        raise UnsupportedLeafError("holds a value a DCP bytes item cannot store", where)
-    return _plain(value)
+    return write.gathered_value(build(root, outer), where)
 
 
 @dataclass
@@ -410,38 +303,9 @@ class _Loaded:
     value: Any
 
 
-def _flatten_value(
-    keys: tuple[Key, ...], value: Any, tuples: set[tuple[Key, ...]] | None = None
-) -> Iterator[tuple[tuple[Key, ...], Any]]:
-    """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf.
-
-    The paths of the non-empty tuples go into `tuples` (pytree nodes orbax
-    records as tuples, where DCP keeps one bytes item).
-    """
-    if isinstance(value, (list, tuple)) and value:
-        if isinstance(value, tuple) and tuples is not None:
-            tuples.add(keys)
-        for i, v in enumerate(value):
-            yield from _flatten_value(keys + (i,), v, tuples)
-    elif isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-        for k, v in value.items():
-            yield from _flatten_value(keys + (k,), v, tuples)
-    else:
-        yield keys, value
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars inside values become Python scalars (torch.load reads them without numpy);
-    numpy arrays stay arrays (the DCP writer stores them as tensors)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+# (convert's flattening rule and in-memory leaves: diff and the formats' plan_value use them)
+_flatten_value = flatten_value
+_memory_leaf = memory_leaf
 
 
 # -- streaming -----------------------------------------------------------------
@@ -541,19 +405,11 @@ def _terminate_unwinds() -> Iterator[None]:
 
 def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None,
                 memory: int = DEFAULT_MEMORY) -> CheckpointWriter:
-    if fmt == "dcp":
-        from .formats.dcp_writer import DcpWriter
-
-        return DcpWriter(storage)
-    if fmt == "orbax":
-        from .formats.orbax_writer import OrbaxWriter, pending_window
-
-        return OrbaxWriter(storage, zarr3=zarr3, max_pending_bytes=pending_window(memory))
-    if fmt == "safetensors":
-        from .formats.safetensors_writer import SafetensorsWriter
-
-        return SafetensorsWriter(storage, max_shard_size=max_shard_size)
-    raise CkptError(f"unknown target format {fmt!r}")
+    """The writer of the registered format `fmt` (its write module's make_writer)."""
+    info = formats.REGISTRY.get(fmt)
+    if info is None or not info.can_write:
+        raise CkptError(f"unknown target format {fmt!r}")
+    return info.writer_module().make_writer(storage, zarr3=zarr3, max_shard_size=max_shard_size, memory=memory)
 
 
 # -- the source must be whole ------------------------------------------------------

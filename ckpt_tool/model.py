@@ -144,6 +144,34 @@ def stored_chunks(shape: tuple[int, ...], layout: ChunkLayout) -> list[Chunk]:
     return grid_chunks(shape, layout.chunk_shape)
 
 
+def as_regular_grid(layout: ChunkLayout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The grid a chunk list already forms (DCP shards of an evenly split tensor), if any."""
+    if isinstance(layout, RegularGrid):
+        return layout.chunk_shape
+    chunks = [c for c in layout.chunks if all(s > 0 for s in c.sizes)]
+    if not chunks or not shape:
+        return None
+    grid = tuple(max(c.sizes[d] for c in chunks) for d in range(len(shape)))
+    for c in chunks:
+        for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+            if o % grid[d] or s != min(grid[d], shape[d] - o):
+                return None
+    return grid
+
+
+def default_grid(shape: tuple[int, ...], itemsize: int, cap_bytes: int) -> tuple[int, ...]:
+    """A chunk shape for an array with no usable layout: whole rows up to the cap."""
+    if not shape:
+        return ()
+    chunk = list(shape)
+    for d in range(len(shape)):
+        rest = math.prod(chunk[d + 1 :]) * itemsize
+        if math.prod(chunk) * itemsize <= cap_bytes:
+            break
+        chunk[d] = max(1, min(shape[d], cap_bytes // max(1, rest)))
+    return tuple(max(1, c) for c in chunk)
+
+
 @dataclass(frozen=True)
 class Sharding:
     """How the array was laid out over devices when it was saved.
@@ -373,7 +401,7 @@ class Checkpoint:
     """A checkpoint as ckpt sees it, whatever the format."""
 
     path: str
-    format: str  # "orbax" | "dcp"
+    format: str  # the reader's format name (formats.REGISTRY) or one of its families
     layout: dict[str, Any]
     leaves: list[Leaf]
     committed: bool = True
@@ -443,3 +471,35 @@ def parse_rename_rules(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]
         except re.error as exc:
             raise UsageError(f"--rename: bad regex {pattern!r}: {exc}") from None
     return out
+
+
+def flatten_value(
+    keys: tuple[Key, ...], value: Any, tuples: set[tuple[Key, ...]] | None = None
+) -> Iterator[tuple[tuple[Key, ...], Any]]:
+    """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf.
+
+    The paths of the non-empty tuples go into `tuples` (pytree nodes orbax
+    records as tuples, where DCP keeps one bytes item).
+    """
+    if isinstance(value, (list, tuple)) and value:
+        if isinstance(value, tuple) and tuples is not None:
+            tuples.add(keys)
+        for i, v in enumerate(value):
+            yield from flatten_value(keys + (i,), v, tuples)
+    elif isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        for k, v in value.items():
+            yield from flatten_value(keys + (k,), v, tuples)
+    else:
+        yield keys, value
+
+
+def memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf:
+    """An array held by a non-tensor item (a tensor inside a DCP bytes item), as a leaf of its own."""
+    arr = np.require(arr, requirements="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    return ArrayLeaf(
+        keys=keys, name=name, shape=tuple(arr.shape), dtype=dtypes.from_numpy(arr.dtype).name,
+        layout=RegularGrid(tuple(arr.shape)),
+        reader=lambda region: np.asarray(arr[tuple(region)]),
+        # a host tensor, on no mesh: reshard keeps such leaves host arrays
+        extra={"value_type": "np.ndarray"},
+    )

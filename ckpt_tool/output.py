@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CkptError, DestinationExistsError
-from .formats import TMP_MARKER
+from .formats import TMP_MARKER, names_single_file
 from .storage import Storage, _kvstore_spec
 
 OWNER_FILE = ".ckpt-owner.json"
@@ -377,7 +377,7 @@ def judge_local(path: str, source: str | None = None) -> Verdict | None:
         return Verdict(False, f"a symlink (to {os.readlink(path)}), not a checkpoint directory")
     if not stat.S_ISDIR(st.st_mode):
         kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a special file (FIFO, device or socket)"
-        if stat.S_ISREG(st.st_mode) and path.endswith((".safetensors", ".msgpack")):
+        if stat.S_ISREG(st.st_mode) and names_single_file(path):
             return Verdict(False, "a single-file checkpoint; ckpt writes a directory, never one file")
         size = f" ({_size(st.st_size)})" if stat.S_ISREG(st.st_mode) else ""
         return Verdict(False, f"{kind}{size}, not a checkpoint directory")

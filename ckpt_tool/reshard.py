@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, formats
 from .parallel import default_workers
 from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
@@ -599,7 +599,7 @@ def plan_reshard(
     check_source_complete(src, source if isinstance(source, str) else None)
     # the same leaves, names, values and skips as `convert --to orbax`; only the arrays' layout changes
     base, skipped, sources = plan_conversion(src, ConvertOptions(
-        to="orbax", zarr3=opts.zarr3, skip_unsupported=opts.skip_unsupported, step=opts.step, memory=opts.memory,
+        to=formats.reshard_format().name, zarr3=opts.zarr3, skip_unsupported=opts.skip_unsupported, step=opts.step, memory=opts.memory,
         select=list(opts.select), exclude=list(opts.exclude),
     ))
     target_file_size = _GCS_TARGET_DATA_FILE_SIZE if destination.startswith("gs://") else _TARGET_DATA_FILE_SIZE
@@ -703,7 +703,7 @@ class ReshardResult:
         p = self.plan
         return {
             "source": p.source, "destination": p.destination, "source_format": p.source_format,
-            "target_format": "orbax", "mesh": p.mesh.to_json(),
+            "target_format": formats.reshard_format().name, "mesh": p.mesh.to_json(),
             "arrays": len(p.leaves), "values": len(p.values),
             "chunks": self.chunks, "bytes": self.bytes, "seconds": round(self.seconds, 3),
             "device_bytes": p.device_bytes,
@@ -742,7 +742,7 @@ def reshard(
     owners = plan.owners
     result = convert(
         source, destination,
-        ConvertOptions(to="orbax", zarr3=opts.zarr3, workers=opts.workers, overwrite=opts.overwrite, step=opts.step,
+        ConvertOptions(to=formats.reshard_format().name, zarr3=opts.zarr3, workers=opts.workers, overwrite=opts.overwrite, step=opts.step,
                        memory=opts.memory),
         progress=progress, coordinator=coord,
         planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank),

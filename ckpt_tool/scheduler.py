@@ -228,8 +228,8 @@ class _Streamer:
 
             _, _, zmeta, zarr3 = self.zarr
             return zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
-        if _is_dcp(self.lc.leaf):
-            return None  # byte-range reads of the archive
+        if _reads_byte_ranges(self.lc.leaf):
+            return None  # byte-range reads of the archive (DCP)
         return "its format has no streaming reader"
 
     def global_band(self, band: Region) -> Region | None:
@@ -298,12 +298,9 @@ def _start_read(leaf: ArrayLeaf, region: Region) -> Callable[[], np.ndarray]:
     return result
 
 
-def _is_dcp(leaf: ArrayLeaf) -> bool:
-    try:
-        from .formats.dcp import _TensorReader
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(leaf.reader, _TensorReader)
+def _reads_byte_ranges(leaf: ArrayLeaf) -> bool:
+    """A reader that reads any part of a stored chunk by byte ranges of its raw bytes (it says so)."""
+    return bool(getattr(leaf.reader, "reads_byte_ranges", False))
 
 
 def _band_index(streamer: "_Streamer") -> Callable[[Region], tuple[int, int]]:

@@ -98,3 +98,42 @@ class CheckpointWriter(Protocol):
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+class PlanContext(Protocol):
+    """What a format's `plan_value` gets from the engine while it plans a conversion.
+
+    The engine loads each value leaf of the source and asks the target
+    format's write module what it becomes there: one value, a subtree of
+    values and arrays (Orbax flattens containers), or nothing (refused: an
+    error, or skipped with --skip-unsupported).
+    """
+
+    # key paths of the sequence nodes that are tuples (WritePlan.tuples)
+    tuples: set[tuple[Key, ...]]
+
+    def claim(self, keys: tuple[Key, ...], source_path: str) -> str:
+        """Reserve the target name of `keys` (two leaves mapping to one name are refused); the name."""
+        ...
+
+    def add_value(self, target: TargetValue) -> None: ...
+
+    def add_array(self, keys: tuple[Key, ...], name: str, arr: np.ndarray) -> None:
+        """An array held inside a value (a tensor of a tuple torch saved as one item): an array leaf."""
+        ...
+
+    def refuse(self, where: str, reason: str) -> None:
+        """The format cannot hold this value: an error, or left out under --skip-unsupported."""
+        ...
+
+
+# A format's write module (formats/<format>/write.py) provides, for the engine:
+#   make_writer(storage, *, zarr3, max_shard_size, memory) -> CheckpointWriter
+#   keeps_source_chunks(leaf) -> bool: whether it keeps a source's chunks as they are (so a
+#       chunk too big for the memory budget is split to the budget, not to the default size)
+#   target_layout(leaf, itemsize, cap, cap_bytes) -> ChunkLayout: the output chunks of an array
+#       (cap: --chunk-mb or the memory budget's limit in bytes, None when neither applies;
+#       cap_bytes: the cap, or the default chunk size)
+#   plan_value(ctx: PlanContext, keys, name, value, source_path) -> None: a loaded value leaf
+#   TUPLES_AS_VALUES: a tuple of the source is one value there (DCP's bytes item), gathered
+#       from the source's element leaves by gathered_value(value, where) -> value

@@ -1580,7 +1580,7 @@ def zygote_main() -> None:
         __import__(mod)
     import ckpt_tool.formats as formats_pkg
 
-    for name in ("dcp", "orbax", "safetensors", "msgpack_tree"):
+    for name in ("dcp", "orbax", "safetensors", "msgpack"):
         with contextlib.suppress(Exception):
             __import__(f"{formats_pkg.__name__}.{name}")
     out = sys.stdout

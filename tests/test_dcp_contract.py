@@ -529,7 +529,7 @@ def test_memo_bomb_is_refused_before_allocating(tmp_path: Path) -> None:
 ])
 def test_pickle_vm_limits(pickle_bytes: bytes, expect: str) -> None:
     from ckpt_tool.errors import CorruptMetadataError
-    from ckpt_tool.formats import safe_pickle
+    from ckpt_tool.torchsave import safe_pickle
 
     t0 = time.monotonic()
     with pytest.raises(CorruptMetadataError, match=expect):
@@ -540,7 +540,7 @@ def test_pickle_vm_limits(pickle_bytes: bytes, expect: str) -> None:
 
 
 def test_pickle_vm_limits_leave_real_metadata_alone() -> None:
-    from ckpt_tool.formats import safe_pickle
+    from ckpt_tool.torchsave import safe_pickle
 
     for name in (*FULL, *SAMPLED):
         data = (FIXTURES / name / ".metadata").read_bytes()

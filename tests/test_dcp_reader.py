@@ -34,7 +34,7 @@ from ckpt_tool.errors import (  # noqa: E402
     UnsafePickleError,
 )
 from ckpt_tool.formats import dcp as dcp_reader  # noqa: E402
-from ckpt_tool.formats import torch_payload  # noqa: E402
+from ckpt_tool.torchsave import payload as torch_payload  # noqa: E402
 from ckpt_tool.model import ArrayLeaf, ChunkList, ValueLeaf  # noqa: E402
 from ckpt_tool.storage import Storage  # noqa: E402
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.formats import torch_payload
+from ckpt_tool.torchsave import payload as torch_payload
 from ckpt_tool.validate import validate_checkpoint
 
 from conftest import fixture_path, run_ckpt

@@ -30,9 +30,9 @@ import pytest
 
 import ckpt_tool
 from ckpt_tool.errors import CkptError, IncompleteCheckpointError
-from ckpt_tool.formats import safe_pickle
-from ckpt_tool.formats.dcp_writer import DcpWriter, tensor_archive, value_archive
-from ckpt_tool.formats.pickle_writer import dumps
+from ckpt_tool.torchsave import safe_pickle
+from ckpt_tool.formats.dcp.write import DcpWriter, tensor_archive, value_archive
+from ckpt_tool.torchsave.pickle_writer import dumps
 from ckpt_tool import dtypes
 from ckpt_tool.model import Chunk, ChunkList, RegularGrid
 from ckpt_tool.storage import Storage
@@ -660,7 +660,7 @@ def test_lists_of_plain_values_become_one_item(tmp_path: Path) -> None:
 
 
 def test_incomplete_lists_are_left_apart() -> None:
-    from ckpt_tool.formats.dcp_writer import _list_groups
+    from ckpt_tool.formats.dcp.write import _list_groups
 
     # an element filtered out: the list cannot be rebuilt faithfully
     gap = [TargetValue(("gap", 0), "gap.0", 1), TargetValue(("gap", 2), "gap.2", 3)]
@@ -698,7 +698,7 @@ def test_writer_does_not_import_torch(tmp_path: Path) -> None:
 import sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 import numpy as np
-from ckpt_tool.formats.dcp_writer import DcpWriter
+from ckpt_tool.formats.dcp.write import DcpWriter
 from ckpt_tool.model import RegularGrid
 from ckpt_tool.storage import Storage
 from ckpt_tool.writers import TargetArray, TargetValue, WritePlan

@@ -142,7 +142,7 @@ def test_dcp_with_direct_archives_loads_bit_exact_in_torch(direct_dir: Path) -> 
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckpt_tool.formats.dcp_writer import DcpWriter
+    from ckpt_tool.formats.dcp.write import DcpWriter
     from ckpt_tool.model import RegularGrid
     from ckpt_tool.writers import TargetArray, WritePlan
 

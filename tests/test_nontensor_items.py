@@ -24,7 +24,7 @@ from click.testing import CliRunner
 import ckpt_tool
 from ckpt_tool.cli.main import cli
 from ckpt_tool.diff import diff_checkpoints
-from ckpt_tool.formats.dcp_writer import value_archive
+from ckpt_tool.formats.dcp.write import value_archive
 
 from conftest import FIXTURES, fixture_path, run_ckpt
 from library_reference import _tensor_to_numpy, dcp_storage

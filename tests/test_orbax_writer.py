@@ -26,7 +26,7 @@ import pytest
 
 import ckpt_tool
 from ckpt_tool.errors import CkptError, IncompleteCheckpointError
-from ckpt_tool.formats.orbax_writer import OrbaxWriter, UnsupportedValueError, unsupported_reason
+from ckpt_tool.formats.orbax.write import OrbaxWriter, UnsupportedValueError, unsupported_reason
 from ckpt_tool.model import ArrayLeaf, RegularGrid, Sharding
 from ckpt_tool.storage import Storage
 from ckpt_tool.validate import validate_checkpoint
@@ -403,7 +403,7 @@ def test_single_device_sharding_restores_on_that_device(tmp_path, jax_x64):
 
 def test_writer_imports_neither_jax_nor_orbax():
     code = (
-        "import sys, ckpt_tool.formats.orbax_writer\n"
+        "import sys, ckpt_tool.formats.orbax.write\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'orbax', 'torch')]\n"
         "assert not bad, bad\n"
     )

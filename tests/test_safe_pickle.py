@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_tool.errors import CkptError, CorruptMetadataError, UnsafePickleError
-from ckpt_tool.formats import safe_pickle, torch_payload
-from ckpt_tool.formats.safe_pickle import (
+from ckpt_tool.torchsave import safe_pickle
+from ckpt_tool.torchsave import payload as torch_payload
+from ckpt_tool.torchsave.safe_pickle import (
     BytesStorageMetadata,
     Metadata,
     TensorRef,

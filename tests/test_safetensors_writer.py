@@ -72,7 +72,7 @@ def test_output_reads_in_safe_open(tmp_path, src):
 
 
 def _is_number(leaf) -> bool:  # noqa: ANN001
-    from ckpt_tool.formats.safetensors_writer import scalar_tensor
+    from ckpt_tool.formats.safetensors.write import scalar_tensor
 
     return scalar_tensor(leaf.load()) is not None
 

@@ -123,7 +123,7 @@ def test_damaged_chunk_of_a_batched_leaf_is_reported_as_that_chunk(tmp_path):
 def test_small_archives_are_written_in_few_large_writes(tmp_path, monkeypatch):
     """convert to DCP of many small chunks: archives gathered into 1 MiB writes; torch reads the values exactly."""
     from ckpt_tool.engine import ConvertOptions, convert
-    from ckpt_tool.formats import dcp_writer
+    from ckpt_tool.formats.dcp import write as dcp_writer
     from ckpt_tool.storage import LocalFileWriter
 
     calls = []

@@ -211,8 +211,8 @@ _TRUNCATING_CONVERT = textwrap.dedent("""
     import os, sys, threading
     from pathlib import Path
     src, dst, to, pattern, reader = sys.argv[1:6]
-    import ckpt_tool.formats.orbax as ob
-    import ckpt_tool.formats.dcp as dcp
+    import ckpt_tool.formats.orbax.reader as ob
+    import ckpt_tool.formats.dcp.reader as dcp
     cls, attr = {"orbax": (ob._ZarrRegionReader, "read"), "dcp": (dcp.Storage, "read_range_into")}[reader]
     real = getattr(cls, attr)
     done = threading.Event()

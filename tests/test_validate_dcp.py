@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from ckpt_tool.cli.main import cli
 from ckpt_tool.findings import Findings
 from ckpt_tool.formats import dcp as dcp_reader
-from ckpt_tool.formats import torch_payload
+from ckpt_tool.torchsave import payload as torch_payload
 from ckpt_tool.model import Chunk
 from ckpt_tool.storage import Storage
 import ckpt_tool
 from ckpt_tool.validate import validate_checkpoint
-from ckpt_tool.validate.dcp_checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
+from ckpt_tool.formats.dcp.checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
 
 from conftest import DCP_FIXTURES, fixture_path, mutate_bytes
 

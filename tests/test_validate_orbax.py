@@ -212,7 +212,7 @@ def test_stored_bytes_count_the_values_a_merged_root_keeps_in_process_databases(
 
     from ckpt_tool.findings import Findings
     from ckpt_tool.storage import Storage
-    from ckpt_tool.validate.orbax_checks import _check_ocdbt
+    from ckpt_tool.formats.orbax.checks import _check_ocdbt
 
     path = tmp_path / "save"
     with ocp.StandardCheckpointer() as ckptr:  # a 64 KiB chunk: stored out of line, in the process database

@@ -1,8 +1,9 @@
-"""`ckpt convert SRC DST --to orbax|dcp|safetensors`: streaming, bounded memory, all or nothing."""
+"""`ckpt convert SRC DST --to FORMAT` (a format with a writer): streaming, bounded memory, all or nothing."""
 from __future__ import annotations
 
 import click
 
+from .. import formats
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options
@@ -12,7 +13,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.command("convert")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["orbax", "dcp", "safetensors"]), required=True, help="Output format.")
+@click.option("--to", "to", type=click.Choice(formats.writable()), required=True, help="Output format.")
 @click.option("--select", multiple=True, metavar="GLOB", help="Keep only leaves whose '/'-joined keys or dotted names match, e.g. 'params/**' or 'model.layers.0.*' (repeatable; each must match a leaf).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop leaves whose keys or dotted names match, e.g. 'opt_state/**' (repeatable; each must match a leaf).")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
@@ -66,8 +67,9 @@ def convert_command(
 def _shard_size(text: str | None, to: str) -> int | None:
     if text is None:
         return None
-    if to != "safetensors":
-        raise click.UsageError("--max-shard-size applies to --to safetensors only")
-    from ..formats.safetensors_writer import parse_size
+    takers = formats.taking("max_shard_size")
+    if to not in takers:
+        raise click.UsageError(f"--max-shard-size applies to --to {' / '.join(takers)} only")
+    from ..sizes import parse_size
 
-    return parse_size(text)
+    return parse_size(text, "--max-shard-size", examples="5GB, 500MB, 2GiB")

@@ -46,36 +46,9 @@ def _title(result: InspectResult) -> str:
 
 
 def _layout_text(ck: Any) -> str:
-    lay = ck.layout
-    if ck.format == "orbax":
-        parts = []
-        if lay.get("storage") == "ocdbt":
-            parts.append("OCDBT" + (" (unmerged)" if lay.get("ocdbt") == "unmerged" else ""))
-        elif lay.get("storage"):
-            parts.append("per-array directories")
-        if lay.get("zarr"):
-            parts.append(f"zarr{lay['zarr']}")
-        text = "Orbax, " + " + ".join(parts) if parts else "Orbax"
-        if lay.get("processes", 1) > 1:
-            text += f", {plural(lay['processes'], 'process', 'processes')}"
-        if lay.get("items"):
-            text += ", items: " + ", ".join(lay["items"])
-        if lay.get("tree", "").startswith("msgpack"):
-            text += ", msgpack tree (orbax <= 0.4)"
-        return text
-    if ck.format == "flax":
-        return f"Flax msgpack ({lay['file']})" if lay.get("file") else "Flax msgpack"
-    if ck.format == "t5x":
-        text = "T5X" + (f" v{lay['t5x_version']}" if lay.get("t5x_version") is not None else "")
-        return text + (f", zarr{lay['zarr']} array directories" if lay.get("zarr") else "")
-    if ck.format == "dcp":
-        text = "torch.distributed.checkpoint"
-        if lay.get("files") is not None:
-            text += f", {lay['files']} file{'s' if lay['files'] != 1 else ''}"
-        if lay.get("ranks"):
-            text += f", {lay['ranks']} rank{'s' if lay['ranks'] != 1 else ''}"
-        return text
-    return ck.format
+    from ..formats import layout_text
+
+    return layout_text(ck)  # the format's own words for its layout
 
 
 def _header_rows(result: InspectResult) -> list[tuple[str, str]]:

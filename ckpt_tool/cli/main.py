@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from .. import __version__
+from .. import __version__, formats
 from ..errors import CkptError, UsageError
 
 EXIT_OK = 0
@@ -41,9 +41,9 @@ COMMANDS = {
     "diff": ("ckpt_tool.cli.diff_cmd:diff_command",
              "Compare two checkpoints' leaves and values; exit 1 if they differ."),
     "convert": ("ckpt_tool.cli.convert_cmd:convert_command",
-                "Convert to Orbax, DCP or safetensors, streaming, all or nothing."),
+                f"Convert to {formats.joined(formats.writable_labels())}, streaming, all or nothing."),
     "reshard": ("ckpt_tool.cli.reshard_cmd:reshard_command",
-                "Rewrite as an Orbax checkpoint laid out for a new device mesh."),
+                f"Rewrite as an {formats.reshard_format().label} checkpoint laid out for a new device mesh."),
 }
 
 
@@ -77,18 +77,27 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def cli() -> None:
-    """Look inside, check, convert and re-lay ML checkpoints.
+    """Look inside, check, convert and re-lay ML checkpoints."""
 
-    \b
-    Reads (detected, local or gs:// s3:// file:// memory:// URLs):
-      Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)
-      torch.distributed.checkpoint (DCP)
-      safetensors (one file, or a sharded Hugging Face save with its index)
-      Flax msgpack and T5X checkpoints
-    Writes Orbax, DCP or safetensors (convert), Orbax for a new mesh (reshard).
 
-    Exit codes: 0 ok, 1 the checkpoint has a problem (or a diff differs),
-    2 usage error. `ckpt COMMAND --help` for each command."""
+def _top_help() -> str:
+    """`ckpt --help`'s text: the formats it reads and writes come from the registry."""
+    reads = [f"  {f.reads or f.title}" for f in formats.shown()]
+    writes = formats.joined(formats.writable_labels())
+    return "\n".join([
+        "Look inside, check, convert and re-lay ML checkpoints.",
+        "",
+        "\b",
+        "Reads (detected, local or gs:// s3:// file:// memory:// URLs):",
+        *reads,
+        f"Writes {writes} (convert), {formats.reshard_format().label} for a new mesh (reshard).",
+        "",
+        "Exit codes: 0 ok, 1 the checkpoint has a problem (or a diff differs),",
+        "2 usage error. `ckpt COMMAND --help` for each command.",
+    ])
+
+
+cli.help = _top_help()
 
 
 def _debug() -> bool:

@@ -1,17 +1,33 @@
-"""Format registry: each format is one module with `detect` and `read`.
+"""The format registry: what each format can do, and which package does it.
 
-Adding a format (safetensors, Megatron) means a new module and one line in
-FORMATS; nothing above the readers changes. Modules import lazily so that
-`ckpt inspect` on a DCP checkpoint never loads the Orbax reader and vice versa.
+Each format is one package under formats/ (reader, writer, schema, shallow
+checks) with the same module-level interface: NAME, detect(storage),
+read(storage, step=...), and for formats whose checkpoint may be one file
+given by its path, split_file(url) and read_file(storage, name). Beside the
+package's __init__: `write.py` (make_writer, target_layout, plan_value, ...:
+see writers.py) where the format has a writer, and `checks.py`
+(check_path(storage, findings, step=..., only=...)) for validate.
+
+Adding a format means one package and one line in REGISTRY below; nothing
+above formats/ changes: the engine, validate and the CLI ask this module.
+This module imports nothing heavy (no numpy, tensorstore or format package):
+`ckpt --help` lists the formats from REGISTRY, and a format's package is
+imported only when it is asked something (`ckpt inspect` on a DCP checkpoint
+never loads the Orbax reader).
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib
-from typing import Protocol
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import UnknownFormatError
-from ..model import Checkpoint
-from ..storage import ReadLog, Storage, check_url
+from ..errors import UnknownFormatError, UsageError
+
+if TYPE_CHECKING:
+    from ..model import Checkpoint
+    from ..storage import ReadLog, Storage
 
 
 class FormatModule(Protocol):
@@ -22,42 +38,194 @@ class FormatModule(Protocol):
     def read(self, storage: Storage, *, step: str | int | None = None) -> Checkpoint: ...
 
 
-# order matters only when two formats could claim one directory
-# msgpack_tree first: an orbax <= 0.4 save has OCDBT files but no _METADATA
-FORMATS = ("msgpack_tree", "orbax", "dcp", "safetensors")
+# leaf kinds a format may hold (FormatInfo.value_kinds)
+VALUE_KINDS = frozenset({"array", "scalar", "string", "object"})
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """One registered format: what it can do and where its package is."""
+
+    name: str  # the registry's name: `convert --to NAME`, Checkpoint.format (but see families)
+    title: str  # in help texts and messages: "torch.distributed.checkpoint (DCP)"
+    package: str  # imported lazily by module()
+    can_write: bool  # its package has write.py: `convert --to NAME`
+    value_kinds: frozenset[str]  # leaf kinds it can hold: a subset of VALUE_KINDS
+    claims: tuple[str, ...]  # top-level file / directory name globs that belong to it
+    short: str = ""  # in short lists ("Convert to Orbax, DCP or safetensors"); default: title
+    reads: str = ""  # `ckpt --help`'s line for it; default: title
+    # a file named by `claims` marks its directory as a checkpoint of this format (a file
+    # given on the command line beside one names that directory; unknown.refuse_file)
+    claims_mark_checkpoint: bool = True
+    # one file given by its path may be a checkpoint (split_file / read_file): "claimed" when
+    # `claims` match its name, "any" for any local file (its reader looks at the first bytes)
+    single_file: str = ""
+    file_suffixes: tuple[str, ...] = ()  # name endings of its one-file checkpoints (".safetensors")
+    can_reshard: bool = False  # `ckpt reshard` writes it (laid out for a device mesh)
+    families: tuple[str, ...] = ()  # other names its reader gives Checkpoint.format ("flax", "t5x")
+    listed: int = 0  # its place in lists shown to people (help, messages); REGISTRY's order is detection's
+    install: str = ""  # extra package(s) its reader or writer needs, for a message when missing
+    options: tuple[str, ...] = ()  # convert's writer options that apply to it ("zarr3", "max_shard_size")
+
+    @property
+    def label(self) -> str:
+        return self.short or self.title
+
+    def module(self) -> ModuleType:
+        """The format's package (imported on first use)."""
+        return importlib.import_module(self.package)
+
+    def submodule(self, name: str) -> ModuleType:
+        """One module of the package: "write", "checks", ..."""
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def checks(self) -> ModuleType:
+        """validate's shallow checks: check_path(storage, findings, step=..., only=...)."""
+        return self.submodule("checks")
+
+    def writer_module(self) -> ModuleType:
+        """The writer's module (write.py): make_writer, target_layout, plan_value, ..."""
+        if not self.can_write:
+            raise UsageError(f"ckpt does not write {self.title} checkpoints (it writes {joined(writable_labels())})")
+        return self.submodule("write")
+
+    def claimed(self, name: str) -> bool:
+        """Whether a top-level file or directory `name` is one this format's checkpoints hold."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.claims)
+
+
+_ALL = frozenset({"array", "scalar", "string", "object"})
+
+# In detection order: the first format whose detect() claims a directory reads it.
+# msgpack first: an orbax <= 0.4 save has OCDBT files but no _METADATA.
+REGISTRY: dict[str, FormatInfo] = {
+    "msgpack": FormatInfo(
+        "msgpack", "Flax / T5X msgpack", f"{__name__}.msgpack", can_write=False, value_kinds=_ALL,
+        claims=("checkpoint", "checkpoint_*"), reads="Flax msgpack and T5X checkpoints",
+        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".msgpack",), families=("flax", "t5x"), listed=3,
+    ),
+    "orbax": FormatInfo(
+        "orbax", "Orbax", f"{__name__}.orbax", can_write=True, value_kinds=_ALL,
+        claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
+        reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
+        can_reshard=True, listed=0, options=("zarr3",),
+    ),
+    "dcp": FormatInfo(
+        "dcp", "torch.distributed.checkpoint (DCP)", f"{__name__}.dcp", can_write=True, value_kinds=_ALL,
+        claims=(".metadata", "*.distcp"), short="DCP", listed=1,
+    ),
+    "safetensors": FormatInfo(
+        "safetensors", "safetensors", f"{__name__}.safetensors", can_write=True,
+        value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
+        reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
+        options=("max_shard_size",),
+    ),
+}
+
+
+def registered() -> list[FormatInfo]:
+    """Every format, in detection order."""
+    return list(REGISTRY.values())
+
+
+def shown() -> list[FormatInfo]:
+    """Every format, in the order lists shown to people name them."""
+    return sorted(REGISTRY.values(), key=lambda f: f.listed)
+
+
+def get(name: str) -> FormatInfo:
+    """The format registered as `name` (a UsageError for any other name)."""
+    info = REGISTRY.get(name)
+    if info is None:
+        raise UsageError(f"unknown format {name!r} (ckpt knows {joined([f.name for f in shown()])})")
+    return info
+
+
+def for_checkpoint(fmt: str) -> FormatInfo | None:
+    """The format whose reader gives Checkpoint.format `fmt` (its name, or one of its families)."""
+    info = REGISTRY.get(fmt)
+    if info is not None:
+        return info
+    return next((f for f in REGISTRY.values() if fmt in f.families), None)
+
+
+def writable() -> list[str]:
+    """Names of the formats `convert --to` writes, in the order lists show them."""
+    return [f.name for f in shown() if f.can_write]
+
+
+def writable_labels() -> list[str]:
+    return [f.label for f in shown() if f.can_write]
+
+
+def names_single_file(name: str) -> bool:
+    """Whether a file name is one a format's one-file checkpoints have (model.safetensors, state.msgpack)."""
+    return any(name.endswith(f.file_suffixes) for f in REGISTRY.values() if f.file_suffixes)
+
+
+def taking(option: str) -> list[str]:
+    """Names of the writable formats a writer option applies to ("max_shard_size": safetensors)."""
+    return [f.name for f in shown() if f.can_write and option in f.options]
+
+
+def reshard_format() -> FormatInfo:
+    """The format `ckpt reshard` writes."""
+    return next(f for f in shown() if f.can_reshard)
+
+
+def titles_joined(conjunction: str = "or") -> str:
+    """"Orbax, torch.distributed.checkpoint (DCP), safetensors or Flax / T5X msgpack"."""
+    return joined([f.title for f in shown()], conjunction)
+
+
+def joined(names: list[str], conjunction: str = "or") -> str:
+    """"a, b or c"."""
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + f" {conjunction} " + names[-1]
+
+
+# kept for callers of the flat-module days: format names in detection order
+def _formats() -> tuple[str, ...]:
+    return tuple(REGISTRY)
 
 
 def format_module(name: str) -> FormatModule:
-    return importlib.import_module(f"{__name__}.{name}")  # type: ignore[return-value]
+    return get(name).module()  # type: ignore[return-value]
 
 
 def detect(storage: Storage) -> FormatModule:
-    for name in FORMATS:
-        module = format_module(name)
+    """The package of the first format (in detection order) whose detect() claims `storage`."""
+    for info in registered():
+        module = info.module()
         if module.detect(storage):
-            return module
+            return module  # type: ignore[return-value]
     from .unknown import describe
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
-    raise UnknownFormatError(describe(storage, FORMATS, format_module), storage.url)
+    raise UnknownFormatError(describe(storage, _formats(), format_module), storage.url)
+
+
+def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
+    """(format, (directory, file name)) when `url` names one file that a format reads as a checkpoint."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    for info in shown():
+        if info.single_file == "any" or (info.single_file == "claimed" and info.claimed(name)):
+            parts = info.module().split_file(url)
+            if parts is not None:
+                return info, parts
+    return None
 
 
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only."""
+    from ..storage import Storage, check_url
+
     check_url(url)  # before a file's URL is cut to its directory: the error names the URL whole
-    if url.rstrip("/").endswith(".safetensors"):  # one file, not a directory
-        from . import safetensors
-
-        single = safetensors.split_file_url(url)
-        if single is not None:
-            return safetensors.read_file(Storage.open(single[0], log=log), single[1])
-    from .msgpack_tree import split_local_file
-
-    single_file = split_local_file(url)  # a Flax msgpack file's path
-    if single_file is not None:
-        from . import msgpack_tree
-
-        return msgpack_tree.read_file(Storage.open(single_file[0], log=log), single_file[1])
+    single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory
+    if single is not None:
+        info, (directory, name) = single
+        return info.module().read_file(Storage.open(directory, log=log), name)
     from .unknown import refuse_file
 
     refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
@@ -70,5 +238,18 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     return ckpt
 
 
+def layout_text(ckpt: Any) -> str:
+    """One line saying what the checkpoint's format and layout are (inspect's "format" row)."""
+    info = for_checkpoint(ckpt.format)
+    describe = getattr(info.module(), "layout_text", None) if info is not None else None
+    return describe(ckpt) if describe is not None else ckpt.format
+
+
 # temporary output directories of convert/reshard carry this in their name
 TMP_MARKER = ".ckpt-tmp"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FORMATS":  # the detection order, from REGISTRY (tests may replace REGISTRY)
+        return _formats()
+    raise AttributeError(name)

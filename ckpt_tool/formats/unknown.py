@@ -61,7 +61,14 @@ def describe(storage: Storage, formats: Iterable[str], module: Callable[[str], A
         found_kinds = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
         return f"not a checkpoint format ckpt reads: found {found_kinds} ({names})"
     seen = ", ".join(sorted(files)[:5]) or ("only directories: " + ", ".join(dirs[:5]) if dirs else "nothing")
-    return f"not an Orbax, torch.distributed.checkpoint (DCP), safetensors or Flax / T5X msgpack checkpoint (found {seen})"
+    from . import titles_joined
+
+    read = titles_joined("or")
+    return f"not {_article(read)} {read} checkpoint (found {seen})"
+
+
+def _article(text: str) -> str:
+    return "an" if text[:1] in "AEIOU" else "a"
 
 
 _MAX_SNIFFED = 16  # files of an unknown directory whose first bytes are looked at
@@ -82,21 +89,14 @@ def _sniffed_kinds(storage: Storage, files: list[str]) -> set[str]:
 
 # -- one file given where a checkpoint directory was expected ----------------------
 
-# what each format calls itself in a one-line error
-LABELS = {
-    "orbax": "Orbax",
-    "dcp": "torch.distributed.checkpoint (DCP)",
-    "safetensors": "safetensors",
-    "msgpack_tree": "Flax / T5X msgpack",
-}
-READS = "Orbax, torch.distributed.checkpoint (DCP), safetensors and Flax / T5X msgpack checkpoints"
+def _marks_checkpoint(name: str) -> bool:
+    """Whether a top-level name makes its directory a checkpoint of some format (the registry's
+    claims): a file given beside one is looked for there (a listing of the directory, never a walk)."""
+    from . import registered
 
-# top-level names that make a directory a checkpoint of some format: a file
-# given beside one is looked for there (a listing of the directory, never a walk)
-_MARKERS = re.compile(
-    r"^(?:\.metadata|.*\.distcp|_CHECKPOINT_METADATA|_METADATA|manifest\.ocdbt|_sharding|commit_success\.txt"
-    r"|.*\.safetensors\.index\.json|.*\.safetensors)$"
-)
+    return any(info.claims_mark_checkpoint and info.claimed(name) for info in registered())
+
+
 # what to do with a file of a kind that holds a checkpoint some other way
 _HINTS = {
     "gzip files": "; decompress it first (a .tar.gz holds a directory: extract it and open that)",
@@ -190,7 +190,7 @@ def sniff_local(path: str) -> tuple[str, str] | None:
 
 def _checkpoint_around(path: str) -> tuple[str, str] | None:
     """(directory, format) of the checkpoint a local file sits in, up to _PARENTS levels up, or None."""
-    from . import FORMATS, format_module
+    from . import registered
 
     shown = os.path.dirname(os.path.normpath(path))
     for _ in range(_PARENTS):
@@ -201,12 +201,12 @@ def _checkpoint_around(path: str) -> tuple[str, str] | None:
         except OSError:
             return None
         # a process's own OCDBT database is part of the checkpoint above it, not one to open
-        if any(_MARKERS.match(n) for n in names) and not _PROCESS_DB.match(os.path.basename(os.path.abspath(directory))):
+        if any(_marks_checkpoint(n) for n in names) and not _PROCESS_DB.match(os.path.basename(os.path.abspath(directory))):
             try:
                 storage = Storage.open(directory)
-                for name in FORMATS:
-                    if format_module(name).detect(storage):
-                        return directory, name
+                for info in registered():
+                    if info.module().detect(storage):
+                        return directory, info.name
             except CkptError:
                 pass
         parent = os.path.dirname(directory)
@@ -233,12 +233,15 @@ def refuse_file(url: str, command: str = "inspect") -> None:
     around = _checkpoint_around(shown if not url.startswith("file://") else path)
     if around is not None:
         directory, fmt = around
-        label = LABELS.get(fmt, fmt)
-        article = "an" if label[:1] in "AEIOU" else "a"
+        from . import get
+
+        label = get(fmt).title
         raise UnknownFormatError(
-            f"is a file inside {article} {label} checkpoint; open its directory: ckpt {command} {directory}", url,
+            f"is a file inside {_article(label)} {label} checkpoint; open its directory: ckpt {command} {directory}", url,
         )
     kind = sniff_local(path)
     if kind is not None:
         hint = _HINTS.get(kind[1], "")
-        raise UnknownFormatError(f"is {kind[0]}: not a format ckpt reads (it reads {READS}){hint}", url)
+        from . import titles_joined
+
+        raise UnknownFormatError(f"is {kind[0]}: not a format ckpt reads (it reads {titles_joined('and')} checkpoints){hint}", url)

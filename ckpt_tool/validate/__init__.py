@@ -51,54 +51,43 @@ def validate_checkpoint(
     """Check the checkpoint at `path`; collects every finding instead of stopping at the first.
 
     `memory`: the --deep read scheduler's budget in bytes (None: its default)."""
+    from .. import formats
     from ..formats import TMP_MARKER, detect
-    from ..formats.msgpack_tree import split_local_file
     from ..storage import check_url
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
-    msgpack_file = split_local_file(path)  # a path naming one Flax msgpack file
-    if msgpack_file is not None:
-        from . import msgpack_checks
-
-        return msgpack_checks.validate_file(path, msgpack_file, deep=deep, workers=workers, progress=progress)
+    # a path naming one file a format reads as a checkpoint (a .safetensors file, a Flax msgpack file)
+    split = formats.split_file(path)
+    single = None
+    info = None
+    if split is not None:
+        info, single = split
+        whole = getattr(info.checks(), "validate_file", None)
+        if whole is not None:  # the format validates such a file its own way
+            return whole(path, single, deep=deep, workers=workers, progress=progress)
 
     findings = Findings()
     fmt = None
-    single = None
-    if path.rstrip("/").endswith(".safetensors"):  # one file, not a directory
-        from ..formats.safetensors import split_file_url
-
-        single = split_file_url(path)
     if single is None:
         from ..formats.unknown import refuse_file
 
         refuse_file(path, command="validate")  # a file inside a checkpoint, or one ckpt does not read
     storage = Storage.open(single[0] if single else path)
     try:
-        module = detect(storage) if single is None else None
-        fmt = module.NAME if module is not None else "safetensors"
+        if single is None:
+            info = formats.get(detect(storage).NAME)
+        assert info is not None
+        fmt = info.name
         if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
             findings.error(
                 "uncommitted-save",
                 "temporary directory of an interrupted ckpt convert/reshard: not a finished checkpoint",
                 file=".",
             )
-        if fmt == "msgpack_tree":
-            from . import msgpack_checks
-
-            fmt = msgpack_checks.check_path(storage, findings, step=step)  # the family: flax, orbax or t5x
-        elif fmt == "orbax":
-            from . import orbax_checks
-
-            orbax_checks.check_path(storage, findings, step=step)
-        elif fmt == "safetensors":
-            from . import safetensors_checks
-
-            safetensors_checks.check_path(storage, findings, only=single[1] if single else None)
-        else:
-            from . import dcp_checks
-
-            dcp_checks.check_path(storage, findings)
+        # the format's shallow checks; a format of several families (msgpack: flax, orbax
+        # <= 0.4 or t5x) says which one it found
+        family = info.checks().check_path(storage, findings, step=step, only=single[1] if single else None)
+        fmt = family or fmt
         if deep:
             from .deep import deep_check_steps
 

@@ -242,12 +242,16 @@ def deep_check(
     if verify:
         run_bounded(verify, lambda task: run_verifier(*task), workers=workers, name="ckpt-verify")
     findings.count("chunks_read", scheduler.planned_chunks)
-    if fmt == "dcp":
-        # every non-tensor item decoded; copies of replicated duplicates that .metadata does not point at
-        from ..storage import Storage
-        from .dcp_checks import check_dcp_deep
+    from ..formats import for_checkpoint
 
-        check_dcp_deep(Storage.open(ckpt.path), ckpt, findings, skip)
+    info = for_checkpoint(fmt)
+    # a format's own checks of stored data beyond the chunks (DCP: every non-tensor item
+    # decoded; copies of replicated duplicates that .metadata does not point at)
+    check_deep = getattr(info.checks(), "check_deep", None) if info is not None else None
+    if check_deep is not None:
+        from ..storage import Storage
+
+        check_deep(Storage.open(ckpt.path), ckpt, findings, skip)
     else:
         # scalars, strings and JSON items are stored data too (an Orbax scalar is
         # a 0-d zarr chunk): decode each, as a restore would

@@ -11,14 +11,14 @@ per-rank pieces (overlaps, gaps).
 """
 from __future__ import annotations
 
-from ..errors import CkptError, PathEscapeError
-from ..findings import Findings
-from ..formats import safetensors as st
-from ..storage import Storage
+from ...errors import CkptError, PathEscapeError
+from ...findings import Findings
+from . import reader as st
+from ...storage import Storage
 
 
-def check_path(storage: Storage, findings: Findings, *, only: str | None = None) -> None:
-    """`only`: check just that file of `storage` (not listed: its directory may hold anything)."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """`only`: check just that file of `storage` (not listed: its directory may hold anything); no steps."""
     top = [] if only is not None else storage.listdir()[1]
     top_set = set(top) if only is None else ({only} if storage.exists(only) else set())
     index: dict[str, str] | None = None

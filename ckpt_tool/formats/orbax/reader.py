@@ -18,11 +18,11 @@ from typing import Any, Callable
 import numpy as np
 import tensorstore as ts
 
-from .. import dtypes
-from . import orbax_schema as schema
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
-from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
-from ..storage import PendingReads, Storage, ts_error_text
+from ... import dtypes
+from . import schema
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
+from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
+from ...storage import PendingReads, Storage, ts_error_text
 
 NAME = "orbax"
 
@@ -78,7 +78,7 @@ def _separate_checkpoints(storage: Storage, dirs: list[str], items: list[str]) -
     """
     if any(storage.exists(f"{d}/{CHECKPOINT_METADATA}") for d in items):
         return True
-    from . import dcp, safetensors
+    from .. import dcp, safetensors
 
     for d in dirs[:32]:
         if d in items or _step_number(d) is not None:

@@ -42,13 +42,13 @@ from typing import Any, Iterable, Union
 
 import numpy as np
 
-from .. import dtypes
-from ..checksum import crc32
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, a_type
-from ..model import Chunk, ChunkList, Region, RegularGrid, grid_chunks
-from ..storage import LocalFileWriter, Storage
-from ..writers import TargetArray, TargetValue, WritePlan
-from .pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
+from ... import dtypes
+from ...checksum import crc32
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
+from ...model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
+from ...storage import LocalFileWriter, Storage
+from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from ...torchsave.pickle_writer import Global, Obj, PersistentId, PickleWriteError, Reduce, dumps
 
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."
@@ -1095,3 +1095,74 @@ class DcpWriter:
 def _describe(key: tuple[str, int | None]) -> str:
     name, index = key
     return f"value {name!r}" if index is None else f"chunk {index} of {name!r}"
+
+
+# -- what the engine asks the format (writers.py) ---------------------------------------
+
+# torch's traversal stops at a tuple: it is one bytes item, gathered from the
+# element leaves an Orbax source gives (gathered_value)
+TUPLES_AS_VALUES = True
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def make_writer(storage: Storage, **_: Any) -> DcpWriter:
+    return DcpWriter(storage)
+
+
+def keeps_source_chunks(leaf: Any) -> bool:
+    return True  # the source's chunks, as a list
+
+
+def target_layout(leaf: Any, itemsize: int, cap: int | None, cap_bytes: int) -> ChunkList:
+    """The source chunks, as a list (split further only when capped)."""
+    if isinstance(leaf.layout, RegularGrid):
+        chunks = grid_chunks(leaf.shape, leaf.layout.chunk_shape)
+    else:
+        chunks = list(leaf.layout.chunks)
+    if cap:
+        chunks = [p for c in chunks for p in split_to_cap(c, itemsize, int(cap))]
+    return ChunkList(tuple(chunks))
+
+
+def plan_value(ctx: PlanContext, keys: tuple[Key, ...], name: str, value: Any, source_path: str) -> None:
+    """A non-tensor item: any simple Python value, one bytes item."""
+    if not is_simple(value):
+        ctx.refuse(source_path, f"{a_type(value)} value is not a simple Python value")
+        return
+    ctx.add_value(TargetValue(keys, name, plain(value), "object"))
+
+
+def gathered_value(value: Any, where: str) -> Any:
+    """A tuple of the source gathered from its element leaves, as one bytes item."""
+    if not is_simple(value):
+        raise UnsupportedLeafError("holds a value a DCP bytes item cannot store", where)
+    return plain(value)
+
+
+def is_simple(value: Any) -> bool:
+    """A value a DCP bytes item can hold: plain Python values, numpy scalars, and
+    numpy arrays of a torch dtype (the tensors of a tuple torch saved as one item)."""
+    if isinstance(value, _SIMPLE) or isinstance(value, np.generic):
+        return True
+    if isinstance(value, np.ndarray):
+        return dtypes.torch_name_of(value) is not None
+    if isinstance(value, (list, tuple)):
+        return all(is_simple(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_simple(v) for k, v in value.items())
+    return False
+
+
+def plain(value: Any) -> Any:
+    """numpy scalars inside values become Python scalars (torch.load reads them without numpy);
+    numpy arrays stay arrays (the DCP writer stores them as tensors)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value

@@ -44,10 +44,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, NotFoundError
-from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
-from ..storage import Storage
+from ... import dtypes
+from ...errors import CkptError, CorruptMetadataError, NotFoundError
+from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
+from ...storage import Storage
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"

@@ -35,19 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
-from ..model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepInfo, ValueLeaf
-from ..storage import Storage
-from . import msgpack_scan as ms
+from ... import dtypes
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
+from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepInfo, ValueLeaf
+from ...storage import Storage
+from . import scan as ms
 # the zarr array plumbing of the Orbax reader: the same arrays, opened the same way
 # (TREE_METADATA: orbax >= 0.5 writes it, and then the Orbax reader reads the step)
-from .orbax import (
+from ..orbax.reader import (
     ROOT_MANIFEST, SHARDING, TREE_METADATA, _ArraySource, _parse_zarr_metadata, _ZarrRegionReader, is_tmp_name,
     parse_sharding,
 )
 
-NAME = "msgpack_tree"
+NAME = "msgpack"
 
 TREE_FILE = "checkpoint"  # orbax's aggregate file, and T5X's
 PLACEHOLDER = "PLACEHOLDER://"
@@ -295,7 +295,7 @@ def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
     """A step directory: one item, or several (named items; `default/` alone is unnamed, as orbax shows it)."""
     if entry.items == ("",):
         return _read_item(storage.child(entry.name), entry.name)
-    from .orbax import _read_json_item
+    from ..orbax.reader import _read_json_item
 
     unnamed = entry.items == ("default",) and not entry.json_items
     leaves: list[Leaf] = []

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
-from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
-from ..storage import Storage
-from . import safe_pickle
-from .safe_pickle import (
+from ... import dtypes
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
+from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
+from ...storage import Storage
+from ...torchsave import safe_pickle
+from ...torchsave.safe_pickle import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -44,13 +44,13 @@ from .safe_pickle import (
 )
 
 if TYPE_CHECKING:
-    from .torch_payload import Fetch, TensorPayload
+    from ...torchsave.payload import Fetch, TensorPayload
 
 
 def _payload_module():  # noqa: ANN202
     # torch.save archives need zipfile & co.: loaded when data is read, not
     # when `ckpt inspect` only looks at .metadata
-    from . import torch_payload
+    from ...torchsave import payload as torch_payload
 
     return torch_payload
 
@@ -501,7 +501,7 @@ def _entry_fetch(storage: Storage, entry: _Entry, where: str) -> Fetch:
 
 
 def _transforms_module():  # noqa: ANN202
-    from . import dcp_transforms  # (imports zstandard only when an entry is decoded)
+    from . import transforms as dcp_transforms  # (imports zstandard only when an entry is decoded)
 
     return dcp_transforms
 
@@ -513,6 +513,9 @@ _ARCHIVE_SLACK = 16 << 20
 
 class _TensorReader:
     """Reads a region of one DCP tensor from the chunks that overlap it."""
+
+    # any part of a chunk is read by byte ranges of its archive: the scheduler streams big chunks
+    reads_byte_ranges = True
 
     def __init__(self, storage: Storage, fqn: str, item: _TensorItem) -> None:
         self._storage = storage
@@ -597,7 +600,7 @@ class _TensorReader:
                     return
                 tiles = self._crc_tiles.get(i)
                 if tiles is None:
-                    from ..checksum import CrcTiling  # (zlib-ng: only once data is read)
+                    from ...checksum import CrcTiling  # (zlib-ng: only once data is read)
 
                     tiles = self._crc_tiles[i] = CrcTiling(payload.data_offset, payload.data_offset + payload.data_length)
                 whole = tiles.add(start, end, crc)

@@ -50,14 +50,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import directio, dtypes
-from .. import sizes
-from ..errors import CkptError, IncompleteCheckpointError
-from ..model import Region, stored_chunks
-from ..storage import LocalFileWriter, Storage
-from ..writers import TargetArray, TargetValue, WritePlan
-from ..model import RegularGrid
-from .safetensors import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
+from ... import directio, dtypes
+from ... import sizes
+from ...errors import CkptError, IncompleteCheckpointError, a_type
+from ...model import Key, Region, default_grid, stored_chunks
+from ...storage import LocalFileWriter, Storage
+from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from ...model import RegularGrid
+from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -428,3 +428,30 @@ def _runs(shape: tuple[int, ...], region: Region, itemsize: int):  # noqa: ANN20
             yield from walk(d + 1, base + i * strides[d])
 
     yield from walk(0, 0)
+
+
+# -- what the engine asks the format (writers.py) ---------------------------------------
+
+TUPLES_AS_VALUES = False  # a tuple's arrays are tensors of their own
+
+
+def make_writer(storage: Storage, *, max_shard_size: int | None = None, **_: Any) -> SafetensorsWriter:
+    return SafetensorsWriter(storage, max_shard_size=max_shard_size)
+
+
+def keeps_source_chunks(leaf: Any) -> bool:
+    return False  # blocks of whole rows, whatever the source's chunks
+
+
+def target_layout(leaf: Any, itemsize: int, cap: int | None, cap_bytes: int) -> RegularGrid:
+    """Blocks of whole rows: each is one contiguous byte range of the output file."""
+    return RegularGrid(default_grid(tuple(leaf.shape), itemsize, cap_bytes))
+
+
+def plan_value(ctx: PlanContext, keys: tuple[Key, ...], name: str, value: Any, source_path: str) -> None:
+    """A number (a step counter) is a 0-d tensor here; the writer records which were Python
+    numbers, so ckpt reads them back as such. Nothing else has a place in a safetensors file."""
+    if scalar_tensor(value) is not None:
+        ctx.add_value(TargetValue(keys, name, value, "scalar"))
+        return
+    ctx.refuse(source_path, f"safetensors holds tensors and numbers only, not {a_type(value)} value")

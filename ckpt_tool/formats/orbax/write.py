@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .. import dtypes
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
-from ..model import Key, Region, RegularGrid, Sharding
-from ..pagecache import DirectoryDropper
-from ..storage import Storage, ts_error_text
-from ..writers import TargetArray, TargetValue, WritePlan
-from . import orbax as ob
+from ... import dtypes
+from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
+from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
+from ...pagecache import DirectoryDropper
+from ...storage import Storage, ts_error_text
+from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from . import reader as ob
 
 # the class paths orbax records in _CHECKPOINT_METADATA["item_handlers"]
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -805,3 +805,51 @@ def _walk_rich_tree(node: Any, path: tuple[Key, ...], found: set[tuple[Key, ...]
 
 def _fmt_region(region: Region) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
+
+
+# -- what the engine asks the format (writers.py) ---------------------------------------
+
+TUPLES_AS_VALUES = False  # a tuple is a pytree node: its elements are leaves, the tuple is recorded
+
+
+def make_writer(storage: Storage, *, memory: int, zarr3: bool = False, **_: Any) -> OrbaxWriter:
+    return OrbaxWriter(storage, zarr3=zarr3, max_pending_bytes=pending_window(memory))
+
+
+def keeps_source_chunks(leaf: Any) -> bool:
+    """An Orbax source's grid is kept (a chunk too big for the budget is split to it)."""
+    return isinstance(leaf.layout, RegularGrid)
+
+
+def target_layout(leaf: Any, itemsize: int, cap: int | None, cap_bytes: int) -> RegularGrid:
+    """The source's grid where it has one (a DCP chunk list that tiles evenly has one too),
+    else whole rows up to the cap; a grid over the cap is shrunk in its leading dims."""
+    grid = as_regular_grid(leaf.layout, leaf.shape)
+    if grid is None:
+        grid = default_grid(leaf.shape, itemsize, cap_bytes)
+    elif (cap or isinstance(leaf.layout, ChunkList)) and math.prod(grid) * itemsize > cap_bytes:
+        # keep the source grid's alignment: shrink its leading dims to the cap
+        grid = default_grid(grid, itemsize, cap_bytes)
+    return RegularGrid(tuple(grid))
+
+
+def plan_value(ctx: PlanContext, keys: tuple[Key, ...], name: str, value: Any, source_path: str) -> None:
+    """Lists, tuples and dicts are subtrees in a pytree: their elements become leaves as orbax
+    would have saved them (tuples recorded as tuples); None and empty containers are orbax's
+    empty values; a tensor inside a bytes item (a tuple of tensors) is an array leaf."""
+    for sub_keys, sub_value in flatten_value(keys, value, ctx.tuples):
+        sub_name = ".".join(str(k) for k in sub_keys)
+        if sub_keys != keys:
+            ctx.claim(sub_keys, source_path)
+        where = "/".join(str(k) for k in sub_keys)
+        if isinstance(sub_value, str):
+            ctx.add_value(TargetValue(sub_keys, sub_name, sub_value, "string"))
+        elif isinstance(sub_value, (bool, int, float, np.generic)) and not isinstance(sub_value, (np.str_, np.bytes_)):
+            ctx.add_value(TargetValue(sub_keys, sub_name, sub_value, "scalar"))
+        elif sub_value is None or (type(sub_value) in (list, tuple, dict) and not sub_value):
+            ctx.add_value(TargetValue(sub_keys, sub_name, sub_value, "object"))
+        elif isinstance(sub_value, np.ndarray) and dtypes.torch_name_of(sub_value) is not None:
+            ctx.add_array(sub_keys, sub_name, sub_value)
+        else:
+            ctx.refuse(where, f"{a_type(sub_value)} value has no Orbax leaf type "
+                              "(arrays, numbers, strings, None and containers of them)")

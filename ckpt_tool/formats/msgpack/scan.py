@@ -30,8 +30,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ..errors import CkptError, CorruptMetadataError
-from ..storage import Storage
+from ...errors import CkptError, CorruptMetadataError
+from ...storage import Storage
 
 MAX_DEPTH = 128  # real trees nest a few dozen levels at most; T5X specs add 4
 MAX_NODES = 5_000_000  # values in one document (keys included)

@@ -25,14 +25,16 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import (
+from ... import dtypes
+from ...errors import (
     CkptError, NotFoundError, PathEscapeError, StorageUnavailableError, UnsafePickleError, short_repr,
 )
-from ..findings import Findings
-from ..formats import dcp, dcp_transforms, safe_pickle
-from ..model import Chunk, ValueLeaf, keys_path
-from ..storage import Storage
+from ...findings import Findings
+from ...torchsave import safe_pickle
+from . import reader as dcp
+from . import transforms as dcp_transforms
+from ...model import Chunk, ValueLeaf, keys_path
+from ...storage import Storage
 
 # how many regions / files one message names before "... and N more"
 _MAX_NAMED = 5
@@ -93,8 +95,9 @@ class _Placed:
         return _chunk_label(fqn, Chunk(offsets, self.sizes))
 
 
-def check_path(storage: Storage, findings: Findings) -> None:
-    """Validate one DCP checkpoint directory; every problem becomes a finding."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """Validate one DCP checkpoint directory; every problem becomes a finding (a directory has no steps,
+    and no single file is a DCP checkpoint: `step` and `only` are unused)."""
     _, files = storage.listdir()
     data_files = sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX))
     tmp_metadata = sorted(f for f in files if _TMP_METADATA.match(f))
@@ -1130,7 +1133,7 @@ class _Window:
         return self._data[pos - self._start : pos - self._start + n]
 
 
-def check_dcp_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep's DCP part besides the chunk reads: every non-tensor item, and the replicated duplicates.
 
     A bytes item is a torch.save archive of a pickled value: it is opened
@@ -1335,7 +1338,8 @@ def _compare_copy(
     entries: dict[EntryKey, dcp._Entry], findings: Findings,
 ) -> bool:
     """Compare one unreferenced stored item with the duplicated chunk it copies; False if it copies none."""
-    from ..formats import dcp_transforms, torch_payload
+    from . import transforms as dcp_transforms
+    from ...torchsave import payload as torch_payload
 
     where = f"{storage.url}/{name}[{start}:{end}]"
 
@@ -1391,8 +1395,8 @@ def _first_difference(a: Any, fetch_a: Callable, where_a: str, b: Any, fetch_b: 
     A failure to read `b` (the copy torch reads) propagates; `a` failing to
     decode is a difference.
     """
-    from ..formats import torch_payload
-    from ..model import split_to_cap
+    from ...torchsave import payload as torch_payload
+    from ...model import split_to_cap
 
     whole = Chunk(tuple(0 for _ in a.shape), tuple(a.shape))
     for piece in split_to_cap(whole, a.itemsize, _COMPARE_BLOCK):

@@ -10,20 +10,20 @@ from typing import Any
 
 import tensorstore as ts
 
-from .. import dtypes
-from ..errors import CkptError, UsageError
-from ..findings import Findings
-from ..formats import orbax as ob
-from ..formats import orbax_schema as schema
-from ..storage import Storage
+from ... import dtypes
+from ...errors import CkptError, UsageError
+from ...findings import Findings
+from . import reader as ob
+from . import schema
+from ...storage import Storage
 
 ROOT_METADATA = "_ROOT_METADATA"
 # more chunks than this per array are not enumerated key by key; the count is compared instead
 _MAX_ENUMERATED_CHUNKS = 1_000_000
 
 
-def check_path(storage: Storage, findings: Findings, *, step: str | int | None) -> None:
-    """Validate a single step, or every step of a CheckpointManager root."""
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """Validate a single step, or every step of a CheckpointManager root (`only`: unused, no single files)."""
     dirs, files = storage.listdir()
     if ob._looks_like_step(storage, dirs, files):
         name = storage.url.rstrip("/").rsplit("/", 1)[-1]
@@ -557,7 +557,7 @@ _SIZE_FLOOR = 2**30
 def _size_plausible(
     shape: tuple[int, ...], dtype: str, stored: int, findings: Findings, leaf: str, file: str,
 ) -> bool:
-    from .. import dtypes
+    from ... import dtypes
 
     itemsize = dtypes.get(dtype).itemsize
     claimed = math.prod(shape) * itemsize

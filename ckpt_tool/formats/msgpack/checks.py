@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import CkptError, UsageError
-from ..findings import Findings
-from ..formats import msgpack_scan as ms
-from ..formats import msgpack_tree as mt
-from ..storage import Storage
-from . import orbax_checks as oc
+from ...errors import CkptError, UsageError
+from ...findings import Findings
+from . import scan as ms
+from . import reader as mt
+from ...storage import Storage
+from ..orbax import checks as oc
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None, only: str | None = None) -> str:
@@ -190,8 +190,8 @@ def _check_arrays(
 
 def validate_file(path: str, parts: tuple[str, str], *, deep: bool, workers: int, progress: Any) -> Any:
     """`ckpt validate FILE` for one Flax msgpack file (`parts`: its directory and name)."""
-    from . import ValidationReport
-    from .deep import deep_check
+    from ...validate import ValidationReport
+    from ...validate.deep import deep_check
 
     storage = Storage.open(parts[0])
     findings = Findings()

@@ -1,0 +1,11 @@
+"""Hugging Face safetensors: one file, or a sharded save with its index.
+
+reader.py reads headers and tensors without torch or the safetensors package;
+write.py writes them (convert); checks.py is validate's shallow checks. The
+package's interface is the registry's: NAME, detect, read, and for one file
+given by its path split_file and read_file.
+"""
+from .reader import NAME, detect, read, read_file
+from .reader import split_file_url as split_file
+
+__all__ = ["NAME", "detect", "read", "read_file", "split_file"]

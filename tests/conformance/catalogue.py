@@ -1,0 +1,326 @@
+"""The conformance suite's catalogue: every committed real-writer fixture, its format, and how to
+ask the writing library what it holds; per format, how each damage class is made.
+
+The suite (tests/conformance/test_conformance_*.py) is parameterised over `cases()`: every
+format the registry (`ckpt_tool.formats.registered()`) lists, times every ENTRY of that format.
+`test_conformance_catalogue.py` fails when a registered format has no entry, or when a directory
+under fixtures/ is in no entry (nor in NOT_CHECKPOINTS): a format or fixture dropped in is picked
+up, or flagged. Adding a format = its package + registry line (ckpt_tool/formats), its fixtures
+(fixtures/), and here: its ENTRIES, its DAMAGE rows, and (if it writes) its library loader in
+references.values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import references as R
+from conftest import FIXTURES
+
+# --------------------------------------------------------------------------
+# the registry (ckpt_tool.formats): the suite asks it which formats there are
+# --------------------------------------------------------------------------
+
+
+def registered() -> list:
+    """The registry's FormatInfo list, in detection order."""
+    from ckpt_tool import formats
+
+    return list(formats.registered())
+
+
+def writable() -> list[str]:
+    """Names of the formats with a writer (`convert --to`)."""
+    from ckpt_tool import formats
+
+    return list(formats.writable())
+
+
+def detected(path: Path) -> str:
+    """The registered format whose package reads `path` (as ckpt_tool.open picks it)."""
+    from ckpt_tool import formats
+    from ckpt_tool.storage import Storage
+
+    single = formats.split_file(str(path))
+    if single is not None:
+        return single[0].name
+    module = formats.detect(Storage.open(str(path)))
+    return next(f.name for f in registered() if module.__name__ == f.package or module.__name__.startswith(f.package + "."))
+
+
+# --------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # under fixtures/ (a directory, a step of a root, or one file)
+    format: str  # the registry name of the format that reads it
+    reference: Callable[[Path, str | None], dict]  # the writing library's view (references.py)
+    values: Callable[[Path, str | None], dict] | None = None  # ... and its values; None: as `reference`'s kind
+    step: str | None = None  # --step, for a root with several steps
+    str_keys: bool = False  # compare key paths as strings (flax's restore of an orbax save)
+    # targets that must refuse it (an array dtype the target has no equivalent for): {target: message part}
+    refused_by: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}@{self.step}" if self.step else self.path
+
+    @property
+    def top(self) -> str:
+        """The directory directly under fixtures/ it belongs to."""
+        return self.path.split("/")[0]
+
+    def library_values(self) -> Callable[[Path, str | None], dict] | None:
+        return self.values or VALUES.get(self.reference)
+
+    def full(self, root: Path = FIXTURES) -> Path:
+        return root / self.path
+
+
+def _LEGACY(name: str) -> dict:  # noqa: N802 - reads as the loader it gives
+    return {"reference": R.legacy_recorded(name), "values": R.legacy_recorded_values(name)}
+
+
+# reference loader -> the same library's values
+VALUES = {R.orbax_live: R.orbax_live_values, R.dcp_live: R.dcp_live_values, R.orbax_recorded: R.orbax_recorded_values,
+          R.safetensors_live: R.safetensors_live_values, R.safetensors_dcp_hf: R.safetensors_dcp_hf_values}
+ENTRIES: list[Entry] = [
+    # orbax-checkpoint 0.12.8 (fixtures/generate.py): read live with the installed orbax
+    Entry("orbax_ocdbt_zarr2", "orbax", R.orbax_live),
+    Entry("orbax_ocdbt_zarr3", "orbax", R.orbax_live),
+    Entry("orbax_plain_zarr2", "orbax", R.orbax_live),
+    Entry("orbax_two_process", "orbax", R.orbax_live),
+    Entry("orbax_manager", "orbax", R.orbax_live, step="1"),
+    Entry("orbax_manager", "orbax", R.orbax_live, step="2"),
+    # orbax 0.5 / 0.9 / 0.11 (gen_orbax_versions.py): their own restore, recorded
+    *[Entry(f"{fam}/{save}", "orbax", R.orbax_recorded)
+      for fam in ("orbax_v0_5", "orbax_v0_9", "orbax_v0_11")
+      for save in ("standard", "plain", "manager", "manager_plain")],
+    # torch 2.13 DCP: read live with torch
+    Entry("dcp_single", "dcp", R.dcp_live),
+    Entry("dcp_multirank", "dcp", R.dcp_live),
+    Entry("dcp_fsdp2_adam", "dcp", R.dcp_live),
+    Entry("dcp_conj", "dcp", R.dcp_live, refused_by=(("safetensors", "complex128 has no safetensors equivalent"),)),
+    *[Entry(n, "dcp", R.dcp_live) for n in
+      ("dcp_zstd", "dcp_dups", "dcp_dups_replicated", "dcp_dups_zstd", "dcp_threads")],
+    # safetensors (transformers, safetensors.numpy, DCP's HF writer): safe_open / torch's HF reader
+    Entry("safetensors_llama_sharded", "safetensors", R.safetensors_live),
+    Entry("safetensors_llama_bf16", "safetensors", R.safetensors_live),
+    Entry("safetensors_numpy", "safetensors", R.safetensors_live),
+    Entry("safetensors_dcp_rank0", "safetensors", R.safetensors_live),
+    Entry("safetensors_dcp_consolidated", "safetensors", R.safetensors_live),
+    Entry("safetensors_dcp_distributed", "safetensors", R.safetensors_dcp_hf),
+    # flax 0.7.5 / orbax 0.4.1 / t5x's calls (gen_legacy_jax.py): recorded restores
+    Entry("orbax_v0_4_ocdbt", "msgpack", **_LEGACY("orbax_v0_4_ocdbt")),
+    Entry("orbax_v0_4_plain", "msgpack", **_LEGACY("orbax_v0_4_plain")),
+    Entry("orbax_v0_4_manager", "msgpack", **_LEGACY("orbax_v0_4_manager.1"), step="1"),
+    Entry("orbax_v0_4_manager", "msgpack", **_LEGACY("orbax_v0_4_manager.2"), step="2"),
+    Entry("flax_orbax", "msgpack", **_LEGACY("flax_orbax.1"), step="1", str_keys=True),
+    Entry("flax_orbax", "msgpack", **_LEGACY("flax_orbax.2"), step="2", str_keys=True),
+    Entry("flax_msgpack", "msgpack", **_LEGACY("flax_msgpack.1"), step="1"),
+    Entry("flax_msgpack", "msgpack", **_LEGACY("flax_msgpack.2"), step="2"),
+    Entry("flax_msgpack/checkpoint_1", "msgpack", **_LEGACY("flax_msgpack.1")),  # one file, by its path
+    Entry("flax_to_bytes/state.msgpack", "msgpack", **_LEGACY("flax_to_bytes")),
+    Entry("flax_chunked", "msgpack", **_LEGACY("flax_chunked")),
+    Entry("t5x", "msgpack", **_LEGACY("t5x.1")),
+]
+
+# directories under fixtures/ that are not checkpoints (the legacy references themselves)
+NOT_CHECKPOINTS = {"legacy_jax_reference"}
+
+
+def fixture_dirs(root: Path = FIXTURES) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
+def uncatalogued(entries: Iterable[Entry] = (), root: Path = FIXTURES,
+                 not_checkpoints: Iterable[str] = NOT_CHECKPOINTS) -> list[str]:
+    """Fixture directories no entry covers (a new fixture nobody wired in); in a family directory
+    that is no checkpoint itself (orbax_v0_5/: one save per sub-directory), each member too."""
+    entries = list(entries or ENTRIES)
+    out = []
+    for d in fixture_dirs(root):
+        if d in set(not_checkpoints):
+            continue
+        paths = [e.path for e in entries if e.top == d]
+        if not paths:
+            out.append(d)
+        elif d not in paths:  # a family: every member (not _reference.json and the like) is an entry
+            for child in sorted((root / d).iterdir()):
+                rel = f"{d}/{child.name}"
+                if not child.name.startswith(("_", ".")) and not any(p == rel or p.startswith(rel + "/")
+                                                                      for p in paths):
+                    out.append(rel)
+    return out
+
+
+def formats_without_fixtures(infos: Iterable = (), entries: Iterable[Entry] = ()) -> list[str]:
+    """Registered formats no entry exercises (a new format without fixtures)."""
+    have = {e.format for e in (entries or ENTRIES)}
+    return [f.name for f in (infos or registered()) if f.name not in have]
+
+
+def unregistered_entries(infos: Iterable = (), entries: Iterable[Entry] = ()) -> list[str]:
+    """Entries whose format the registry does not know (a format renamed or dropped)."""
+    names = {f.name for f in (infos or registered())}
+    return [e.id for e in (entries or ENTRIES) if e.format not in names]
+
+
+def cases(infos: Iterable = (), entries: Iterable[Entry] = ()) -> list[Entry]:
+    """Every (registered format x its entries): what the properties are parameterised over."""
+    names = [f.name for f in (infos or registered())]
+    return [e for n in names for e in (entries or ENTRIES) if e.format == n]
+
+
+# --------------------------------------------------------------------------
+# damage: per format, the file each damage class hits, and the finding code it must give
+# --------------------------------------------------------------------------
+
+DAMAGE_CLASSES = ("missing-file", "truncated-file", "wrong-size", "garbage-metadata", "path-escape")
+
+
+@dataclass(frozen=True)
+class Damage:
+    format: str
+    cls: str  # one of DAMAGE_CLASSES
+    fixture: str  # an entry path
+    target: str  # glob (under the fixture) of the file damaged
+    how: str  # a key of HOW
+    code: str  # the finding code validate must report
+    deep: bool = False  # only --deep reads the damaged bytes
+    step: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.format}-{self.cls}-{self.fixture}:{self.how}"
+
+
+def _truncate(p: Path, work: Path) -> None:
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+
+
+def _empty(p: Path, work: Path) -> None:
+    p.write_bytes(b"")
+
+
+def _grow(p: Path, work: Path) -> None:
+    with open(p, "ab") as f:
+        f.write(b"\0" * 64)
+
+
+def _garbage(p: Path, work: Path) -> None:
+    p.write_bytes(b"\x00garbage{not metadata")
+
+
+def _symlink_out(p: Path, work: Path) -> None:
+    """The file becomes a link to a same-content copy OUTSIDE the checkpoint."""
+    outside = work / f"outside-{p.name}"
+    shutil.copyfile(p, outside)
+    p.unlink()
+    p.symlink_to(outside)
+
+
+def _header_length(p: Path, work: Path) -> None:
+    """safetensors: the 8-byte header length off by 8."""
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    p.write_bytes(struct.pack("<Q", n + 8) + data[8:])
+
+
+def _storage_path_escape(p: Path, work: Path) -> None:
+    """DCP: a storage entry's relative_path climbs out ('../x.distcp', a real file there)."""
+    import fuzz_lib
+
+    data = p.read_bytes()
+    (p.parent.parent / "x.distcp").write_bytes((p.parent / "__1_0.distcp").read_bytes())
+    new, _ = fuzz_lib.edit_storage_entry(data, "model.w", lambda info: setattr(info, "relative_path", "../x.distcp"))
+    p.write_bytes(new)
+
+
+HOW: dict[str, Callable[[Path, Path], None]] = {
+    "remove": lambda p, work: p.unlink(),
+    "truncate": _truncate,
+    "empty": _empty,
+    "grow": _grow,
+    "garbage": _garbage,
+    "symlink-out": _symlink_out,
+    "header-length": _header_length,
+    "storage-path": _storage_path_escape,
+}
+
+DAMAGE: list[Damage] = [
+    # orbax: an OCDBT data file under d/, _METADATA, a plain zarr chunk
+    Damage("orbax", "missing-file", "orbax_ocdbt_zarr2", "d/*", "remove", "lost-process-data"),
+    Damage("orbax", "missing-file", "orbax_plain_zarr2", "params.dense.kernel/1.1", "remove", "missing-chunk"),
+    Damage("orbax", "truncated-file", "orbax_ocdbt_zarr2", "d/*", "truncate", "lost-process-data"),
+    Damage("orbax", "truncated-file", "orbax_plain_zarr2", "params.dense.kernel/1.1", "truncate", "bad-chunk",
+           deep=True),
+    Damage("orbax", "wrong-size", "orbax_plain_zarr2", "params.dense.kernel/1.1", "grow", "bad-chunk", deep=True),
+    Damage("orbax", "garbage-metadata", "orbax_ocdbt_zarr2", "_METADATA", "garbage", "bad-metadata"),
+    Damage("orbax", "garbage-metadata", "orbax_plain_zarr2", "params.dense.kernel/.zarray", "garbage",
+           "bad-array-metadata"),
+    Damage("orbax", "path-escape", "orbax_ocdbt_zarr2", "d/*", "symlink-out", "path-escape"),
+    # dcp: a rank's .distcp, .metadata
+    Damage("dcp", "missing-file", "dcp_multirank", "__1_0.distcp", "remove", "missing-file"),
+    Damage("dcp", "truncated-file", "dcp_multirank", "__1_0.distcp", "truncate", "truncated-file"),
+    Damage("dcp", "wrong-size", "dcp_multirank", "__1_0.distcp", "empty", "empty-file"),
+    Damage("dcp", "garbage-metadata", "dcp_multirank", ".metadata", "garbage", "bad-metadata"),
+    Damage("dcp", "path-escape", "dcp_multirank", "__1_0.distcp", "symlink-out", "path-escape"),
+    Damage("dcp", "path-escape", "dcp_multirank", ".metadata", "storage-path", "path-escape"),
+    # safetensors: a shard, its header, the index
+    Damage("safetensors", "missing-file", "safetensors_llama_sharded", "model-00002-of-00004.safetensors",
+           "remove", "missing-file"),
+    Damage("safetensors", "truncated-file", "safetensors_llama_sharded", "model-00002-of-00004.safetensors",
+           "truncate", "truncated-file"),
+    Damage("safetensors", "wrong-size", "safetensors_llama_sharded", "model-00002-of-00004.safetensors",
+           "header-length", "bad-metadata"),
+    Damage("safetensors", "wrong-size", "safetensors_numpy", "model.safetensors", "grow", "bad-metadata"),
+    Damage("safetensors", "garbage-metadata", "safetensors_llama_sharded", "model.safetensors.index.json",
+           "garbage", "bad-metadata"),
+    Damage("safetensors", "path-escape", "safetensors_llama_sharded", "model-00002-of-00004.safetensors",
+           "symlink-out", "path-escape"),
+    # msgpack: a Flax msgpack file, a T5X array chunk
+    Damage("msgpack", "missing-file", "t5x", "checkpoint_1/target.encoder.token_embedder.embedding/0.0",
+           "remove", "missing-chunk"),
+    Damage("msgpack", "truncated-file", "flax_msgpack", "checkpoint_2", "truncate", "truncated-file"),
+    Damage("msgpack", "truncated-file", "t5x", "checkpoint_1/target.encoder.token_embedder.embedding/0.0",
+           "truncate", "bad-chunk", deep=True),
+    Damage("msgpack", "wrong-size", "flax_msgpack", "checkpoint_2", "grow", "bad-metadata"),
+    Damage("msgpack", "garbage-metadata", "flax_msgpack", "checkpoint_2", "garbage", "bad-metadata"),
+    Damage("msgpack", "path-escape", "t5x", "checkpoint_1/target.encoder.token_embedder.embedding/0.0",
+           "symlink-out", "path-escape"),
+    Damage("msgpack", "path-escape", "flax_msgpack", "checkpoint_2", "symlink-out", "path-escape"),
+]
+
+
+# {format: {damage class: why it cannot happen}} for classes a format cannot suffer
+NOT_APPLICABLE: dict[str, dict[str, str]] = {}
+
+
+def damage_cases(infos: Iterable = (), damage: Iterable[Damage] = ()) -> list[Damage]:
+    names = [f.name for f in (infos or registered())]
+    return [d for n in names for d in (damage or DAMAGE) if d.format == n]
+
+
+def damaged_copy(d: Damage, work: Path, root: Path = FIXTURES) -> tuple[Path, str]:
+    """A copy of d's fixture under work/ with d applied; (checkpoint path, damaged file's relative path)."""
+    src = root / d.fixture
+    dst = work / "ckpt" / Path(d.fixture).name
+    shutil.copytree(src, dst, symlinks=True)
+    [target] = sorted(glob.glob(os.path.join(dst, d.target)))[:1]
+    HOW[d.how](Path(target), work)
+    return dst, os.path.relpath(target, dst)
+
+
+def with_entries(entries: list[Entry], **changes) -> list[Entry]:  # noqa: ANN003
+    return [dataclasses.replace(e, **changes) for e in entries]

@@ -1,0 +1,342 @@
+"""What the WRITING library says a fixture holds, in one shape for every format.
+
+A reference is ``{key: Ref}``: ``key`` is the key path ckpt reports (a tuple of
+str / int) or, for formats keyed by flat names (safetensors), ``("name", NAME)``
+matched against the leaf's ``name``; ``Ref`` says the leaf's kind ("array" or
+"value") and, where the library records them, its shape and dtype.
+
+Live loaders call the library itself (orbax-checkpoint 0.12, torch DCP,
+safetensors: installed in the test venv); recorded loaders read what the
+library of the time wrote beside the fixture (orbax 0.5/0.9/0.11
+`_reference.json`, flax / orbax 0.4 / t5x `legacy_jax_reference/`; see
+fixtures/README.md). The heavy libraries are imported inside the functions.
+
+``values(fmt, path)`` is the other direction: a checkpoint ckpt WROTE, loaded
+by the target format's own library (orbax restore, dcp_to_torch_save +
+torch.load, safetensors' safe_open), as ``{key: value}`` for the round trip.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import library_reference as LR
+from conftest import FIXTURES
+
+LEGACY = FIXTURES / "legacy_jax_reference"
+
+
+@dataclass(frozen=True)
+class Ref:
+    kind: str  # "array" | "value"
+    shape: tuple | None = None
+    dtype: str | None = None  # numpy / ml_dtypes name; None where the library does not say
+
+
+def by_name(name: str) -> tuple:
+    return ("name", name)
+
+
+# --------------------------------------------------------------------------
+# live: the library installed in the venv
+# --------------------------------------------------------------------------
+
+
+def _orbax_leaf(m: Any) -> Ref:
+    import numpy as np
+    from orbax.checkpoint import metadata as ocpmd
+
+    if isinstance(m, ocpmd.StringMetadata):
+        return Ref("value", (), "string")
+    if isinstance(m, ocpmd.ScalarMetadata):
+        return Ref("value", (), np.dtype(m.dtype).name)
+    if isinstance(m, ocpmd.ArrayMetadata):
+        return Ref("array", tuple(int(d) for d in (m.shape or ())), np.dtype(m.dtype).name)
+    raise TypeError(f"unexpected orbax metadata leaf {type(m).__name__}")
+
+
+def _orbax_item(item_dir: str) -> dict:
+    return {k: _orbax_leaf(m) for k, m in LR._flatten(LR._pytree_metadata(item_dir)).items()}
+
+
+def orbax_live(path: Path, step: str | None = None) -> dict:
+    """orbax-checkpoint's own metadata API; a manager step: every item, JSON items as values."""
+    path = Path(path) / step if step is not None else Path(path)
+    p = os.path.abspath(path)
+    if LR._is_pytree_item(p):
+        return _orbax_item(p)
+    out = {}
+    for name, item_dir in (LR._composite_items(p) or {}).items():
+        if LR._is_pytree_item(item_dir):
+            out.update({(name,) + k: v for k, v in _orbax_item(item_dir).items()})
+        else:
+            out.update({(name,) + k: Ref("value") for k in LR._restore_json(item_dir)})
+    return out
+
+
+def dcp_live(path: Path, step: str | None = None) -> dict:
+    """torch.distributed.checkpoint's metadata: tensors with shape and dtype, bytes items as values."""
+    out = {}
+    for k, sd in LR.dcp_reference(path).items():
+        out[k] = Ref("value") if sd is None else Ref("array", sd[0], sd[1])
+    return out
+
+
+def _torch_dtype_name(t: Any) -> str:  # a tensor or a TensorProperties
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def safetensors_live(path: Path, step: str | None = None) -> dict:
+    """safetensors' safe_open over the checkpoint's files (framework 'pt': numpy holds no bf16 there)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in _safetensors_files(Path(path)):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                out[by_name(k)] = Ref("array", tuple(int(d) for d in sl.get_shape()), _st_dtype(sl.get_dtype()))
+    return out
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+              "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+              "C64": "complex64", "F8_E8M0": "float8_e8m0fnu"}
+
+
+def _st_dtype(code: str) -> str:
+    return _ST_DTYPES.get(code, code.lower())
+
+
+def safetensors_dcp_hf(path: Path, step: str | None = None) -> dict:
+    """A DCP HuggingFaceStorageWriter save (per-rank shards): torch's own HF storage reader's metadata."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = HuggingFaceStorageReader(str(path)).read_metadata()
+    out = {}
+    for fqn, item in md.state_dict_metadata.items():
+        assert isinstance(item, TensorStorageMetadata), fqn
+        out[by_name(fqn)] = Ref("array", tuple(int(d) for d in item.size), _torch_dtype_name(item.properties))
+    return out
+
+
+# --------------------------------------------------------------------------
+# recorded: what an older library wrote beside the fixture
+# --------------------------------------------------------------------------
+
+
+def orbax_recorded(path: Path, step: str | None = None) -> dict:
+    """fixtures/orbax_v0_X/_reference.json: that orbax version's own restore (of the latest step of a root)."""
+    path = Path(path)
+    doc = json.loads((path.parent / "_reference.json").read_text())
+    save = doc["saves"][path.name]
+    leaves = save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
+    out = {}
+    for leaf in leaves:
+        if leaf["data"] is None or leaf["type"] in ("int", "float"):
+            out[tuple(leaf["keys"])] = Ref("value")
+        else:
+            out[tuple(leaf["keys"])] = Ref("array", tuple(leaf["shape"]), leaf["dtype"])
+    return out
+
+
+def legacy_recorded(name: str) -> Callable[[Path, str | None], dict]:
+    """fixtures/legacy_jax_reference/<name>.json: flax 0.7.5 / orbax 0.4.1's restore (gen_legacy_jax.py).
+
+    As tests/test_legacy_jax.py reads it: orbax 0.4 keeps Python step / lr as 0-d arrays in its
+    target-less restore (ckpt gives the numbers saved), t5x keeps `version` beside the state, and
+    flax's restore of an orbax save turns list indices into str keys.
+    """
+
+    def load(path: Path, step: str | None = None) -> dict:
+        doc = json.loads((LEGACY / f"{name}.json").read_text())
+        out = {}
+        for leaf in doc["leaves"]:
+            keys = tuple(leaf["keys"])
+            if leaf["kind"] == "array":
+                ref = Ref("array", tuple(leaf["shape"]), leaf["dtype"])
+                if name.startswith("orbax_v0_4") and keys[-1] in ("step", "lr") and ref.shape == ():
+                    ref = Ref("value")
+                out[keys] = ref
+            else:
+                out[keys] = Ref("value")
+        if name.startswith("t5x"):
+            out[("version",)] = Ref("value")
+        return out
+
+    load.__name__ = f"legacy_recorded[{name}]"
+    return load
+
+
+STR_KEYS = {"flax_orbax.1", "flax_orbax.2"}  # compare key paths as strings (see legacy_recorded)
+
+
+# --------------------------------------------------------------------------
+# values: what the writing library restores (live), or restored then (recorded)
+# --------------------------------------------------------------------------
+
+
+def orbax_live_values(path: Path, step: str | None = None) -> dict:
+    """orbax's own restore (as host numpy arrays), JSON items flattened; a manager step's items."""
+    return LR.orbax_values(Path(path) / step if step is not None else path)
+
+
+def dcp_live_values(path: Path, step: str | None = None) -> dict:
+    """torch's own load (dcp_to_torch_save + torch.load), conj / neg views resolved as torch does."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    keys = LR.dcp_keys(path)
+    with tempfile.TemporaryDirectory(prefix="ckpt-conformance-") as tmp:
+        dcp_to_torch_save(os.fspath(path), os.path.join(tmp, "full.pt"))
+        sd = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+    out = {}
+    for fqn, kp in keys.items():
+        obj = sd[fqn] if kp == (fqn,) and fqn in sd else _walk(sd, kp)
+        out[kp] = _torch_to_numpy(obj) if isinstance(obj, torch.Tensor) else obj
+    return out
+
+
+def _walk(obj: Any, keys: tuple) -> Any:
+    for k in keys:
+        obj = obj[k]
+    return obj
+
+
+def safetensors_live_values(path: Path, step: str | None = None) -> dict:
+    return values("safetensors", path)
+
+
+def safetensors_dcp_hf_values(path: Path, step: str | None = None) -> dict:
+    """torch's HF storage reader: dcp.load of the per-rank shards into full tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    shapes = safetensors_dcp_hf(path)
+    sd = {k[1]: torch.zeros(ref.shape, dtype=getattr(torch, ref.dtype)) for k, ref in shapes.items()}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(path)))
+    return {by_name(k): _torch_to_numpy(v) for k, v in sd.items()}
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def orbax_recorded_values(path: Path, step: str | None = None) -> dict:
+    """_reference.json's bytes (base64) and Python values, as that orbax version restored them."""
+    import base64
+
+    import numpy as np
+
+    path = Path(path)
+    doc = json.loads((path.parent / "_reference.json").read_text())
+    save = doc["saves"][path.name]
+    leaves = save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
+    out = {}
+    for leaf in leaves:
+        if leaf["data"] is None or leaf["type"] in ("int", "float"):
+            out[tuple(leaf["keys"])] = leaf["value"]
+        else:
+            raw = base64.b64decode(leaf["data"])
+            out[tuple(leaf["keys"])] = np.frombuffer(raw, dtype=_np_dtype(leaf["dtype"])).reshape(leaf["shape"])
+    return out
+
+
+def legacy_recorded_values(name: str) -> Callable[[Path, str | None], dict]:
+    """legacy_jax_reference/<name>.json + .npz, with legacy_recorded's adjustments."""
+
+    def load(path: Path, step: str | None = None) -> dict:
+        import numpy as np
+
+        doc = json.loads((LEGACY / f"{name}.json").read_text())
+        arrays = np.load(LEGACY / f"{name}.npz")
+        out = {}
+        for leaf in doc["leaves"]:
+            keys = tuple(leaf["keys"])
+            if leaf["kind"] == "array":
+                raw = arrays[leaf["npz"]].tobytes()
+                value = np.frombuffer(raw, dtype=_np_dtype(leaf["dtype"])).reshape(leaf["shape"])
+                if name.startswith("orbax_v0_4") and keys[-1] in ("step", "lr") and value.shape == ():
+                    value = value.item()
+                out[keys] = value
+            else:
+                out[keys] = leaf["value"]
+        if name.startswith("t5x"):
+            out[("version",)] = 3
+        return out
+
+    load.__name__ = f"legacy_recorded_values[{name}]"
+    return load
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Arrays: dtype, shape and bytes; containers element-wise; anything else: same type and ==."""
+    import numpy as np
+
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def empty_subtree(v: Any) -> bool:
+    """None, [], {}, (): jax's tree flattening gives no leaf for them, so orbax restores none."""
+    return v is None or (isinstance(v, (list, tuple, dict)) and not v)
+
+
+# --------------------------------------------------------------------------
+# a checkpoint ckpt wrote, through the target format's own library
+# --------------------------------------------------------------------------
+
+
+def _torch_to_numpy(t: Any) -> Any:
+    return LR._tensor_to_numpy(t.resolve_conj().resolve_neg())
+
+
+def _safetensors_values(path: Path) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for f in _safetensors_files(Path(path)):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[by_name(k)] = _torch_to_numpy(h.get_tensor(k))
+    return out
+
+
+# a writable format -> its library's loader (orbax restore; dcp_to_torch_save + torch.load; safe_open)
+LOADERS: dict[str, Callable[[Path], dict]] = {
+    "orbax": LR.orbax_values,
+    "dcp": LR.dcp_values,
+    "safetensors": _safetensors_values,
+}
+
+
+def values(fmt: str, path: Path) -> dict:
+    """{key: value} as the library of `fmt` loads `path` (keys as in `reference`)."""
+    if fmt not in LOADERS:
+        raise KeyError(f"no library loader for {fmt!r}")
+    return LOADERS[fmt](path)
+
+
+# formats whose library keys leaves by flat name
+NAMED = {"safetensors"}

@@ -1,0 +1,105 @@
+"""The format registry (issue 19): every format is one package plus one registry line, and
+nothing above formats/ names a format except through the registry."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_ckpt
+
+from ckpt_tool import formats
+
+PACKAGE = ROOT / "ckpt_tool"
+
+
+def _names() -> set[str]:
+    out = {"msgpack_tree"}  # the flat-module days' name
+    for info in formats.registered():
+        out.add(info.name)
+        out.update(info.families)
+    return out
+
+
+def test_no_module_outside_formats_names_a_format():
+    """String constants equal to a format's name appear only under formats/ (docstrings and help
+    texts may mention formats in prose: they never equal a bare name)."""
+    names = _names()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("formats/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not found, found
+
+
+@pytest.mark.parametrize("info", formats.registered(), ids=lambda f: f.name)
+def test_each_package_has_the_registry_interface(info):
+    module = info.module()
+    assert module.NAME == info.name
+    assert callable(module.detect) and callable(module.read)
+    assert info.value_kinds and info.value_kinds <= formats.VALUE_KINDS
+    assert info.claims and info.title
+    if info.single_file:
+        assert callable(module.split_file) and callable(module.read_file)
+    assert callable(info.checks().check_path)
+    if info.can_write:
+        write = info.writer_module()
+        for name in ("make_writer", "target_layout", "keeps_source_chunks", "plan_value"):
+            assert callable(getattr(write, name)), name
+        assert isinstance(write.TUPLES_AS_VALUES, bool)
+        if write.TUPLES_AS_VALUES:
+            assert callable(write.gathered_value)
+    else:
+        with pytest.raises(formats.UsageError):
+            info.writer_module()
+
+
+def test_lookups():
+    assert [f.name for f in formats.registered()] == list(formats.REGISTRY)
+    assert formats.writable() == [f.name for f in formats.shown() if f.can_write]
+    for info in formats.registered():
+        assert formats.get(info.name) is info and formats.for_checkpoint(info.name) is info
+        for family in info.families:
+            assert formats.for_checkpoint(family) is info
+    with pytest.raises(formats.UsageError, match="unknown format 'zip'"):
+        formats.get("zip")
+    assert formats.reshard_format().can_write
+
+
+def test_help_and_convert_choices_come_from_the_registry():
+    r = run_ckpt("--help")
+    assert r.returncode == 0
+    for info in formats.shown():
+        assert (info.reads or info.title) in r.stdout, info.name
+    labels = formats.writable_labels()
+    assert f"Convert to {formats.joined(labels)}, streaming" in r.stdout
+    r = run_ckpt("convert", "a", "b", "--to", "zip")
+    assert r.returncode == 2
+    for name in formats.writable():
+        assert name in r.stderr
+
+
+def test_registry_imports_no_format_and_nothing_heavy():
+    code = (
+        "import sys, ckpt_tool.formats as f\n"
+        "f.registered(); f.writable(); f.shown()\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('numpy', 'tensorstore', 'rich')"
+        " or (m.startswith('ckpt_tool.formats.') and m != 'ckpt_tool.formats')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
+
+
+def test_readme_layout_names_every_format_package():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("\n## Layout of the code\n", 1)[1].split("\n## ", 1)[0]
+    for info in formats.registered():
+        folder = info.package.rsplit(".", 1)[-1] + "/"
+        assert f"    {folder}" in layout, folder
+    assert "### Adding a format" in layout
