@@ -134,14 +134,18 @@ def safetensors_dcp_hf(path: Path, step: str | None = None) -> dict:
 # --------------------------------------------------------------------------
 
 
-def orbax_recorded(path: Path, step: str | None = None) -> dict:
-    """fixtures/orbax_v0_X/_reference.json: that orbax version's own restore (of the latest step of a root)."""
+def _recorded_leaves(path: Path, step: str | None) -> list[dict]:
+    """The leaves _reference.json records for one save (a root: its `step`, else its latest)."""
     path = Path(path)
     doc = json.loads((path.parent / "_reference.json").read_text())
     save = doc["saves"][path.name]
-    leaves = save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
+    return save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
+
+
+def orbax_recorded(path: Path, step: str | None = None) -> dict:
+    """fixtures/orbax_v0_X/_reference.json: that orbax version's own restore (of the latest step of a root)."""
     out = {}
-    for leaf in leaves:
+    for leaf in _recorded_leaves(path, step):
         if leaf["data"] is None or leaf["type"] in ("int", "float"):
             out[tuple(leaf["keys"])] = Ref("value")
         else:
@@ -243,12 +247,8 @@ def orbax_recorded_values(path: Path, step: str | None = None) -> dict:
 
     import numpy as np
 
-    path = Path(path)
-    doc = json.loads((path.parent / "_reference.json").read_text())
-    save = doc["saves"][path.name]
-    leaves = save["steps"][str(step or save["latest_step"])]["leaves"] if save["kind"] == "root" else save["leaves"]
     out = {}
-    for leaf in leaves:
+    for leaf in _recorded_leaves(path, step):
         if leaf["data"] is None or leaf["type"] in ("int", "float"):
             out[tuple(leaf["keys"])] = leaf["value"]
         else:
