@@ -990,9 +990,12 @@ def _env() -> dict[str, str]:
 def run_process(command: str, path: Path, *, kill_after: float = KILL_AFTER_S, tmp: Path | None = None) -> RunResult:
     """`python -m ckpt_tool <command> PATH` as a whole process: exit code,
     signal, wall time and this child's own peak RSS (wait4)."""
-    argv = [sys.executable, "-m", "ckpt_tool", *COMMANDS[command], str(path)]
     tmp = tmp or path.parent
-    out_f, err_f = tmp / f".{command}.out", tmp / f".{command}.err"
+    out_f, err_f, rss_f = tmp / f".{command}.out", tmp / f".{command}.err", tmp / f".{command}.rss"
+    # through a small launcher: a child started from this (large) process, by vfork or fork,
+    # reports this process's peak RSS as its own (Linux keeps the old memory's high-water mark
+    # across exec), so the launcher's own fork + exec gives the ckpt process a clean record
+    argv = [sys.executable, "-c", _LAUNCHER, str(rss_f), sys.executable, "-m", "ckpt_tool", *COMMANDS[command], str(path)]
     with open(out_f, "wb") as out, open(err_f, "wb") as err:
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT, env=_env(),
@@ -1017,9 +1020,34 @@ def run_process(command: str, path: Path, *, kill_after: float = KILL_AFTER_S, t
     stderr = err_f.read_bytes().decode("utf-8", "replace")
     out_f.unlink()
     err_f.unlink()
+    try:
+        rss_kb: int | None = int(rss_f.read_text())
+        rss_f.unlink()
+    except (OSError, ValueError):  # killed before the launcher could say: its own, an upper bound
+        rss_kb = usage.ru_maxrss
     if timed_out:
         sig = None  # our own kill, reported as a hang
-    return RunResult(command, code, sig, seconds, usage.ru_maxrss, stdout, stderr, timed_out)
+    return RunResult(command, code, sig, seconds, rss_kb, stdout, stderr, timed_out)
+
+
+# argv: RSS_FILE PROGRAM ARGS...: runs PROGRAM, writes its peak RSS (KiB) to RSS_FILE, and ends
+# as it ended (the same exit code, or the same signal)
+_LAUNCHER = """
+import os, signal, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+os._exit(os.WEXITSTATUS(status))
+"""
 
 
 def run_inprocess(command: str, path: Path, *, kill_after: float = KILL_AFTER_S) -> RunResult:
