@@ -61,8 +61,18 @@ fixtures: $(STAMP)
 	$(PY) fixtures/gen_fsdp2.py
 	$(PY) fixtures/gen_dcp_variants.py
 	$(PY) fixtures/gen_safetensors.py
+	$(MAKE) $(TRANSFORMERS4_STAMP)
+	$(PY) fixtures/gen_torch_save.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
 	$(PYTHON) fixtures/gen_legacy_jax.py
+
+# transformers 5 writes safetensors only: the .bin fixtures come from 4.57 (same torch) in its own venv
+TRANSFORMERS4_VENV := build/venv-transformers-4.57
+TRANSFORMERS4_STAMP := $(TRANSFORMERS4_VENV)/.installed
+$(TRANSFORMERS4_STAMP):
+	$(PYTHON) -m venv $(TRANSFORMERS4_VENV)
+	$(TRANSFORMERS4_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'transformers==4.57.*' numpy
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info

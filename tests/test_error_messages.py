@@ -26,7 +26,7 @@ from conftest import FIXTURES
 
 # the ckpt_tool this test imports is the one the CLI runs (python -m from its own tree)
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
-READS = "Orbax, torch.distributed.checkpoint (DCP), safetensors and Flax / T5X msgpack checkpoints"
+READS = "Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack and torch.save checkpoints"
 
 
 def ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -163,7 +163,8 @@ def other_files(tmp_path_factory):
     return d, _write_files(d)
 
 
-@pytest.mark.parametrize("name", ["torch_zip", "torch_legacy", "array", "arrays", "compressed", "archive", "pickled"])
+# (torch.save files, zip or legacy, are the torch.save format's: tests/test_torch_save.py)
+@pytest.mark.parametrize("name", ["array", "arrays", "compressed", "archive", "pickled"])
 @pytest.mark.parametrize("command", ["inspect", "validate"])
 def test_other_format_file_says_what_it_is(other_files, name, command):
     d, kinds = other_files
@@ -191,8 +192,8 @@ def test_plain_file_is_still_a_file(tmp_path):
 def test_unknown_directory_lists_every_format_read(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     assert one_line(ckpt("inspect", str(tmp_path))) == (
-        f"ckpt: error: {tmp_path}: not an Orbax, torch.distributed.checkpoint (DCP), safetensors or Flax / T5X "
-        "msgpack checkpoint (found readme.txt)"
+        f"ckpt: error: {tmp_path}: not an Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X "
+        "msgpack or torch.save checkpoint (found readme.txt)"
     )
 
 

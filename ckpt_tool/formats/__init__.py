@@ -120,6 +120,13 @@ REGISTRY: dict[str, FormatInfo] = {
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
         options=("max_shard_size",),
     ),
+    # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
+    "torch": FormatInfo(
+        "torch", "torch.save", f"{__name__}.torch_save", can_write=False, value_kinds=_ALL,
+        claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
+        reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
+        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
+    ),
 }
 
 

@@ -414,29 +414,50 @@ class PayloadArchive:
         return order
 
     # -- tensors ---------------------------------------------------------
-    def locate(self, ref: TensorRef) -> TensorPayload:
-        """Validate a TensorRef against its storage member and say where its bytes are."""
+    def claim_problem(self, ref: TensorRef) -> str | None:
+        """What is wrong with a tensor's claim on its storage member, judged from the
+        central directory alone (no read): a missing member, a size other than the
+        storage's, a view reaching past its end. None when the claim holds."""
         storage: StorageRef = ref.storage
         info = self._info(f"data/{storage.key}")
         if info is None:
-            raise CorruptMetadataError(f"storage {storage.key!r} is missing from the archive", self.where)
-        data_start, size = self._member_position(info)
+            return f"storage {storage.key!r} is missing from the archive"
+        size = info.file_size
         if size != storage.nbytes:
-            raise CorruptMetadataError(
-                f"storage {storage.key!r} declares {storage.nbytes} bytes but the archive holds {size}", self.where
-            )
+            return f"storage {storage.key!r} declares {storage.nbytes} bytes but the archive holds {size}"
         itemsize = dtypes.get(ref.dtype).itemsize
         numel = math.prod(ref.size)
         if numel * itemsize > MAX_TENSOR_BYTES:
-            raise CorruptMetadataError(f"tensor of shape {list(ref.size)} is implausibly large", self.where)
+            return f"tensor of shape {list(ref.size)} is implausibly large"
         if numel:
             last = ref.storage_offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride))
             if (last + 1) * itemsize > size:
-                raise CorruptMetadataError(
-                    f"{ref.dtype}{list(ref.size)} with stride {list(ref.stride)} at offset {ref.storage_offset} "
-                    f"needs {(last + 1) * itemsize} bytes but its storage has {size}",
-                    self.where,
-                )
+                return (f"{ref.dtype}{list(ref.size)} with stride {list(ref.stride)} at offset {ref.storage_offset} "
+                        f"needs {(last + 1) * itemsize} bytes but its storage has {size}")
+        return None
+
+    def storage_members(self) -> dict[str, tuple[int, int]]:
+        """Every storage member: key -> (size in bytes, recorded CRC-32), from the central directory."""
+        prefix = self.prefix + "data/"
+        return {name[len(prefix):]: (m.file_size, m.CRC) for name, m in self._members.items()
+                if name.startswith(prefix) and "/" not in name[len(prefix):]}
+
+    def member_payload(self, key: str) -> TensorPayload:
+        """Storage member `key` as a flat uint8 payload (for its CRC-32), located by its local header."""
+        info = self._info(f"data/{key}")
+        if info is None:
+            raise CorruptMetadataError(f"storage {key!r} is missing from the archive", self.where)
+        data_start, size = self._member_position(info)
+        return TensorPayload("uint8", (size,), (1,), 0, data_start, size, info.CRC, False)
+
+    def locate(self, ref: TensorRef) -> TensorPayload:
+        """Validate a TensorRef against its storage member and say where its bytes are."""
+        problem = self.claim_problem(ref)
+        if problem is not None:
+            raise CorruptMetadataError(problem, self.where)
+        info = self._info(f"data/{ref.storage.key}")
+        assert info is not None  # (claim_problem found it)
+        data_start, size = self._member_position(info)
         return TensorPayload(
             dtype=ref.dtype,
             shape=ref.size,

@@ -249,9 +249,11 @@ def deep_check(
     # decoded; copies of replicated duplicates that .metadata does not point at)
     check_deep = getattr(info.checks(), "check_deep", None) if info is not None else None
     if check_deep is not None:
+        from ..formats import split_file
         from ..storage import Storage
 
-        check_deep(Storage.open(ckpt.path), ckpt, findings, skip)
+        single = split_file(ckpt.path)  # a checkpoint that is one file: its directory's storage
+        check_deep(Storage.open(single[1][0] if single else ckpt.path), ckpt, findings, skip)
     else:
         # scalars, strings and JSON items are stored data too (an Orbax scalar is
         # a 0-d zarr chunk): decode each, as a restore would

@@ -92,7 +92,8 @@ def _LEGACY(name: str) -> dict:  # noqa: N802 - reads as the loader it gives
 
 # reference loader -> the same library's values
 VALUES = {R.orbax_live: R.orbax_live_values, R.dcp_live: R.dcp_live_values, R.orbax_recorded: R.orbax_recorded_values,
-          R.safetensors_live: R.safetensors_live_values, R.safetensors_dcp_hf: R.safetensors_dcp_hf_values}
+          R.safetensors_live: R.safetensors_live_values, R.safetensors_dcp_hf: R.safetensors_dcp_hf_values,
+          R.torch_live: R.torch_live_values}
 ENTRIES: list[Entry] = [
     # orbax-checkpoint 0.12.8 (fixtures/generate.py): read live with the installed orbax
     Entry("orbax_ocdbt_zarr2", "orbax", R.orbax_live),
@@ -132,10 +133,16 @@ ENTRIES: list[Entry] = [
     Entry("flax_to_bytes/state.msgpack", "msgpack", **_LEGACY("flax_to_bytes")),
     Entry("flax_chunked", "msgpack", **_LEGACY("flax_chunked")),
     Entry("t5x", "msgpack", **_LEGACY("t5x.1")),
+    # torch.save (gen_torch_save.py: transformers 4.57 .bin sets, torch 2.13): torch.load(weights_only=True)
+    Entry("torch_hf_bin_sharded", "torch", R.torch_live),
+    Entry("torch_hf_bin_single", "torch", R.torch_live),
+    Entry("torch_hf_bin_single/pytorch_model.bin", "torch", R.torch_live),  # one file, by its path
+    Entry("torch_state/state.pt", "torch", R.torch_live),
+    Entry("torch_dcp_to_torch_save/full.pt", "torch", R.torch_live),
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
-NOT_CHECKPOINTS = {"legacy_jax_reference"}
+NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:
@@ -247,7 +254,20 @@ def _storage_path_escape(p: Path, work: Path) -> None:
     p.write_bytes(new)
 
 
+def _flip_storage(p: Path, work: Path) -> None:
+    """torch.save: one bit flipped inside the last storage member's data (its CRC-32 no longer matches)."""
+    import zipfile
+
+    with zipfile.ZipFile(p) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename and i.file_size), key=lambda i: i.header_offset)
+    data = bytearray(p.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
 HOW: dict[str, Callable[[Path, Path], None]] = {
+    "flip-storage": _flip_storage,
     "remove": lambda p, work: p.unlink(),
     "truncate": _truncate,
     "empty": _empty,
@@ -300,6 +320,17 @@ DAMAGE: list[Damage] = [
     Damage("msgpack", "path-escape", "t5x", "checkpoint_1/target.encoder.token_embedder.embedding/0.0",
            "symlink-out", "path-escape"),
     Damage("msgpack", "path-escape", "flax_msgpack", "checkpoint_2", "symlink-out", "path-escape"),
+    # torch: a shard of a .bin set, its index, a lone file
+    Damage("torch", "missing-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "remove", "missing-file"),
+    Damage("torch", "truncated-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "truncate",
+           "truncated-file"),
+    Damage("torch", "wrong-size", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "empty", "empty-file"),
+    Damage("torch", "wrong-size", "torch_hf_bin_single", "pytorch_model.bin", "flip-storage", "bad-chunk", deep=True),
+    Damage("torch", "garbage-metadata", "torch_hf_bin_sharded", "pytorch_model.bin.index.json", "garbage",
+           "bad-metadata"),
+    Damage("torch", "garbage-metadata", "torch_hf_bin_single", "pytorch_model.bin", "garbage", "bad-metadata"),
+    Damage("torch", "path-escape", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "symlink-out",
+           "path-escape"),
 ]
 
 

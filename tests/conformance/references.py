@@ -129,6 +129,55 @@ def safetensors_dcp_hf(path: Path, step: str | None = None) -> dict:
     return out
 
 
+def _torch_files(path: Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    index = sorted(path.glob("*.bin.index.json"))
+    if index:
+        return sorted({path / f for f in json.loads(index[0].read_text())["weight_map"].values()})
+    return sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+
+
+def _torch_walk(obj: Any, keys: tuple, out: dict) -> None:
+    """torch.load's object as ckpt lays a torch.save file out: dicts by key, lists/tuples by index
+    only where they hold a tensor (else one value, as DCP keeps such an item); keyed by dotted name."""
+    import torch
+
+    if isinstance(obj, dict) and obj and all(type(k) in (str, int) for k in obj):
+        for k, v in obj.items():
+            _torch_walk(v, keys + (k,), out)
+    elif isinstance(obj, (list, tuple)) and obj and any(isinstance(v, torch.Tensor) for v in obj):
+        for i, v in enumerate(obj):
+            _torch_walk(v, keys + (i,), out)
+    else:
+        out[by_name(".".join(map(str, keys)))] = obj
+
+
+def _torch_objects(path: Path) -> dict:
+    """torch.load(weights_only=True) of the checkpoint's files (one file, a set or a lone file in a directory)."""
+    import torch
+
+    out: dict = {}
+    for f in _torch_files(Path(path)):
+        _torch_walk(torch.load(f, weights_only=True, map_location="cpu"), (), out)
+    return out
+
+
+def torch_live(path: Path, step: str | None = None) -> dict:
+    """torch.load(weights_only=True): tensors with shape and dtype, everything else a value."""
+    import torch
+
+    return {k: Ref("array", tuple(v.shape), _torch_dtype_name(v)) if isinstance(v, torch.Tensor) else Ref("value")
+            for k, v in _torch_objects(path).items()}
+
+
+def torch_live_values(path: Path, step: str | None = None) -> dict:
+    import torch
+
+    return {k: _torch_to_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in _torch_objects(path).items()}
+
+
 # --------------------------------------------------------------------------
 # recorded: what an older library wrote beside the fixture
 # --------------------------------------------------------------------------
@@ -339,4 +388,4 @@ def values(fmt: str, path: Path) -> dict:
 
 
 # formats whose library keys leaves by flat name
-NAMED = {"safetensors"}
+NAMED = {"safetensors", "torch"}

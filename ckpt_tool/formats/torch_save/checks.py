@@ -1,0 +1,163 @@
+"""Shallow checks of torch.save files (one, a directory, a Hugging Face sharded set); --deep's CRC-32s.
+
+Shallow: the index (its JSON, the files it names, shards it does not name),
+the set's completeness (every `-0000K-of-0000N` shard present), and in every
+file the zip structure and records as torch's reader checks them, the pickle
+through the allow-list (a global outside it is `unsafe-pickle`: refused,
+nothing run), and each tensor's claim on its storage member (present, the
+storage's size, the view inside it) from the zip's central directory. A
+tensor name in two files of a set, or in a file the index does not place it
+in, is an error: which copy a loader takes depends on the loader.
+
+Deep (check_deep, after every tensor was read and checked for NaN/Inf): the
+CRC-32 of every storage member a whole read did not already check, each
+streamed once, and every non-tensor value decoded.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import CkptError, PathEscapeError, UnsafePickleError
+from ...findings import Findings
+from ...model import ValueLeaf
+from ...storage import Storage
+from ...torchsave.safe_pickle import TensorRef, UnsupportedTensorError
+from . import reader as ts
+
+# damaged-zip messages that mean the file ends too soon (its end records, or a member, cut off)
+_CUT_SHORT = ("no end-of-central-directory record", "outside the archive", "runs past the archive",
+              "too short for an end-of-central-directory", "central directory outside")
+
+
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    """`only`: check just that file of `storage` (not listed: its directory may hold anything); no steps."""
+    if only is not None:
+        if not storage.exists(only):
+            findings.error("missing-file", "no such file", file=only)
+            return
+        layout = ts.Layout([only], None, None, False, [], [], [])
+    else:
+        try:
+            layout = ts.scan(storage)
+        except PathEscapeError:
+            raise
+        except CkptError as exc:
+            findings.error("bad-metadata", exc.message, file=_file_of(storage, exc.where))
+            return
+        if layout.index_file:
+            findings.count("index")
+    for name in layout.missing:
+        why = f"named in {layout.index_file} but does not exist" if layout.index_file else \
+            "a shard of this set is missing (the other shards are here)"
+        findings.error("missing-file", why, file=name)
+    for name in layout.stray:
+        findings.warning("stray-file", f"a shard that {layout.index_file} does not name (loaders ignore it)", file=name)
+    names: dict[str, str] = {}  # dotted name -> file (sets only)
+    stored: dict[str, set[str]] = {}
+    for name in layout.files:
+        tree = _check_file(storage, name, findings)
+        if tree is None:
+            continue
+        leaves = ts.leaves_of(tree)
+        stored[name] = {leaf.name for leaf in leaves}
+        if layout.sharded:
+            for leaf in leaves:
+                if leaf.name in names:
+                    findings.error("chunk-overlap", f"stored in both {names[leaf.name]} and {name}", leaf=leaf.name,
+                                   file=name)
+                names.setdefault(leaf.name, name)
+    if layout.weight_map is not None:
+        for tname, fname in layout.weight_map.items():
+            if fname in stored and tname not in stored[fname]:
+                findings.error("leaf-missing", f"{layout.index_file} places it in {fname}, which does not hold it",
+                               leaf=tname, file=layout.index_file)
+        for fname, held in stored.items():
+            for tname in sorted(held):
+                want = layout.weight_map.get(tname)
+                if want is None:
+                    findings.warning("leaf-missing", f"stored in {fname} but not in {layout.index_file} "
+                                     "(loaders that follow the index will not see it)", leaf=tname, file=fname)
+                elif want != fname:
+                    findings.error("chunk-overlap", f"{layout.index_file} places it in {want}, but {fname} holds it",
+                                   leaf=tname, file=fname)
+
+
+def _check_file(storage: Storage, name: str, findings: Findings) -> ts.FileTree | None:
+    """One archive: its zip, records and pickle, and every tensor's claim on its storage."""
+    try:
+        archive = ts.Archive(storage, name)
+    except PathEscapeError:
+        raise
+    except UnsafePickleError as exc:
+        findings.error("unsafe-pickle", f"refers to {exc.module}.{exc.name}: refused, nothing was executed", file=name)
+        return None
+    except UnsupportedTensorError as exc:
+        findings.error("bad-metadata", exc.message, file=name)
+        return None
+    except CkptError as exc:
+        size = _size(storage, name)
+        code = "empty-file" if size == 0 else (
+            "truncated-file" if any(part in exc.message for part in _CUT_SHORT) else "bad-metadata")
+        findings.error(code, exc.message, file=name)
+        return None
+    findings.count("files")
+    tree = ts.file_tree(archive)
+    tensors = 0
+    for path, value in zip(tree.paths, tree.values):
+        if not isinstance(value, TensorRef):
+            continue
+        tensors += 1
+        problem = archive.zip.claim_problem(value)
+        if problem is not None:
+            code = "missing-chunk" if "missing from the archive" in problem else "bad-metadata"
+            findings.error(code, problem, leaf=".".join(str(k) for k in path), file=name)
+    findings.count("tensors", tensors)
+    return tree
+
+
+def _size(storage: Storage, name: str) -> int | None:
+    try:
+        return storage.size(name)
+    except CkptError:
+        return None
+
+
+def _file_of(storage: Storage, where: str | None) -> str | None:
+    if where and where.startswith(storage.url.rstrip("/") + "/"):
+        return where[len(storage.url.rstrip("/")) + 1:]
+    return None
+
+
+def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+    """--deep's part besides the tensor reads: every storage member's CRC-32 (those a whole
+    read did not already check, each streamed once), and every non-tensor value decoded."""
+    archives: dict[int, ts.Archive] = {}
+    for leaf in ckpt.leaves:
+        reader = getattr(leaf, "reader", None)
+        archive = getattr(reader, "_archive", None)
+        if isinstance(archive, ts.Archive):
+            archives[id(archive)] = archive
+    members = 0
+    for archive in archives.values():
+        for key, (size, crc) in sorted(archive.zip.storage_members().items()):
+            if not size or not crc:
+                continue  # torch was told not to record CRCs (then they are 0)
+            members += 1
+            try:
+                archive.verify_member(key)
+            except PathEscapeError:
+                raise
+            except CkptError as exc:
+                findings.error("bad-chunk", f"storage {key}: {exc.message}", file=archive.name)
+    findings.count("storages_checked", members)
+    values = 0
+    for leaf in ckpt.leaves:
+        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
+            continue
+        values += 1
+        try:
+            leaf.load()
+        except CkptError as exc:
+            findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
+                           file=leaf.extra.get("file"))
+    findings.count("values_read", values)
