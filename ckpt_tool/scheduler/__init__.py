@@ -40,10 +40,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import dtypes
-from .errors import CkptError
-from .model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
-from .sizes import parse_size
+from .. import dtypes
+from ..errors import CkptError
+from ..model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
+from ..sizes import parse_size
 
 MiB = 2**20
 DEFAULT_MEMORY = 512 * MiB
@@ -222,9 +222,9 @@ class _Streamer:
     def problem(self) -> str | None:
         """Why this chunk cannot be streamed, or None."""
         if self.zarr is not None:
-            from .codecs import zarr2_stream_problem
+            from ..codecs import zarr2_stream_problem
 
-            from .codecs import zarr3_stream_problem
+            from ..codecs import zarr3_stream_problem
 
             _, _, zmeta, zarr3 = self.zarr
             return zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
@@ -251,7 +251,7 @@ class _Streamer:
         chunk read each band once, not the chunk's head again each time.
         """
         if self.zarr is not None:
-            from .codecs import ChunkStream
+            from ..codecs import ChunkStream
 
             storage, key, zmeta, zarr3 = self.zarr
             stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize, zarr3,
@@ -396,7 +396,7 @@ class Scheduler:
         self.budget = max(MIN_MEMORY // 2, memory - reserve)
         self.workers = max(1, workers)
         self.band = band_bytes(self.budget)
-        from .codecs import window_bytes
+        from ..codecs import window_bytes
 
         self.window = window_bytes(self.budget)
         self.wants = list(wants)

@@ -47,9 +47,9 @@ from typing import Any, Iterable, Iterator
 
 import tensorstore as ts
 
-from . import directio
-from .errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
-from .pagecache import DirectoryDropper, WriteBehind
+from .. import directio
+from ..errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
+from ..pagecache import DirectoryDropper, WriteBehind
 
 
 
