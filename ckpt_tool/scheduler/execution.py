@@ -142,6 +142,16 @@ class Executor:
                     self.budget.give(st.charged)
                     st.charged = 0
 
+    def _dropped(self, unit: _Unit, exc: CkptError,
+                 on_error: Callable[[ArrayLeaf, int, CkptError], None] | None) -> bool:
+        """A unit that did not read: the wants it feeds are dropped, and its error
+        reported to on_error (True) or left for the caller to raise (False)."""
+        self._fail_unit(unit)
+        if on_error is None:
+            return False
+        on_error(unit.lc.leaf, unit.index, exc)
+        return True
+
     def _fail_unit(self, unit: _Unit) -> None:
         for member in unit.group:
             self._fail_unit(member)
@@ -236,10 +246,8 @@ class Executor:
                 if member.batch is not None:
                     self._run_members(member, deliver, on_error)
                     continue
-                self._fail_unit(member)
-                if on_error is None:
+                if not self._dropped(member, exc, on_error):
                     raise
-                on_error(member.lc.leaf, member.index, exc)
                 continue
             for chunk in member.members if member.batch is not None else [member]:
                 self.stats.decodes[(chunk.lc.leaf.path, chunk.index)] += 1
@@ -268,10 +276,8 @@ class Executor:
             try:
                 self._run_whole(member, deliver)
             except CkptError as err:
-                self._fail_unit(member)
-                if on_error is None:
+                if not self._dropped(member, err, on_error):
                     raise
-                on_error(member.lc.leaf, member.index, err)
 
     def _run_want(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None],
                   on_error: Callable[[ArrayLeaf, int, CkptError], None] | None) -> None:
@@ -375,10 +381,8 @@ class Executor:
                 else:
                     self._run_whole(unit, deliver)
             except CkptError as exc:
-                self._fail_unit(unit)
-                if on_error is None:
+                if not self._dropped(unit, exc, on_error):
                     raise
-                on_error(unit.lc.leaf, unit.index, exc)
             except BaseException:
                 self._fail_unit(unit)
                 raise
