@@ -22,10 +22,12 @@ import tensorstore as ts
 from .. import directio
 from ..errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
 from ..pagecache import DirectoryDropper
-from . import local
+from . import local as localfs
 from .containment import _check_relative, _Containment, check_local_path
 from .local import LocalFileWriter, _os_error
-from .remote import _RETRIES, _SIZE_IN_ERROR, _TRANSPORT, _endpoint_of, _error_for, _kvstore_spec, _text, _wait_for, opening
+from .remote import (
+    _RETRIES, _SIZE_IN_ERROR, _TRANSPORT, _endpoint_of, _error_for, _kvstore_spec, _text, _wait_for, opening,
+)
 
 # One context for every open: memory:// stores are shared within a process
 # and tensorstore's cache pools and thread pools are reused. Writers derive
@@ -329,14 +331,15 @@ class Storage:
             view[:] = self.read_range(key, start, start + size)
             return
         with self._local_read(key) as (rel, fd):
-            local.pread_into(fd, view, start, self._where(rel))
+            localfs.pread_into(fd, view, start, self._where(rel))
 
     @contextlib.contextmanager
     def _local_read(self, key: str) -> Iterator[tuple[str, int]]:
         """The checked key and a descriptor of its local file, logged as read; OS errors become one line."""
         rel = self._checked(key)
         self.log.record(rel)
-        with local.open_for_read(os.path.join(self.local_root, rel), self._where(rel)) as fd:  # type: ignore[arg-type]
+        path = os.path.join(self.local_root, rel)  # type: ignore[arg-type]
+        with localfs.open_for_read(path, self._where(rel)) as fd:
             yield rel, fd
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
@@ -439,7 +442,7 @@ class Storage:
         (local roots; object stores hold a value once its write returns)."""
         if self.local_root is None:
             return
-        local.fsync_tree(os.path.join(self.local_root, _check_relative(subdir, self.url)), self._where(subdir))
+        localfs.fsync_tree(os.path.join(self.local_root, _check_relative(subdir, self.url)), self._where(subdir))
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""
@@ -494,8 +497,8 @@ class Storage:
         if self._check_local:  # by pread, through the checked, non-blocking open (see read_range_into for why)
             with self._local_read(key) as (rel, fd):
                 if byte_range is None:
-                    return local.read_all(fd)
-                return local.pread(fd, byte_range.start, byte_range.stop, self._where(rel))
+                    return localfs.read_all(fd)
+                return localfs.pread(fd, byte_range.start, byte_range.stop, self._where(rel))
         rel = self._checked(key)
         self.log.record(rel)
         try:

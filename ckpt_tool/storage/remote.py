@@ -34,6 +34,88 @@ from ..errors import CkptError, PathEscapeError, StorageUnavailableError
 from .nativelog import quiet_native_logs
 
 
+# -- paths and URLs as kvstore specs ---------------------------------------------------
+
+def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
+    """A tensorstore kvstore spec for a path or URL, and the local root if any."""
+    # scheme://netloc/path by hand: urllib.parse costs every start a few ms
+    scheme, sep, rest = url.partition("://")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        scheme, rest = "", url
+    scheme = scheme.lower()
+    netloc, _, path = rest.partition("/") if scheme not in ("", "file") else ("", "", rest)
+    if scheme in ("", "file"):
+        root = os.path.abspath(os.path.expanduser(path if scheme == "" else "/" + path.lstrip("/")))
+        return {"driver": "file", "path": root.rstrip("/") + "/"}, root
+    path = path.lstrip("/")
+    if path and not path.endswith("/"):
+        path += "/"
+    if scheme == "gs":
+        return {"driver": "gcs", "bucket": netloc, "path": path}, None
+    if scheme == "s3":
+        spec: dict[str, Any] = {"driver": "s3", "bucket": netloc, "path": path}
+        # tensorstore reads credentials from the standard AWS variables and
+        # files itself; the endpoint and region we pass on explicitly so that
+        # S3-compatible servers (MinIO, moto) work the way the aws CLI does.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+            # keys in the environment: skip the default chain, whose probing of
+            # ~/.aws files prints error lines when they do not exist
+            spec["aws_credentials"] = {"type": "environment"}
+        return spec, None
+    if scheme == "memory":
+        return {"driver": "memory", "path": (netloc + "/" + path).strip("/") + "/"}, None
+    raise _unsupported_scheme(scheme, url)
+
+
+def _url_scheme(url: str) -> str:
+    """The URL's scheme, lower case ("" for a plain path)."""
+    scheme, sep, _ = url.partition("://")
+    return scheme.lower() if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) else ""
+
+
+def _unsupported_scheme(scheme: str, url: str) -> CkptError:
+    if scheme in ("http", "https"):
+        host, _, path = url.partition("://")[2].partition("/")
+        bucket, _, key = path.partition("/")
+        if host in ("storage.googleapis.com", "storage.cloud.google.com") and bucket:
+            better = f"; for this bucket use gs://{bucket}/{key}"
+        elif host.endswith(".s3.amazonaws.com") or re.fullmatch(r"[^.]+\.s3\.[a-z0-9-]+\.amazonaws\.com", host):
+            better = f"; for this bucket use s3://{host.split('.s3.', 1)[0]}/{path}"
+        else:
+            better = ""
+        return CkptError(
+            f"{scheme}:// URLs are not supported (ckpt opens a path, file://, gs://, s3:// or memory://){better}", url,
+        )
+    return CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
+
+
+def local_path(url: str) -> str | None:
+    """The absolute local path a path or file:// URL names (None for other schemes)."""
+    scheme = _url_scheme(url)
+    if scheme not in ("", "file"):
+        return None
+    return _kvstore_spec(url)[1]
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL whose scheme no store here reads, naming the URL whole.
+
+    For callers that cut a URL before opening it (a file's URL becomes its
+    directory's): the error names what the user typed.
+    """
+    scheme = _url_scheme(url)
+    if scheme not in ("", "file", "gs", "s3", "memory"):
+        raise _unsupported_scheme(scheme, url)
+
+
+# -- retries and deadlines ---------------------------------------------------------------
+
 def _env_number(name: str, default: float, *, minimum: float, integer: bool = False) -> float:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -59,6 +141,7 @@ _SECONDS_PER_BYTE = 1.0 / 2**20
 # (about what the AWS SDKs do) still ride out a restart or a throttled burst.
 IO_RETRIES = int(_env_number("CKPT_IO_RETRIES", 4, minimum=1, integer=True))
 _RETRIES = {"max_retries": IO_RETRIES, "initial_delay": "0.25s", "max_delay": "2s"}
+
 
 # -- remote endpoints that stop answering ---------------------------------------
 
@@ -137,6 +220,44 @@ def _endpoint_of(spec: dict[str, Any]) -> str | None:
 
 def _deadline(nbytes: int) -> float:
     return IO_TIMEOUT + max(0, nbytes) * _SECONDS_PER_BYTE
+
+
+# -- waiting for tensorstore under the deadline ------------------------------------------
+
+def _wait_for(future: Any, endpoint: str | None, nbytes: int, what: str, where: str) -> Any:
+    """future.result(), with the deadline and the fail-fast check when the store is remote."""
+    if endpoint is None:
+        return future.result()
+    raise_if_unavailable(endpoint=endpoint)
+    timeout = _deadline(nbytes)
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise _note_unavailable(
+            f"{what}: storage endpoint {endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where, endpoint
+        ) from None
+
+
+def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) -> CkptError:
+    """A tensorstore failure as one line: no answer from a remote endpoint, a symlink loop, or its own text."""
+    text = _text(exc)
+    if endpoint is not None and _TRANSPORT.search(text):
+        return _note_unavailable(f"{what}: {_transport_detail(text, endpoint)}", where, endpoint)
+    if "Too many levels of symbolic links" in text:
+        return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    past_end = _past_end(text)
+    if past_end is not None:  # the file that is short, named as validate names it
+        message, path = past_end
+        return CkptError(message, _object_url(path, where))
+    denied = _denied(text, where) if endpoint is not None else None
+    if denied is not None:
+        if _credentials_hint(where):
+            # no credentials at all: every request will be refused alike, so this
+            # is the run's one error (validate too), not a finding per file
+            return _note_unavailable(f"{what}: {denied}", where, endpoint)
+        return CkptError(f"{what}: {denied}", where)
+    return CkptError(f"{what}: {text}", where)
 
 
 # -- before the first request to a remote endpoint ----------------------------------
@@ -243,6 +364,23 @@ def _preflight(spec: dict[str, Any], endpoint: str, url: str, what: str) -> None
         raise _note_unavailable(f"{what}: storage endpoint {endpoint} cannot be reached: {known}; not retried", url, endpoint)
 
 
+def opening(spec: dict[str, Any], url: str, what: str) -> str | None:
+    """Before a kvstore is opened: the endpoint of a remote one (None for local and memory stores).
+
+    The endpoint is remembered for the errors of tensorstore calls made
+    outside this package (ts_error_text), and checked once before its first
+    request (_preflight).
+    """
+    global _LAST_ENDPOINT, _LAST_SCHEME, _LAST_REMOTE_URL
+    endpoint = _endpoint_of(spec)
+    if endpoint is not None:
+        _LAST_ENDPOINT = endpoint
+        _LAST_SCHEME = url.partition("://")[0] + "://"
+        _LAST_REMOTE_URL = url
+        _preflight(spec, endpoint, url, what)
+    return endpoint
+
+
 # -- tensorstore's error text, as ckpt words it --------------------------------------
 
 # what tensorstore says when a byte range of a value is past its end
@@ -255,6 +393,8 @@ _OCDBT_DATA_FILE = re.compile(r"(?:^|/)d/[0-9a-f]{32}$")
 _DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
 _HTTP_CODE = re.compile(r"\[http_response_code='?(\d+)'?\]")
 _TRAILERS = re.compile(r"\s*\[[A-Za-z0-9_.-]+='[^']*'\]")
+# what a kvstore says of a value's size when a byte range misses it
+_SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
 
 
 def ocdbt_truncated_message(size: int, needed: int) -> str:
@@ -318,121 +458,6 @@ def _denied(text: str, where: str) -> str | None:
     detail = "" if detail.lower() in ("", "unknown") else f": {detail[:200]}"
     return f"access denied ({status}){detail}{_credentials_hint(where)}"
 
-_SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
-
-
-def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
-    """A tensorstore kvstore spec for a path or URL, and the local root if any."""
-    # scheme://netloc/path by hand: urllib.parse costs every start a few ms
-    scheme, sep, rest = url.partition("://")
-    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        scheme, rest = "", url
-    scheme = scheme.lower()
-    netloc, _, path = rest.partition("/") if scheme not in ("", "file") else ("", "", rest)
-    if scheme in ("", "file"):
-        root = os.path.abspath(os.path.expanduser(path if scheme == "" else "/" + path.lstrip("/")))
-        return {"driver": "file", "path": root.rstrip("/") + "/"}, root
-    path = path.lstrip("/")
-    if path and not path.endswith("/"):
-        path += "/"
-    if scheme == "gs":
-        return {"driver": "gcs", "bucket": netloc, "path": path}, None
-    if scheme == "s3":
-        spec: dict[str, Any] = {"driver": "s3", "bucket": netloc, "path": path}
-        # tensorstore reads credentials from the standard AWS variables and
-        # files itself; the endpoint and region we pass on explicitly so that
-        # S3-compatible servers (MinIO, moto) work the way the aws CLI does.
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            spec["endpoint"] = endpoint
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            spec["aws_region"] = region
-        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-            # keys in the environment: skip the default chain, whose probing of
-            # ~/.aws files prints error lines when they do not exist
-            spec["aws_credentials"] = {"type": "environment"}
-        return spec, None
-    if scheme == "memory":
-        return {"driver": "memory", "path": (netloc + "/" + path).strip("/") + "/"}, None
-    raise _unsupported_scheme(scheme, url)
-
-
-def _url_scheme(url: str) -> str:
-    """The URL's scheme, lower case ("" for a plain path)."""
-    scheme, sep, _ = url.partition("://")
-    return scheme.lower() if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) else ""
-
-
-def _unsupported_scheme(scheme: str, url: str) -> CkptError:
-    if scheme in ("http", "https"):
-        host, _, path = url.partition("://")[2].partition("/")
-        bucket, _, key = path.partition("/")
-        if host in ("storage.googleapis.com", "storage.cloud.google.com") and bucket:
-            better = f"; for this bucket use gs://{bucket}/{key}"
-        elif host.endswith(".s3.amazonaws.com") or re.fullmatch(r"[^.]+\.s3\.[a-z0-9-]+\.amazonaws\.com", host):
-            better = f"; for this bucket use s3://{host.split('.s3.', 1)[0]}/{path}"
-        else:
-            better = ""
-        return CkptError(
-            f"{scheme}:// URLs are not supported (ckpt opens a path, file://, gs://, s3:// or memory://){better}", url,
-        )
-    return CkptError(f"unsupported storage URL scheme {scheme!r} (use a path, file://, gs://, s3:// or memory://)", url)
-
-
-def local_path(url: str) -> str | None:
-    """The absolute local path a path or file:// URL names (None for other schemes)."""
-    scheme = _url_scheme(url)
-    if scheme not in ("", "file"):
-        return None
-    return _kvstore_spec(url)[1]
-
-
-def check_url(url: str) -> None:
-    """Refuse a URL whose scheme no store here reads, naming the URL whole.
-
-    For callers that cut a URL before opening it (a file's URL becomes its
-    directory's): the error names what the user typed.
-    """
-    scheme = _url_scheme(url)
-    if scheme not in ("", "file", "gs", "s3", "memory"):
-        raise _unsupported_scheme(scheme, url)
-
-def _wait_for(future: Any, endpoint: str | None, nbytes: int, what: str, where: str) -> Any:
-    """future.result(), with the deadline and the fail-fast check when the store is remote."""
-    if endpoint is None:
-        return future.result()
-    raise_if_unavailable(endpoint=endpoint)
-    timeout = _deadline(nbytes)
-    try:
-        return future.result(timeout=timeout)
-    except TimeoutError:
-        future.cancel()
-        raise _note_unavailable(
-            f"{what}: storage endpoint {endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where, endpoint
-        ) from None
-
-
-def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) -> CkptError:
-    """A tensorstore failure as one line: no answer from a remote endpoint, a symlink loop, or its own text."""
-    text = _text(exc)
-    if endpoint is not None and _TRANSPORT.search(text):
-        return _note_unavailable(f"{what}: {_transport_detail(text, endpoint)}", where, endpoint)
-    if "Too many levels of symbolic links" in text:
-        return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
-    past_end = _past_end(text)
-    if past_end is not None:  # the file that is short, named as validate names it
-        message, path = past_end
-        return CkptError(message, _object_url(path, where))
-    denied = _denied(text, where) if endpoint is not None else None
-    if denied is not None:
-        if _credentials_hint(where):
-            # no credentials at all: every request will be refused alike, so this
-            # is the run's one error (validate too), not a finding per file
-            return _note_unavailable(f"{what}: {denied}", where, endpoint)
-        return CkptError(f"{what}: {denied}", where)
-    return CkptError(f"{what}: {text}", where)
-
 
 def _text(exc: BaseException) -> str:
     text = str(exc).split(" [source locations=", 1)[0].split(" [tensorstore_spec=", 1)[0]
@@ -459,20 +484,3 @@ def ts_error_text(exc: BaseException) -> str:
     if denied is not None and _credentials_hint(_LAST_SCHEME):
         _note_unavailable(denied, None, _LAST_ENDPOINT)  # no credentials: the run's one error
     return denied or text
-
-
-def opening(spec: dict[str, Any], url: str, what: str) -> str | None:
-    """Before a kvstore is opened: the endpoint of a remote one (None for local and memory stores).
-
-    The endpoint is remembered for the errors of tensorstore calls made
-    outside this package (ts_error_text), and checked once before its first
-    request (_preflight).
-    """
-    global _LAST_ENDPOINT, _LAST_SCHEME, _LAST_REMOTE_URL
-    endpoint = _endpoint_of(spec)
-    if endpoint is not None:
-        _LAST_ENDPOINT = endpoint
-        _LAST_SCHEME = url.partition("://")[0] + "://"
-        _LAST_REMOTE_URL = url
-        _preflight(spec, endpoint, url, what)
-    return endpoint
