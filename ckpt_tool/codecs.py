@@ -4,7 +4,7 @@ A stored chunk's compressed bytes are read in windows (byte-range reads
 through the Storage layer: local files, OCDBT databases and object stores
 alike) and run through the codec's own streaming decoder, so that memory
 holds one window of compressed bytes and one band of decoded bytes,
-whatever the chunk's size. The scheduler (scheduler.py) hands the bands out
+whatever the chunk's size. The scheduler (scheduler/streaming.py) hands the bands out
 in C order to the regions they feed.
 
 Codecs: zarr v2 chunks compressed with zstd (orbax's default), gzip, zlib,
@@ -33,7 +33,7 @@ WINDOW_BYTES = 8 * 2**20
 
 def window_bytes(budget: int) -> int:
     """The compressed window under a memory budget: a stream holds three at a
-    time (scheduler.py counts them), so a small budget gets small windows."""
+    time (scheduler/streaming.py counts them), so a small budget gets small windows."""
     return max(256 * 2**10, min(WINDOW_BYTES, budget // 32))
 
 
@@ -41,7 +41,7 @@ class ByteStream(Protocol):
     def readinto(self, buffer: Any) -> int: ...
 
 
-# one read-ahead thread per process: a streamed chunk runs alone (scheduler.py)
+# one read-ahead thread per process: a streamed chunk runs alone (scheduler/streaming.py)
 _READ_AHEAD = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-read-ahead")
 
 

@@ -39,7 +39,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range (Linux), which Python's os module does not offer.
 
     Looked up on first use, not at import: inspect and validate import this
-    module through storage.py and never write.
+    module through storage/ and never write.
     """
     try:
         import ctypes

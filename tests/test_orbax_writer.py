@@ -331,7 +331,7 @@ def test_process_database_is_fsynced_whole_before_the_commit(tmp_path, monkeypat
     """A process's OCDBT database is written without fsync per commit, so
     finish_process must fsync every file and directory of it, before anything
     marks the checkpoint committed."""
-    import ckpt_tool.storage as storage_mod
+    import ckpt_tool.storage.local as storage_local  # fsync_tree lives there
 
     path = tmp_path / "synced"
     synced: set[str] = set()
@@ -342,7 +342,7 @@ def test_process_database_is_fsynced_whole_before_the_commit(tmp_path, monkeypat
         synced.add(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
-    monkeypatch.setattr(storage_mod.os, "fsync", spy)
+    monkeypatch.setattr(storage_local.os, "fsync", spy)
     _write(path, _tree(with_string=False))
     db = path / "ocdbt.process_0"
     wanted = {str(p) for p in db.rglob("*")} | {str(db)}

@@ -1,4 +1,4 @@
-"""The read scheduler (ckpt_tool/scheduler.py): stored chunks larger than --memory.
+"""The read scheduler (ckpt_tool/scheduler/): stored chunks larger than --memory.
 
 The fixtures are written by real orbax (one device: each array one zarr
 chunk, as orbax saves an unsharded array) and by torch.distributed.checkpoint

@@ -1,4 +1,4 @@
-"""The read scheduler on many small stored chunks (ckpt_tool/scheduler.py).
+"""The read scheduler on many small stored chunks (ckpt_tool/scheduler/).
 
 Checkpoints of thousands of small leaves, each in 4 to 8 per-device chunks,
 were slower through the scheduler than read region by region: a read, a copy
@@ -150,15 +150,16 @@ def test_small_archives_are_written_in_few_large_writes(tmp_path, monkeypatch):
 
 def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
     """reshard's shape: each chunk split between two output regions; tensorstore writes the pieces in place."""
-    from ckpt_tool import scheduler as sched_mod
+    from ckpt_tool.scheduler import planning
+    from ckpt_tool.scheduler.execution import Executor
 
     used = []
-    real = sched_mod.Scheduler._run_into
-    monkeypatch.setattr(sched_mod.Scheduler, "_run_into", lambda self, *a: (used.append(1), real(self, *a))[1])
+    real = Executor._run_into
+    monkeypatch.setattr(Executor, "_run_into", lambda self, *a: (used.append(1), real(self, *a))[1])
     # the fixture's leaves are small: without this they are read in batches and groups instead
-    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
-    monkeypatch.setattr(sched_mod, "GROUP_BYTES", 0)
-    monkeypatch.setattr(sched_mod, "CLUSTER_BYTES", 0)  # (else the two regions read as a cluster: below)
+    monkeypatch.setattr(planning, "BATCH_BYTES", 0)
+    monkeypatch.setattr(planning, "GROUP_BYTES", 0)
+    monkeypatch.setattr(planning, "CLUSTER_BYTES", 0)  # (else the two regions read as a cluster: below)
     leaves, wants, check = _half_chunk_wants()
     sched = Scheduler(wants, workers=2)
     sched.run()
@@ -198,9 +199,9 @@ def _half_chunk_wants() -> tuple[list, list[Want], Callable[[], None]]:
 
 def test_regions_sharing_their_chunks_are_read_as_a_cluster(monkeypatch):
     """The same shape without its chunks read into place: each region read whole, all reads started together."""
-    from ckpt_tool import scheduler as sched_mod
+    from ckpt_tool.scheduler import planning
 
-    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
+    monkeypatch.setattr(planning, "BATCH_BYTES", 0)
     leaves, wants, check = _half_chunk_wants()
     sched = Scheduler(wants, workers=2)
     clusters = [u for u in sched.units if u.cluster]
@@ -213,9 +214,9 @@ def test_regions_sharing_their_chunks_are_read_as_a_cluster(monkeypatch):
 
 def test_damaged_chunk_in_a_cluster_is_reported_as_that_chunk(tmp_path, monkeypatch):
     """A cluster whose read fails is decoded chunk by chunk: one finding, naming the bad chunk."""
-    from ckpt_tool import scheduler as sched_mod
+    from ckpt_tool.scheduler import planning
 
-    monkeypatch.setattr(sched_mod, "BATCH_BYTES", 0)
+    monkeypatch.setattr(planning, "BATCH_BYTES", 0)
     src = tmp_path / "ckpt"
     shutil.copytree(fixture_path("orbax_plain_zarr2"), src)
     chunk = src / "layers.0.w" / "1.1"

@@ -34,7 +34,7 @@ def output_options(command: Callable) -> Callable:
 
 
 def memory_option(command: Callable) -> Callable:
-    """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler.py)."""
+    """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler/admission.py)."""
     from ..scheduler import DEFAULT_MEMORY, parse_memory
 
     def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> int:

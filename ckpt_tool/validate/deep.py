@@ -3,7 +3,7 @@
 Works on the format-neutral model: each array leaf's stored chunks (a zarr
 grid or a DCP chunk list) are read through the format's reader, which
 decodes them (zarr codecs through tensorstore; the torch.save payload
-through the allow-list). The read scheduler (scheduler.py) decodes each
+through the allow-list). The read scheduler (scheduler/) decodes each
 stored chunk once, within the --memory budget (a chunk too large to decode
 whole is decoded as a stream, in bands), and each block of it is checked
 (shape, dtype, NaN/Inf) as it arrives.

@@ -1,0 +1,220 @@
+"""Local files: read by pread/preadv, written by pwritev, made durable by fsync.
+
+A local root is read through the file system directly, not through
+tensorstore's file kvstore: a byte range goes straight into the caller's
+buffer (one copy, by the kernel), where the kvstore hands over bytes of
+its own, a copy or two more per chunk. DCP and safetensors data files are
+written the same way (`LocalFileWriter`), with O_DIRECT for large ranges
+where the file system suits it (directio.py) and writeback behind the
+writer (pagecache.py).
+
+Every open for reading is non-blocking and checks the file is regular
+(a FIFO swapped in after containment's check never blocks); OS errors
+become one line naming the file. Which keys may be opened at all is
+containment.py's business; which root is local is Storage's.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from typing import Any, Iterable, Iterator
+
+from .. import directio
+from ..errors import CkptError, NotFoundError, PathEscapeError
+from ..pagecache import WriteBehind
+
+
+@contextlib.contextmanager
+def open_for_read(path: str, where: str) -> Iterator[int]:
+    """A descriptor of the regular file at `path` (named `where` in errors); OS errors become one line."""
+    try:
+        # non-blocking: a FIFO put in place after the check must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise NotFoundError("missing", where) from None
+    except OSError as exc:
+        raise _os_error(exc, "cannot read", where) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in after the check
+            raise PathEscapeError("not a regular file (refusing to read a FIFO, device or socket)", where)
+        yield fd
+    except OSError as exc:
+        raise CkptError(f"cannot read: {exc.strerror or exc}", where) from exc
+    finally:
+        os.close(fd)
+
+
+def read_all(fd: int) -> bytes:
+    """The whole file behind `fd`, read to its end."""
+    parts = []
+    want = max(os.fstat(fd).st_size, 1 << 16)
+    while True:
+        part = os.read(fd, want)
+        if not part:
+            return b"".join(parts)
+        parts.append(part)
+
+
+def pread(fd: int, start: int, end: int, where: str) -> bytes:
+    """Bytes [start, end) of the file behind `fd`; an error if it is shorter."""
+    data = os.pread(fd, end - start, start)
+    if len(data) < end - start:  # a regular file reads short only at its end
+        raise _truncated(fd, start, end, where)
+    return data
+
+
+def pread_into(fd: int, view: memoryview, start: int, where: str) -> None:
+    """Fill the byte `view` from offset `start` of the file behind `fd` (preadv); an error if it is shorter."""
+    size = view.nbytes
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:]], start + got)
+        if n == 0:  # a regular file reads short only at its end
+            raise _truncated(fd, start, start + size, where)
+        got += n
+
+
+def _truncated(fd: int, start: int, end: int, where: str) -> CkptError:
+    return CkptError(f"truncated: needed bytes [{start}, {end}) but it has {os.fstat(fd).st_size} bytes", where)
+
+
+def fsync_tree(top: str, where: str) -> None:
+    """fsync every file and directory under `top`, then `top` itself (`where`: it, as errors name it)."""
+    try:
+        for dirpath, _, files in os.walk(top, topdown=False):
+            for name in files:
+                _fsync_path(os.path.join(dirpath, name), os.O_RDONLY)
+            _fsync_path(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise CkptError(f"cannot write: {exc.strerror or exc}", where) from exc
+
+
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: OSError, what: str, where: str) -> CkptError:
+    """An OS error on a local path as one line (a symlink loop is a containment failure)."""
+    if exc.errno == errno.ELOOP:
+        return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    return CkptError(f"{what}: {exc.strerror or exc}", where)
+
+
+class LocalFileWriter:
+    """A new local file that several threads fill at offsets they reserved.
+
+    `close()` fsyncs it, as tensorstore's file kvstore does for every value
+    it writes; `discard()` just closes it (the output is being thrown away).
+    Large ranges go to the disk with O_DIRECT where the file system suits it
+    (see directio.py); `place()` then aligns them, so callers reserve their
+    offsets through it. What is written buffered goes to disk behind the
+    writer and leaves the page cache (see pagecache.py).
+    """
+
+    def __init__(self, path: str, where: str, *, direct: bool = False) -> None:
+        self.where = where
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise CkptError(f"cannot create: {exc.strerror or exc}", where) from exc
+        self._behind = WriteBehind(self._fd)
+        self._direct_fd = -1
+        if direct:
+            try:  # a second descriptor, so small writes stay buffered
+                self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))  # type: ignore[attr-defined]
+            except OSError:
+                pass  # the file system refuses O_DIRECT after all: all buffered
+        self._direct = self._direct_fd >= 0  # cleared if the device refuses our alignment
+        self._lock = threading.Lock()
+        self._end = 0  # the end of the data written so far (direct writes' padding excluded)
+
+    def place(self, cursor: int, length: int) -> tuple[int, int]:
+        """Where a range of `length` bytes reserved at `cursor` starts, and the next free cursor."""
+        if self._direct and length >= directio.MIN_DIRECT_BYTES:
+            start = directio.align_up(cursor)
+            return start, start + directio.align_up(length)
+        return cursor, cursor + length
+
+    def write_at(self, offset: int, parts: Iterable[Any], *, padded: bool = True) -> None:
+        """Write the buffers back to back from `offset` (reserved through `place`).
+
+        padded=False: the range was not reserved through `place` as one piece
+        (several small ranges written as one), so it must not be written
+        direct, whose zeros up to the next 4 KiB would cover its neighbour.
+        """
+        views = [memoryview(p).cast("B") for p in parts]
+        length = sum(v.nbytes for v in views)
+        with self._lock:
+            self._end = max(self._end, offset + length)
+        if padded and self._direct and length >= directio.MIN_DIRECT_BYTES and not offset % directio.ALIGNMENT:
+            try:
+                directio.write_direct(self._direct_fd, offset, views)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+                # the device wants a coarser alignment than ALIGNMENT: write
+                # this range buffered, and place the next ones unaligned (the
+                # descriptor stays open until close: another thread may be using it)
+                self._direct = False
+        self._write_buffered(offset, views)
+
+    def _write_buffered(self, offset: int, views: list[memoryview]) -> None:
+        start = offset
+        try:
+            while views:
+                written = os.pwritev(self._fd, views, offset)
+                if written == 0 and any(v.nbytes for v in views):
+                    raise CkptError("cannot write: the file system took no bytes", self.where)
+                offset += written
+                # a short write (a signal, a full disk on the next call): go on from there
+                while views and written >= views[0].nbytes:
+                    written -= views[0].nbytes
+                    views.pop(0)
+                if views and written:
+                    views[0] = views[0][written:]
+        except OSError as exc:
+            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+        self._behind.written(start, offset - start)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        try:
+            if os.fstat(fd).st_size > self._end:
+                os.ftruncate(fd, self._end)  # the zeros padding the last direct write
+            os.fsync(fd)
+            self._behind.finish()
+        except OSError as exc:
+            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+        finally:
+            self._behind.close()  # after a failed fsync too: no background work may outlive the descriptor
+            self._close_direct()
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Close without syncing (the output is being thrown away); a no-op once closed."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            self._behind.close()  # no background work may outlive the descriptor
+            self._close_direct()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _close_direct(self) -> None:
+        fd, self._direct_fd = self._direct_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
