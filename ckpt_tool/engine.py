@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import dtypes, formats
+from . import dtypes, formats, unstack
 from .errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
     UnsupportedLeafError, UsageError,
@@ -57,6 +57,7 @@ class ConvertOptions:
     select: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
     rename: list[str] = field(default_factory=list)
+    unstack: list[str] = field(default_factory=list)  # unstack.py specs, applied before --rename
     dtype: str | None = None
     chunk_mb: float | None = None
     skip_unsupported: bool = False
@@ -221,8 +222,12 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
 
     ctx = Context()
 
-    for leaf in src.leaves:
-        if not selection.keeps(leaf):
+    kept, unstackable = unstack.apply(unstack.parse_specs(opts.unstack),
+                                      [leaf for leaf in src.leaves if selection.keeps(leaf)], src.path)
+    for path in unstackable:
+        refuse(path, "--unstack matches it, but it is a value, not an array")
+    for leaf in kept:
+        if leaf.path in unstackable:
             continue
         outer = next((leaf.keys[:i] for i in range(1, len(leaf.keys)) if leaf.keys[:i] in source_tuples), None)
         if outer is not None:
@@ -341,7 +346,9 @@ def stream(
         itemsize = dtypes.get(target.dtype).itemsize
         for index, region in chunk_regions(target):
             if owns(n):
-                wants.append(Want([(leaf, region)], _copier(writer, target, index, region), keeps=True))
+                # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
+                stored, stored_region = unstack.base_region(leaf, region)
+                wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
                 total += math.prod(r.stop - r.start for r in region) * itemsize
             n += 1
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
@@ -353,8 +360,12 @@ def stream(
 
 
 def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region) -> Callable[[list[np.ndarray]], int]:
+    shape = tuple(r.stop - r.start for r in region)
+
     def copy(arrays: list[np.ndarray]) -> int:
         data = arrays[0]
+        if data.shape != shape:  # read from the stored leaf of an unstacked one: its axis of 1 dropped
+            data = data.reshape(shape)
         if target.source_dtype is not None:
             data = data.astype(dtypes.numpy_dtype(target.dtype))
         writer.write_array(target, index, region, data)

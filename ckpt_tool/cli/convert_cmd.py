@@ -17,6 +17,9 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--select", multiple=True, metavar="GLOB", help="Keep only leaves whose '/'-joined keys or dotted names match, e.g. 'params/**' or 'model.layers.0.*' (repeatable; each must match a leaf).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop leaves whose keys or dotted names match, e.g. 'opt_state/**' (repeatable; each must match a leaf).")
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rewrite '/'-joined keys (repeatable, applied in order).")
+@click.option("--unstack", multiple=True, metavar="GLOB",
+              help="Split a stacked axis into one leaf per index, the index key where '{i}' stands: "
+                   "'decoder/layers/{i}/**' (axis 0; '{i:1}' for axis 1). Repeatable, in order; before --rename.")
 @click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
 @click.option("--max-shard-size", metavar="SIZE",
@@ -27,19 +30,19 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
-    dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    unstack: tuple[str, ...], dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int,
 ) -> None:
-    """Convert the checkpoint at SRC (any format ckpt reads, detected: Orbax,
-    DCP, safetensors, Flax or T5X msgpack) into DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
+    """Convert the checkpoint at SRC (any format ckpt reads, detected: `ckpt
+    --help` lists them) into DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
     written. Run the same command on every host to split the work."""
     from ..distributed import JaxCoordinator, process_spec
 
     spec = process_spec(coordinator, num_processes, process_id)
     coord = JaxCoordinator(spec) if spec.requested else None
     opts = ConvertOptions(
-        to=to, select=list(select), exclude=list(exclude), rename=list(rename), dtype=dtype,
+        to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), dtype=dtype,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, memory=memory,
         max_shard_size=_shard_size(max_shard_size, to),
