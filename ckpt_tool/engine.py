@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import dtypes, formats, unstack
+from . import dtypes, formats, hf_export, unstack
 from .errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
     UnsupportedLeafError, UsageError,
@@ -58,6 +58,8 @@ class ConvertOptions:
     exclude: list[str] = field(default_factory=list)
     rename: list[str] = field(default_factory=list)
     unstack: list[str] = field(default_factory=list)  # unstack.py specs, applied before --rename
+    like: str | None = None  # --like HF_DIR (hf_export.py): the output must match that model's tensors
+    force_like: bool = False  # write even when it does not
     dtype: str | None = None
     chunk_mb: float | None = None
     skip_unsupported: bool = False
@@ -86,6 +88,8 @@ class ConvertResult:
     process_count: int = 1
     # what was done with temporary outputs of killed runs beside DST, one line each (output.py)
     cleanup: list[str] = field(default_factory=list)
+    companions: list[str] = field(default_factory=list)  # a model's non-weight files copied beside it
+    like_differences: list[str] = field(default_factory=list)  # written anyway (--force-like)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,7 +99,7 @@ class ConvertResult:
             "seconds": round(self.seconds, 3),
             "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
             "cast": self.cast, "process_index": self.process_index, "process_count": self.process_count,
-            "cleanup": self.cleanup,
+            "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
         }
 
 
@@ -437,6 +441,37 @@ _LOST_DATA = frozenset({
 })
 
 
+def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]],
+                 opts: ConvertOptions) -> tuple[tuple[Storage, list[str]] | None, list[str]]:
+    """The model's non-weight files to copy beside the output, and --force-like's differences.
+
+    --like HF_DIR: the plan's tensors checked against the reference's (every difference, or
+    LikeMismatchError), its tied output embedding dropped, its files copied. Without it, a
+    source that is a Hugging Face model directory brings its own files to a target that takes them.
+    """
+    takes = opts.to in formats.taking("like")
+    if opts.like is None:
+        if opts.force_like:
+            raise UsageError("--force-like needs --like HF_DIR")
+        local = Storage.open(src.path) if takes and not formats.split_file(src.path) else None
+        if local is not None and hf_export.is_model_directory(local):
+            return (local, hf_export.companion_files(local)), []
+        return None, []
+    if not takes:
+        raise UsageError(f"--like makes a Hugging Face model directory: use it with --to "
+                         f"{formats.joined(formats.taking('like'))}")
+    ref = hf_export.load_reference(opts.like)
+    check = hf_export.check_like({t.name: (tuple(t.shape), t.dtype) for t in plan.arrays()}, ref)
+    if check.differences and not opts.force_like:
+        raise hf_export.LikeMismatchError(check.differences, opts.like)
+    if check.tied_dropped:
+        dropped = set(check.tied_dropped)
+        plan.targets = [t for t in plan.targets if not (isinstance(t, TargetArray) and t.name in dropped)]
+        skipped.extend((name, f"tied to the input embedding in {opts.like} (its config ties them)")
+                       for name in check.tied_dropped)
+    return (ref.storage, ref.companions), check.differences
+
+
 def check_source_complete(src: Checkpoint, given: str | None = None) -> None:
     """Refuse a source that shallow validate finds incomplete or damaged, before anything is written.
 
@@ -561,8 +596,10 @@ def convert(
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)
         plan, skipped, sources = plan_conversion(src, opts)
+        companions, differences = _model_files(src, plan, skipped, opts)
     else:
         src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources
+        companions, differences = None, []
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     primary = coord.process_index == 0
@@ -577,6 +614,8 @@ def convert(
                            process_index=coord.process_index, process_count=coord.process_count)
     result.cast = [t.path for t in plan.arrays() if t.source_dtype]
     result.cleanup = list(out.notes)
+    result.companions = list(companions[1]) if companions else []
+    result.like_differences = differences
     writer: CheckpointWriter | None = None
     # from the first byte written to the rename, any failure (a dead endpoint,
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output
@@ -598,6 +637,8 @@ def convert(
             writer.finish_process()
             coord.barrier("ckpt-convert-written")
             if primary:
+                if companions:  # before the commit: the model's files are part of the output
+                    hf_export.copy_companions(companions[0], companions[1], out.storage())
                 writer.commit()
                 finalize_output(out, overwrite=opts.overwrite)
             coord.barrier("ckpt-convert-done")

@@ -15,6 +15,9 @@ class CkptError(Exception):
     """A problem with the input, reported as one line: `<where>: <what>`."""
 
     code = "error"
+    # the items behind the one line, where there are several (every difference from a
+    # --like reference): the CLI prints them on stdout before it, and in --json's error
+    details: tuple[str, ...] = ()
 
     def __init__(self, message: str, where: str | None = None) -> None:
         self.message = message

@@ -20,6 +20,10 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--unstack", multiple=True, metavar="GLOB",
               help="Split a stacked axis into one leaf per index, the index key where '{i}' stands: "
                    "'decoder/layers/{i}/**' (axis 0; '{i:1}' for axis 1). Repeatable, in order; before --rename.")
+@click.option("--like", metavar="HF_DIR",
+              help="A Hugging Face model directory the output must match (tensor names, shapes, dtypes; every "
+                   "difference listed, nothing written); its config and tokenizer files are copied beside it.")
+@click.option("--force-like", is_flag=True, help="With --like: write even when the output does not match.")
 @click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
 @click.option("--max-shard-size", metavar="SIZE",
@@ -30,7 +34,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
-    unstack: tuple[str, ...], dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    unstack: tuple[str, ...], like: str | None, force_like: bool, dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int,
 ) -> None:
@@ -42,7 +46,7 @@ def convert_command(
     spec = process_spec(coordinator, num_processes, process_id)
     coord = JaxCoordinator(spec) if spec.requested else None
     opts = ConvertOptions(
-        to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), dtype=dtype,
+        to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, memory=memory,
         max_shard_size=_shard_size(max_shard_size, to),
@@ -59,6 +63,10 @@ def convert_command(
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     if result.cast:
         out.line(f"cast {plural(len(result.cast), 'leaf', 'leaves')} to {esc(dtype)}")
+    for line in result.like_differences:  # --force-like: written although the reference differs
+        out.line(f"[yellow]differs from --like[/yellow] {esc(line)}")
+    if result.companions:
+        out.line(f"copied beside it: {esc(', '.join(result.companions))}")
     where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]converted[/bold green] {esc(src)} ({result.source_format}) -> {esc(dst)} ({result.target_format}){where}: "

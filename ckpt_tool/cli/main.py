@@ -170,8 +170,11 @@ def _run(argv: list[str] | None) -> int:
     except CkptError as exc:
         if _debug():
             raise
+        if exc.details and not _json_requested(args):
+            for line in exc.details:
+                click.echo(f"  {line}")
         click.echo(f"ckpt: error: {exc}", err=True)
-        _json_error(args, exc.code, str(exc), exc.where)
+        _json_error(args, exc.code, str(exc), exc.where, exc.details)
         return EXIT_PROBLEM
     except KeyboardInterrupt:
         click.echo("ckpt: interrupted", err=True)
@@ -219,11 +222,14 @@ def _json_requested(args: list[str]) -> bool:
         return False
 
 
-def _json_error(args: list[str], code: str, message: str, path: str | None = None) -> None:
+def _json_error(args: list[str], code: str, message: str, path: str | None = None,
+                details: tuple[str, ...] = ()) -> None:
     """With --json, the error as one JSON object on stdout (scripts read stdout; stderr has the line)."""
     if not _json_requested(args):
         return
     error: dict[str, Any] = {"code": code, "message": message, "path": path}
+    if details:
+        error["details"] = list(details)
     try:
         sys.stdout.write(json.dumps({"ok": False, "error": error}) + "\n")
         sys.stdout.flush()

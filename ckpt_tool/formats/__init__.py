@@ -118,7 +118,7 @@ REGISTRY: dict[str, FormatInfo] = {
         "safetensors", "safetensors", f"{__name__}.safetensors", can_write=True,
         value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
-        options=("max_shard_size",),
+        options=("max_shard_size", "like"),
     ),
     # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
     "torch": FormatInfo(
