@@ -277,3 +277,18 @@ def test_inspect_and_validate_import_no_torch():
                         str(FIXTURES / "torch_state" / "state.pt")], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_deep_does_not_read_a_tensor_the_shallow_checks_found_unreadable(tmp_path):
+    # found by fuzzing: a tensor whose claim the shallow checks refuse (here torch.save's own output,
+    # 2**62 elements over a 1-element storage) was named by its dotted name, not by its leaf path
+    # ('layer/huge'), so --deep did not skip it and split the claim into 32 MB blocks forever
+    import torch
+
+    torch.save({"w": torch.ones(3), "layer.huge": torch.ones(1).expand(2**31, 2**31)}, tmp_path / "big.pt")
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", "validate", "--deep", "--json", str(tmp_path / "big.pt")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1, r.stderr
+    [finding] = json.loads(r.stdout)["findings"]
+    assert (finding["code"], finding["leaf"]) == ("bad-metadata", "layer/huge")
+    assert "implausibly large" in finding["message"]
