@@ -292,3 +292,23 @@ def test_deep_does_not_read_a_tensor_the_shallow_checks_found_unreadable(tmp_pat
     [finding] = json.loads(r.stdout)["findings"]
     assert (finding["code"], finding["leaf"]) == ("bad-metadata", "layer/huge")
     assert "implausibly large" in finding["message"]
+
+
+def test_a_storage_member_with_another_compression_method_fails_shallow_validate(tmp_path):
+    # found by fuzzing: the central directory's method of a storage member changed (93, not a method
+    # miniz knows): torch.load fails, ckpt's shallow validate passed it (only a read refused it)
+    import torch
+
+    import fuzz_lib
+
+    torch.save({"a": torch.arange(6.0), "b": torch.ones(2)}, tmp_path / "m.pt")
+    data = (tmp_path / "m.pt").read_bytes()
+    member = fuzz_lib.parse_torch_zip(data).member("data/0")
+    (tmp_path / "m.pt").write_bytes(fuzz_lib._patch(data, member.central_at + 10, 2, 93))
+    with pytest.raises(RuntimeError, match="unsupported method"):
+        torch.load(tmp_path / "m.pt", weights_only=True)
+    r = run("validate", "--json", tmp_path / "m.pt")
+    assert r.returncode == 1
+    [finding] = json.loads(r.stdout)["findings"]
+    assert finding["code"] == "bad-metadata" and finding["leaf"] == "a"
+    assert "compressed (method 93)" in finding["message"]

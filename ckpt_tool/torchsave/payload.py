@@ -434,6 +434,11 @@ class PayloadArchive:
             if (last + 1) * itemsize > size:
                 return (f"{ref.dtype}{list(ref.size)} with stride {list(ref.stride)} at offset {ref.storage_offset} "
                         f"needs {(last + 1) * itemsize} bytes but its storage has {size}")
+        if info.compress_type != 0:
+            # (what _member_position says when the member is read; torch's reader fails on a
+            # method miniz does not know, so the claim is judged here, from the directory alone)
+            return (f"member {info.filename} is compressed (method {info.compress_type}); torch.save stores "
+                    "members uncompressed")
         return None
 
     def storage_members(self) -> dict[str, tuple[int, int]]:
