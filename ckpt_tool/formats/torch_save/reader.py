@@ -145,7 +145,8 @@ def _holds_data_pkl(path: str, name: str) -> bool:
     try:
         with zipfile.ZipFile(path) as zf:
             return any(n == "data.pkl" or n.endswith("/data.pkl") for n in zf.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
+        # (NotImplementedError: a "version needed to extract" zipfile does not know; miniz ignores it)
         return name.endswith(SUFFIXES)
 
 
