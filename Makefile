@@ -65,6 +65,8 @@ fixtures: $(STAMP)
 	$(PY) fixtures/gen_torch_save.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
 	$(PYTHON) fixtures/gen_legacy_jax.py
+	$(MAKE) $(DEEPSPEED_STAMP)
+	DS_ACCELERATOR=cpu $(DEEPSPEED_VENV)/bin/python fixtures/gen_deepspeed.py
 
 # transformers 5 writes safetensors only: the .bin fixtures come from 4.57 (same torch) in its own venv
 TRANSFORMERS4_VENV := build/venv-transformers-4.57
@@ -72,6 +74,15 @@ TRANSFORMERS4_STAMP := $(TRANSFORMERS4_VENV)/.installed
 $(TRANSFORMERS4_STAMP):
 	$(PYTHON) -m venv $(TRANSFORMERS4_VENV)
 	$(TRANSFORMERS4_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'transformers==4.57.*' numpy
+	touch $@
+
+# DeepSpeed ZeRO fixtures: deepspeed 0.19 (no compiled ops: DS_BUILD_OPS=0) on torch 2.13's CPU build, in its own venv;
+# run with DS_ACCELERATOR=cpu (gloo ranks on 127.0.0.1)
+DEEPSPEED_VENV := build/venv-deepspeed-0.19
+DEEPSPEED_STAMP := $(DEEPSPEED_VENV)/.installed
+$(DEEPSPEED_STAMP):
+	$(PYTHON) -m venv $(DEEPSPEED_VENV)
+	DS_BUILD_OPS=0 $(DEEPSPEED_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'deepspeed==0.19.*' numpy
 	touch $@
 
 clean:
