@@ -120,6 +120,12 @@ REGISTRY: dict[str, FormatInfo] = {
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
         options=("max_shard_size", "like"),
     ),
+    # before torch: a global_stepN directory holds .pt files, which are one ZeRO checkpoint, not loose torch.save files
+    "deepspeed": FormatInfo(
+        "deepspeed", "DeepSpeed ZeRO", f"{__name__}.deepspeed", can_write=False, value_kinds=_ALL,
+        claims=("*_model_states.pt", "*_optim_states.pt"), short="DeepSpeed",
+        reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=5,
+    ),
     # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
     "torch": FormatInfo(
         "torch", "torch.save", f"{__name__}.torch_save", can_write=False, value_kinds=_ALL,

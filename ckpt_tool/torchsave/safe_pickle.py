@@ -462,6 +462,46 @@ class TensorProperties(Record):
 
 
 # ---------------------------------------------------------------------------
+# Stand-ins for the DeepSpeed classes its ZeRO checkpoints pickle (data only)
+# ---------------------------------------------------------------------------
+# DeepSpeed's engine.save_checkpoint pickles a few of its own objects into the
+# optimizer-states files: the loss scaler, the ZeRO stage enum and, per
+# parameter, where its slice of the flat partition lies. zero_to_fp32 needs
+# `import deepspeed` only to unpickle them; here each is a record of its data,
+# nothing of DeepSpeed is imported or run.
+class DSLossScaler(Record):
+    """deepspeed.runtime.fp16.loss_scaler.LossScaler / DynamicLossScaler (NEWOBJ + BUILD of __dict__)."""
+
+    FIELDS = ("cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
+              "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
+              "raise_error_at_min_scale", "dtype")
+
+
+class DSFragmentAddress(Record):
+    """deepspeed.utils.tensor_fragment.fragment_address: a parameter's slice of its rank's flat partition."""
+
+    FIELDS = ("numel", "start")
+
+
+class DSZeroStage(int):
+    """deepspeed.runtime.zero.config.ZeroStageEnum(n): an int enum, pickled as a call with its value."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError("ZeroStageEnum cannot be modified by a pickle")
+
+    def __repr__(self) -> str:
+        return f"ZeroStageEnum({int(self)})"
+
+
+def _zero_stage(value: Any) -> DSZeroStage:
+    if type(value) is not int or not 0 <= value <= 3:
+        raise ValueError(f"ZeroStageEnum({value!r}) is not a ZeRO stage (0-3)")
+    return DSZeroStage(value)
+
+
+# ---------------------------------------------------------------------------
 # Stand-ins for Python and numpy values inside non-tensor items
 # ---------------------------------------------------------------------------
 def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
@@ -507,9 +547,22 @@ def _plain_sequence(items: Any) -> list:
     return list(items)
 
 
+class _OrderedDict(dict):
+    """An OrderedDict as a dict that takes one BUILD: torch's `Module.state_dict()` carries a
+    `_metadata` attribute (each module's version), which pickle restores by BUILD after the items;
+    torch.load sets it as an attribute. It says nothing about the data and is dropped (finalize
+    turns this into a plain dict). Any other attribute is refused."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or any(k != "_metadata" for k in state):
+            raise TypeError(f"OrderedDict state {short_repr(state)} (only a state dict's _metadata is understood)")
+
+
 def _ordered_dict(items: Any = ()) -> dict:
-    """collections.OrderedDict -> a plain dict (pickles fill it by SETITEMS)."""
-    out: dict = {}
+    """collections.OrderedDict -> a dict (pickles fill it by SETITEMS; a state dict's BUILD is taken)."""
+    out: dict = _OrderedDict()
     for key, value in _plain_sequence(items):
         out[key] = value
     return out
@@ -648,6 +701,13 @@ for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
     ALLOWED[(_module, "_reconstruct")] = NumpyArray
 ALLOWED[("numpy", "dtype")] = NumpyDType
 ALLOWED[("numpy", "ndarray")] = NUMPY_NDARRAY
+# DeepSpeed (ZeRO checkpoints): admitted by name as data, never imported
+ALLOWED.update({
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): DSLossScaler,
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DSLossScaler,
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): DSFragmentAddress,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _Fn(_zero_stage),
+})
 
 # torch.save's other tensor rebuilds: real torch output that ckpt cannot
 # reproduce as a plain array. Named when met (before their arguments, which

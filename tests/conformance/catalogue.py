@@ -139,6 +139,12 @@ ENTRIES: list[Entry] = [
     Entry("torch_hf_bin_single/pytorch_model.bin", "torch", R.torch_live),  # one file, by its path
     Entry("torch_state/state.pt", "torch", R.torch_live),
     Entry("torch_dcp_to_torch_save/full.pt", "torch", R.torch_live),
+    # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own
+    # per-parameter optimizer state, recorded in _reference.json
+    *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
+      ("deepspeed_z1_fp32", "deepspeed_z1_bf16", "deepspeed_z2_fp32", "deepspeed_z2_bf16", "deepspeed_z3_fp32", "deepspeed_z3_bf16")],
+    Entry("deepspeed_z3_bf16/global_step2", "deepspeed", R.deepspeed_recorded,
+          values=R.deepspeed_recorded_values),  # a step directory, given as itself
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
@@ -331,6 +337,22 @@ DAMAGE: list[Damage] = [
     Damage("torch", "garbage-metadata", "torch_hf_bin_single", "pytorch_model.bin", "garbage", "bad-metadata"),
     Damage("torch", "path-escape", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "symlink-out",
            "path-escape"),
+    # deepspeed: a rank's optimizer states (stage 2) or model states (stage 3), `latest`, a model-states file
+    Damage("deepspeed", "missing-file", "deepspeed_z2_fp32", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+           "remove", "missing-file"),
+    Damage("deepspeed", "missing-file", "deepspeed_z3_fp32", "global_step2/zero_pp_rank_1_mp_rank_00_model_states.pt",
+           "remove", "missing-file"),
+    Damage("deepspeed", "truncated-file", "deepspeed_z3_bf16",
+           "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "truncate", "truncated-file"),
+    Damage("deepspeed", "wrong-size", "deepspeed_z2_bf16", "global_step2/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+           "empty", "empty-file"),
+    Damage("deepspeed", "wrong-size", "deepspeed_z3_fp32", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+           "flip-storage", "bad-chunk", deep=True),
+    Damage("deepspeed", "garbage-metadata", "deepspeed_z1_fp32", "latest", "garbage", "bad-metadata"),
+    Damage("deepspeed", "garbage-metadata", "deepspeed_z2_fp32", "global_step2/mp_rank_00_model_states.pt", "garbage",
+           "bad-metadata"),
+    Damage("deepspeed", "path-escape", "deepspeed_z2_fp32", "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+           "symlink-out", "path-escape"),
 ]
 
 

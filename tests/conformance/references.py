@@ -233,6 +233,50 @@ def legacy_recorded(name: str) -> Callable[[Path, str | None], dict]:
 STR_KEYS = {"flax_orbax.1", "flax_orbax.2"}  # compare key paths as strings (see legacy_recorded)
 
 
+def _deepspeed_doc(path: Path) -> dict:
+    """fixtures/deepspeed_*/_reference.json (gen_deepspeed.py), beside the root or its step directory."""
+    path = Path(path)
+    for where in (path, path.parent):
+        if (where / "_reference.json").exists():
+            return json.loads((where / "_reference.json").read_text())
+    raise FileNotFoundError(f"no _reference.json at or above {path}")
+
+
+def _deepspeed_flat(obj: Any, keys: tuple, out: dict) -> None:
+    """A recorded engine-state value laid out as ckpt lays out a torch.save object (_torch_walk's
+    rule: dicts by key, anything else one value), keyed by dotted name."""
+    if isinstance(obj, dict) and obj and "data" not in obj:
+        for k, v in obj.items():
+            _deepspeed_flat(v, keys + (k,), out)
+    else:
+        out[by_name(".".join(map(str, keys)))] = obj
+
+
+def _deepspeed_recorded(path: Path) -> dict:
+    """{by_name: ("array", recorded tensor) | ("value", value)}: DeepSpeed 0.19's own views, recorded:
+    get_fp32_state_dict_from_zero_checkpoint (the consolidated weights and buffers),
+    safe_get_full_optimizer_state (exp_avg / exp_avg_sq per parameter) and the group's step,
+    the base optimizer's param_groups, and torch.load's other model-states entries under engine."""
+    doc = _deepspeed_doc(path)
+    out: dict = {}
+    for t in doc["zero_to_fp32"]:
+        out[by_name(t["name"])] = ("array", t)
+    for name, states in doc["optimizer"].items():
+        for key, t in states.items():
+            out[by_name(f"optimizer.state.{name}.{key}")] = ("array", t)
+    out[by_name("optimizer.param_groups")] = ("value", doc["param_groups"])
+    values: dict = {}
+    _deepspeed_flat(doc["state"], ("engine",), values)
+    out.update({k: ("value", v) for k, v in values.items()})
+    return out
+
+
+def deepspeed_recorded(path: Path, step: str | None = None) -> dict:
+    """fixtures/deepspeed_*/_reference.json: what DeepSpeed 0.19 gave for the checkpoint (see _deepspeed_recorded)."""
+    return {k: Ref("array", tuple(t["shape"]), t["dtype"]) if kind == "array" else Ref("value")
+            for k, (kind, t) in _deepspeed_recorded(path).items()}
+
+
 # --------------------------------------------------------------------------
 # values: what the writing library restores (live), or restored then (recorded)
 # --------------------------------------------------------------------------
@@ -303,6 +347,22 @@ def orbax_recorded_values(path: Path, step: str | None = None) -> dict:
         else:
             raw = base64.b64decode(leaf["data"])
             out[tuple(leaf["keys"])] = np.frombuffer(raw, dtype=_np_dtype(leaf["dtype"])).reshape(leaf["shape"])
+    return out
+
+
+def deepspeed_recorded_values(path: Path, step: str | None = None) -> dict:
+    """_reference.json's tensors (bytes, base64) and values, as DeepSpeed gave them."""
+    import base64
+
+    import numpy as np
+
+    out = {}
+    for key, (kind, t) in _deepspeed_recorded(path).items():
+        if kind == "array":
+            raw = base64.b64decode(t["data"])
+            out[key] = np.frombuffer(raw, dtype=_np_dtype(t["dtype"])).reshape(t["shape"])
+        else:
+            out[key] = t
     return out
 
 

@@ -1,0 +1,16 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3; fp32 and bf16 training), read without DeepSpeed or torch.
+
+A step directory (`global_stepN/`: `mp_rank_00_model_states.pt` or stage 3's
+`zero_pp_rank_{r}_mp_rank_00_model_states.pt`, and `[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`
+per data-parallel rank) or a root holding `latest` and such directories (`--step N` or a tag).
+
+reader.py builds the consolidated tree zero_to_fp32 gives (each parameter whole, its fp32
+master weights assembled from every rank's flat partition by byte range), the optimizer state
+per parameter and the engine's other recorded state; layout.py is where each parameter's
+elements lie in the partitions; checks.py is validate's shallow checks and --deep's CRC-32s.
+ckpt does not write DeepSpeed checkpoints (convert to safetensors, DCP or Orbax). The package's
+interface is the registry's: NAME, detect, read, layout_text.
+"""
+from .reader import NAME, detect, layout_text, read
+
+__all__ = ["NAME", "detect", "layout_text", "read"]

@@ -1,0 +1,174 @@
+"""Shallow checks of DeepSpeed ZeRO checkpoints; --deep's CRC-32s.
+
+Shallow (no tensor data read): a root's `latest` (a tag naming a step directory here: garbage is
+`bad-metadata`, a tag without its directory `missing-file`), then each step checked (every step
+by default, `--step N` / `latest` one): every model-states and optimizer-states file opened as a
+torch.save archive (zip records, pickle through the allow-list: `truncated-file`, `empty-file`,
+`bad-metadata`, `unsafe-pickle`), a data-parallel rank's file that is not there (`missing-file`,
+naming the parameters it holds), the ranks agreeing on the stage and DP degree, the partitions'
+lengths against the recorded shapes and padding (`bad-metadata`: the same sums zero_to_fp32
+checks, and each parameter's elements inside the partitions), and every flat tensor's claim on
+its storage (`missing-chunk`, `bad-metadata`). Layouts ckpt does not read yet (pipeline parallel,
+MoE experts, several model-parallel ranks) are named (`bad-metadata`).
+
+Deep (check_deep, after every parameter was read and checked for NaN/Inf): the CRC-32 of every
+storage member of every file read, each streamed once, and every recorded value decoded.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import CkptError, PathEscapeError, UnsafePickleError, UsageError
+from ...findings import Findings
+from ...model import ArrayLeaf, ValueLeaf
+from ...storage import Storage
+from ...torchsave.safe_pickle import UnsupportedTensorError
+from ..torch_save import checks as tsc
+from ..torch_save import reader as ts
+from . import reader as ds
+
+
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+    _, files = storage.listdir()
+    if ds.is_step_listing(files):
+        if step not in (None, "latest", "all"):
+            raise UsageError(f"--step {step} given, but this is one step directory", storage.url)
+        _check_step(storage, findings, "")
+        return
+    steps, tag, problem = ds.list_steps(storage)
+    if ds.LATEST in files:
+        if problem is not None:
+            findings.error("bad-metadata", f"latest: {problem}", file=ds.LATEST)
+        elif tag not in [s.name for s in steps]:
+            findings.error("missing-file", f"latest names {tag!r}, which is not a step directory here "
+                           "(DeepSpeed's load_checkpoint fails on it)", file=ds.LATEST)
+    elif steps:
+        findings.warning("missing-metadata", "no latest file: DeepSpeed's load_checkpoint needs a tag to load "
+                         "any of these steps", file=".")
+    if step in (None, "all"):
+        chosen = [s.name for s in steps]
+    elif step == "latest":
+        chosen = [tag] if tag in [s.name for s in steps] else []
+        if not chosen and not findings.errors:
+            findings.error("no-steps", "no step directory for latest", file=".")
+    else:
+        name, _, _ = ds.pick_step(storage, step)
+        chosen = [name]
+    if not chosen and step in (None, "all"):
+        findings.error("no-steps", "no global_stepN directory holding model and optimizer states", file=".")
+    for name in chosen:
+        _check_step(storage.child(name), findings, f"{name}/")
+    findings.count("steps", len(chosen))
+
+
+def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
+    files = ds.scan_step(storage)
+    if files.refused:
+        refusal = ds._refusal(files, storage.url)
+        findings.error("bad-metadata", refusal.message if refusal else "not read", file=prefix + files.refused[0])
+        return
+    opened = [_open(storage, name, findings, prefix) for name in [*files.model.values(), *files.optim.values()]]
+    if any(a is None for a in opened):
+        return  # the structure is checked over files that open
+    try:
+        step = ds.open_step(storage)
+    except PathEscapeError:
+        raise
+    except CkptError as exc:
+        findings.error("bad-metadata", exc.message, file=prefix + _file_of(storage, exc.where))
+        return
+    model_file = step.model_archives[0].name
+    leaves, _ = ds.step_leaves(step)
+    for name in step.missing_files:
+        held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
+        findings.error("missing-file", f"rank file missing: the data-parallel degree is {step.world}"
+                       + (f"; it holds part of {len(held)} tensors ({', '.join(held[:3])}"
+                          + (" ..." if len(held) > 3 else "") + ")" if held else ""), file=prefix + name)
+    for problem in step.mapping.problems:
+        findings.error("bad-metadata", f"partition lengths do not match the recorded shapes and padding: {problem}",
+                       file=prefix + model_file)
+    claims = 0
+    for leaf in leaves:
+        if not isinstance(leaf, ArrayLeaf):
+            continue
+        claims += 1
+        if leaf.unreadable and not step.mapping.problems:
+            code = "missing-chunk" if "missing from the archive" in leaf.unreadable else "bad-metadata"
+            findings.error(code, leaf.unreadable, leaf=leaf.path,
+                           file=prefix + (leaf.extra.get("file") or (leaf.extra.get("files") or [model_file])[0]))
+    findings.count("tensors", claims)
+
+
+def _open(storage: Storage, name: str, findings: Findings, prefix: str) -> ts.Archive | None:
+    """One archive opened as torch's reader would; its damage as a finding (None then)."""
+    try:
+        archive = ts.Archive(storage, name)
+    except PathEscapeError:
+        raise
+    except UnsafePickleError as exc:
+        findings.error("unsafe-pickle", f"refers to {exc.module}.{exc.name}: refused, nothing was executed",
+                       file=prefix + name)
+        return None
+    except UnsupportedTensorError as exc:
+        findings.error("bad-metadata", exc.message, file=prefix + name)
+        return None
+    except CkptError as exc:
+        size = tsc._size(storage, name)
+        code = "empty-file" if size == 0 else (
+            "truncated-file" if any(part in exc.message for part in tsc._CUT_SHORT) else "bad-metadata")
+        findings.error(code, exc.message, file=prefix + name)
+        return None
+    findings.count("files")
+    return archive
+
+
+def _file_of(storage: Storage, where: str | None) -> str:
+    root = storage.url.rstrip("/") + "/"
+    if where and where.startswith(root):
+        return where[len(root):]
+    return "."
+
+
+def archives_of(ckpt: Any) -> list[ts.Archive]:
+    """Every archive the checkpoint's leaves read from (model and optimizer states)."""
+    found: dict[int, ts.Archive] = {}
+    for leaf in ckpt.leaves:
+        reader = getattr(leaf, "reader", None)
+        inner = getattr(reader, "_inner", reader)
+        archive = getattr(inner, "_archive", None)
+        if isinstance(archive, ts.Archive):
+            found[id(archive)] = archive
+        for src in getattr(reader, "_sources", []):
+            if src.archive is not None:
+                found[id(src.archive)] = src.archive
+    return list(found.values())
+
+
+def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+    """--deep beyond the tensor reads: every storage member's CRC-32 in every file (those a whole
+    read did not already check, each streamed once), every recorded value decoded."""
+    prefix = f"{ckpt.layout['step_dir']}/" if ckpt.layout.get("step_dir") else ""
+    members = 0
+    for archive in sorted(archives_of(ckpt), key=lambda a: a.name):
+        for key, (size, crc) in sorted(archive.zip.storage_members().items()):
+            if not size or not crc:
+                continue
+            members += 1
+            try:
+                archive.verify_member(key)
+            except PathEscapeError:
+                raise
+            except CkptError as exc:
+                findings.error("bad-chunk", f"storage {key}: {exc.message}", file=prefix + archive.name)
+    findings.count("storages_checked", members)
+    values = 0
+    for leaf in ckpt.leaves:
+        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
+            continue
+        values += 1
+        try:
+            leaf.load()
+        except CkptError as exc:
+            findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
+                           file=prefix + str(leaf.extra.get("file")))
+    findings.count("values_read", values)
