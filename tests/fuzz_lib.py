@@ -9,7 +9,9 @@ one file damaged by one mutation operator: byte-level (flips, truncation,
 insertion, deletion), structure-aware (JSON fields of every Orbax metadata
 kind, pickle opcodes of a DCP `.metadata`, the fields of torch's Metadata
 object re-pickled, zip records of a `.distcp` archive, a safetensors header,
-a msgpack tree's structure and ext types) or removal of the file. Every operator takes a `random.Random`, so a mutant is
+a msgpack tree's structure and ext types, a torch.save archive's data.pkl,
+zip structure and storages, rewritten consistently where the damage should
+reach past the CRC check) or removal of the file. Every operator takes a `random.Random`, so a mutant is
 reproducible from (seed, index) and hypothesis can drive the choices.
 
 The contract, for `ckpt inspect --json`, `ckpt validate` and
@@ -21,8 +23,8 @@ The contract, for `ckpt inspect --json`, `ckpt validate` and
 and the oracle: where validate exits 0 (--deep; or shallow, for a mutant of a
 metadata file, which shallow validate claims to check), the real library
 (torch's dcp_to_torch_save, orbax's restore with no target, safetensors'
-safe_open, orbax's msgpack_restore for Flax msgpack) loads it, and with the
-values ckpt's Python API reads.
+safe_open, orbax's msgpack_restore for Flax msgpack, torch.load(weights_only=True)
+for torch.save files) loads it, and with the values ckpt's Python API reads.
 """
 from __future__ import annotations
 
@@ -68,9 +70,10 @@ COMMANDS = {
 @dataclass(frozen=True)
 class FixtureSpec:
     name: str
-    format: str  # "orbax" | "dcp" | "safetensors" | "msgpack"
+    format: str  # the registry's name: "orbax" | "dcp" | "safetensors" | "msgpack" | "torch"
     oracle: str | None  # the oracle worker's format, None when no library reader is available
     mode: str = ""  # oracle mode ("numpy": orbax restore as host arrays)
+    entry: str = ""  # the file inside the fixture given to ckpt (default: the fixture directory)
 
 
 FIXTURE_SPECS = [
@@ -87,23 +90,35 @@ FIXTURE_SPECS = [
     FixtureSpec("safetensors_llama_sharded", "safetensors", "safetensors"),
     # flax is not installed: orbax's msgpack_utils.msgpack_restore (flax's loader) is the oracle
     FixtureSpec("flax_msgpack", "msgpack", "msgpack"),
+    # torch.save: torch.load(weights_only=True) of each file is the oracle (fuzz_oracle.py)
+    FixtureSpec("torch_hf_bin_sharded", "torch", "torch"),
+    FixtureSpec("torch_hf_bin_single", "torch", "torch"),
+    FixtureSpec("torch_state", "torch", "torch"),
+    FixtureSpec("torch_dcp_to_torch_save", "torch", "torch", entry="full.pt"),  # one file, by its path
 ]
 SPECS = {s.name: s for s in FIXTURE_SPECS}
 
 # share of mutants per format in a long run ("both formats" first)
-FORMAT_WEIGHTS = {"orbax": 0.44, "dcp": 0.44, "safetensors": 0.08, "msgpack": 0.04}
+FORMAT_WEIGHTS = {"orbax": 0.40, "dcp": 0.40, "torch": 0.10, "safetensors": 0.07, "msgpack": 0.03}
 
 # kinds whose damage shallow validate claims to catch (metadata); damage to
 # the others (array data) is --deep's job
 METADATA_KINDS = {
     "checkpoint_metadata", "metadata", "sharding", "array_metadatas", "zarr_meta", "strings_json",
     "commit_marker", "ocdbt_manifest", "dcp_metadata", "safetensors_index", "safetensors_header",
+    # torch.save: the pickle, the zip structure and records, a .bin set's index (a storage's
+    # bytes, its local header and data descriptor are read with its data: torch_storage, --deep)
+    "torch_pickle", "torch_zip", "torch_index",
 }
 
 
 # --------------------------------------------------------------------------
 # targets: which file of a fixture is which kind
 # --------------------------------------------------------------------------
+
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+# the mutation kinds of one torch.save archive (mutate_torch_pickle / _zip / _storage)
+TORCH_KINDS = ("torch_pickle", "torch_zip", "torch_storage")
 
 
 def target_kind(rel: str) -> str | None:
@@ -135,6 +150,10 @@ def target_kind(rel: str) -> str | None:
         return "safetensors"
     if name == "model.safetensors.index.json":
         return "safetensors_index"
+    if len(parts) == 1 and name.endswith(TORCH_SUFFIXES):
+        return "torch_save"  # expanded into TORCH_KINDS by fixture_targets
+    if len(parts) == 1 and name.endswith(".bin.index.json"):
+        return "torch_index"
     if name.startswith("checkpoint"):
         return "msgpack"
     if name.endswith(".json"):
@@ -151,8 +170,9 @@ def fixture_targets(root: Path) -> dict[str, list[str]]:
         if p.is_file() and not p.is_symlink():
             rel = p.relative_to(root).as_posix()
             kind = target_kind(rel)
-            if kind:
-                out.setdefault(kind, []).append(rel)
+            # a torch.save archive is three targets: its pickle, its zip structure, its storages
+            for k in TORCH_KINDS if kind == "torch_save" else (kind,) if kind else ():
+                out.setdefault(k, []).append(rel)
     return out
 
 
@@ -883,6 +903,536 @@ def mutate_msgpack(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
 
 
 # --------------------------------------------------------------------------
+# torch.save archives (.pt / .pth / .bin): data.pkl, zip records, storages
+# --------------------------------------------------------------------------
+#
+# torch.save (miniz) writes `<stem>/data.pkl`, the small records (`.format_version`,
+# `.storage_alignment`, `byteorder`, `version`, `.data/serialization_id`) and one
+# `<stem>/data/<key>` member per storage: STORED, flag bit 3 (sizes and CRC-32 in a data
+# descriptor after the data, zeros in the local header), the local header's extra field an
+# "FB" padding record that puts the data at a multiple of 64, then the central directory,
+# zip64 end records and the end record. TorchZip parses that and writes it back with
+# members changed, sizes, offsets, padding and (when asked) CRC-32s made consistent, so
+# that a mutation reaches the part of the reader it is aimed at, not only the CRC check.
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_ALIGN = 64  # torch's kFieldAlignment
+
+
+@dataclass
+class ZipMember:
+    name: bytes
+    local: bytearray  # the 30-byte local header
+    local_extra: bytes
+    data: bytes
+    descriptor: bytes  # "PK\x07\x08" + CRC + sizes after the data (flag bit 3), or b""
+    central: bytearray  # the 46-byte central-directory header
+    central_extra: bytes
+    comment: bytes
+    crc: int  # written to the descriptor / headers by TorchZip.write
+    inflated: int | None = None  # the size a deflated member inflates to (None: STORED)
+    local_at: int = 0  # where the member's records are in the parsed bytes
+    central_at: int = 0
+    data_at: int = 0
+
+
+@dataclass
+class TorchZip:
+    members: list[ZipMember]
+    eocd64: bytearray | None  # the zip64 end record and its locator, when present
+    locator: bytearray | None
+    eocd: bytearray  # the 22-byte end record
+    eocd_comment: bytes
+    eocd_at: int = 0
+    eocd64_at: int = -1
+    locator_at: int = -1
+
+    @property
+    def prefix(self) -> bytes:
+        first = self.members[0].name
+        return first[: first.index(b"/") + 1] if b"/" in first else b""
+
+    def member(self, suffix: str) -> ZipMember | None:
+        want = self.prefix + suffix.encode()
+        return next((m for m in self.members if m.name == want), None)
+
+    def storages(self) -> list[ZipMember]:
+        p = self.prefix + b"data/"
+        return [m for m in self.members if m.name.startswith(p) and b"/" not in m.name[len(p):]]
+
+    def records(self) -> list[ZipMember]:
+        """The members that are not storages (data.pkl and the small records)."""
+        keep = {id(m) for m in self.storages()}
+        return [m for m in self.members if id(m) not in keep]
+
+    def write(self) -> bytes:
+        """The archive with every offset, size and padding recomputed from the members."""
+        out = bytearray()
+        central = bytearray()
+        for m in self.members:
+            at = len(out)
+            local = bytearray(m.local)
+            extra = m.local_extra
+            if extra[:2] == b"FB":  # torch's padding record: data at a multiple of 64 again
+                pad = -(at + _LOCAL.size + len(m.name) + 4) % _ALIGN
+                extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            struct.pack_into("<H", local, 26, len(m.name))
+            struct.pack_into("<H", local, 28, len(extra))
+            if not struct.unpack_from("<H", local, 6)[0] & 0x8:  # sizes in the local header
+                struct.pack_into("<III", local, 14, m.crc, len(m.data), len(m.data))
+            out += local + m.name + extra + m.data
+            if m.descriptor:
+                out += m.descriptor[:4] + struct.pack("<III", m.crc, len(m.data), len(m.data)) + m.descriptor[16:]
+            cen = bytearray(m.central)
+            usize = len(m.data) if m.inflated is None else m.inflated
+            struct.pack_into("<III", cen, 16, m.crc, len(m.data), usize)
+            struct.pack_into("<HHH", cen, 28, len(m.name), len(m.central_extra), len(m.comment))
+            struct.pack_into("<I", cen, 42, at)
+            central += cen + m.name + m.central_extra + m.comment
+        cd_at, n = len(out), len(self.members)
+        out += central
+        if self.eocd64 is not None and self.locator is not None:
+            z64_at = len(out)
+            rec = bytearray(self.eocd64)
+            struct.pack_into("<QQQQ", rec, 24, n, n, len(central), cd_at)
+            loc = bytearray(self.locator)
+            struct.pack_into("<Q", loc, 8, z64_at)
+            out += rec + loc
+        end = bytearray(self.eocd)
+        struct.pack_into("<HHII", end, 8, min(n, 0xFFFF), min(n, 0xFFFF), len(central), cd_at)
+        struct.pack_into("<H", end, 20, len(self.eocd_comment))
+        out += end + self.eocd_comment
+        return bytes(out)
+
+
+def parse_torch_zip(data: bytes) -> TorchZip | None:
+    """The members of a torch.save archive as torch writes it; None when it is not one
+    (already damaged, or another zip layout: the operators then fall back to bytes)."""
+    try:
+        at = data.rfind(b"PK\x05\x06", max(0, len(data) - 22 - 0xFFFF))
+        if at < 0:
+            return None
+        eocd = bytearray(data[at:at + 22])
+        _, _, _, _, n, cd_size, cd_at, comment_len = struct.unpack("<IHHHHIIH", eocd)
+        eocd64 = locator = None
+        z64_at = loc_at = -1
+        if at >= 20 and data[at - 20:at - 16] == b"PK\x06\x07":
+            loc_at = at - 20
+            locator = bytearray(data[loc_at:at])
+            z64_at = struct.unpack_from("<Q", locator, 8)[0]
+            eocd64 = bytearray(data[z64_at:z64_at + 56])
+            if eocd64[:4] != b"PK\x06\x06":
+                return None
+            n, cd_size, cd_at = struct.unpack_from("<QQQ", eocd64, 32)
+        members = []
+        p = cd_at
+        for _ in range(n):
+            cen = bytearray(data[p:p + 46])
+            f = _CENTRAL.unpack(cen)
+            if f[0] != 0x02014B50:
+                return None
+            name_len, extra_len, com_len, offset = f[10], f[11], f[12], f[16]
+            name = data[p + 46:p + 46 + name_len]
+            cextra = data[p + 46 + name_len:p + 46 + name_len + extra_len]
+            comment = data[p + 46 + name_len + extra_len:p + 46 + name_len + extra_len + com_len]
+            loc = bytearray(data[offset:offset + 30])
+            lf = _LOCAL.unpack(loc)
+            if lf[0] != 0x04034B50 or f[9] != f[8] or f[5] != 0:
+                return None
+            lextra = data[offset + 30 + lf[9]:offset + 30 + lf[9] + lf[10]]
+            start = offset + 30 + lf[9] + lf[10]
+            body = data[start:start + f[8]]
+            desc = b""
+            if lf[2] & 0x8 and data[start + f[8]:start + f[8] + 4] == b"PK\x07\x08":
+                desc = data[start + f[8]:start + f[8] + 16]
+            members.append(ZipMember(name, loc, lextra, body, desc, cen, cextra, comment, f[7], None, offset, p, start))
+            p += 46 + name_len + extra_len + com_len
+        if not members or b"/" not in members[0].name:
+            return None
+        return TorchZip(members, eocd64, locator, eocd, data[at + 22:at + 22 + comment_len], at, z64_at, loc_at)
+    except (struct.error, IndexError, ValueError):
+        return None
+
+
+def _crc(data: bytes) -> int:
+    import zlib
+
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def _is_int_op(o: tuple) -> bool:
+    return o[0].name in ("BININT1", "BININT2", "BININT", "LONG1")
+
+
+def tensor_sites(ops: list[tuple[Any, Any, int, int]]) -> list[dict[str, Any]]:
+    """The tensors of a torch.save data.pkl, located by their persistent ids: for each
+    BINPERSID, its storage key op, numel op, and the storage_offset / size / stride int ops of
+    the `_rebuild_tensor_v2(storage, offset, size, stride, ...)` call after it."""
+    puts = ("BINPUT", "LONG_BINPUT", "MEMOIZE")
+    sites = []
+    for i, (op, _arg, _s, _e) in enumerate(ops):
+        if op.name != "BINPERSID":
+            continue
+        # the pid tuple ('storage', class, key, location, numel) between MARK and TUPLE
+        j = i - 1
+        while j >= 0 and ops[j][0].name in puts:
+            j -= 1
+        if j < 1 or ops[j][0].name != "TUPLE":
+            continue
+        j -= 1
+        elems = []
+        while j >= 0 and ops[j][0].name != "MARK":
+            if ops[j][0].name not in puts:
+                elems.append(ops[j])
+            j -= 1
+        elems.reverse()
+        site: dict[str, Any] = {"at": i, "roles": []}
+        if len(elems) == 5:
+            site["key"] = elems[2]
+            if _is_int_op(elems[4]):
+                site["roles"].append(("numel", elems[4]))
+        j = i + 1
+        if j < len(ops) and ops[j][0].name in puts:
+            j += 1
+        if j < len(ops) and _is_int_op(ops[j]):
+            site["roles"].append(("storage_offset", ops[j]))
+            j += 1
+        for role in ("size", "stride"):
+            if j >= len(ops):
+                break
+            if ops[j][0].name == "EMPTY_TUPLE":
+                j += 1
+            else:
+                if ops[j][0].name == "MARK":
+                    j += 1
+                dims = []
+                while j < len(ops) and _is_int_op(ops[j]):
+                    dims.append(ops[j])
+                    j += 1
+                for d, o in enumerate(dims):
+                    site["roles"].append((f"{role}[{d}]", o))
+                if j < len(ops) and ops[j][0].name in ("TUPLE1", "TUPLE2", "TUPLE3", "TUPLE"):
+                    j += 1
+            if j < len(ops) and ops[j][0].name in puts:
+                j += 1
+        sites.append(site)
+    return sites
+
+
+def _replace_ops(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
+    for s, e, new in sorted(edits, reverse=True):
+        data = data[:s] + new + data[e:]
+    return data
+
+
+def _unicode_op(text: str) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE: what torch's protocol-2 pickler writes
+
+
+def tensor_view_mutation(rng: random.Random, pkl: bytes) -> tuple[bytes, str]:
+    """One tensor's storage_offset, a size or a stride, or its storage's numel changed in the
+    pickle's int opcodes: most make a view reach past its storage, some a valid smaller view."""
+    ops = _ops(pkl)
+    sites = [s for s in tensor_sites(ops) if s["roles"]]
+    if not sites:
+        return pickle_opcode_mutation(rng, pkl)
+    site = rng.choice(sites)
+    role, (op, arg, s, e) = rng.choice(site["roles"])
+    numel = next((o[1] for r, o in site["roles"] if r == "numel"), 1)
+    new = rng.choice([arg + 1, arg - 1, 0, 1, arg * 2, numel, numel + 1, numel - 1, 2**31, 2**62, 2**63, -1,
+                      rng.choice(INTERESTING_INTS)])
+    enc = _encode_int_op(op.name, new)
+    assert enc is not None
+    return pkl[:s] + enc + pkl[e:], f"tensor at pickle op {site['at']}: {role} {arg} -> {new}"
+
+
+def storage_key_mutation(rng: random.Random, pkl: bytes) -> tuple[bytes, str]:
+    """Storage keys in the persistent ids: two storages swapped, or one renamed."""
+    ops = _ops(pkl)
+    keys = [s["key"] for s in tensor_sites(ops) if "key" in s and s["key"][0].name == "BINUNICODE"]
+    if not keys:
+        return pickle_opcode_mutation(rng, pkl)
+    if len(keys) >= 2 and rng.random() < 0.6:
+        a, b = rng.sample(keys, 2)
+        if a[1] != b[1]:
+            return (_replace_ops(pkl, [(a[2], a[3], _unicode_op(b[1])), (b[2], b[3], _unicode_op(a[1]))]),
+                    f"storage keys {a[1]!r} and {b[1]!r} swapped")
+    op, arg, s, e = rng.choice(keys)
+    new = rng.choice([keys[0][1], str(len(keys) + 7), arg + "0", "", "../" + arg, "data.pkl", "a/b", "x" * 65])
+    return pkl[:s] + _unicode_op(new) + pkl[e:], f"storage key {arg!r} -> {new!r}"
+
+
+# globals to swap in: torch's (other storage types change a tensor's dtype), ones ckpt's
+# allow-list admits and torch.load(weights_only=True) refuses, and hostile ones
+TORCH_GLOBALS = [
+    ("torch", "HalfStorage"), ("torch", "BFloat16Storage"), ("torch", "DoubleStorage"), ("torch", "IntStorage"),
+    ("torch", "LongStorage"), ("torch", "ByteStorage"), ("torch", "BoolStorage"), ("torch", "ComplexFloatStorage"),
+    ("torch", "FloatStorage"), ("torch", "QInt8Storage"), ("torch.storage", "UntypedStorage"),
+    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_qtensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._tensor", "_rebuild_from_type_v2"),
+    ("collections", "OrderedDict"), ("collections", "Counter"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "bytes"), ("builtins", "complex"), ("pathlib", "PosixPath"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy", "dtype"), ("torch.distributed.checkpoint.metadata", "Metadata"), ("torch", "device"), ("torch", "Size"),
+    ("torch", "float"), ("torch", "float32"), ("torch.serialization", "_get_layout"),
+    ("os", "system"), ("builtins", "eval"), ("builtins", "getattr"), ("torch", "load"), ("torch.nn.parameter", "Parameter"),
+]
+
+
+def torch_global_mutation(rng: random.Random, pkl: bytes) -> tuple[bytes, str]:
+    """One GLOBAL opcode (torch's protocol 2 names every global that way) names another."""
+    ops = _ops(pkl)
+    cands = [o for o in ops if o[0].name == "GLOBAL"]
+    if not cands:
+        return pickle_opcode_mutation(rng, pkl)
+    op, arg, s, e = rng.choice(cands)
+    mod, name = rng.choice(TORCH_GLOBALS)
+    if rng.random() < 0.15:
+        mod, name = arg.split(" ", 1)[0], _typo(rng, arg.split(" ", 1)[-1])
+    return pkl[:s] + b"c" + mod.encode() + b"\n" + name.encode() + b"\n" + pkl[e:], f"global {arg!r} -> {mod}.{name}"
+
+
+def _with_pickle(tz: TorchZip, pkl: bytes, fix_crc: bool) -> bytes:
+    member = tz.member("data.pkl")
+    assert member is not None
+    member.data = pkl
+    if fix_crc:
+        member.crc = _crc(pkl)
+    return tz.write()
+
+
+def mutate_torch_pickle(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """data.pkl of a torch.save archive: its opcodes (pickle_opcode_mutation), a tensor's view
+    (storage_offset / size / stride / numel), storage keys, globals; the member then rewritten
+    with a correct CRC-32 half the time (the damage reaches the unpickler and the tree), else
+    with sizes and offsets right but the old CRC-32 (only the CRC check stands in the way)."""
+    tz = parse_torch_zip(data)
+    member = tz.member("data.pkl") if tz else None
+    if tz is None or member is None:
+        return bytes_mutation(rng, data)
+    pkl = member.data
+    r = rng.random()
+    if r < 0.35:
+        new, desc = pickle_opcode_mutation(rng, pkl)
+    elif r < 0.7:
+        new, desc = tensor_view_mutation(rng, pkl)
+    elif r < 0.82:
+        new, desc = storage_key_mutation(rng, pkl)
+    else:
+        new, desc = torch_global_mutation(rng, pkl)
+    fix = rng.random() < 0.5
+    return _with_pickle(tz, new, fix), f"data.pkl: {desc} ({'CRC-32 rewritten' if fix else 'old CRC-32'})"
+
+
+# central-directory fields (offset, width): version needed, flags, method, CRC-32, sizes, name /
+# extra / comment lengths, disk number, external attributes, local header offset
+_CD_FIELDS = [(6, 2), (8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (28, 2), (30, 2), (32, 2), (34, 2), (38, 4), (42, 4)]
+_LOCAL_FIELDS = [(0, 1), (4, 2), (6, 2), (8, 2), (14, 4), (18, 4), (22, 4), (26, 2), (28, 2)]
+
+
+def _field_value(rng: random.Random, old: int, width: int) -> int:
+    top = 2 ** (8 * width)
+    v = rng.choice([0, 1, top - 1, rng.randrange(top), old + 1, old - 1, old + 64, old ^ 0x1, old ^ 0x8,
+                    old ^ 0x800, old * 2])
+    return v % top
+
+
+def _patch(data: bytes, at: int, width: int, value: int) -> bytes:
+    return data[:at] + value.to_bytes(width, "little") + data[at + width:]
+
+
+def mutate_torch_zip(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """The zip structure of a torch.save archive (what shallow validate checks): a field of a
+    central-directory entry (the CRC-32 of a storage excepted: --deep's), of the end records,
+    or of a record's local header; member names, flags and compression method; a member dropped,
+    duplicated or moved; a storage member resized (the zip consistent, its claim not);
+    the small records' contents (byteorder, version, storage alignment) with correct CRC-32s."""
+    tz = parse_torch_zip(data)
+    if tz is None:
+        return bytes_mutation(rng, data)
+    op = rng.choice(["cd_field", "cd_field", "cd_field", "end_field", "local_field", "name", "name",
+                     "method", "flags", "drop", "dup", "move", "resize", "resize", "swap_names",
+                     "record", "record", "comment"])
+    storages = tz.storages()
+    records = tz.records()
+    if op == "cd_field":
+        m = rng.choice(tz.members)
+        # (a storage's CRC-32, and the offset of its local header, are checked when it is read:
+        # torch_storage's, --deep's)
+        fields = [f for f in _CD_FIELDS if not (f[0] in (16, 42) and m in storages)]
+        off, width = rng.choice(fields)
+        old = int.from_bytes(data[m.central_at + off:m.central_at + off + width], "little")
+        v = _field_value(rng, old, width)
+        return (_patch(data, m.central_at + off, width, v),
+                f"central entry of {m.name.decode('latin-1')}: field +{off} {old} -> {v}")
+    if op == "end_field":
+        recs = [("eocd", tz.eocd_at, [(4, 2), (6, 2), (8, 2), (10, 2), (12, 4), (16, 4), (20, 2)])]
+        if tz.eocd64_at >= 0:
+            recs.append(("zip64 end", tz.eocd64_at, [(4, 8), (12, 2), (16, 4), (20, 4), (24, 8), (32, 8), (40, 8), (48, 8)]))
+            recs.append(("zip64 locator", tz.locator_at, [(4, 4), (8, 8), (16, 4)]))
+        name, at, fields = rng.choice(recs)
+        off, width = rng.choice(fields)
+        old = int.from_bytes(data[at + off:at + off + width], "little")
+        v = _field_value(rng, old, width)
+        return _patch(data, at + off, width, v), f"{name} record: field +{off} {old} -> {v}"
+    if op == "local_field":
+        m = rng.choice(records)  # a storage's local header is read with its data: torch_storage's
+        off, width = rng.choice(_LOCAL_FIELDS)
+        old = int.from_bytes(data[m.local_at + off:m.local_at + off + width], "little")
+        v = _field_value(rng, old, width)
+        return (_patch(data, m.local_at + off, width, v),
+                f"local header of {m.name.decode('latin-1')}: field +{off} {old} -> {v}")
+    if op == "name":
+        m = rng.choice(tz.members)
+        old = m.name.decode("latin-1")
+        stem, _, rest = old.partition("/")
+        new = rng.choice([_typo(rng, old), stem + "/" + _typo(rng, rest), "other/" + rest, rest, old + "/",
+                          stem + "/../" + rest, stem + "/data/" + rest.rsplit("/", 1)[-1] + "0", "/" + old,
+                          stem + "\\" + rest, old.upper(), stem + "/data.pkl"])
+        where = rng.choice(["both", "both", "central", "local"])
+        raw = new.encode("utf-8", "surrogateescape")
+        if where == "both":
+            m.name = raw
+            return tz.write(), f"member {old!r} renamed {new!r}"
+        # one of the two names only, kept at its length (the other records stay where they are)
+        raw = (raw + b"_" * len(m.name))[:len(m.name)]
+        at = (m.central_at + 46) if where == "central" else (m.local_at + 30)
+        return data[:at] + raw + data[at + len(raw):], f"{where} name of {old!r} -> {raw!r}"
+    if op == "method":
+        m = rng.choice(tz.members)
+        if rng.random() < 0.5 and m.data:
+            import zlib
+
+            c = zlib.compressobj(6, zlib.DEFLATED, -15)
+            packed = c.compress(m.data) + c.flush()
+            m.inflated = len(m.data)
+            m.crc = _crc(m.data)
+            m.data = packed
+            struct.pack_into("<H", m.central, 10, 8)
+            struct.pack_into("<H", m.local, 8, 8)
+            return tz.write(), f"member {m.name.decode('latin-1')} deflated (a consistent zip)"
+        v = rng.choice([8, 12, 14, 93, 99, 1])
+        return _patch(data, m.central_at + 10, 2, v), f"member {m.name.decode('latin-1')}: method -> {v}"
+    if op == "flags":
+        m = rng.choice(tz.members)
+        old = struct.unpack_from("<H", m.central, 8)[0]
+        v = old ^ rng.choice([0x1, 0x8, 0x20, 0x40, 0x800, 0x2000, 0x4])
+        # (a storage's local header is read with its data: torch_storage's)
+        target = rng.choice(["central", "local", "both"]) if m not in storages else "central"
+        out = data
+        if target in ("central", "both"):
+            out = _patch(out, m.central_at + 8, 2, v)
+        if target in ("local", "both"):
+            out = _patch(out, m.local_at + 6, 2, v)
+        return out, f"member {m.name.decode('latin-1')}: flags {old:#x} -> {v:#x} ({target})"
+    if op == "drop":
+        m = rng.choice(tz.members)
+        tz.members.remove(m)
+        return tz.write(), f"member {m.name.decode('latin-1')} dropped"
+    if op == "dup":
+        m = rng.choice(tz.members)
+        tz.members.insert(rng.randrange(len(tz.members) + 1), dataclasses.replace(m))
+        return tz.write(), f"member {m.name.decode('latin-1')} listed twice"
+    if op == "move":
+        m = rng.choice(tz.members)
+        tz.members.remove(m)
+        tz.members.insert(rng.randrange(len(tz.members) + 1), m)
+        return tz.write(), f"member {m.name.decode('latin-1')} moved (a valid zip)"
+    if op == "resize" and storages:
+        m = rng.choice(storages)
+        k = rng.choice([-1, 1, -4, 4, 64, -len(m.data), len(m.data)])
+        m.data = m.data[:k] if k < 0 else m.data + bytes(k)
+        m.crc = _crc(m.data)
+        return tz.write(), f"storage member {m.name.decode('latin-1')} resized by {k} bytes (CRC-32 rewritten)"
+    if op == "swap_names" and len(storages) >= 2:
+        a, b = rng.sample(storages, 2)
+        a.name, b.name = b.name, a.name
+        return tz.write(), f"storage members {a.name.decode()} and {b.name.decode()} swapped (a valid zip)"
+    if op == "record":
+        choices = {"byteorder": [b"big", b"little", b"Little", b"", b"little\n", b"middle"],
+                   "version": [b"1", b"2", b"10", b"11", b"0", b"3\n", b"x", b"-3", b"99999999999999999999"],
+                   ".format_version": [b"1", b"2", b"0", b"x"],
+                   ".storage_alignment": [b"0", b"1", b"128", b"x", b"-64", b""],
+                   ".data/serialization_id": [b"", b"0" * 40, b"x"]}
+        present = [(k, v) for k, v in choices.items() if tz.member(k) is not None]
+        key, values = rng.choice(present)
+        m = tz.member(key)
+        assert m is not None
+        m.data = rng.choice(values)
+        m.crc = _crc(m.data)
+        return tz.write(), f"record {key} = {m.data!r} (CRC-32 rewritten)"
+    if op == "comment":
+        tz.eocd_comment = rng.choice([b"x", b"PK\x05\x06" + bytes(18), b"c" * 300])
+        return tz.write(), f"archive comment of {len(tz.eocd_comment)} bytes"
+    return bytes_mutation(rng, data)
+
+
+def mutate_torch_storage(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """A torch.save archive's storage data (what only --deep catches: a storage's local header
+    and CRC-32 are checked when it is read): bits flipped or a range zeroed inside a storage
+    member; a storage's local header, data descriptor, or the CRC-32 and local header offset
+    its central-directory entry gives; the file cut inside a storage; a consistent change (new
+    values, CRC-32 rewritten) that torch and ckpt must both read; or any byte-level mutation."""
+    tz = parse_torch_zip(data)
+    storages = [m for m in tz.storages() if m.data] if tz else []
+    op = rng.choice(["flip", "flip", "zero", "rewrite", "local_header", "local_header", "descriptor", "cd_field",
+                     "cut", "bytes"])
+    if tz is None or not storages or op == "bytes":
+        return bytes_mutation(rng, data)
+    m = rng.choice(storages)
+    label = m.name.decode("latin-1")
+    if op == "flip":
+        i = m.data_at + rng.randrange(len(m.data))
+        bit = rng.randrange(8)
+        b = bytearray(data)
+        b[i] ^= 1 << bit
+        return bytes(b), f"storage {label}: bit {bit} of data byte {i - m.data_at} flipped"
+    if op == "zero":
+        i = rng.randrange(len(m.data))
+        k = min(len(m.data) - i, rng.choice([1, 4, 64]))
+        at = m.data_at + i
+        return data[:at] + bytes(k) + data[at + k:], f"storage {label}: {k} bytes zeroed at {i}"
+    if op == "rewrite":
+        b = bytearray(m.data)
+        i = rng.randrange(len(b))
+        b[i] = rng.choice([0, 0xFF, 0x7F, 0x80, b[i] ^ 1])
+        m.data = bytes(b)
+        m.crc = _crc(m.data)
+        return tz.write(), f"storage {label}: byte {i} changed, CRC-32 rewritten (valid, new values)"
+    if op == "local_header":
+        off, width = rng.choice(_LOCAL_FIELDS)
+        old = int.from_bytes(data[m.local_at + off:m.local_at + off + width], "little")
+        v = _field_value(rng, old, width)
+        return _patch(data, m.local_at + off, width, v), f"local header of {label}: field +{off} {old} -> {v}"
+    if op == "cd_field":
+        off = rng.choice([16, 42])  # the CRC-32 and local header offset the central directory gives it
+        old = int.from_bytes(data[m.central_at + off:m.central_at + off + 4], "little")
+        v = _field_value(rng, old, 4)
+        return _patch(data, m.central_at + off, 4, v), f"central entry of {label}: field +{off} {old} -> {v}"
+    if op == "descriptor" and m.descriptor:
+        at = m.data_at + len(m.data) + rng.choice([0, 4, 8, 12])
+        v = rng.randrange(2**32)
+        return _patch(data, at, 4, v), f"data descriptor of {label}: a field at +{at - m.data_at - len(m.data)} -> {v}"
+    cut = m.data_at + rng.randrange(len(m.data))
+    return data[:cut], f"file cut inside storage {label} (at {cut} of {len(data)} bytes)"
+
+
+def torch_pickle_bytes(data: bytes) -> bytes | None:
+    """data.pkl of a torch.save archive (None when the archive does not parse)."""
+    tz = parse_torch_zip(data)
+    m = tz.member("data.pkl") if tz else None
+    return m.data if m else None
+
+
+def with_torch_pickle(data: bytes, pkl: bytes) -> bytes:
+    """A torch.save archive with data.pkl replaced (CRC-32, sizes and offsets made right)."""
+    tz = parse_torch_zip(data)
+    assert tz is not None, "not a torch.save archive"
+    return _with_pickle(tz, pkl, True)
+
+
+# --------------------------------------------------------------------------
 # mutants
 # --------------------------------------------------------------------------
 
@@ -902,6 +1452,10 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] 
     "distcp": mutate_distcp,
     "safetensors": mutate_safetensors,
     "msgpack": mutate_msgpack,
+    "torch_pickle": mutate_torch_pickle,
+    "torch_zip": mutate_torch_zip,
+    "torch_storage": mutate_torch_storage,
+    "torch_index": mutate_json_file,
 }
 
 
@@ -919,6 +1473,12 @@ class Mutant:
     expect: dict[str, int] = field(default_factory=dict)
     canary: Path | None = None  # must not exist after the runs (code execution)
     check_oracle: bool = True
+    entry: str = ""  # the file inside dir given to ckpt ("": dir itself)
+
+    @property
+    def path(self) -> Path:
+        """What ckpt and the oracle are given: the checkpoint directory, or one file in it."""
+        return self.dir / self.entry if self.entry else self.dir
 
     def label(self) -> str:
         return f"{self.fixture}:{self.target} [{self.kind}] {self.description}"
@@ -949,7 +1509,7 @@ def make_mutant(rng: random.Random, spec: FixtureSpec, workdir: Path, kind: str 
         path.unlink()
     else:
         path.write_bytes(new)
-    return Mutant(dst, spec.name, spec.format, kind, rel, desc, spec.oracle, spec.mode)
+    return Mutant(dst, spec.name, spec.format, kind, rel, desc, spec.oracle, spec.mode, entry=spec.entry)
 
 
 def pick_spec(rng: random.Random, formats: list[str] | None = None) -> FixtureSpec:
@@ -1146,10 +1706,19 @@ def check_oracle(m: Mutant, runs: dict[str, RunResult], oracle: "Oracle | None")
                               f"validate passed a .metadata naming globals {bad[:3]}")], None
     if oracle is None or m.oracle is None:
         return [], None
-    res = oracle.check(m.oracle, m.dir, m.mode)
+    res = oracle.check(m.oracle, m.path, m.mode)
     which = "deep" if deep_ok else "validate"
     if "worker_error" in res or "oracle_timeout" in res:
         return [Violation("oracle-worker", which, str(res)[:400])], res
+    if not res["library_ok"] and res.get("refused_globals"):
+        # torch.load(weights_only=True) refused globals of a data.pkl: agreement where ckpt
+        # refuses them too; a violation where ckpt's allow-list admits one
+        admitted = res.get("ckpt_admits_refused") or []
+        if not admitted:
+            return [], res
+        return [Violation("accepted-bad-input", which, f"validate{' --deep' if deep_ok else ''} exit 0 on a pickle "
+                                                       f"naming {admitted[:3]}, which torch.load(weights_only=True) "
+                                                       "refuses")], res
     if not res["library_ok"]:
         cls = "oracle-deep" if deep_ok else "oracle-shallow"
         return [Violation(cls, which, f"validate{' --deep' if deep_ok else ''} exit 0, library: "
@@ -1196,8 +1765,9 @@ class Outcome:
 
 def evaluate(m: Mutant, *, runner: str = "process", oracle: "Oracle | None" = None,
              commands: tuple[str, ...] = ("inspect", "validate", "deep")) -> Outcome:
-    run = run_process if runner == "process" else run_inprocess
-    runs = {c: run(c, m.dir) for c in commands}
+    # (the output files go beside the checkpoint directory, never into it)
+    run = (lambda c, p: run_process(c, p, tmp=m.dir.parent)) if runner == "process" else run_inprocess
+    runs = {c: run(c, m.path) for c in commands}
     violations = [v for r in runs.values() for v in check_run(r)]
     violations += check_expectations(m, runs)
     ores = None
@@ -1216,7 +1786,8 @@ class Oracle:
     """A client of one long-lived tests/fuzz_oracle.py worker (restarted when it
     dies or hangs)."""
 
-    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors", "msgpack"), timeout: float = 120.0) -> None:
+    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors", "msgpack", "torch"),
+                 timeout: float = 120.0) -> None:
         self.formats = formats
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
@@ -1527,6 +2098,54 @@ def explicit_cases() -> dict[str, Callable[[Path], Mutant]]:
         f.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + hlen:])
         return mk("safetensors_numpy", "bomb", "model.safetensors", "a shape of 2^62 elements", reject_validate, dst)
     cases["bomb_safetensors_shape"] = safetensors_bomb
+
+    # torch.save: a hostile data.pkl in an otherwise intact archive (its CRC-32 right), so that
+    # the unpickler itself must refuse it (the ones that are valid objects in a .pt are left out:
+    # a torch.save file may hold None, 7 or 200,000 stacked lists' last one)
+    for name in ("os_system", "posix_system", "builtins_eval", "builtins_exec", "stack_global_os", "getattr_chain",
+                 "importlib", "torch_load", "memo_get_2_28", "memo_put_2_31", "deep_marks", "binbytes8_claim",
+                 "empty", "stop_only", "proto_99"):
+        def build_torch_pickle(work: Path, name: str = name) -> Mutant:
+            dst = copy_fixture("torch_state", work / "torch_state")
+            canary = work / "CANARY"
+            f = dst / "state.pt"
+            f.write_bytes(with_torch_pickle(f.read_bytes(), _hostile_pickles(canary)[name]))
+            return mk("torch_state", "hostile-pickle", "state.pt", f"hostile data.pkl: {name}", reject_all, dst, canary)
+        cases[f"torch_pickle_{name}"] = build_torch_pickle
+
+    def torch_bomb(how: str) -> Callable[[Path], Mutant]:
+        def build(work: Path) -> Mutant:
+            dst = copy_fixture("torch_hf_bin_single", work / "torch_hf_bin_single")
+            f = dst / "pytorch_model.bin"
+            data = f.read_bytes()
+            if how == "member_4gb":
+                # the central directory says the first storage member is 4 GB
+                tz = parse_torch_zip(data)
+                assert tz is not None
+                m = tz.storages()[0]
+                f.write_bytes(_patch(_patch(data, m.central_at + 20, 4, 0xFFFFFFFE), m.central_at + 24, 4, 0xFFFFFFFE))
+                return mk("torch_hf_bin_single", "bomb", "pytorch_model.bin", "a storage member of 4 GB",
+                          reject_validate, dst)
+            pkl = torch_pickle_bytes(data)
+            assert pkl is not None
+            site = tensor_sites(_ops(pkl))[0]
+            edits = []
+            for role, (op, _arg, s, e) in site["roles"]:
+                if how == "size_2_62" and role.startswith(("size", "stride")):
+                    edits.append((s, e, _encode_int_op(op.name, 2**31 if role.startswith("size") else 0)))
+                if how == "numel_2_40" and role == "numel":
+                    edits.append((s, e, _encode_int_op(op.name, 2**40)))
+            f.write_bytes(with_torch_pickle(data, _replace_ops(pkl, edits)))
+            return mk("torch_hf_bin_single", "bomb", "pytorch_model.bin", f"torch.save tensor {how}", reject_validate,
+                      dst)
+        return build
+    for how in ("size_2_62", "numel_2_40", "member_4gb"):
+        cases[f"bomb_torch_{how}"] = torch_bomb(how)
+    for fixture, rel, hows in [("torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", ("symlink_out", "dotdot", "loop")),
+                               ("torch_hf_bin_sharded", "pytorch_model.bin.index.json", ("fifo",)),
+                               ("torch_state", "state.pt", ("fifo", "dev_zero", "loop"))]:
+        for how in hows:
+            cases[f"{fixture}_{rel.replace('/', '_')}_{how}"] = link_case(fixture, rel, how)
     return cases
 
 
@@ -1584,7 +2203,7 @@ def load_corpus_case(case_dir: Path, workdir: Path) -> Mutant:
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(case_dir / "files" / rel, dst / rel)
     return Mutant(dst, spec.name, spec.format, info["kind"], info["target"], info["mutation"], spec.oracle,
-                  spec.mode, info.get("expect") or {})
+                  spec.mode, info.get("expect") or {}, entry=spec.entry)
 
 
 # --------------------------------------------------------------------------
@@ -1608,7 +2227,7 @@ def zygote_main() -> None:
         __import__(mod)
     import ckpt_tool.formats as formats_pkg
 
-    for name in ("dcp", "orbax", "safetensors", "msgpack"):
+    for name in ("dcp", "orbax", "safetensors", "msgpack", "torch_save"):
         with contextlib.suppress(Exception):
             __import__(f"{formats_pkg.__name__}.{name}")
     out = sys.stdout
@@ -1734,14 +2353,14 @@ def evaluate_forked(m: Mutant, zygote: Zygote, oracle: "Oracle | None" = None, *
     is re-run as a fresh process, whose result replaces it. Returns the
     outcome and the commands whose forked violation a fresh process did not
     reproduce."""
-    runs = {c: zygote.run(c, m.dir, kill_after=kill_after) for c in ("inspect", "validate", "deep")}
+    runs = {c: zygote.run(c, m.path, kill_after=kill_after, tmp=m.dir.parent) for c in ("inspect", "validate", "deep")}
     unconfirmed = []
     for c, r in list(runs.items()):
         found = {v.cls for v in check_run(r)} & PROCESS_CLASSES
         # (a forked run that hung or blew up its memory is believed as it is
         # when confirm is off: the fast subset cannot wait twice)
         if found and (confirm or not found & {"hang", "slow", "rss"}):
-            fresh = run_process(c, m.dir, kill_after=kill_after)
+            fresh = run_process(c, m.path, kill_after=kill_after, tmp=m.dir.parent)
             if not check_run(fresh):
                 unconfirmed.append(c)
             runs[c] = fresh

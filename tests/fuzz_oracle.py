@@ -2,7 +2,7 @@
 library and with ckpt's Python API, and says whether they agree.
 
 Run as a process (`python tests/fuzz_oracle.py`); it reads one JSON request per
-line on stdin ({"format": "dcp"|"orbax"|"safetensors"|"msgpack", "path": ...}) and writes
+line on stdin ({"format": "dcp"|"orbax"|"safetensors"|"msgpack"|"torch", "path": ...}) and writes
 one JSON answer per line on stdout:
 
     {"library_ok": bool, "library_error": str|None,
@@ -17,12 +17,24 @@ rebuild every recorded sharding.
 A DCP `.metadata` is given to torch (whose reader is plain `pickle.load`) only
 after a scan of its opcodes finds no global outside the set a real `.metadata`
 uses: a hostile pickle that ckpt let through is reported, never run.
+
+A torch.save file is loaded with `torch.load(weights_only=True, map_location="cpu")`
+per file (a directory: the files its `*.bin.index.json` names, else its .bin/.pt/.pth
+files) and walked as ckpt lays it out (dicts by key, lists and tuples by index where
+they hold a tensor; a leaf's name is its dotted key path), values compared bytewise.
+When weights_only refuses a global, the answer names it (`refused_globals`) and says
+which of those ckpt's allow-list admits (`ckpt_admits_refused`: ckpt reads what torch
+refuses). When it refuses only an opcode its unpickler lacks (protocol 3+ pickles:
+SHORT_BINUNICODE, BINBYTES, ...), and every global is one weights_only allows and no
+opcode can change an object already built (BUILD, NEWOBJ), the file is loaded again with
+weights_only=False: torch.save itself writes such files.
 """
 from __future__ import annotations
 
 import json
 import os
 import pickletools
+import re
 import sys
 import tempfile
 import time
@@ -295,8 +307,235 @@ def msgpack_library_values(path: str, mode: str = "") -> dict:
     return out
 
 
+# --------------------------------------------------------------------------
+# torch.save files: torch.load(weights_only=True), laid out as ckpt lays them out
+# --------------------------------------------------------------------------
+
+_SHARD_FILE = re.compile(r"^.+-\d{5}-of-\d{5}\.bin$")  # transformers' -0000K-of-0000N.bin shards
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def torch_files(path: str) -> list[tuple[str, str | None]]:
+    """(file, subtree key) of what a loader reads: one file; a directory's files the
+    `*.bin.index.json` names (transformers' sharded load); else its .bin/.pt/.pth files, one
+    whole tree when they are one (sharded) set or a lone file, else a subtree per file stem."""
+    if os.path.isfile(path):
+        return [(path, None)]
+    names = sorted(os.listdir(path))
+    index = [n for n in names if n.endswith(".bin.index.json")]
+    if index:
+        with open(os.path.join(path, index[0])) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [(os.path.join(path, n), None) for n in sorted(set(weight_map.values()))]
+    files = [n for n in names if n.endswith(_TORCH_SUFFIXES) and os.path.isfile(os.path.join(path, n))]
+    if len(files) <= 1 or all(_SHARD_FILE.match(n) for n in files):
+        return [(os.path.join(path, n), None) for n in files]
+    stems = [n.rsplit(".", 1)[0] for n in files]
+    return [(os.path.join(path, n), s if stems.count(s) == 1 else n) for n, s in zip(files, stems)]
+
+
+class WeightsOnlyRefusal(Exception):
+    """torch.load(weights_only=True) refused globals of a data.pkl (`refused`), of which ckpt's
+    allow-list admits `admitted`."""
+
+    def __init__(self, refused: list[str], admitted: list[str], detail: str) -> None:
+        super().__init__(f"weights_only refuses global(s) {refused[:3]} ({detail})")
+        self.refused = refused
+        self.admitted = admitted
+
+
+# opcodes torch's weights_only unpickler does not implement that change no object already
+# built: a pickle refused only for these (torch.save(pickle_protocol=4) writes some) is loaded
+# again with weights_only=False once every global it names is one weights_only allows
+_BENIGN_OPCODES = {
+    "SHORT_BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8", "MEMOIZE",
+    "FRAME", "STACK_GLOBAL", "PUT", "GET", "INT", "LONG", "LONG4", "FLOAT", "STRING", "BINSTRING", "UNICODE",
+    "ADDITEMS", "FROZENSET", "POP", "POP_MARK", "DUP", "LIST", "DICT", "EMPTY_SET", "PERSID",
+}
+
+
+def _pickle_of(file: str) -> bytes | None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(file) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            return zf.read(name)
+    except Exception:  # noqa: BLE001 - torch's own error stands
+        return None
+
+
+def _pickle_globals(data: bytes) -> tuple[list[tuple[str, str]], set[str]]:
+    """The (module, name) globals a pickle names (STACK_GLOBAL's from the strings before it,
+    through the memo; unresolvable ones as ('?', '?')), and the opcode names it uses."""
+    out: list[tuple[str, str]] = []
+    names: set[str] = set()
+    strings: list[Any] = []
+    memo: dict[int, Any] = {}
+    for op, arg, _pos in pickletools.genops(data):
+        names.add(op.name)
+        if op.name == "GLOBAL":
+            mod, _, attr = arg.partition(" ")
+            out.append((mod, attr))
+            strings.append(None)
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = strings[-1] if strings else None
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg)] = strings[-1] if strings else None
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            strings.append(memo.get(int(arg)))
+        elif op.name == "STACK_GLOBAL":
+            pair = tuple(strings[-2:]) if len(strings) >= 2 else (None, None)
+            out.append(pair if all(isinstance(p, str) for p in pair) else ("?", "?"))
+            strings.append(None)
+        else:
+            strings.append(None)
+    return out, names
+
+
+def _torch_load(file: str) -> tuple[Any, str | None]:
+    """torch.load(file, weights_only=True, map_location="cpu"); (object, note of a fallback)."""
+    import torch
+    from torch import _weights_only_unpickler as wo
+
+    from ckpt_tool.torchsave import safe_pickle
+
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu"), None
+    except Exception as exc:  # noqa: BLE001
+        first = exc
+    data = _pickle_of(file)
+    if data is None:
+        raise first
+    try:
+        found, opcodes = _pickle_globals(data)
+    except Exception:  # noqa: BLE001 - not a pickle pickletools can walk: torch's error stands
+        raise first from None
+    allowed = wo._get_allowed_globals()
+    if ("?", "?") in found:
+        raise first  # a STACK_GLOBAL whose names this scan cannot follow: torch's refusal stands
+    refused = [f"{m}.{n}" for m, n in found if f"{m}.{n}" not in allowed]
+    if refused:
+        py2 = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+        admitted = [f"{m}.{n}" for m, n in found if f"{m}.{n}" in refused and (py2.get(m, m), n) in safe_pickle.ALLOWED]
+        raise WeightsOnlyRefusal(sorted(set(refused)), sorted(set(admitted)), _one_line(first))
+    unsupported = opcodes - {"PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM",
+                             "SETITEMS", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE",
+                             "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "BININT", "BININT1", "BININT2",
+                             "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET",
+                             "BINPUT", "LONG_BINPUT", "LONG1"}
+    risky = opcodes & {"BUILD", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
+    if "Unsupported operand" in str(first) and unsupported and unsupported <= _BENIGN_OPCODES and not risky:
+        # every global is one weights_only allows: nothing foreign runs
+        return torch.load(file, weights_only=False, map_location="cpu"), f"weights_only: {sorted(unsupported)}"
+    raise first
+
+
+def _torch_has_tensor(value: Any, depth: int = 0) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return True
+    if depth > 64:
+        return False
+    if isinstance(value, dict):
+        return any(_torch_has_tensor(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_torch_has_tensor(v, depth + 1) for v in value)
+    return False
+
+
+def _torch_walk(obj: Any, keys: tuple, out: list) -> None:
+    """ckpt's tree of a torch.save object (formats/torch_save/reader.walk): dicts with str/int
+    keys by key, lists and tuples holding a tensor by index, anything else one leaf."""
+    if isinstance(obj, dict) and obj and all(type(k) in (str, int) for k in obj):
+        for k, v in obj.items():
+            _torch_walk(v, keys + (k,), out)
+    elif isinstance(obj, (list, tuple)) and obj and _torch_has_tensor(obj):
+        for i, v in enumerate(obj):
+            _torch_walk(v, keys + (i,), out)
+    else:
+        out.append((keys, obj))
+
+
+def _torch_plain(value: Any, depth: int = 0) -> Any:
+    """A value torch.load gave, in the terms ckpt's load() gives it: tensors as numpy arrays
+    (conj / neg views resolved), dtypes as 'torch.<name>', Size as a tuple, devices as str."""
+    import torch
+
+    from library_reference import _tensor_to_numpy
+
+    if depth > 200:
+        raise RecursionError("value nested too deeply")
+    if isinstance(value, torch.Tensor):
+        return _tensor_to_numpy(value.resolve_conj().resolve_neg())
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, dict):
+        return {_torch_plain(k, depth + 1): _torch_plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_torch_plain(v, depth + 1) for v in value) if type(value) in (list, tuple) \
+            else tuple(_torch_plain(v, depth + 1) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(_torch_plain(v, depth + 1) for v in value)
+    return value
+
+
+def _ckpt_plain(value: Any, depth: int = 0) -> Any:
+    from ckpt_tool.torchsave.safe_pickle import TorchDType
+
+    if depth > 200:
+        raise RecursionError("value nested too deeply")
+    if isinstance(value, TorchDType):
+        return repr(value)
+    if isinstance(value, dict):
+        return {_ckpt_plain(k, depth + 1): _ckpt_plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_ckpt_plain(v, depth + 1) for v in value) if type(value) in (list, tuple) \
+            else tuple(_ckpt_plain(v, depth + 1) for v in value)
+    return value
+
+
+def _by_name(pairs: list[tuple[str, Any]]) -> dict:
+    """{name: value}; a name met again is keyed (name, n) (two leaves may share a dotted name)."""
+    out: dict = {}
+    seen: dict[str, int] = {}
+    for name, v in pairs:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out[name if n == 0 else (name, n)] = v
+    return out
+
+
+def torch_library_values(path: str, mode: str = "") -> dict:
+    """{dotted name: value} of torch.load(weights_only=True) of each file (torch_files)."""
+    pairs: list[tuple[str, Any]] = []
+    for file, key in torch_files(path):
+        obj, _note = _torch_load(file)
+        leaves: list = []
+        _torch_walk(obj, (key,) if key is not None else (), leaves)
+        pairs.extend((".".join(map(str, keys)), _torch_plain(v)) for keys, v in leaves)
+    return _by_name(pairs)
+
+
+def torch_ckpt_values(path: str) -> dict:
+    """{dotted name: value} as ckpt's Python API reads the checkpoint (leaf.name is the dotted path)."""
+    import ckpt_tool
+
+    pairs = []
+    for leaf in ckpt_tool.open(path).leaves:
+        pairs.append((leaf.name, leaf.read() if leaf.kind == "array" else _ckpt_plain(leaf.load())))
+    return _by_name(pairs)
+
+
 LIBRARIES = {"dcp": dcp_library_values, "orbax": orbax_library_values, "safetensors": safetensors_library_values,
-             "msgpack": msgpack_library_values}
+             "msgpack": msgpack_library_values, "torch": torch_library_values}
+CKPT_VALUES = {"torch": torch_ckpt_values}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -316,10 +555,14 @@ def check(fmt: str, path: str, mode: str = "") -> dict:
     try:
         lib = LIBRARIES[fmt](path, mode)
         res["library_ok"] = True
+    except WeightsOnlyRefusal as exc:
+        res["library_error"] = _one_line(exc)
+        res["refused_globals"] = exc.refused
+        res["ckpt_admits_refused"] = exc.admitted
     except BaseException as exc:  # noqa: BLE001 - the library's rejection is the answer
         res["library_error"] = _one_line(exc)
     try:
-        ours = ckpt_values(path)
+        ours = CKPT_VALUES.get(fmt, ckpt_values)(path)
         res["ckpt_ok"] = True
     except BaseException as exc:  # noqa: BLE001
         res["ckpt_error"] = _one_line(exc)
@@ -339,7 +582,7 @@ def check(fmt: str, path: str, mode: str = "") -> dict:
 def main() -> None:
     # warm up: import the libraries once, before the first request's clock
     fmts = [a for a in sys.argv[1:] if a in LIBRARIES] or list(LIBRARIES)
-    if "dcp" in fmts:
+    if "dcp" in fmts or "torch" in fmts:
         import torch  # noqa: F401
         import torch.distributed.checkpoint  # noqa: F401
     if "orbax" in fmts or "msgpack" in fmts:

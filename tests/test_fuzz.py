@@ -6,9 +6,10 @@ Every mutant of every metadata and data file kind of the committed fixtures
 `ckpt validate` and `ckpt validate --deep`, run as whole processes: no
 traceback or `internal error`, exit 0 or 1, no signal, under 20 s, peak RSS
 under 1 GB, one stderr line on failure; and wherever validate passes, the real
-library (torch, orbax, safetensors; tests/fuzz_oracle.py) loads the mutant
+library (torch's DCP reader, orbax, safetensors, flax's msgpack restore, torch.load
+of a torch.save file; tests/fuzz_oracle.py) loads the mutant
 with the values ckpt reads. The explicit cases (hostile pickles, path tricks,
-FIFOs, memory bombs) must be refused. tests/fuzz_corpus/ holds reproducers of
+FIFOs, memory bombs; for DCP and torch.save, a hostile pickle) must be refused. tests/fuzz_corpus/ holds reproducers of
 what the long run found.
 
 The runs go through a zygote (a process that has imported ckpt and forks one
@@ -39,15 +40,22 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 GROUPS = [(s.name, k) for s in F.FIXTURE_SPECS for k in sorted(F.fixture_targets(F.FIXTURES / s.name))]
 
 # examples per group: DCP's pickled .metadata and zip archives have the most
-# structure to get wrong; a commit marker has little
-EXAMPLES = {"dcp_metadata": 6, "distcp": 4, "commit_marker": 1, "zarr_chunk": 3, "msgpack": 3}
+# structure to get wrong; a commit marker has little. torch.save archives are three
+# groups each (pickle, zip, storages) over four fixtures: the pickle gets the most
+EXAMPLES = {"dcp_metadata": 6, "distcp": 4, "commit_marker": 1, "zarr_chunk": 3, "msgpack": 3,
+            "torch_pickle": 3, "torch_storage": 1, "torch_index": 1}
 DEFAULT_EXAMPLES = 2
 
 # cases waiting on a fix: id -> reason, marked xfail(strict=False) so that a
-# landed fix shows as XPASS (none are open now: every corpus case must pass)
+# landed fix shows as XPASS
 KNOWN_GROUPS: dict[tuple[str, str], str] = {}
 KNOWN_CASES: dict[str, str] = {}
-KNOWN_CORPUS: dict[str, str] = {}
+KNOWN_CORPUS: dict[str, str] = {
+    "accepted-bad-input-torch_torch_pickle_global_ordereddict_to_builtins_frozenset":
+        "ckpt's allow-list admits globals in a torch.save data.pkl that torch.load(weights_only=True) refuses "
+        "(builtins.frozenset/bytes, numpy arrays and scalars, pathlib, DCP's metadata classes, dtype aliases such "
+        "as torch.float): whether the torch format refuses them as weights_only does is the lead's decision",
+}
 KNOWN_FRESH: dict[tuple, str] = {}
 
 
@@ -113,7 +121,7 @@ def test_explicit_case_is_refused(case, zygote, tmp_path):
 # zygote shows holds for the real entry point too
 FRESH_SAMPLE = [("dcp_single", "dcp_metadata", 3), ("dcp_multirank", "distcp", 5),
                 ("orbax_ocdbt_zarr2", "metadata", 2), ("orbax_plain_zarr2", "zarr_chunk", 4),
-                ("safetensors_numpy", "safetensors", 1)]
+                ("safetensors_numpy", "safetensors", 1), ("torch_dcp_to_torch_save", "torch_pickle", 2)]
 
 
 @pytest.mark.parametrize("sample", _params(FRESH_SAMPLE, KNOWN_FRESH, [f"{f}-{k}-{n}" for f, k, n in FRESH_SAMPLE]))
@@ -207,3 +215,72 @@ def test_mutants_are_reproducible(tmp_path):
     assert tree_hash(a.dir) == tree_hash(b.dir)
     assert tree_hash(a.dir) != before  # a mutant differs from its fixture...
     assert tree_hash(F.FIXTURES / "dcp_single") == before  # ...which is never touched
+
+
+# --- torch.save: the archive rewriter and the oracle --------------------------
+
+TORCH_FILES = ["torch_state/state.pt", "torch_dcp_to_torch_save/full.pt", "torch_hf_bin_single/pytorch_model.bin",
+               "torch_hf_bin_sharded/pytorch_model-00002-of-00003.bin"]
+
+
+def test_torch_archives_are_rewritten_as_torch_writes_them():
+    import io
+    import zipfile
+
+    import torch
+
+    for rel in TORCH_FILES:
+        data = (F.FIXTURES / rel).read_bytes()
+        tz = F.parse_torch_zip(data)
+        assert tz is not None and tz.write() == data, rel  # parsed and written back byte for byte
+        assert len(F.tensor_sites(F._ops(tz.member("data.pkl").data))) >= 7, rel  # every tensor's view found
+        # data.pkl grown by one memo store: sizes, offsets, 64-byte padding and CRC-32 rewritten
+        pkl = tz.member("data.pkl").data
+        new = F.with_torch_pickle(data, pkl[:2] + b"N0" + pkl[2:])  # (NONE, POP: the same object)
+        assert zipfile.ZipFile(io.BytesIO(new)).testzip() is None
+        out = F.parse_torch_zip(new)
+        assert all(m.data_at % 64 == 0 for m in out.storages())
+        assert torch.load(io.BytesIO(new), weights_only=False).keys() == torch.load(io.BytesIO(data)).keys()
+
+
+def test_oracle_compares_torch_values(oracle, tmp_path):
+    import fuzz_oracle
+
+    m = F.copy_fixture("torch_state", tmp_path / "torch_state")
+    res = oracle.check("torch", m)
+    assert res["library_ok"] and res["ckpt_ok"] and res["mismatch"] is None, res
+    before = fuzz_oracle.torch_library_values(str(m))
+    # a storage byte changed and its CRC-32 rewritten: a valid file with other values, which
+    # torch and ckpt must both read
+    f = m / "state.pt"
+    tz = F.parse_torch_zip(f.read_bytes())
+    s = tz.member("data/0")
+    s.data = bytes([s.data[0] ^ 0x40]) + s.data[1:]
+    s.crc = F._crc(s.data)
+    f.write_bytes(tz.write())
+    assert fuzz_oracle.compare(before, fuzz_oracle.torch_library_values(str(m))) is not None
+    res = oracle.check("torch", m)
+    assert res["library_ok"] and res["ckpt_ok"] and res["mismatch"] is None, res
+
+
+def test_oracle_names_a_global_ckpt_admits_and_torch_refuses(oracle, tmp_path):
+    import numpy as np
+    import torch
+
+    # torch.save writes a numpy array through numpy's globals, which weights_only refuses
+    # and ckpt's allow-list admits: validate passing it is a violation the oracle names
+    d = tmp_path / "np"
+    d.mkdir()
+    torch.save({"w": torch.ones(2), "a": np.arange(3)}, d / "x.pt")
+    res = oracle.check("torch", d)
+    assert not res["library_ok"] and res["ckpt_ok"]
+    assert any("_reconstruct" in g for g in res["ckpt_admits_refused"]), res
+    m = F.Mutant(d, "np", "torch", "torch_pickle", "x.pt", "numpy array", "torch")
+    ok = {c: F.RunResult(c, 0, None, 0.1, 1000, "", "") for c in ("validate", "deep")}
+    [v], _ = F.check_oracle(m, ok, oracle)
+    assert v.cls == "accepted-bad-input" and "weights_only" in v.detail
+    # a pickle weights_only cannot parse (protocol 4: SHORT_BINUNICODE, FRAME, ...) but whose
+    # globals it allows is loaded without weights_only: torch.save writes such files
+    torch.save({"w": torch.arange(4.0), "s": "x"}, d / "x.pt", pickle_protocol=4)
+    res = oracle.check("torch", d)
+    assert res["library_ok"] and res["ckpt_ok"] and res["mismatch"] is None, res
