@@ -90,8 +90,8 @@ def test_unknown_layout(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     r = run_ckpt("inspect", str(tmp_path))
     assert r.returncode == 1
-    assert ("not an Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack or torch.save "
-            "checkpoint") in r.stderr
+    assert ("not an Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack, torch.save, "
+            "Megatron-Core or DeepSpeed ZeRO checkpoint") in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -99,6 +99,12 @@ _ALL = frozenset({"array", "scalar", "string", "object"})
 # In detection order: the first format whose detect() claims a directory reads it.
 # msgpack first: an orbax <= 0.4 save has OCDBT files but no _METADATA.
 REGISTRY: dict[str, FormatInfo] = {
+    # first: a Megatron save is a DCP checkpoint (or zarr arrays) plus metadata.json and common.pt
+    "megatron": FormatInfo(
+        "megatron", "Megatron-Core", f"{__name__}.megatron", can_write=False, value_kinds=_ALL,
+        claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"),
+        reads="Megatron-Core dist_checkpointing saves (torch_dist) and Megatron-LM run roots", listed=5,
+    ),
     "msgpack": FormatInfo(
         "msgpack", "Flax / T5X msgpack", f"{__name__}.msgpack", can_write=False, value_kinds=_ALL,
         claims=("checkpoint", "checkpoint_*"), reads="Flax msgpack and T5X checkpoints",
@@ -124,7 +130,7 @@ REGISTRY: dict[str, FormatInfo] = {
     "deepspeed": FormatInfo(
         "deepspeed", "DeepSpeed ZeRO", f"{__name__}.deepspeed", can_write=False, value_kinds=_ALL,
         claims=("*_model_states.pt", "*_optim_states.pt"), short="DeepSpeed",
-        reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=5,
+        reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=6,
     ),
     # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
     "torch": FormatInfo(

@@ -30,7 +30,7 @@ import io
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from .safe_pickle import StorageRef, TensorRef
 Fetch = Callable[[int, int], bytes]  # bytes [start, end) of the archive
 FetchInto = Callable[[int, Any], None]  # fill a writable buffer with the archive's bytes from a position
 Region = tuple[slice, ...]
+# a format's own stand-ins for the classes its writer pickles, beside the allow-list
+# (safe_pickle: exact (module, name) pairs, data only); None: the allow-list alone
+Allow = Optional[Mapping[tuple[str, str], Any]]
 
 # An archive this small is read in one request; bigger ones as head + tail.
 _WHOLE_BELOW = 64 << 10
@@ -189,7 +192,7 @@ class _RangeFile(io.RawIOBase):
 class PayloadArchive:
     """One torch.save archive: its unpickled object and access to its storages."""
 
-    def __init__(self, source: bytes | tuple[Fetch, int], where: str) -> None:
+    def __init__(self, source: bytes | tuple[Fetch, int], where: str, allow: Allow = None) -> None:
         self.where = where
         if isinstance(source, (bytes, bytearray, memoryview)):
             data = bytes(source)
@@ -213,7 +216,7 @@ class PayloadArchive:
             self._members[info.filename] = info
         self.prefix = self._find_prefix(infos)
         self.big_endian = self._byteorder() == "big"
-        self.obj, self.storages = safe_pickle.load_payload(self._member_bytes("data.pkl"), where)
+        self.obj, self.storages = safe_pickle.load_payload(self._member_bytes("data.pkl"), where, allow)
         # (after the pickle, so that a hostile one is named as such even in an archive torch would refuse)
         self._check_records()
 
@@ -497,21 +500,21 @@ class PayloadArchive:
         return safe_pickle.finalize(self.obj, self.where, lambda ref: self.read_tensor(self.locate(ref)))
 
 
-def open_payload(data: bytes, where: str) -> PayloadArchive:
+def open_payload(data: bytes, where: str, allow: Allow = None) -> PayloadArchive:
     """A whole torch.save archive held in memory."""
-    return PayloadArchive(data, where)
+    return PayloadArchive(data, where, allow)
 
 
-def open_payload_range(fetch: Fetch, length: int, where: str) -> PayloadArchive:
+def open_payload_range(fetch: Fetch, length: int, where: str, allow: Allow = None) -> PayloadArchive:
     """A torch.save archive of `length` bytes read on demand through `fetch(start, end)`."""
     if length <= 0:
         raise CorruptMetadataError(f"empty storage entry (length {length})", where)
-    return PayloadArchive((fetch, length), where)
+    return PayloadArchive((fetch, length), where, allow)
 
 
-def load_value(data: bytes, where: str) -> Any:
+def load_value(data: bytes, where: str, allow: Allow = None) -> Any:
     """Decode a DCP bytes item (torch.save of a Python object) to its value."""
-    return open_payload(data, where).value()
+    return open_payload(data, where, allow).value()
 
 
 def read_region(

@@ -23,7 +23,7 @@ import ntpath
 import pickle
 import posixpath
 import re
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
@@ -882,16 +882,21 @@ _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 class SafeUnpickler(pickle.Unpickler):
     """pickle.Unpickler that resolves globals only through ALLOWED."""
 
-    def __init__(self, data: bytes, where: str, *, payload: bool) -> None:
+    def __init__(self, data: bytes, where: str, *, payload: bool, extra: Mapping[tuple[str, str], Any] | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self._where = where
         self._payload = payload
+        self._extra = extra or {}
         self.storages: dict[str, StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         key = (_PY2_MODULES.get(module, module), name)
         try:
             return ALLOWED[key]
+        except (KeyError, TypeError):
+            pass
+        try:  # a format's own stand-ins for the classes its writer pickles (formats/<format>/)
+            return self._extra[key]
         except (KeyError, TypeError):
             pass
         what = _UNSUPPORTED_REBUILDS.get(key) if self._payload else None
@@ -921,7 +926,8 @@ class SafeUnpickler(pickle.Unpickler):
         return ref
 
 
-def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, dict[str, StorageRef]]:
+def _load(data: bytes, where: str, *, payload: bool, limit: int,
+          extra: Mapping[tuple[str, str], Any] | None = None) -> tuple[Any, dict[str, StorageRef]]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptMetadataError("pickle data must be bytes", where)
     if len(data) > limit:
@@ -930,7 +936,7 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int) -> tuple[Any, d
         raise CorruptMetadataError("empty pickle", where)
     data = bytes(data)
     check_limits(data, where)  # before the unpickler allocates anything the opcodes ask for
-    unpickler = SafeUnpickler(data, where, payload=payload)
+    unpickler = SafeUnpickler(data, where, payload=payload, extra=extra)
     try:
         obj = unpickler.load()
     except UnsupportedTensorError as exc:
@@ -959,15 +965,16 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else "no detail")[:200]
 
 
-def load_metadata(data: bytes, where: str) -> Any:
+def load_metadata(data: bytes, where: str, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle a DCP `.metadata` file through the allow-list (no persistent ids)."""
-    obj, _ = _load(data, where, payload=False, limit=MAX_METADATA_BYTES)
+    obj, _ = _load(data, where, payload=False, limit=MAX_METADATA_BYTES, extra=extra)
     return obj
 
 
-def load_payload(data: bytes, where: str) -> tuple[Any, dict[str, StorageRef]]:
+def load_payload(data: bytes, where: str,
+                 extra: Mapping[tuple[str, str], Any] | None = None) -> tuple[Any, dict[str, StorageRef]]:
     """Unpickle a torch.save `data.pkl`: the object (TensorRefs for tensors) and its storages."""
-    obj, storages = _load(data, where, payload=True, limit=MAX_PAYLOAD_PICKLE_BYTES)
+    obj, storages = _load(data, where, payload=True, limit=MAX_PAYLOAD_PICKLE_BYTES, extra=extra)
     return finalize(obj, where), storages
 
 

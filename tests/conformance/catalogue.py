@@ -93,7 +93,7 @@ def _LEGACY(name: str) -> dict:  # noqa: N802 - reads as the loader it gives
 # reference loader -> the same library's values
 VALUES = {R.orbax_live: R.orbax_live_values, R.dcp_live: R.dcp_live_values, R.orbax_recorded: R.orbax_recorded_values,
           R.safetensors_live: R.safetensors_live_values, R.safetensors_dcp_hf: R.safetensors_dcp_hf_values,
-          R.torch_live: R.torch_live_values}
+          R.torch_live: R.torch_live_values, R.megatron_recorded: R.megatron_recorded_values}
 ENTRIES: list[Entry] = [
     # orbax-checkpoint 0.12.8 (fixtures/generate.py): read live with the installed orbax
     Entry("orbax_ocdbt_zarr2", "orbax", R.orbax_live),
@@ -139,6 +139,12 @@ ENTRIES: list[Entry] = [
     Entry("torch_hf_bin_single/pytorch_model.bin", "torch", R.torch_live),  # one file, by its path
     Entry("torch_state/state.pt", "torch", R.torch_live),
     Entry("torch_dcp_to_torch_save/full.pt", "torch", R.torch_live),
+    # megatron-core 0.16 / 0.13 and Megatron-LM core_v0.16.1 (gen_megatron.py): megatron's own load, recorded
+    Entry("megatron_torch_dist_tp2", "megatron", R.megatron_recorded),
+    Entry("megatron_torch_dist_tp2_dp2", "megatron", R.megatron_recorded),
+    Entry("megatron_torch_dist_fully_sharded", "megatron", R.megatron_recorded),
+    Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
+    Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
     # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own
     # per-parameter optimizer state, recorded in _reference.json
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
@@ -148,7 +154,9 @@ ENTRIES: list[Entry] = [
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
-NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
+NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy",
+                   # read in the next step of issue 20 (the zarr backend, legacy mp_rank_* saves)
+                   "megatron_zarr_tp2", "megatron_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:
@@ -326,6 +334,18 @@ DAMAGE: list[Damage] = [
     Damage("msgpack", "path-escape", "t5x", "checkpoint_1/target.encoder.token_embedder.embedding/0.0",
            "symlink-out", "path-escape"),
     Damage("msgpack", "path-escape", "flax_msgpack", "checkpoint_2", "symlink-out", "path-escape"),
+    # megatron: a rank's .distcp, metadata.json, common.pt, the run root's tracker
+    Damage("megatron", "missing-file", "megatron_torch_dist_tp2", "__1_0.distcp", "remove", "missing-file"),
+    Damage("megatron", "missing-file", "megatron_torch_dist_tp2", "common.pt", "remove", "missing-file"),
+    Damage("megatron", "missing-file", "megatron_torch_dist_tp2", "metadata.json", "remove", "uncommitted-save"),
+    Damage("megatron", "truncated-file", "megatron_torch_dist_tp2", "__1_0.distcp", "truncate", "truncated-file"),
+    Damage("megatron", "truncated-file", "megatron_torch_dist_tp2", "common.pt", "truncate", "truncated-file"),
+    Damage("megatron", "wrong-size", "megatron_torch_dist_tp2", "__1_0.distcp", "empty", "empty-file"),
+    Damage("megatron", "garbage-metadata", "megatron_torch_dist_tp2", "metadata.json", "garbage", "bad-metadata"),
+    Damage("megatron", "garbage-metadata", "megatron_torch_dist_tp2", ".metadata", "garbage", "bad-metadata"),
+    Damage("megatron", "garbage-metadata", "megatron_run", "latest_checkpointed_iteration.txt", "garbage",
+           "bad-metadata"),
+    Damage("megatron", "path-escape", "megatron_torch_dist_tp2", "__1_0.distcp", "symlink-out", "path-escape"),
     # torch: a shard of a .bin set, its index, a lone file
     Damage("torch", "missing-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "remove", "missing-file"),
     Damage("torch", "truncated-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "truncate",

@@ -95,9 +95,12 @@ class _Placed:
         return _chunk_label(fqn, Chunk(offsets, self.sizes))
 
 
-def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None,
+               allow: Any = None, leaf_path: Callable[[str], str] | None = None) -> None:
     """Validate one DCP checkpoint directory; every problem becomes a finding (a directory has no steps,
-    and no single file is a DCP checkpoint: `step` and `only` are unused)."""
+    and no single file is a DCP checkpoint: `step` and `only` are unused). `allow`: a framework's
+    stand-ins for the classes it pickles into `.metadata` (reader.read's); `leaf_path`: how its
+    reader names the leaf of an fqn, where that is not planner_data's path."""
     _, files = storage.listdir()
     data_files = sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX))
     tmp_metadata = sorted(f for f in files if _TMP_METADATA.match(f))
@@ -115,7 +118,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             file=name,
         )
 
-    md = _load_metadata(storage, findings)
+    md = _load_metadata(storage, findings, allow)
     if md is _UNREADABLE:
         return
     # the object torch's reader gets (a pickled None is a value, not a failure)
@@ -131,7 +134,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
     naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
 
     def leaf_of(fqn: str) -> str:
-        return keys_path(naming.keys_for(fqn))
+        return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
 
     entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
     tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings, md.planner_data)
@@ -330,7 +333,7 @@ def _report_missing_metadata(
 _UNREADABLE: Any = object()
 
 
-def _load_metadata(storage: Storage, findings: Findings) -> Any:
+def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> Any:
     """`.metadata` through the allow-list unpickler, or _UNREADABLE after reporting why not."""
     name = dcp.METADATA_FILE
     try:
@@ -340,7 +343,7 @@ def _load_metadata(storage: Storage, findings: Findings) -> Any:
                 "bad-metadata", f"{size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", file=name
             )
             return _UNREADABLE
-        return safe_pickle.load_metadata(storage.read(name), f"{storage.url}/{name}")
+        return safe_pickle.load_metadata(storage.read(name), f"{storage.url}/{name}", allow)
     except UnsafePickleError as exc:
         findings.error(
             "unsafe-pickle",
@@ -1133,7 +1136,8 @@ class _Window:
         return self._data[pos - self._start : pos - self._start + n]
 
 
-def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
+def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str], allow: Any = None,
+               leaf_path: Callable[[str], str] | None = None) -> None:
     """--deep's DCP part besides the chunk reads: every non-tensor item, and the replicated duplicates.
 
     A bytes item is a torch.save archive of a pickled value: it is opened
@@ -1160,7 +1164,7 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
                 leaf=leaf.path, file=_relative_file(storage, exc.where),
             )
     findings.count("bytes_items_read", items)
-    check_duplicates_deep(storage, findings)
+    check_duplicates_deep(storage, findings, allow, leaf_path)
 
 
 def _relative_file(storage: Storage, where: str | None) -> str | None:
@@ -1168,7 +1172,8 @@ def _relative_file(storage: Storage, where: str | None) -> str | None:
     return where[len(root):] if where and where.startswith(root) else where
 
 
-def check_duplicates_deep(storage: Storage, findings: Findings) -> None:
+def check_duplicates_deep(storage: Storage, findings: Findings, allow: Any = None,
+                          leaf_path: Callable[[str], str] | None = None) -> None:
     """Compare the copies of replicated duplicates that .metadata does not point at with the one it does.
 
     A planner that keeps duplicates has every rank write its replica, but
@@ -1181,14 +1186,14 @@ def check_duplicates_deep(storage: Storage, findings: Findings) -> None:
     the replicas disagreed when saved, and torch silently restores one.
     """
     quiet = Findings()  # the shallow checks already reported what is malformed
-    md = _load_metadata(storage, quiet)
+    md = _load_metadata(storage, quiet, allow)
     if not isinstance(md, safe_pickle.Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         return
     naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
 
     def leaf_of(fqn: str) -> str:
-        return keys_path(naming.keys_for(fqn))
+        return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
 
     entries, _ = _storage_entries(md.storage_data, leaf_of, quiet)
     tensors, _ = _items(md.state_dict_metadata, leaf_of, quiet)

@@ -44,7 +44,7 @@ from ...torchsave.safe_pickle import (
 )
 
 if TYPE_CHECKING:
-    from ...torchsave.payload import Fetch, TensorPayload
+    from ...torchsave.payload import Allow, Fetch, TensorPayload
 
 
 def _payload_module():  # noqa: ANN202
@@ -70,8 +70,17 @@ def detect(storage: Storage) -> bool:
     return any(f.endswith(DATA_SUFFIX) for f in files)
 
 
-def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
-    """Open a DCP checkpoint: reads `.metadata` and nothing else."""
+def read(storage: Storage, *, step: str | int | None = None, allow: Allow = None) -> Checkpoint:
+    """Open a DCP checkpoint: reads `.metadata` and nothing else.
+
+    `allow`: stand-ins for the classes a framework writing through DCP pickles into
+    `.metadata` and its items (Megatron-Core's plans), beside the allow-list."""
+    return read_with_metadata(storage, step=step, allow=allow)[0]
+
+
+def read_with_metadata(storage: Storage, *, step: str | int | None = None,
+                       allow: Allow = None) -> tuple[Checkpoint, Any]:
+    """read(), and the unpickled `.metadata` object (for a framework's own fields on it)."""
     if step is not None:
         raise CkptError(
             "a torch.distributed.checkpoint directory has no steps; open the step's own directory", storage.url
@@ -95,7 +104,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         raise CorruptMetadataError(
             f".metadata is {size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", metadata_where
         )
-    metadata = safe_pickle.load_metadata(storage.read(METADATA_FILE), metadata_where)
+    metadata = safe_pickle.load_metadata(storage.read(METADATA_FILE), metadata_where, allow)
     parsed = _parse_metadata(metadata, metadata_where)
 
     leaves: list[Leaf] = []
@@ -104,7 +113,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         if isinstance(item, _TensorItem):
             leaves.append(_array_leaf(storage, fqn, keys, item))
         else:
-            leaves.append(_value_leaf(storage, fqn, keys, item))
+            leaves.append(_value_leaf(storage, fqn, keys, item, allow))
 
     files = sorted({info.relative_path for info in parsed.storage.values()})
     # torch names data files __<rank>_<n>.distcp; other writers may not
@@ -161,7 +170,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         saved_at=None,  # DCP records no save time
         notes=notes,
         missing=missing,
-    )
+    ), metadata
 
 
 # ---------------------------------------------------------------------------
@@ -462,7 +471,7 @@ def _chunk_list_sharding(count: int) -> Sharding:
     return Sharding(kind="chunks", chunks=count)
 
 
-def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesItem) -> ValueLeaf:
+def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesItem, allow: Allow = None) -> ValueLeaf:
     entry = item.entry
 
     def load() -> Any:
@@ -478,7 +487,7 @@ def _value_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _BytesI
             data = decoded.read_all()
         else:
             data = storage.read_range(entry.relative_path, entry.offset, entry.offset + entry.length)
-        return _payload_module().load_value(data, where)
+        return _payload_module().load_value(data, where, allow)
 
     return ValueLeaf(keys=keys, name=fqn, value_type="bytes", loader=load, extra={"storage": [entry.to_json()]})
 

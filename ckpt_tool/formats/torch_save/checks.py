@@ -55,7 +55,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
     names: dict[str, str] = {}  # dotted name -> file (sets only)
     stored: dict[str, set[str]] = {}
     for name in layout.files:
-        tree = _check_file(storage, name, findings)
+        tree = check_file(storage, name, findings)
         if tree is None:
             continue
         leaves = ts.leaves_of(tree)
@@ -82,10 +82,12 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
                                    leaf=tname, file=fname)
 
 
-def _check_file(storage: Storage, name: str, findings: Findings) -> ts.FileTree | None:
-    """One archive: its zip, records and pickle, and every tensor's claim on its storage."""
+def check_file(storage: Storage, name: str, findings: Findings, allow: Any = None) -> ts.FileTree | None:
+    """One archive: its zip, records and pickle, and every tensor's claim on its storage.
+
+    `allow`: a framework's stand-ins for the classes it pickles (Megatron's common.pt)."""
     try:
-        archive = ts.Archive(storage, name)
+        archive = ts.Archive(storage, name, allow)
     except PathEscapeError:
         raise
     except UnsafePickleError as exc:

@@ -156,7 +156,7 @@ def _holds_data_pkl(path: str, name: str) -> bool:
 class Archive:
     """One torch.save file in a storage: its zip directory, its object, CRCs verified so far."""
 
-    def __init__(self, storage: Storage, name: str) -> None:
+    def __init__(self, storage: Storage, name: str, allow: tp.Allow = None) -> None:
         self.storage = storage
         self.name = name
         self.where = f"{storage.url}/{name}"
@@ -169,7 +169,7 @@ class Archive:
         if not head.startswith(ZIP_MAGIC):
             raise CorruptMetadataError("not a torch.save archive (no zip header)", self.where)
         self.size = size
-        self.zip = tp.open_payload_range(self.fetch, size, self.where)
+        self.zip = tp.open_payload_range(self.fetch, size, self.where, allow)
         self._lock = threading.Lock()
         self._located: dict[str, tp.TensorPayload] = {}  # storage key -> its member as uint8
         self.crc_checked: set[str] = set()  # storage keys whose CRC-32 a whole read has checked
