@@ -145,6 +145,7 @@ ENTRIES: list[Entry] = [
     Entry("megatron_torch_dist_fully_sharded", "megatron", R.megatron_recorded),
     Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
     Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
+    Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
     # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own
     # per-parameter optimizer state, recorded in _reference.json
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
@@ -155,8 +156,8 @@ ENTRIES: list[Entry] = [
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
 NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy",
-                   # read in the next step of issue 20 (the zarr backend, legacy mp_rank_* saves)
-                   "megatron_zarr_tp2", "megatron_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
+                   # read in the next step of issue 20 (legacy mp_rank_* saves)
+                   "megatron_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:
@@ -346,6 +347,17 @@ DAMAGE: list[Damage] = [
     Damage("megatron", "garbage-metadata", "megatron_run", "latest_checkpointed_iteration.txt", "garbage",
            "bad-metadata"),
     Damage("megatron", "path-escape", "megatron_torch_dist_tp2", "__1_0.distcp", "symlink-out", "path-escape"),
+    # megatron zarr backend: a chunk file, a .zarray, a ShardedObject's shard_*.pt
+    Damage("megatron", "missing-file", "megatron_zarr_tp2", "decoder.layers.mlp.linear_fc1.weight/1.0.0", "remove",
+           "missing-chunk"),
+    Damage("megatron", "truncated-file", "megatron_zarr_tp2", "decoder.layers.mlp.linear_fc1.weight/1.0.0",
+           "truncate", "bad-chunk"),
+    Damage("megatron", "truncated-file", "megatron_zarr_tp2", "decoder.layers.mlp.linear_fc1._extra_state/shard_1_2.pt",
+           "truncate", "truncated-file"),
+    Damage("megatron", "wrong-size", "megatron_zarr_tp2", "embedding.word_embeddings.weight/1.0", "grow", "bad-chunk"),
+    Damage("megatron", "garbage-metadata", "megatron_zarr_tp2", "output_layer.weight/.zarray", "garbage",
+           "bad-array-metadata"),
+    Damage("megatron", "path-escape", "megatron_zarr_tp2", "output_layer.weight/0.0", "symlink-out", "path-escape"),
     # torch: a shard of a .bin set, its index, a lone file
     Damage("torch", "missing-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "remove", "missing-file"),
     Damage("torch", "truncated-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "truncate",

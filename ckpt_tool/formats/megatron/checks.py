@@ -99,9 +99,15 @@ def _check_save(storage: Storage, findings: Findings) -> None:
         findings.error("bad-metadata", exc.message, file=mg.CONFIG_FILE)
         return
     backend = config["sharded_backend"]
+    if backend == "zarr":
+        from . import zarr_backend
+
+        zarr_backend.check(storage, findings, leaf_path)
+        _check_common(storage, findings)
+        return
     if backend != "torch_dist":
-        why = "not read yet (torch_dist is)" if backend in mg.BACKENDS else "not a backend Megatron-Core writes"
-        findings.error("bad-metadata", f"sharded_backend {backend!r}: {why}", file=mg.CONFIG_FILE)
+        findings.error("bad-metadata", f"sharded_backend {backend!r}: not a backend Megatron-Core writes",
+                       file=mg.CONFIG_FILE)
         return
     from ..dcp import checks as dcp_checks
 
@@ -129,4 +135,9 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
         name = mg.step_dir(ckpt.step) if ckpt.step else mg.RELEASE_DIR
         save = storage.child(name)
         findings = _Under(findings, name)  # type: ignore[assignment]
+    if ckpt.layout.get("backend") == "zarr":
+        from . import zarr_backend
+
+        zarr_backend.check_deep(save, ckpt, findings, skip_leaves)
+        return
     dcp_checks.check_deep(save, ckpt, findings, skip_leaves, allow=pickled.ALLOW, leaf_path=leaf_path)

@@ -154,7 +154,9 @@ def read_save(storage: Storage) -> Checkpoint:
     if backend == "torch_dist":
         ck = _torch_dist(storage)
     elif backend == "zarr":
-        raise CkptError("Megatron zarr-backend saves are not read yet (torch_dist is)", storage.url)
+        from . import zarr_backend
+
+        ck = zarr_backend.read(storage)
     else:
         raise CorruptMetadataError(f"sharded_backend {backend!r} is not one Megatron-Core writes ({', '.join(BACKENDS)})",
                                    f"{storage.url}/{CONFIG_FILE}")
@@ -343,4 +345,6 @@ def layout_text(ck: Checkpoint) -> str:
     text = f"Megatron-Core {lay.get('backend', 'dist_checkpointing')}"
     if lay.get("files"):
         text += f" (DCP, {lay['files']} files" + (f", {lay['ranks']} ranks)" if lay.get("ranks") else ")")
+    elif lay.get("arrays") is not None:
+        text += f" ({lay['arrays']} zarr v2 arrays, {lay.get('objects', 0)} object files)"
     return text
