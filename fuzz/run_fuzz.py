@@ -12,7 +12,9 @@ Writes DIR/summary.json (rewritten as the run goes, so an interrupted run
 still has figures) and, for every failing mutant, DIR/failures/<class>/<id>/
 holding the mutant checkpoint and outcome.json (its runs, stderr and the
 oracle's answer): `ckpt validate --deep DIR/failures/<class>/<id>/<fixture>`
-reproduces it. Mutant i of seed S is the same on every run of this code.
+reproduces it. A torch.save mutant naming a global ckpt admits whose real class the
+oracle cannot import (deepspeed, megatron) is counted under `oracle_unchecked`, not
+checked. Mutant i of seed S is the same on every run of this code.
 Exit status: 0 when no contract violation was found, 1 otherwise.
 """
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Summary:
         self.exit_codes: dict[str, Counter] = defaultdict(Counter)
         self.oracle_checked = 0
         self.oracle_seconds = 0.0
+        # torch.save mutants naming a global ckpt admits that the oracle cannot import (no verdict)
+        self.oracle_unchecked = 0
+        self.unchecked_globals: Counter = Counter()
+        self.unchecked_examples: list[str] = []
         self.unconfirmed = 0
         self.classes: Counter = Counter()
         self.signatures: dict[str, dict] = {}
@@ -99,7 +105,12 @@ class Summary:
                     if r.rss_kb and (holder["max_rss"] is None or r.rss_kb / 1024 > holder["max_rss"]["rss_mb"]):
                         holder["max_rss"] = {"id": ident, "command": c, "rss_mb": round(r.rss_kb / 1024, 1),
                                              "mutant": m.label()}
-            if outcome.oracle is not None:
+            if outcome.oracle is not None and outcome.oracle.get("unchecked"):
+                self.oracle_unchecked += 1
+                self.unchecked_globals.update(outcome.oracle["unchecked"])
+                if len(self.unchecked_examples) < 5:
+                    self.unchecked_examples.append(f"{ident}: {m.label()[:160]}")
+            elif outcome.oracle is not None:
                 self.oracle_checked += 1
                 self.oracle_seconds += outcome.oracle.get("seconds", 0) or 0
             if outcome.violations:
@@ -129,6 +140,8 @@ class Summary:
                 "by_format": dict(self.by_format), "by_kind": dict(sorted(self.by_kind.items())),
                 "exit_codes": {c: dict(v) for c, v in self.exit_codes.items()},
                 "oracle_checked": self.oracle_checked, "oracle_seconds": round(self.oracle_seconds, 1),
+                "oracle_unchecked": {"mutants": self.oracle_unchecked, "globals": dict(self.unchecked_globals),
+                                     "examples": self.unchecked_examples},
                 "forked_violations_not_reproduced_by_a_fresh_process": self.unconfirmed,
                 "failing_mutants": self.failing,
                 "counts": {

@@ -24,7 +24,12 @@ and the oracle: where validate exits 0 (--deep; or shallow, for a mutant of a
 metadata file, which shallow validate claims to check), the real library
 (torch's dcp_to_torch_save, orbax's restore with no target, safetensors'
 safe_open, orbax's msgpack_restore for Flax msgpack, torch.load(weights_only=True)
-for torch.save files) loads it, and with the values ckpt's Python API reads.
+for torch.save files) loads it, and with the values ckpt's Python API reads. A
+torch.save file is loaded as megatron-core and DeepSpeed load theirs: the globals
+ckpt's allow-list admits as data beyond weights_only's defaults are given to
+torch.serialization.safe_globals as the real classes; a mutant naming one that
+cannot be imported in the oracle worker (deepspeed, megatron) is unchecked (no
+verdict, said in its run record).
 """
 from __future__ import annotations
 
@@ -1706,19 +1711,22 @@ def check_oracle(m: Mutant, runs: dict[str, RunResult], oracle: "Oracle | None")
                               f"validate passed a .metadata naming globals {bad[:3]}")], None
     if oracle is None or m.oracle is None:
         return [], None
-    res = oracle.check(m.oracle, m.path, m.mode)
+    res = oracle.check(m.oracle, m.path, m.mode, ckpt_format=m.format)
     which = "deep" if deep_ok else "validate"
     if "worker_error" in res or "oracle_timeout" in res:
         return [Violation("oracle-worker", which, str(res)[:400])], res
+    if not res["library_ok"] and res.get("unchecked"):
+        # a torch.save pickle names globals ckpt admits as data whose real classes cannot be
+        # imported in the oracle worker (deepspeed, megatron): torch cannot be given them, so
+        # there is no verdict; the answer (in the run record) says which
+        return [], res
     if not res["library_ok"] and res.get("refused_globals"):
-        # torch.load(weights_only=True) refused globals of a data.pkl: agreement where ckpt
-        # refuses them too; a violation where ckpt's allow-list admits one
-        admitted = res.get("ckpt_admits_refused") or []
-        if not admitted:
-            return [], res
+        # torch.load(weights_only=True), given every global ckpt admits, refused globals that
+        # ckpt's allow-list does not admit either: validate passing such a pickle is a hole
         return [Violation("accepted-bad-input", which, f"validate{' --deep' if deep_ok else ''} exit 0 on a pickle "
-                                                       f"naming {admitted[:3]}, which torch.load(weights_only=True) "
-                                                       "refuses")], res
+                                                       f"naming {res['refused_globals'][:3]}, which neither "
+                                                       "torch.load(weights_only=True) nor ckpt's allow-list "
+                                                       "admits")], res
     if not res["library_ok"]:
         cls = "oracle-deep" if deep_ok else "oracle-shallow"
         return [Violation(cls, which, f"validate{' --deep' if deep_ok else ''} exit 0, library: "
@@ -1828,13 +1836,16 @@ class Oracle:
                 pass
         return box[0] if box else None
 
-    def check(self, fmt: str, path: Path, mode: str = "") -> dict:
+    def check(self, fmt: str, path: Path, mode: str = "", ckpt_format: str = "") -> dict:
+        """The worker's answer for one checkpoint; `ckpt_format` (the registry's name, default
+        `fmt`) picks the allow-list a torch.save file is loaded with."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         assert self.proc is not None and self.proc.stdin is not None
         self.calls += 1
+        req = {"format": fmt, "path": str(path), "mode": mode, "ckpt_format": ckpt_format or fmt}
         try:
-            self.proc.stdin.write(json.dumps({"format": fmt, "path": str(path), "mode": mode}) + "\n")
+            self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             self.close()

@@ -2,12 +2,13 @@
 library and with ckpt's Python API, and says whether they agree.
 
 Run as a process (`python tests/fuzz_oracle.py`); it reads one JSON request per
-line on stdin ({"format": "dcp"|"orbax"|"safetensors"|"msgpack"|"torch", "path": ...}) and writes
-one JSON answer per line on stdout:
+line on stdin ({"format": "dcp"|"orbax"|"safetensors"|"msgpack"|"torch", "path": ...,
+"ckpt_format": the registry's name of the format}) and writes one JSON answer per line on stdout:
 
     {"library_ok": bool, "library_error": str|None,
      "ckpt_ok": bool, "ckpt_error": str|None,
-     "mismatch": str|None, "seconds": float}
+     "mismatch": str|None, "seconds": float,
+     "unchecked": [global, ...] (torch.save: not loaded), "refused_globals": [global, ...]}
 
 torch and jax are imported once per worker (that is the point of the worker:
 a whole-process import per mutant would cost seconds). The worker runs jax on
@@ -22,15 +23,23 @@ A torch.save file is loaded with `torch.load(weights_only=True, map_location="cp
 per file (a directory: the files its `*.bin.index.json` names, else its .bin/.pt/.pth
 files) and walked as ckpt lays it out (dicts by key, lists and tuples by index where
 they hold a tensor; a leaf's name is its dotted key path), values compared bytewise.
-When weights_only refuses a global, the answer names it (`refused_globals`) and says
-which of those ckpt's allow-list admits (`ckpt_admits_refused`: ckpt reads what torch
-refuses). When it refuses only an opcode its unpickler lacks (protocol 3+ pickles:
-SHORT_BINUNICODE, BINBYTES, ...), and every global is one weights_only allows and no
-opcode can change an object already built (BUILD, NEWOBJ), the file is loaded again with
-weights_only=False: torch.save itself writes such files.
+It is loaded the way megatron-core and DeepSpeed load their checkpoints: the globals
+the file names that torch's weights_only defaults lack but ckpt's allow-list admits as
+data (safe_pickle.ALLOWED plus the format's own table, FORMAT_ALLOW) are passed to
+`torch.serialization.safe_globals` as the REAL classes and functions, imported here.
+When one of them cannot be imported here (deepspeed, megatron), the answer is
+`unchecked` (no load, no comparison: no verdict). When weights_only still refuses a
+global, the answer names it (`refused_globals`: ones neither torch nor ckpt admits).
+When it refuses only an opcode its unpickler lacks (protocol 3+ pickles:
+SHORT_BINUNICODE, BINBYTES, ...), and every global is one weights_only allows (or was
+given) and no opcode can change an object already built (BUILD, NEWOBJ), the file is
+loaded again with weights_only=False: torch.save itself writes such files.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
 import json
 import os
 import pickletools
@@ -129,6 +138,10 @@ def _same(a: Any, b: Any) -> bool:
     if x.dtype.kind in "OUS" or y.dtype.kind in "OUS":
         return bool(np.all(x == y))
     if x.dtype.itemsize == y.dtype.itemsize and x.dtype.kind == y.dtype.kind:
+        if x.dtype.byteorder != y.dtype.byteorder:
+            # the same values in another byte order (numpy's own unpickling of a '>i4' array
+            # gives native int32): compared in native order
+            x, y = (a.astype(a.dtype.newbyteorder("=")) for a in (x, y))
         return x.tobytes() == y.tobytes()  # bit-exact, NaN-safe
     try:
         return bool(np.array_equal(x.astype("float64"), y.astype("float64"), equal_nan=True))
@@ -335,13 +348,104 @@ def torch_files(path: str) -> list[tuple[str, str | None]]:
 
 
 class WeightsOnlyRefusal(Exception):
-    """torch.load(weights_only=True) refused globals of a data.pkl (`refused`), of which ckpt's
-    allow-list admits `admitted`."""
+    """torch.load(weights_only=True) refused globals of a data.pkl (`refused`) that ckpt's
+    allow-list does not admit either (those it admits were given to torch)."""
 
-    def __init__(self, refused: list[str], admitted: list[str], detail: str) -> None:
+    def __init__(self, refused: list[str], detail: str) -> None:
         super().__init__(f"weights_only refuses global(s) {refused[:3]} ({detail})")
         self.refused = refused
-        self.admitted = admitted
+
+
+class UncheckedGlobals(Exception):
+    """A data.pkl names globals ckpt admits as data whose real class or function cannot be
+    imported here (deepspeed, megatron): torch cannot be given them, so no verdict."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"not loaded: ckpt admits {names[:3]}, which cannot be imported here")
+        self.names = names
+
+
+# a format's own table of globals it admits beyond safe_pickle.ALLOWED (the `extra` its
+# reader passes to the allow-list unpickler), by the registry's name of the format
+FORMAT_ALLOW = {"megatron": ("ckpt_tool.formats.megatron.pickled", "ALLOW")}
+
+
+def ckpt_allow(ckpt_format: str = "torch") -> set[tuple[str, str]]:
+    """The (module, name) globals ckpt's unpickler admits for a file of `ckpt_format`."""
+    from ckpt_tool.torchsave import safe_pickle
+
+    keys = set(safe_pickle.ALLOWED)
+    if ckpt_format in FORMAT_ALLOW:
+        module, attr = FORMAT_ALLOW[ckpt_format]
+        keys |= set(getattr(importlib.import_module(module), attr))
+    return keys
+
+
+_REAL: dict[tuple[str, str], Any] = {}
+
+
+def real_global(module: str, name: str) -> Any | None:
+    """The real object `module.name` (imported: only ever a name on ckpt's allow-list),
+    None when it cannot be imported in this worker."""
+    key = (module, name)
+    if key not in _REAL:
+        try:
+            _REAL[key] = getattr(importlib.import_module(module), name)
+        except Exception:  # noqa: BLE001 - ImportError, or a module without it: unavailable here
+            _REAL[key] = None
+    return _REAL[key]
+
+
+def _numpy_dtype_classes() -> list[tuple[Any, str]]:
+    """numpy's per-dtype classes (np.dtypes.Float64DType, ...) of the plain numeric dtypes
+    ckpt admits: a pickled numpy.dtype is built by REDUCE and then BUILD on an instance of
+    one, which weights_only allows only for an allow-listed type (megatron-core's
+    SAFE_GLOBALS lists np.dtypes.UInt32DType beside numpy.dtype for that reason)."""
+    import numpy as np
+
+    codes = ("?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16")
+    return [(type(np.dtype(c)), f"numpy.dtypes.{type(np.dtype(c)).__name__}") for c in codes]
+
+
+def _torch_name(module: str, name: str) -> str:
+    """The name torch's weights_only unpickler looks a GLOBAL up by (Python 2 names mapped
+    as its _read_global_instruction maps them)."""
+    from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+    if (module, name) in NAME_MAPPING:
+        module, name = NAME_MAPPING[(module, name)]
+    elif module in IMPORT_MAPPING:
+        module = IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
+def safe_globals_for(found: list[tuple[str, str]], ckpt_format: str = "torch") -> list[tuple[Any, str]]:
+    """The (real object, name) pairs to give torch.serialization.safe_globals for a pickle
+    naming `found`: each global weights_only refuses by default that ckpt admits. Raises
+    UncheckedGlobals when one of those cannot be imported here."""
+    from torch import _weights_only_unpickler as wo
+
+    from ckpt_tool.torchsave.safe_pickle import _PY2_MODULES
+
+    defaults = wo._get_allowed_globals()
+    allow = ckpt_allow(ckpt_format)
+    out: list[tuple[Any, str]] = []
+    missing: list[str] = []
+    for module, name in sorted(set(found)):
+        tname = _torch_name(module, name)
+        key = (_PY2_MODULES.get(module, module), name)
+        if tname in defaults or key not in allow:
+            continue  # allowed already, or admitted by neither (torch's refusal stands)
+        obj = real_global(*key)
+        if obj is None:
+            missing.append(f"{module}.{name}")
+            continue
+        out.append((obj, tname))
+        if key == ("numpy", "dtype"):
+            out.extend(_numpy_dtype_classes())
+    if missing:
+        raise UncheckedGlobals(missing)
+    return out
 
 
 # opcodes torch's weights_only unpickler does not implement that change no object already
@@ -395,42 +499,42 @@ def _pickle_globals(data: bytes) -> tuple[list[tuple[str, str]], set[str]]:
     return out, names
 
 
-def _torch_load(file: str) -> tuple[Any, str | None]:
-    """torch.load(file, weights_only=True, map_location="cpu"); (object, note of a fallback)."""
+def _torch_load(file: str, ckpt_format: str = "torch") -> tuple[Any, str | None]:
+    """torch.load(file, weights_only=True, map_location="cpu") with the globals ckpt admits
+    given as safe globals (safe_globals_for); (object, note of a fallback)."""
     import torch
     from torch import _weights_only_unpickler as wo
 
-    from ckpt_tool.torchsave import safe_pickle
-
-    try:
-        return torch.load(file, weights_only=True, map_location="cpu"), None
-    except Exception as exc:  # noqa: BLE001
-        first = exc
     data = _pickle_of(file)
-    if data is None:
+    found = opcodes = None
+    if data is not None:
+        try:
+            found, opcodes = _pickle_globals(data)
+        except Exception:  # noqa: BLE001 - not a pickle pickletools can walk: torch's error stands
+            found = None
+    if found is None or ("?", "?") in found:
+        # no data.pkl, or a STACK_GLOBAL whose names this scan cannot follow: torch's own answer
+        return torch.load(file, weights_only=True, map_location="cpu"), None
+    given = safe_globals_for(found, ckpt_format)
+    with torch.serialization.safe_globals(given):
+        try:
+            return torch.load(file, weights_only=True, map_location="cpu"), None
+        except Exception as exc:  # noqa: BLE001
+            first = exc
+        allowed = set(wo._get_allowed_globals()) | {n for _, n in given}
+        refused = sorted({_torch_name(m, n) for m, n in found} - allowed)
+        if refused:
+            raise WeightsOnlyRefusal(refused, _one_line(first))
+        unsupported = opcodes - {
+            "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
+            "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE",
+            "EMPTY_LIST", "EMPTY_DICT", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE",
+            "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1"}
+        risky = opcodes & {"BUILD", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
+        if "Unsupported operand" in str(first) and unsupported and unsupported <= _BENIGN_OPCODES and not risky:
+            # every global is one weights_only allows or was given: nothing foreign runs
+            return torch.load(file, weights_only=False, map_location="cpu"), f"weights_only: {sorted(unsupported)}"
         raise first
-    try:
-        found, opcodes = _pickle_globals(data)
-    except Exception:  # noqa: BLE001 - not a pickle pickletools can walk: torch's error stands
-        raise first from None
-    allowed = wo._get_allowed_globals()
-    if ("?", "?") in found:
-        raise first  # a STACK_GLOBAL whose names this scan cannot follow: torch's refusal stands
-    refused = [f"{m}.{n}" for m, n in found if f"{m}.{n}" not in allowed]
-    if refused:
-        py2 = {"__builtin__": "builtins", "copy_reg": "copyreg"}
-        admitted = [f"{m}.{n}" for m, n in found if f"{m}.{n}" in refused and (py2.get(m, m), n) in safe_pickle.ALLOWED]
-        raise WeightsOnlyRefusal(sorted(set(refused)), sorted(set(admitted)), _one_line(first))
-    unsupported = opcodes - {"PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM",
-                             "SETITEMS", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE",
-                             "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "BININT", "BININT1", "BININT2",
-                             "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET",
-                             "BINPUT", "LONG_BINPUT", "LONG1"}
-    risky = opcodes & {"BUILD", "NEWOBJ", "NEWOBJ_EX", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
-    if "Unsupported operand" in str(first) and unsupported and unsupported <= _BENIGN_OPCODES and not risky:
-        # every global is one weights_only allows: nothing foreign runs
-        return torch.load(file, weights_only=False, map_location="cpu"), f"weights_only: {sorted(unsupported)}"
-    raise first
 
 
 def _torch_has_tensor(value: Any, depth: int = 0) -> bool:
@@ -463,7 +567,13 @@ def _torch_walk(obj: Any, keys: tuple, out: list) -> None:
 
 def _torch_plain(value: Any, depth: int = 0) -> Any:
     """A value torch.load gave, in the terms ckpt's load() gives it: tensors as numpy arrays
-    (conj / neg views resolved), dtypes as 'torch.<name>', Size as a tuple, devices as str."""
+    (conj / neg views resolved), dtypes and layouts as 'torch.<name>', Size as a tuple, devices
+    and paths as str, a memory format by its name, dataclasses (DCP's metadata) as a dict of
+    their fields, namespaces as a dict."""
+    import argparse
+    import pathlib
+    import types
+
     import torch
 
     from library_reference import _tensor_to_numpy
@@ -472,10 +582,18 @@ def _torch_plain(value: Any, depth: int = 0) -> Any:
         raise RecursionError("value nested too deeply")
     if isinstance(value, torch.Tensor):
         return _tensor_to_numpy(value.resolve_conj().resolve_neg())
-    if isinstance(value, torch.dtype):
+    if isinstance(value, (torch.dtype, torch.device, torch.layout)):
         return str(value)
-    if isinstance(value, torch.device):
+    if isinstance(value, torch.memory_format):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, pathlib.PurePath):
         return str(value)
+    if isinstance(value, enum.Enum) and type(value).__name__ == "_MEM_FORMAT_ENCODING":
+        return value.name.removeprefix("TORCH_").lower()  # ckpt names the memory format
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _torch_plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
+    if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+        return {k: _torch_plain(v, depth + 1) for k, v in vars(value).items()}
     if isinstance(value, dict):
         return {_torch_plain(k, depth + 1): _torch_plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -487,17 +605,29 @@ def _torch_plain(value: Any, depth: int = 0) -> Any:
 
 
 def _ckpt_plain(value: Any, depth: int = 0) -> Any:
-    from ckpt_tool.torchsave.safe_pickle import TorchDType
+    """A value ckpt's load() gave, in the same terms: a torch dtype by torch's name for it
+    (`torch.float` is torch.float32), a stand-in record (DCP's metadata classes) as a dict of
+    its fields."""
+    import torch
+
+    from ckpt_tool.torchsave.safe_pickle import Record, TorchDType
 
     if depth > 200:
         raise RecursionError("value nested too deeply")
     if isinstance(value, TorchDType):
-        return repr(value)
+        real = getattr(torch, value.name, None)
+        return str(real) if isinstance(real, torch.dtype) else repr(value)
+    if isinstance(value, Record):
+        fields = {f: _ckpt_plain(getattr(value, f), depth + 1) for f in value.FIELDS}
+        fields.update({k: _ckpt_plain(v, depth + 1) for k, v in value.__dict__.get("unknown", {}).items()})
+        return fields
     if isinstance(value, dict):
         return {_ckpt_plain(k, depth + 1): _ckpt_plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_ckpt_plain(v, depth + 1) for v in value) if type(value) in (list, tuple) \
             else tuple(_ckpt_plain(v, depth + 1) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(_ckpt_plain(v, depth + 1) for v in value)
     return value
 
 
@@ -512,11 +642,22 @@ def _by_name(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def torch_library_values(path: str, mode: str = "") -> dict:
-    """{dotted name: value} of torch.load(weights_only=True) of each file (torch_files)."""
+def torch_library_values(path: str, mode: str = "", ckpt_format: str = "torch") -> dict:
+    """{dotted name: value} of torch.load(weights_only=True) of each file (torch_files), with
+    the globals ckpt admits for `ckpt_format` given as safe globals (_torch_load)."""
     pairs: list[tuple[str, Any]] = []
-    for file, key in torch_files(path):
-        obj, _note = _torch_load(file)
+    files = torch_files(path)
+    for file, _key in files:
+        # every file's globals first: one torch cannot be given leaves the whole load unchecked
+        data = _pickle_of(file)
+        if data is not None:
+            try:
+                found, _ = _pickle_globals(data)
+            except Exception:  # noqa: BLE001 - _torch_load lets torch answer
+                continue
+            safe_globals_for(found, ckpt_format)
+    for file, key in files:
+        obj, _note = _torch_load(file, ckpt_format)
         leaves: list = []
         _torch_walk(obj, (key,) if key is not None else (), leaves)
         pairs.extend((".".join(map(str, keys)), _torch_plain(v)) for keys, v in leaves)
@@ -547,18 +688,25 @@ def _one_line(exc: BaseException) -> str:
     return s if len(s) < 400 else s[:397] + "..."
 
 
-def check(fmt: str, path: str, mode: str = "") -> dict:
+def check(fmt: str, path: str, mode: str = "", ckpt_format: str = "") -> dict:
+    """The library's values against ckpt's; `ckpt_format` (the registry's name) picks the
+    allow-list a torch.save file is loaded with."""
     t0 = time.monotonic()
     res: dict[str, Any] = {"library_ok": False, "library_error": None, "ckpt_ok": False,
                            "ckpt_error": None, "mismatch": None}
     lib = ours = None
     try:
-        lib = LIBRARIES[fmt](path, mode)
+        if fmt == "torch":
+            lib = torch_library_values(path, mode, ckpt_format or "torch")
+        else:
+            lib = LIBRARIES[fmt](path, mode)
         res["library_ok"] = True
+    except UncheckedGlobals as exc:
+        res["library_error"] = _one_line(exc)
+        res["unchecked"] = exc.names
     except WeightsOnlyRefusal as exc:
         res["library_error"] = _one_line(exc)
         res["refused_globals"] = exc.refused
-        res["ckpt_admits_refused"] = exc.admitted
     except BaseException as exc:  # noqa: BLE001 - the library's rejection is the answer
         res["library_error"] = _one_line(exc)
     try:
@@ -603,7 +751,7 @@ def main() -> None:
             continue
         req = json.loads(line)
         try:
-            res = check(req["format"], req["path"], req.get("mode", ""))
+            res = check(req["format"], req["path"], req.get("mode", ""), req.get("ckpt_format", ""))
         except BaseException:  # noqa: BLE001
             res = {"worker_error": traceback.format_exc(limit=3)}
         out.write(json.dumps(res, default=str) + "\n")
