@@ -146,6 +146,8 @@ ENTRIES: list[Entry] = [
     Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
     Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
+    # Megatron-LM --ckpt-format torch (mp_rank_0X/model_optim_rng.pt): torch.load(weights_only=True), recorded
+    Entry("megatron_legacy", "megatron", R.megatron_legacy_recorded, values=R.megatron_legacy_recorded_values),
     # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own
     # per-parameter optimizer state, recorded in _reference.json
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
@@ -155,9 +157,7 @@ ENTRIES: list[Entry] = [
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
-NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy",
-                   # read in the next step of issue 20 (legacy mp_rank_* saves)
-                   "megatron_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
+NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:
@@ -358,6 +358,17 @@ DAMAGE: list[Damage] = [
     Damage("megatron", "garbage-metadata", "megatron_zarr_tp2", "output_layer.weight/.zarray", "garbage",
            "bad-array-metadata"),
     Damage("megatron", "path-escape", "megatron_zarr_tp2", "output_layer.weight/0.0", "symlink-out", "path-escape"),
+    # legacy mp_rank_* saves: a rank's file, its directory
+    Damage("megatron", "missing-file", "megatron_legacy", "iter_0000005/mp_rank_01/model_optim_rng.pt", "remove",
+           "missing-file"),
+    Damage("megatron", "truncated-file", "megatron_legacy", "iter_0000005/mp_rank_01/model_optim_rng.pt", "truncate",
+           "truncated-file"),
+    Damage("megatron", "wrong-size", "megatron_legacy", "iter_0000005/mp_rank_00/model_optim_rng.pt", "flip-storage",
+           "bad-chunk", deep=True),
+    Damage("megatron", "garbage-metadata", "megatron_legacy", "iter_0000005/mp_rank_00/model_optim_rng.pt", "garbage",
+           "bad-metadata"),
+    Damage("megatron", "path-escape", "megatron_legacy", "iter_0000005/mp_rank_01/model_optim_rng.pt", "symlink-out",
+           "path-escape"),
     # torch: a shard of a .bin set, its index, a lone file
     Damage("torch", "missing-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "remove", "missing-file"),
     Damage("torch", "truncated-file", "torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "truncate",

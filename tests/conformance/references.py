@@ -284,6 +284,70 @@ def megatron_recorded_values(path: Path, step: str | None = None) -> dict:
     return out
 
 
+def _megatron_legacy_saves(path: Path, step: str | None) -> dict:
+    """{rank prefix: recorded torch.load of that file} for one step of a legacy (mp_rank_*) root:
+    model_optim_rng.pt under its rank directory's name, distrib_optim.pt under `<rank>.distrib_optim`."""
+    doc = json.loads((Path(path) / "_reference.json").read_text())
+    if step is None:
+        step = doc["tracker"]
+    step_dir = str(step) if not str(step).isdigit() else f"iter_{int(step):07d}"
+    out = {}
+    for file, save in doc["saves"].items():
+        where, rank, name = file.split("/")
+        if where == step_dir:
+            out[rank if name == "model_optim_rng.pt" else f"{rank}.distrib_optim"] = save
+    return out
+
+
+_ARRAYS = ("__tensor__", "__ndarray__")
+
+
+def _legacy_walk(doc: Any, keys: tuple, out: dict) -> None:
+    """A recorded torch.load object laid out as ckpt lays out a torch.save object: dicts by key,
+    lists and tuples by index where they hold a tensor or numpy array, anything else one value."""
+    if isinstance(doc, dict) and any(k in doc for k in _ARRAYS):
+        out[keys] = doc
+        return
+    special = isinstance(doc, dict) and any(k in doc for k in ("__class__", "__object__", "__type__", "__bytesio__"))
+    if isinstance(doc, dict) and doc and not special:
+        for k, v in doc.items():
+            _legacy_walk(v, keys + (k,), out)
+    elif isinstance(doc, list) and doc and any(a in json.dumps(doc) for a in _ARRAYS):
+        for i, v in enumerate(doc):
+            _legacy_walk(v, keys + (i,), out)
+    else:
+        out[keys] = doc
+
+
+def _megatron_legacy(path: Path, step: str | None) -> dict:
+    """{by_name: recorded doc} of every leaf: the rank directory's name, then the file's key path."""
+    out: dict = {}
+    for prefix, save in _megatron_legacy_saves(path, step).items():
+        found: dict = {}
+        _legacy_walk(save["summary"], (), found)
+        out.update({by_name(".".join(map(str, (prefix,) + k))): doc for k, doc in found.items()})
+    return out
+
+
+def megatron_legacy_recorded(path: Path, step: str | None = None) -> dict:
+    """Megatron-LM's legacy save (--ckpt-format torch): each rank's file as torch.load(weights_only=True)
+    gave it (megatron.core's safe globals registered), recorded by gen_megatron.py."""
+    out = {}
+    for key, doc in _megatron_legacy(path, step).items():
+        arr = next((doc[a] for a in _ARRAYS if isinstance(doc, dict) and a in doc), None)
+        out[key] = Ref("array", tuple(arr["shape"]), arr["dtype"]) if arr else Ref("value")
+    return out
+
+
+def megatron_legacy_recorded_values(path: Path, step: str | None = None) -> dict:
+    """Tensors by their recorded sha256, numpy arrays by kind, values as recorded."""
+    out = {}
+    for key, doc in _megatron_legacy(path, step).items():
+        t = doc.get("__tensor__") if isinstance(doc, dict) else None
+        out[key] = Digest(t["sha256"], tuple(t["shape"]), t["dtype"]) if t else Recorded(doc)
+    return out
+
+
 # --------------------------------------------------------------------------
 # recorded: what an older library wrote beside the fixture
 # --------------------------------------------------------------------------

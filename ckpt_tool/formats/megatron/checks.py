@@ -86,7 +86,12 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
 
 
 def _check_save(storage: Storage, findings: Findings) -> None:
-    _, files = storage.listdir()
+    dirs, files = storage.listdir()
+    if mg.CONFIG_FILE not in files and mg.COMMON_FILE not in files and any(mg.LEGACY_RANK_DIR.match(d) for d in dirs):
+        from . import legacy
+
+        legacy.check(storage, findings)  # type: ignore[arg-type]
+        return
     if mg.CONFIG_FILE not in files:
         findings.error("uncommitted-save", "no metadata.json: an interrupted Megatron save (rank 0 writes it last)",
                        file=mg.CONFIG_FILE)
@@ -135,6 +140,11 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
         name = mg.step_dir(ckpt.step) if ckpt.step else mg.RELEASE_DIR
         save = storage.child(name)
         findings = _Under(findings, name)  # type: ignore[assignment]
+    from . import legacy
+
+    if ckpt.layout.get("backend") == legacy.BACKEND:
+        legacy.check_deep(save, ckpt, findings, skip_leaves)
+        return
     if ckpt.layout.get("backend") == "zarr":
         from . import zarr_backend
 

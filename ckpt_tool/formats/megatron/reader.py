@@ -64,6 +64,8 @@ def detect(storage: Storage) -> bool:
         return True  # a save whose metadata.json was never written: interrupted
     if TRACKER_FILE in files:
         return True
+    if any(LEGACY_RANK_DIR.match(d) for d in dirs):
+        return True  # a legacy (--ckpt-format torch) step directory
     return any(STEP_DIR.match(d) for d in dirs)
 
 
@@ -299,7 +301,11 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
             raise UsageError(f"--step {step} given, but this is one Megatron save, not a run directory", storage.url)
         return read_save(storage)
     if any(LEGACY_RANK_DIR.match(d) for d in dirs):
-        raise CkptError("legacy Megatron mp_rank_* saves are not read yet (torch_dist is)", storage.url)
+        if step not in (None, "latest"):
+            raise UsageError(f"--step {step} given, but this is one Megatron save, not a run directory", storage.url)
+        from . import legacy
+
+        return legacy.read(storage)
     tracker = read_tracker(storage)
     steps = _steps(storage, tracker)
     name = _chosen(storage, step, tracker, steps)
@@ -342,6 +348,8 @@ def _chosen(storage: Storage, step: str | int | None, tracker: str | None, steps
 def layout_text(ck: Checkpoint) -> str:
     """inspect's "format" row: "Megatron-Core torch_dist (DCP, 4 files)"."""
     lay = ck.layout
+    if lay.get("rank_files") is not None:  # legacy.read's
+        return f"Megatron-LM --ckpt-format torch ({lay['ranks']} rank directories, {lay['rank_files']} files)"
     text = f"Megatron-Core {lay.get('backend', 'dist_checkpointing')}"
     if lay.get("files"):
         text += f" (DCP, {lay['files']} files" + (f", {lay['ranks']} ranks)" if lay.get("ranks") else ")")

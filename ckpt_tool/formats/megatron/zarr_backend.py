@@ -26,12 +26,11 @@ the ProcessSynchronizer's locks of flattened-range writes (noted, not read).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...errors import CkptError, CorruptMetadataError, NotFoundError
+from ...errors import CkptError, NotFoundError
 from ...findings import Findings
 from ...model import ArrayLeaf, Checkpoint, Leaf, RegularGrid, ValueLeaf
 from ...storage import Storage
@@ -107,6 +106,7 @@ def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLea
 
 def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str, Any]]:
     """The tensors (every `.zarray` read at once) and the ShardedObjects; (leaves, zmeta by key)."""
+    from ..orbax import schema
     from ..orbax.reader import _ArraySource
     from .reader import split_name
 
@@ -120,10 +120,7 @@ def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str,
         where = f"{storage.url}/{name}/{ZARRAY}"
         if data is None:
             raise NotFoundError(f"{ZARRAY} listed but not readable", where)
-        try:
-            zmeta = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptMetadataError(f"invalid JSON: {str(exc)[:80]}", where) from None
+        zmeta = schema.load_json(data, where)  # bounded size and nesting: a SchemaError, never a RecursionError
         metas[name] = zmeta
         leaves.append(array_leaf(storage, name, zmeta, source))
     for path in found.objects:
@@ -165,6 +162,7 @@ def check(storage: Storage, findings: Findings, leaf_path: Callable[[str], str])
     (missing-chunk), each uncompressed chunk file exactly one chunk long (empty-chunk, bad-chunk);
     every ShardedObject file a torch.save archive torch would load (the torch.save checks)."""
     from ..orbax import checks as oc
+    from ..orbax import schema
     from ..orbax.reader import _parse_zarr_metadata
     from ..torch_save import checks as ts_checks
     from ... import dtypes
@@ -180,9 +178,9 @@ def check(storage: Storage, findings: Findings, leaf_path: Callable[[str], str])
             data = raw.get(file)
             if data is None:
                 raise CkptError(f"{ZARRAY} listed but unreadable")
-            zmeta = json.loads(data)
+            zmeta = schema.load_json(data, file)
             shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, False, file)
-        except (ValueError, UnicodeDecodeError, CkptError) as exc:
+        except CkptError as exc:
             findings.error("bad-array-metadata", f"unreadable {ZARRAY}: {getattr(exc, 'message', exc)}",
                            leaf=leaf, file=file)
             continue
