@@ -103,6 +103,10 @@ def _check_save(storage: Storage, findings: Findings) -> None:
     except CkptError as exc:
         findings.error("bad-metadata", exc.message, file=mg.CONFIG_FILE)
         return
+    from . import integrity
+
+    if integrity.FILE in files:
+        integrity.check(storage, findings)
     backend = config["sharded_backend"]
     if backend == "zarr":
         from . import zarr_backend
@@ -140,8 +144,10 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
         name = mg.step_dir(ckpt.step) if ckpt.step else mg.RELEASE_DIR
         save = storage.child(name)
         findings = _Under(findings, name)  # type: ignore[assignment]
-    from . import legacy
+    from . import integrity, legacy
 
+    if integrity.FILE in save.listdir()[1]:
+        integrity.check_deep(save, findings)
     if ckpt.layout.get("backend") == legacy.BACKEND:
         legacy.check_deep(save, ckpt, findings, skip_leaves)
         return

@@ -49,7 +49,7 @@ BACKENDS = ("torch_dist", "zarr")
 MAX_CONFIG_BYTES = 1 << 20
 MAX_TRACKER_BYTES = 1 << 10
 # files Megatron-Bridge / NeMo put beside a save: listed as notes, never read as the checkpoint
-BESIDE = ("run_config.yaml", "train_state.pt", "tokenizer", "integrity.json")
+BESIDE = ("run_config.yaml", "train_state.pt", "tokenizer")
 
 
 # ---------------------------------------------------------------------------
@@ -167,6 +167,10 @@ def read_save(storage: Storage) -> Checkpoint:
     beside = sorted(n for n in [*files, *dirs] if n in BESIDE)
     if beside:
         ck.notes.append(f"beside the save (Megatron-Bridge / NeMo, not read as tensors): {', '.join(beside)}")
+    from . import integrity
+
+    if integrity.FILE in files:
+        ck.notes.append(integrity.note(storage))
     return ck
 
 
