@@ -148,6 +148,8 @@ ENTRIES: list[Entry] = [
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
     # Megatron-LM --ckpt-format torch (mp_rank_0X/model_optim_rng.pt): torch.load(weights_only=True), recorded
     Entry("megatron_legacy", "megatron", R.megatron_legacy_recorded, values=R.megatron_legacy_recorded_values),
+    # NeMo 2 (IMITATED layout around megatron_torch_dist_tp2's save: weights/ + context/): megatron's load, safe_load
+    Entry("megatron_nemo2", "megatron", R.megatron_nemo_recorded, values=R.megatron_nemo_recorded_values),
     # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own
     # per-parameter optimizer state, recorded in _reference.json
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
@@ -358,6 +360,13 @@ DAMAGE: list[Damage] = [
     Damage("megatron", "garbage-metadata", "megatron_zarr_tp2", "output_layer.weight/.zarray", "garbage",
            "bad-array-metadata"),
     Damage("megatron", "path-escape", "megatron_zarr_tp2", "output_layer.weight/0.0", "symlink-out", "path-escape"),
+    # NeMo 2: a rank's .distcp under weights/, the context's io.json and model.yaml
+    Damage("megatron", "missing-file", "megatron_nemo2", "weights/__1_0.distcp", "remove", "missing-file"),
+    Damage("megatron", "missing-file", "megatron_nemo2", "context/io.json", "remove", "missing-file"),
+    Damage("megatron", "truncated-file", "megatron_nemo2", "weights/common.pt", "truncate", "truncated-file"),
+    Damage("megatron", "garbage-metadata", "megatron_nemo2", "context/model.yaml", "garbage", "bad-metadata"),
+    Damage("megatron", "garbage-metadata", "megatron_nemo2", "context/io.json", "garbage", "bad-metadata"),
+    Damage("megatron", "path-escape", "megatron_nemo2", "weights/__0_0.distcp", "symlink-out", "path-escape"),
     # legacy mp_rank_* saves: a rank's file, its directory
     Damage("megatron", "missing-file", "megatron_legacy", "iter_0000005/mp_rank_01/model_optim_rng.pt", "remove",
            "missing-file"),

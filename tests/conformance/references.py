@@ -239,6 +239,8 @@ def _megatron_save(path: Path, step: str | None) -> dict:
     saves = doc["saves"]
     if "." in saves:
         return saves["."]
+    if "weights" in saves:  # a NeMo 2 checkpoint's weights/
+        return saves["weights"]
     if step is None:
         step = f"iter_{int(doc['tracker']):07d}" if str(doc.get("tracker", "")).isdigit() else doc["tracker"]
     return saves[step if str(step).startswith("iter_") else f"iter_{int(step):07d}"]
@@ -282,6 +284,32 @@ def megatron_recorded_values(path: Path, step: str | None = None) -> dict:
     _megatron_common(save["common"], (), common)
     out.update({k: Recorded(doc) for k, doc in common.items()})
     return out
+
+
+def _nemo_context(path: Path) -> dict:
+    """{by_name: value} of context/model.yaml as PyYAML's safe_load gave it (recorded by gen_megatron.py):
+    mappings by key under context.model, anything else one value."""
+    doc = json.loads((Path(path) / "_reference.json").read_text())["context"]["model.yaml"]
+    out: dict = {}
+
+    def walk(v: Any, keys: tuple) -> None:
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                walk(x, keys + (k,))
+        else:
+            out[by_name(".".join(map(str, keys)))] = v
+
+    walk(doc, ("context", "model"))
+    return out
+
+
+def megatron_nemo_recorded(path: Path, step: str | None = None) -> dict:
+    """A NeMo 2 checkpoint: megatron's own load of weights/, and context/model.yaml's values."""
+    return {**megatron_recorded(path, step), **{k: Ref("value") for k in _nemo_context(path)}}
+
+
+def megatron_nemo_recorded_values(path: Path, step: str | None = None) -> dict:
+    return {**megatron_recorded_values(path, step), **{k: Recorded(v) for k, v in _nemo_context(path).items()}}
 
 
 def _megatron_legacy_saves(path: Path, step: str | None) -> dict:

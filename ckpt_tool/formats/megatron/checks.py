@@ -56,6 +56,11 @@ def leaf_path(fqn: str) -> str:
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
     dirs, files = storage.listdir()
+    from . import nemo
+
+    if mg.CONFIG_FILE not in files and nemo.is_nemo(storage, dirs):
+        nemo.check(storage, findings, _check_save, _Under)
+        return
     if mg.CONFIG_FILE in files or mg.COMMON_FILE in files or \
             not (mg.TRACKER_FILE in files or any(mg.STEP_DIR.match(d) for d in dirs)):
         _check_save(storage, findings)
@@ -144,6 +149,9 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
         name = mg.step_dir(ckpt.step) if ckpt.step else mg.RELEASE_DIR
         save = storage.child(name)
         findings = _Under(findings, name)  # type: ignore[assignment]
+    elif mg.CONFIG_FILE not in files and ckpt.layout.get("nemo"):
+        save = storage.child("weights")  # a NeMo 2 checkpoint's save
+        findings = _Under(findings, "weights")  # type: ignore[assignment]
     from . import integrity, legacy
 
     if integrity.FILE in save.listdir()[1]:

@@ -66,6 +66,11 @@ def detect(storage: Storage) -> bool:
         return True
     if any(LEGACY_RANK_DIR.match(d) for d in dirs):
         return True  # a legacy (--ckpt-format torch) step directory
+    if "weights" in dirs and "context" in dirs:
+        from . import nemo
+
+        if nemo.is_nemo(storage, dirs):
+            return True  # a NeMo 2 checkpoint
     return any(STEP_DIR.match(d) for d in dirs)
 
 
@@ -300,6 +305,12 @@ def _steps(storage: Storage, tracker: str | None) -> list[StepInfo]:
 
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     dirs, files = storage.listdir()
+    from . import nemo
+
+    if CONFIG_FILE not in files and nemo.is_nemo(storage, dirs):
+        if step not in (None, "latest"):
+            raise UsageError(f"--step {step} given, but this is one NeMo checkpoint, not a run directory", storage.url)
+        return nemo.read(storage)
     if CONFIG_FILE in files or COMMON_FILE in files:
         if step not in (None, "latest"):
             raise UsageError(f"--step {step} given, but this is one Megatron save, not a run directory", storage.url)
@@ -355,6 +366,10 @@ def layout_text(ck: Checkpoint) -> str:
     if lay.get("rank_files") is not None:  # legacy.read's
         return f"Megatron-LM --ckpt-format torch ({lay['ranks']} rank directories, {lay['rank_files']} files)"
     text = f"Megatron-Core {lay.get('backend', 'dist_checkpointing')}"
+    if lay.get("nemo"):  # nemo.read's
+        text = f"NeMo 2 (weights/: {text}"
+        text += f" (DCP, {lay['files']} files)" if lay.get("files") else ""
+        return text + ", context/)"
     if lay.get("files"):
         text += f" (DCP, {lay['files']} files" + (f", {lay['ranks']} ranks)" if lay.get("ranks") else ")")
     elif lay.get("arrays") is not None:
