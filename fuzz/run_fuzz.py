@@ -3,7 +3,7 @@
     .venv/bin/python fuzz/run_fuzz.py --mutants 5000 --seed 1 --jobs 2 --out build/fuzz
 
 Builds N mutants of the committed fixtures (Orbax and DCP first; also the
-torch.save, safetensors and msgpack readers; --formats torch for one), runs `ckpt inspect --json`, `ckpt validate`
+torch.save, safetensors, msgpack, Megatron and DeepSpeed readers; --formats torch for one), runs `ckpt inspect --json`, `ckpt validate`
 and `ckpt validate --deep` on each as whole processes, checks the contract
 (tests/fuzz_lib.py) and the library oracle (tests/fuzz_oracle.py), plus every
 explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once.
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "fuzz")
-    ap.add_argument("--formats", default="orbax,dcp,torch,safetensors,msgpack",
+    ap.add_argument("--formats", default="orbax,dcp,torch,safetensors,msgpack,megatron,deepspeed",
                     help="comma-separated formats to mutate")
     ap.add_argument("--no-explicit", action="store_true", help="skip the explicit cases")
     ap.add_argument("--no-oracle", action="store_true", help="contract only, no library loads")

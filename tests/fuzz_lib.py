@@ -75,7 +75,7 @@ COMMANDS = {
 @dataclass(frozen=True)
 class FixtureSpec:
     name: str
-    format: str  # the registry's name: "orbax" | "dcp" | "safetensors" | "msgpack" | "torch"
+    format: str  # the registry's name: "orbax" | "dcp" | "safetensors" | "msgpack" | "torch" | "megatron" | ...
     oracle: str | None  # the oracle worker's format, None when no library reader is available
     mode: str = ""  # oracle mode ("numpy": orbax restore as host arrays)
     entry: str = ""  # the file inside the fixture given to ckpt (default: the fixture directory)
@@ -100,11 +100,21 @@ FIXTURE_SPECS = [
     FixtureSpec("torch_hf_bin_single", "torch", "torch"),
     FixtureSpec("torch_state", "torch", "torch"),
     FixtureSpec("torch_dcp_to_torch_save", "torch", "torch", entry="full.pt"),  # one file, by its path
+    # Megatron-Core and DeepSpeed: their libraries are not in the test venv (the conformance suite compares
+    # with their recorded loads); here the contract alone: no internal error, hang, signal or unbounded memory.
+    # Their files take the kinds above by name (.metadata, .distcp, top-level .pt), a step directory's files
+    # byte-level damage
+    FixtureSpec("megatron_torch_dist_tp2", "megatron", None),
+    FixtureSpec("megatron_torch_dist_fully_sharded", "megatron", None),
+    FixtureSpec("megatron_run", "megatron", None),
+    FixtureSpec("deepspeed_z3_fp32", "deepspeed", None),
+    FixtureSpec("deepspeed_z2_bf16", "deepspeed", None),
 ]
 SPECS = {s.name: s for s in FIXTURE_SPECS}
 
 # share of mutants per format in a long run ("both formats" first)
-FORMAT_WEIGHTS = {"orbax": 0.40, "dcp": 0.40, "torch": 0.10, "safetensors": 0.07, "msgpack": 0.03}
+FORMAT_WEIGHTS = {"orbax": 0.36, "dcp": 0.36, "torch": 0.10, "safetensors": 0.06, "msgpack": 0.03, "megatron": 0.05,
+                  "deepspeed": 0.04}
 
 # kinds whose damage shallow validate claims to catch (metadata); damage to
 # the others (array data) is --deep's job
