@@ -145,9 +145,12 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
 
     save = storage
     dirs, files = storage.listdir()
-    if mg.CONFIG_FILE not in files and ckpt.steps:
+    if ckpt.steps:
+        # a run root's step: --deep opens the step itself (ckpt.path is the step directory), and
+        # its files are named from the root, as the shallow checks name them
         name = mg.step_dir(ckpt.step) if ckpt.step else mg.RELEASE_DIR
-        save = storage.child(name)
+        if storage.url.rstrip("/").rsplit("/", 1)[-1] != name:
+            save = storage.child(name)
         findings = _Under(findings, name)  # type: ignore[assignment]
     elif mg.CONFIG_FILE not in files and ckpt.layout.get("nemo"):
         save = storage.child("weights")  # a NeMo 2 checkpoint's save

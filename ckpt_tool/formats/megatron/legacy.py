@@ -209,6 +209,10 @@ def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[l
     leaves = ts.leaves_of(tree, prefix)
     attrs = _tp_attributes(archive)
     for path, leaf in zip(tree.paths, leaves):
+        if leaf.keys != prefix + path:
+            # the torch.save reader split dotted keys at every dot; a buffer key spelled like
+            # "(torch.bfloat16, torch.float32)" stays one key, as in Megatron's own key names
+            leaf.keys = prefix + tuple(p for k in path for p in (_split(k) if isinstance(k, str) else (k,)))
         leaf.extra["file"] = name
         if isinstance(leaf, ArrayLeaf) and path in attrs:
             leaf.extra["tensor_parallel"] = attrs[path]
@@ -216,6 +220,13 @@ def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[l
             leaf.loader = _plain(leaf.loader)
     args = obj.get("args") if isinstance(obj, dict) else None
     return leaves, args
+
+
+def _split(key: str) -> tuple[str, ...]:
+    """A dotted key split at its dots outside parentheses."""
+    from .reader import split_name
+
+    return split_name(key) if "(" in key else tuple(key.split("."))
 
 
 def _plain(load: Callable[[], Any]) -> Callable[[], Any]:
