@@ -103,7 +103,8 @@ REGISTRY: dict[str, FormatInfo] = {
     "megatron": FormatInfo(
         "megatron", "Megatron-Core", f"{__name__}.megatron", can_write=False, value_kinds=_ALL,
         claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"),
-        reads="Megatron-Core dist_checkpointing saves (torch_dist) and Megatron-LM run roots", listed=5,
+        reads="Megatron-Core / NeMo 2 saves (torch_dist, zarr) and Megatron-LM run roots (also legacy mp_rank_*)",
+        listed=5,
     ),
     "msgpack": FormatInfo(
         "msgpack", "Flax / T5X msgpack", f"{__name__}.msgpack", can_write=False, value_kinds=_ALL,
