@@ -149,7 +149,13 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
     if opts.to not in formats.writable():
         raise UsageError(f"unknown target format {opts.to!r} (use {formats.joined(formats.writable())})")
-    write = formats.get(opts.to).writer_module()
+    target = formats.get(opts.to)
+    source = formats.for_checkpoint(src.format)
+    if target.writes_from and (source is None or source.name not in target.writes_from):
+        takes = formats.joined([formats.get(n).title for n in target.writes_from])
+        raise CkptError(f"{target.title} checkpoints are written from {takes} checkpoints only; this is "
+                        f"{'a ' + source.title if source is not None else src.format} checkpoint", src.path)
+    write = target.writer_module()
     if opts.dtype is not None:
         if opts.dtype not in dtypes.BY_NAME:
             floats = ", ".join(name for name, dt in dtypes.BY_NAME.items() if dt.is_float)
@@ -266,7 +272,9 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     final = [t for t in targets if t is not None]
     if not final:
         raise CkptError("nothing to convert: every leaf was filtered out", src.path)
-    plan = WritePlan(final, info={"source": src.path, "source_format": src.format}, tuples=tuples)
+    # (the source's layout: a writer that copies some of the source's own files finds them by it)
+    plan = WritePlan(final, info={"source": src.path, "source_format": src.format, "source_layout": dict(src.layout)},
+                     tuples=tuples)
     return plan, skipped, sources
 
 

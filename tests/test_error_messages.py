@@ -26,8 +26,8 @@ from conftest import FIXTURES
 
 # the ckpt_tool this test imports is the one the CLI runs (python -m from its own tree)
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
-READS = ("Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack, torch.save, Megatron-Core "
-         "and DeepSpeed ZeRO checkpoints")
+READS = ("Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack, torch.save, Megatron-Core, "
+         "DeepSpeed ZeRO and DeepSpeed universal checkpoints")
 
 
 def ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -194,7 +194,7 @@ def test_unknown_directory_lists_every_format_read(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     assert one_line(ckpt("inspect", str(tmp_path))) == (
         f"ckpt: error: {tmp_path}: not an Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X "
-        "msgpack, torch.save, Megatron-Core or DeepSpeed ZeRO checkpoint (found readme.txt)"
+        "msgpack, torch.save, Megatron-Core, DeepSpeed ZeRO or DeepSpeed universal checkpoint (found readme.txt)"
     )
 
 

@@ -82,7 +82,7 @@ def test_help_and_convert_choices_come_from_the_registry():
     for info in formats.shown():
         assert (info.reads or info.title) in r.stdout, info.name
     labels = formats.writable_labels()
-    assert f"Convert to {formats.joined(labels)}, streaming" in r.stdout
+    assert f"Writes {formats.joined(labels)} (convert)" in " ".join(r.stdout.split())
     r = run_ckpt("convert", "a", "b", "--to", "zip")
     assert r.returncode == 2
     for name in formats.writable():

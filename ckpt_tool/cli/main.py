@@ -40,8 +40,9 @@ COMMANDS = {
                  "Check that a checkpoint is complete and consistent."),
     "diff": ("ckpt_tool.cli.diff_cmd:diff_command",
              "Compare two checkpoints' leaves and values; exit 1 if they differ."),
+    # (the formats it writes are in the top help's "Writes ..." line: listed here they no longer fit one line)
     "convert": ("ckpt_tool.cli.convert_cmd:convert_command",
-                f"Convert to {formats.joined(formats.writable_labels())}, streaming, all or nothing."),
+                "Convert to another format, streaming, all or nothing."),
     "reshard": ("ckpt_tool.cli.reshard_cmd:reshard_command",
                 f"Rewrite as an {formats.reshard_format().label} checkpoint laid out for a new device mesh."),
 }

@@ -66,6 +66,8 @@ class FormatInfo:
     listed: int = 0  # its place in lists shown to people (help, messages); REGISTRY's order is detection's
     install: str = ""  # extra package(s) its reader or writer needs, for a message when missing
     options: tuple[str, ...] = ()  # convert's writer options that apply to it ("zarr3", "max_shard_size")
+    # the formats whose checkpoints its writer takes (empty: any); convert refuses any other source
+    writes_from: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -126,6 +128,13 @@ REGISTRY: dict[str, FormatInfo] = {
         value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
         options=("max_shard_size", "like"),
+    ),
+    # before deepspeed and torch: a universal step directory holds model-states .pt files beside zero/
+    "deepspeed-universal": FormatInfo(
+        "deepspeed-universal", "DeepSpeed universal", f"{__name__}.deepspeed.universal", can_write=True,
+        value_kinds=_ALL, claims=("latest_universal", "zero"),
+        reads="DeepSpeed universal checkpoints (ds_to_universal's zero/<param>/*.pt, a root with latest_universal)",
+        listed=7, writes_from=("deepspeed",),
     ),
     # before torch: a global_stepN directory holds .pt files, which are one ZeRO checkpoint, not loose torch.save files
     "deepspeed": FormatInfo(

@@ -394,6 +394,10 @@ class PayloadArchive:
             )
         return data_start, info.file_size
 
+    def pickle_bytes(self) -> bytes:
+        """The archive's data.pkl (CRC-checked): for writers that re-save what they loaded."""
+        return self._member_bytes("data.pkl")
+
     def _member_bytes(self, suffix: str, limit: int = safe_pickle.MAX_PAYLOAD_PICKLE_BYTES) -> bytes:
         info = self._info(suffix)
         if info is None:

@@ -89,10 +89,13 @@ class Global:
 
 @dataclass(eq=False)
 class Reduce:
-    """`func(*args)` at load time."""
+    """`func(*args)` at load time; then, as `__reduce__`'s 5-tuple has them, `items` set on the
+    result (an OrderedDict's key-value pairs) and BUILD with `state` (None: none)."""
 
     func: Global
     args: tuple[Any, ...]
+    items: list[tuple[Any, Any]] | None = None
+    state: Any = None
 
 
 @dataclass(eq=False)
@@ -197,6 +200,11 @@ class _Emitter:
                 self.save(obj.args if type(obj.args) is tuple else tuple(obj.args))
                 self.buf += _REDUCE
                 self.memoize(obj)
+                if obj.items:
+                    self._save_dict_iter(obj.items)
+                if obj.state is not None:
+                    self.save(obj.state)
+                    self.buf += _BUILD
             elif t is Obj:
                 self.save(obj.cls)
                 self.buf += _EMPTY_TUPLE + _NEWOBJ
@@ -337,6 +345,22 @@ class _Emitter:
             start += _BATCHSIZE
             if len(batch) < _BATCHSIZE:
                 break
+
+    def _save_dict_iter(self, items: list[tuple[Any, Any]]) -> None:
+        """Key-value pairs from an iterator (`__reduce__`'s dictitems, an OrderedDict's): the C
+        pickler's batch_dict, which writes a batch's lone item with SETITEM and no empty batch."""
+        for start in range(0, len(items), _BATCHSIZE):
+            batch = items[start : start + _BATCHSIZE]
+            if len(batch) == 1:
+                self.save(batch[0][0])
+                self.save(batch[0][1])
+                self.buf += _SETITEM
+                break
+            self.buf += _MARK
+            for key, value in batch:
+                self.save(key)
+                self.save(value)
+            self.buf += _SETITEMS
 
 
 def _encode_long(value: int) -> bytes:

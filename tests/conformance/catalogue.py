@@ -156,6 +156,12 @@ ENTRIES: list[Entry] = [
       ("deepspeed_z1_fp32", "deepspeed_z1_bf16", "deepspeed_z2_fp32", "deepspeed_z2_bf16", "deepspeed_z3_fp32", "deepspeed_z3_bf16")],
     Entry("deepspeed_z3_bf16/global_step2", "deepspeed", R.deepspeed_recorded,
           values=R.deepspeed_recorded_values),  # a step directory, given as itself
+    # DeepSpeed 0.19's ds_to_universal of each of those (gen_deepspeed.py): torch.load of every file, recorded
+    *[Entry(f"deepspeed_universal_{n}", "deepspeed-universal", R.deepspeed_universal_recorded,
+            values=R.deepspeed_universal_recorded_values)
+      for n in ("z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16")],
+    Entry("deepspeed_universal_z3_bf16/global_step2_universal", "deepspeed-universal", R.deepspeed_universal_recorded,
+          values=R.deepspeed_universal_recorded_values),  # a universal step directory, given as itself
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
@@ -203,6 +209,34 @@ def cases(infos: Iterable = (), entries: Iterable[Entry] = ()) -> list[Entry]:
     """Every (registered format x its entries): what the properties are parameterised over."""
     names = [f.name for f in (infos or registered())]
     return [e for n in names for e in (entries or ENTRIES) if e.format == n]
+
+
+def takes(target: str, source_format: str) -> bool:
+    """Whether `target`'s writer takes a checkpoint of `source_format` (the registry's writes_from)."""
+    from ckpt_tool import formats
+
+    allowed = formats.get(target).writes_from
+    return not allowed or source_format in allowed
+
+
+def refusals(e: Entry) -> dict[str, str]:
+    """{target: a part of its one-line refusal} for the targets that must refuse entry e: its own
+    refused_by, and the writers that take checkpoints of other formats only."""
+    out = dict(e.refused_by)
+    for to in writable():
+        if not takes(to, e.format):
+            out.setdefault(to, "checkpoints only")
+    return out
+
+
+def converts_exactly(e: Entry, to: str) -> bool:
+    """Whether converting e to `to` keeps its tree and values (so `diff` says same). A writer that
+    takes certain formats only writes their checkpoints as that format's own tool does:
+    DeepSpeed's ds_to_universal changes what it writes (a tied name's 16-bit module weights,
+    buffers cast to float32), which its own tests check file for file (tests/test_deepspeed_universal.py)."""
+    from ckpt_tool import formats
+
+    return not formats.get(to).writes_from
 
 
 # --------------------------------------------------------------------------
@@ -405,6 +439,23 @@ DAMAGE: list[Damage] = [
            "bad-metadata"),
     Damage("deepspeed", "path-escape", "deepspeed_z2_fp32", "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt",
            "symlink-out", "path-escape"),
+    # deepspeed-universal: a parameter's state file, the optimizer's global state, latest_universal
+    Damage("deepspeed-universal", "missing-file", "deepspeed_universal_z2_bf16",
+           "global_step2_universal/zero/layers.0.up.weight/exp_avg.pt", "remove", "missing-file"),
+    Damage("deepspeed-universal", "missing-file", "deepspeed_universal_z3_fp32",
+           "global_step2_universal/zero/optimizer_state.pt", "remove", "missing-file"),
+    Damage("deepspeed-universal", "truncated-file", "deepspeed_universal_z1_fp32",
+           "global_step2_universal/zero/embed.weight/fp32.pt", "truncate", "truncated-file"),
+    Damage("deepspeed-universal", "wrong-size", "deepspeed_universal_z3_bf16",
+           "global_step2_universal/zero/mix/exp_avg_sq.pt", "empty", "empty-file"),
+    Damage("deepspeed-universal", "wrong-size", "deepspeed_universal_z2_fp32",
+           "global_step2_universal/zero/layers.1.down.weight/fp32.pt", "flip-storage", "bad-chunk", deep=True),
+    Damage("deepspeed-universal", "garbage-metadata", "deepspeed_universal_z1_bf16", "latest_universal", "garbage",
+           "bad-metadata"),
+    Damage("deepspeed-universal", "garbage-metadata", "deepspeed_universal_z3_fp32",
+           "global_step2_universal/zero/optimizer_state.pt", "garbage", "bad-metadata"),
+    Damage("deepspeed-universal", "path-escape", "deepspeed_universal_z2_fp32",
+           "global_step2_universal/zero/layers.0.norm.bias/fp32.pt", "symlink-out", "path-escape"),
 ]
 
 

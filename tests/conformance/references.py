@@ -475,6 +475,80 @@ def deepspeed_recorded(path: Path, step: str | None = None) -> dict:
             for k, (kind, t) in _deepspeed_recorded(path).items()}
 
 
+@dataclass(frozen=True)
+class DSRecorded:
+    """A value of a DeepSpeed file as JSON (gen_deepspeed.py's _object_json, or a live torch.load
+    with stand-ins for DeepSpeed's classes): DeepSpeed's objects by class and `__dict__`
+    ({"__object__": "deepspeed...LossScaler", "state": {...}}), enum members by class and value;
+    the rest as JSON holds it (tuples as lists)."""
+
+    doc: Any
+
+    def matches(self, value: Any) -> bool:
+        return _ds_matches(self.doc, value)
+
+
+def _ds_matches(doc: Any, value: Any) -> bool:
+    if isinstance(doc, DSRecorded):
+        doc = doc.doc
+    if isinstance(value, DSRecorded):
+        value = value.doc
+    if isinstance(doc, dict) and "__object__" in doc:
+        cls = doc["__object__"].rsplit(".", 1)[-1]
+        if isinstance(value, dict) and "__object__" in value:
+            return value["__object__"] == doc["__object__"] and _ds_matches(doc["state"], value["state"])
+        # ckpt's stand-in (a Record of the object's __dict__, named DS + the class's last word)
+        if not type(value).__name__.startswith("DS") or not cls.endswith(type(value).__name__[2:]):
+            return False
+        return _ds_matches(doc["state"], {k: v for k, v in vars(value).items() if k != "unknown"})
+    if isinstance(doc, dict) and "__enum__" in doc:
+        if isinstance(value, dict) and "__enum__" in value:
+            return value == doc
+        return type(value) is int and value == doc["value"]  # ckpt gives an int enum as its value
+    if isinstance(doc, dict):
+        return isinstance(value, dict) and {str(k) for k in value} == set(doc) and \
+            all(_ds_matches(doc[str(k)], v) for k, v in value.items())
+    if isinstance(doc, (list, tuple)):
+        return isinstance(value, (list, tuple)) and len(doc) == len(value) and \
+            all(_ds_matches(d, v) for d, v in zip(doc, value))
+    return type(doc) is type(value) and doc == value
+
+
+def _deepspeed_universal_recorded(path: Path) -> dict:
+    """{by_name: ("array", recorded tensor) | ("value", JSON)}: torch.load of every file
+    ds_to_universal wrote (fixtures/gen_deepspeed.py: write_universal_reference)."""
+    doc = _deepspeed_doc(path)
+    out: dict = {by_name(t["name"]): ("array", t) for t in doc["tensors"]}
+    out.update({by_name(k): ("value", v) for k, v in doc["values"].items()})
+    values: dict = {}
+    _deepspeed_flat(doc["state"], ("engine",), values)
+    out.update({k: ("value", v) for k, v in values.items()})
+    return out
+
+
+def deepspeed_universal_recorded(path: Path, step: str | None = None) -> dict:
+    """fixtures/deepspeed_universal_*/_reference.json: torch.load's view of ds_to_universal's output."""
+    return {k: Ref("array", tuple(t["shape"]), t["dtype"]) if kind == "array" else Ref("value")
+            for k, (kind, t) in _deepspeed_universal_recorded(path).items()}
+
+
+def deepspeed_universal_recorded_values(path: Path, step: str | None = None) -> dict:
+    import base64
+
+    import numpy as np
+
+    out = {}
+    for key, (kind, t) in _deepspeed_universal_recorded(path).items():
+        if kind == "array":
+            raw = base64.b64decode(t["data"])
+            out[key] = np.frombuffer(raw, dtype=_np_dtype(t["dtype"])).reshape(t["shape"])
+        elif key[1].startswith("engine."):
+            out[key] = t
+        else:
+            out[key] = DSRecorded(t)
+    return out
+
+
 # --------------------------------------------------------------------------
 # values: what the writing library restores (live), or restored then (recorded)
 # --------------------------------------------------------------------------
@@ -596,8 +670,10 @@ def equal(a: Any, b: Any) -> bool:
     A recorded reference (Digest, Recorded) says itself whether a value matches it."""
     import numpy as np
 
-    if isinstance(b, (Digest, Recorded)):
+    if isinstance(b, (Digest, Recorded, DSRecorded)):
         return b.matches(a)
+    if isinstance(a, (Digest, Recorded, DSRecorded)):  # a library's view given first
+        return a.matches(b)
 
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
@@ -635,10 +711,124 @@ def _safetensors_values(path: Path) -> dict:
 
 
 # a writable format -> its library's loader (orbax restore; dcp_to_torch_save + torch.load; safe_open)
+def _ds_pickle_module() -> Any:
+    """A pickle module for torch.load whose unpickler stands in for DeepSpeed's classes (DeepSpeed is
+    not installed here): an object made by NEWOBJ + BUILD keeps its class name and __dict__, an
+    enum member its class and value."""
+    import pickle
+    import types
+
+    class StandIn:
+        CLASS = ""
+
+    class EnumStandIn:
+        def __init__(self, cls: str, value: Any) -> None:
+            self.doc = {"__enum__": cls, "value": value}
+
+    def enum(cls: str) -> Callable[[Any], Any]:
+        return lambda value: EnumStandIn(cls, value)
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module.startswith("deepspeed."):
+                if name.endswith("Enum"):
+                    return enum(f"{module}.{name}")
+                return type(name, (StandIn,), {"CLASS": f"{module}.{name}"})
+            return super().find_class(module, name)
+
+    mod = types.ModuleType("ds_stand_in_pickle")
+    for k in dir(pickle):
+        if not k.startswith("__"):
+            setattr(mod, k, getattr(pickle, k))
+    mod.Unpickler = Unpickler
+    mod.StandIn = (StandIn, EnumStandIn)
+    return mod
+
+
+def _ds_json(value: Any, stand_in: tuple[type, type]) -> Any:
+    """A torch.load'ed value with DeepSpeed's stand-ins as DSRecorded's JSON; tensors as numpy."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return _torch_to_numpy(value)
+    objects, enums = stand_in
+    if isinstance(value, enums):
+        return value.doc
+    if isinstance(value, objects):
+        return {"__object__": type(value).CLASS, "state": {k: _ds_json(v, stand_in) for k, v in vars(value).items()}}
+    if isinstance(value, dict):
+        return {k: _ds_json(v, stand_in) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_ds_json(v, stand_in) for v in value)
+    return value
+
+
+def _ds_walk(obj: Any, keys: tuple) -> Any:
+    """(key path, value) as ckpt walks a torch.save object (see gen_deepspeed.py's _walk)."""
+    import torch
+
+    def has_tensor(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, dict):
+            return any(has_tensor(x) for x in v.values())
+        return isinstance(v, (list, tuple)) and any(has_tensor(x) for x in v)
+
+    if isinstance(obj, dict) and obj and all(type(k) in (str, int) for k in obj):
+        for k, v in obj.items():
+            yield from _ds_walk(v, keys + (k,))
+    elif isinstance(obj, (list, tuple)) and obj and has_tensor(obj):
+        for i, v in enumerate(obj):
+            yield from _ds_walk(v, keys + (i,))
+    else:
+        yield keys, obj
+
+
+def _deepspeed_universal_values(path: Path) -> dict:
+    """torch.load of every file of a universal checkpoint (root or step), by the names ckpt gives
+    (a stage-3 file's flat tensor reshaped to the recorded shape, as DeepSpeed's load views it)."""
+    import math
+
+    import torch
+
+    path = Path(path)
+    if (path / "latest_universal").exists() and not (path / "zero").is_dir():
+        path = path / (path / "latest_universal").read_text().strip()
+    pm = _ds_pickle_module()
+
+    def load(p: Path) -> Any:
+        return torch.load(p, map_location="cpu", weights_only=False, pickle_module=pm)
+
+    model = sorted(p for p in path.glob("*_model_states.pt"))[0]
+    states = load(model)
+    shapes = {n: tuple(s) for group in states["param_shapes"] for n, s in group.items()}
+    out: dict = {}
+    for pdir in sorted(p for p in (path / "zero").iterdir() if p.is_dir()):
+        for f in sorted(pdir.glob("*.pt")):
+            key, obj = f.stem, load(f)
+            lname = pdir.name if key == "fp32" else f"optimizer.state.{pdir.name}.{key}"
+            value = obj["param"] if isinstance(obj, dict) and "param" in obj else obj
+            if isinstance(value, torch.Tensor) and pdir.name in shapes and value.dim() == 1 \
+                    and tuple(value.shape) != shapes[pdir.name] and value.numel() == math.prod(shapes[pdir.name]):
+                value = value.reshape(shapes[pdir.name])
+            out[by_name(lname)] = _ds_json(value, pm.StandIn) if isinstance(value, torch.Tensor) else \
+                DSRecorded(_ds_json(value, pm.StandIn))
+    for keys, value in _ds_walk(load(path / "zero" / "optimizer_state.pt"), ("optimizer",)):
+        v = _ds_json(value, pm.StandIn)
+        out[by_name(".".join(map(str, keys)))] = v if isinstance(value, torch.Tensor) else DSRecorded(v)
+    consumed = {"module", "buffer_names", "param_shapes", "shared_params", "frozen_param_shapes",
+                "frozen_param_fragments", "optimizer"}
+    rest = {k: v for k, v in states.items() if k not in consumed}
+    for keys, value in _ds_walk(rest, ("engine",)):
+        out[by_name(".".join(map(str, keys)))] = DSRecorded(_ds_json(value, pm.StandIn))
+    return out
+
+
 LOADERS: dict[str, Callable[[Path], dict]] = {
     "orbax": LR.orbax_values,
     "dcp": LR.dcp_values,
     "safetensors": _safetensors_values,
+    "deepspeed-universal": _deepspeed_universal_values,
 }
 
 
@@ -650,4 +840,4 @@ def values(fmt: str, path: Path) -> dict:
 
 
 # formats whose library keys leaves by flat name
-NAMED = {"safetensors", "torch"}
+NAMED = {"safetensors", "torch", "deepspeed-universal"}

@@ -154,6 +154,8 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     READ.values_agree(toy, root)
     conversions = CONV.Conversions(_mk(tmp_path / "convert"))
     for to in C.writable():
+        if to in C.refusals(toy):  # a writer that takes other formats only (DeepSpeed universal)
+            continue
         summary, dst = conversions.get(toy, to, root)
         CONV.diff_says_same(toy.full(root), dst, summary, toy)
         assert CONV.library_reads_what_ckpt_reads(to, dst) > 0

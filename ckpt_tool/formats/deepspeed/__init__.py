@@ -8,8 +8,9 @@ reader.py builds the consolidated tree zero_to_fp32 gives (each parameter whole,
 master weights assembled from every rank's flat partition by byte range), the optimizer state
 per parameter and the engine's other recorded state; layout.py is where each parameter's
 elements lie in the partitions; checks.py is validate's shallow checks and --deep's CRC-32s.
-ckpt does not write DeepSpeed checkpoints (convert to safetensors, DCP or Orbax). The package's
-interface is the registry's: NAME, detect, read, layout_text.
+ckpt does not write ZeRO checkpoints; universal/ (a registry entry of its own) reads DeepSpeed
+universal checkpoints and writes them from ZeRO ones. The package's interface is the registry's:
+NAME, detect, read, layout_text.
 """
 from .reader import NAME, detect, layout_text, read
 

@@ -1,0 +1,11 @@
+"""DeepSpeed universal checkpoints (`ds_to_universal`'s output), read without DeepSpeed or torch,
+and written from a ZeRO checkpoint directly (`convert --to deepspeed-universal`), streamed.
+
+reader.py reads a universal step directory (or a root with `latest_universal`) as the ZeRO
+reader's tree; checks.py is validate's; write.py writes what ds_to_universal writes, file for
+file and byte for byte, without its temporary directory of fragments. The package's interface
+is the registry's: NAME, detect, read, layout_text.
+"""
+from .reader import NAME, detect, layout_text, read
+
+__all__ = ["NAME", "detect", "layout_text", "read"]

@@ -1,0 +1,233 @@
+"""DeepSpeed universal checkpoints: `convert ZERO --to deepspeed-universal` against DeepSpeed's own
+ds_to_universal and DeepSpeed's own universal load, beside the conformance suite (tests/conformance/:
+inspect and values of ds_to_universal's output against torch.load's, validate, damage, convert).
+
+Here: every file ckpt writes is byte for byte the file ds_to_universal wrote from the same ZeRO
+fixture (fixtures/deepspeed_universal_*, DeepSpeed 0.19), with no other file (no fragment
+directory); DeepSpeed 0.19's `load_checkpoint(root, load_universal=True)` restores from ckpt's
+output exactly what it restores from ds_to_universal's, which is what was saved, and a training
+step after it gives the same state (run in build/venv-deepspeed-0.19 as a subprocess; skipped when
+that venv is absent); sources and options a universal checkpoint cannot be made from are refused
+in one line with nothing written; a parameter larger than --memory is streamed into its file in
+bands; inspect and validate import neither torch nor DeepSpeed; a ZeRO root holding
+`latest_universal` too reads as the ZeRO checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+
+ROOT = Path(__file__).resolve().parent.parent
+DS_PYTHON = ROOT / "build" / "venv-deepspeed-0.19" / "bin" / "python"
+STAGES = {"z1_fp32": (1, False), "z1_bf16": (1, True), "z2_fp32": (2, False), "z2_bf16": (2, True),
+          "z3_fp32": (3, False), "z3_bf16": (3, True)}
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def run(*args: object) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "CKPT_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "ckpt_tool", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env=environ, timeout=300)
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_every_file_is_what_ds_to_universal_wrote(tmp_path, name):
+    out = tmp_path / "uc"
+    r = run("convert", FIXTURES / f"deepspeed_{name}", out, "--to", "deepspeed-universal")
+    assert r.returncode == 0, r.stderr
+    want = {k: v for k, v in files(FIXTURES / f"deepspeed_universal_{name}").items() if k != "_reference.json"}
+    got = files(out)
+    assert sorted(got) == sorted(want)  # the same files, and nothing else (no tmp/ of fragments)
+    differ = [k for k in want if got[k] != want[k]]
+    assert not differ, differ
+    assert got["latest_universal"] == b"global_step2_universal"
+
+
+def test_a_step_directory_converts_the_same_and_the_tag_is_its_name(tmp_path):
+    out = tmp_path / "uc"
+    assert run("convert", FIXTURES / "deepspeed_z2_bf16" / "global_step2", out, "--to", "deepspeed-universal").returncode == 0
+    assert files(out) == {k: v for k, v in files(FIXTURES / "deepspeed_universal_z2_bf16").items()
+                          if k != "_reference.json"}
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed's own universal load (build/venv-deepspeed-0.19)
+# --------------------------------------------------------------------------------------------
+
+def _reference(name: str) -> dict:
+    return json.loads((FIXTURES / name / "_reference.json").read_text())
+
+
+@pytest.mark.skipif(not DS_PYTHON.exists(), reason="no build/venv-deepspeed-0.19 (make fixtures builds it)")
+@pytest.mark.parametrize("name", ["z1_bf16", "z2_fp32", "z3_bf16"])
+def test_deepspeed_loads_ckpts_output_as_ds_to_universals(tmp_path, name):
+    stage, bf16 = STAGES[name]
+    ours = tmp_path / "ours"
+    assert run("convert", FIXTURES / f"deepspeed_{name}", ours, "--to", "deepspeed-universal").returncode == 0
+    theirs = tmp_path / "theirs"
+    shutil.copytree(FIXTURES / f"deepspeed_universal_{name}", theirs)
+    out = tmp_path / "loaded.json"
+    r = subprocess.run([str(DS_PYTHON), str(ROOT / "tests" / "deepspeed_universal_load.py"), str(out), str(stage),
+                        str(int(bf16)), str(ours), str(theirs)], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = json.loads(out.read_text())
+    a, b = loaded[str(ours)], loaded[str(theirs)]
+    # the same state restored, and the same state after one more step on the same batch
+    assert a["before"] == b["before"]
+    assert a["after"] == b["after"]
+    assert a["client"] == {"run": {"name": "tiny", "seed": 0}, "epoch": 1}
+    # ... which is what DeepSpeed held when it saved the ZeRO checkpoint
+    saved = _reference(f"deepspeed_{name}")
+    for pname, state in a["before"]["params"].items():
+        assert state["fp32"]["data"] == saved["fp32_params"][pname]["data"], pname
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key]["data"] == saved["optimizer"][pname][key]["data"], (pname, key)
+    assert a["before"]["global_steps"] == 2 and set(a["before"]["steps"]) == {2.0}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    if stage < 3:
+        assert a["before"]["groups"] == groups
+    else:
+        # stage 3's universal load gives every group param_groups[0]'s hyper-parameters (DeepSpeed 0.19's
+        # load_hp_checkpoint_state_from_checkpoint_dir_stage3), from ds_to_universal's file as from ckpt's
+        assert all(g == groups[0] for g in a["before"]["groups"])
+    assert a["after"]["global_steps"] == 3 and a["after"] != a["before"]
+
+
+# --------------------------------------------------------------------------------------------
+# refusals: one line, nothing written
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source, args, part", [
+    ("safetensors_numpy", [], "written from DeepSpeed ZeRO checkpoints only"),
+    ("deepspeed_universal_z2_fp32", [], "written from DeepSpeed ZeRO checkpoints only"),
+    ("deepspeed_z2_fp32", ["--exclude", "optimizer/**"], "cannot leave out optimizer/state/embed.weight/"),
+    ("deepspeed_z3_fp32", ["--select", "layers/**"], "cannot leave out"),
+    ("deepspeed_z1_bf16", ["--rename", "layers/=blocks/"], "cannot leave out"),
+    ("deepspeed_z2_bf16", ["--dtype", "bfloat16"], "--dtype"),
+])
+def test_what_a_universal_checkpoint_cannot_be_made_from_is_refused(tmp_path, source, args, part):
+    r = run("convert", FIXTURES / source, tmp_path / "out", "--to", "deepspeed-universal", *args)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and part in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_merge_rules_the_writer_does_not_apply_are_refused_by_name(tmp_path):
+    """A model-states file recording tensor-parallel merge patterns (Megatron-DeepSpeed's): ds_to_universal
+    applies them (vocabulary padding stripped, ...); ckpt refuses rather than write other files."""
+    import torch
+
+    src = tmp_path / "run"
+    shutil.copytree(FIXTURES / "deepspeed_z2_fp32", src)
+    f = src / "global_step2" / "mp_rank_00_model_states.pt"
+    states = torch.load(f, weights_only=False)
+    states["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2,
+                                           "vocabulary_parameter_patterns": [r"embed\.weight"]}
+    torch.save(states, f)
+    (tmp_path / "outs").mkdir()
+    r = run("convert", src, tmp_path / "outs" / "out", "--to", "deepspeed-universal")
+    assert r.returncode == 1 and "vocabulary_parameter_patterns" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not list((tmp_path / "outs").iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# streamed: a parameter larger than --memory goes into its file in bands
+# --------------------------------------------------------------------------------------------
+
+def test_a_parameter_larger_than_memory_is_streamed_into_its_file(tmp_path):
+    """A 48 MiB parameter of an imitated stage-3 checkpoint (tests/test_deepspeed.py's imitate: the
+    layout DeepSpeed's state_dict writes), converted under --memory 16MiB: the peak stays far below
+    the parameter's fp32 + moments (144 MiB), and torch.load reads each file back exactly."""
+    import torch
+
+    import fuzz_lib
+    from test_deepspeed import imitate
+
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(3 * 1024 + 1, 4096, generator=gen)
+    root = imitate(tmp_path / "run", 3, [OrderedDict(big=big, small=torch.ones(3))])
+    peaks = {}
+    for args in (["inspect", root],
+                 ["convert", root, tmp_path / "out", "--to", "deepspeed-universal", "--memory", "16MiB"]):
+        rss = tmp_path / "rss"
+        r = subprocess.run([sys.executable, "-c", fuzz_lib._LAUNCHER, str(rss), sys.executable, "-m", "ckpt_tool",
+                            *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        peaks[args[0]] = int(rss.read_text()) // 1024
+    assert peaks["convert"] < peaks["inspect"] + 48, peaks
+    step = tmp_path / "out" / "global_step1_universal"
+    assert torch.equal(torch.load(step / "zero" / "big" / "fp32.pt").view(big.shape), big)
+    rank0, rank1 = (torch.load(root / "global_step1" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+                    ["optimizer_state_dict"]["optimizer_state_dict"] for r in (0, 1))
+    part = (big.numel() + 1) // 2
+    want = torch.cat([rank0["state"][0]["exp_avg"][:part], rank1["state"][0]["exp_avg"][:big.numel() - part]])
+    assert torch.equal(torch.load(step / "zero" / "big" / "exp_avg.pt"), want)
+    assert not [p for p in step.rglob("*") if p.is_dir() and p.name not in ("zero", "big", "small")]
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
+    code = (
+        "import sys\nfrom ckpt_tool.cli.main import main\n"
+        "for path in sys.argv[1:]:\n"
+        "    for args in (['inspect', path], ['validate', '--deep', '--strict', path]):\n"
+        "        try:\n            main(args)\n        except SystemExit as e:\n            assert e.code == 0, (args, e.code)\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'jax')]\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "deepspeed_universal_z2_bf16"),
+                        str(FIXTURES / "deepspeed_universal_z3_fp32" / "global_step2_universal")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_tree_and_header(tmp_path):
+    r = run("inspect", "--json", FIXTURES / "deepspeed_universal_z3_bf16")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["format"] == "deepspeed-universal"
+    leaves = {leaf["name"]: leaf for leaf in doc["leaves"]}
+    # a stage-3 file's flat tensor has the parameter's recorded shape
+    assert leaves["layers.0.up.weight"]["shape"] == [24, 16] and leaves["layers.0.up.weight"]["dtype"] == "float32"
+    assert leaves["optimizer.state.layers.0.up.weight.exp_avg"]["shape"] == [24, 16]
+    assert "optimizer.param_groups" in leaves and "engine.global_steps" in leaves
+    text = run("inspect", FIXTURES / "deepspeed_universal_z3_bf16").stdout
+    assert "DeepSpeed universal (global_step2_universal, from ZeRO-3 on 2 data-parallel ranks)" in text
+
+
+def test_a_zero_root_holding_latest_universal_reads_as_the_zero_checkpoint(tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURES / "deepspeed_z2_fp32", root)
+    shutil.copytree(FIXTURES / "deepspeed_universal_z2_fp32" / "global_step2_universal", root / "global_step2_universal")
+    shutil.copy(FIXTURES / "deepspeed_universal_z2_fp32" / "latest_universal", root)
+    assert json.loads(run("inspect", "--json", root).stdout)["format"] == "deepspeed"
+    doc = json.loads(run("inspect", "--json", root / "global_step2_universal").stdout)
+    assert doc["format"] == "deepspeed-universal"
+
+
+def test_a_trained_parameters_missing_state_is_named(tmp_path):
+    root = tmp_path / "uc"
+    shutil.copytree(FIXTURES / "deepspeed_universal_z1_fp32", root)
+    (root / "global_step2_universal" / "zero" / "mix" / "exp_avg_sq.pt").unlink()
+    r = run("validate", "--json", root)
+    findings = json.loads(r.stdout)["findings"]
+    assert r.returncode == 1
+    assert any(f["code"] == "missing-file" and f["file"] == "global_step2_universal/zero/mix/exp_avg_sq.pt"
+               for f in findings), findings
+    doc = json.loads(run("inspect", "--json", root).stdout)
+    assert doc["missing"] and doc["missing"][0]["file"].endswith("zero/mix/exp_avg_sq.pt")
