@@ -9,7 +9,8 @@ last. Writers never print; they write through a Storage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+import math
+from typing import Any, Iterator, Protocol, Union
 
 import numpy as np
 
@@ -137,3 +138,35 @@ class PlanContext(Protocol):
 #   plan_value(ctx: PlanContext, keys, name, value, source_path) -> None: a loaded value leaf
 #   TUPLES_AS_VALUES: a tuple of the source is one value there (DCP's bytes item), gathered
 #       from the source's element leaves by gathered_value(value, where) -> value
+
+
+def byte_runs(shape: tuple[int, ...], region: Region, itemsize: int) -> Iterator[tuple[int, int]]:
+    """(byte offset in the tensor, length) of the contiguous runs of `region`, in C order.
+
+    A region of whole rows (what the engine plans for safetensors and DeepSpeed's universal files)
+    is one run: writers that place a tensor's bytes at fixed offsets write a region with one
+    write per run.
+    """
+    if not shape:
+        yield 0, itemsize
+        return
+    sizes = tuple(r.stop - r.start for r in region)
+    if not math.prod(sizes):
+        return
+    strides = [itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    k = len(shape) - 1  # dims after k are whole; dim k is a contiguous range
+    while k > 0 and region[k].start == 0 and region[k].stop == shape[k]:
+        k -= 1
+    length = sizes[k] * strides[k]
+    outer = [range(r.start, r.stop) for r in region[:k]]
+
+    def walk(d: int, base: int):  # noqa: ANN202
+        if d == k:
+            yield base + region[k].start * strides[k], length
+            return
+        for i in outer[d]:
+            yield from walk(d + 1, base + i * strides[d])
+
+    yield from walk(0, 0)

@@ -55,7 +55,7 @@ from ... import sizes
 from ...errors import CkptError, IncompleteCheckpointError, a_type
 from ...model import Key, Region, default_grid, stored_chunks
 from ...storage import LocalFileWriter, Storage
-from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from ...writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
 from ...model import RegularGrid
 from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
@@ -268,7 +268,7 @@ class SafetensorsWriter:
             raise SafetensorsWriteError(f"region {[(r.start, r.stop) for r in region]} is not chunk {chunk_index}", target.name)
         arr = _as_stored(data, t.dt, tuple(r.stop - r.start for r in region), target.name)
         flat = arr.reshape(-1).view(np.uint8)
-        runs = list(_runs(tuple(target.shape), region, t.dt.itemsize))
+        runs = list(byte_runs(tuple(target.shape), region, t.dt.itemsize))
         pos = 0
         for offset, length in runs:
             self._put(f, t.begin + offset, flat[pos : pos + length])
@@ -398,36 +398,6 @@ def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where
     if data.dtype != dt.numpy:
         raise SafetensorsWriteError(f"chunk data is {data.dtype}, expected {dt.name}", where)
     return np.ascontiguousarray(data).reshape(data.shape)
-
-
-def _runs(shape: tuple[int, ...], region: Region, itemsize: int):  # noqa: ANN202
-    """(byte offset in the tensor, length) of the contiguous runs of `region`, in C order.
-
-    A region of whole rows (what the engine plans for safetensors) is one run.
-    """
-    if not shape:
-        yield 0, itemsize
-        return
-    sizes = tuple(r.stop - r.start for r in region)
-    if not math.prod(sizes):
-        return
-    strides = [itemsize] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    k = len(shape) - 1  # dims after k are whole; dim k is a contiguous range
-    while k > 0 and region[k].start == 0 and region[k].stop == shape[k]:
-        k -= 1
-    length = sizes[k] * strides[k]
-    outer = [range(r.start, r.stop) for r in region[:k]]
-
-    def walk(d: int, base: int):  # noqa: ANN202
-        if d == k:
-            yield base + region[k].start * strides[k], length
-            return
-        for i in outer[d]:
-            yield from walk(d + 1, base + i * strides[d])
-
-    yield from walk(0, 0)
 
 
 # -- what the engine asks the format (writers.py) ---------------------------------------

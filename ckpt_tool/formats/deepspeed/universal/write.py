@@ -65,7 +65,7 @@ from ....torchsave import resave
 from ....torchsave.archive import StreamedArchive, tensor_reduce
 from ....torchsave.pickle_writer import dumps
 from ....torchsave.safe_pickle import TensorRef
-from ....writers import PlanContext, TargetArray, TargetValue, WritePlan
+from ....writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
 from ...torch_save import reader as ts
 from .. import reader as ds
 from . import reader as u
@@ -406,7 +406,7 @@ class UniversalWriter:
         base = f.archive.offsets[index]
         pos = 0
         self._open(f)
-        for offset, length in _runs(tuple(target.shape), region, dt.itemsize):
+        for offset, length in byte_runs(tuple(target.shape), region, dt.itemsize):
             piece = flat[pos: pos + length]
             self._put(f, base + offset, piece)
             crc = crc32(piece)
@@ -571,34 +571,6 @@ class UniversalWriter:
         except BaseException:
             local.discard()
             raise
-
-
-def _runs(shape: tuple[int, ...], region: Region, itemsize: int):  # noqa: ANN202
-    """(byte offset in the tensor, length) of the contiguous runs of `region`, in C order (a band of
-    whole rows, what target_layout plans, is one run)."""
-    if not shape:
-        yield 0, itemsize
-        return
-    sizes = tuple(r.stop - r.start for r in region)
-    if not math.prod(sizes):
-        return
-    strides = [itemsize] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    k = len(shape) - 1  # dims after k are whole; dim k is a contiguous range
-    while k > 0 and region[k].start == 0 and region[k].stop == shape[k]:
-        k -= 1
-    length = sizes[k] * strides[k]
-    outer = [range(r.start, r.stop) for r in region[:k]]
-
-    def walk(d: int, base: int):  # noqa: ANN202
-        if d == k:
-            yield base + region[k].start * strides[k], length
-            return
-        for i in outer[d]:
-            yield from walk(d + 1, base + i * strides[d])
-
-    yield from walk(0, 0)
 
 
 def _open_source(plan: WritePlan) -> tuple[ds.Step, str]:
