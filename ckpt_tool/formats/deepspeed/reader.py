@@ -873,26 +873,39 @@ def list_steps(storage: Storage) -> tuple[list[StepInfo], str | None, str | None
 def pick_step(storage: Storage, step: str | int | None) -> tuple[str, list[StepInfo], str | None]:
     """(step directory name, the root's steps, latest's tag) for --step (None / 'latest': `latest`'s tag)."""
     steps, tag, problem = list_steps(storage)
+    name = choose_step(storage, step, steps, tag, problem, LATEST,
+                       lambda text: [f"global_step{text}"] if text.isdigit() else [text],
+                       "no global_stepN directories and no latest file", complete_only=False)
+    return name, steps, tag
+
+
+def choose_step(storage: Storage, step: str | int | None, steps: list[StepInfo], tag: str | None,
+                problem: str | None, latest: str, candidates: Callable[[str], list[str]], none: str,
+                *, complete_only: bool) -> str:
+    """The step directory --step names in a root (ZeRO `latest` or universal `latest_universal`):
+    None / 'latest': the tag file's (without one, the highest step; `complete_only`: the highest
+    complete one); a number or a directory name: the first of `candidates(text)` present."""
     names = [s.name for s in steps]
     if step in (None, "latest"):
         if tag is None:
             if problem is not None and problem != "does not exist":
-                raise CorruptMetadataError(f"latest: {problem}", f"{storage.url}/{LATEST}")
-            if not steps:
-                raise NotFoundError("no global_stepN directories and no latest file", storage.url)
-            return steps[-1].name, steps, tag  # no `latest`: the highest global_stepN (as people pick it)
+                raise CorruptMetadataError(f"{latest}: {problem}", f"{storage.url}/{latest}")
+            pool = [s.name for s in steps if s.committed or not complete_only]
+            if not pool:
+                raise NotFoundError(none, storage.url)
+            return pool[-1]  # no tag file: the highest step (as people pick it)
         if tag not in names:
-            raise NotFoundError(f"latest names {tag!r}, which is not a step directory here"
-                                + (f" (there are: {', '.join(names[-4:])})" if names else ""), f"{storage.url}/{LATEST}")
-        return tag, steps, tag
+            raise NotFoundError(f"{latest} names {tag!r}, which is not a step directory here"
+                                + (f" (there are: {', '.join(names[-4:])})" if names else ""), f"{storage.url}/{latest}")
+        return tag
     if step == "all":
         raise UsageError("--step all: inspect and convert read one step (validate reads every step by default)")
-    text = str(step)
-    name = f"global_step{text}" if text.isdigit() else text
-    if name not in names:
-        raise UsageError(f"--step {step}: no step directory {name!r} here"
-                         + (f" (there are: {', '.join(names[-6:])})" if names else ""), storage.url)
-    return name, steps, tag
+    wanted = candidates(str(step))
+    for name in wanted:
+        if name in names:
+            return name
+    raise UsageError(f"--step {step}: no step directory {wanted[0]!r} here"
+                     + (f" (there are: {', '.join(names[-6:])})" if names else ""), storage.url)
 
 
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:

@@ -136,30 +136,15 @@ def list_steps(storage: Storage) -> tuple[list[StepInfo], str | None, str | None
 
 def pick_step(storage: Storage, step: str | int | None) -> tuple[str, list[StepInfo], str | None]:
     """(step directory, the root's steps, the tag) for --step (None / 'latest': latest_universal's)."""
+    from ..reader import choose_step
+
     steps, tag, problem = list_steps(storage)
-    names = [s.name for s in steps]
-    if step in (None, "latest"):
-        if tag is None:
-            if problem is not None and problem != "does not exist":
-                raise CorruptMetadataError(f"{LATEST}: {problem}", f"{storage.url}/{LATEST}")
-            complete = [s.name for s in steps if s.committed]
-            if not complete:
-                raise NotFoundError(f"no universal step directory (zero/ beside a model-states file) and no {LATEST}",
-                                    storage.url)
-            return complete[-1], steps, tag
-        if tag not in names:
-            raise NotFoundError(f"{LATEST} names {tag!r}, which is not a step directory here"
-                                + (f" (there are: {', '.join(names[-4:])})" if names else ""), f"{storage.url}/{LATEST}")
-        return tag, steps, tag
-    if step == "all":
-        raise UsageError("--step all: inspect and convert read one step (validate reads every step by default)")
-    text = str(step)
-    candidates = [f"global_step{text}_universal", f"global_step{text}"] if text.isdigit() else [text]
-    for name in candidates:
-        if name in names:
-            return name, steps, tag
-    raise UsageError(f"--step {step}: no universal step directory {candidates[0]!r} here"
-                     + (f" (there are: {', '.join(names[-6:])})" if names else ""), storage.url)
+    name = choose_step(
+        storage, step, steps, tag, problem, LATEST,
+        lambda text: [f"global_step{text}_universal", f"global_step{text}"] if text.isdigit() else [text],
+        f"no universal step directory (zero/ beside a model-states file) and no {LATEST}", complete_only=True,
+    )
+    return name, steps, tag
 
 
 # ---------------------------------------------------------------------------
