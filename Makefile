@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # a plain (not editable) install, as a user installs ckpt: rebuilt when a source changes
-$(DEMO_STAMP): pyproject.toml $(wildcard ckpt_tool/*.py ckpt_tool/*/*.py ckpt_tool/*/*/*.py)
+$(DEMO_STAMP): pyproject.toml $(wildcard ckpt_tool/*.py ckpt_tool/*/*.py ckpt_tool/*/*/*.py ckpt_tool/*/*/*/*.py)
 	$(PYTHON) -m venv $(DEMO_VENV)
 	@# setuptools builds in build/lib and reuses it: a module moved or deleted since would be installed again
 	rm -rf build/lib build/bdist.*
