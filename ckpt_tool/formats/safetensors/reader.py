@@ -674,6 +674,10 @@ def _array_leaf(storage: Storage, info: TensorInfo, keys: tuple[Key, ...], dcp: 
 class _RegionReader:
     """Reads a region of one tensor as byte ranges of the pieces it overlaps."""
 
+    # any part of a tensor is read by byte ranges of its file: the scheduler streams a tensor
+    # larger than the memory budget in bands instead of refusing it
+    reads_byte_ranges = True
+
     def __init__(self, storage: Storage, info: TensorInfo) -> None:
         self._storage = storage
         self._info = info
