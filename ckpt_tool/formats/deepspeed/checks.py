@@ -28,6 +28,20 @@ from ..torch_save import reader as ts
 from . import reader as ds
 
 
+def check_tag_file(findings: Findings, files: list[str], name: str, steps: list[Any], tag: str | None,
+                   problem: str | None, loader: str, needs: str) -> None:
+    """A root's tag file (`latest`, `latest_universal`): readable and naming a step directory that is
+    there (`loader` fails on it otherwise); without one, `needs` says what a load lacks."""
+    if name in files:
+        if problem is not None:
+            findings.error("bad-metadata", f"{name}: {problem}", file=name)
+        elif tag not in [s.name for s in steps]:
+            findings.error("missing-file", f"{name} names {tag!r}, which is not a step directory here "
+                           f"({loader} fails on it)", file=name)
+    elif steps:
+        findings.warning("missing-metadata", f"no {name} file: {needs} to load any of these steps", file=".")
+
+
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
     _, files = storage.listdir()
     if ds.is_step_listing(files):
@@ -36,15 +50,8 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         _check_step(storage, findings, "")
         return
     steps, tag, problem = ds.list_steps(storage)
-    if ds.LATEST in files:
-        if problem is not None:
-            findings.error("bad-metadata", f"latest: {problem}", file=ds.LATEST)
-        elif tag not in [s.name for s in steps]:
-            findings.error("missing-file", f"latest names {tag!r}, which is not a step directory here "
-                           "(DeepSpeed's load_checkpoint fails on it)", file=ds.LATEST)
-    elif steps:
-        findings.warning("missing-metadata", "no latest file: DeepSpeed's load_checkpoint needs a tag to load "
-                         "any of these steps", file=".")
+    check_tag_file(findings, files, ds.LATEST, steps, tag, problem, "DeepSpeed's load_checkpoint",
+                   "DeepSpeed's load_checkpoint needs a tag")
     if step in (None, "all"):
         chosen = [s.name for s in steps]
     elif step == "latest":

@@ -149,11 +149,18 @@ def _latest_tag(storage: Storage) -> str | None:
 def read_latest(storage: Storage) -> tuple[str | None, str | None]:
     """(tag, None) or (None, what is wrong with `latest`): DeepSpeed writes the tag alone
     (load_checkpoint strips it); a tag is a directory name beside it."""
+    return read_tag(storage, LATEST, "DeepSpeed writes the tag alone")
+
+
+def read_tag(storage: Storage, name: str, writes: str) -> tuple[str | None, str | None]:
+    """(tag, None) or (None, what is wrong) for a tag file `name` (`latest`, `latest_universal`):
+    a directory name beside it, stripped as DeepSpeed's engine strips it; `writes` says what its
+    writer puts there, for the message about an oversized one."""
     try:
-        size = storage.size(LATEST)
+        size = storage.size(name)
         if size > MAX_LATEST_BYTES:
-            return None, f"{size} bytes: not a tag (DeepSpeed writes the tag alone)"
-        raw = storage.read(LATEST)
+            return None, f"{size} bytes: not a tag ({writes})"
+        raw = storage.read(name)
     except NotFoundError:
         return None, "does not exist"
     try:

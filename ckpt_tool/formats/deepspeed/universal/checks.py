@@ -30,15 +30,8 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         _check_step(storage, findings, "")
         return
     steps, tag, problem = u.list_steps(storage)
-    if u.LATEST in files:
-        if problem is not None:
-            findings.error("bad-metadata", f"{u.LATEST}: {problem}", file=u.LATEST)
-        elif tag not in [s.name for s in steps]:
-            findings.error("missing-file", f"{u.LATEST} names {tag!r}, which is not a step directory here "
-                           "(DeepSpeed's universal load fails on it)", file=u.LATEST)
-    elif steps:
-        findings.warning("missing-metadata", f"no {u.LATEST} file: DeepSpeed's load_checkpoint(load_universal=True) "
-                         "needs it (or a tag) to load any of these steps", file=".")
+    dsc.check_tag_file(findings, files, u.LATEST, steps, tag, problem, "DeepSpeed's universal load",
+                       "DeepSpeed's load_checkpoint(load_universal=True) needs it (or a tag)")
     complete = [s.name for s in steps if s.committed]
     if step in (None, "all"):
         chosen = complete

@@ -100,20 +100,7 @@ def _step_order(name: str) -> tuple[int, str]:
 
 def read_latest(storage: Storage) -> tuple[str | None, str | None]:
     """(tag, None) or (None, what is wrong with `latest_universal`): the engine strips it, as `latest`."""
-    try:
-        size = storage.size(LATEST)
-        if size > ds.MAX_LATEST_BYTES:
-            return None, f"{size} bytes: not a tag (ds_to_universal writes the step directory's name alone)"
-        raw = storage.read(LATEST)
-    except NotFoundError:
-        return None, "does not exist"
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return None, "not UTF-8 text: not a tag"
-    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or any(ord(c) < 32 for c in tag):
-        return None, f"{tag[:60]!r} is not a tag (a directory name)"
-    return tag, None
+    return ds.read_tag(storage, LATEST, "ds_to_universal writes the step directory's name alone")
 
 
 def list_steps(storage: Storage) -> tuple[list[StepInfo], str | None, str | None]:
