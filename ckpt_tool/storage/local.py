@@ -166,6 +166,25 @@ class LocalFileWriter:
                 self._direct = False
         self._write_buffered(offset, views)
 
+    def write_span(self, offset: int, data: Any) -> None:
+        """Write `data` at `offset` of a file its format lays out itself (not reserved through
+        `place`: a safetensors tensor, a universal checkpoint's storage): the whole blocks inside
+        go direct; the ends, which share a block with the neighbouring range, are written
+        buffered, as is a range too short to hold any direct block."""
+        mv = memoryview(data).cast("B")
+        n = mv.nbytes
+        start = directio.align_up(offset)
+        stop = (offset + n) // directio.ALIGNMENT * directio.ALIGNMENT
+        if stop - start >= directio.MIN_DIRECT_BYTES:
+            head, body = start - offset, stop - offset
+            if head:
+                self.write_at(offset, [mv[:head]])
+            self.write_at(start, [mv[head:body]])
+            if body < n:
+                self.write_at(stop, [mv[body:]])
+        else:
+            self.write_at(offset, [mv], padded=False)
+
     def _write_buffered(self, offset: int, views: list[memoryview]) -> None:
         start = offset
         try:

@@ -355,21 +355,7 @@ class SafetensorsWriter:
 
     def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
         if f.local is not None:
-            # the whole blocks inside the range can go to the disk with O_DIRECT
-            # (no padding: they end on a block boundary); the ends, which share
-            # a block with the neighbouring range, are written buffered
-            n = view.nbytes
-            start = directio.align_up(offset)
-            stop = (offset + n) // directio.ALIGNMENT * directio.ALIGNMENT
-            if stop - start >= directio.MIN_DIRECT_BYTES:
-                head, body = start - offset, stop - offset
-                if head:
-                    f.local.write_at(offset, [view[:head]])
-                f.local.write_at(start, [view[head:body]])
-                if body < n:
-                    f.local.write_at(stop, [view[body:]])
-            else:
-                f.local.write_at(offset, [view])
+            f.local.write_span(offset, view)
         else:
             assert f.data is not None
             f.data[offset : offset + view.nbytes] = view.data

@@ -56,7 +56,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from .... import directio, dtypes
+from .... import dtypes
 from ....checksum import CrcTiling, crc32
 from ....errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, UsageError
 from ....model import ChunkList, Key, Region, RegularGrid, default_grid, stored_chunks
@@ -479,20 +479,7 @@ class UniversalWriter:
 
     def _put(self, f: _File, offset: int, view: np.ndarray | bytes) -> None:
         if f.local is not None:
-            mv = memoryview(view).cast("B")
-            n = mv.nbytes
-            start = directio.align_up(offset)
-            stop = (offset + n) // directio.ALIGNMENT * directio.ALIGNMENT
-            if stop - start >= directio.MIN_DIRECT_BYTES:
-                # the whole blocks inside go direct; the ends share a block with their neighbours
-                head, body = start - offset, stop - offset
-                if head:
-                    f.local.write_at(offset, [mv[:head]])
-                f.local.write_at(start, [mv[head:body]])
-                if body < n:
-                    f.local.write_at(stop, [mv[body:]])
-            else:
-                f.local.write_at(offset, [mv], padded=False)
+            f.local.write_span(offset, view)
         else:
             assert f.data is not None
             mv = memoryview(view).cast("B")
