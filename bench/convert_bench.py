@@ -392,6 +392,49 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def conversion_targets(by: dict[str, dict], direction: str, ckpt: str, baseline: str, cp: str, *,
+                       baseline_target: float = BASELINE_TARGET, rss_target_mib: float = RSS_TARGET_KIB / 1024,
+                       ) -> list[dict]:
+    """One conversion's three target rows (the form every conversion bench reports): baseline wall /
+    ckpt wall >= baseline_target, ckpt wall / cp -r wall <= CP_TARGET, ckpt peak RSS <= rss_target_mib;
+    a value is None (not measured) when a command failed or its output was wrong."""
+    ck, base, cpr = by.get(ckpt), by.get(baseline), by.get(cp)
+    t = ck["best_s"] if ck and ck["ok"] else None
+    rss = ck["peak_rss_kib"] if ck and ck["ok"] else None
+    rows = [
+        ("baseline/ckpt", baseline, _ratio(base["best_s"] if base and base["ok"] else None, t), baseline_target, ">="),
+        ("ckpt/cp", cp, _ratio(t, cpr["best_s"] if cpr and cpr["ok"] else None), CP_TARGET, "<="),
+        ("ckpt_rss_mib", None, round(rss / 1024) if rss else None, rss_target_mib, "<="),
+    ]
+    return [target_row(direction, ckpt, what, other, value, target, op) for what, other, value, target, op in rows]
+
+
+def target_row(direction: str, ckpt: str, what: str, other: str | None, value: float | None, target: float,
+               op: str) -> dict:
+    met = None if value is None else (value >= target if op == ">=" else value <= target)
+    return {"direction": direction, "ckpt": ckpt, "workers": DEFAULT_WORKERS, "what": what, "other": other,
+            "value": value, "target": target, "op": op, "met": met}
+
+
+def bench_parser(doc: str, regen: str, *, settle_default: float | None = DEFAULT_SETTLE_S,
+                 settle_help: str | None = None, generate: bool = True) -> argparse.ArgumentParser:
+    """The options every conversion bench takes (--runs, --json, --regen, --settle; its hidden --generate),
+    and the other benches' options run_all passes on to every bench, accepted and ignored."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--runs", type=int, default=2, help="timed runs per command after one warm-up (default 2)")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ap.add_argument("--regen", action="store_true", help=regen)
+    ap.add_argument("--settle", type=float, default=settle_default, metavar="S",
+                    help=settle_help or f"sync, then pause S seconds before every timed run (default {DEFAULT_SETTLE_S:g})")
+    if generate:
+        ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
+    # run_all passes every bench's options on; these belong to the others
+    ap.add_argument("--layers", type=int, default=1000, help=argparse.SUPPRESS)
+    ap.add_argument("--no-extra", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
 def compute_targets(results: list[dict]) -> tuple[list[dict], list[dict]]:
     """(targets, info): the three targets per direction on the default --workers; other ratios as info."""
     by = {r["name"]: r for r in results}

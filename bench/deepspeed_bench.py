@@ -40,7 +40,6 @@ temporary directory. Exit 0 when every command ran and checked out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -295,26 +294,12 @@ def compute_targets(results: list[dict]) -> list[dict]:
         if direction == TO_ST:
             rss = a["peak_rss_kib"] if a and a["ok"] else None
             rows.append(("ckpt_rss_mib", direction, ck, None, round(rss / 1024) if rss else None, RSS_TARGET_MIB, "<="))
-    out = []
-    for what, direction, ck, other, value, target, op in rows:
-        met = None if value is None else (value >= target if op == ">=" else value <= target)
-        out.append({"direction": direction, "ckpt": ck, "workers": cb.DEFAULT_WORKERS, "what": what, "other": other,
-                    "value": value, "target": target, "op": op, "met": met})
-    return out
+    return [cb.target_row(direction, ck, what, other, value, target, op)
+            for what, direction, ck, other, value, target, op in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--runs", type=int, default=2, help="timed runs per command after one warm-up (default 2)")
-    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    ap.add_argument("--regen", action="store_true", help="rebuild the cached ZeRO-3 checkpoint in bench/out/")
-    ap.add_argument("--settle", type=float, default=cb.DEFAULT_SETTLE_S, metavar="S",
-                    help=f"sync, then pause S seconds before every timed run (default {cb.DEFAULT_SETTLE_S:g})")
-    ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
-    # run_all passes every bench's options on; these belong to the others
-    ap.add_argument("--layers", type=int, default=1000, help=argparse.SUPPRESS)
-    ap.add_argument("--no-extra", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap = cb.bench_parser(__doc__, "rebuild the cached ZeRO-3 checkpoint in bench/out/")
     args = ap.parse_args(argv)
     if args.generate:
         _generate(args.generate)

@@ -31,7 +31,6 @@ Exit status: 0 when every command ran and checked out (targets met or not).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -121,36 +120,12 @@ def commands(big: dict) -> list[dict]:
 
 def compute_targets(results: list[dict]) -> list[dict]:
     by = {r["name"]: r for r in results}
-    out = []
-    for src_fmt in ("orbax", "dcp"):
-        ck, base, cp = by.get(f"ckpt-{src_fmt}-to-safetensors"), by.get(f"{src_fmt}-baseline"), by.get(f"cp-{src_fmt}")
-        t = ck["best_s"] if ck and ck["ok"] else None
-        rss = ck["peak_rss_kib"] if ck and ck["ok"] else None
-        rows = [
-            ("baseline/ckpt", f"{src_fmt}-baseline", cb._ratio(base["best_s"] if base and base["ok"] else None, t),
-             cb.BASELINE_TARGET, ">="),
-            ("ckpt/cp", f"cp-{src_fmt}", cb._ratio(t, cp["best_s"] if cp and cp["ok"] else None), cb.CP_TARGET, "<="),
-            ("ckpt_rss_mib", None, round(rss / 1024) if rss else None, cb.RSS_TARGET_KIB / 1024, "<="),
-        ]
-        for what, other, value, target, op in rows:
-            met = None if value is None else (value >= target if op == ">=" else value <= target)
-            out.append({"direction": f"{src_fmt}->safetensors", "ckpt": f"ckpt-{src_fmt}-to-safetensors",
-                        "workers": cb.DEFAULT_WORKERS, "what": what, "other": other, "value": value,
-                        "target": target, "op": op, "met": met})
-    return out
+    return [row for src_fmt in ("orbax", "dcp") for row in cb.conversion_targets(
+        by, f"{src_fmt}->safetensors", f"ckpt-{src_fmt}-to-safetensors", f"{src_fmt}-baseline", f"cp-{src_fmt}")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--runs", type=int, default=2, help="timed runs per command after one warm-up (default 2)")
-    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    ap.add_argument("--regen", action="store_true", help="rebuild the cached 2 GiB checkpoints in bench/out/")
-    ap.add_argument("--settle", type=float, default=cb.DEFAULT_SETTLE_S, metavar="S",
-                    help=f"sync, then pause S seconds before every timed run (default {cb.DEFAULT_SETTLE_S:g})")
-    # run_all passes every bench's options on; these belong to the others
-    ap.add_argument("--layers", type=int, default=1000, help=argparse.SUPPRESS)
-    ap.add_argument("--no-extra", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap = cb.bench_parser(__doc__, "rebuild the cached 2 GiB checkpoints in bench/out/", generate=False)
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be at least 1")

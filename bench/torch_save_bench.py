@@ -24,7 +24,6 @@ and, as for the other conversions, ckpt wall / cp -r wall <= 3x. Exit 0 when eve
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -128,35 +127,12 @@ def commands(src: str) -> list[dict]:
 
 
 def compute_targets(results: list[dict]) -> list[dict]:
-    by = {r["name"]: r for r in results}
-    ck, base, cp = by.get("ckpt-torch-to-safetensors"), by.get("torch-baseline"), by.get("cp-torch")
-    t = ck["best_s"] if ck and ck["ok"] else None
-    rss = ck["peak_rss_kib"] if ck and ck["ok"] else None
-    rows = [
-        ("baseline/ckpt", "torch-baseline", cb._ratio(base["best_s"] if base and base["ok"] else None, t), 3.0, ">="),
-        ("ckpt/cp", "cp-torch", cb._ratio(t, cp["best_s"] if cp and cp["ok"] else None), cb.CP_TARGET, "<="),
-        ("ckpt_rss_mib", None, round(rss / 1024) if rss else None, RSS_TARGET_MIB, "<="),
-    ]
-    out = []
-    for what, other, value, target, op in rows:
-        met = None if value is None else (value >= target if op == ">=" else value <= target)
-        out.append({"direction": DIRECTION, "ckpt": "ckpt-torch-to-safetensors", "workers": cb.DEFAULT_WORKERS,
-                    "what": what, "other": other, "value": value, "target": target, "op": op, "met": met})
-    return out
+    return cb.conversion_targets({r["name"]: r for r in results}, DIRECTION, "ckpt-torch-to-safetensors",
+                                 "torch-baseline", "cp-torch", baseline_target=3.0, rss_target_mib=RSS_TARGET_MIB)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--runs", type=int, default=2, help="timed runs per command after one warm-up (default 2)")
-    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    ap.add_argument("--regen", action="store_true", help="rebuild the cached .bin set in bench/out/")
-    ap.add_argument("--settle", type=float, default=cb.DEFAULT_SETTLE_S, metavar="S",
-                    help=f"sync, then pause S seconds before every timed run (default {cb.DEFAULT_SETTLE_S:g})")
-    ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
-    # run_all passes every bench's options on; these belong to the others
-    ap.add_argument("--layers", type=int, default=1000, help=argparse.SUPPRESS)
-    ap.add_argument("--no-extra", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap = cb.bench_parser(__doc__, "rebuild the cached .bin set in bench/out/")
     args = ap.parse_args(argv)
     if args.generate:
         _generate(args.generate)
