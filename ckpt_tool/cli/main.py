@@ -40,6 +40,10 @@ COMMANDS = {
                  "Check that a checkpoint is complete and consistent."),
     "diff": ("ckpt_tool.cli.diff_cmd:diff_command",
              "Compare two checkpoints' leaves and values; exit 1 if they differ."),
+    "ls": ("ckpt_tool.cli.ls_cmd:ls_command",
+           "List a run root's steps: status by the writer's rule, size, pointer."),
+    "latest": ("ckpt_tool.cli.latest_cmd:latest_command",
+               "Print the newest complete step of a run root that validates."),
     # (the formats it writes are in the top help's "Writes ..." line: listed here they no longer fit one line)
     "convert": ("ckpt_tool.cli.convert_cmd:convert_command",
                 "Convert to another format, streaming, all or nothing."),
@@ -114,7 +118,7 @@ GC_THRESHOLD = 100_000
 
 
 # commands that only read: their process may end without interpreter teardown
-READ_ONLY = {"inspect", "validate", "diff"}
+READ_ONLY = {"inspect", "validate", "diff", "ls", "latest"}
 
 
 def main(argv: list[str] | None = None) -> None:

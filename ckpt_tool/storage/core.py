@@ -380,6 +380,22 @@ class Storage:
             raise NotFoundError("missing", self._where(key))
         return len(self.read(key))
 
+    def stat(self, key: str) -> tuple[int, float | None]:
+        """(size in bytes, modification time) of the value at `key`.
+
+        The time is known on local roots only: tensorstore's S3/GCS drivers
+        do not return an object's time (a read's stamp is the time of the
+        read), so there it is None and the size costs a request (see size).
+        """
+        if not self._check_local:
+            return self.size(key), None
+        rel = self._checked(key)
+        try:
+            st = os.stat(os.path.join(self.local_root, rel))  # type: ignore[arg-type]
+        except OSError as exc:
+            raise _os_error(exc, "cannot stat", self._where(rel)) from None
+        return st.st_size, st.st_mtime
+
     # -- writing ---------------------------------------------------------
     @classmethod
     def create(cls, url: str, log: ReadLog | None = None) -> "Storage":

@@ -200,6 +200,15 @@ def commit_status(storage: Storage, name: str, files: list[str], meta: Any) -> C
     return CommitStatus(True)
 
 
+def listed_commit_status(storage: Storage, name: str, files: list[str]) -> CommitStatus:
+    """commit_status from a step's listing: `_CHECKPOINT_METADATA` is read only where the
+    listing cannot decide (gs:// without commit_success.txt), so `ckpt ls` reads no metadata
+    otherwise; a damaged metadata file is validate's to find."""
+    if CHECKPOINT_METADATA in files and (COMMIT_MARKER in files or not object_store_needs_marker(storage.url)):
+        return commit_status(storage, name, [f for f in files if f != CHECKPOINT_METADATA], None)
+    return commit_status(storage, name, files, read_step_metadata(storage, files))
+
+
 def read_step_metadata(storage: Storage, files: list[str]) -> Any:
     """`_CHECKPOINT_METADATA` parsed; None when absent, a CorruptMetadataError instance when unreadable."""
     if CHECKPOINT_METADATA not in files:

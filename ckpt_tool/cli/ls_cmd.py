@@ -1,0 +1,78 @@
+"""`ckpt ls ROOT`: the steps of a run root, their status by their writer's rule, one row each."""
+from __future__ import annotations
+
+import datetime as _dt
+import sys
+
+import click
+
+from ..runs import RunListing, StepRow, list_run
+from .render import Output, esc, human_bytes, plural
+
+_COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
+
+
+@click.command("ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--check", is_flag=True, help="Also run validate's shallow checks on every step (reads metadata).")
+@click.option("--deep", is_flag=True, help="With --check: validate --deep every step (decodes every chunk).")
+@click.option("--sizes/--no-sizes", default=None,
+              help="Sum each step's file sizes (default: on local roots; on S3/GCS each file's size is a request).")
+def ls_command(root: str, as_json: bool, check: bool, deep: bool, sizes: bool | None) -> None:
+    """List the steps of the run root ROOT (an Orbax CheckpointManager, Flax/T5X, torchtitan,
+    Hugging Face Trainer, Megatron-LM, NeMo 2, DeepSpeed or verl save directory): step, format,
+    status (committed, incomplete, in-progress), size, file count, modification time, and whether
+    the framework's pointer file (Megatron's tracker, DeepSpeed's latest) agrees. From one listing;
+    nothing is read unless --check. Exit 1 when --check finds a step that fails."""
+    if deep and not check:
+        raise click.UsageError("--deep applies to --check: add --check")
+    listing = list_run(root, check=check, deep=deep, sizes=sizes)
+    out = Output(json_mode=as_json)
+    if as_json:
+        out.json(listing.to_json())
+    else:
+        _table(out, listing, check)
+    # a save in progress failing is what it is; a committed step failing is the problem
+    failed = check and any(s.check is not None and not s.check["ok"] and s.status == "committed" for s in listing.steps)
+    sys.exit(1 if failed else 0)
+
+
+def _when(t: float | None) -> str:
+    return _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t is not None else "-"
+
+
+def _pointer_cell(step: StepRow) -> str:
+    if step.pointer:
+        return "<- pointer" + ("" if step.pointer_agrees else " (disagrees)")
+    return "beyond pointer" if step.pointer_agrees is False else ""
+
+
+def _table(out: Output, listing: RunListing, check: bool) -> None:
+    out.line(f"[bold]{esc(listing.root)}[/bold]  ({esc(listing.layout.title)}, {plural(len(listing.steps), 'step')})")
+    head = ["step", "name", "format", "status", "size", "files", "modified", "pointer"] + (["check"] if check else [])
+    rows = []
+    for s in listing.steps:
+        cells = [
+            "-" if s.step is None else str(s.step), s.name, s.format, s.status,
+            "-" if s.size is None else human_bytes(s.size), str(s.files), _when(s.mtime), _pointer_cell(s),
+        ]
+        if check:
+            c = s.check or {}
+            cells.append("ok" if c.get("ok") else f"FAILED: {c.get('first')}")
+        rows.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    out.line("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    for s, cells in zip(listing.steps, rows):
+        text = "  ".join(esc(c.ljust(w)) for c, w in zip(cells, widths)).rstrip()
+        colour = _COLOURS.get(s.status)
+        status = esc(s.status.ljust(widths[3]))
+        if colour and status in text:
+            text = text.replace(status, f"[{colour}]{status}[/{colour}]", 1)
+        out.line(text)
+    for s in listing.steps:
+        if s.reason:
+            out.line(f"  {esc(s.name)}: {esc(s.reason)}")
+    if listing.pointer_file is not None:
+        said = listing.pointer_problem or f"names {listing.pointer_names}"
+        out.line(f"{esc(listing.pointer_file)}: {esc(said)}")

@@ -1,0 +1,546 @@
+"""Run roots: the directories training frameworks save their steps into, one entry per framework.
+
+A run root holds one directory (or file) per saved step, perhaps a pointer
+file naming the newest finished one, and whatever an interrupted save left.
+Each framework has its own rules for all three; `LAYOUTS` below holds them,
+one `RunLayout` each: how a step entry is named (and its step number), what
+the pointer file is and how it reads, and how a step that is still being
+written (or was torn by a crash) looks, judged from a listing alone.
+`ckpt ls` and `ckpt latest` (ckpt_tool/runs.py) ask this table and never a
+framework by name: a new framework's root layout is one more entry here.
+
+Why one table in one module rather than an entry per format package: a run
+root belongs to a training framework, not to a checkpoint format. torchtitan
+saves DCP, the HF Trainer safetensors or torch.save files, verl torch.save
+shards beside a Hugging Face config, NeMo 2 a Megatron-Core save under
+`weights/`; one format (DCP) appears under several frameworks and one
+framework (torchtitan) writes two formats. Where a format package already
+knows a framework's rules (the Orbax reader's commit rules, the Megatron
+reader's tracker, the DeepSpeed reader's `latest` tag, the msgpack reader's
+temporary names), the entry calls that package instead of copying them.
+
+Everything here works from one recursive LIST of the root (`RootListing`):
+nothing is read but the pointer file, so a root of hundreds of steps on S3
+costs a LIST and one small GET. The statuses:
+
+  committed    complete by its writer's rule (the file the writer writes last is there)
+  incomplete   named as a finished step, but what the writer writes last is missing
+               (a save killed after the rename, or files deleted since)
+  in-progress  what the writer names a save still being written (a temporary name, an
+               unfinished marker, a step newer than the pointer the writer moves last)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import CkptError, CorruptMetadataError
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+IN_PROGRESS = "in-progress"
+STATUSES = (COMMITTED, INCOMPLETE, IN_PROGRESS)
+
+MAX_POINTER_BYTES = 4096
+
+
+@dataclass
+class RootListing:
+    """One LIST of a root: its top-level directories and files, and every key under each directory."""
+
+    storage: Storage
+    dirs: list[str]
+    files: list[str]
+    under: dict[str, list[str]]  # top-level directory -> its keys, relative to it
+
+    @classmethod
+    def of(cls, storage: Storage) -> RootListing:
+        under: dict[str, list[str]] = {}
+        files: list[str] = []
+        for key in storage.list():
+            head, sep, rest = key.partition("/")
+            if sep:
+                under.setdefault(head, []).append(rest)
+            else:
+                files.append(key)
+        return cls(storage, sorted(under), files, under)
+
+    def top(self, entry: str, sub: str = "") -> tuple[set[str], set[str]]:
+        """(directories, files) directly inside `entry` (or inside `entry/sub`)."""
+        prefix = sub.rstrip("/") + "/" if sub else ""
+        dirs: set[str] = set()
+        files: set[str] = set()
+        for key in self.under.get(entry, ()):
+            if not key.startswith(prefix):
+                continue
+            head, sep, _ = key[len(prefix):].partition("/")
+            (dirs if sep else files).add(head)
+        return dirs, files
+
+    def has(self, entry: str, rel: str) -> bool:
+        return rel in self.under.get(entry, ())
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One top-level directory or file of a root that a layout names as a step."""
+
+    name: str
+    is_dir: bool
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    status: str  # one of STATUSES
+    reason: str | None = None  # why it is not committed
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """One framework's run root: what `ckpt ls` and `ckpt latest` need to know about it."""
+
+    name: str  # "torchtitan"
+    title: str  # "torchtitan (DCP)"
+    # the README's table (what the functions below implement, in words)
+    named: str  # how a step entry is named: "step-N/"
+    pointer_text: str  # the pointer file naming the latest, and how it reads
+    in_progress: str  # how a save in progress (or torn) looks
+    source: str  # where the rules come from (the writer's source; "documented layout")
+    # (entry name, is it a directory) -> its step number; None: not one of this framework's entries
+    step_of: Callable[[str, bool], int | None]
+    # the entry's status from the listing alone
+    status_of: Callable[[RootListing, Entry], StepStatus]
+    # whether the entry is this framework's (its markers are there); name alone is not enough for some
+    owns: Callable[[RootListing, Entry], bool] = lambda listing, entry: True
+    pointer: str | None = None  # the pointer file's name, at the root
+    # the entry name the pointer file names (it exists); CkptError when it does not read as one
+    read_pointer: Callable[[RootListing], str] | None = None
+    # a pointer that may name any entry (DeepSpeed's tag), not only one step_of recognises
+    pointer_names_any: bool = False
+    payload: str = ""  # the checkpoint inside a step directory, when it is not the directory itself
+    fallback_format: str = ""  # the registry format of its steps when their file names do not say
+    # the format's own reader opens the root with --step (its own step rules apply there)
+    own_root: bool = False
+    # newer steps than the pointer are saves in progress (the writer moves the pointer last)
+    pointer_is_commit: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# -- Orbax CheckpointManager ----------------------------------------------------------------------
+
+def _orbax_step(name: str, is_dir: bool) -> int | None:
+    from .orbax import reader
+
+    return reader._step_number(name) if is_dir else None
+
+
+def _orbax_owns(listing: RootListing, entry: Entry) -> bool:
+    from .orbax import reader
+
+    if reader.is_tmp_name(entry.name):
+        return True
+    dirs, files = listing.top(entry.name)
+    # (not manifest.ocdbt alone: orbax <= 0.4's checkpoint_N/ has one and no _METADATA: the msgpack reader's)
+    markers = (reader.CHECKPOINT_METADATA, reader.TREE_METADATA, reader.COMMIT_MARKER)
+    if any(m in files for m in markers):
+        return True
+    # items (<item>/_METADATA); orbax <= 0.4's items hold the msgpack `checkpoint` file instead
+    return any(listing.has(entry.name, f"{d}/{reader.TREE_METADATA}") or listing.has(entry.name, f"{d}/checkpoint")
+               for d in dirs)
+
+
+def _orbax_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .orbax import reader
+
+    if reader.is_tmp_name(entry.name):
+        return StepStatus(IN_PROGRESS, "temporary directory name: orbax renames it at commit")
+    _, files = listing.top(entry.name)
+    status = reader.listed_commit_status(listing.storage.child(entry.name), entry.name, sorted(files))
+    return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
+
+
+# -- Flax checkpoint_N files, T5X checkpoint_N/ directories ---------------------------------------
+
+def _flax_step(name: str, is_dir: bool) -> int | None:
+    from .msgpack import reader
+
+    if is_dir or not name.startswith("checkpoint"):
+        return None
+    if reader._FLAX_TMP.match(name):
+        return -1  # flax's `checkpoint_tmp`: a save in progress, of no step yet
+    return reader._step_of(name) if name.startswith("checkpoint_") else None
+
+
+def _flax_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .msgpack import reader
+
+    if reader._FLAX_TMP.match(entry.name):
+        return StepStatus(IN_PROGRESS, "flax's temporary file: renamed to checkpoint_N when written")
+    return StepStatus(COMMITTED)
+
+
+def _t5x_step(name: str, is_dir: bool) -> int | None:
+    from .msgpack import reader
+
+    return reader._step_of(name) if is_dir and name.startswith("checkpoint_") else None
+
+
+def _t5x_owns(listing: RootListing, entry: Entry) -> bool:
+    from .msgpack import reader
+
+    if reader._is_tmp(entry.name):
+        return True
+    _, files = listing.top(entry.name)
+    return reader.TREE_FILE in files and reader.TREE_METADATA not in files
+
+
+def _t5x_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .msgpack import reader
+
+    if reader._is_tmp(entry.name):
+        return StepStatus(IN_PROGRESS, "temporary directory name: t5x renames checkpoint_N.tmp-<time> when written")
+    _, files = listing.top(entry.name)
+    if reader.TREE_FILE not in files:
+        return StepStatus(INCOMPLETE, f"no {reader.TREE_FILE} file (the tree, written last)")
+    return StepStatus(COMMITTED)
+
+
+# -- torchtitan step-N/ (DCP) ----------------------------------------------------------------------
+
+_TITAN_STEP = re.compile(r"^step-(\d+)$")
+
+
+def _titan_step(name: str, is_dir: bool) -> int | None:
+    m = _TITAN_STEP.match(name) if is_dir else None
+    return int(m.group(1)) if m else None
+
+
+def _titan_status(listing: RootListing, entry: Entry) -> StepStatus:
+    _, files = listing.top(entry.name)
+    # torchtitan's _find_load_step takes a step-N whose .metadata (DCP's, written last by the
+    # coordinator) or model.safetensors.index.json (its HF export) is there
+    if ".metadata" in files or "model.safetensors.index.json" in files:
+        return StepStatus(COMMITTED)
+    if any(f.endswith(".distcp") for f in files):
+        return StepStatus(INCOMPLETE, "no .metadata: DCP writes it last, once every rank's .distcp is written")
+    return StepStatus(INCOMPLETE, "no .metadata and no .distcp files")
+
+
+# -- Hugging Face Trainer checkpoint-N/ ----------------------------------------------------------------
+
+_HF_STEP = re.compile(r"^(tmp-)?checkpoint-(\d+)$")
+HF_STATE = "trainer_state.json"
+
+
+def _hf_step(name: str, is_dir: bool) -> int | None:
+    m = _HF_STEP.match(name) if is_dir else None
+    return int(m.group(2)) if m else None
+
+
+def _hf_owns(listing: RootListing, entry: Entry) -> bool:
+    _, files = listing.top(entry.name)
+    # not a Flax/T5X checkpoint_N (those use an underscore) nor anything without a model file
+    return entry.name.startswith("tmp-") or HF_STATE in files or "config.json" in files or any(
+        f.endswith((".safetensors", ".bin", ".safetensors.index.json")) for f in files)
+
+
+def _hf_status(listing: RootListing, entry: Entry) -> StepStatus:
+    if entry.name.startswith("tmp-"):
+        return StepStatus(IN_PROGRESS, "tmp-checkpoint-N: transformers 4.36's staged save, renamed when written")
+    _, files = listing.top(entry.name)
+    if HF_STATE not in files:
+        return StepStatus(INCOMPLETE, f"no {HF_STATE}: the Trainer writes it last (after weights, optimizer, RNG)")
+    if not any(f.endswith((".safetensors", ".bin")) for f in files):
+        return StepStatus(INCOMPLETE, "no model weights (.safetensors / .bin)")
+    return StepStatus(COMMITTED)
+
+
+# -- Megatron-LM iter_NNNNNNN/ + latest_checkpointed_iteration.txt -----------------------------------------
+
+def _megatron_step(name: str, is_dir: bool) -> int | None:
+    from .megatron import reader
+
+    m = reader.STEP_DIR.match(name) if is_dir else None
+    return int(m.group(1)) if m else (0 if is_dir and name == reader.RELEASE_DIR else None)
+
+
+def _megatron_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .megatron import reader
+
+    dirs, files = listing.top(entry.name)
+    # the reader's rule (reader._steps): metadata.json is written last by rank 0; legacy saves are rank directories
+    if reader.CONFIG_FILE in files or any(reader.LEGACY_RANK_DIR.match(d) for d in dirs):
+        return StepStatus(COMMITTED)
+    return StepStatus(INCOMPLETE, f"no {reader.CONFIG_FILE}: Megatron writes it last")
+
+
+def _megatron_pointer(listing: RootListing) -> str:
+    from .megatron import reader
+
+    name = reader.read_tracker(listing.storage)
+    assert name is not None  # called only when the file is there
+    return name
+
+
+# -- NeMo 2 step directories --------------------------------------------------------------------------------
+
+_NEMO_STEP = re.compile(r"(?:^|-)step=(\d+)(?:-|$)")
+NEMO_UNFINISHED = "-unfinished"
+
+
+def _nemo_step(name: str, is_dir: bool) -> int | None:
+    m = _NEMO_STEP.search(name) if is_dir else None
+    return int(m.group(1)) if m else None
+
+
+def _nemo_owns(listing: RootListing, entry: Entry) -> bool:
+    from .megatron import nemo
+
+    dirs, _ = listing.top(entry.name)
+    return nemo.WEIGHTS in dirs or nemo.CONTEXT in dirs or f"{entry.name}{NEMO_UNFINISHED}" in listing.files
+
+
+def _nemo_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .megatron import nemo
+
+    # ModelCheckpoint._save_checkpoint touches `<name>-unfinished` beside the directory before
+    # the save and removes it once the (async) save is finalized
+    if f"{entry.name}{NEMO_UNFINISHED}" in listing.files:
+        return StepStatus(IN_PROGRESS, f"{entry.name}{NEMO_UNFINISHED} is there: NeMo removes it when the save is finalized")
+    dirs, _ = listing.top(entry.name)
+    _, weights = listing.top(entry.name, nemo.WEIGHTS)
+    if "metadata.json" not in weights:
+        return StepStatus(INCOMPLETE, f"no {nemo.WEIGHTS}/metadata.json: Megatron writes it last")
+    if nemo.CONTEXT not in dirs:
+        return StepStatus(INCOMPLETE, f"no {nemo.CONTEXT}/ (the model's config)")
+    return StepStatus(COMMITTED)
+
+
+# -- DeepSpeed global_stepN/ + latest ---------------------------------------------------------------------------
+
+def _ds_step(name: str, is_dir: bool) -> int | None:
+    from .deepspeed import reader
+
+    m = reader.STEP_DIR.match(name) if is_dir else None
+    return int(m.group(1)) if m else None
+
+
+def _ds_status(listing: RootListing, entry: Entry) -> StepStatus:
+    from .deepspeed import reader
+
+    _, files = listing.top(entry.name)
+    if reader.is_step_listing(sorted(files)):
+        return StepStatus(COMMITTED)
+    return StepStatus(INCOMPLETE, "no model or optimizer states files")
+
+
+def _ds_pointer(listing: RootListing) -> str:
+    from .deepspeed import reader
+
+    tag, problem = reader.read_latest(listing.storage)
+    if tag is None:
+        raise CorruptMetadataError(f"{reader.LATEST}: {problem}", f"{listing.storage.url}/{reader.LATEST}")
+    return tag
+
+
+# -- verl global_step_N/ + latest_checkpointed_iteration.txt ----------------------------------------------------
+
+_VERL_STEP = re.compile(r"^global_step_(\d+)$")
+_VERL_SHARD = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+VERL_TRACKER = "latest_checkpointed_iteration.txt"
+VERL_DATA = "data.pt"
+VERL_ROLES = ("actor", "critic")
+
+
+def _verl_step(name: str, is_dir: bool) -> int | None:
+    m = _VERL_STEP.match(name) if is_dir else None
+    return int(m.group(1)) if m else None
+
+
+def _verl_status(listing: RootListing, entry: Entry) -> StepStatus:
+    dirs, files = listing.top(entry.name)
+    if "actor" not in dirs:
+        return StepStatus(INCOMPLETE, "no actor/ directory")
+    for role in (r for r in VERL_ROLES if r in dirs):
+        sub_dirs, sub_files = listing.top(entry.name, role)
+        if "dist_ckpt" in sub_dirs:  # the Megatron backend: a Megatron-Core save, metadata.json last
+            if not listing.has(entry.name, f"{role}/dist_ckpt/metadata.json"):
+                return StepStatus(INCOMPLETE, f"no {role}/dist_ckpt/metadata.json: Megatron writes it last")
+            continue
+        # the FSDP backend: every rank writes model_/optim_/extra_state_world_size_W_rank_R.pt
+        shards = [m for f in sub_files if (m := _VERL_SHARD.match(f))]
+        if not shards:
+            return StepStatus(INCOMPLETE, f"no {role}/model_world_size_*_rank_*.pt files")
+        world = int(shards[0].group(2))
+        kinds = {m.group(1) for m in shards}
+        have = {(m.group(1), int(m.group(3))) for m in shards if int(m.group(2)) == world}
+        missing = [f"{k}_world_size_{world}_rank_{r}.pt" for k in sorted(kinds) for r in range(world) if (k, r) not in have]
+        if missing:
+            return StepStatus(INCOMPLETE, f"{role}/{missing[0]} missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if VERL_DATA not in files:
+        # the trainer saves the dataloader state after the workers' checkpoints, then the tracker
+        return StepStatus(INCOMPLETE, f"no {VERL_DATA}: verl's trainer writes it after the workers' files")
+    return StepStatus(COMMITTED)
+
+
+def _verl_pointer(listing: RootListing) -> str:
+    where = f"{listing.storage.url}/{VERL_TRACKER}"
+    if listing.storage.size(VERL_TRACKER) > MAX_POINTER_BYTES:
+        raise CorruptMetadataError("not a step number", where)
+    text = listing.storage.read(VERL_TRACKER).decode("utf-8", "replace").strip()
+    # verl writes str(global_steps); find_latest_ckpt_path reads int(...) and opens global_step_{N}
+    if not text.isdigit():
+        raise CorruptMetadataError(f"{text[:40]!r} is not a step number", where)
+    return f"global_step_{int(text)}"
+
+
+def _megatron_owns(listing: RootListing, entry: Entry) -> bool:
+    return True
+
+
+LAYOUTS: list[RunLayout] = [
+    RunLayout(
+        "orbax", "Orbax CheckpointManager",
+        named="`N/` or `<prefix>_N/` (step_prefix)",
+        pointer_text="none: the highest committed step",
+        in_progress=("`N.orbax-checkpoint-tmp` (0.12; `-tmp-<n>` / `-tmp-<timestamp>` before), renamed at commit; "
+                     "on gs:// the final name without `commit_success.txt` (the reader's commit rules per version)"),
+        source="orbax-checkpoint atomicity.py / step.py (the Orbax reader's commit_status)",
+        step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
+    ),
+    RunLayout(
+        "flax", "Flax checkpoint_N",
+        named="`checkpoint_N` files (flax.training.checkpoints, orbax off)",
+        pointer_text="none: the highest checkpoint_N (latest_checkpoint)",
+        in_progress="`checkpoint_tmp` (flax writes it, then renames it to checkpoint_N)",
+        source="flax/training/checkpoints.py",
+        step_of=_flax_step, status_of=_flax_status, fallback_format="flax", own_root=True,
+    ),
+    RunLayout(
+        "t5x", "T5X checkpoint_N/",
+        named="`checkpoint_N/` holding the `checkpoint` msgpack file (also orbax <= 0.4's checkpoint_N/)",
+        pointer_text="none: the highest checkpoint_N/ with its `checkpoint` file",
+        in_progress="`checkpoint_N.tmp-<time>/` (renamed when written); a checkpoint_N/ without `checkpoint` is incomplete",
+        source="t5x/checkpoints.py",
+        step_of=_t5x_step, status_of=_t5x_status, owns=_t5x_owns, fallback_format="t5x", own_root=True,
+    ),
+    RunLayout(
+        "torchtitan", "torchtitan (DCP)",
+        named="`step-N/` under the job's checkpoint folder",
+        pointer_text="none: the highest step-N/ holding `.metadata` (or an HF export's `model.safetensors.index.json`)",
+        in_progress="a step-N/ without `.metadata` (DCP's coordinator writes it last, after every rank's `.distcp`)",
+        source="torchtitan components/checkpoint.py (_find_load_step)",
+        step_of=_titan_step, status_of=_titan_status, fallback_format="dcp",
+    ),
+    RunLayout(
+        "hf-trainer", "Hugging Face Trainer",
+        named="`checkpoint-N/` (save_steps; weights as model.safetensors or pytorch_model.bin)",
+        pointer_text="none: the highest checkpoint-N/ (get_last_checkpoint; it does not check completeness)",
+        in_progress=("a checkpoint-N/ without `trainer_state.json` (written last, after weights, optimizer, "
+                     "scheduler and RNG state); `tmp-checkpoint-N/` (transformers 4.36's staged saves)"),
+        source="transformers trainer.py (_save_checkpoint), trainer_utils.py (get_last_checkpoint)",
+        step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
+    ),
+    RunLayout(
+        "megatron", "Megatron-LM",
+        named="`iter_NNNNNNN/` (7 digits; `release/`)",
+        pointer_text="`latest_checkpointed_iteration.txt`: the iteration number (or `release`), written after the save",
+        in_progress="an iter_N/ without `metadata.json` (written last by rank 0); an iter_N/ newer than the tracker",
+        source="megatron/training/checkpointing.py (the Megatron reader's read_tracker)",
+        step_of=_megatron_step, status_of=_megatron_status, owns=_megatron_owns,
+        pointer="latest_checkpointed_iteration.txt", read_pointer=_megatron_pointer,
+        fallback_format="megatron", own_root=True, pointer_is_commit=True,
+    ),
+    RunLayout(
+        "nemo2", "NeMo 2",
+        named="`<name>--<metric>-step=N-consumed_samples=M/` (and its `-last` copy), each with `weights/` + `context/`",
+        pointer_text="none: NeMo resumes from the newest finished `*-last` directory",
+        in_progress="a `<name>-unfinished` marker file beside the directory (removed when the save is finalized)",
+        source="NeMo nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/lightning/resume.py",
+        step_of=_nemo_step, status_of=_nemo_status, owns=_nemo_owns, fallback_format="megatron",
+    ),
+    RunLayout(
+        "deepspeed", "DeepSpeed",
+        named="`global_stepN/` (the default tag; any tag name works)",
+        pointer_text="`latest`: the tag (a directory name), written after every rank's files",
+        in_progress="a tag directory without model/optimizer states files; a step newer than `latest`",
+        source="deepspeed/runtime/engine.py (save_checkpoint; the DeepSpeed reader's read_latest)",
+        step_of=_ds_step, status_of=_ds_status, pointer="latest", read_pointer=_ds_pointer,
+        pointer_names_any=True, fallback_format="deepspeed", own_root=True, pointer_is_commit=True,
+    ),
+    RunLayout(
+        "verl", "verl",
+        named="`global_step_N/` holding `actor/` (and `critic/`), `data.pt`",
+        pointer_text="`latest_checkpointed_iteration.txt`: the step number, written after the step's files",
+        in_progress=("a global_step_N/ without `data.pt` or missing a rank's model/optim/extra_state file; "
+                     "a step newer than the tracker (with async_save verl writes no tracker)"),
+        source="verl trainer/ppo/ray_trainer.py (_save_checkpoint), utils/checkpoint/ (documented layout)",
+        step_of=_verl_step, status_of=_verl_status, pointer=VERL_TRACKER, read_pointer=_verl_pointer,
+        payload="actor", fallback_format="torch", pointer_is_commit=True,
+    ),
+]
+
+
+def layout_named(name: str) -> RunLayout:
+    return next(layout for layout in LAYOUTS if layout.name == name)
+
+
+def entries_of(listing: RootListing, layout: RunLayout) -> list[tuple[Entry, int | None]]:
+    """The root's entries this layout claims, with their step numbers (None: flax's checkpoint_tmp)."""
+    out = []
+    for name in listing.dirs:
+        step = layout.step_of(name, True)
+        if step is not None and (entry := Entry(name, True)) and layout.owns(listing, entry):
+            out.append((entry, step))
+    for name in listing.files:
+        step = layout.step_of(name, False)
+        if step is not None and (entry := Entry(name, False)) and layout.owns(listing, entry):
+            out.append((entry, None if step < 0 else step))
+    return out
+
+
+def identify(listing: RootListing) -> tuple[RunLayout, list[tuple[Entry, int | None]]] | None:
+    """The layout claiming most of the root's entries (ties: the table's order), or None."""
+    best: tuple[float, int, RunLayout, list] | None = None
+    for order, layout in enumerate(LAYOUTS):
+        found = entries_of(listing, layout)
+        score = len(found) + (0.5 if layout.pointer and layout.pointer in listing.files else 0)
+        if score and (best is None or score > best[0]):
+            best = (score, order, layout, found)
+    return (best[2], best[3]) if best else None
+
+
+def format_of(listing: RootListing, layout: RunLayout, entry: Entry) -> str:
+    """The registry format of a step, from the names in it (a listing): the first format (in
+    detection order) claiming one of its top-level names, else the layout's fallback."""
+    if not entry.is_dir:
+        return layout.fallback_format
+    from . import registered
+
+    dirs, files = listing.top(entry.name, layout.payload)
+    names = sorted(files) + sorted(dirs)
+    if not any(info.claimed(n) for info in registered() for n in names):
+        # a step of named items (orbax <= 0.4's <item>/checkpoint): what the items hold
+        below = f"{layout.payload}/" if layout.payload else ""
+        names = sorted({k.rsplit("/", 1)[-1] for k in listing.under.get(entry.name, ())
+                        if k.startswith(below) and k[len(below):].count("/") == 1})
+    for info in registered():
+        if any(info.claimed(n) for n in names):
+            # a format of several families (msgpack: flax, t5x) says the layout's family
+            return layout.fallback_format if layout.fallback_format in info.families else info.name
+    return layout.fallback_format
+
+
+def read_pointer(listing: RootListing, layout: RunLayout) -> tuple[str | None, str | None]:
+    """(the entry name the pointer file names, None) or (None, what is wrong with it); (None, None)
+    when the layout has no pointer file or it is absent."""
+    if layout.pointer is None or layout.read_pointer is None or layout.pointer not in listing.files:
+        return None, None
+    try:
+        return layout.read_pointer(listing), None
+    except CkptError as exc:
+        return None, exc.message
