@@ -330,7 +330,7 @@ def test_integrity_a_changed_byte_is_found_by_deep_only(with_manifest, ckpt):
     path.write_text(text.replace('"common_backend_version": 1', '"common_backend_version":1 '))  # same JSON meaning
     assert _validate(ckpt, "--strict", with_manifest)["returncode"] == 0  # no size or hash is read shallow
     doc = _validate(ckpt, "--deep", with_manifest)
-    assert doc["returncode"] == 1 and _codes(doc) == [("bad-chunk", "metadata.json")]
+    assert doc["returncode"] == 1 and _codes(doc) == [("digest-mismatch", "metadata.json")]
     assert "differs from integrity.json" in doc["findings"][0]["message"]
 
 
@@ -370,7 +370,7 @@ def test_integrity_unnamed_save_file_and_a_name_escaping(with_manifest, ckpt):
     doc["files"]["../outside.txt"] = "0" * 64
     (with_manifest / "integrity.json").write_text(json.dumps(doc))
     found = _validate(ckpt, with_manifest)
-    assert ("stray-file", "__1_2.distcp") in _codes(found, "warning")
+    assert ("unlisted-file", "__1_2.distcp") in _codes(found, "warning")
     assert any(code == "path-escape" for code, _ in _codes(found))
 
 
@@ -381,7 +381,7 @@ def test_integrity_in_a_run_roots_step(tmp_path, ckpt):
     path = root / "iter_0000020" / "metadata.json"
     path.write_text(path.read_text() + "\n")  # the same JSON, not the same bytes
     doc = _validate(ckpt, "--deep", root)
-    assert _codes(doc) == [("bad-chunk", "iter_0000020/metadata.json")]
+    assert _codes(doc) == [("digest-mismatch", "iter_0000020/metadata.json")]
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ COMMANDS = {
                 "Convert to another format, streaming, all or nothing."),
     "reshard": ("ckpt_tool.cli.reshard_cmd:reshard_command",
                 f"Rewrite as an {formats.reshard_format().label} checkpoint laid out for a new device mesh."),
+    "manifest": ("ckpt_tool.cli.manifest_cmd:manifest_group",
+                 "Write or verify a checkpoint's sha256 integrity manifest."),
 }
 
 

@@ -26,9 +26,11 @@ from .render import Output, esc, human_bytes, plural
     help="github: ::error / ::warning annotation lines for CI logs.",
 )
 @click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Parallel chunk reads for --deep.")
+@click.option("--manifest", "manifest_file", metavar="FILE",
+              help="An integrity manifest kept elsewhere (default: the checkpoint's integrity.json, when present).")
 @memory_option
 def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_json: bool, fmt: str, workers: int,
-                     memory: int) -> None:
+                     memory: int, manifest_file: str | None) -> None:
     """Check that the checkpoint at PATH is complete and consistent: commit
     markers, metadata, every array and chunk present, files long enough,
     DCP chunks covering each tensor, no unsafe pickle. Collects every finding.
@@ -36,7 +38,8 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
     Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
     out = Output(json_mode=as_json)
     with progress_for(out, "reading chunks", show=deep) as progress:
-        report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory)
+        report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
+                                     manifest=manifest_file)
     if as_json:
         out.json(report.to_json(strict))
     elif fmt == "github":

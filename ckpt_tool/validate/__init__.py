@@ -47,15 +47,21 @@ def validate_checkpoint(
     workers: int = 4,
     progress: Progress = no_progress,
     memory: int | None = None,
+    manifest: str | None = None,
 ) -> ValidationReport:
     """Check the checkpoint at `path`; collects every finding instead of stopping at the first.
 
-    `memory`: the --deep read scheduler's budget in bytes (None: its default)."""
+    `memory`: the --deep read scheduler's budget in bytes (None: its default). `manifest`: an
+    integrity manifest kept elsewhere (default: the checkpoint's own, when it has one)."""
     from .. import formats
     from ..formats import TMP_MARKER, detect
     from ..storage import check_url
+    from . import integrity
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
+    integrity_args = dict(manifest=manifest, deep=deep, workers=workers, memory=memory, progress=progress)
+    if manifest is not None:
+        integrity.require(path, manifest)  # one line when the file given is not there
     # a path naming one file a format reads as a checkpoint (a .safetensors file, a Flax msgpack file)
     split = formats.split_file(path)
     single = None
@@ -64,7 +70,8 @@ def validate_checkpoint(
         info, single = split
         whole = getattr(info.checks(), "validate_file", None)
         if whole is not None:  # the format validates such a file its own way
-            return whole(path, single, deep=deep, workers=workers, progress=progress)
+            report = whole(path, single, deep=deep, workers=workers, progress=progress)
+            return integrity.add_to(report, path, checks=info.checks(), **integrity_args)
 
     findings = Findings()
     fmt = None
@@ -110,6 +117,8 @@ def validate_checkpoint(
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
         findings.error("bad-metadata", exc.message, file=exc.where)
+    if info is not None:  # the checkpoint's integrity manifest, when it has one (its own findings)
+        integrity.add_to(findings, path, checks=info.checks(), **integrity_args)
     if single is None and storage.local_root is not None:
         # `.5.ckpt-tmp-1a2b3c4d/` in a run root: what a killed convert/reshard left (never a step)
         from ..output import stale_temporaries

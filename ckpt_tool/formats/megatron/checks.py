@@ -50,6 +50,13 @@ class _Under:
         return self._findings.errors
 
 
+def manifest_covers(name: str) -> bool:
+    """For validate's manifest check: the top-level files a Megatron integrity.json names."""
+    from . import integrity
+
+    return integrity.covers(name)
+
+
 def leaf_path(fqn: str) -> str:
     return keys_path(mg.split_name(fqn))
 
@@ -110,7 +117,9 @@ def _check_save(storage: Storage, findings: Findings) -> None:
         return
     from . import integrity
 
-    if integrity.FILE in files:
+    if integrity.FILE in files and isinstance(findings, _Under):
+        # a save inside what validate was given (a run root's step, NeMo's weights/); the
+        # manifest of the path itself is validate's to check, for every format
         integrity.check(storage, findings)
     backend = config["sharded_backend"]
     if backend == "zarr":
@@ -157,8 +166,8 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
         findings = _Under(findings, "weights")  # type: ignore[assignment]
     from . import integrity, legacy
 
-    if integrity.FILE in save.listdir()[1]:
-        integrity.check_deep(save, findings)
+    if isinstance(findings, _Under) and integrity.FILE in save.listdir()[1]:
+        integrity.check_deep(save, findings)  # (the given path's own manifest: validate checks it)
     if ckpt.layout.get("backend") == legacy.BACKEND:
         legacy.check_deep(save, ckpt, findings, skip_leaves)
         return

@@ -1,0 +1,435 @@
+"""Integrity manifests: the sha256 of every file of a checkpoint, written once and checked later.
+
+Format-neutral: a manifest names files, not leaves (with --tensors also each array leaf's
+logical bytes), so one implementation serves every format and Megatron's own `integrity.json`
+(see schema.py for the document). Where it lives:
+
+- a checkpoint directory: `integrity.json` inside it, Megatron's name and place, so it travels
+  with the checkpoint (cp -r, gsutil cp, aws s3 sync) and Megatron's
+  `load(..., verify_integrity=True)` verifies one ckpt wrote; no format's reader or ckpt's
+  checks look at a file of that name (tests/test_manifest.py loads orbax and DCP saves with it);
+- a checkpoint that is one file (model.safetensors): `model.safetensors.integrity.json` beside it;
+- anywhere else with `--manifest FILE` (names stay relative to the checkpoint).
+
+write() hashes (hashing.py) and writes atomically (a temporary file renamed over the final name;
+on S3/GCS one PUT), never over a manifest another writer made unless asked (`overwrite`), and
+never touches another file of the checkpoint. check_shallow() (no data read: names, sizes) and
+check_digests() (every file hashed; per-tensor digests named when a file differs) report
+findings for `ckpt validate` and `ckpt manifest verify`; the core never prints (progress goes to
+a callback).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CkptError, DestinationExistsError, NotFoundError, PathEscapeError, UsageError
+from ..findings import Progress, no_progress
+from ..storage import Storage
+from .hashing import hash_files
+from .schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, parse, render
+
+__all__ = [
+    "ALGORITHM", "FILE", "Location", "Manifest", "TensorDigest", "WriteResult", "at", "check_digests",
+    "check_shallow", "locate", "read", "write",
+]
+
+_TMP_PREFIX = ".integrity-tmp-"  # our own temporary while writing (never a file of the checkpoint)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a checkpoint's manifest is, and what it covers."""
+
+    storage: Storage  # the checkpoint's directory: the manifest's names are relative to it
+    single: str | None  # the checkpoint's one file, when it is one file
+    home: Storage  # the directory the manifest file is in
+    name: str  # the manifest's file name in `home`
+    inside: str | None  # its key in `storage` when it sits inside the checkpoint (never one of its files)
+    explicit: bool = False  # given with --manifest
+
+    @property
+    def url(self) -> str:
+        return f"{self.home.url.rstrip('/')}/{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How findings name it: relative to the checkpoint when inside it."""
+        return self.inside or self.url
+
+    def present(self) -> bool:
+        return self.home.exists(self.name)
+
+
+def at(storage: Storage, name: str = FILE) -> Location:
+    """The manifest `name` inside a checkpoint directory already open (validate's, Megatron's saves)."""
+    return Location(storage, None, storage, name, name)
+
+
+def locate(path: str, manifest: str | None = None, *, create: bool = False) -> Location:
+    """The manifest of the checkpoint at `path`: its default place, or `manifest` (a file path or URL).
+    `create`: the manifest's directory may be created (write)."""
+    from .. import formats
+
+    single = formats.split_file(path)
+    if single is not None:
+        directory, one = single[1]
+        storage = Storage.open(directory)
+    else:
+        storage, one = Storage.open(path), None
+    if manifest is None:
+        name = f"{one}{SINGLE_SUFFIX}" if one else FILE
+        return Location(storage, one, storage, name, name)
+    home_url, name = _split(manifest)
+    if not name:
+        raise UsageError(f"--manifest {manifest}: not a file name")
+    home = Storage.create(home_url) if create else Storage.open(home_url)
+    inside = None
+    if home.url.rstrip("/") == storage.url.rstrip("/"):
+        inside = name
+    elif home.url.startswith(storage.url.rstrip("/") + "/"):
+        inside = f"{home.url[len(storage.url.rstrip('/')) + 1:].rstrip('/')}/{name}"
+    return Location(storage, one, home, name, inside, explicit=True)
+
+
+def _split(url: str) -> tuple[str, str]:
+    """(directory, file name) of a local path or a URL."""
+    if "://" not in url:
+        path = os.path.abspath(os.path.expanduser(url))
+        return os.path.dirname(path), os.path.basename(path)
+    head, _, name = url.rstrip("/").rpartition("/")
+    return head, name
+
+
+def read(loc: Location) -> Manifest:
+    """The manifest, checked (CorruptMetadataError naming it; NotFoundError when absent)."""
+    from .schema import MAX_BYTES
+
+    try:
+        size = loc.home.size(loc.name)
+    except FileNotFoundError:
+        raise NotFoundError("no integrity manifest here", loc.url) from None
+    if size > MAX_BYTES:
+        from ..errors import CorruptMetadataError
+
+        raise CorruptMetadataError(f"{size:,} bytes: not an integrity manifest", loc.label)
+    return parse(loc.home.read(loc.name), loc.label)
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+@dataclass
+class WriteResult:
+    url: str  # the manifest written
+    files: int
+    bytes: int
+    tensors: int | None  # leaves digested (None: no --tensors)
+    seconds: float
+    replaced: str | None = None  # what was there before ("ckpt's manifest", "another writer's manifest")
+
+
+def checkpoint_files(loc: Location) -> list[str]:
+    """The files a tree manifest covers: every file under the checkpoint directory but the
+    manifest itself and ckpt's own temporaries (a convert's `.ckpt-tmp` output, a manifest being
+    written)."""
+    from ..formats import TMP_MARKER
+
+    if loc.single is not None:
+        return [loc.single]
+    return [k for k in loc.storage.list() if k != loc.inside and not _temporary(k, TMP_MARKER)]
+
+
+def _temporary(key: str, marker: str) -> bool:
+    return any(marker in part or part.startswith(_TMP_PREFIX) for part in key.split("/"))
+
+
+def write(
+    path: str,
+    *,
+    manifest: str | None = None,
+    tensors: bool = False,
+    overwrite: bool = False,
+    workers: int = 4,
+    memory: int = 512 << 20,
+    progress: Progress = no_progress,
+) -> WriteResult:
+    """Hash every file of the checkpoint at `path` and write its manifest (see the module docstring)."""
+    from .. import __version__, formats
+
+    started = time.monotonic()
+    loc = locate(path, manifest, create=True)
+    if loc.single is None:
+        formats.detect(loc.storage)  # a checkpoint ckpt reads, not any directory (one line otherwise)
+    replaced = _replaceable(loc, overwrite)
+    names = checkpoint_files(loc)
+    hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
+    for h in hashed:
+        if h.error is not None:
+            raise CkptError(f"cannot be read to hash it: {h.error.message}", f"{loc.storage.url}/{h.name}")
+    digests: dict[str, TensorDigest] | None = None
+    if tensors:
+        digests = _digest_tensors(path, workers=workers, memory=memory, progress=progress)
+    data = render({h.name: h.digest for h in hashed if h.digest}, {h.name: h.size for h in hashed},
+                  SINGLE if loc.single else TREE, digests, f"ckpt {__version__}")
+    _write_atomic(loc.home, loc.name, data)
+    return WriteResult(loc.url, len(hashed), sum(h.size for h in hashed), None if digests is None else len(digests),
+                       time.monotonic() - started, replaced)
+
+
+def _replaceable(loc: Location, overwrite: bool) -> str | None:
+    """What the manifest's place holds now, when it may be replaced; DestinationExistsError when not."""
+    if not loc.present():
+        return None
+    try:
+        existing = read(loc)
+    except PathEscapeError:
+        raise
+    except CkptError as exc:
+        if overwrite:
+            return "an unreadable manifest"
+        raise DestinationExistsError(f"holds a file that is not a manifest ckpt wrote ({exc.message}); "
+                                     "--overwrite replaces it", loc.url) from None
+    if existing.ours:
+        return "ckpt's manifest"
+    if not overwrite:
+        raise DestinationExistsError(
+            f"holds a manifest of {len(existing.files)} files that ckpt did not write (Megatron's save wrote it, or "
+            "another tool); `ckpt manifest verify` checks it as it is; --overwrite replaces it", loc.url)
+    return "another writer's manifest"
+
+
+def _digest_tensors(path: str, *, workers: int, memory: int, progress: Progress) -> dict[str, TensorDigest]:
+    from ..formats import open_checkpoint
+    from .tensors import tensor_digests
+
+    ckpt = open_checkpoint(path)
+    if ckpt.steps:
+        raise UsageError(f"--tensors: {path} is a run root of {len(ckpt.steps)} steps; write a manifest per step "
+                         "(ckpt manifest write ROOT/STEP --tensors)")
+    digests, failed = tensor_digests(ckpt, workers=workers, memory=memory, progress=progress)
+    if failed:
+        leaf, why = next(iter(sorted(failed.items())))
+        raise CkptError(f"cannot be read to digest it: {why}" + (f" (and {len(failed) - 1} more leaves)"
+                                                                 if len(failed) > 1 else ""), leaf)
+    return digests
+
+
+def _write_atomic(home: Storage, name: str, data: bytes) -> None:
+    """The manifest's bytes under `name`, all or nothing: locally a temporary file fsynced and
+    renamed over the name (a rename replaces a symlink there, never writes through it); on an
+    object store one PUT, which is all or nothing already."""
+    if home.local_root is None:
+        home.write(name, data)
+        return
+    final = os.path.join(home.local_root, name)
+    tmp = os.path.join(home.local_root, f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        dfd = os.open(home.local_root, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        with _quiet():
+            os.unlink(tmp)
+        raise CkptError(f"cannot write the manifest: {exc.strerror or exc}", final) from None
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+# -- checking -----------------------------------------------------------------------------------
+
+
+def check_shallow(loc: Location, findings: Any, *, covers: Callable[[str], bool] | None = None,
+                  workers: int = 4) -> Manifest | None:
+    """No data read: the manifest readable (`bad-metadata`), every file it names present
+    (`missing-file`) with its recorded size (`size-mismatch`, when sizes are recorded), and the
+    checkpoint's files it does not name (`unlisted-file`, a warning). `covers(name)`: which
+    top-level files another writer's manifest (Megatron's: its save's files) is meant to name."""
+    try:
+        manifest = read(loc)
+    except PathEscapeError:
+        raise
+    except CkptError as exc:
+        findings.error("bad-metadata", exc.message, file=loc.label)
+        return None
+    findings.count("manifest_files", len(manifest.files))
+    listing = set(loc.storage.list()) if loc.single is None else set()
+    present = []
+    for name in manifest.files:
+        if name in listing:
+            present.append(name)
+            continue
+        try:
+            there = loc.storage.exists(name)
+        except PathEscapeError as exc:
+            findings.error("path-escape", f"{loc.label} names it: {exc.message}", file=name)
+            continue
+        if there:
+            present.append(name)
+        else:
+            findings.error("missing-file", f"named by {loc.label}, which records its sha256", file=name)
+    if manifest.sizes:
+        recorded = [n for n in present if n in manifest.sizes]
+        for name, size in zip(recorded, _sizes(loc.storage, recorded, workers)):
+            if size is not None and size != manifest.sizes[name]:
+                findings.error("size-mismatch", f"{size:,} bytes where {loc.label} records {manifest.sizes[name]:,}: "
+                               "not the file the manifest was written from", file=name)
+    for name in _unlisted(loc, manifest, listing, covers):
+        findings.warning("unlisted-file", f"not named by {loc.label}: added after the manifest was written, so "
+                         "not protected by it", file=name)
+    return manifest
+
+
+def _sizes(storage: Storage, names: list[str], workers: int) -> list[int | None]:
+    def one(name: str) -> int | None:
+        try:
+            return storage.size(name)
+        except PathEscapeError:
+            raise
+        except (CkptError, OSError):
+            return None  # gone since the listing: the digest check says so
+    if storage.local_root is not None or len(names) < 2:
+        return [one(n) for n in names]
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-stat") as pool:
+        return list(pool.map(one, names))
+
+
+def _unlisted(loc: Location, manifest: Manifest, listing: set[str], covers: Callable[[str], bool] | None) -> list[str]:
+    if loc.single is not None or manifest.scope == SINGLE:
+        return []  # a one-file checkpoint: the directory's other files are not its own
+    if manifest.ours:  # every file under the directory when it was written
+        return [k for k in checkpoint_files(loc) if k not in manifest.files]
+    # another writer's (Megatron's): the files directly in the directory
+    top = sorted(loc.storage.listdir()[1])
+    return [k for k in top if k not in manifest.files and k != loc.inside and (covers is None or covers(k))]
+
+
+def check_digests(
+    loc: Location,
+    findings: Any,
+    *,
+    workers: int = 4,
+    memory: int = 512 << 20,
+    progress: Progress = no_progress,
+    checkpoint: str | None = None,
+) -> None:
+    """Every named file hashed against the manifest (`digest-mismatch` naming the file). When a
+    file differs and the manifest records per-tensor digests, the leaves of `checkpoint` (its
+    path) are digested too, and each that differs is named (`digest-mismatch` with the leaf).
+    An unreadable manifest or a missing file was reported by check_shallow."""
+    try:
+        manifest = read(loc)
+    except CkptError:
+        return
+    names = []
+    for name in sorted(manifest.files):
+        try:
+            if loc.storage.exists(name):
+                names.append(name)
+        except PathEscapeError:
+            continue  # reported by the shallow check
+    hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
+    verified = 0
+    differs = []
+    for h in hashed:
+        if h.error is not None:
+            findings.error("digest-mismatch", f"cannot be read whole to verify its sha256: {h.error.message}",
+                           file=h.name)
+            differs.append(h.name)
+        elif h.digest != manifest.files[h.name]:
+            findings.error("digest-mismatch", f"sha256 {h.digest[:16]}... differs from {loc.label}'s "
+                           f"{manifest.files[h.name][:16]}...: not the bytes the manifest was written from",
+                           file=h.name)
+            differs.append(h.name)
+        else:
+            verified += 1
+    findings.count("sha256_verified", verified)
+    if differs and manifest.tensors and checkpoint is not None:
+        _check_tensors(checkpoint, manifest, loc, findings, workers=workers, memory=memory, progress=progress)
+
+
+def _check_tensors(path: str, manifest: Manifest, loc: Location, findings: Any, *, workers: int, memory: int,
+                   progress: Progress) -> None:
+    """Name the leaves whose values changed (the files' digests say only which files did)."""
+    from ..formats import open_checkpoint
+    from .tensors import tensor_digests
+
+    try:
+        ckpt = open_checkpoint(path)
+    except CkptError as exc:
+        findings.error("digest-mismatch", f"cannot be opened to check {loc.label}'s per-tensor digests: "
+                       f"{exc.message}", file=loc.label)
+        return
+    assert manifest.tensors is not None
+    digests, failed = tensor_digests(ckpt, workers=workers, memory=memory, progress=progress)
+    same = 0
+    for leaf, want in sorted(manifest.tensors.items()):
+        got = digests.get(leaf)
+        if leaf in failed:
+            findings.error("digest-mismatch", f"cannot be read to check its digest: {failed[leaf]}", leaf=leaf)
+        elif got is None:
+            findings.error("digest-mismatch", f"recorded in {loc.label} but not an array of the checkpoint now",
+                           leaf=leaf)
+        elif (got.dtype, got.shape) != (want.dtype, want.shape):
+            findings.error("digest-mismatch", f"now {got.dtype}{list(got.shape)}, {loc.label} records "
+                           f"{want.dtype}{list(want.shape)}", leaf=leaf)
+        elif got.sha256 != want.sha256:
+            findings.error("digest-mismatch", f"its values' sha256 {got.sha256[:16]}... differs from {loc.label}'s "
+                           f"{want.sha256[:16]}...: the changed bytes are in this tensor", leaf=leaf)
+        else:
+            same += 1
+    findings.count("tensor_digests_verified", same)
+
+
+
+def verify(
+    path: str,
+    *,
+    manifest: str | None = None,
+    workers: int = 4,
+    memory: int = 512 << 20,
+    progress: Progress = no_progress,
+) -> tuple[Location, Any, str | None]:
+    """`ckpt manifest verify`: the manifest's checks alone, shallow and every digest; (where it is,
+    the Findings, the checkpoint's format). No manifest, or one that cannot be read, is an error
+    (one line), not a finding: there is nothing to verify against."""
+    from .. import formats
+    from ..findings import Findings
+
+    loc = locate(path, manifest)
+    if not loc.present():
+        raise NotFoundError("no integrity manifest (`ckpt manifest write` writes one; --manifest FILE names one "
+                            "kept elsewhere)", loc.url)
+    read(loc)
+    checks, fmt = None, None
+    try:
+        info = formats.split_file(path)[0] if loc.single else formats.get(formats.detect(loc.storage).NAME)
+        checks, fmt = info.checks(), info.name
+    except CkptError:
+        pass  # a manifest names files: they can be checked whatever the directory holds
+    findings = Findings()
+    check_shallow(loc, findings, covers=getattr(checks, "manifest_covers", None), workers=workers)
+    check_digests(loc, findings, workers=workers, memory=memory, progress=progress,
+                  checkpoint=path if fmt is not None else None)
+    return loc, findings, fmt
