@@ -5,6 +5,7 @@
     >>> leaf = ck["params/dense/kernel"]
     >>> leaf.shape, leaf.dtype          # from metadata alone
     >>> leaf[0:4, :]                    # reads just that region
+    >>> ckpt_tool.latest("gs://bucket/run/checkpoints").path   # the step to resume from, or None
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from .errors import CkptError
 
 if TYPE_CHECKING:
     from .model import ArrayLeaf, Checkpoint, ValueLeaf
+    from .runs import Latest
 
 __version__ = "0.1.0"
-__all__ = ["open", "Checkpoint", "ArrayLeaf", "ValueLeaf", "CkptError", "__version__"]
+__all__ = ["open", "latest", "Checkpoint", "ArrayLeaf", "ValueLeaf", "CkptError", "__version__"]
 
 # the model (and with it numpy) loads on first use, so that the `ckpt`
 # command can set up the process before numpy starts
@@ -40,3 +42,15 @@ def open(path: str, *, step: str | int | None = None) -> Checkpoint:  # noqa: A0
     from .formats import open_checkpoint
 
     return open_checkpoint(path, step=step)
+
+
+def latest(root: str, deep: bool = False) -> Latest:
+    """The step of the run root `root` to resume from: the newest one complete by its writer's
+    rule (Orbax commit, DCP's .metadata, Megatron's tracker, ...) that passes validate's shallow
+    checks (`deep=True`: decodes every chunk too). `.path` is its path, or None when no step
+    qualifies; `.skipped` lists the newer steps passed over and why (the pointer file's target
+    included, when it fails). Reads listings and metadata only; raises CkptError when `root`
+    is not a run root ckpt knows."""
+    from .runs import latest as _latest
+
+    return _latest(root, deep=deep)

@@ -27,7 +27,7 @@ def _usage_lines(command: str, message: str) -> list[str]:
     usage = {
         "inspect": "Usage: ckpt inspect [OPTIONS] PATH",
         "validate": "Usage: ckpt validate [OPTIONS] PATH",
-        "diff": "Usage: ckpt diff [OPTIONS] A B",
+        "diff": "Usage: ckpt diff [OPTIONS] A [B]",
         "convert": "Usage: ckpt convert [OPTIONS] SRC DST",
         "reshard": "Usage: ckpt reshard [OPTIONS] SRC DST",
     }[command]
@@ -211,7 +211,7 @@ def test_top_help_lists_every_format_and_whole_summaries():
         assert fmt in r.stdout, fmt
     commands = r.stdout.split("Commands:\n", 1)[1].splitlines()
     names = [line.split()[0] for line in commands if line.startswith("  ") and not line.startswith("   ")]
-    assert names == ["inspect", "validate", "diff", "convert", "reshard"]
+    assert names == ["inspect", "validate", "diff", "ls", "latest", "convert", "reshard", "manifest"]
     assert len(commands) == len(names), commands  # one line each: no summary wraps
     for line in commands:
         assert not line.rstrip().endswith("..."), line  # not cut mid-sentence

@@ -14,6 +14,7 @@ from ..parallel import default_workers
 from .. import open as open_checkpoint
 from ..diff import diff_checkpoints
 from ..model import Checkpoint
+from ..runs import step_path
 from ..structure import is_inspect_json_file, load_structure
 from .options import memory_option
 from .render import Output, esc, plural
@@ -21,7 +22,7 @@ from .render import Output, esc, plural
 
 @click.command("diff")
 @click.argument("a")
-@click.argument("b")
+@click.argument("b", required=False)
 @click.option("--values", is_flag=True, help="Also compare array data chunk by chunk (bounded memory) and decoded values (not with an inspect JSON side).")
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Relative tolerance for --values.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance for --values.")
@@ -29,14 +30,14 @@ from .render import Output, esc, plural
 @click.option("--filter", "pattern", metavar="GLOB", help="Compare only leaves whose (renamed) '/'-joined keys or dotted names match, e.g. 'params/**' or 'model.layers.0.*' (as for inspect --filter); matching no leaf is an error.")
 @click.option("--cast-ok", is_flag=True, help="A floating leaf whose dtype differs (e.g. after convert --dtype bfloat16) is no difference: with --values it is compared by value in float64 within --atol/--rtol; the dtype change is reported once.")
 @click.option("--layout", is_flag=True, help="Also compare each array's chunk shape, chunk count and recorded sharding.")
-@click.option("--step", help="Step of whichever side is a CheckpointManager root (both, when both are checkpoints).")
-@click.option("--step-a", help="Step of A when A is a CheckpointManager root.")
-@click.option("--step-b", help="Step of B when B is a CheckpointManager root.")
+@click.option("--step", help="Step of whichever side is a run root (both, when both are checkpoints): a number, a step's name or 'latest'.")
+@click.option("--step-a", help="Step of A when A is a run root (any framework `ckpt ls` lists).")
+@click.option("--step-b", help="Step of B when B is a run root; without B, of A: two steps of one run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Chunks read and compared in parallel.")
 @memory_option
 def diff_command(
-    a: str, b: str, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
+    a: str, b: str | None, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
     memory: int, cast_ok: bool,
 ) -> None:
@@ -44,11 +45,17 @@ def diff_command(
     one, changed kind, shape or dtype, and with --values the max absolute and
     relative difference per leaf. Exit 1 on any difference.
 
+    Two steps of one run: `ckpt diff ROOT --step-a N --step-b M` (any run root `ckpt ls` lists).
+
     A or B may be a file written by `ckpt inspect CKPT --json` (the expected
     structure): then keys, kinds, shapes and dtypes are checked against it,
     without a reference checkpoint."""
     if step is not None and (step_a is not None or step_b is not None):
         raise click.UsageError("--step applies to both sides; give it or --step-a/--step-b, not both")
+    if b is None:
+        if step_a is None or step_b is None:
+            raise click.UsageError("B is missing: give B, or --step-a and --step-b to compare two steps of the run root A")
+        b = a  # two steps of one run
     json_a, json_b = is_inspect_json_file(a), is_inspect_json_file(b)
     if step is not None and json_a and json_b:
         raise click.UsageError("--step: both A and B are inspect JSON documents; there is no checkpoint to pick a step of")
@@ -85,6 +92,10 @@ def diff_command(
 def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explicit: bool, values: bool) -> Checkpoint:
     """The checkpoint at `path`, or the structure the inspect JSON file there records."""
     if not is_json:
+        if step is not None:
+            # a run root whose format reader has no step rules of its own (torchtitan, HF
+            # Trainer, NeMo 2, verl): the run layouts' table picks the step's directory
+            path, step = step_path(path, step)
         return open_checkpoint(path, step=step)
     # usage errors first: they are about the command line, whatever the file holds
     if values:

@@ -41,7 +41,7 @@ COMMANDS = {
     "diff": ("ckpt_tool.cli.diff_cmd:diff_command",
              "Compare two checkpoints' leaves and values; exit 1 if they differ."),
     "ls": ("ckpt_tool.cli.ls_cmd:ls_command",
-           "List a run root's steps: status by the writer's rule, size, pointer."),
+           "List a run root's steps: status, size, the pointer's target."),
     "latest": ("ckpt_tool.cli.latest_cmd:latest_command",
                "Print the newest complete step of a run root that validates."),
     # (the formats it writes are in the top help's "Writes ..." line: listed here they no longer fit one line)
