@@ -245,8 +245,11 @@ def latest(root: str, deep: bool = False) -> Latest:
 def step_path(root: str, step: str | int) -> tuple[str, str | int | None]:
     """(path, step for the format's reader) of step `step` of the run root at `root`: a number,
     an entry's name or 'latest'. Roots whose format reader has its own step rules (Orbax, Flax/T5X,
-    Megatron, DeepSpeed) are left to it: (root, step)."""
-    _, listing, layout, entries = _open_root(root)
+    Megatron, DeepSpeed) are left to it, and so is a path that is not a run root: (root, step)."""
+    try:
+        _, listing, layout, entries = _open_root(root)
+    except CkptError:
+        return root, step  # not a run root (one checkpoint, a file): the reader says what --step means there
     if layout.own_root:
         return root, step
     text = str(step)
