@@ -1,12 +1,14 @@
 """`ckpt convert SRC DST --to FORMAT` (a format with a writer): streaming, bounded memory, all or nothing."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import click
 
 from .. import formats
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
-from .options import memory_option, multihost_options, output_options
+from .options import memory_option, multihost_options, output_options, weights_option
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
@@ -31,28 +33,30 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @output_options
 @memory_option
 @multihost_options
+@weights_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
     unstack: tuple[str, ...], like: str | None, force_like: bool, dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
-    process_id: int | None, as_json: bool, memory: int,
+    process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
     """Convert the checkpoint at SRC (any format ckpt reads, detected: `ckpt
     --help` lists them) into DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
     written. Run the same command on every host to split the work."""
-    from ..distributed import JaxCoordinator, process_spec
+    from ..distributed import join
 
-    spec = process_spec(coordinator, num_processes, process_id)
-    coord = JaxCoordinator(spec) if spec.requested else None
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, memory=memory,
-        max_shard_size=_shard_size(max_shard_size, to),
+        max_shard_size=_shard_size(max_shard_size, to), read_options={"weights": weights} if weights else {},
     )
+    # the other processes (flags, JAX_*, torchrun or Slurm variables); None alone. It moves
+    # sys.stdout away from fd 1 (gloo's chatter): before Output takes sys.stdout
+    coord = join(coordinator, num_processes, process_id)
     out = Output(json_mode=as_json)
-    with progress_for(out, "converting") as progress:
+    with coord or nullcontext(), progress_for(out, "converting") as progress:
         result = convert(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
         out.json(result.to_json())

@@ -1,7 +1,9 @@
 """`ckpt reshard SRC DST --mesh data=2,model=4`: lay a checkpoint out for a new mesh."""
 from __future__ import annotations
 
+import math
 import sys
+from contextlib import nullcontext
 
 import click
 
@@ -44,7 +46,7 @@ def reshard_command(
     fits the new mesh (else that dimension is replicated) unless --rules or
     --fsdp say otherwise. Every spec is checked before DST is created; SRC is
     never written. Run the same command on every host to split the work."""
-    from ..distributed import JaxCoordinator, process_spec
+    from ..distributed import join, process_spec
 
     spec = process_spec(coordinator, num_processes, process_id)
     opts = ReshardOptions(
@@ -58,15 +60,21 @@ def reshard_command(
         plan = plan_reshard(src, dst, opts)
         _show_plan(Output(json_mode=as_json), plan, as_json)
         sys.exit(0 if plan.ok else 1)
-    coord = JaxCoordinator(spec) if spec.requested else None
+    # the other processes (flags, JAX_*, torchrun or Slurm variables); None alone
+    coord = join(coordinator, num_processes, process_id)
     # after the coordinator, which moves sys.stdout away from fd 1 (gloo's chatter)
     out = Output(json_mode=as_json)
-    if dry_run:
-        plan = plan_reshard(src, dst, opts, coordinator=coord)
-        _show_plan(out, plan, as_json)
-        sys.exit(0 if plan.ok else 1)
-    with progress_for(out, "resharding") as progress:
-        result = reshard(src, dst, opts, progress=progress, coordinator=coord)
+    with coord or nullcontext():
+        if coord is not None and coord.kind == "torch" and devices is None:
+            # without jax.distributed there are no global jax devices: the mesh's devices are
+            # ids 0..N-1, each process owning an equal run of them, as with --devices N
+            opts.devices = _mesh_devices(mesh, coord.process_count)
+        if dry_run:
+            plan = plan_reshard(src, dst, opts, coordinator=coord)
+            _show_plan(out, plan, as_json)
+            sys.exit(0 if plan.ok else 1)
+        with progress_for(out, "resharding") as progress:
+            result = reshard(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
         out.json(result.to_json())
         return
@@ -90,6 +98,17 @@ def reshard_command(
         f"{plural(len(plan.values), 'value')}, {plural(result.chunks, 'chunk')}, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
         f"({human_rate(result.bytes, result.seconds)}); {human_bytes(plan.device_bytes)} per device after restore"
     )
+
+
+def _mesh_devices(mesh: str, processes: int) -> int:
+    from ..errors import UsageError
+    from ..reshard import parse_mesh
+
+    size = math.prod(n for _, n in parse_mesh(mesh))
+    if size % processes:
+        raise UsageError(f"--mesh {mesh} has {size} devices, which {processes} processes cannot own in equal "
+                         "shares (a run coordinated through torch gives each process N/P of the mesh's devices)")
+    return size
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
