@@ -164,7 +164,7 @@ def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool 
         for i, row in enumerate(rows):
             if progress is not None:
                 progress("checking steps", i, len(rows))
-            row.check = _verdict(_validate(storage.url, layout, row, deep))
+            row.check = _checked(storage.url, layout, row, deep)
         if progress is not None:
             progress("checking steps", len(rows), len(rows))
     return result
@@ -206,6 +206,16 @@ def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any
     return validate_checkpoint(url, deep=deep)
 
 
+def _checked(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> dict[str, Any]:
+    """validate's verdict on one step; a step no reader opens fails with that one line."""
+    try:
+        return _verdict(_validate(root_url, layout, row, deep))
+    except UsageError:
+        raise
+    except CkptError as exc:
+        return {"ok": False, "errors": 1, "warnings": 0, "first": f"{exc.code}: {exc}"}
+
+
 def _verdict(report: Any) -> dict[str, Any]:
     errors = [f for f in report.findings if f.severity == ERROR]
     first = errors[0] if errors else None
@@ -227,13 +237,7 @@ def latest(root: str, deep: bool = False) -> Latest:
             found.skipped.append({"name": row.name, "step": row.step, "status": row.status, "reason": row.reason,
                                   "pointer": row.pointer})
             continue
-        try:
-            report = _validate(listing.root, listing.layout, row, deep)
-            verdict = _verdict(report)
-        except UsageError:
-            raise
-        except CkptError as exc:
-            verdict = {"ok": False, "errors": 1, "warnings": 0, "first": f"{exc.code}: {exc}"}
+        verdict = _checked(listing.root, listing.layout, row, deep)
         if verdict["ok"]:
             found.chosen = row
             break
