@@ -77,12 +77,13 @@ $(TRANSFORMERS4_STAMP):
 	touch $@
 
 # DeepSpeed ZeRO fixtures: deepspeed 0.19 (no compiled ops: DS_BUILD_OPS=0) on torch 2.13's CPU build, in its own venv;
-# run with DS_ACCELERATOR=cpu (gloo ranks on 127.0.0.1); safetensors and huggingface_hub for zero_to_fp32 --safe_serialization (the bench)
+# run with DS_ACCELERATOR=cpu (gloo ranks on 127.0.0.1); safetensors and huggingface_hub for zero_to_fp32 --safe_serialization (the bench);
+# transformers (the test venv's 5.24) for the Llama trained under ZeRO-3 (deepspeed_z3_hf_llama)
 DEEPSPEED_VENV := build/venv-deepspeed-0.19
 DEEPSPEED_STAMP := $(DEEPSPEED_VENV)/.installed
 $(DEEPSPEED_STAMP):
 	$(PYTHON) -m venv $(DEEPSPEED_VENV)
-	DS_BUILD_OPS=0 $(DEEPSPEED_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'deepspeed==0.19.*' numpy 'safetensors==0.8.*' 'huggingface_hub==2.4.*'
+	DS_BUILD_OPS=0 $(DEEPSPEED_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'deepspeed==0.19.*' numpy 'safetensors==0.8.*' 'huggingface_hub==2.4.*' 'transformers==5.24.*'
 	touch $@
 
 clean:

@@ -154,6 +154,11 @@ ENTRIES: list[Entry] = [
     # per-parameter optimizer state, recorded in _reference.json
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
       ("deepspeed_z1_fp32", "deepspeed_z1_bf16", "deepspeed_z2_fp32", "deepspeed_z2_bf16", "deepspeed_z3_fp32", "deepspeed_z3_bf16")],
+    # the same on 4 gloo ranks, fp16 training (dynamic loss scaling), and a transformers Llama (tied embeddings,
+    # config.json beside `latest`) trained under ZeRO-3
+    *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
+      ("deepspeed_z2_fp32_dp4", "deepspeed_z3_bf16_dp4", "deepspeed_z1_bf16_dp4", "deepspeed_z1_fp16", "deepspeed_z2_fp16",
+       "deepspeed_z3_fp16", "deepspeed_z3_hf_llama")],
     Entry("deepspeed_z3_bf16/global_step2", "deepspeed", R.deepspeed_recorded,
           values=R.deepspeed_recorded_values),  # a step directory, given as itself
     # DeepSpeed 0.19's ds_to_universal of each of those (gen_deepspeed.py): torch.load of every file, recorded

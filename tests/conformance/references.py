@@ -501,6 +501,8 @@ def _ds_matches(doc: Any, value: Any) -> bool:
         if not type(value).__name__.startswith("DS") or not cls.endswith(type(value).__name__[2:]):
             return False
         return _ds_matches(doc["state"], {k: v for k, v in vars(value).items() if k != "unknown"})
+    if type(doc).__module__ == "torch" and type(doc).__name__ == "dtype":  # a live torch.load's dtype (fp16's loss scaler)
+        return type(value).__name__ == "TorchDType" and repr(value) == str(doc)
     if isinstance(doc, dict) and "__enum__" in doc:
         if isinstance(value, dict) and "__enum__" in value:
             return value == doc
