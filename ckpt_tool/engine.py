@@ -69,6 +69,8 @@ class ConvertOptions:
     overwrite: bool = False
     step: str | int | None = None
     memory: int = DEFAULT_MEMORY  # --memory: bytes of decoded data, assembly and write-behind in flight
+    # the source's reader options ({"weights": "module"}: formats.read_options; not the --like reference's)
+    read_options: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -599,7 +601,8 @@ def convert(
     coord = coordinator or Coordinator()
     started = time.monotonic()
     if planned is None:
-        src = open_source(source, step=opts.step)
+        with formats.read_options(**opts.read_options):
+            src = open_source(source, step=opts.step)
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)

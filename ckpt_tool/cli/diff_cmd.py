@@ -11,12 +11,13 @@ import click
 
 from ..parallel import default_workers
 
+from .. import formats
 from .. import open as open_checkpoint
 from ..diff import diff_checkpoints
 from ..model import Checkpoint
 from ..runs import step_path
 from ..structure import is_inspect_json_file, load_structure
-from .options import memory_option
+from .options import memory_option, weights_option
 from .render import Output, esc, plural
 
 
@@ -36,10 +37,11 @@ from .render import Output, esc, plural
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Chunks read and compared in parallel.")
 @memory_option
+@weights_option
 def diff_command(
     a: str, b: str | None, values: bool, rtol: float, atol: float, rename: tuple[str, ...], pattern: str | None,
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
-    memory: int, cast_ok: bool,
+    memory: int, cast_ok: bool, weights: str | None,
 ) -> None:
     """Compare checkpoints A and B (any formats ckpt reads, alike or not) by their keys: leaves only in
     one, changed kind, shape or dtype, and with --values the max absolute and
@@ -59,8 +61,9 @@ def diff_command(
     json_a, json_b = is_inspect_json_file(a), is_inspect_json_file(b)
     if step is not None and json_a and json_b:
         raise click.UsageError("--step: both A and B are inspect JSON documents; there is no checkpoint to pick a step of")
-    ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
-    ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
+    with formats.read_options(weights=weights):  # (both sides: each must take it)
+        ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
+        ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
     report = diff_checkpoints(
         ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
         layout=layout, pattern=pattern, memory=memory, cast_ok=cast_ok,

@@ -6,9 +6,11 @@ from typing import Any
 
 import click
 
+from .. import formats
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
+from .options import weights_option
 from .render import Node, Output, esc, human_bytes, human_count, plural
 
 
@@ -20,14 +22,17 @@ from .render import Node, Output, esc, human_bytes, human_count, plural
 @click.option("--depth", type=click.IntRange(min=1), help="Collapse the tree below this depth.")
 @click.option("--step", help="CheckpointManager root: step number or 'latest' (latest committed by default).")
 @click.option("--values", is_flag=True, help="Decode scalars, strings and non-tensor items (never array data).")
+@weights_option
 def inspect_command(
-    path: str, as_json: bool, flat: bool, pattern: str | None, depth: int | None, step: str | None, values: bool
+    path: str, as_json: bool, flat: bool, pattern: str | None, depth: int | None, step: str | None, values: bool,
+    weights: str | None,
 ) -> None:
     """Show the tree of leaves in the checkpoint at PATH (Orbax, DCP,
     safetensors, Flax or T5X msgpack, detected; a directory or file, or a
     file://, gs://, s3:// or memory:// URL): dtype, shape, size, chunking and
     the sharding recorded at save time. Reads metadata only; needs neither jax nor torch."""
-    result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
+    with formats.read_options(weights=weights):
+        result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
     out = Output(json_mode=as_json)
     if as_json:
         out.json(result.to_json())

@@ -33,6 +33,17 @@ def output_options(command: Callable) -> Callable:
     return command
 
 
+def weights_option(command: Callable) -> Callable:
+    """--weights fp32|module: a reader option (formats.read_options) of the formats that take it."""
+    from .. import formats
+
+    return click.option(
+        "--weights", type=click.Choice(["fp32", "module"]),
+        help=f"{formats.joined(formats.reading('weights'))}: the consolidated fp32 master weights (default) or "
+             "the module weights the model-states file holds, in the training dtype.",
+    )(command)
+
+
 def memory_option(command: Callable) -> Callable:
     """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler/admission.py)."""
     from ..scheduler import DEFAULT_MEMORY, parse_memory

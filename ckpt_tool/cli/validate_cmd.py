@@ -6,11 +6,12 @@ from collections import defaultdict
 
 import click
 
+from .. import formats
 from ..parallel import default_workers
 
 from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
-from .options import memory_option
+from .options import memory_option, weights_option
 from .progress import progress_for
 from .render import Output, esc, human_bytes, plural
 
@@ -29,15 +30,16 @@ from .render import Output, esc, human_bytes, plural
 @click.option("--manifest", "manifest_file", metavar="FILE",
               help="An integrity manifest kept elsewhere (default: the checkpoint's integrity.json, when present).")
 @memory_option
+@weights_option
 def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_json: bool, fmt: str, workers: int,
-                     memory: int, manifest_file: str | None) -> None:
+                     memory: int, manifest_file: str | None, weights: str | None) -> None:
     """Check that the checkpoint at PATH is complete and consistent: commit
     markers, metadata, every array and chunk present, files long enough,
     DCP chunks covering each tensor, no unsafe pickle. Collects every finding.
 
     Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
     out = Output(json_mode=as_json)
-    with progress_for(out, "reading chunks", show=deep) as progress:
+    with progress_for(out, "reading chunks", show=deep) as progress, formats.read_options(weights=weights):
         report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
                                      manifest=manifest_file)
     if as_json:

@@ -17,11 +17,13 @@ never loads the Orbax reader).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fnmatch
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from ..errors import UnknownFormatError, UsageError
 
@@ -68,6 +70,9 @@ class FormatInfo:
     options: tuple[str, ...] = ()  # convert's writer options that apply to it ("zarr3", "max_shard_size")
     # the formats whose checkpoints its writer takes (empty: any); convert refuses any other source
     writes_from: tuple[str, ...] = ()
+    # reader options it takes ("weights": which copy of the weights to give), passed to its read();
+    # any other format refuses them by name (read_options below)
+    read_options: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -141,6 +146,7 @@ REGISTRY: dict[str, FormatInfo] = {
         "deepspeed", "DeepSpeed ZeRO", f"{__name__}.deepspeed", can_write=False, value_kinds=_ALL,
         claims=("*_model_states.pt", "*_optim_states.pt"), short="DeepSpeed",
         reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=6,
+        read_options=("weights",),
     ),
     # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
     "torch": FormatInfo(
@@ -197,6 +203,41 @@ def taking(option: str) -> list[str]:
     return [f.name for f in shown() if f.can_write and option in f.options]
 
 
+def reading(option: str) -> list[str]:
+    """Labels of the formats whose reader takes an option ("weights": DeepSpeed)."""
+    return [f.label for f in shown() if option in f.read_options]
+
+
+# The reader options of the command being run ({"weights": "module"}), set by the CLI around its
+# call into the core (read_options) and passed by open_checkpoint to the format's read(); a format
+# that does not take one refuses it when it is detected.
+_READ_OPTIONS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("read_options", default={})
+
+
+@contextlib.contextmanager
+def read_options(**options: str | None) -> Iterator[None]:
+    """Within it, checkpoints are opened with these reader options (None: not given)."""
+    token = _READ_OPTIONS.set({k: v for k, v in options.items() if v is not None})
+    try:
+        yield
+    finally:
+        _READ_OPTIONS.reset(token)
+
+
+def given_read_options() -> dict[str, str]:
+    """The reader options in force (a format's shallow checks read what its reader would)."""
+    return dict(_READ_OPTIONS.get())
+
+
+def _check_options(info: FormatInfo) -> dict[str, str]:
+    """The reader options given, refused by name when the format does not take them."""
+    given = _READ_OPTIONS.get()
+    for option in given:
+        if option not in info.read_options:
+            raise UsageError(f"--{option} applies to {joined(reading(option))} checkpoints; this is a {info.title} one")
+    return given
+
+
 def reshard_format() -> FormatInfo:
     """The format `ckpt reshard` writes."""
     return next(f for f in shown() if f.can_reshard)
@@ -228,6 +269,7 @@ def detect(storage: Storage) -> FormatModule:
     for info in registered():
         module = info.module()
         if module.detect(storage):
+            _check_options(info)
             return module  # type: ignore[return-value]
     from .unknown import describe
 
@@ -242,6 +284,7 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
         if info.single_file == "any" or (info.single_file == "claimed" and info.claimed(name)):
             parts = info.module().split_file(url)
             if parts is not None:
+                _check_options(info)
                 return info, parts
     return None
 
@@ -259,7 +302,7 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
 
     refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
     storage = Storage.open(url, log=log)
-    ckpt = detect(storage).read(storage, step=step)
+    ckpt = detect(storage).read(storage, step=step, **_READ_OPTIONS.get())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False
