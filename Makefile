@@ -63,6 +63,7 @@ fixtures: $(STAMP)
 	$(PY) fixtures/gen_safetensors.py
 	$(MAKE) $(TRANSFORMERS4_STAMP)
 	$(PY) fixtures/gen_torch_save.py
+	$(PY) fixtures/gen_runs.py
 	$(PYTHON) fixtures/gen_orbax_versions.py
 	$(PYTHON) fixtures/gen_legacy_jax.py
 	$(MAKE) $(DEEPSPEED_STAMP)
