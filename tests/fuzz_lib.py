@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -2167,6 +2168,54 @@ def explicit_cases() -> dict[str, Callable[[Path], Mutant]]:
                                ("torch_state", "state.pt", ("fifo", "dev_zero", "loop"))]:
         for how in hows:
             cases[f"{fixture}_{rel.replace('/', '_')}_{how}"] = link_case(fixture, rel, how)
+
+    # a damaged integrity manifest (issue 22): validate reports it (bad-metadata, path-escape,
+    # size-mismatch; a wrong digest only with --deep), never an internal error or a hang
+    def manifest_case(how: str) -> Callable[[Path], Mutant]:
+        def build(work: Path) -> Mutant:
+            dst = copy_fixture("orbax_plain_zarr2", work / "orbax_plain_zarr2")
+            files = {p.relative_to(dst).as_posix(): p for p in sorted(dst.rglob("*")) if p.is_file()}
+            doc: Any = {"algorithm": "sha256",
+                        "files": {n: hashlib.sha256(p.read_bytes()).hexdigest() for n, p in files.items()},
+                        "ckpt": {"version": 1, "scope": "tree", "sizes": {n: p.stat().st_size for n, p in files.items()}}}
+            target, expect = dst / "integrity.json", reject_validate
+            raw = None
+            if how == "invalid_json":
+                raw = json.dumps(doc).encode()[:-7]
+            elif how == "deep_nesting":
+                raw = b"[" * 200_000 + b"]" * 200_000
+            elif how == "not_object":
+                raw = b'"sha256"'
+            elif how == "md5":
+                doc["algorithm"] = "md5"
+            elif how == "dotdot":
+                doc["files"]["../../../etc/passwd"] = "0" * 64
+            elif how == "absolute":
+                doc["files"]["/etc/passwd"] = "0" * 64
+            elif how == "size_2_63":
+                doc["ckpt"]["sizes"]["_METADATA"] = 2**63
+            elif how == "sizes_not_ints":
+                doc["ckpt"]["sizes"]["_METADATA"] = [1, 2]
+            elif how == "digest_flipped":
+                name = "params.dense.kernel/0.0"
+                doc["files"][name] = doc["files"][name][:-1] + ("0" if doc["files"][name][-1] != "0" else "1")
+                expect = {"deep": 1}
+            elif how == "tensors_bad":
+                doc["ckpt"]["tensors"] = {"params/dense/kernel": {"sha256": "z", "dtype": 4, "shape": [-1]}}
+            if how == "symlink_out":
+                outside = work / "outside.json"
+                outside.write_text(json.dumps(doc))
+                target.symlink_to(outside)
+            elif how == "fifo":
+                os.mkfifo(target)
+            else:
+                target.write_bytes(raw if raw is not None else json.dumps(doc).encode())
+            return mk("orbax_plain_zarr2", "manifest", "integrity.json", f"integrity.json: {how}", expect, dst)
+        return build
+
+    for how in ("invalid_json", "deep_nesting", "not_object", "md5", "dotdot", "absolute", "size_2_63",
+                "sizes_not_ints", "digest_flipped", "tensors_bad", "symlink_out", "fifo"):
+        cases[f"manifest_{how}"] = manifest_case(how)
     return cases
 
 
