@@ -23,6 +23,7 @@ from ...findings import Findings
 from ...model import ArrayLeaf, ValueLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
+from .. import given_read_options
 from ..torch_save import checks as tsc
 from ..torch_save import reader as ts
 from . import reader as ds
@@ -85,7 +86,8 @@ def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
         findings.error("bad-metadata", exc.message, file=prefix + _file_of(storage, exc.where))
         return
     model_file = step.model_archives[0].name
-    leaves, _ = ds.step_leaves(step)
+    # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
+    leaves, _ = ds.step_leaves(step, given_read_options().get("weights", "fp32"))
     for name in step.missing_files:
         held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
         findings.error("missing-file", f"rank file missing: the data-parallel degree is {step.world}"

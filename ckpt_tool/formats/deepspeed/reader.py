@@ -652,8 +652,40 @@ def _split(name: str) -> tuple[Key, ...]:
     return tuple(name.split("."))
 
 
-def step_leaves(step: Step) -> tuple[list[Leaf], list[str]]:
-    """The consolidated tree (see the module docstring) and notes."""
+WEIGHTS = ("fp32", "module")
+
+
+def _module_leaves(step: Step) -> list[tuple[str, ArrayLeaf]]:
+    """--weights module: the module's state dict as mp_rank_00_model_states.pt holds it (stages 1/2:
+    every parameter whole in the training dtype, the buffers, each tied name on its own entry), in
+    its order. At stage 3 DeepSpeed saves only empty placeholders of the parameters there (each
+    rank's "module"): the training-dtype weights were never written, so they are refused."""
+    archive0 = step.model_archives[0]
+    if step.stage == 3:
+        raise UsageError("--weights module: a ZeRO-3 checkpoint's model-states files hold empty placeholders of the "
+                         "parameters (DeepSpeed saves them partitioned, as fp32 master weights only): use --weights "
+                         "fp32", archive0.where)
+    module = step.states.get("module")
+    if not isinstance(module, dict) or not module:
+        raise CorruptMetadataError("--weights module: the model-states file holds no module state dict", archive0.where)
+    out = []
+    for name, ref in module.items():
+        if isinstance(name, str) and isinstance(ref, TensorRef):
+            reader = ts.TensorReader(archive0, ref, name)
+            out.append((name, _array((), name, tuple(ref.size), ref.dtype, reader,
+                                     {"file": archive0.name, "kind": "module"}, archive0.zip.claim_problem(ref))))
+    return out
+
+
+def step_leaves(step: Step, weights: str = "fp32") -> tuple[list[Leaf], list[str]]:
+    """The consolidated tree (see the module docstring) and notes; `weights` "module": the model
+    part is the module's state dict as the model-states file holds it (_module_leaves)."""
+    if weights not in WEIGHTS:
+        raise UsageError(f"--weights {weights}: fp32 or module")
+    if weights == "module":
+        return _tree(step, _module_leaves(step), _trained_names(step),
+                     [f"weights: the module's, as {step.model_archives[0].name} holds them (--weights module), "
+                      "not the fp32 master weights"])
     states = step.states
     where = step.model_archives[0].where
     archive0 = step.model_archives[0]
@@ -709,6 +741,25 @@ def step_leaves(step: Step) -> tuple[list[Leaf], list[str]]:
                 model.append((alias, _array((), alias, src.shape, src.dtype, src.reader, extra, src.unreadable)))
                 notes.append(f"tied: {alias} is {target} (shared_params)")
 
+    leaves, notes = _tree(step, model, trained, notes)
+
+    # the module's parameters zero_to_fp32 does not give (frozen at stage 1: DeepSpeed keeps no fp32 copy)
+    given = {leaf.name for leaf in leaves}
+    left = [n for n, ref in module.items() if n not in given and n not in buffer_names and isinstance(ref, TensorRef)]
+    if left:
+        notes.append(f"in the module state but not consolidated (no fp32 copy saved; zero_to_fp32 leaves them out "
+                     f"too): {', '.join(left[:6])}" + (" ..." if len(left) > 6 else ""))
+    return leaves, notes
+
+
+def _trained_names(step: Step) -> list[str]:
+    return [name for group in step.shapes for name, _ in group]
+
+
+def _tree(step: Step, model: list[tuple[str, ArrayLeaf]], trained: list[str],
+          notes: list[str]) -> tuple[list[Leaf], list[str]]:
+    """The model's leaves keyed by their names split at dots, then the optimizer's and the engine's."""
+    where = step.model_archives[0].where
     leaves: list[Leaf] = []
     names = [n for n, _ in model]
     split = ts.split_keys([(n,) for n in names] + [(OPTIMIZER_KEY, "x"), (ENGINE_KEY, "x")])
@@ -722,13 +773,6 @@ def step_leaves(step: Step) -> tuple[list[Leaf], list[str]]:
                                    "optimizer state and the engine's state under those keys)", where)
     leaves.extend(_optimizer_leaves(step, trained))
     leaves.extend(_engine_leaves(step))
-
-    # the module's parameters zero_to_fp32 does not give (frozen at stage 1: DeepSpeed keeps no fp32 copy)
-    given = set(names)
-    left = [n for n, ref in module.items() if n not in given and n not in buffer_names and isinstance(ref, TensorRef)]
-    if left:
-        notes.append(f"in the module state but not consolidated (no fp32 copy saved; zero_to_fp32 leaves them out "
-                     f"too): {', '.join(left[:6])}" + (" ..." if len(left) > 6 else ""))
     return leaves, notes
 
 
@@ -915,8 +959,10 @@ def choose_step(storage: Storage, step: str | int | None, steps: list[StepInfo],
                      + (f" (there are: {', '.join(names[-6:])})" if names else ""), storage.url)
 
 
-def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
-    """A step directory, or a root's step (`--step N`, a tag, or `latest`'s); no tensor data is read."""
+def read(storage: Storage, *, step: str | int | None = None, weights: str | None = None) -> Checkpoint:
+    """A step directory, or a root's step (`--step N`, a tag, or `latest`'s); no tensor data is read.
+    `weights` (--weights): "fp32" (default) the consolidated fp32 master weights, "module" the
+    module's weights the model-states file holds (stages 1/2)."""
     _, files = storage.listdir()
     steps: list[StepInfo] = []
     tag_dir = None
@@ -927,7 +973,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     elif step not in (None, "latest"):
         raise UsageError(f"--step {step} given, but this is one step directory", storage.url)
     s = open_step(step_storage)
-    leaves, notes = step_leaves(s)
+    leaves, notes = step_leaves(s, weights or "fp32")
     missing = []
     for name in s.missing_files:
         held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
@@ -945,7 +991,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         path=storage.url, format=NAME,
         layout={"stage": s.stage, "dp": s.world, "mp": 1, "precision": precision,
                 "tag": tag_dir or step_storage.url.rstrip("/").rsplit("/", 1)[-1], "step_dir": tag_dir,
-                "groups": len(s.shapes), "files": len(s.optims) + len(s.model_archives),
+                "groups": len(s.shapes), "files": len(s.optims) + len(s.model_archives), "weights": weights or "fp32",
                 "optimizer_files": sorted(o.archive.name for o in s.optims.values())},
         leaves=leaves, committed=True, saved_at=None, steps=steps,
         step=int(number.group(1)) if number else None, notes=notes, missing=missing,

@@ -566,6 +566,9 @@ def _open_source(plan: WritePlan) -> tuple[ds.Step, str]:
     layout = plan.info.get("source_layout") or {}
     if not source or plan.info.get("source_format") != ds.NAME:
         raise UniversalWriteError("a universal checkpoint is written from a DeepSpeed ZeRO checkpoint")
+    if layout.get("weights", "fp32") != "fp32":
+        raise UniversalWriteError("--weights module: a universal checkpoint holds the fp32 master weights, as "
+                                  "ds_to_universal writes them (convert without --weights)")
     storage = Storage.open(str(source))
     step_dir = layout.get("step_dir")
     step = ds.open_step(storage.child(step_dir) if step_dir else storage)
