@@ -24,6 +24,7 @@ from .. import dtypes
 from ..errors import CkptError
 from ..model import ArrayLeaf, Region
 from .admission import MemoryBudget
+from .joint import run_joint
 from .planning import Plan, _Unit
 from .regions import _intersect, _local, _size
 from .streaming import StreamPlan
@@ -302,6 +303,23 @@ class Executor:
         if st.take_whole():
             deliver(wi, arrays)
 
+    def _run_joint(self, unit: _Unit, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
+        """Stream the chunks of a joint unit together, want by want (joint.py); each want is
+        delivered in this thread as its last piece arrives (the plan counted its buffers until then)."""
+        assert unit.joint is not None
+        members = unit.members
+
+        def feed(m: int, pieces: list, region: Region, data: np.ndarray) -> None:
+            self._feed(members[m], pieces, region, data, deliver, lazy_charge=False)
+
+        def on_pass(m: int) -> None:
+            key = (members[m].lc.leaf.path, members[m].index)
+            self.stats.decodes[key] += 1
+            self.stats.streamed.add(key)
+
+        self.stats.passes += len(unit.joint.passes)
+        run_joint(unit.joint, feed, on_pass)
+
     def _run_streamed(self, unit: _Unit, stream: StreamPlan, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
         streamer, passes, bounds, _ = stream
         self.stats.streamed.add((unit.lc.leaf.path, unit.index))
@@ -371,6 +389,8 @@ class Executor:
                     self._run_group(unit, deliver, on_error)
                 elif unit.cluster:
                     self._run_cluster(unit, deliver, on_error)
+                elif unit.joint is not None:
+                    self._run_joint(unit, deliver)
                 elif unit.want is not None:
                     self._run_want(unit, deliver, on_error)
                 elif unit.batch is not None:

@@ -29,6 +29,7 @@ from ..errors import CkptError
 from ..model import ArrayLeaf, Region, RegularGrid
 from .admission import MiB, MemoryBudget, decoded_cost
 from .regions import _intersect, _LeafChunks, _size
+from .joint import JointPlan, plan_joint
 from .streaming import StreamPlan, _Streamer, band_bytes, plan_passes
 from .wants import Want
 
@@ -76,6 +77,8 @@ class _Unit:
     group: list["_Unit"] = field(default_factory=list)
     # a cluster: wants that share their chunks (`members`), each read whole, all reads started together
     cluster: list[int] = field(default_factory=list)
+    # a joint stream: the chunks (`members`) feeding wants that a streamed chunk feeds too, streamed together
+    joint: JointPlan | None = None
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +136,7 @@ class Plan:
         chunk_units = self._reads_whole(units)
         for unit in chunk_units:
             unit.streamed = unit.want is None and unit.batch is None and decoded_cost(unit.nbytes) > self.budget
+        chunk_units = self._joint(chunk_units)
         # wants the chunks do not tile run in the pool too, through the format's reader
         chunk_units += [self._want_unit(wi, []) for wi in self.direct]
         self.units = self._grouped(sorted(chunk_units, key=lambda u: (u.order, id(u.lc), u.index)))
@@ -231,6 +235,60 @@ class Plan:
             taken.update(id(u) for u in members)
         return out + [u for u in units if id(u) not in taken]
 
+    def _joint(self, units: list[_Unit]) -> list[_Unit]:
+        """The chunks feeding wants that a streamed chunk feeds too, as one joint stream each (joint.py).
+
+        A want fed by a streamed chunk and by other chunks is complete only
+        when all of them have reached it: run as units of their own, the
+        first one held every region it opened until the others caught up.
+        A set of chunks joined through such wants is read by one unit that
+        advances their streams together. When one of them has no streaming
+        decoder the units stay as they are (each is decoded as before).
+        """
+        if not any(u.streamed for u in units):
+            return units
+        plain = [u for u in units if u.want is None and u.batch is None and not u.cluster and not u.members]
+        parent: dict[int, int] = {}
+
+        def find(x: int) -> int:
+            while parent.setdefault(x, x) != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        by_want: dict[int, list[_Unit]] = {}
+        for unit in plain:
+            for wi, _, _ in unit.pieces:
+                by_want.setdefault(wi, []).append(unit)
+        for members in by_want.values():
+            for unit in members[1:]:
+                parent[find(id(members[0]))] = find(id(unit))
+        comps: dict[int, list[_Unit]] = {}
+        for unit in plain:
+            comps.setdefault(find(id(unit)), []).append(unit)
+        joined: set[int] = set()
+        out: list[_Unit] = []
+        for members in comps.values():
+            if len(members) < 2 or not any(u.streamed for u in members):
+                continue
+            members.sort(key=lambda u: (u.order, u.index))
+            streamers = []
+            for unit in members:
+                try:
+                    streamer = _Streamer(unit.lc, unit.index, self.band, self.window)
+                except CkptError:
+                    streamer = None
+                if streamer is None or streamer.problem():
+                    break
+                streamers.append(streamer)
+            else:
+                plan = plan_joint(streamers, [u.pieces for u in members], self.wants, self.feeds, self.budget,
+                                  self.band)
+                first = members[0]
+                out.append(_Unit(first.lc, first.index, min(u.order for u in members), members=members, joint=plan))
+                joined.update(id(u) for u in members)
+        return out + [u for u in units if id(u) not in joined]
+
     def _grouped(self, units: list[_Unit]) -> list[_Unit]:
         """Consecutive small reads in groups whose reads start together (see `_run_group`)."""
         limit = min(GROUP_BYTES, self.budget // 8)
@@ -247,7 +305,8 @@ class Plan:
             group, cost = [], 0
 
         for unit in units:
-            small = unit.want is None and not unit.cluster and not unit.streamed and _starts_reads(unit.lc.leaf)
+            small = (unit.want is None and not unit.cluster and not unit.streamed and unit.joint is None
+                     and _starts_reads(unit.lc.leaf))
             c = self.unit_cost(unit) if small else 0
             if not small or c > limit // 4:
                 close()
@@ -262,6 +321,8 @@ class Plan:
 
     def unit_cost(self, unit: _Unit) -> int:
         """The memory a (non-streamed) unit is admitted for."""
+        if unit.joint is not None:
+            return unit.joint.cost
         if unit.group:
             return sum(self.unit_cost(m) for m in unit.group)
         if unit.cluster:
