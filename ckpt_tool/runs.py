@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import CkptError, NotFoundError, UsageError
+from .errors import CkptError, NotFoundError, UnknownFormatError, UsageError
 from .findings import ERROR
 from .formats import roots
 from .formats.roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
@@ -198,12 +198,20 @@ def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any
     """validate's report on one step (shallow, or deep)."""
     from .validate import validate_checkpoint
 
-    if not row.is_dir or (layout.own_root and layout.pointer is None and row.step is not None):
-        # through the root, by the format's own step rules: a file step (Flax checkpoint_N) on any
-        # storage, a step of named items (orbax <= 0.4) that is not a checkpoint on its own
-        return validate_checkpoint(root_url, step=row.step if row.step is not None else row.name, deep=deep)
+    by_root = {"step": row.step if row.step is not None else row.name, "deep": deep}
+    if not row.is_dir:
+        # a file step (Flax checkpoint_N): through the root, by the format's own step rules, so that
+        # object stores work too
+        return validate_checkpoint(root_url, **by_root)
     url = f"{row.url}/{layout.payload}" if layout.payload else row.url
-    return validate_checkpoint(url, deep=deep)
+    try:
+        # the step alone (through the root, orbax's reader would read every step's metadata first)
+        return validate_checkpoint(url, deep=deep)
+    except UnknownFormatError:
+        if not layout.own_root:
+            raise
+        # a step that is not a checkpoint on its own (orbax <= 0.4's named items): through the root
+        return validate_checkpoint(root_url, **by_root)
 
 
 def _checked(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class RootListing:
     dirs: list[str]
     files: list[str]
     under: dict[str, list[str]]  # top-level directory -> its keys, relative to it
+    # (entry, sub) -> top()'s answer, and entry -> its keys as a set: the layouts ask each many times
+    _tops: dict[tuple[str, str], tuple[set[str], set[str]]] = field(default_factory=dict, repr=False)
+    _keys: dict[str, set[str]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, storage: Storage) -> RootListing:
@@ -71,6 +74,9 @@ class RootListing:
 
     def top(self, entry: str, sub: str = "") -> tuple[set[str], set[str]]:
         """(directories, files) directly inside `entry` (or inside `entry/sub`)."""
+        cached = self._tops.get((entry, sub))
+        if cached is not None:
+            return cached
         prefix = sub.rstrip("/") + "/" if sub else ""
         dirs: set[str] = set()
         files: set[str] = set()
@@ -79,10 +85,14 @@ class RootListing:
                 continue
             head, sep, _ = key[len(prefix):].partition("/")
             (dirs if sep else files).add(head)
+        self._tops[(entry, sub)] = (dirs, files)
         return dirs, files
 
     def has(self, entry: str, rel: str) -> bool:
-        return rel in self.under.get(entry, ())
+        keys = self._keys.get(entry)
+        if keys is None:
+            keys = self._keys[entry] = set(self.under.get(entry, ()))
+        return rel in keys
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,9 @@ class RunLayout:
     own_root: bool = False
     # newer steps than the pointer are saves in progress (the writer moves the pointer last)
     pointer_is_commit: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
+    # names that may be its entries: a cheap first filter, so that a root of one framework does not
+    # import every other framework's reader (step_of decides; this only rules names out)
+    hint: str = ""
 
 
 # -- Orbax CheckpointManager ----------------------------------------------------------------------
@@ -159,7 +171,7 @@ def _orbax_status(listing: RootListing, entry: Entry) -> StepStatus:
     if reader.is_tmp_name(entry.name):
         return StepStatus(IN_PROGRESS, "temporary directory name: orbax renames it at commit")
     _, files = listing.top(entry.name)
-    status = reader.listed_commit_status(listing.storage.child(entry.name), entry.name, sorted(files))
+    status = reader.listed_commit_status(listing.storage, entry.name, sorted(files))
     return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
 
 
@@ -410,7 +422,7 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("`N.orbax-checkpoint-tmp` (0.12; `-tmp-<n>` / `-tmp-<timestamp>` before), renamed at commit; "
                      "on gs:// the final name without `commit_success.txt` (the reader's commit rules per version)"),
         source="orbax-checkpoint atomicity.py / step.py (the Orbax reader's commit_status)",
-        step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
+        hint=r"\d", step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
     ),
     RunLayout(
         "flax", "Flax checkpoint_N",
@@ -418,7 +430,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest checkpoint_N (latest_checkpoint)",
         in_progress="`checkpoint_tmp` (flax writes it, then renames it to checkpoint_N)",
         source="flax/training/checkpoints.py",
-        step_of=_flax_step, status_of=_flax_status, fallback_format="flax", own_root=True,
+        hint=r"^checkpoint", step_of=_flax_step, status_of=_flax_status, fallback_format="flax", own_root=True,
     ),
     RunLayout(
         "t5x", "T5X checkpoint_N/",
@@ -426,7 +438,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest checkpoint_N/ with its `checkpoint` file",
         in_progress="`checkpoint_N.tmp-<time>/` (renamed when written); a checkpoint_N/ without `checkpoint` is incomplete",
         source="t5x/checkpoints.py",
-        step_of=_t5x_step, status_of=_t5x_status, owns=_t5x_owns, fallback_format="t5x", own_root=True,
+        hint=r"^checkpoint_", step_of=_t5x_step, status_of=_t5x_status, owns=_t5x_owns, fallback_format="t5x", own_root=True,
     ),
     RunLayout(
         "torchtitan", "torchtitan (DCP)",
@@ -434,7 +446,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest step-N/ holding `.metadata` (or an HF export's `model.safetensors.index.json`)",
         in_progress="a step-N/ without `.metadata` (DCP's coordinator writes it last, after every rank's `.distcp`)",
         source="torchtitan components/checkpoint.py (_find_load_step)",
-        step_of=_titan_step, status_of=_titan_status, fallback_format="dcp",
+        hint=r"^step-", step_of=_titan_step, status_of=_titan_status, fallback_format="dcp",
     ),
     RunLayout(
         "hf-trainer", "Hugging Face Trainer",
@@ -443,7 +455,7 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("a checkpoint-N/ without `trainer_state.json` (written last, after weights, optimizer, "
                      "scheduler and RNG state); `tmp-checkpoint-N/` (transformers 4.36's staged saves)"),
         source="transformers trainer.py (_save_checkpoint), trainer_utils.py (get_last_checkpoint)",
-        step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
+        hint=r"checkpoint-", step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
     ),
     RunLayout(
         "megatron", "Megatron-LM",
@@ -451,7 +463,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="`latest_checkpointed_iteration.txt`: the iteration number (or `release`), written after the save",
         in_progress="an iter_N/ without `metadata.json` (written last by rank 0); an iter_N/ newer than the tracker",
         source="megatron/training/checkpointing.py (the Megatron reader's read_tracker)",
-        step_of=_megatron_step, status_of=_megatron_status, owns=_megatron_owns,
+        hint=r"^(iter_|release$)", step_of=_megatron_step, status_of=_megatron_status, owns=_megatron_owns,
         pointer="latest_checkpointed_iteration.txt", read_pointer=_megatron_pointer,
         fallback_format="megatron", own_root=True, pointer_is_commit=True,
     ),
@@ -461,7 +473,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: NeMo resumes from the newest finished `*-last` directory",
         in_progress="a `<name>-unfinished` marker file beside the directory (removed when the save is finalized)",
         source="NeMo nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/lightning/resume.py",
-        step_of=_nemo_step, status_of=_nemo_status, owns=_nemo_owns, fallback_format="megatron",
+        hint=r"step=", step_of=_nemo_step, status_of=_nemo_status, owns=_nemo_owns, fallback_format="megatron",
     ),
     RunLayout(
         "deepspeed", "DeepSpeed",
@@ -469,7 +481,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="`latest`: the tag (a directory name), written after every rank's files",
         in_progress="a tag directory without model/optimizer states files; a step newer than `latest`",
         source="deepspeed/runtime/engine.py (save_checkpoint; the DeepSpeed reader's read_latest)",
-        step_of=_ds_step, status_of=_ds_status, pointer="latest", read_pointer=_ds_pointer,
+        hint=r"^global_step\d", step_of=_ds_step, status_of=_ds_status, pointer="latest", read_pointer=_ds_pointer,
         pointer_names_any=True, fallback_format="deepspeed", own_root=True, pointer_is_commit=True,
     ),
     RunLayout(
@@ -479,7 +491,7 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("a global_step_N/ without `data.pt` or missing a rank's model/optim/extra_state file; "
                      "a step newer than the tracker (with async_save verl writes no tracker)"),
         source="verl trainer/ppo/ray_trainer.py (_save_checkpoint), utils/checkpoint/ (documented layout)",
-        step_of=_verl_step, status_of=_verl_status, pointer=VERL_TRACKER, read_pointer=_verl_pointer,
+        hint=r"^global_step_", step_of=_verl_step, status_of=_verl_status, pointer=VERL_TRACKER, read_pointer=_verl_pointer,
         payload="actor", fallback_format="torch", pointer_is_commit=True,
     ),
 ]
@@ -492,11 +504,16 @@ def layout_named(name: str) -> RunLayout:
 def entries_of(listing: RootListing, layout: RunLayout) -> list[tuple[Entry, int | None]]:
     """The root's entries this layout claims, with their step numbers (None: flax's checkpoint_tmp)."""
     out = []
+    hint = re.compile(layout.hint) if layout.hint else None
     for name in listing.dirs:
+        if hint is not None and not hint.search(name):
+            continue
         step = layout.step_of(name, True)
         if step is not None and (entry := Entry(name, True)) and layout.owns(listing, entry):
             out.append((entry, step))
     for name in listing.files:
+        if hint is not None and not hint.search(name):
+            continue
         step = layout.step_of(name, False)
         if step is not None and (entry := Entry(name, False)) and layout.owns(listing, entry):
             out.append((entry, None if step < 0 else step))

@@ -386,12 +386,16 @@ class Storage:
         The time is known on local roots only: tensorstore's S3/GCS drivers
         do not return an object's time (a read's stamp is the time of the
         read), so there it is None and the size costs a request (see size).
+        Locally the entry itself is looked at (lstat: a symlink is not
+        followed, so nothing outside the root is touched) without the
+        containment walk a read needs (a realpath per key: `ckpt ls` on a
+        root of 2,200 files spent 1.1 s there).
         """
         if not self._check_local:
             return self.size(key), None
-        rel = self._checked(key)
+        rel = _check_relative(key, self.url)
         try:
-            st = os.stat(os.path.join(self.local_root, rel))  # type: ignore[arg-type]
+            st = os.lstat(os.path.join(self.local_root, rel))  # type: ignore[arg-type]
         except OSError as exc:
             raise _os_error(exc, "cannot stat", self._where(rel)) from None
         return st.st_size, st.st_mtime

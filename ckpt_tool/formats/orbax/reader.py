@@ -200,13 +200,15 @@ def commit_status(storage: Storage, name: str, files: list[str], meta: Any) -> C
     return CommitStatus(True)
 
 
-def listed_commit_status(storage: Storage, name: str, files: list[str]) -> CommitStatus:
-    """commit_status from a step's listing: `_CHECKPOINT_METADATA` is read only where the
-    listing cannot decide (gs:// without commit_success.txt), so `ckpt ls` reads no metadata
-    otherwise; a damaged metadata file is validate's to find."""
-    if CHECKPOINT_METADATA in files and (COMMIT_MARKER in files or not object_store_needs_marker(storage.url)):
-        return commit_status(storage, name, [f for f in files if f != CHECKPOINT_METADATA], None)
-    return commit_status(storage, name, files, read_step_metadata(storage, files))
+def listed_commit_status(root: Storage, name: str, files: list[str]) -> CommitStatus:
+    """commit_status of the step `name` of the root `root` from the step's listing:
+    `_CHECKPOINT_METADATA` is read only where the listing cannot decide (gs:// without
+    commit_success.txt), so `ckpt ls` reads no metadata otherwise; a damaged metadata file is
+    validate's to find."""
+    if CHECKPOINT_METADATA not in files or COMMIT_MARKER in files or not object_store_needs_marker(root.url):
+        return commit_status(root, name, [f for f in files if f != CHECKPOINT_METADATA], None)
+    step = root.child(name)
+    return commit_status(step, name, files, read_step_metadata(step, files))
 
 
 def read_step_metadata(storage: Storage, files: list[str]) -> Any:
