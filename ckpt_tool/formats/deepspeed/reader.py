@@ -15,7 +15,8 @@ What `engine.save_checkpoint(save_dir)` writes (DeepSpeed 0.19, runtime/engine.p
                                         empty placeholders and each rank's frozen_param_fragments its partition
       [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
                                         one per data-parallel rank: {"optimizer_state_dict": ..., "ds_config",
-                                        "ds_version"} (the bf16_ prefix when bf16 training)
+                                        "ds_version"} (the bf16_ prefix when bf16 training; fp32 and fp16
+                                        training have none, fp16's holds a DynamicLossScaler)
     save_dir/zero_to_fp32.py, zero_to_torch.py   the recovery scripts (not read)
 
 The optimizer-states file (runtime/zero/stage_1_and_2.py and stage3.py, `state_dict`) holds the
@@ -64,6 +65,10 @@ are zero_to_fp32's. Beside them:
     parameters (as torch's get_optimizer_state_dict does) rather than DeepSpeed's flat index;
   * `engine/...`: everything else the model-states file records (global_steps, global_samples,
     lr_scheduler, ds_config, ds_version, the parallel degrees, client state), as values.
+
+`--weights module` (read(weights="module"), a reader option the registry declares): the model part
+is the module state dict of mp_rank_00_model_states.pt instead (stages 1/2: the training-dtype
+weights, whole); stage 3 saves 0-element placeholders there and is refused.
 
 Not read yet (refused by name): several model-parallel ranks (mp_rank_01...), pipeline-parallel
 `layer_XX-model_YY-model_states.pt` files, MoE expert files, stage-3 checkpoints of the AutoEP
