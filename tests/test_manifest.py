@@ -433,3 +433,58 @@ def test_manifest_on_s3(tmp_path):
         r = run_ckpt("manifest", "verify", f"s3://{bucket}/run/orbax_plain_zarr2", "--json", env=env)
         assert r.returncode == 1
         assert ("digest-mismatch", None, "params.dense.kernel/0.0") in _codes(json.loads(r.stdout))
+
+
+# --------------------------------------------------------------------------------------------
+# bench/manifest_bench.py's rows for run_all's table (its JSON trimmed from the 2026-12-02 run)
+# --------------------------------------------------------------------------------------------
+
+BENCH_DOC = {
+    "bench": "manifest", "memory": "512MiB", "parallel": 2, "runs": 1, "ok": True,
+    "checkpoints": {"orbax": {"path": "bench/out/orbax_2gib", "files": 14, "bytes": 1985069056}},
+    "results": [
+        {"name": "sha256sum-orbax", "format": "orbax", "role": "baseline", "command": "sha256sum x2 (orbax)",
+         "ok": True, "error": None, "best_s": 29.3876, "peak_rss_kib": 33368, "check_errors": []},
+        {"name": "write-orbax", "format": "orbax", "role": "write", "command": "ckpt manifest write (orbax)",
+         "ok": True, "error": None, "best_s": 6.2441, "peak_rss_kib": 72520, "check_errors": []},
+        {"name": "verify-orbax", "format": "orbax", "role": "verify", "command": "ckpt manifest verify (orbax)",
+         "ok": False, "error": None, "best_s": None, "peak_rss_kib": None, "check_errors": ["manifest verify said ..."]},
+    ],
+    "ratios": [
+        {"format": "orbax", "role": "write", "ckpt": "write-orbax", "baseline": "sha256sum-orbax",
+         "speed_vs_sha256sum": 4.71, "target": 0.8, "met": True, "ckpt_peak_rss_kib": 72520,
+         "memory_bytes": 536870912, "rss_within_memory": True},
+        {"format": "orbax", "role": "verify", "ckpt": "verify-orbax", "baseline": "sha256sum-orbax",
+         "speed_vs_sha256sum": None, "target": 0.8, "met": None, "ckpt_peak_rss_kib": None,
+         "memory_bytes": 536870912, "rss_within_memory": None},
+    ],
+}
+
+
+def test_bench_summary_rows():
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("manifest_bench", bench / "manifest_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    write, verify = mod.summary_rows(BENCH_DOC)
+    assert write["bench"] == "manifest" and write["case"] == "write, 2 GiB orbax, warm cache"
+    assert write["ratio"] == 0.21 and write["met"] is True and write["rss_mib"] == 71
+    assert verify["met"] is None and verify["ratio"] is None and "manifest verify said" in verify["error"]
+
+
+def test_json_errors_of_the_subcommands(tmp_path):
+    """With --json, a hard error is also one JSON object on stdout, as for every command."""
+    r = run_ckpt("manifest", "verify", str(fixture_path("dcp_single")), "--json")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["error"]["code"] == "not-found" and "no integrity manifest" in doc["error"]["message"]
+    r = run_ckpt("manifest", "write", str(tmp_path / "nope"), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "not-found"
+    r = run_ckpt("manifest", "write", str(tmp_path / "nope"))
+    assert r.returncode == 1 and r.stdout == ""
+    usage = run_ckpt("manifest", "write", str(tmp_path), "--workers", "0")
+    assert usage.returncode == 2 and "Usage: ckpt manifest write" in usage.stderr

@@ -223,7 +223,12 @@ def _json_requested(args: list[str]) -> bool:
     try:
         group = click.Context(cli, info_name="ckpt", resilient_parsing=True)
         command = cli.get_command(group, name)
-        ctx = command.make_context(name, list(args[1:]), parent=group, resilient_parsing=True)
+        rest = list(args[1:])
+        if isinstance(command, click.Group) and rest and rest[0] in command.commands:
+            # a command group (`ckpt manifest verify ... --json`): its subcommand's own options
+            group, command, name, rest = (click.Context(command, info_name=name, parent=group), command.commands[rest[0]],
+                                          rest[0], rest[1:])
+        ctx = command.make_context(name, rest, parent=group, resilient_parsing=True)
         return bool(ctx.params.get("as_json"))
     except Exception:  # noqa: BLE001 - a command line click cannot even parse leniently
         return False

@@ -342,10 +342,11 @@ def check_digests(
         manifest = read(loc)
     except CkptError:
         return
+    listing = set(loc.storage.list()) if loc.single is None else set()  # one LIST, not a request per file
     names = []
     for name in sorted(manifest.files):
         try:
-            if loc.storage.exists(name):
+            if name in listing or loc.storage.exists(name):
                 names.append(name)
         except PathEscapeError:
             continue  # reported by the shallow check
