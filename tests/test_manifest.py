@@ -488,3 +488,28 @@ def test_json_errors_of_the_subcommands(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     usage = run_ckpt("manifest", "write", str(tmp_path), "--workers", "0")
     assert usage.returncode == 2 and "Usage: ckpt manifest write" in usage.stderr
+
+
+def test_a_killed_writes_temporary_is_ignored_then_removed(tmp_path, ckpt):
+    """A write killed between its temporary and the rename leaves `.integrity-tmp-HOST-PID-*`: not a
+    file of the checkpoint (no unlisted-file), and the next write on this host removes it."""
+    from ckpt_tool.manifest import _host
+
+    path = _copy("dcp_single", tmp_path)
+    assert ckpt("manifest", "write", path).returncode == 0
+    dead = _exited_pid()  # (a pid just reaped: no process has it)
+    leftover = path / f".integrity-tmp-{_host()}-{dead}-0badc0de"
+    leftover.write_text("{")
+    other_host = path / ".integrity-tmp-elsewhere-1-0badc0de"
+    other_host.write_text("{")
+    assert _json(ckpt("validate", "--strict", "--json", path))["findings"] == []
+    assert ckpt("manifest", "write", path).returncode == 0
+    assert not leftover.exists() and other_host.exists()
+
+
+def _exited_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])  # noqa: S607
+    p.wait()
+    return p.pid

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,7 +228,8 @@ def _write_atomic(home: Storage, name: str, data: bytes) -> None:
         home.write(name, data)
         return
     final = os.path.join(home.local_root, name)
-    tmp = os.path.join(home.local_root, f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    _remove_dead_temporaries(home.local_root)
+    tmp = os.path.join(home.local_root, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -247,6 +249,33 @@ def _write_atomic(home: Storage, name: str, data: bytes) -> None:
         with _quiet():
             os.unlink(tmp)
         raise CkptError(f"cannot write the manifest: {exc.strerror or exc}", final) from None
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+
+
+def _remove_dead_temporaries(directory: str) -> None:
+    """Temporaries of manifest writes on this host whose process is gone (killed between the write
+    and the rename): ckpt's own output, so removed; another host's are left alone."""
+    prefix = f"{_TMP_PREFIX}{_host()}-"
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (or another user's process): not ours to judge
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        with _quiet():
+            os.unlink(os.path.join(directory, n))
 
 
 class _quiet:
