@@ -513,3 +513,13 @@ def _exited_pid() -> int:
     p = subprocess.Popen(["true"])  # noqa: S607
     p.wait()
     return p.pid
+
+
+def test_convert_refuses_a_source_that_differs_from_its_manifest(tmp_path, ckpt):
+    src = _copy("dcp_single", tmp_path)
+    assert ckpt("manifest", "write", src).returncode == 0
+    with open(src / ".metadata", "ab") as f:
+        f.write(b"x")
+    r = ckpt("convert", src, tmp_path / "out", "--to", "safetensors")
+    assert r.returncode == 1 and "size-mismatch: .metadata" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
