@@ -394,3 +394,163 @@ def test_state_dict_changed_after_build_stays_plain_data():
     assert obj.__dict__["__getattr__"] == "boom"
     with pytest.raises(AttributeError):
         obj.not_a_field  # noqa: B018 - __getattr__ is still the class's
+
+
+# -- the fast limits proof (pickle_scan) against the opcode walk -------------------------
+from ckpt_tool.torchsave import pickle_scan  # noqa: E402
+
+from conftest import FIXTURES  # noqa: E402
+
+_CORPUS = Path(__file__).parent / "fuzz_corpus"
+
+
+def _archive_pickles(blob: bytes) -> list[bytes]:
+    """Every `*data.pkl` member of the torch.save zip archives in `blob` (a .pt, or a .distcp's
+    concatenation of archives): each end-of-central-directory record opens the archive before it."""
+    out = []
+    at = blob.find(b"PK\x05\x06")
+    while at >= 0:
+        try:
+            with zipfile.ZipFile(io.BytesIO(blob[:at + 22])) as z:
+                out += [z.read(n) for n in z.namelist() if n.endswith("data.pkl")]
+        except Exception:  # noqa: BLE001 - a damaged archive of the fuzz corpus: its pickles are not reachable
+            pass
+        at = blob.find(b"PK\x05\x06", at + 4)
+    return out
+
+
+def _corpus_pickles() -> list[tuple[str, bytes]]:
+    """The pickles of every fixture and of the fuzz corpus: .metadata files and torch.save data.pkl members."""
+    out = []
+    for root in (FIXTURES, _CORPUS):
+        for path in sorted(root.rglob("*")):
+            if not path.is_file() or path.stat().st_size > 64 << 20:
+                continue
+            if path.name == ".metadata" or path.name.endswith(".metadata"):
+                out.append((str(path), path.read_bytes()))
+            elif path.suffix in (".pt", ".bin", ".distcp", ".pth"):
+                out += [(f"{path} #{i}", p) for i, p in enumerate(_archive_pickles(path.read_bytes()))]
+    return out
+
+
+def _walk_verdict(data: bytes) -> str | None:
+    try:
+        safe_pickle.walk_limits(data, "x")
+    except CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _proved(data: bytes) -> bool:
+    return pickle_scan.within_limits(data, safe_pickle.MAX_STACK_DEPTH, safe_pickle.MAX_OBJECTS)
+
+
+def _canon(value, seen=None):
+    """A comparable form of an unpickled value (stand-ins compare by type and fields)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return ("<cycle>",)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (dict, list, tuple, set, frozenset)) or hasattr(value, "__dict__") or hasattr(value, "__slots__"):
+        seen = seen | {id(value)}
+    if isinstance(value, dict):
+        return (type(value).__name__, [(_canon(k, seen), _canon(v, seen)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_canon(v, seen) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return (type(value).__name__, sorted(repr(_canon(v, seen)) for v in value))
+    fields = getattr(value, "__dict__", None)
+    if fields is None and getattr(type(value), "__slots__", None):
+        fields = {s: getattr(value, s, None) for s in type(value).__slots__}
+    if fields is not None and not isinstance(value, (int, float, str, bytes)):
+        return (type(value).__name__, _canon(dict(fields), seen))
+    return (type(value).__name__, repr(value))
+
+
+def _outcome(loader, data: bytes, fast: bool, monkeypatch):
+    monkeypatch.setattr(safe_pickle, "FAST_SCAN_MIN_BYTES", 0 if fast else 1 << 62)
+    try:
+        value = loader(data, "x")
+    except CkptError as exc:
+        return ("error", type(exc).__name__, str(exc))
+    return ("value", _canon(value))
+
+
+def test_fast_proof_is_taken_for_real_pickles():
+    # the fast path must actually apply to what torch writes, else this whole section tests nothing
+    md, archive = _real_bytes()
+    assert _proved(md)
+    for name in ("dcp_single", "dcp_fsdp2_adam", "megatron_torch_dist_tp2_dp2"):
+        assert _proved((FIXTURES / name / ".metadata").read_bytes()), name
+    assert not _proved(_archive_pickles(archive)[0])  # protocol 2 (BINPUT, BINUNICODE): walked
+
+
+def test_fast_proof_and_walk_agree_on_every_corpus_pickle(monkeypatch):
+    corpus = _corpus_pickles()
+    assert len(corpus) > 100
+    proved = 0
+    for name, data in corpus:
+        if _proved(data):
+            proved += 1
+            assert _walk_verdict(data) is None, name
+        for loader in (load_metadata, load_payload):
+            assert _outcome(loader, data, True, monkeypatch) == _outcome(loader, data, False, monkeypatch), name
+    assert proved >= 20
+
+
+_LIMIT_CASES = [
+    b"\x80\x04Nr" + (1 << 28).to_bytes(4, "little") + b".",  # LONG_BINPUT memo bomb
+    b"Np268435456\n.",  # PUT
+    b"\x80\x05\x96" + (1 << 62).to_bytes(8, "little") + b".",  # BYTEARRAY8 claiming 4 EiB
+    b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b".",  # BINBYTES8
+    b"\x80\x04\x8b" + (5000).to_bytes(4, "little") + b"\x01" * 5000 + b".",  # LONG4
+    b"\x80\x04" + b"(" * 1000 + b".",  # MARKs nested
+    b"\x80\x04" + b"(" * 300 + b"t" * 300 + b".",  # nested and closed
+    b"\x80\x04" + b"\x95" + (1 << 40).to_bytes(8, "little") + b"N.",  # a frame past the end
+    b"\x80\x04\x95" + (2).to_bytes(8, "little") + b"N.",  # a frame that ends exactly at the end
+    b"\x80\x04" + b"N2" * (1 << 20) + b".",  # DUP: a 1M-deep stack
+    b"\x80\x04" + b"(" + b"N" * ((1 << 20) + 8) + b"l.",  # one MARK level over the depth limit
+    b"\x80\x04" + b"]" + b"(" + b"N" * 1000 + b"e" + b"." ,  # a small APPENDS
+    # a short string whose length byte 0x95 looks like the next frame of the chain (its 8 bytes a length that
+    # ends at the end): the copy reads a 241-byte string there, which the pattern refuses, and the walk decides
+    b"\x80\x04\x95" + (1).to_bytes(8, "little") + b"\x8c\x95" + (142).to_bytes(8, "little") + b"a" * 141 + b".",
+    b"\x80\x04\x8c\x95" + b"a" * 0x95 + b".",  # a 149-byte short string: walked (longer than the pattern admits)
+    b"\x80\x04\xf1" + b"\x00" * 8 + b"N.",  # 0xF1 (the frame stand-in) in the data itself
+    b"c" + b"a" * 9000 + b"\nb\n.",  # a long GLOBAL line
+]
+
+
+@pytest.mark.parametrize("data", _LIMIT_CASES)
+def test_fast_proof_never_passes_what_the_walk_refuses(data, monkeypatch):
+    if _proved(data):
+        assert _walk_verdict(data) is None
+    if _walk_verdict(data) is not None:
+        assert not _proved(data)
+    for loader in (load_metadata, load_payload):
+        assert _outcome(loader, data, True, monkeypatch) == _outcome(loader, data, False, monkeypatch)
+
+
+def test_fast_proof_of_a_deep_stack_inside_the_limit():
+    # 100,000 values in one MARK level: provable (a level admits ~26,000 units of 4 one-byte opcodes)
+    data = b"\x80\x04(" + b"N" * 100_000 + b"l."
+    assert _proved(data) and _walk_verdict(data) is None
+
+
+@_FUZZ
+@given(_EDITS)
+def test_fuzz_fast_proof_implies_walk_passes(edits):
+    md, _ = _real_bytes()
+    data = mutate_bytes(md, edits)
+    if _proved(data):
+        assert _walk_verdict(data) is None
+
+
+@_FUZZ
+@given(st.lists(st.sampled_from([b"(", b"N", b"t", b"l", b"e", b"u", b"0", b"2", b"\x94", b"K\x01", b"h\x00",
+                                  b"\x8c\x01a", b"\x95" + (5).to_bytes(8, "little"), b"r\x00\x00\x00\x01", b"\x85",
+                                  b"\x8c\x95", b"\xf1"]), max_size=60))
+def test_fuzz_fast_proof_on_opcode_soup(parts):
+    data = b"\x80\x04" + b"".join(parts) + b"."
+    if _proved(data):
+        assert _walk_verdict(data) is None

@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, UnsafePickleError, short_repr
+from . import pickle_scan
 
 # A real .metadata for a model with tens of thousands of tensors and many
 # ranks is tens of MB; torch.save's data.pkl for one tensor is ~200 bytes and
@@ -788,7 +789,28 @@ _ARG, _DELTA, _MARK = _tables()
 _LONG_BINPUT, _PUT, _BINPUT, _MEMOIZE, _LONG4, _BYTEARRAY8, _FRAME, _STOP = b"rpq\x94\x8b\x96\x95."
 
 
-def check_limits(data: bytes, where: str) -> None:
+# Below this size the walk takes a few milliseconds, less than compiling
+# pickle_scan's pattern (~15 ms, once per process).
+FAST_SCAN_MIN_BYTES = 128 << 10
+
+
+def check_limits(data: bytes, where: str, *, fast: bool | None = None) -> None:
+    """Refuse a pickle whose opcodes would take the unpickler past a limit.
+
+    A large pickle is first matched against pickle_scan's pattern, which
+    proves in C that no limit can be reached; when it cannot (or `fast` is
+    False, or the pickle is small and `fast` is not True) walk_limits decides,
+    with the walk's own errors. `fast=True` skips the walk after a proof
+    whatever the size (tests run both ways).
+    """
+    if fast is None:
+        fast = len(data) >= FAST_SCAN_MIN_BYTES
+    if fast and pickle_scan.within_limits(data, MAX_STACK_DEPTH, MAX_OBJECTS):
+        return
+    walk_limits(data, where)
+
+
+def walk_limits(data: bytes, where: str) -> None:
     """Walk the opcodes, counting what the unpickler would build; refuse past a limit.
 
     Malformed input (a truncated pickle, an unknown opcode, a stack
