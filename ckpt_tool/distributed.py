@@ -43,6 +43,8 @@ from .errors import CkptError
 
 # which library coordinates: auto (by the rules above), torch, jax; off: ignore launcher variables
 CHOICE_VARIABLE = "CKPT_DISTRIBUTED"
+# the two libraries, by the module that coordinates (CKPT_DISTRIBUTED names the package)
+TORCH, JAX = LIBRARIES = ("torch.distributed", "jax.distributed")
 JOIN_TIMEOUT_VARIABLE = "CKPT_JOIN_TIMEOUT"
 BARRIER_TIMEOUT_VARIABLE = "CKPT_BARRIER_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT = 300.0
@@ -276,7 +278,7 @@ def process_spec(
 
 def _choice(env: Mapping[str, str]) -> str:
     choice = (env.get(CHOICE_VARIABLE) or "auto").strip().lower()
-    if choice not in ("auto", "torch", "jax", "off"):
+    if choice not in ("auto", "off") and f"{choice}.distributed" not in LIBRARIES:
         raise LaunchError(f"{CHOICE_VARIABLE}={choice!r}: expected auto, torch, jax or off")
     return choice
 
@@ -304,14 +306,14 @@ def _importable(module: str) -> bool:
 
 
 def library_for(spec: ProcessSpec, env: Mapping[str, str] | None = None) -> str:
-    """'torch' or 'jax': the library this run coordinates through (nothing imported)."""
+    """TORCH or JAX: the library this run coordinates through (nothing imported)."""
     env = os.environ if env is None else env
     choice = _choice(env)
-    if choice in ("torch", "jax"):
-        return choice
-    order = ("torch", "jax") if spec.launcher else ("jax", "torch")
+    if f"{choice}.distributed" in LIBRARIES:
+        return f"{choice}.distributed"
+    order = (TORCH, JAX) if spec.launcher else (JAX, TORCH)
     for lib in order:
-        if _importable(lib):
+        if _importable(lib.partition(".")[0]):  # the package: finding a submodule would import it
             return lib
     raise LaunchError(f"a {spec.num_processes or 'multi'}-process run ({spec.source}) needs torch or jax to coordinate; "
                       "neither is installed: pip install torch (or jax)")
@@ -332,7 +334,7 @@ def join(
     env = os.environ
     join_timeout = _timeout(env, JOIN_TIMEOUT_VARIABLE, DEFAULT_JOIN_TIMEOUT)
     barrier_timeout = _timeout(env, BARRIER_TIMEOUT_VARIABLE, DEFAULT_BARRIER_TIMEOUT)
-    if library_for(spec) == "torch":
+    if library_for(spec) == TORCH:
         return TorchCoordinator(spec, join_timeout=join_timeout, barrier_timeout=barrier_timeout)
     return JaxCoordinator(spec, join_timeout=join_timeout, barrier_timeout=barrier_timeout)
 
@@ -410,7 +412,7 @@ class TorchCoordinator(_Joined):
     line on every side instead of a rendezvous that waits forever.
     """
 
-    kind = "torch"
+    kind = TORCH
 
     def __init__(self, spec: ProcessSpec, *, join_timeout: float, barrier_timeout: float) -> None:
         if spec.num_processes is None or spec.process_id is None:
@@ -419,6 +421,13 @@ class TorchCoordinator(_Joined):
                               f"{'neither' if spec.num_processes is None and spec.process_id is None else 'one'})")
         if spec.coordinator is None:
             raise LaunchError("a run coordinated through torch needs the coordinator's address (--coordinator HOST:PORT)")
+        host, port = _split_address(spec.coordinator, spec.source)
+        self._where = f"{host}:{port} ({_origin(spec)})"
+        deadline = time.monotonic() + join_timeout
+        serve = self._serving = spec.process_id == 0 and not spec.agent_store
+        if not serve:
+            # before torch is imported (seconds): an unreachable coordinator is said at once
+            _wait_until_reachable(host, port, deadline, join_timeout, self._where)
         if not _debug():
             # c10d logs each failed connection attempt with a C++ stack; ckpt says it in one line
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -442,12 +451,6 @@ class TorchCoordinator(_Joined):
         self._pg = False
         self._posted = self._known_failure = self._acknowledged = False
         _keep_stdout_for_output()
-        host, port = _split_address(spec.coordinator, spec.source)
-        self._where = f"{host}:{port} ({_origin(spec)})"
-        deadline = time.monotonic() + join_timeout
-        serve = self._serving = spec.process_id == 0 and not spec.agent_store
-        if not serve:
-            _wait_until_reachable(host, port, deadline, join_timeout, self._where)
         try:
             store = dist.TCPStore(host, port, None, serve, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
                                   wait_for_workers=False)
@@ -627,7 +630,8 @@ def _wait_until_reachable(host: str, port: int, deadline: float, timeout: float,
             with socket.create_connection((host, port), timeout=min(left, 5.0)):
                 return
         except socket.gaierror as exc:
-            raise LaunchError(f"cannot resolve the coordinator's host {host!r} ({where}): {exc.strerror or exc}") from None
+            raise LaunchError(f"cannot resolve the coordinator's host {host!r} ({exc.strerror or exc}); "
+                              f"the address came from {where}") from None
         except OSError as exc:
             last = exc.strerror or exc  # type: ignore[assignment]
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -637,7 +641,7 @@ def _wait_until_reachable(host: str, port: int, deadline: float, timeout: float,
 class JaxCoordinator(_Joined):
     """Barriers over jax.distributed (its coordination service's named barriers)."""
 
-    kind = "jax"
+    kind = JAX
 
     def __init__(self, spec: ProcessSpec, *, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT) -> None:

@@ -46,7 +46,7 @@ def reshard_command(
     fits the new mesh (else that dimension is replicated) unless --rules or
     --fsdp say otherwise. Every spec is checked before DST is created; SRC is
     never written. Run the same command on every host to split the work."""
-    from ..distributed import join, process_spec
+    from ..distributed import TORCH, join, process_spec
 
     spec = process_spec(coordinator, num_processes, process_id)
     opts = ReshardOptions(
@@ -65,7 +65,7 @@ def reshard_command(
     # after the coordinator, which moves sys.stdout away from fd 1 (gloo's chatter)
     out = Output(json_mode=as_json)
     with coord or nullcontext():
-        if coord is not None and coord.kind == "torch" and devices is None:
+        if coord is not None and coord.kind == TORCH and devices is None:
             # without jax.distributed there are no global jax devices: the mesh's devices are
             # ids 0..N-1, each process owning an equal run of them, as with --devices N
             opts.devices = _mesh_devices(mesh, coord.process_count)
