@@ -248,3 +248,44 @@ def test_validate_one_step_of_a_root(ckpt, name, step):
     r = ckpt("validate", str(fixture_path(name)), "--step", step, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["ok"]
+
+
+def test_temporary_names_of_each_writer(copy_fixture, tmp_path):
+    """What each writer leaves while a save is under way: listed as in progress, never returned."""
+    flax = copy_fixture("flax_msgpack")
+    shutil.copy(flax / "checkpoint_2", flax / "checkpoint_tmp")  # flax writes checkpoint_tmp, then renames it
+    listing = runs.list_run(str(flax))
+    assert [(s.name, s.step, s.status) for s in listing.steps][-1] == ("checkpoint_tmp", None, "in-progress")
+    assert ckpt_tool.latest(str(flax)).path.endswith("checkpoint_2")
+
+    t5x = copy_fixture("t5x")
+    shutil.copytree(t5x / "checkpoint_1", t5x / "checkpoint_2.tmp-1700000000")  # t5x's staging directory
+    shutil.copytree(t5x / "checkpoint_1", t5x / "checkpoint_3", ignore=shutil.ignore_patterns("checkpoint"))
+    listing = runs.list_run(str(t5x))
+    assert [(s.name, s.status) for s in listing.steps] == [
+        ("checkpoint_1", "committed"), ("checkpoint_2.tmp-1700000000", "in-progress"), ("checkpoint_3", "incomplete")]
+    assert ckpt_tool.latest(str(t5x)).path.endswith("checkpoint_1")
+
+    hf = copy_fixture("runs_hf_trainer")
+    shutil.copytree(hf / "checkpoint-4", hf / "tmp-checkpoint-8")  # transformers 4.36's staged save
+    by = {s.name: s for s in runs.list_run(str(hf)).steps}
+    assert by["tmp-checkpoint-8"].status == "in-progress" and by["tmp-checkpoint-8"].step == 8
+
+    megatron = copy_fixture("megatron_run")
+    (megatron / "latest_checkpointed_iteration.txt").write_text("not a number")
+    listing = runs.list_run(str(megatron))
+    assert listing.pointer_problem == "'not a number' is not an iteration number (or 'release')"
+    assert [s.status for s in listing.steps] == ["committed", "committed"]  # the files decide then
+
+
+def test_step_path_resolves_names_numbers_and_latest():
+    root = str(fixture_path("runs_verl"))
+    assert runs.step_path(root, "4") == (f"{root}/global_step_4/actor", None)
+    assert runs.step_path(root, "global_step_2") == (f"{root}/global_step_2/actor", None)
+    assert runs.step_path(root, "latest") == (f"{root}/global_step_4/actor", None)
+    nemo = str(fixture_path(NEMO))
+    assert runs.step_path(nemo, "9")[0] == f"{nemo}/{NEMO_9}"  # the step's own directory before its -last copy
+    megatron = str(fixture_path("megatron_run"))
+    assert runs.step_path(megatron, "10") == (megatron, "10")  # the Megatron reader's own --step rules
+    single = str(fixture_path("dcp_single"))
+    assert runs.step_path(single, "3") == (single, "3")  # not a run root: the reader says what --step means

@@ -206,8 +206,11 @@ def _t5x_owns(listing: RootListing, entry: Entry) -> bool:
 
     if reader._is_tmp(entry.name):
         return True
-    _, files = listing.top(entry.name)
-    return reader.TREE_FILE in files and reader.TREE_METADATA not in files
+    dirs, files = listing.top(entry.name)
+    if reader.TREE_METADATA in files:
+        return False  # orbax >= 0.5's
+    # the tree file, or (a save torn before it) t5x's per-array directories, named after the tree's keys
+    return reader.TREE_FILE in files or any(d.startswith(("target.", "state.")) for d in dirs)
 
 
 def _t5x_status(listing: RootListing, entry: Entry) -> StepStatus:
