@@ -151,3 +151,23 @@ def test_diff_across_steps_on_s3(s3_env):
     url = f"s3://{BUCKET}/run/runs_torchtitan"
     r = run_ckpt("diff", url, "--step-a", "30", "--step-b", "latest", "--values", env=s3_env)
     assert r.returncode == 0 and r.stdout.startswith("same:"), r.stdout + r.stderr
+
+
+# -- on GCS: orbax's commit rule there (commit_success.txt, else the commit timestamp) ----------------
+
+from test_orbax_versions import gcs  # noqa: E402,F401 - the GCS emulator fixture (module scope)
+
+
+def test_orbax_root_on_gcs_follows_the_gs_commit_rule(gcs):  # noqa: F811
+    env, upload = gcs
+    src = fixture_path("orbax_v0_9") / "manager_plain"  # orbax 0.9: commit timestamps, no commit_success.txt
+    url = upload(src)  # copied to gs:// from a disk: committed by its timestamp (orbax needs the marker there)
+    r = run_ckpt("ls", url, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert [(s["name"], s["status"]) for s in json.loads(r.stdout)["steps"]] == [("1", "committed"), ("2", "committed")]
+    url = upload(src, drop_timestamp=True)  # neither record: those saves never finished
+    doc = json.loads(run_ckpt("ls", url, "--json", env=env).stdout)
+    assert [s["status"] for s in doc["steps"]] == ["incomplete", "incomplete"]
+    assert "no commit_timestamp_nsecs and there is no commit_success.txt on gs://" in doc["steps"][0]["reason"]
+    r = run_ckpt("latest", url, env=env)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and r.stdout == ""
