@@ -240,7 +240,12 @@ def latest(root: str, deep: bool = False) -> Latest:
     listing = list_run(root, sizes=False)
     found = Latest(listing.root, listing.layout.name, deep, None, pointer_file=listing.pointer_file,
                    pointer_names=listing.pointer_names, pointer_problem=listing.pointer_problem)
-    for row in sorted(listing.steps, key=lambda r: (r.step is not None, r.step or 0, r.name), reverse=True):
+    # newest first; where the writer moves its pointer last, the pointer's step first (a DeepSpeed tag
+    # need not be numbered), steps beyond it being saves in progress
+    first = listing.layout.pointer_is_commit
+    order = sorted(listing.steps, key=lambda r: (first and r.pointer, r.step is not None, r.step or 0, r.name),
+                   reverse=True)
+    for row in order:
         if row.status != COMMITTED:
             found.skipped.append({"name": row.name, "step": row.step, "status": row.status, "reason": row.reason,
                                   "pointer": row.pointer})

@@ -289,3 +289,12 @@ def test_step_path_resolves_names_numbers_and_latest():
     assert runs.step_path(megatron, "10") == (megatron, "10")  # the Megatron reader's own --step rules
     single = str(fixture_path("dcp_single"))
     assert runs.step_path(single, "3") == (single, "3")  # not a run root: the reader says what --step means
+
+
+def test_deepspeed_tag_of_any_name(copy_fixture):
+    root = copy_fixture("deepspeed_z1_fp32")
+    shutil.copytree(root / "global_step2", root / "best")  # save_checkpoint(tag="best")
+    (root / "latest").write_text("best")
+    listing = runs.list_run(str(root))
+    assert [(s.name, s.step, s.pointer) for s in listing.steps] == [("global_step2", 2, False), ("best", None, True)]
+    assert ckpt_tool.latest(str(root)).path == f"{root}/best"
