@@ -240,11 +240,11 @@ def latest(root: str, deep: bool = False) -> Latest:
     listing = list_run(root, sizes=False)
     found = Latest(listing.root, listing.layout.name, deep, None, pointer_file=listing.pointer_file,
                    pointer_names=listing.pointer_names, pointer_problem=listing.pointer_problem)
-    # newest first; where the writer moves its pointer last, the pointer's step first (a DeepSpeed tag
-    # need not be numbered), steps beyond it being saves in progress
+    # newest first; where the writer moves its pointer last, a pointer's step without a number (a
+    # DeepSpeed tag of any name) first: it is the newest by the writer's rule
     first = listing.layout.pointer_is_commit
-    order = sorted(listing.steps, key=lambda r: (first and r.pointer, r.step is not None, r.step or 0, r.name),
-                   reverse=True)
+    order = sorted(listing.steps, reverse=True,
+                   key=lambda r: (first and r.pointer and r.step is None, r.step is not None, r.step or 0, r.name))
     for row in order:
         if row.status != COMMITTED:
             found.skipped.append({"name": row.name, "step": row.step, "status": row.status, "reason": row.reason,
