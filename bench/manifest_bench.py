@@ -9,8 +9,10 @@ same tensors, dcp.save from one process), built by validate_bench's own generato
 The manifest is written beside them (bench/out/manifest_<fmt>.json, --manifest), so the cached
 checkpoints stay as the other benches expect them.
 
-For each checkpoint, with a WARM page cache (every file read once just before; the state every
-figure is for), whole processes, each timed once per run:
+For each checkpoint, with a WARM page cache (every file read once just before; the default) or a
+COLD one (--cache cold: each file's cached pages dropped with posix_fadvise(DONTNEED) before every
+command, so each reads the disk; only these files' pages, nothing else on the machine), whole
+processes, each timed once per run:
 
   sha256sum   cd CKPT && find . -type f -print0 | xargs -0 -P 2 -n 1 sha256sum
               (-P 2: this machine's 2 cores; -n 1: one file per process, so the two processes
@@ -85,13 +87,25 @@ def check_output(cmd: dict, text: str, files: int, res: dict) -> list[str]:
     return []
 
 
-def run_command(cmd: dict, runs: int, files: int, log) -> dict:
+def drop_page_cache(path: str) -> None:
+    """Drop the cached pages of every file under `path` (clean pages; these files only)."""
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_command(cmd: dict, runs: int, files: int, log, before=lambda: None) -> dict:
     res = dict(name=cmd["name"], format=cmd["format"], role=cmd["role"], command=cmd["label"], ok=True, error=None,
                best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None, check_errors=[],
                loadavg_1min_before=round(os.getloadavg()[0], 2))
     log(f"running {cmd['name']} ({runs} run{'s' if runs > 1 else ''}) ...")
     rss = []
     for i in range(runs):
+        before()
         r = ib.run_once(cmd["argv"], capture=i == 0)
         if r["rc"] != 0:
             res.update(ok=False, error=f"exit {r['rc']}: {(r['stderr'] or r['stdout']).strip()[-300:]}")
@@ -115,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regen", action="store_true", help="rebuild the cached 2 GiB checkpoints in bench/out/")
     ap.add_argument("--memory", default="512MiB", help="ckpt's --memory (default 512MiB); the RSS target")
     ap.add_argument("--formats", default="orbax,dcp", help="which 2 GiB checkpoints (default orbax,dcp)")
+    ap.add_argument("--cache", choices=("warm", "cold"), default="warm",
+                    help="page cache before each command: warm (read once before) or cold (dropped)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be at least 1")
@@ -134,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
             os.remove(manifest)  # a previous run's: write must not find it (it would replace it, but say so)
         files, nbytes = ib._dir_stats(path)
         sizes[fmt] = {"files": files, "bytes": nbytes}
-        ib.warm_page_cache(path)
+        if args.cache == "warm":
+            ib.warm_page_cache(path)
         loads[fmt] = round(os.getloadavg()[0], 2)
         by = {}
         for cmd in commands(fmt, path, manifest, args.memory):
-            res = run_command(cmd, args.runs, files, log)
+            res = run_command(cmd, args.runs, files, log,
+                              (lambda p=path: drop_page_cache(p)) if args.cache == "cold" else (lambda: None))
             by[cmd["role"]] = res
             results.append(res)
         # the manifest's digests are sha256sum's
@@ -164,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = any(not r["ok"] for r in results)
     report = {
         **ib.report_header("manifest", load_at_start, loads),
-        "page_cache": "warm (every file read once before the commands)",
+        "page_cache": ("warm (every file read once before the commands)" if args.cache == "warm" else
+                       "cold (every file's pages dropped with posix_fadvise before each command)"),
         "runs": args.runs, "memory": args.memory, "parallel": PARALLEL,
         "checkpoints": {fmt: {"path": os.path.relpath(big[fmt], REPO), **sizes[fmt]} for fmt in formats},
         "results": results, "ratios": ratios, "ok": not failed,
@@ -216,7 +235,8 @@ def summary_rows(doc: dict) -> list[dict]:
         speed = q["speed_vs_sha256sum"]
         rss = q.get("ckpt_peak_rss_kib")
         rows.append({
-            "bench": "manifest", "case": f"{q['role']}, {gib:.0f} GiB {q['format']}, warm cache",
+            "bench": "manifest", "case": f"{q['role']}, {gib:.0f} GiB {q['format']}, "
+                                         f"{str(doc.get('page_cache', 'warm')).split()[0]} cache",
             "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["baseline"]), "baseline_s": b.get("best_s"),
             # the overall table's ratio is ckpt/baseline time, lower is better
             "ratio": None if not speed else round(1 / speed, 2),
