@@ -523,3 +523,14 @@ def test_convert_refuses_a_source_that_differs_from_its_manifest(tmp_path, ckpt)
     r = ckpt("convert", src, tmp_path / "out", "--to", "safetensors")
     assert r.returncode == 1 and "size-mismatch: .metadata" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_explicit_manifest_inside_the_checkpoint_is_not_one_of_its_files(tmp_path, ckpt, monkeypatch):
+    path = _copy("dcp_single", tmp_path)
+    monkeypatch.chdir(tmp_path)  # relative paths: the same directory named two ways
+    for _ in range(2):  # the second write finds the first's manifest there: not a file to hash
+        assert ckpt("manifest", "write", "dcp_single", "--manifest", "dcp_single/sums/m.json").returncode == 0
+    doc = json.loads((path / "sums" / "m.json").read_text())
+    assert sorted(doc["files"]) == [".metadata", "__0_0.distcp"]
+    verify = _json(ckpt("manifest", "verify", "--json", "--strict", "dcp_single", "--manifest", "dcp_single/sums/m.json"))
+    assert verify["returncode"] == 0 and verify["findings"] == []

@@ -90,10 +90,13 @@ def locate(path: str, manifest: str | None = None, *, create: bool = False) -> L
         raise UsageError(f"--manifest {manifest}: not a file name")
     home = Storage.create(home_url) if create else Storage.open(home_url)
     inside = None
-    if home.url.rstrip("/") == storage.url.rstrip("/"):
+    # the same directory named two ways (relative and absolute paths): compare where they are
+    base = os.path.realpath(storage.local_root) if storage.local_root else storage.url.rstrip("/")
+    where = os.path.realpath(home.local_root) if storage.local_root and home.local_root else home.url.rstrip("/")
+    if where == base:
         inside = name
-    elif home.url.startswith(storage.url.rstrip("/") + "/"):
-        inside = f"{home.url[len(storage.url.rstrip('/')) + 1:].rstrip('/')}/{name}"
+    elif where.startswith(base + "/"):
+        inside = f"{where[len(base) + 1:]}/{name}"
     return Location(storage, one, home, name, inside, explicit=True)
 
 
