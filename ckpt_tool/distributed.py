@@ -645,6 +645,16 @@ class JaxCoordinator(_Joined):
 
     def __init__(self, spec: ProcessSpec, *, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT) -> None:
+        if spec.agent_store:
+            raise LaunchError("torchrun's agent holds MASTER_PORT, where jax's coordinator would listen: under torchrun "
+                              "ckpt coordinates through torch (not importable here); for jax pass --coordinator "
+                              "HOST:PORT with a free port")
+        if spec.coordinator and spec.process_id:
+            # jax's client ends the process with a fatal log (SIGABRT, a C++ stack) when it cannot
+            # register: a coordinator that does not answer is said here first, in one line
+            host, port = _split_address(spec.coordinator, spec.source)
+            _wait_until_reachable(host, port, time.monotonic() + join_timeout, join_timeout,
+                                  f"{host}:{port} ({_origin(spec)})")
         try:
             import jax
         except ImportError:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from ckpt_tool.distributed import (
-    SLURM_PORT_BASE, LaunchError, expand_hostlist, first_host, library_for, process_spec, slurm_port,
+    SLURM_PORT_BASE, JaxCoordinator, LaunchError, expand_hostlist, first_host, library_for, process_spec, slurm_port,
 )
 from conftest import ROOT, fixture_path, free_port
 from library_reference import dcp_values, orbax_values
@@ -317,6 +317,10 @@ def test_unreachable_coordinator_is_one_line_within_the_deadline(tmp_path):
     r, _ = run_ckpt_env(convert_args("dcp", dst), {**env, "RANK": "0"})
     assert r.returncode == 1
     assert "process 0 waited 2 s for process 1 to join" in one_line(r.stderr)
+    # the same on the jax route (jax's own client would end the process with a fatal log and a C++ stack)
+    r, _ = run_ckpt_env(convert_args("dcp", dst), {**env, "CKPT_DISTRIBUTED": "jax"})
+    assert r.returncode == 1
+    assert f"cannot reach the coordinator at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) within 2 s" in one_line(r.stderr)
     # a host that does not resolve: at once
     r, _ = run_ckpt_env(convert_args("dcp", dst), {**env, "MASTER_ADDR": "no-such-host.invalid"})
     assert r.returncode == 1 and "cannot resolve the coordinator's host 'no-such-host.invalid'" in one_line(r.stderr)
@@ -422,6 +426,12 @@ def test_process_spec_from_launchers():
     assert spec.coordinator == "head:4000"
     # torchrun inside a Slurm step (one torchrun per node): torchrun's variables name the worker
     assert process_spec(None, None, None, {**SLURM, **TORCHRUN}).source == "torchrun"
+
+
+def test_jax_is_not_started_on_torchruns_agent_port():
+    spec = process_spec(None, None, None, {**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    with pytest.raises(LaunchError, match="torchrun's agent holds MASTER_PORT"):
+        JaxCoordinator(spec)
 
 
 def test_flags_and_choices_win_over_launchers():
