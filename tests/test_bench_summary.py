@@ -131,8 +131,15 @@ SHAPES = {"load": 1.2, "results": [
      "note": "skipped: not enough free memory for the baseline"},
 ]}
 
+RUNS = {"bench": "runs", "steps": 200, "files": {"dcp": 401, "orbax": 2201}, "runs": 5, "target_s": 1.0,
+        "floor": {"best_s": 0.8}, "met": False, "ok": False, "results": [
+            {"name": "dcp local ls", "best_s": 0.77, "peak_rss_kib": 64000, "error": None, "check_errors": []},
+            {"name": "dcp s3 ls", "best_s": 1.2, "peak_rss_kib": 68000, "error": None, "check_errors": []},
+            {"name": "orbax s3 latest", "best_s": None, "peak_rss_kib": None, "error": "exit 1: boom", "check_errors": []},
+        ]}
+
 DOCS = {"inspect": INSPECT, "validate": VALIDATE, "convert": CONVERT, "safetensors": SAFETENSORS,
-        "reshard": RESHARD, "shapes": SHAPES}
+        "reshard": RESHARD, "shapes": SHAPES, "runs": RUNS}
 KEYS = {"bench", "case", "ckpt_s", "baseline", "baseline_s", "ratio", "target", "met", "rss_mib"}
 
 
@@ -226,3 +233,11 @@ def test_summary_rows_error_becomes_a_row():
     ra = _load("run_all")
     (row,) = ra.bench_rows("inspect", _load("inspect_bench"), {"ratios": [{"nope": 1}]}, 0, "")
     assert row["bench"] == "inspect" and "summary_rows() failed: KeyError" in row["case"]
+
+
+def test_runs_rows_target_only_ls_on_the_dcp_root():
+    local, s3, failed = _load("runs_bench").summary_rows(RUNS)
+    assert local["case"] == "ckpt ls, dcp root of 200 steps (401 files), local"
+    assert (local["target"], local["met"], local["ratio"]) == ("< 1 s", True, 0.96)
+    assert (s3["met"], s3["baseline"]) == (False, "ckpt inspect dcp_single")
+    assert failed["target"] is None and failed["met"] is None and failed["error"] == "exit 1: boom"
