@@ -217,7 +217,7 @@ def test_run_all_table_and_failure_rows():
     lines = ra.render_table(rows).splitlines()
     assert lines[0] == "| bench | case | ckpt | baseline (what) | ratio | target | met | ckpt peak RSS |"
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
-    assert len(body) == len(rows) == 2 + 2 + 2 + 2 + 2 + 2 + 1 + 3 + 1
+    assert len(body) == len(rows) == 2 + 2 + 2 + 2 + 2 + 2 + 3 + 1 + 3 + 1
     assert all(ln.count(" | ") == 7 for ln in body), body  # a '|' in a cell is escaped
     assert "| inspect | 3,000 leaves, orbax | 0.49 s | 3.60 s (ocp.StandardCheckpointer().metadata()) | 7.34x | " \
            "baseline/ckpt >= 10x | MISSED | 80 MiB |" in lines
