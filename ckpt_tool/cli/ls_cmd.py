@@ -24,7 +24,7 @@ def ls_command(root: str, as_json: bool, check: bool, deep: bool, sizes: bool | 
     Hugging Face Trainer, Megatron-LM, NeMo 2, DeepSpeed or verl save directory): step, format,
     status (committed, incomplete, in-progress), size, file count, modification time, and whether
     the framework's pointer file (Megatron's tracker, DeepSpeed's latest) agrees. From one listing;
-    nothing is read unless --check. Exit 1 when --check finds a step that fails."""
+    nothing is read unless --check. Exit 1 when --check finds a committed step that fails."""
     if deep and not check:
         raise click.UsageError("--deep applies to --check: add --check")
     listing = list_run(root, check=check, deep=deep, sizes=sizes)
