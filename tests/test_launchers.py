@@ -283,8 +283,12 @@ def run_ckpt_env(args: list[str], env: dict[str, str], timeout: float = 120) -> 
     return r, time.monotonic() - start
 
 
-def test_half_set_environment_is_one_line(tmp_path):
+def test_half_set_environment_is_one_line(tmp_path, ckpt, monkeypatch):
+    """In this process (each case fails before anything is imported or joined)."""
     dst = tmp_path / "out"
+    for name in list(os.environ):
+        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
     cases = [
         ({"RANK": "1"}, "torchrun variables half set: RANK set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT not"),
@@ -298,7 +302,10 @@ def test_half_set_environment_is_one_line(tmp_path):
         ({"CKPT_DISTRIBUTED": "mpi", "RANK": "0", "WORLD_SIZE": "2"}, "CKPT_DISTRIBUTED='mpi'"),
     ]
     for extra, message in cases:
-        r, _ = run_ckpt_env(convert_args("dcp", dst), clean_env(**extra))
+        with monkeypatch.context() as m:
+            for name, value in extra.items():
+                m.setenv(name, value)
+            r = ckpt(*convert_args("dcp", dst))
         assert r.returncode == 1, (extra, r.stderr)
         assert message in one_line(r.stderr), (extra, r.stderr)
         assert not dst.exists()
