@@ -9,9 +9,13 @@ from ..parallel import default_workers
 
 
 def multihost_options(command: Callable) -> Callable:
-    """--coordinator / --num-processes / --process-id, as jax.distributed.initialize takes them."""
+    """--coordinator / --num-processes / --process-id, as jax.distributed.initialize takes them.
+
+    Under torchrun or srun none is needed (distributed.py reads their variables); a flag wins.
+    """
     for option in reversed([
-        click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)."),
+        click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS; "
+                                           "torchrun's and srun's variables are read without flags)."),
         click.option("--num-processes", type=click.IntRange(min=1), help="Multi-host: number of processes (or JAX_NUM_PROCESSES)."),
         click.option("--process-id", type=click.IntRange(min=0), help="Multi-host: this process's id (or JAX_PROCESS_ID)."),
     ]):
