@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from itertools import product
@@ -425,12 +426,18 @@ class TorchCoordinator(_Joined):
         self._where = f"{host}:{port} ({_origin(spec)})"
         deadline = time.monotonic() + join_timeout
         serve = self._serving = spec.process_id == 0 and not spec.agent_store
-        if not serve:
-            # before torch is imported (seconds): an unreachable coordinator is said at once
-            _wait_until_reachable(host, port, deadline, join_timeout, self._where)
         if not _debug():
             # c10d logs each failed connection attempt with a C++ stack; ckpt says it in one line
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+        if not serve:
+            # importing torch takes seconds of CPU: it runs while this process waits for process 0
+            # (itself importing torch) to answer, instead of after
+            loader = threading.Thread(target=_import_quietly, args=(TORCH,), name="ckpt-import", daemon=True)
+            loader.start()
+            try:
+                _wait_until_reachable(host, port, deadline, join_timeout, self._where)
+            finally:
+                loader.join()  # never leave an import half done behind an error
         try:
             import torch.distributed as dist
         except ImportError:
@@ -461,7 +468,11 @@ class TorchCoordinator(_Joined):
             raise LaunchError(f"cannot join the coordinator at {self._where}: {_first_line(exc)}") from None
         self._root = store
         self._store = dist.PrefixStore(f"ckpt/{spec.store_prefix}", store)
-        self._handshake(deadline)
+        try:
+            self._handshake(deadline)
+        except LaunchError:
+            self._linger()
+            raise
         remaining = max(1.0, deadline - time.monotonic())
         try:
             dist.init_process_group("gloo", store=dist.PrefixStore("pg", self._store), rank=self.process_index,
@@ -509,7 +520,10 @@ class TorchCoordinator(_Joined):
                 return s.get(key).decode()
             self._raise_if_aborted()
             if time.monotonic() > deadline:
-                raise LaunchError(
+                if self.process_index == 0:
+                    missing = [r for r in range(1, self.process_count) if not s.check([f"join/{r}"])]
+                    what = f"{'process' if len(missing) == 1 else 'processes'} {_ranges(missing)} to join"
+                raise self._abort_all(
                     f"process {self.process_index} waited {self.join_timeout:g} s for {what} at {self._where} "
                     f"({self.process_count} processes expected; {JOIN_TIMEOUT_VARIABLE} sets the deadline)")
             time.sleep(pause)
@@ -604,16 +618,42 @@ class TorchCoordinator(_Joined):
                 self._dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - leaving: nothing left to report to
                 pass
-        if self._known_failure and self._serving:
-            # the store goes with this process: stay (briefly) until the others have read why the run stopped
-            deadline = time.monotonic() + ABORT_LINGER
-            while time.monotonic() < deadline:
-                try:
-                    if self._store.add("abort-seen", 0) >= self.process_count - 1:
-                        break
-                except Exception:  # noqa: BLE001
+        self._linger()
+
+    def _linger(self) -> None:
+        """After a failure, process 0 (whose exit takes the store along) stays until the others have read why."""
+        if not (self._known_failure and self._serving):
+            return
+        deadline = time.monotonic() + ABORT_LINGER
+        try:  # the processes that joined: one never seen cannot read it either
+            joined = sum(self._store.check([f"join/{r}"]) for r in range(1, self.process_count))
+        except Exception:  # noqa: BLE001
+            return
+        while time.monotonic() < deadline:
+            try:
+                if self._store.add("abort-seen", 0) >= joined:
                     break
-                time.sleep(0.05)
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.05)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7' (thousands of missing processes stay one short line)."""
+    parts: list[list[int]] = []
+    for n in numbers:
+        if parts and parts[-1][1] == n - 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def _import_quietly(module: str) -> None:
+    try:
+        __import__(module)
+    except Exception:  # noqa: BLE001 - the importing thread of the caller says what failed
+        pass
 
 
 def _wait_until_reachable(host: str, port: int, deadline: float, timeout: float, where: str) -> None:
