@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `ckpt inspect` against the libraries' own metadata readers.
 
-    python bench/inspect_bench.py [--runs N] [--json] [--regen] [--layers N]
+    python bench/inspect_bench.py [--runs N] [--json] [--regen] [--layers N] [--big-dcp-layers N]
 
 Builds (once; cached in bench/out/, rebuilt with --regen) a 3,000-leaf Orbax
 checkpoint written by ``ocp.StandardCheckpointer`` (OCDBT + zarr v2, the
@@ -15,6 +15,10 @@ a warm page cache:
   ckpt-dcp        ckpt inspect --json <dcp dir>
   torch-dcp       FileSystemReader(dir).read_metadata(), then read every
                   tensor's size and dtype
+
+plus a DCP of 30,000 small tensors (one dcp.save; --big-dcp-layers, 0 to
+skip), timed the same way against torch's reader (ckpt-dcp-big, torch-dcp-big):
+its 6 MB .metadata makes the time grow with the pickle, not with start-up.
 
 Each command runs once as a warm-up (its output is captured and checked: ckpt
 must report exactly the leaves that were saved, and the baselines must see
@@ -177,14 +181,17 @@ def clear_cached(path: str) -> None:
             os.remove(p)
 
 
-def ensure_checkpoints(layers: int, regen: bool, log) -> dict:
-    """Build the two checkpoints unless cached; return {fmt: path} plus info."""
+def ensure_checkpoints(layers: int, regen: bool, log, big_dcp_layers: int = 0) -> dict:
+    """Build the checkpoints unless cached; return {name: path} ("orbax", "dcp" and, given big_dcp_layers, "dcp_big")."""
     os.makedirs(OUT, exist_ok=True)
     paths = {}
-    for fmt in ("orbax", "dcp"):
+    wanted = [("orbax", "orbax", layers), ("dcp", "dcp", layers)]
+    if big_dcp_layers:
+        wanted.append(("dcp_big", "dcp", big_dcp_layers))
+    for key, fmt, layers in wanted:
         path = os.path.join(OUT, f"{fmt}_{layers * len(LEAVES)}")
         stamp = path + ".done.json"
-        paths[fmt] = path
+        paths[key] = path
         if not regen and is_cached(path, CACHE_VERSION):
             continue
         clear_cached(path)
@@ -253,7 +260,13 @@ def commands(paths: dict) -> list[dict]:
     # the console script users run (python -m adds runpy's imports)
     script = os.path.join(os.path.dirname(py), "ckpt")
     ckpt = ([script] if os.path.exists(script) else [py, "-m", "ckpt_tool"]) + ["inspect", "--json"]
-    return [
+    big = [
+        {"name": "ckpt-dcp-big", "format": "dcp", "role": "ckpt", "argv": ckpt + [paths["dcp_big"]],
+         "label": "ckpt inspect --json <big dcp>", "big": True},
+        {"name": "torch-dcp-big", "format": "dcp", "role": "baseline", "argv": [py, "-c", DCP_BASELINE, paths["dcp_big"]],
+         "label": "FileSystemReader().read_metadata() <big>", "big": True},
+    ] if "dcp_big" in paths else []
+    return big + [
         {"name": "ckpt-orbax", "format": "orbax", "role": "ckpt", "argv": ckpt + [paths["orbax"]],
          "label": "ckpt inspect --json <orbax>"},
         {"name": "orbax", "format": "orbax", "role": "baseline", "argv": [py, "-c", ORBAX_BASELINE, paths["orbax"]],
@@ -410,10 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--regen", action="store_true", help="rebuild the cached checkpoints in bench/out/")
     ap.add_argument("--layers", type=int, default=1000, help="layers in the tree, 3 leaves each (default 1000)")
+    ap.add_argument("--big-dcp-layers", type=int, default=10000,
+                    help="layers of the big DCP (default 10000: 30,000 tensors); 0 skips it")
     ap.add_argument("--generate", choices=("orbax", "dcp"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.layers < 1:
+    if args.runs < 1 or args.layers < 1 or args.big_dcp_layers < 0:
         ap.error("--runs and --layers must be at least 1")
 
     if args.generate:  # internal: build one checkpoint in this (fresh) process
@@ -422,10 +437,11 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     load_at_start = os.getloadavg()[0]  # other work on a 2-core box skews wall times
-    paths = ensure_checkpoints(args.layers, args.regen, log)
+    paths = ensure_checkpoints(args.layers, args.regen, log, args.big_dcp_layers)
     for p in paths.values():
         warm_page_cache(p)
     n_leaves = args.layers * len(LEAVES)
+    big_leaves = args.big_dcp_layers * len(LEAVES)
 
     results = []
     failed = False
@@ -443,12 +459,13 @@ def main(argv: list[str] | None = None) -> int:
             res.update(ok=False, error=f"exit {warm['rc']}: {tail}")
             failed = True
             continue
+        layers, leaves = (args.big_dcp_layers, big_leaves) if cmd.get("big") else (args.layers, n_leaves)
         if cmd["role"] == "ckpt":
-            errs, notes = check_ckpt_json(cmd["format"], warm["stdout"], args.layers)
+            errs, notes = check_ckpt_json(cmd["format"], warm["stdout"], layers)
             res.update(check_errors=errs, notes=notes)
         else:
             seen = warm["stdout"].strip()
-            errs = [] if seen == str(n_leaves) else [f"the baseline saw {seen or 'nothing'} leaves, expected {n_leaves}"]
+            errs = [] if seen == str(leaves) else [f"the baseline saw {seen or 'nothing'} leaves, expected {leaves}"]
             res.update(check_errors=errs)
         if res["check_errors"]:
             res["ok"] = False
@@ -480,12 +497,15 @@ def main(argv: list[str] | None = None) -> int:
 
     by_name = {r["name"]: r for r in results}
     ratios = []
-    for fmt, ck, base in (("orbax", "ckpt-orbax", "orbax"), ("dcp", "ckpt-dcp", "torch-dcp")):
+    pairs = [("orbax", "ckpt-orbax", "orbax", n_leaves), ("dcp", "ckpt-dcp", "torch-dcp", n_leaves)]
+    if big_leaves:
+        pairs.append(("dcp", "ckpt-dcp-big", "torch-dcp-big", big_leaves))
+    for fmt, ck, base, leaves in pairs:
         a, b = by_name[ck], by_name[base]
         measured = a["ok"] and b["ok"] and a["best_s"] and b["best_s"]
         ratio = b["best_s"] / a["best_s"] if measured else None
         ratios.append({
-            "format": fmt, "baseline": base, "ckpt": ck,
+            "format": fmt, "baseline": base, "ckpt": ck, "leaves": leaves,
             "ratio": round(ratio, 2) if ratio is not None else None,
             "target": TARGET_RATIO,
             "met": None if ratio is None else ratio >= TARGET_RATIO,
@@ -546,7 +566,7 @@ def _print_table(report: dict) -> None:
             print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
         else:
             verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
-            print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']} = {q['ratio']:.1f}x "
+            print(f"  {q['format']:<5}  {q.get('leaves', report['leaves']):>6,} leaves  {q['baseline']} / {q['ckpt']} = {q['ratio']:.1f}x "
                   f"(target >= {q['target']:.0f}x)   {verdict}")
     print()
 
@@ -563,7 +583,7 @@ def summary_rows(doc: dict) -> list[dict]:
         a, b = by.get(q["ckpt"], {}), by.get(q["baseline"], {})
         rss = a.get("peak_rss_kib")
         rows.append({
-            "bench": "inspect", "case": f"{doc.get('leaves', '?'):,} leaves, {q['format']}",
+            "bench": "inspect", "case": f"{q.get('leaves', doc.get('leaves', '?')):,} leaves, {q['format']}",
             "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["baseline"]), "baseline_s": b.get("best_s"),
             "ratio": q["ratio"], "target": f"baseline/ckpt >= {q['target']:g}x", "met": q["met"],
             "rss_mib": round(rss / 1024) if rss else None,
