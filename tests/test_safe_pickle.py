@@ -554,3 +554,19 @@ def test_fuzz_fast_proof_on_opcode_soup(parts):
     data = b"\x80\x04" + b"".join(parts) + b"."
     if _proved(data):
         assert _walk_verdict(data) is None
+
+
+def test_hostile_globals_are_refused_the_same_with_the_fast_proof(tmp_path, monkeypatch):
+    # the fast proof only skips the limits walk: a global outside the allow-list is still refused by name
+    monkeypatch.setattr(safe_pickle, "FAST_SCAN_MIN_BYTES", 0)
+    marker = tmp_path / "marker"
+    proved = 0
+    for (module, name), pickles in _hostile(marker).items():
+        for data in pickles:
+            proved += _proved(data)
+            for loader in (load_metadata, lambda d, w: load_payload(d, w)):
+                with pytest.raises(UnsafePickleError) as err:
+                    loader(data, "hostile.pkl")
+                assert (err.value.module, err.value.name) == (module, name)
+    assert proved >= 5  # the protocol-4 ones are proved within the limits, and refused all the same
+    assert not marker.exists()
