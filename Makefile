@@ -44,7 +44,13 @@ demo: $(DEMO_STAMP)
 test: compile
 	$(PY) -m pytest -q
 
-bench: compile
+# matplotlib draws the scale bench's plots (bench/scale_bench.py): installed for `make bench` only, not for CI
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install $(PIP_QUIET) 'matplotlib>=3.7'
+	touch $@
+
+bench: compile $(BENCH_STAMP)
 	$(PY) bench/run_all.py
 
 # the long fuzzing run (tests/fuzz_lib.py): mutants of every fixture file kind + the explicit cases,
