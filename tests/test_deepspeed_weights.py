@@ -143,3 +143,24 @@ def test_the_registry_declares_it():
     with formats.read_options(weights="module"):
         assert formats.given_read_options() == {"weights": "module"}
     assert formats.given_read_options() == {}
+
+
+@pytest.mark.parametrize("name", ["deepspeed_z1_bf16", "deepspeed_z2_bf16", "deepspeed_z1_bf16_dp4", "deepspeed_z1_fp16",
+                                  "deepspeed_z2_fp16"])
+def test_module_weights_are_the_master_weights_rounded(name):
+    """DeepSpeed copies each step's fp32 master weights into the 16-bit parameters (round to nearest
+    even): the module copy is the master weights' cast, and not the master weights themselves."""
+    import ml_dtypes
+
+    _, fp32 = model_leaves(FIXTURES / name, None)
+    _, module = model_leaves(FIXTURES / name, "module")
+    by_name = {leaf.name: leaf for leaf in module}
+    moved = 0
+    for leaf in fp32:
+        if leaf.extra.get("kind") != "parameter":
+            continue
+        master, half = leaf.read(), by_name[leaf.name].read()
+        cast = master.astype(ml_dtypes.bfloat16 if half.dtype.name == "bfloat16" else np.float16)
+        assert half.tobytes() == cast.tobytes(), leaf.name
+        moved += int((half.astype(np.float32) != master).any())
+    assert moved  # the 16-bit copy is not the master weights
