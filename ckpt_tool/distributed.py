@@ -52,6 +52,8 @@ DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_BARRIER_TIMEOUT = 3600.0
 # how long process 0, which serves the store, stays after a failure for the others to read it
 ABORT_LINGER = 10.0
+# how much longer than process 0 the others wait at the join, so that process 0 names the missing
+READY_GRACE = 10.0
 
 # Slurm gives no port: one is derived from the job and step ids, in 61440..65535 (above Linux's
 # ephemeral range, so no outgoing connection holds it), shifted from the port jax's own Slurm
@@ -424,7 +426,8 @@ class TorchCoordinator(_Joined):
             raise LaunchError("a run coordinated through torch needs the coordinator's address (--coordinator HOST:PORT)")
         host, port = _split_address(spec.coordinator, spec.source)
         self._where = f"{host}:{port} ({_origin(spec)})"
-        deadline = time.monotonic() + join_timeout
+        self._join_start = time.monotonic()
+        deadline = self._join_start + join_timeout
         serve = self._serving = spec.process_id == 0 and not spec.agent_store
         if not _debug():
             # c10d logs each failed connection attempt with a C++ stack; ckpt says it in one line
@@ -501,7 +504,8 @@ class TorchCoordinator(_Joined):
             if rank == 0:
                 s.set("ready", str(count))
             else:
-                self._wait_for("ready", deadline, "process 0 to see every process")
+                # process 0 says who is missing at its deadline: the others give it a little longer
+                self._wait_for("ready", deadline + READY_GRACE, "process 0 to see every process")
         except LaunchError:
             raise
         except Exception as exc:  # noqa: BLE001 - the store's connection lost (process 0 gone) and the like
@@ -524,7 +528,7 @@ class TorchCoordinator(_Joined):
                     missing = [r for r in range(1, self.process_count) if not s.check([f"join/{r}"])]
                     what = f"{'process' if len(missing) == 1 else 'processes'} {_ranges(missing)} to join"
                 raise self._abort_all(
-                    f"process {self.process_index} waited {self.join_timeout:g} s for {what} at {self._where} "
+                    f"process {self.process_index} waited {deadline - self._join_start:g} s for {what} at {self._where} "
                     f"({self.process_count} processes expected; {JOIN_TIMEOUT_VARIABLE} sets the deadline)")
             time.sleep(pause)
             pause = min(0.25, pause * 2)
