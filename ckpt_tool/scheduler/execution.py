@@ -321,7 +321,7 @@ class Executor:
         run_joint(unit.joint, feed, on_pass)
 
     def _run_streamed(self, unit: _Unit, stream: StreamPlan, deliver: Callable[[int, list[np.ndarray]], None]) -> None:
-        streamer, passes, bounds, _ = stream
+        streamer, passes, bounds, _, behind = stream
         self.stats.streamed.add((unit.lc.leaf.path, unit.index))
         # each decoded band is handed to another thread, which copies it into the
         # regions it feeds and delivers (writes) the regions it completes, while
@@ -338,6 +338,8 @@ class Executor:
                 if writing:
                     writing.pop().result()
                 writing.append(writer.submit(deliver, wi, arrays))
+                if not behind:  # the plan has no room for a region written behind: wait for it
+                    writing.pop().result()
 
             try:
                 for pieces, (first, last) in zip(passes, bounds):

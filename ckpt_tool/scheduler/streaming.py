@@ -159,6 +159,9 @@ class StreamPlan(NamedTuple):
     passes: list[list[tuple[int, int, Region]]]
     bounds: list[tuple[int, int]]
     cost: int
+    # a region delivered while the next ones are assembled (False: the stream waits for each
+    # delivery, when the budget cannot also hold the region being written)
+    behind: bool = True
 
 
 def plan_passes(streamer: _Streamer, pieces: list[tuple[int, int, Region]], wants: Sequence[Want],
@@ -180,8 +183,12 @@ def plan_passes(streamer: _Streamer, pieces: list[tuple[int, int, Region]], want
         direct = first == last and len(want.parts) == 1 and feeds[wi] == 1
         spans.append((first, last, (0 if direct else want.nbytes) + want.extra, (wi, pi, inter)))
     # the region being written behind (execution.py's third thread) while the next ones are
-    # assembled: left out, validate --deep of torch's 768 MiB DCP items took 423 MiB under 256MiB
+    # assembled: left out, validate --deep of torch's 768 MiB DCP items took 423 MiB under 256MiB.
+    # When the budget cannot hold it beside one pass's buffers, each delivery is waited for instead.
     behind = max((wants[wi].nbytes + wants[wi].extra for _, _, _, (wi, _, _) in spans), default=0)
+    largest = max((s[2] for s in spans), default=0)
+    if largest + 2 * band + streamer.decoder_bytes() + behind > budget:
+        behind = 0
     limit = max(band, budget - 2 * band - streamer.decoder_bytes() - behind)
     groups = _group(spans, limit)
     passes = [[s[3] for s in g] for g in groups]
@@ -193,7 +200,7 @@ def plan_passes(streamer: _Streamer, pieces: list[tuple[int, int, Region]], want
             for b in range(first, last + 1):
                 load[b] += nbytes
         peak = max(peak, max(load.values(), default=0))
-    return StreamPlan(streamer, passes, bounds, peak + 2 * band + streamer.decoder_bytes() + behind)
+    return StreamPlan(streamer, passes, bounds, peak + 2 * band + streamer.decoder_bytes() + behind, behind > 0)
 
 
 def _group(spans: list[tuple[int, int, int, Any]], limit: int) -> list[list[tuple[int, int, int, Any]]]:
