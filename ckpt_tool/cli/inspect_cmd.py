@@ -20,7 +20,7 @@ from .render import Node, Output, esc, human_bytes, human_count, plural
 @click.option("--flat", is_flag=True, help="One line per leaf instead of a tree.")
 @click.option("--filter", "pattern", metavar="GLOB", help="Only leaves whose '/'-joined keys or dotted names match, e.g. 'params/**/kernel' or 'model.layers.0.*'; matching no leaf is an error.")
 @click.option("--depth", type=click.IntRange(min=1), help="Collapse the tree below this depth.")
-@click.option("--step", help="CheckpointManager root: step number or 'latest' (latest committed by default).")
+@click.option("--step", help="Run root (any framework `ckpt ls` lists): a step number, a step's name or 'latest' (Orbax: latest committed by default).")
 @click.option("--values", is_flag=True, help="Decode scalars, strings and non-tensor items (never array data).")
 @weights_option
 def inspect_command(

@@ -30,7 +30,7 @@ def output_options(command: Callable) -> Callable:
         click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold."),
         click.option("--overwrite", is_flag=True,
                      help="Replace an existing DST if it is a checkpoint or an empty directory (nothing else is ever replaced)."),
-        click.option("--step", metavar="STEP", help="Source CheckpointManager root: step number or 'latest'."),
+        click.option("--step", metavar="STEP", help="Source run root (any framework `ckpt ls` lists): a step number, a step's name or 'latest'."),
         click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)", help="Parallel chunk copies."),
     ]):
         command = option(command)

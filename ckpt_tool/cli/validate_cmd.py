@@ -19,7 +19,7 @@ from .render import Output, esc, human_bytes, plural
 @click.command("validate")
 @click.argument("path")
 @click.option("--deep", is_flag=True, help="Also read and decode every chunk; report NaN/Inf per float leaf.")
-@click.option("--step", help="CheckpointManager root: one step, 'latest', or 'all' (default: every step).")
+@click.option("--step", help="Run root (any framework `ckpt ls` lists): a step number, a step's name, 'latest', or (Orbax, Flax/T5X, Megatron, DeepSpeed roots) 'all' (their default: every step).")
 @click.option("--strict", is_flag=True, help="Count warnings as errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(
