@@ -469,7 +469,6 @@ class TorchCoordinator(_Joined):
                 raise LaunchError(f"process 0 cannot serve the coordinator at {self._where}: {_first_line(exc)} "
                                   "(another run on this port? choose another port)") from None
             raise LaunchError(f"cannot join the coordinator at {self._where}: {_first_line(exc)}") from None
-        self._root = store
         self._store = dist.PrefixStore(f"ckpt/{spec.store_prefix}", store)
         try:
             self._handshake(deadline)
