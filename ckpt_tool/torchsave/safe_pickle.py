@@ -477,6 +477,12 @@ class DSLossScaler(Record):
               "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
               "raise_error_at_min_scale", "dtype")
 
+    # a value leaf (optimizer/loss_scaler): `diff --values` compares two by their data
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 class DSFragmentAddress(Record):
     """deepspeed.utils.tensor_fragment.fragment_address: a parameter's slice of its rank's flat partition."""

@@ -463,6 +463,8 @@ def _deepspeed_recorded(path: Path) -> dict:
         for key, t in states.items():
             out[by_name(f"optimizer.state.{name}.{key}")] = ("array", t)
     out[by_name("optimizer.param_groups")] = ("value", doc["param_groups"])
+    for key, value in doc.get("optimizer_globals", {}).items():  # the loss scaler (by class and __dict__), its flags
+        out[by_name(f"optimizer.{key}")] = ("value", DSRecorded(value))
     values: dict = {}
     _deepspeed_flat(doc["state"], ("engine",), values)
     out.update({k: ("value", v) for k, v in values.items()})
@@ -503,6 +505,8 @@ def _ds_matches(doc: Any, value: Any) -> bool:
         return _ds_matches(doc["state"], {k: v for k, v in vars(value).items() if k != "unknown"})
     if type(doc).__module__ == "torch" and type(doc).__name__ == "dtype":  # a live torch.load's dtype (fp16's loss scaler)
         return type(value).__name__ == "TorchDType" and repr(value) == str(doc)
+    if isinstance(doc, dict) and "__dtype__" in doc:  # the same, recorded (gen_deepspeed.py's _object_json)
+        return type(value).__name__ == "TorchDType" and repr(value) == doc["__dtype__"]
     if isinstance(doc, dict) and "__enum__" in doc:
         if isinstance(value, dict) and "__enum__" in value:
             return value == doc

@@ -63,6 +63,8 @@ are zero_to_fp32's. Beside them:
     group's other entries (`step`, a 0-d tensor);
   * `optimizer/param_groups`: the groups' hyper-parameters, each group's `params` naming its
     parameters (as torch's get_optimizer_state_dict does) rather than DeepSpeed's flat index;
+  * `optimizer/loss_scaler`, `dynamic_loss_scale`, `overflow`, `clip_grad`: rank 0's ZeRO
+    optimizer entries that are the run's (OPTIMIZER_GLOBALS), as values;
   * `engine/...`: everything else the model-states file records (global_steps, global_samples,
     lr_scheduler, ds_config, ds_version, the parallel degrees, client state), as values.
 
@@ -104,6 +106,8 @@ MAX_LATEST_BYTES = 4096
 CONSUMED = ("module", "buffer_names", "param_shapes", "shared_params", "frozen_param_shapes",
             "frozen_param_fragments", "optimizer")
 OPTIMIZER_KEY = "optimizer"
+# the ZeRO optimizer-state entries shown as optimizer/<key> (the others are per-rank layout, or the header's)
+OPTIMIZER_GLOBALS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 ENGINE_KEY = "engine"
 # at most this many sub-directories are listed to find the steps of a root
 _MAX_STEP_DIRS = 256
@@ -880,6 +884,12 @@ def _optimizer_leaves(step: Step, trained: list[str]) -> list[Leaf]:
 
         out.append(ValueLeaf(keys=(OPTIMIZER_KEY, "param_groups"), name=f"{OPTIMIZER_KEY}.param_groups",
                              value_type="object", loader=load, extra={"file": o0.archive.name}))
+    # the ZeRO optimizer's state that is the run's, not a rank's (what ds_to_universal keeps in
+    # zero/optimizer_state.pt): the loss scaler (fp16: DynamicLossScaler) and its flags, from rank 0
+    osd = o0.archive.obj.get("optimizer_state_dict") if isinstance(o0.archive.obj, dict) else None
+    for key in OPTIMIZER_GLOBALS:
+        if isinstance(osd, dict) and key in osd:
+            out.append(_value((OPTIMIZER_KEY, key), f"{OPTIMIZER_KEY}.{key}", osd[key], o0.archive))
     return out
 
 
