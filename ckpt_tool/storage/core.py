@@ -23,6 +23,7 @@ from .. import directio
 from ..errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
 from ..pagecache import DirectoryDropper
 from . import local as localfs
+from . import ocdbt_bulk
 from .containment import _check_relative, _Containment, check_local_path
 from .local import LocalFileWriter, _os_error
 from .remote import (
@@ -79,6 +80,33 @@ class PendingReads:
         return out
 
 
+class OcdbtBulkReads:
+    """Many keys of an OCDBT view, read at `.result()` by one walk of its B+tree (see ocdbt_bulk):
+    the answer PendingReads gives, without a point read per key."""
+
+    def __init__(self, storage: Storage, keys: list[str]) -> None:
+        self._storage = storage
+        self._keys = keys
+
+    def result(self) -> dict[str, bytes | None]:
+        st = self._storage
+        prefix = st._ocdbt_prefix
+        where = st.url
+
+        def wait(future: Any) -> Any:
+            return st.wait(future, "cannot read OCDBT B+tree", where)
+
+        try:
+            inline, indirect = ocdbt_bulk.read_keys(st._ocdbt_base, [prefix + k for k in self._keys], wait)
+        except ocdbt_bulk.OcdbtTreeError as exc:
+            raise CkptError(f"cannot read OCDBT B+tree: {exc}", where) from None
+        out: dict[str, bytes | None] = {k: inline.get(prefix + k) for k in self._keys}
+        if indirect:  # values stored out of line: point reads, as PendingReads does
+            cut = len(prefix)
+            out.update(PendingReads(st, {k[cut:]: st._kv.read(k[cut:]) for k in indirect}).result())
+        return out
+
+
 class Storage:
     """A checkpoint root on any tensorstore kvstore."""
 
@@ -107,6 +135,10 @@ class Storage:
         self._listing: list[str] | None = None
         # when this store was opened (time.monotonic()): failures since then belong to this run
         self.opened_at = time.monotonic()
+        # an OCDBT view: the kvstore holding its database's manifest, and this view's key prefix in it,
+        # for reads of many keys at once (ocdbt_bulk)
+        self._ocdbt_base: ts.KvStore | None = None
+        self._ocdbt_prefix = ""
         # remote stores: the endpoint named when it stops answering, and deadlines apply
         self._endpoint = _endpoint_of(spec)
         # local roots opened for reading: the scan behind guard(), and where this root sits in it
@@ -155,6 +187,8 @@ class Storage:
             local_root=local, log=self.log, check_local=self._check_local,
             containment=self._containment, contain_base=self._contained(rel),
         )
+        if self._ocdbt_base is not None:
+            child._ocdbt_base, child._ocdbt_prefix = self._ocdbt_base, self._ocdbt_prefix + rel + "/"
         if self._listing is not None:
             # the sub-directory's part of the listing: no new LIST
             cut = len(rel) + 1
@@ -167,7 +201,9 @@ class Storage:
         base.guard()  # the manifest, the data files and (at the root) every process's database
         spec = {"driver": "ocdbt", "base": base._spec}
         kv = self._open_kvstore(spec, base.url, "cannot open OCDBT database")
-        return Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
+        view = Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
+        view._ocdbt_base = base._kv
+        return view
 
     def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
         """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore.
@@ -346,8 +382,13 @@ class Storage:
         """Read several keys concurrently (None for a missing key)."""
         return self.start_reads(keys).result()
 
-    def start_reads(self, keys: Iterable[str]) -> "PendingReads":
+    def start_reads(self, keys: Iterable[str]) -> "PendingReads | OcdbtBulkReads":
         """Start reading several keys; the caller may do other work before `.result()`."""
+        keys = list(keys)
+        if self._ocdbt_base is not None and len(keys) >= ocdbt_bulk.BULK_MIN_KEYS:
+            for key in keys:
+                self.log.record(self._checked(key))
+            return OcdbtBulkReads(self, keys)
         futures = {}
         for key in keys:
             rel = self._checked(key)
