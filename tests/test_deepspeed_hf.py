@@ -58,3 +58,31 @@ def test_transformers_loads_the_export(tmp_path, dtype):
     with torch.no_grad():
         logits = model(input_ids=torch.arange(8).reshape(1, 8)).logits
     assert logits.shape == (1, 8, 64) and torch.isfinite(logits.float()).all()
+
+
+def test_like_a_model_directory(tmp_path):
+    """Without config.json beside `latest`: `--like HF_DIR` (here transformers' own save_pretrained of
+    the model) checks the names, shapes and dtypes, leaves out the tied lm_head.weight the reference
+    does not store, and copies its config files."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / NAME, run)
+    (run / "config.json").unlink()
+    first = tmp_path / "first"
+    assert run_ckpt("convert", str(FIXTURES / NAME), str(first), "--to", "safetensors", "--exclude", "optimizer/**",
+                    "--exclude", "engine/**").returncode == 0
+    AutoModelForCausalLM.from_pretrained(str(first)).save_pretrained(str(tmp_path / "ref"))
+    out = tmp_path / "hf"
+    r = run_ckpt("convert", str(run), str(out), "--to", "safetensors", "--exclude", "optimizer/**", "--exclude",
+                 "engine/**", "--like", str(tmp_path / "ref"))
+    assert r.returncode == 0, r.stderr
+    assert "skipped lm_head.weight: tied to the input embedding" in r.stdout
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    want = zero_to_fp32()
+    for name, tensor in model.state_dict().items():
+        assert tensor.detach().numpy().tobytes() == want[name].tobytes(), name
