@@ -8,11 +8,14 @@ torch.save archive (zip records, pickle through the allow-list: `truncated-file`
 naming the parameters it holds), the ranks agreeing on the stage and DP degree, the partitions'
 lengths against the recorded shapes and padding (`bad-metadata`: the same sums zero_to_fp32
 checks, and each parameter's elements inside the partitions), and every flat tensor's claim on
-its storage (`missing-chunk`, `bad-metadata`). Layouts ckpt does not read yet (pipeline parallel,
-MoE experts, several model-parallel ranks) are named (`bad-metadata`).
+its storage (`missing-chunk`, `bad-metadata`). Pipeline steps: every stage's files and every layer
+file opened, a missing layer / stage file `missing-file`; MoE: a missing expert file `missing-file`,
+an expert file's tensors against the recorded experts (`bad-metadata`). Layouts ckpt does not read
+yet (tensor-parallel ranks, MoE without ZeRO) are named (`bad-metadata`).
 
 Deep (check_deep, after every parameter was read and checked for NaN/Inf): the CRC-32 of every
-storage member of every file read, each streamed once, and every recorded value decoded.
+storage member of every file of the step (those no leaf reads too: a tied module's layer file, the
+experts' module weights), each streamed once, and every recorded value decoded.
 """
 from __future__ import annotations
 

@@ -68,11 +68,15 @@ are zero_to_fp32's. Beside them:
 
 `--weights module` (read(weights="module"), a reader option the registry declares): the model part
 is the module state dict of mp_rank_00_model_states.pt instead (stages 1/2: the training-dtype
-weights, whole); stage 3 saves 0-element placeholders there and is refused.
+weights, whole); stage 3 saves 0-element placeholders there and is refused. A pipeline step's
+module is its layer files (pipeline.py), an MoE step's experts are in the expert files (moe.py).
 
-Not read yet (refused by name): several model-parallel ranks (mp_rank_01...), pipeline-parallel
-`layer_XX-model_YY-model_states.pt` files, MoE expert files, stage-3 checkpoints of the AutoEP
-partition-native format. zero_to_fp32 reads none of them either.
+Pipeline-parallel steps (`layer_XX-...-model_states.pt` files, one mp_rank per stage) are opened
+stage by stage by pipeline.py (open_leaves dispatches); MoE expert groups (`"moe": True` in the
+param groups, partitioned over the expert data-parallel ranks) are laid out by moe.py (open_step
+calls it). Not read yet (refused by name): several tensor-parallel ranks (mp_rank_01... without
+layer files, layer_XX-model_01-...), MoE without ZeRO (expp_rank_X_... optimizer files), stage-3
+checkpoints of the AutoEP partition-native format. zero_to_fp32 reads none of these either.
 """
 from __future__ import annotations
 
