@@ -360,3 +360,26 @@ def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
     r = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "deepspeed_pp2_dp2_z1"),
                         str(FIXTURES / "deepspeed_moe_ep2_z2")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", PIPE + MOE)
+def test_weights_module_gives_the_modules_state_dict(name, tmp_path, ckpt):
+    """--weights module: the model part is what DeepSpeed's module state_dict held in the run (every
+    rank's, by its names): for a pipeline the layer files (a tied module's file under
+    tied_modules.<key>), for MoE mp_rank_00's module plus the expert files; the optimizer and engine
+    parts are unchanged. fp32 training: the same values as the fp32 master weights."""
+    import ckpt_tool
+    from ckpt_tool import formats
+
+    ref = reference(name)
+    with formats.read_options(weights="module"):
+        ck = ckpt_tool.open(str(FIXTURES / name))
+    model = {leaf.name: leaf for leaf in ck.leaves if leaf.keys[0] not in ("optimizer", "engine")}
+    assert sorted(model) == sorted(ref["module"])
+    for n, t in ref["module"].items():
+        assert np.array_equal(model[n].read(), recorded(t)), n
+    fp32 = ckpt_tool.open(str(FIXTURES / name))
+    assert [leaf.name for leaf in ck.leaves if leaf.keys[0] in ("optimizer", "engine")] == \
+        [leaf.name for leaf in fp32.leaves if leaf.keys[0] in ("optimizer", "engine")]
+    r = ckpt("validate", "--strict", "--deep", "--weights", "module", FIXTURES / name)
+    assert r.returncode == 0, r.stdout + r.stderr

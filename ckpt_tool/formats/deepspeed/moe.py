@@ -177,6 +177,23 @@ def expected_files(step: Any) -> dict[tuple[int, int], str]:
             for layer, count in enumerate(n) if type(count) is int for e in range(count)}
 
 
+def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
+    """--weights module: each expert file's tensors as stored (the training dtype), by their names
+    (the module state dict of mp_rank_00 holds no expert: DeepSpeed saves them apart)."""
+    from ..torch_save import reader as ts
+    from . import reader as ds
+
+    out = []
+    for _, fname in sorted(step.files.experts.items()):
+        archive = ts.Archive(step.storage, fname)
+        obj = archive.obj if isinstance(archive.obj, dict) else {}
+        for name, ref in obj.items():
+            if isinstance(name, str) and isinstance(ref, TensorRef):
+                out.append((name, ds._array((), name, tuple(ref.size), ref.dtype, ts.TensorReader(archive, ref, name),
+                                            {"file": fname, "kind": "module"}, archive.zip.claim_problem(ref))))
+    return out
+
+
 def missing_files(step: Any) -> list[str]:
     present = set(step.files.experts.values())
     return [f for f in expected_files(step).values() if f not in present]

@@ -723,7 +723,7 @@ def _module_leaves(step: Step) -> list[tuple[str, ArrayLeaf]]:
             reader = ts.TensorReader(archive0, ref, name)
             out.append((name, _array((), name, tuple(ref.size), ref.dtype, reader,
                                      {"file": archive0.name, "kind": "module"}, archive0.zip.claim_problem(ref))))
-    return out
+    return out + moe.expert_module_leaves(step)  # MoE: the experts' weights are in the expert files
 
 
 def open_leaves(storage: Storage, weights: str = "fp32") -> tuple[Step, list[Leaf], list[str]]:
@@ -742,6 +742,8 @@ def open_leaves(storage: Storage, weights: str = "fp32") -> tuple[Step, list[Lea
     for name in step.files.experts.values():
         ts.Archive(storage, name)
     step.missing_files.extend(moe.missing_files(step))
+    if weights == "module" and step.files.experts:
+        notes.append("the experts' weights: from the expert files (layer_L_expert_E_...)")
     return step, leaves, notes
 
 
@@ -1073,6 +1075,12 @@ def _precision(step: Step) -> str:
         for ref in module.values():
             if isinstance(ref, TensorRef) and ref.dtype in ("float16", "bfloat16", "float32"):
                 return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[ref.dtype]
+    config = step.states.get("ds_config")  # a pipeline's model states hold no module: its config says
+    if isinstance(config, dict):
+        for key, name in (("bf16", "bf16"), ("fp16", "fp16")):
+            section = config.get(key)
+            if isinstance(section, dict) and section.get("enabled") is True:
+                return name
     return "fp32"
 
 
