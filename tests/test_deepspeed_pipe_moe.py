@@ -383,3 +383,23 @@ def test_weights_module_gives_the_modules_state_dict(name, tmp_path, ckpt):
         [leaf.name for leaf in fp32.leaves if leaf.keys[0] in ("optimizer", "engine")]
     r = ckpt("validate", "--strict", "--deep", "--weights", "module", FIXTURES / name)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_layer_file_tensor_no_optimizer_holds_is_given_as_stored(tmp_path):
+    """A parameter of a layer the optimizer does not hold (frozen: DeepSpeed keeps no fp32 copy of
+    it, but the layer file has its module weights): given under its module name as stored, with a
+    note. The layer file is re-saved by torch with one more entry (IMITATED: what save_state_dict
+    writes for a layer with a frozen parameter)."""
+    import torch
+
+    import ckpt_tool
+
+    copy = _damaged(tmp_path, "deepspeed_pp2_z1")
+    target = copy / "global_step2" / "layer_03-model_states.pt"
+    state = torch.load(target, weights_only=True)
+    state["gate"] = torch.linspace(-1, 1, 5)
+    torch.save(state, target)
+    ck = ckpt_tool.open(str(copy))
+    assert np.array_equal(ck["3.gate"].read(), np.linspace(-1, 1, 5, dtype=np.float32))
+    assert any(n.startswith("3.gate: in layer_03-model_states.pt but held by no optimizer") for n in ck.notes)
+    assert "optimizer.state.3.gate.exp_avg" not in [leaf.name for leaf in ck.leaves]

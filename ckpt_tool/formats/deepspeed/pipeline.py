@@ -248,7 +248,6 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
     missing = [f for st in stages for f in st.missing] + missing_layers
     problems = [f"stage {st.index}: {p}" for st in stages if st.step is not None for p in st.step.mapping.problems]
     step = dataclasses.replace(base, missing_files=missing, mapping=dataclasses.replace(base.mapping, problems=problems))
-    step.pipeline_stages = stages  # type: ignore[attr-defined]
     return step, leaves, notes
 
 
