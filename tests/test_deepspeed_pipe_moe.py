@@ -403,3 +403,23 @@ def test_a_layer_file_tensor_no_optimizer_holds_is_given_as_stored(tmp_path):
     assert np.array_equal(ck["3.gate"].read(), np.linspace(-1, 1, 5, dtype=np.float32))
     assert any(n.startswith("3.gate: in layer_03-model_states.pt but held by no optimizer") for n in ck.notes)
     assert "optimizer.state.3.gate.exp_avg" not in [leaf.name for leaf in ck.leaves]
+
+
+def test_layouts_not_read_yet_are_named(tmp_path, ckpt):
+    """Pipeline stages with MoE expert files; an MoE run whose config swaps the expert-parallel and
+    expert data-parallel ranks (use_data_before_expert_parallelism): one line each, naming it."""
+    import torch
+
+    copy = _damaged(tmp_path, "deepspeed_pp2_z1")
+    shutil.copyfile(FIXTURES / "deepspeed_moe_ep1_z2" / "global_step2" / "layer_0_expert_0_mp_rank_00_model_states.pt",
+                    copy / "global_step2" / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    r = ckpt("inspect", copy)
+    assert r.returncode == 1 and "pipeline-parallel checkpoint with MoE expert files" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    copy = _damaged(tmp_path / "b", "deepspeed_moe_ep2_z2")
+    target = copy / "global_step2" / "mp_rank_00_model_states.pt"
+    states = torch.load(target, weights_only=False)  # (DeepSpeed is not here: plain dicts and tensors)
+    states["ds_config"]["use_data_before_expert_parallelism"] = True
+    torch.save(states, target)
+    r = ckpt("inspect", copy)
+    assert r.returncode == 1 and "use_data_before_expert_parallelism" in r.stderr

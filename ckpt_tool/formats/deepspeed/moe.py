@@ -19,7 +19,7 @@ partitions an expert group over the EXPERT data-parallel ranks only (`partition_
 ep_size): with ep_size 1 that is every rank, the ordinary layout; with ep_size K > 1, the ranks
 of expert-parallel rank e = d mod K (groups.py `_get_expert_parallel_ranks`: consecutive ranks form
 an expert-parallel group, strided ones an expert data-parallel group; DeepSpeed's
-`use_data_before_expert_parallel_` swaps that and is refused) hold, as a flat vector partitioned
+`use_data_before_expert_parallelism` config swaps that and is refused) hold, as a flat vector partitioned
 among them, the group's parameters of THEIR experts: the names of param_shapes[g] with the local
 expert ids renumbered by e. Each expert is then a parameter of its own, by the name DeepSpeed's
 module state_dict and the expert files give it (`moe.deepspeed_moe.experts.deepspeed_experts.3.up.weight`).
@@ -75,8 +75,9 @@ def apply(step: Any) -> None:
         raise CorruptMetadataError(f"partition_count {counts} does not name one DP degree per optimizer group "
                                    f"({len(step.shapes)} groups)", o0.archive.where)
     config = step.states.get("ds_config")
-    if isinstance(config, dict) and config.get("use_data_before_expert_parallel_"):
-        raise CorruptMetadataError("use_data_before_expert_parallel_: an expert layout ckpt does not read yet", where)
+    if isinstance(config, dict) and config.get("use_data_before_expert_parallelism"):
+        raise CorruptMetadataError("ds_config use_data_before_expert_parallelism: an expert-parallel rank layout "
+                                   "ckpt does not read yet", where)
     world = step.world
     local_ids = _local_experts(step.shapes)
     mapping = L.Mapping()

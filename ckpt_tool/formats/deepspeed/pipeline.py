@@ -144,6 +144,9 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
     weights; the optimizer and engine parts are the same."""
     if weights not in ds.WEIGHTS:
         raise UsageError(f"--weights {weights}: fp32 or module")
+    if files.experts:
+        raise CorruptMetadataError("a pipeline-parallel checkpoint with MoE expert files: ckpt reads pipeline stages "
+                                   f"and MoE experts apart so far ({next(iter(files.experts.values()))})", storage.url)
     stages = open_stages(storage, files)
     where0 = f"{storage.url}/{files.stages[0][0][-1]}"
     notes: list[str] = []
