@@ -74,6 +74,7 @@ fixtures: $(STAMP)
 	$(PYTHON) fixtures/gen_legacy_jax.py
 	$(MAKE) $(DEEPSPEED_STAMP)
 	DS_ACCELERATOR=cpu $(DEEPSPEED_VENV)/bin/python fixtures/gen_deepspeed.py
+	DS_ACCELERATOR=cpu $(DEEPSPEED_VENV)/bin/python fixtures/gen_deepspeed_pipe_moe.py
 
 # transformers 5 writes safetensors only: the .bin fixtures come from 4.57 (same torch) in its own venv
 TRANSFORMERS4_VENV := build/venv-transformers-4.57

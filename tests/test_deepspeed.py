@@ -246,7 +246,7 @@ def test_a_missing_rank_file_makes_it_incomplete(tmp_path, ckpt):
 
 
 @pytest.mark.parametrize("extra, what", [
-    ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+    ("layer_01-model_01-model_states.pt", "pipeline-parallel"),  # (tensor parallel inside a pipeline)
     ("expp_rank_0_mp_rank_00_optim_states.pt", "MoE expert"),
     ("mp_rank_01_model_states.pt", "model-parallel ranks"),
 ])

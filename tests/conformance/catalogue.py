@@ -167,6 +167,11 @@ ENTRIES: list[Entry] = [
       for n in ("z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16")],
     Entry("deepspeed_universal_z3_bf16/global_step2_universal", "deepspeed-universal", R.deepspeed_universal_recorded,
           values=R.deepspeed_universal_recorded_values),  # a universal step directory, given as itself
+    # DeepSpeed 0.19 pipeline parallel (2 stages; x2 DP) and MoE (4 experts, ep_size 1 and 2), gloo on CPU
+    # (gen_deepspeed_pipe_moe.py): DeepSpeed's per-parameter fp32 weights and Adam state gathered in the run
+    *[Entry(n, "deepspeed", R.deepspeed_pipe_moe_recorded, values=R.deepspeed_pipe_moe_recorded_values,
+            refused_by=(("deepspeed-universal", "pipeline-parallel or MoE"),))
+      for n in ("deepspeed_pp2_z1", "deepspeed_pp2_dp2_z1", "deepspeed_moe_ep1_z2", "deepspeed_moe_ep2_z2")],
 ]
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
@@ -472,6 +477,25 @@ DAMAGE: list[Damage] = [
            "global_step2_universal/zero/optimizer_state.pt", "garbage", "bad-metadata"),
     Damage("deepspeed-universal", "path-escape", "deepspeed_universal_z2_fp32",
            "global_step2_universal/zero/layers.0.norm.bias/fp32.pt", "symlink-out", "path-escape"),
+    # deepspeed pipeline parallel / MoE: a layer file, a stage's optimizer states, an expert file
+    Damage("deepspeed", "missing-file", "deepspeed_pp2_z1", "global_step2/layer_02-model_states.pt", "remove",
+           "missing-file"),
+    Damage("deepspeed", "missing-file", "deepspeed_pp2_z1", "global_step2/zero_pp_rank_0_mp_rank_01_optim_states.pt",
+           "remove", "missing-file"),
+    Damage("deepspeed", "missing-file", "deepspeed_pp2_dp2_z1", "global_step2/mp_rank_01_model_states.pt", "remove",
+           "missing-file"),
+    Damage("deepspeed", "missing-file", "deepspeed_moe_ep2_z2", "global_step2/layer_0_expert_3_mp_rank_00_model_states.pt",
+           "remove", "missing-file"),
+    Damage("deepspeed", "truncated-file", "deepspeed_pp2_dp2_z1",
+           "global_step2/zero_pp_rank_1_mp_rank_01_optim_states.pt", "truncate", "truncated-file"),
+    Damage("deepspeed", "truncated-file", "deepspeed_moe_ep1_z2",
+           "global_step2/layer_0_expert_1_mp_rank_00_model_states.pt", "truncate", "truncated-file"),
+    Damage("deepspeed", "wrong-size", "deepspeed_pp2_z1", "global_step2/zero_pp_rank_0_mp_rank_01_optim_states.pt",
+           "flip-storage", "bad-chunk", deep=True),
+    Damage("deepspeed", "wrong-size", "deepspeed_moe_ep2_z2", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+           "flip-storage", "bad-chunk", deep=True),
+    Damage("deepspeed", "garbage-metadata", "deepspeed_pp2_z1", "global_step2/mp_rank_01_model_states.pt", "garbage",
+           "bad-metadata"),
 ]
 
 

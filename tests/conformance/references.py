@@ -847,3 +847,42 @@ def values(fmt: str, path: Path) -> dict:
 
 # formats whose library keys leaves by flat name
 NAMED = {"safetensors", "torch", "deepspeed-universal"}
+
+
+# --------------------------------------------------------------------------
+# DeepSpeed pipeline-parallel and MoE (fixtures/gen_deepspeed_pipe_moe.py): zero_to_fp32 reads
+# neither (its error is recorded), so the reference is DeepSpeed's own per-parameter views
+# gathered in the run (safe_get_full_fp32_param / safe_get_full_optimizer_state), the module's
+# buffers, rank 0's param_groups (named) and torch.load of mp_rank_00's other entries
+# --------------------------------------------------------------------------
+def _deepspeed_pipe_moe_recorded(path: Path) -> dict:
+    doc = _deepspeed_doc(path)
+    out: dict = {by_name(t["name"]): ("array", t) for t in doc["consolidated"]}
+    for name, states in doc["optimizer"].items():
+        for key, t in states.items():
+            out[by_name(f"optimizer.state.{name}.{key}")] = ("array", t)
+    out[by_name("optimizer.param_groups")] = ("value", doc["param_groups"])
+    values: dict = {}
+    _deepspeed_flat(doc["state"], ("engine",), values)
+    out.update({k: ("value", v) for k, v in values.items()})
+    return out
+
+
+def deepspeed_pipe_moe_recorded(path: Path, step: str | None = None) -> dict:
+    """fixtures/deepspeed_pp*/ and deepspeed_moe_*/_reference.json (see _deepspeed_pipe_moe_recorded)."""
+    return {k: Ref("array", tuple(t["shape"]), t["dtype"]) if kind == "array" else Ref("value")
+            for k, (kind, t) in _deepspeed_pipe_moe_recorded(path).items()}
+
+
+def deepspeed_pipe_moe_recorded_values(path: Path, step: str | None = None) -> dict:
+    import base64
+
+    import numpy as np
+
+    out = {}
+    for key, (kind, t) in _deepspeed_pipe_moe_recorded(path).items():
+        if kind == "array":
+            out[key] = np.frombuffer(base64.b64decode(t["data"]), dtype=_np_dtype(t["dtype"])).reshape(t["shape"])
+        else:
+            out[key] = t
+    return out

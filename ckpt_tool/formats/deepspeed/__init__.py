@@ -7,7 +7,9 @@ per data-parallel rank) or a root holding `latest` and such directories (`--step
 reader.py builds the consolidated tree zero_to_fp32 gives (each parameter whole, its fp32
 master weights assembled from every rank's flat partition by byte range), the optimizer state
 per parameter and the engine's other recorded state; layout.py is where each parameter's
-elements lie in the partitions; checks.py is validate's shallow checks and --deep's CRC-32s.
+elements lie in the partitions; checks.py is validate's shallow checks and --deep's CRC-32s;
+pipeline.py reads pipeline-parallel steps stage by stage (layer files), moe.py lays out MoE expert
+groups (experts renumbered globally) and checks the expert files.
 ckpt does not write ZeRO checkpoints; universal/ (a registry entry of its own) reads DeepSpeed
 universal checkpoints and writes them from ZeRO ones. The package's interface is the registry's:
 NAME, detect, read, layout_text.

@@ -8,17 +8,20 @@ torch.save archive (zip records, pickle through the allow-list: `truncated-file`
 naming the parameters it holds), the ranks agreeing on the stage and DP degree, the partitions'
 lengths against the recorded shapes and padding (`bad-metadata`: the same sums zero_to_fp32
 checks, and each parameter's elements inside the partitions), and every flat tensor's claim on
-its storage (`missing-chunk`, `bad-metadata`). Layouts ckpt does not read yet (pipeline parallel,
-MoE experts, several model-parallel ranks) are named (`bad-metadata`).
+its storage (`missing-chunk`, `bad-metadata`). Pipeline steps: every stage's files and every layer
+file opened, a missing layer / stage file `missing-file`; MoE: a missing expert file `missing-file`,
+an expert file's tensors against the recorded experts (`bad-metadata`). Layouts ckpt does not read
+yet (tensor-parallel ranks, MoE without ZeRO) are named (`bad-metadata`).
 
 Deep (check_deep, after every parameter was read and checked for NaN/Inf): the CRC-32 of every
-storage member of every file read, each streamed once, and every recorded value decoded.
+storage member of every file of the step (those no leaf reads too: a tied module's layer file, the
+experts' module weights), each streamed once, and every recorded value decoded.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, PathEscapeError, UnsafePickleError, UsageError
+from ...errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, UsageError
 from ...findings import Findings
 from ...model import ArrayLeaf, ValueLeaf
 from ...storage import Storage
@@ -26,6 +29,7 @@ from ...torchsave.safe_pickle import UnsupportedTensorError
 from .. import given_read_options
 from ..torch_save import checks as tsc
 from ..torch_save import reader as ts
+from . import moe
 from . import reader as ds
 
 
@@ -75,37 +79,60 @@ def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
         refusal = ds._refusal(files, storage.url)
         findings.error("bad-metadata", refusal.message if refusal else "not read", file=prefix + files.refused[0])
         return
-    opened = [_open(storage, name, findings, prefix) for name in [*files.model.values(), *files.optim.values()]]
+    opened = [_open(storage, name, findings, prefix) for name in files.all_files()]
     if any(a is None for a in opened):
         return  # the structure is checked over files that open
     try:
-        step = ds.open_step(storage)
-    except PathEscapeError:
+        # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
+        step, leaves, _ = ds.open_leaves(storage, given_read_options().get("weights", "fp32"))
+    except (PathEscapeError, UsageError):
         raise
+    except NotFoundError as exc:  # a pipeline stage's (or the) model-states file
+        findings.error("missing-file", exc.message, file=prefix + (_named_file(exc.message) or "."))
+        return
     except CkptError as exc:
         findings.error("bad-metadata", exc.message, file=prefix + _file_of(storage, exc.where))
         return
     model_file = step.model_archives[0].name
-    # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
-    leaves, _ = ds.step_leaves(step, given_read_options().get("weights", "fp32"))
     for name in step.missing_files:
         held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
-        findings.error("missing-file", f"rank file missing: the data-parallel degree is {step.world}"
+        findings.error("missing-file", _missing_what(step, name)
                        + (f"; it holds part of {len(held)} tensors ({', '.join(held[:3])}"
                           + (" ..." if len(held) > 3 else "") + ")" if held else ""), file=prefix + name)
+    moe.check_expert_files(step, leaves, findings, prefix)
     for problem in step.mapping.problems:
         findings.error("bad-metadata", f"partition lengths do not match the recorded shapes and padding: {problem}",
                        file=prefix + model_file)
     claims = 0
+    gone = set(step.missing_files)  # (reported above: not again per tensor)
     for leaf in leaves:
         if not isinstance(leaf, ArrayLeaf):
             continue
         claims += 1
-        if leaf.unreadable and not step.mapping.problems:
+        if leaf.unreadable and not step.mapping.problems and not set(leaf.extra.get("files", [])) & gone:
             code = "missing-chunk" if "missing from the archive" in leaf.unreadable else "bad-metadata"
             findings.error(code, leaf.unreadable, leaf=leaf.path,
                            file=prefix + (leaf.extra.get("file") or (leaf.extra.get("files") or [model_file])[0]))
     findings.count("tensors", claims)
+
+
+def _missing_what(step: Any, name: str) -> str:
+    """What a missing file of a step was: a data-parallel rank's, a pipeline layer's, an expert's."""
+    layer, expert = ds.PIPE_FILE.match(name), ds.EXPERT_FILE.match(name)
+    if layer:
+        return (f"pipeline layer file missing: layer {int(layer.group('layer'))}'s module state (its buffers and "
+                "weights; DeepSpeed's load_state_dir reads it)")
+    if expert:
+        return (f"MoE expert file missing: expert {expert.group('expert')} of MoE layer {expert.group('layer')} "
+                "(its module weights; DeepSpeed's load_checkpoint reads it)")
+    optim = ds.OPTIM_FILE.match(name)
+    stage = int(optim.group("mp")) if optim else 0
+    return (f"rank file missing: the data-parallel degree is {step.world}"
+            + (f" (pipeline stage {stage})" if step.files.layers else ""))
+
+
+def _named_file(message: str) -> str | None:
+    return next((w for w in message.split() if w.endswith(".pt")), None)
 
 
 def _open(storage: Storage, name: str, findings: Findings, prefix: str) -> ts.Archive | None:
@@ -158,7 +185,19 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
     read did not already check, each streamed once), every recorded value decoded."""
     prefix = f"{ckpt.layout['step_dir']}/" if ckpt.layout.get("step_dir") else ""
     members = 0
-    for archive in sorted(archives_of(ckpt), key=lambda a: a.name):
+    archives = archives_of(ckpt)
+    # the files no leaf reads from (pipeline layer files of weights only, MoE expert files): opened here
+    step_storage = storage.child(ckpt.layout["step_dir"]) if ckpt.layout.get("step_dir") else storage
+    read = {a.name for a in archives}
+    for name in ds.scan_step(step_storage).all_files():
+        if name not in read:
+            try:
+                archives.append(ts.Archive(step_storage, name))
+            except PathEscapeError:
+                raise
+            except CkptError as exc:
+                findings.error("bad-chunk", exc.message, file=prefix + name)
+    for archive in sorted(archives, key=lambda a: a.name):
         for key, (size, crc) in sorted(archive.zip.storage_members().items()):
             if not size or not crc:
                 continue

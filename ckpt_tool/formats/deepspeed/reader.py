@@ -70,17 +70,21 @@ are zero_to_fp32's. Beside them:
 
 `--weights module` (read(weights="module"), a reader option the registry declares): the model part
 is the module state dict of mp_rank_00_model_states.pt instead (stages 1/2: the training-dtype
-weights, whole); stage 3 saves 0-element placeholders there and is refused.
+weights, whole); stage 3 saves 0-element placeholders there and is refused. A pipeline step's
+module is its layer files (pipeline.py), an MoE step's experts are in the expert files (moe.py).
 
-Not read yet (refused by name): several model-parallel ranks (mp_rank_01...), pipeline-parallel
-`layer_XX-model_YY-model_states.pt` files, MoE expert files, stage-3 checkpoints of the AutoEP
-partition-native format. zero_to_fp32 reads none of them either.
+Pipeline-parallel steps (`layer_XX-...-model_states.pt` files, one mp_rank per stage) are opened
+stage by stage by pipeline.py (open_leaves dispatches); MoE expert groups (`"moe": True` in the
+param groups, partitioned over the expert data-parallel ranks) are laid out by moe.py (open_step
+calls it). Not read yet (refused by name): several tensor-parallel ranks (mp_rank_01... without
+layer files, layer_XX-model_01-...), MoE without ZeRO (expp_rank_X_... optimizer files), stage-3
+checkpoints of the AutoEP partition-native format. zero_to_fp32 reads none of these either.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -93,14 +97,18 @@ from ...torchsave import safe_pickle
 from ...torchsave.safe_pickle import DSLossScaler, Size, TensorRef
 from ..torch_save import reader as ts
 from . import layout as L
+from . import moe
 
 NAME = "deepspeed"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
-PIPE_FILE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
-EXPERT_FILE = re.compile(r"^(?:expp_rank_\d+_mp_rank_\d+_optim_states|(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
+# pipeline parallel: one file per layer (PipelineModule.ckpt_layer_path; "-model_YY" with a model axis)
+PIPE_FILE = re.compile(r"^layer_(?P<layer>\d+)-(?:model_(?P<tp>\d+)-)?model_states\.pt$")
+# MoE: one file per expert (engine._get_expert_ckpt_name); without ZeRO, expp_rank_X optimizer files
+EXPERT_FILE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPP_FILE = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 MAX_LATEST_BYTES = 4096
 # keys of the model-states file that the consolidation consumes (not shown as engine state)
 CONSUMED = ("module", "buffer_names", "param_shapes", "shared_params", "frozen_param_shapes",
@@ -190,28 +198,49 @@ class StepFiles:
     optim: dict[int, str]  # dp rank -> optimizer-states file
     bf16_prefix: bool
     other: list[str]  # files not read
-    refused: list[str]  # files of layouts not read yet (pipeline, experts, model parallel)
+    refused: list[str]  # files of layouts not read yet (model parallel without pipeline, expp_rank files)
+    mp: int = 0  # the model-parallel rank (pipeline stage) `model` and `optim` are of
+    # every model-parallel rank's files: mp -> (model, optim) as above (pipeline stages: pipeline.py)
+    stages: dict[int, tuple[dict[int, str], dict[int, str]]] = field(default_factory=dict)
+    layers: dict[int, str] = field(default_factory=dict)  # pipeline layer index -> its file
+    experts: dict[tuple[int, int], str] = field(default_factory=dict)  # (MoE layer, expert) -> its file
+
+    def all_files(self) -> list[str]:
+        """Every file of the checkpoint ckpt reads (each stage's, each layer's and expert's)."""
+        out = [f for model, optim in self.stages.values() for f in (*model.values(), *optim.values())]
+        return out + list(self.layers.values()) + list(self.experts.values())
 
 
-def scan_step(storage: Storage) -> StepFiles:
+def scan_step(storage: Storage, mp: int = 0) -> StepFiles:
     _, files = storage.listdir()
-    model: dict[int, str] = {}
-    optim: dict[int, str] = {}
+    stages: dict[int, tuple[dict[int, str], dict[int, str]]] = {}
     other: list[str] = []
     refused: list[str] = []
+    layers: dict[int, str] = {}
+    experts: dict[tuple[int, int], str] = {}
     bf16 = False
     for f in sorted(files):
-        m, o = MODEL_FILE.match(f), OPTIM_FILE.match(f)
-        if m and int(m.group("mp")) == 0:
-            model[int(m.group("dp")) if m.group("dp") is not None else -1] = f
-        elif o and int(o.group("mp")) == 0:
-            optim[int(o.group("dp"))] = f
+        m, o, p, e = MODEL_FILE.match(f), OPTIM_FILE.match(f), PIPE_FILE.match(f), EXPERT_FILE.match(f)
+        if m:
+            stages.setdefault(int(m.group("mp")), ({}, {}))[0][int(m.group("dp")) if m.group("dp") is not None
+                                                             else -1] = f
+        elif o:
+            stages.setdefault(int(o.group("mp")), ({}, {}))[1][int(o.group("dp"))] = f
             bf16 = bf16 or bool(o.group("bf16"))
-        elif m or o or PIPE_FILE.match(f) or EXPERT_FILE.match(f):
+        elif p and int(p.group("tp") or 0) == 0:
+            layers[int(p.group("layer"))] = f
+        elif e and int(e.group("mp")) == 0 and e.group("layer") is not None:
+            experts[(int(e.group("layer")), int(e.group("expert")))] = f
+        elif p or e or EXPP_FILE.match(f):
             refused.append(f)
         else:
             other.append(f)
-    return StepFiles(model, optim, bf16, other, refused)
+    if not layers:  # several model-parallel ranks without pipeline layer files: tensor parallel
+        refused.extend(f for r, (model, optim) in sorted(stages.items()) if r != 0
+                       for f in (*model.values(), *optim.values()))
+        stages = {r: v for r, v in stages.items() if r == 0}
+    model, optim = stages.get(mp, ({}, {}))
+    return StepFiles(model, optim, bf16, other, sorted(refused), mp, stages, layers, experts)
 
 
 def _refusal(files: StepFiles, where: str) -> CkptError | None:
@@ -219,13 +248,15 @@ def _refusal(files: StepFiles, where: str) -> CkptError | None:
         return None
     shown = ", ".join(files.refused[:3]) + (" ..." if len(files.refused) > 3 else "")
     if any(PIPE_FILE.match(f) for f in files.refused):
-        what = "a pipeline-parallel checkpoint (layer_XX-model_YY-model_states.pt)"
+        what = "a pipeline-parallel checkpoint with tensor parallelism (layer_XX-model_YY-model_states.pt, YY > 0)"
+    elif any(EXPP_FILE.match(f) for f in files.refused):
+        what = "MoE expert optimizer states of training without ZeRO (expp_rank_X_mp_rank_YY_optim_states.pt)"
     elif any(EXPERT_FILE.match(f) for f in files.refused):
-        what = "a checkpoint with MoE expert files"
+        what = "a checkpoint with MoE expert files of an old or model-parallel layout"
     else:
         what = "a checkpoint of several model-parallel ranks"
-    return CorruptMetadataError(f"{what}: ckpt reads ZeRO checkpoints of one model-parallel rank without "
-                                f"pipeline or expert files so far ({shown})", where)
+    return CorruptMetadataError(f"{what}: ckpt reads ZeRO checkpoints of one tensor-parallel rank (pipeline "
+                                f"stages and MoE experts included) so far ({shown})", where)
 
 
 # ---------------------------------------------------------------------------
@@ -267,6 +298,14 @@ class CrcBook:
         first = ref.storage_offset + start
         self._runs.setdefault((id(archive), ref.storage.key), []).append((first, first + count))
         self._archives[id(archive)] = archive
+
+    def forget(self, archive: ts.Archive, ref: TensorRef, start: int, count: int) -> None:
+        """A reader made but not given (a pipeline stage's copy of a tied parameter): its run is then
+        read as a gap, so the member's CRC-32 is still put together."""
+        first = ref.storage_offset + start
+        runs = self._runs.get((id(archive), ref.storage.key), [])
+        if (first, first + count) in runs:
+            runs.remove((first, first + count))
 
     def seen(self, archive: ts.Archive, ref: TensorRef, begin: int, end: int, crc: int) -> None:
         """Bytes [begin, end) of the archive, of `ref`'s storage member, were read; their CRC-32."""
@@ -537,10 +576,12 @@ class Step:
     book: CrcBook  # the flat members' CRC-32s, from the runs read
 
 
-def open_step(storage: Storage, *, strict_files: bool = False) -> Step:
+def open_step(storage: Storage, *, strict_files: bool = False, files: StepFiles | None = None) -> Step:
     """Open a step directory: the model-states file(s) and every optimizer-states file (their zip
-    directories and pickles; no tensor data). A rank's missing file is recorded, not an error."""
-    files = scan_step(storage)
+    directories and pickles; no tensor data). A rank's missing file is recorded, not an error.
+    `files`: those of one model-parallel rank (a pipeline stage: pipeline.py), by default rank 0's."""
+    files = files if files is not None else scan_step(storage)
+    mp = files.mp
     refusal = _refusal(files, storage.url)
     if refusal is not None:
         raise refusal
@@ -558,18 +599,18 @@ def open_step(storage: Storage, *, strict_files: bool = False) -> Step:
         raise CorruptMetadataError(f"optimizer states of rank {stray[0]}, but the DP degree (partition_count) is "
                                    f"{world}", storage.url)
     prefix = "bf16_" if files.bf16_prefix else ""
-    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world) if r not in optims]
+    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt" for r in range(world) if r not in optims]
     model_archives: dict[int, ts.Archive] = {}
     if stage == 3:
         names = {r: f for r, f in files.model.items() if r >= 0}
         if 0 not in names:
-            raise NotFoundError("zero_pp_rank_0_mp_rank_00_model_states.pt does not exist (stage 3 keeps the "
+            raise NotFoundError(f"{_model_name(0, mp)} does not exist (stage 3 keeps the "
                                 "parameter shapes there)", storage.url)
         model_archives = {r: ts.Archive(storage, f) for r, f in sorted(names.items()) if r < world}
-        missing += [_model_name(r) for r in range(world) if r not in model_archives]
+        missing += [_model_name(r, mp) for r in range(world) if r not in model_archives]
     else:
         if -1 not in files.model:
-            raise NotFoundError("mp_rank_00_model_states.pt does not exist (it keeps the parameter shapes)",
+            raise NotFoundError(f"mp_rank_{mp:02d}_model_states.pt does not exist (it keeps the parameter shapes)",
                                 storage.url)
         model_archives = {0: ts.Archive(storage, files.model[-1])}
     states = _dict(model_archives[0].obj, "the model-states object", model_archives[0].where)
@@ -580,7 +621,10 @@ def open_step(storage: Storage, *, strict_files: bool = False) -> Step:
         mapping = L.zero3([p for group in sizes for p in group], lengths)
     else:
         mapping = L.zero12(sizes, lengths, paddings, first.param_paddings)
-    return Step(storage, files, states, model_archives, optims, stage, world, shapes, mapping, missing, CrcBook())
+    step = Step(storage, files, states, model_archives, optims, stage, world, shapes, mapping, missing, CrcBook())
+    if stage != 3 and moe.has_expert_groups(step):
+        moe.apply(step)  # expert groups: partitioned over the expert data-parallel ranks, experts renumbered
+    return step
 
 
 def _lengths(optims: dict[int, RankOptim], world: int, stage: int,
@@ -621,11 +665,11 @@ def _sources(step: Step, pieces: list[L.Piece], pick: Callable[[RankOptim, int],
 
 def _optim_name(step: Step, rank: int) -> str:
     prefix = "bf16_" if step.files.bf16_prefix else ""
-    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_{step.files.mp:02d}_optim_states.pt"
 
 
-def _model_name(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+def _model_name(rank: int, mp: int = 0) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
 
 
 def _group_state(o: RankOptim, g: int) -> dict:
@@ -683,7 +727,28 @@ def _module_leaves(step: Step) -> list[tuple[str, ArrayLeaf]]:
             reader = ts.TensorReader(archive0, ref, name)
             out.append((name, _array((), name, tuple(ref.size), ref.dtype, reader,
                                      {"file": archive0.name, "kind": "module"}, archive0.zip.claim_problem(ref))))
-    return out
+    return out + moe.expert_module_leaves(step)  # MoE: the experts' weights are in the expert files
+
+
+def open_leaves(storage: Storage, weights: str = "fp32") -> tuple[Step, list[Leaf], list[str]]:
+    """A step directory opened and its tree (`weights` as step_leaves takes it): a pipeline-parallel
+    one (layer files) stage by stage (pipeline.py), any other as one Step."""
+    files = scan_step(storage)
+    if files.layers:
+        from . import pipeline
+
+        return pipeline.open_leaves(storage, files, weights)
+    step = open_step(storage, files=files)
+    leaves, notes = step_leaves(step, weights)
+    # the expert files hold the experts' module weights (the fp32 master weights are in the
+    # partitions): opened, so a damaged one is found; a missing one leaves the checkpoint incomplete
+    # for DeepSpeed's load_checkpoint
+    for name in step.files.experts.values():
+        ts.Archive(storage, name)
+    step.missing_files.extend(moe.missing_files(step))
+    if weights == "module" and step.files.experts:
+        notes.append("the experts' weights: from the expert files (layer_L_expert_E_...)")
+    return step, leaves, notes
 
 
 def step_leaves(step: Step, weights: str = "fp32") -> tuple[list[Leaf], list[str]]:
@@ -832,7 +897,7 @@ def _frozen_leaf(step: Step, name: str, shape: tuple[int, ...], fragments: dict)
     pieces, problem = L.frozen3(numel, lengths)
     dtype = next(iter(refs.values())).dtype
     srcs = [Source(step.model_archives.get(p.rank), refs.get(p.rank), p,
-                   step.model_archives[p.rank].name if p.rank in step.model_archives else _model_name(p.rank))
+                   step.model_archives[p.rank].name if p.rank in step.model_archives else _model_name(p.rank, step.files.mp))
             for p in pieces]
     reader = FlatReader(name, shape, dtype, srcs, step.book)
     return _array((), name, shape, dtype, reader, {"kind": "frozen", "files": reader.files}, problem)
@@ -987,8 +1052,7 @@ def read(storage: Storage, *, step: str | int | None = None, weights: str | None
         step_storage = storage.child(tag_dir)
     elif step not in (None, "latest"):
         raise UsageError(f"--step {step} given, but this is one step directory", storage.url)
-    s = open_step(step_storage)
-    leaves, notes = step_leaves(s, weights or "fp32")
+    s, leaves, notes = open_leaves(step_storage, weights or "fp32")
     missing = []
     for name in s.missing_files:
         held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
@@ -1005,6 +1069,7 @@ def read(storage: Storage, *, step: str | int | None = None, weights: str | None
     return Checkpoint(
         path=storage.url, format=NAME,
         layout={"stage": s.stage, "dp": s.world, "mp": 1, "precision": precision,
+                "pp": max(1, len(s.files.stages)) if s.files.layers else 1, "experts": moe.expert_count(s),
                 "tag": tag_dir or step_storage.url.rstrip("/").rsplit("/", 1)[-1], "step_dir": tag_dir,
                 "groups": len(s.shapes), "files": len(s.optims) + len(s.model_archives), "weights": weights or "fp32",
                 "optimizer_files": sorted(o.archive.name for o in s.optims.values())},
@@ -1020,11 +1085,22 @@ def _precision(step: Step) -> str:
         for ref in module.values():
             if isinstance(ref, TensorRef) and ref.dtype in ("float16", "bfloat16", "float32"):
                 return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[ref.dtype]
+    config = step.states.get("ds_config")  # a pipeline's model states hold no module: its config says
+    if isinstance(config, dict):
+        for key, name in (("bf16", "bf16"), ("fp16", "fp16")):
+            section = config.get(key)
+            if isinstance(section, dict) and section.get("enabled") is True:
+                return name
     return "fp32"
 
 
 def layout_text(ck: Checkpoint) -> str:
     """inspect's "format" row: "DeepSpeed ZeRO-3 (global_step2, 2 data-parallel ranks, bf16 training)"."""
     lay = ck.layout
+    extra = ""
+    if (lay.get("pp") or 1) > 1:
+        extra += f", {lay['pp']} pipeline stages"
+    if lay.get("experts"):
+        extra += f", {lay['experts']} MoE experts"
     return (f"DeepSpeed ZeRO-{lay.get('stage')} ({lay.get('tag')}, {lay.get('dp')} data-parallel rank"
-            f"{'s' if lay.get('dp') != 1 else ''}, {lay.get('precision')} training)")
+            f"{'s' if lay.get('dp') != 1 else ''}{extra}, {lay.get('precision')} training)")

@@ -572,6 +572,10 @@ def _open_source(plan: WritePlan) -> tuple[ds.Step, str]:
     storage = Storage.open(str(source))
     step_dir = layout.get("step_dir")
     step = ds.open_step(storage.child(step_dir) if step_dir else storage)
+    if step.files.layers or step.files.experts:
+        raise UniversalWriteError("a pipeline-parallel or MoE ZeRO checkpoint: ds_to_universal's layout for their "
+                                  "stages and experts is not written yet (ckpt reads and converts them to the other "
+                                  "formats)")
     if step.missing_files:
         raise IncompleteCheckpointError(f"{step.missing_files[0]} does not exist", step.storage.url)
     tag = str(layout.get("tag") or step.storage.url.rstrip("/").rsplit("/", 1)[-1])
