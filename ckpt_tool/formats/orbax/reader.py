@@ -683,9 +683,12 @@ class _ZarrRegionReader:
             # a lost chunk must fail the read, not come back as zeros
             "fill_missing_data_reads": False,
             "recheck_cached_data": False,
+            # the metadata read and schema-checked with every other array's (one batch at open):
+            # tensorstore need not read it again per array (10,000 small arrays: one point read each)
+            "metadata": self._zmeta,
         }
         try:
-            return ts.open(spec, open=True, read=True, context=self._source.storage.read_context)
+            return ts.open(spec, open=True, read=True, assume_metadata=True, context=self._source.storage.read_context)
         except Exception as exc:
             raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
 
