@@ -862,6 +862,8 @@ def _deepspeed_pipe_moe_recorded(path: Path) -> dict:
         for key, t in states.items():
             out[by_name(f"optimizer.state.{name}.{key}")] = ("array", t)
     out[by_name("optimizer.param_groups")] = ("value", doc["param_groups"])
+    for key, value in doc.get("optimizer_globals", {}).items():  # stage 0's loss scaler and its flags
+        out[by_name(f"optimizer.{key}")] = ("value", DSRecorded(value))
     values: dict = {}
     _deepspeed_flat(doc["state"], ("engine",), values)
     out.update({k: ("value", v) for k, v in values.items()})

@@ -181,6 +181,9 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
             if head == ds.OPTIMIZER_KEY:
                 if leaf.keys[1:2] == ("param_groups",):
                     groups.append(leaf)  # type: ignore[arg-type]
+                elif len(leaf.keys) == 2:  # the run-wide entries (loss_scaler, overflow, ...): stage 0's, as engine
+                    if st.index == 0:
+                        engine.append(leaf)
                 else:
                     optimizer.setdefault(str(leaf.keys[2]), []).append(leaf)
             elif head == ds.ENGINE_KEY:
