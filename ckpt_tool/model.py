@@ -56,7 +56,7 @@ class RegularGrid:
         return {"kind": "grid", "chunk_shape": list(self.chunk_shape)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # (one per stored chunk, 10^5 of them: no per-instance __dict__)
 class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]

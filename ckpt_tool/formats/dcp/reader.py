@@ -176,7 +176,7 @@ def read_with_metadata(storage: Storage, *, step: str | int | None = None,
 # ---------------------------------------------------------------------------
 # Metadata: validated into plain records
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # (one per stored item: no per-instance __dict__)
 class _Entry:
     """Where one stored item (a tensor chunk or a bytes item) lives."""
 
@@ -192,7 +192,7 @@ class _Entry:
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _TensorItem:
     shape: tuple[int, ...]
     dtype: str
@@ -526,19 +526,25 @@ class _TensorReader:
     # any part of a chunk is read by byte ranges of its archive: the scheduler streams big chunks
     reads_byte_ranges = True
 
+    # one per tensor, 10^4-10^5 of them in a checkpoint of many small tensors: no per-instance
+    # __dict__, the per-chunk records made on first use, and one lock shared by every tensor
+    # (it guards a few dict operations: contention is negligible)
+    __slots__ = ("_storage", "_fqn", "_item", "_dtype", "_located", "_decoded_lengths", "_crc_tiles",
+                 "_crc_checked")
+    _lock = threading.Lock()
+
     def __init__(self, storage: Storage, fqn: str, item: _TensorItem) -> None:
         self._storage = storage
         self._fqn = fqn
         self._item = item
         self._dtype = dtypes.numpy_dtype(item.dtype)
         # a chunk's payload location (from its zip headers) never changes: keep it
-        self._located: dict[int, TensorPayload] = {}
-        self._decoded_lengths: dict[int, int] = {}  # transformed entries: decoded archive sizes
+        self._located: dict[int, TensorPayload] | None = None
+        self._decoded_lengths: dict[int, int] | None = None  # transformed entries: decoded archive sizes
         # chunks read in parts (bands of a chunk larger than the budget): their
         # storage member's CRC-32 put together from the parts as they are read
-        self._crc_tiles: dict[int, Any] = {}  # chunk -> checksum.CrcTiling
-        self._crc_checked: set[int] = set()
-        self._lock = threading.Lock()
+        self._crc_tiles: dict[int, Any] | None = None  # chunk -> checksum.CrcTiling
+        self._crc_checked: set[int] | None = None
 
     def __call__(self, region: Region) -> np.ndarray:
         if self._item.layout != "torch.strided":
@@ -595,7 +601,7 @@ class _TensorReader:
         """Check chunk i's CRC-32 (for chunks read in blocks): done already if
         its blocks tiled its storage member, else by streaming its bytes once more."""
         with self._lock:
-            if i in self._crc_checked:
+            if self._crc_checked is not None and i in self._crc_checked:
                 return
         payload, fetch, where = self._locate(i)
         _payload_module().verify_crc(payload, fetch, where)
@@ -605,8 +611,10 @@ class _TensorReader:
 
         def on_span(start: int, end: int, crc: int) -> None:
             with self._lock:
-                if i in self._crc_checked:
+                if self._crc_checked is not None and i in self._crc_checked:
                     return
+                if self._crc_tiles is None:
+                    self._crc_tiles = {}
                 tiles = self._crc_tiles.get(i)
                 if tiles is None:
                     from ...checksum import CrcTiling  # (zlib-ng: only once data is read)
@@ -617,6 +625,8 @@ class _TensorReader:
                     return
                 del self._crc_tiles[i]
                 if whole == payload.data_crc:
+                    if self._crc_checked is None:
+                        self._crc_checked = set()
                     self._crc_checked.add(i)
                     return
             raise CorruptMetadataError("tensor data fails its CRC-32 check", where)
@@ -658,7 +668,7 @@ class _TensorReader:
     def _decoded(self, i: int, entry: _Entry, where: str, fetch: Fetch) -> Any:
         """Chunk i's transformed entry as a DecodedEntry (its decoded length once known)."""
         with self._lock:
-            known = self._decoded_lengths.get(i)
+            known = self._decoded_lengths.get(i) if self._decoded_lengths is not None else None
         # the decoded archive holds the chunk's bytes plus small records
         expected = math.prod(self._item.chunks[i].sizes) * self._dtype.itemsize
         return _transforms_module().DecodedEntry(
@@ -681,7 +691,7 @@ class _TensorReader:
             fetch = decoded.fetch
 
         with self._lock:
-            payload = self._located.get(i)
+            payload = self._located.get(i) if self._located is not None else None
         if payload is not None:
             return payload, fetch, where
         if decoded is not None:
@@ -695,8 +705,12 @@ class _TensorReader:
                 where,
             )
         with self._lock:
+            if self._located is None:
+                self._located = {}
             self._located[i] = payload
             if decoded is not None:
+                if self._decoded_lengths is None:
+                    self._decoded_lengths = {}
                 self._decoded_lengths[i] = length
         # this first time, read through the archive: it holds what locating
         # fetched (all of a small entry), so the data may need no new read
