@@ -176,6 +176,11 @@ ENTRIES: list[Entry] = [
 
 # directories under fixtures/ that are not checkpoints (the legacy references themselves)
 NOT_CHECKPOINTS = {"legacy_jax_reference", "torch_legacy"}  # (torch_legacy: refused by name, tests/test_torch_save.py)
+# run roots of several steps (fixtures/gen_runs.py), torn newest steps included: tests/test_runs.py checks
+# ls / latest / diff --step-a on each against the writing framework's own step rules; their steps are
+# checkpoints of formats the entries above cover
+RUN_ROOTS = {"runs_hf_trainer", "runs_nemo2", "runs_orbax", "runs_torchtitan", "runs_verl"}
+NOT_CHECKPOINTS |= RUN_ROOTS
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:
