@@ -174,10 +174,10 @@ class _ArchiveTemplate:
 @functools.lru_cache(maxsize=1024)
 def _archive_template(dtype: dtypes.DType, shape: tuple[int, ...]) -> _ArchiveTemplate:
     size = math.prod(shape) * dtype.itemsize
-    parts, _ = _archive(tensor_pickle(dtype, shape), (memoryview(bytes(size)), 0))
+    parts, _ = _archive(tensor_pickle(dtype, shape), (memoryview(np.broadcast_to(np.zeros(1, np.uint8), (size,))), 0))
     # the data is the one memoryview among the parts (see _ZipBuilder.add)
-    joined = [bytes(p) for p in parts]
     idx = next(i for i, p in enumerate(parts) if isinstance(p, memoryview))
+    joined = [b"" if i == idx else bytes(p) for i, p in enumerate(parts)]
     head = b"".join(joined[:idx])
     # after the data: its descriptor (16 bytes), the version record's header, data and
     # descriptor, the id's local header, the id, its descriptor, then the central directory
