@@ -49,6 +49,7 @@ Allow = Optional[Mapping[tuple[str, str], Any]]
 
 # An archive this small is read in one request; bigger ones as head + tail.
 _WHOLE_BELOW = 64 << 10
+WHOLE_FETCH_BELOW = _WHOLE_BELOW  # an archive this small is fetched whole by its first read (readers rely on it)
 _HEAD = 16 << 10
 _TAIL = 16 << 10
 # A tensor claiming more than this many bytes is refused outright: a stride-0

@@ -21,7 +21,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import numpy as np
 
@@ -577,21 +577,22 @@ class _TensorReader:
         # Locate every chunk first: its archive header is checked against
         # .metadata and against the bytes actually stored before anything
         # sized by .metadata alone (the output, a coverage mask) is allocated.
-        sources = _map(lambda task: self._locate(task[0]), tasks)
+        sources = _map(lambda task: self._locate(task[0], fresh=True), tasks)
         if covered > volume:
             self._check_coverage(region, tasks, covered, volume)
         if len(tasks) == 1 and covered == volume:
             # one chunk covers the region: its decoded array is the answer (no second copy)
-            (index, local, _), (payload, fetch, where) = tasks[0], sources[0]
+            (index, local, _), (payload, fetch, where, held) = tasks[0], sources[0]
             return _payload_module().read_region(
-                payload, local, fetch, where, self._fetch_into(index, where), self._on_span(index, payload, where)
+                payload, local, fetch, where, None if held else self._fetch_into(index, where),
+                self._on_span(index, payload, where),
             )
         out = np.empty(out_shape, dtype=self._dtype)
 
-        def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str]]) -> None:
-            (i, local, target), (payload, fetch, where) = args
+        def copy(args: tuple[tuple[int, Region, Region], tuple[TensorPayload, Fetch, str, bool]]) -> None:
+            (i, local, target), (payload, fetch, where, held) = args
             out[target] = _payload_module().read_region(
-                payload, local, fetch, where, self._fetch_into(i, where), self._on_span(i, payload, where)
+                payload, local, fetch, where, None if held else self._fetch_into(i, where), self._on_span(i, payload, where)
             )
 
         _map(copy, list(zip(tasks, sources)))
@@ -677,8 +678,16 @@ class _TensorReader:
             key=(self._storage.url, entry.relative_path, entry.offset), length=known,
         )
 
-    def _locate(self, i: int) -> tuple[TensorPayload, Fetch, str]:
-        """Chunk i's validated payload location, a fetch over its entry, and its `where`."""
+    @overload
+    def _locate(self, i: int) -> tuple[TensorPayload, Fetch, str]: ...
+    @overload
+    def _locate(self, i: int, fresh: Literal[True]) -> tuple[TensorPayload, Fetch, str, bool]: ...
+
+    def _locate(self, i: int, fresh: bool = False) -> tuple[Any, ...]:
+        """Chunk i's validated payload location, a fetch over its entry, and its `where`
+        (`fresh`: and whether that fetch holds the whole entry already: a small entry's
+        archive, read whole to locate its payload the first time, so that its data needs
+        no second read: 10,000 small tensors are then 10,000 reads, not 20,000)."""
         entry = self._item.entries[i]
         chunk = self._item.chunks[i]
         where = _entry_where(self._storage, entry, self._fqn)
@@ -693,7 +702,7 @@ class _TensorReader:
         with self._lock:
             payload = self._located.get(i) if self._located is not None else None
         if payload is not None:
-            return payload, fetch, where
+            return (payload, fetch, where, False) if fresh else (payload, fetch, where)
         if decoded is not None:
             length = decoded.scan()
         archive = _payload_module().open_payload_range(fetch, length, where)
@@ -714,6 +723,8 @@ class _TensorReader:
                 self._decoded_lengths[i] = length
         # this first time, read through the archive: it holds what locating
         # fetched (all of a small entry), so the data may need no new read
+        if fresh:
+            return payload, archive.read_bytes, where, length <= _payload_module().WHOLE_FETCH_BELOW
         return payload, archive.read_bytes, where
 
 
