@@ -660,6 +660,9 @@ def _parse_zarr_metadata(
 class _ZarrRegionReader:
     """Reads regions of one zarr array through tensorstore, opening it on first use."""
 
+    # one per array, 10^4-10^5 of them: no per-instance __dict__
+    __slots__ = ("_source", "_name", "_zarr3", "_zmeta", "_store", "_opening", "_lock")
+
     def __init__(self, source: _ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any]) -> None:
         self._source = source
         self._name = name
