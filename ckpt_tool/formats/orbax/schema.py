@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -592,6 +593,31 @@ def _tensorstore_check(zmeta: dict[str, Any], driver: str, members: frozenset[st
     except Exception as exc:  # tensorstore raises ValueError with its status text
         text = str(exc).replace('Error parsing object member "metadata": ', "")
         raise SchemaError(f"tensorstore rejects it: {text}", file) from None
+    problem = _stored_metadata_problem(driver, json.dumps(known, sort_keys=True))
+    if problem:
+        raise SchemaError(f"tensorstore rejects it: {problem}", file)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stored_metadata_problem(driver: str, text: str) -> str | None:
+    """Why tensorstore would not open an array whose stored metadata file holds `text`, or None.
+
+    The readers open each array with the metadata already read (assume_metadata: no second read of
+    every `.zarray` / `zarr.json`), where tensorstore takes it as constraints and fills what is left
+    out (a zarr v3 `bytes` codec without its `endian`); a stored file is stricter, and it is the
+    stored file orbax opens. So the text is opened as a stored file, from memory: once per distinct
+    metadata (arrays of one shape and dtype share theirs).
+    """
+    import tensorstore as ts
+
+    context = ts.Context()
+    store = ts.KvStore.open({"driver": "memory"}, context=context).result()
+    store.write(".zarray" if driver == "zarr" else "zarr.json", text.encode()).result()
+    try:
+        ts.open({"driver": driver, "kvstore": {"driver": "memory"}}, open=True, context=context).result()
+    except Exception as exc:  # tensorstore's status text
+        return str(exc).replace('Error opening "zarr3" driver: ', "").replace('Error opening "zarr" driver: ', "")
+    return None
 
 
 def _zarr_members(zmeta: Any, file: str, required: Any, version: int) -> dict:
