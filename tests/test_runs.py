@@ -202,7 +202,7 @@ def test_every_layout_is_in_the_readme_table():
     from conftest import ROOT
 
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Runs: ckpt ls and ckpt latest\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## ckpt ls and ckpt latest: a run's steps\n", 1)[1].split("\n## ", 1)[0]
     for layout in roots.LAYOUTS:
         assert f"| {layout.title} |" in section, layout.title
 
