@@ -533,7 +533,7 @@ def plot(rows: list[dict], log) -> list[str]:
         for ax, what in ((ax_t, "wall time (s)"), (ax_m, "peak RSS (MiB)")):
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xlabel(f"{axis} ({UNIT[axis]}s)" if axis != "bytes" else "GiB")
+            ax.set_xlabel({"leaves": "leaves", "files": "files (ranks)", "bytes": "GiB", "processes": "processes"}[axis])
             ax.set_ylabel(what)
             ax.grid(True, which="both", alpha=0.3)
         ax_t.legend(fontsize=7)
