@@ -110,6 +110,11 @@ FIXTURE_SPECS = [
     FixtureSpec("megatron_run", "megatron", None),
     FixtureSpec("deepspeed_z3_fp32", "deepspeed", None),
     FixtureSpec("deepspeed_z2_bf16", "deepspeed", None),
+    # the layouts issue 21 added: fp16 (a loss scaler in the optimizer state), pipeline stages with their
+    # layer files and tied module, MoE experts over two expert-parallel ranks
+    FixtureSpec("deepspeed_z2_fp16", "deepspeed", None),
+    FixtureSpec("deepspeed_pp2_z1", "deepspeed", None),
+    FixtureSpec("deepspeed_moe_ep2_z2", "deepspeed", None),
 ]
 SPECS = {s.name: s for s in FIXTURE_SPECS}
 
