@@ -284,6 +284,15 @@ def _run_env() -> dict:
     return env
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a coordinator's, for multi-process runs)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_once(argv: list[str], capture: bool) -> dict:
     """Run argv as a child: wall time, peak RSS (KiB) of that child, exit code, output.
 

@@ -46,7 +46,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -245,12 +244,6 @@ def megatron_python() -> str:
     return python
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_checkpoint(regen: bool, log) -> tuple[str, dict]:
     """(path, stamp): the cached checkpoint, generated first when missing or --regen."""
     path = os.path.join(ib.OUT, "megatron_2gib")
@@ -270,7 +263,7 @@ def ensure_checkpoint(regen: bool, log) -> tuple[str, dict]:
     tmp = path + ".tmp"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({_GENERATOR_ENV: "1", "PYTHONNOUSERSITE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()), "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"})
+                "MASTER_PORT": str(ib.free_port()), "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"})
     proc = subprocess.run([python, os.path.abspath(__file__), "--generate", tmp], cwd=ib.OUT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=GEN_TIMEOUT_S)
     lines = proc.stdout.strip().splitlines()

@@ -405,21 +405,13 @@ def bench_processes(sizes: list[int], runs: int, regen: bool, log) -> list[dict]
             ("reshard --mesh data=2,model=4", ["reshard", path, out, "--mesh", "data=2,model=4", "--devices", "8",
                                                "--memory", MEMORY]),
         ):
-            port = ib_free_port()
+            port = ib.free_port()
             argvs = [_ckpt(*args) if n == 1 else
                      _ckpt(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
                            "--process-id", str(i)) for i in range(n)]
             log(f"processes {n}: {command}")
             rows.append(measure("processes", command, n, argvs, runs, outputs=(out,), warm=(path,)))
     return rows
-
-
-def ib_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ Runs without DeepSpeed (the references are recorded in each fixture's _reference
 """
 from __future__ import annotations
 
-import base64
 import json
 import re
 import shutil
@@ -26,22 +25,12 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from test_deepspeed import recorded, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPE = ["deepspeed_pp2_z1", "deepspeed_pp2_dp2_z1"]
 MOE = ["deepspeed_moe_ep1_z2", "deepspeed_moe_ep2_z2"]
 EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..*)$")
-
-
-def reference(name: str) -> dict:
-    return json.loads((FIXTURES / name / "_reference.json").read_text())
-
-
-def recorded(t: dict) -> np.ndarray:
-    import ml_dtypes
-
-    dt = np.dtype(getattr(ml_dtypes, t["dtype"], None) or t["dtype"])
-    return np.frombuffer(base64.b64decode(t["data"]), dtype=dt).reshape(t["shape"])
 
 
 def storage(path: Path):  # noqa: ANN201
