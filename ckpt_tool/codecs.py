@@ -202,12 +202,9 @@ def zarr3_stream_problem(zmeta: dict[str, Any]) -> str | None:
 
 def _crc32c(data: bytes) -> int:
     """CRC-32C (Castagnoli), for the 16-byte index of a one-chunk shard."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
+    import google_crc32c
+
+    return google_crc32c.value(bytes(data))
 
 
 class ChunkStream:

@@ -45,6 +45,10 @@ def test_walk_equals_point_reads_on_a_deep_tree(tmp_path):
     assert height >= 2  # the walk crosses interior nodes and their key prefixes
     wanted = sorted(values)[::7] + ["layer3/p99999/.zarray", "aaa", "zzz"]  # some absent, before and after all
     inline, indirect = ocdbt_bulk.read_keys(base, wanted, lambda f: f.result())
+    # an out-of-line value is where the walk says it is: the bytes there are the value
+    for key, ref in indirect.items():
+        got = base.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length)).result().value
+        assert bytes(got) == values[key]
     assert indirect and inline  # both kinds of value were met
     assert set(inline) | set(indirect) == {k for k in wanted if k in values}
     assert all(inline[k] == values[k] for k in inline)
@@ -84,3 +88,85 @@ def test_fixtures_read_the_same_through_the_walk(name):
         rc_b, b = _ckpt_json(args, walk)
         assert (rc_a, a) == (rc_b, b)
         assert rc_a == 0
+
+
+# -- the leaf-node decoder (ckpt_tool/storage/ocdbt_node.py) against tensorstore's own dump ----------
+
+def _leaves(path: str):
+    """(location text, key prefix, dumped entries) of every leaf node of the database at `path`."""
+    base = ts.KvStore.open({"driver": "file", "path": path + "/"}).result()
+    version = ts.ocdbt.dump(base).result()["versions"][-1]
+    stack = [(version["root"]["location"], b"")]
+    while stack:
+        location, prefix = stack.pop()
+        node = ts.ocdbt.dump(base, location).result()
+        if node["height"]:
+            stack += [(e["location"], prefix + e["subtree_common_prefix"]) for e in node["entries"]]
+        else:
+            yield base, location, prefix, node["entries"]
+
+
+def test_leaf_nodes_decode_as_tensorstore_dumps_them(tmp_path):
+    from ckpt_tool.storage import ocdbt_node
+
+    _write_db(str(tmp_path / "db"), 1500, node_bytes=600)
+    seen = {"inline": 0, "indirect": 0}
+    for base, location, prefix, dumped in _leaves(str(tmp_path / "db")):
+        where = ocdbt_node.parse_location(location)
+        raw = base.read(where.path, byte_range=slice(where.offset, where.offset + where.length)).result().value
+        node = ocdbt_node.LeafNode(raw, where)
+        got = [(key, node.value(i)) for key, i in node.entries(prefix)]
+        want = []
+        for e in dumped:
+            if "inline_value" in e:
+                want.append((prefix + e["key"], e["inline_value"]))
+                seen["inline"] += 1
+            else:
+                ref = ocdbt_node.parse_location(e["indirect_value"])
+                want.append((prefix + e["key"], ocdbt_node.IndirectValue(ref.path, ref.offset, ref.length)))
+                seen["indirect"] += 1
+        assert got == want
+    assert seen["inline"] and seen["indirect"]
+
+
+@pytest.mark.parametrize("damage", ["magic", "length", "crc", "body"])
+def test_a_damaged_leaf_node_is_refused(tmp_path, damage):
+    from ckpt_tool.storage import ocdbt_node
+
+    _write_db(str(tmp_path / "db"), 50, node_bytes=100_000)
+    base, location, _, _ = next(_leaves(str(tmp_path / "db")))
+    where = ocdbt_node.parse_location(location)
+    raw = bytearray(base.read(where.path, byte_range=slice(where.offset, where.offset + where.length)).result().value)
+    if damage == "magic":
+        raw[0] ^= 0xFF
+    elif damage == "length":
+        raw[4] ^= 0x01
+    elif damage == "crc":
+        raw[-1] ^= 0x01
+    else:  # a flipped bit in the compressed body, the CRC recomputed: the decoder itself must refuse or differ
+        import google_crc32c
+
+        raw[len(raw) // 2] ^= 0x10
+        raw[-4:] = google_crc32c.value(bytes(raw[:-4])).to_bytes(4, "little")
+    try:
+        node = ocdbt_node.LeafNode(bytes(raw), where)
+        list(node.entries())
+    except ocdbt_node.OcdbtNodeError:
+        return
+    assert damage == "body"  # a flip inside an inline value decodes (the value's own codec catches it)
+
+
+def test_a_node_claiming_a_huge_body_is_refused_before_decompressing_it(tmp_path):
+    import zstandard
+    import google_crc32c
+
+    from ckpt_tool.storage import ocdbt_node
+
+    body = zstandard.ZstdCompressor().compress(b"\0" * (4 * 2**20))  # 4 MiB of zeros in a few hundred bytes
+    head = ocdbt_node.BTREE_NODE_MAGIC.to_bytes(4, "big")
+    total = 4 + 8 + 2 + len(body) + 4
+    raw = head + total.to_bytes(8, "little") + b"\x00\x01" + body
+    raw += google_crc32c.value(raw).to_bytes(4, "little")
+    where = ocdbt_node.Location("", "d/x", 0, len(raw))
+    with pytest.raises(ocdbt_node.OcdbtNodeError, match="more than"):
+        ocdbt_node.LeafNode(raw, where, max_decoded=2**20)

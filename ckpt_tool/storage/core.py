@@ -101,10 +101,30 @@ class OcdbtBulkReads:
         except ocdbt_bulk.OcdbtTreeError as exc:
             raise CkptError(f"cannot read OCDBT B+tree: {exc}", where) from None
         out: dict[str, bytes | None] = {k: inline.get(prefix + k) for k in self._keys}
-        if indirect:  # values stored out of line: point reads, as PendingReads does
+        if indirect:  # values stored out of line: read from their data files where the walk found them
             cut = len(prefix)
-            out.update(PendingReads(st, {k[cut:]: st._kv.read(k[cut:]) for k in indirect}).result())
+            out.update(read_indirect(st, {k[cut:]: ref for k, ref in indirect.items()}))
         return out
+
+
+def read_indirect(view: "Storage", refs: dict[str, ocdbt_bulk.IndirectValue]) -> dict[str, bytes]:
+    """Out-of-line values of an OCDBT view, read concurrently by byte range from the data files
+    (relative to the database root) the B+tree walk found them in."""
+    base = view._ocdbt_base
+    assert base is not None
+    futures = {key: base.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length))
+               for key, ref in refs.items()}
+    out: dict[str, bytes] = {}
+    for key, fut in futures.items():
+        ref = refs[key]
+        where = f"{view.url}: {ref.path}"
+        res = view.wait(fut, "cannot read", where, nbytes=ref.length)
+        data = bytes(res.value) if res.state == "value" else b""
+        if len(data) != ref.length:
+            raise CkptError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
+                            f"the data file holds {len(data)} of them", where)
+        out[key] = data
+    return out
 
 
 class Storage:
