@@ -170,3 +170,57 @@ def test_a_node_claiming_a_huge_body_is_refused_before_decompressing_it(tmp_path
     where = ocdbt_node.Location("", "d/x", 0, len(raw))
     with pytest.raises(ocdbt_node.OcdbtNodeError, match="more than"):
         ocdbt_node.LeafNode(raw, where, max_decoded=2**20)
+
+
+# -- small one-chunk arrays read from the walk (formats/orbax/reader.py _ArraySource.small_chunk) ------
+
+OCDBT_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_4_ocdbt", "orbax_two_process", "flax_orbax"]
+
+
+@pytest.mark.parametrize("name", OCDBT_FIXTURES)
+def test_small_chunks_from_the_walk_equal_tensorstore_reads(name):
+    import numpy as np
+
+    import ckpt_tool
+
+    ck = ckpt_tool.open(os.path.join(FIXTURES, name))
+    small = 0
+    for leaf in ck.leaves:
+        reader = getattr(getattr(leaf, "reader", None), "__self__", None)
+        if reader is None or getattr(reader, "_small", None) is None:
+            continue
+        small += 1
+        region = tuple(slice(0, n) for n in leaf.shape)
+        walked = reader.read(region)
+        saved, reader._small = reader._small, None  # the same region through tensorstore
+        try:
+            direct = reader.read(region)
+        finally:
+            reader._small = saved
+        assert walked.dtype == direct.dtype and walked.shape == direct.shape, leaf.name
+        assert np.array_equal(walked, direct, equal_nan=True), leaf.name
+    if name in ("orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3"):  # (the others' arrays are several chunks, or unmerged)
+        assert small, "no array took the walk"
+
+
+def test_a_damaged_small_chunk_fails_validate_deep_in_one_line(tmp_path):
+    import shutil
+
+    import zstandard
+
+    src = tmp_path / "ck"
+    shutil.copytree(os.path.join(FIXTURES, "orbax_ocdbt_zarr2"), src)
+    # rewrite one small array's chunk through tensorstore as bytes that are no zstd frame
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(src) + "/"}}).result()
+    keys = [k.decode() for k in kv.list().result()]
+    metas = {k.rsplit("/", 1)[0]: json.loads(kv[k]) for k in keys if k.endswith("/.zarray")}
+    name = next(n for n, z in metas.items() if all(c >= s for c, s in zip(z["chunks"], z["shape"]))
+                and (z.get("compressor") or {}).get("id") == "zstd")
+    chunk = next(k for k in keys if k.startswith(name + "/") and not k.endswith(".zarray"))
+    assert zstandard.frame_content_size(kv[chunk]) > 0
+    kv[chunk] = b"\x28\xb5\x2f\xfd" + b"\xff" * 12
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tool", "validate", "--deep", str(src)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert name in proc.stdout + proc.stderr

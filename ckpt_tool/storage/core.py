@@ -416,6 +416,31 @@ class Storage:
             futures[key] = self._kv.read(rel)
         return PendingReads(self, futures)
 
+    def locate_values(self, keys: list[str]) -> dict[str, "bytes | ocdbt_bulk.IndirectValue"]:
+        """For an OCDBT view: each present key's value if stored in line, else where it lies
+        (read it with read_located), by one walk of the B+tree; absent keys are left out.
+
+        Nothing is logged as read: a caller that uses a value records it (log.record)."""
+        if self._ocdbt_base is None:
+            raise ValueError("locate_values needs an OCDBT view")
+        prefix = self._ocdbt_prefix
+
+        def wait(future: Any) -> Any:
+            return self.wait(future, "cannot read OCDBT B+tree", self.url)
+
+        try:
+            inline, indirect = ocdbt_bulk.read_keys(self._ocdbt_base, [prefix + self._checked(k) for k in keys], wait)
+        except ocdbt_bulk.OcdbtTreeError as exc:
+            raise CkptError(f"cannot read OCDBT B+tree: {exc}", self.url) from None
+        cut = len(prefix)
+        out: dict[str, bytes | ocdbt_bulk.IndirectValue] = {k[cut:]: v for k, v in inline.items()}
+        out.update((k[cut:], v) for k, v in indirect.items())
+        return out
+
+    def read_located(self, key: str, ref: "ocdbt_bulk.IndirectValue") -> bytes:
+        """An out-of-line value of this OCDBT view where locate_values found it."""
+        return read_indirect(self, {key: ref})[key]
+
     def size(self, key: str) -> int:
         """The size in bytes of the value at `key`, without reading it where possible."""
         rel = self._checked(key)
