@@ -10,7 +10,6 @@ CKPT_DEBUG=1 asks for the traceback. With --json, a hard error also puts
 """
 from __future__ import annotations
 
-import difflib
 import gc
 import importlib
 import json
@@ -70,6 +69,8 @@ class LazyGroup(click.Group):
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
         name = args[0] if args else ""
         if name and name not in COMMANDS and not name.startswith("-") and not ctx.resilient_parsing:
+            import difflib  # only for a mistyped command's suggestion
+
             close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
             if close:
                 ctx.fail(f"No such command {name!r}. Did you mean {close[0]!r}?")

@@ -59,6 +59,10 @@ class FormatInfo:
     # a file named by `claims` marks its directory as a checkpoint of this format (a file
     # given on the command line beside one names that directory; unknown.refuse_file)
     claims_mark_checkpoint: bool = True
+    # its detect() claims a directory without sub-directories only when a file there matches
+    # `claims`: detection passes over such a directory where none does without importing the
+    # package (a flat DCP directory never loads the Orbax reader to hear "no")
+    claims_flat: bool = False
     # one file given by its path may be a checkpoint (split_file / read_file): "claimed" when
     # `claims` match its name, "any" for any local file (its reader looks at the first bytes)
     single_file: str = ""
@@ -109,7 +113,7 @@ REGISTRY: dict[str, FormatInfo] = {
     # first: a Megatron save is a DCP checkpoint (or zarr arrays) plus metadata.json and common.pt
     "megatron": FormatInfo(
         "megatron", "Megatron-Core", f"{__name__}.megatron", can_write=False, value_kinds=_ALL,
-        claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"),
+        claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"), claims_flat=True,
         reads="Megatron-Core / NeMo 2 saves (torch_dist, zarr) and Megatron-LM run roots (also legacy mp_rank_*)",
         listed=5,
     ),
@@ -122,17 +126,17 @@ REGISTRY: dict[str, FormatInfo] = {
         "orbax", "Orbax", f"{__name__}.orbax", can_write=True, value_kinds=_ALL,
         claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
         reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
-        can_reshard=True, listed=0, options=("zarr3",),
+        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True,
     ),
     "dcp": FormatInfo(
         "dcp", "torch.distributed.checkpoint (DCP)", f"{__name__}.dcp", can_write=True, value_kinds=_ALL,
-        claims=(".metadata", "*.distcp"), short="DCP", listed=1,
+        claims=(".metadata", "*.distcp"), short="DCP", listed=1, claims_flat=True,
     ),
     "safetensors": FormatInfo(
         "safetensors", "safetensors", f"{__name__}.safetensors", can_write=True,
         value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
-        options=("max_shard_size", "like"),
+        options=("max_shard_size", "like"), claims_flat=True,
     ),
     # before deepspeed and torch: a universal step directory holds model-states .pt files beside zero/
     "deepspeed-universal": FormatInfo(
@@ -154,6 +158,7 @@ REGISTRY: dict[str, FormatInfo] = {
         claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
         reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
         claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
+        claims_flat=True,
     ),
 }
 
@@ -266,7 +271,15 @@ def format_module(name: str) -> FormatModule:
 
 def detect(storage: Storage) -> FormatModule:
     """The package of the first format (in detection order) whose detect() claims `storage`."""
+    flat_files: list[str] | None = None  # the files of a directory without sub-directories
+    listed = False
     for info in registered():
+        if info.claims_flat:
+            if not listed:
+                dirs, files = storage.listdir()  # (the listing is the Storage's, read once)
+                flat_files, listed = (None if dirs else files), True
+            if flat_files is not None and not any(info.claimed(f) for f in flat_files):
+                continue  # its detect() would say no: its package stays unimported
         module = info.module()
         if module.detect(storage):
             _check_options(info)

@@ -3,9 +3,30 @@
 reader.py reads a save through the DCP and torch.save packages (torch_dist's `.metadata` and
 items, `common.pt`) with Megatron's pickled classes admitted by name as data (pickled.py), the
 distributed optimizer's flattened ranges shown as their logical tensors (reformulated.py);
-checks.py is validate's. ckpt does not write Megatron checkpoints. The package's interface is
-the registry's: NAME, detect, read, layout_text.
+detection.py tells a Megatron directory from its listing; checks.py is validate's. ckpt does not
+write Megatron checkpoints. The package's interface is the registry's: NAME, detect, read,
+layout_text.
 """
-from .reader import NAME, detect, layout_text, read
+from __future__ import annotations
+
+from typing import Any
+
+from .detection import NAME, detect
 
 __all__ = ["NAME", "detect", "layout_text", "read"]
+
+# The reader (and the DCP / torch.save machinery behind it) is imported when a Megatron
+# checkpoint is asked something: the registry asks Megatron first whether a directory is its
+# own, and `ckpt inspect` of an Orbax or DCP checkpoint should not pay for this package.
+
+
+def read(storage: Any, **kwargs: Any) -> Any:
+    from .reader import read as read_
+
+    return read_(storage, **kwargs)
+
+
+def layout_text(ck: Any) -> str:
+    from .reader import layout_text as layout_text_
+
+    return layout_text_(ck)

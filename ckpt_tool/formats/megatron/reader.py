@@ -38,13 +38,10 @@ from ...model import ArrayLeaf, Checkpoint, Key, Leaf, StepInfo, ValueLeaf
 from ...storage import Storage
 from . import pickled, reformulated
 
-NAME = "megatron"
-CONFIG_FILE = "metadata.json"
-COMMON_FILE = "common.pt"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+# detection (detection.py, which the registry imports without this module) and the names it looks for
+from .detection import COMMON_FILE, CONFIG_FILE, LEGACY_RANK_DIR, NAME, STEP_DIR, TRACKER_FILE, detect  # noqa: F401
+
 RELEASE_DIR = "release"
-STEP_DIR = re.compile(r"^iter_(\d{7,})$")
-LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3}){0,2}$")
 BACKENDS = ("torch_dist", "zarr")
 MAX_CONFIG_BYTES = 1 << 20
 MAX_TRACKER_BYTES = 1 << 10
@@ -53,27 +50,8 @@ BESIDE = ("run_config.yaml", "train_state.pt", "tokenizer")
 
 
 # ---------------------------------------------------------------------------
-# Detection
+# metadata.json
 # ---------------------------------------------------------------------------
-def detect(storage: Storage) -> bool:
-    """A save (metadata.json naming a sharded backend), or a run root (the tracker, or iter_N/ directories)."""
-    dirs, files = storage.listdir()
-    if CONFIG_FILE in files and (COMMON_FILE in files or backend_of(storage, quiet=True) is not None):
-        return True  # (a damaged metadata.json beside common.pt is still a Megatron save, reported as such)
-    if COMMON_FILE in files and ".metadata" in files:
-        return True  # a save whose metadata.json was never written: interrupted
-    if TRACKER_FILE in files:
-        return True
-    if any(LEGACY_RANK_DIR.match(d) for d in dirs):
-        return True  # a legacy (--ckpt-format torch) step directory
-    if "weights" in dirs and "context" in dirs:
-        from . import nemo
-
-        if nemo.is_nemo(storage, dirs):
-            return True  # a NeMo 2 checkpoint
-    return any(STEP_DIR.match(d) for d in dirs)
-
-
 def read_config(storage: Storage) -> dict[str, Any]:
     """metadata.json, checked as megatron's CheckpointingConfig(**json) would take it."""
     where = f"{storage.url}/{CONFIG_FILE}"

@@ -1,18 +1,36 @@
 """Checkpoints whose tree is a msgpack document: Flax legacy, orbax <= 0.4, T5X.
 
 reader.py reads the three families; scan.py walks a msgpack document without
-loading array data; checks.py is validate's shallow checks. The package's
-interface is the registry's: NAME, detect, read, and for one file given by its
-path split_file and read_file.
+loading array data; detection.py answers the registry's questions (is this
+directory, this file, a msgpack checkpoint?) without importing the reader;
+checks.py is validate's shallow checks. The package's interface is the
+registry's: NAME, detect, read, and for one file given by its path split_file
+and read_file.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .reader import NAME, detect, read, read_file
-from .reader import split_local_file as split_file
+from .detection import NAME, detect
+from .detection import split_local_file as split_file
 
 __all__ = ["NAME", "detect", "read", "layout_text", "read_file", "split_file"]
+
+# The reader (numpy, and the Orbax reader's zarr plumbing it shares) is imported when a msgpack
+# checkpoint is asked something: the registry asks this package about every directory and
+# every file given, and `ckpt inspect` of another format's checkpoint should not pay for it.
+
+
+def read(storage: Any, **kwargs: Any) -> Any:
+    from .reader import read as read_
+
+    return read_(storage, **kwargs)
+
+
+def read_file(storage: Any, name: str, **kwargs: Any) -> Any:
+    from .reader import read_file as read_file_
+
+    return read_file_(storage, name, **kwargs)
 
 
 def layout_text(ck: Any) -> str:

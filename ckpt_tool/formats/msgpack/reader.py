@@ -28,8 +28,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,16 +45,11 @@ from ..orbax.reader import (
     parse_sharding,
 )
 
-NAME = "msgpack"
+# detection's names and rules (detection.py: what the registry imports without this module)
+from .detection import _FLAX_TMP, _T5X_TMP, NAME, TREE_FILE, TREE_SUFFIXES, _step_of, _untmp, split_local_file  # noqa: F401
 
-TREE_FILE = "checkpoint"  # orbax's aggregate file, and T5X's
 PLACEHOLDER = "PLACEHOLDER://"
 CHUNKED = "__msgpack_chunked_array__"
-# a step entry: `checkpoint_12` (flax, t5x; any prefix), or `12`
-_STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
-# unfinished saves: flax's `checkpoint_tmp` file, t5x's `checkpoint_12.tmp-<time>`, orbax's tmp suffixes
-_FLAX_TMP = re.compile(r"^(?:.*_)?tmp$")
-_T5X_TMP = re.compile(r"\.tmp-\d+$")
 _MAX_SNIFFED = 64
 
 
@@ -75,15 +68,6 @@ def is_tree_file(storage: Storage, key: str) -> bool:
 
 def _is_item(storage: Storage, files: list[str]) -> bool:
     return TREE_FILE in files and TREE_METADATA not in files and is_tree_file(storage, TREE_FILE)
-
-
-def _step_of(name: str) -> int | None:
-    m = _STEP_NAME.match(_untmp(name))
-    return int(m.group(1)) if m else None
-
-
-def _untmp(name: str) -> str:
-    return _T5X_TMP.sub("", re.sub(r"\.orbax-checkpoint-tmp(-\d+)?$", "", name))
 
 
 def _prefix(name: str) -> str:
@@ -171,7 +155,7 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
             continue
         number = _step_of(f)
         stepish = number is not None or _FLAX_TMP.match(f)
-        if not stepish and "." in f and not f.endswith((".msgpack", ".mpk", ".flax")):
+        if not stepish and "." in f and not f.endswith(TREE_SUFFIXES):  # (detection.sniffed_file's rule)
             continue
         sniffed += 1
         if not is_tree_file(storage, f):
@@ -208,21 +192,6 @@ def detect(storage: Storage) -> bool:
         return True
     steps, loose = _entries(storage, dirs, files)
     return any(s.committed or s.step is not None for s in steps) or bool(loose)
-
-
-def split_local_file(url: str) -> tuple[str, str] | None:
-    """(directory, file name) when `url` is a local path naming a file that holds a msgpack tree."""
-    if "://" in url and not url.startswith("file://"):
-        return None  # object stores: a checkpoint is a prefix (directory) there
-    path = os.path.abspath(os.path.expanduser(url[len("file://"):] if url.startswith("file://") else url))
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-    except OSError:
-        return None
-    return (os.path.dirname(path), os.path.basename(path)) if ms.sniff(head) else None
 
 
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:

@@ -1,0 +1,161 @@
+"""Start-up (issue 23 item 4): `ckpt inspect` imports what the command at hand needs and nothing
+else. Detection asks every format in turn whether a directory is its own; the formats asked
+before the one that says yes answer from a light detection module or the registry's claims, so
+inspect of an Orbax or DCP checkpoint does not load the Megatron, msgpack, DeepSpeed,
+safetensors or torch.save readers (nor, for DCP, the Orbax reader). The cheap answers must be
+the readers' own: detection with them equals detection by every reader's full detect()."""
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES, ROOT, fixture_path
+
+from ckpt_tool import formats
+from ckpt_tool.errors import CkptError, UnknownFormatError
+from ckpt_tool.storage import Storage
+
+# packages whose reader an Orbax or DCP inspect must not import (their light detection modules and
+# package __init__ it may: the registry asks them)
+OTHER_FORMATS = ("megatron", "msgpack", "deepspeed", "safetensors", "torch_save")
+LIGHT = ("detection",)
+
+
+def _loaded_after_inspect(path: str, *extra: str) -> list[str]:
+    """The modules a process has loaded after `ckpt inspect PATH --json` (the CLI's own path)."""
+    code = (
+        # _run, not main: main ends a read-only command with os._exit
+        "import io, sys, contextlib, ckpt_tool.cli.main as m\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    code = m._run(['inspect', {path!r}, '--json', *{list(extra)!r}])\n"
+        "assert code == 0, code\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def _readers_of_other_formats(loaded: list[str]) -> list[str]:
+    bad = []
+    for name in loaded:
+        parts = name.split(".")
+        if parts[:2] == ["ckpt_tool", "formats"] and len(parts) > 3 and parts[2] in OTHER_FORMATS \
+                and parts[3] not in LIGHT:
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("name", ["orbax_ocdbt_zarr2", "orbax_plain_zarr2"])
+def test_orbax_inspect_loads_no_other_format_reader(name):
+    loaded = _loaded_after_inspect(str(fixture_path(name)))
+    assert "ckpt_tool.formats.orbax.reader" in loaded  # (the check below sees a real inspect)
+    assert not _readers_of_other_formats(loaded), _readers_of_other_formats(loaded)
+    # the torch.save pickle machinery is DCP's, Megatron's, DeepSpeed's and torch.save's
+    bad = [m for m in loaded if m.startswith(("ckpt_tool.torchsave", "ckpt_tool.formats.dcp"))
+           or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr")]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", ["dcp_single", "dcp_multirank"])
+def test_dcp_inspect_loads_no_other_format_reader(name):
+    loaded = _loaded_after_inspect(str(fixture_path(name)))
+    assert "ckpt_tool.formats.dcp.reader" in loaded
+    assert not _readers_of_other_formats(loaded), _readers_of_other_formats(loaded)
+    bad = [m for m in loaded if m.startswith("ckpt_tool.formats.orbax")
+           or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr")]
+    assert not bad, bad
+
+
+def test_help_loads_no_format_package():
+    code = (
+        "import io, sys, contextlib, ckpt_tool.cli.main as m\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    m._run(['--help'])\n"
+        "bad = [x for x in sys.modules if x.startswith('ckpt_tool.formats.') or x.split('.')[0] in"
+        " ('numpy', 'tensorstore', 'rich', 'difflib')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
+
+
+def _full_detect(storage: Storage) -> str:
+    """What detection says when every format's reader decides (no claims pre-filter, no light module)."""
+    for info in formats.registered():
+        if importlib.import_module(f"{info.package}.reader").detect(storage):
+            return info.name
+    return "(unknown)"
+
+
+def _registry_detect(storage: Storage) -> str:
+    try:
+        return formats.detect(storage).NAME
+    except UnknownFormatError:
+        return "(unknown)"
+
+
+def _directories() -> list:
+    """Every fixture directory and its sub-directories two levels down (steps, items, roots)."""
+    out = []
+    for top in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
+        out.append(top)
+        for sub in sorted(p for p in top.iterdir() if p.is_dir()):
+            out.append(sub)
+            out.extend(sorted(p for p in sub.iterdir() if p.is_dir()))
+    return out
+
+
+def test_cheap_detection_equals_the_readers_detection():
+    seen = {}
+    for path in _directories():
+        storage = Storage.open(str(path))
+        try:
+            want = _full_detect(storage)
+        except CkptError as exc:
+            want = f"error: {type(exc).__name__}"
+        try:
+            got = _registry_detect(Storage.open(str(path)))
+        except CkptError as exc:
+            got = f"error: {type(exc).__name__}"
+        assert got == want, path
+        seen[want] = seen.get(want, 0) + 1
+    # the comparison covered every format's own checkpoints, and directories that are none
+    assert set(formats.REGISTRY) <= set(seen), seen
+    assert seen.get("(unknown)", 0) > 0
+
+
+def test_cheap_detection_flat_directories(tmp_path):
+    """Flat directories the fixtures lack: loose msgpack files under names without a claim, a
+    torch.save file beside a DCP, JSON and text files that belong to nobody."""
+    cases = {
+        "loose_state": [("state", "flax_to_bytes/state.msgpack")],
+        "loose_numbered": [("params_7", "flax_to_bytes/state.msgpack")],
+        "loose_suffix": [("weights.flax", "flax_to_bytes/state.msgpack")],
+        "tmp_only": [("checkpoint_tmp", "flax_to_bytes/state.msgpack")],
+        "dcp_and_pt": [(".metadata", "dcp_single/.metadata"), ("__0_0.distcp", "dcp_single/__0_0.distcp"),
+                       ("extra.pt", "torch_state/" + next(p.name for p in (FIXTURES / "torch_state").iterdir()))],
+        "nobody": [("config.json", "flax_to_bytes/state.msgpack"), ("README", None), ("_private", None)],
+    }
+    for case, files in cases.items():
+        d = tmp_path / case
+        d.mkdir()
+        for name, source in files:
+            if source is None:
+                (d / name).write_text("not a checkpoint\n")
+            else:
+                shutil.copyfile(FIXTURES / source, d / name)
+        assert _registry_detect(Storage.open(str(d))) == _full_detect(Storage.open(str(d))), case
+    assert _registry_detect(Storage.open(str(tmp_path / "loose_state"))) == "msgpack"
+    assert _registry_detect(Storage.open(str(tmp_path / "nobody"))) == "(unknown)"
+
+
+def test_light_detect_names_match_the_readers():
+    from ckpt_tool.formats.msgpack import detection as msgpack_detection
+    from ckpt_tool.formats.orbax import reader as orbax_reader
+
+    # msgpack's detect steps aside for orbax >= 0.5's tree file without importing the Orbax reader
+    assert msgpack_detection.ORBAX_TREE_METADATA == orbax_reader.TREE_METADATA
