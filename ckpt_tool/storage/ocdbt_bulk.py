@@ -42,6 +42,24 @@ class OcdbtTreeError(ValueError):
     """The database's B+tree is not one tensorstore would walk (a node at the wrong height, a damaged leaf node)."""
 
 
+def decoded_limit(config: dict[str, Any] | None) -> int:
+    """The most bytes a leaf node of a database with this (dumped) config may decompress to."""
+    max_decoded = int((config or {}).get("max_decoded_node_bytes") or 0)
+    # a node may exceed the configured size a little (the writer estimates it); never unboundedly
+    return max(2 * max_decoded + 2**20, DEFAULT_MAX_DECODED_BYTES) if max_decoded else DEFAULT_MAX_DECODED_BYTES
+
+
+def read_leaf(base: ts.KvStore, location: str, wait: Callable[[Any], Any], limit: int) -> LeafNode:
+    """The leaf node at a dumped location ("btreenode:<base>:<file>:<offset>:<length>"), read by
+    byte range and decoded; OcdbtNodeError when it is cut short or damaged."""
+    where = parse_location(location)
+    raw = wait(base.read(where.path, byte_range=slice(where.offset, where.offset + where.length)))
+    if raw.state != "value" or len(raw.value) != where.length:
+        got = len(raw.value) if raw.state == "value" else 0
+        raise OcdbtNodeError(f"B+tree node {where.path} [{where.offset}, +{where.length}) holds {got} bytes")
+    return LeafNode(raw.value, where, max_decoded=limit)
+
+
 def read_keys(
     base: ts.KvStore, keys: list[str], wait: Callable[[Any], Any]
 ) -> tuple[dict[str, bytes], dict[str, IndirectValue]]:
@@ -59,9 +77,7 @@ def read_keys(
     root = versions[-1].get("root") or {}
     if "location" not in root:  # an empty database
         return {}, {}
-    max_decoded = int((manifest.get("config") or {}).get("max_decoded_node_bytes") or 0)
-    # a node may exceed the configured size a little (the writer estimates it); never unboundedly
-    limit = max(2 * max_decoded + 2**20, DEFAULT_MAX_DECODED_BYTES) if max_decoded else DEFAULT_MAX_DECODED_BYTES
+    limit = decoded_limit(manifest.get("config"))
     found: dict[str, bytes] = {}
     indirect: dict[str, IndirectValue] = {}
     # (node location, its height, the key prefix of its entries, the end (exclusive) of its key range
@@ -75,12 +91,7 @@ def read_keys(
             raise OcdbtTreeError(f"B+tree node {location} below the leaves")
         if height == 0:
             try:
-                where = parse_location(location)
-                raw = wait(base.read(where.path, byte_range=slice(where.offset, where.offset + where.length)))
-                if raw.state != "value" or len(raw.value) != where.length:
-                    got = len(raw.value) if raw.state == "value" else 0
-                    raise OcdbtNodeError(f"B+tree node {where.path} [{where.offset}, +{where.length}) holds {got} bytes")
-                node = LeafNode(raw.value, where, max_decoded=limit)
+                node = read_leaf(base, location, wait, limit)
                 for key, value in node.lookup(wanted, prefix).items():
                     if isinstance(value, IndirectValue):
                         indirect[key.decode()] = value

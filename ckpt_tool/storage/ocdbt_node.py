@@ -248,6 +248,14 @@ class LeafNode:
         row = int(self._indirect_index[i])
         return IndirectValue(self._files[int(self._file_id[row])], int(self._file_offset[row]), length)
 
+    def indirect_extents(self) -> dict[str, int]:
+        """Each data file holding out-of-line values of this node: the end of the last byte they need."""
+        rows = np.flatnonzero(self._kind == 1)
+        if not len(rows):
+            return {}
+        ends = self._file_offset + self._value_len[rows]
+        return {self._files[int(f)]: int(ends[self._file_id == f].max()) for f in np.unique(self._file_id)}
+
     def lookup(self, wanted: set[bytes], key_prefix: bytes = b"") -> dict[bytes, bytes | IndirectValue]:
         """The values of the wanted full keys this node holds."""
         return {key: self.value(i) for key, i in self.entries(key_prefix) if key in wanted}
