@@ -61,9 +61,10 @@ class InspectResult:
 
     def to_json(self) -> dict[str, Any]:
         ck = self.checkpoint
-        # readers share one Sharding object among the arrays saved alike:
-        # render each once (the output then shares that dict between leaves)
-        shardings: dict[int, dict[str, Any]] = {}
+        # arrays saved alike have equal Sharding values (one object, or one per leaf): render
+        # each distinct value once (the output then shares that dict between leaves); 2,250
+        # leaves of one mesh and spec were 2,250 to_json calls, a tenth of inspect's output time
+        shardings: dict[Any, dict[str, Any]] = {}
         return {
             "schema": JSON_SCHEMA_VERSION,
             "path": ck.path,
@@ -81,14 +82,19 @@ class InspectResult:
             "summary": self.summary,
         }
 
-    def _leaf_json(self, leaf: Leaf, shardings: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def _leaf_json(self, leaf: Leaf, shardings: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": list(leaf.keys), "name": leaf.name, "kind": leaf.kind}
         if isinstance(leaf, ArrayLeaf):
             sharding = None
             if leaf.sharding is not None:
-                sharding = shardings.get(id(leaf.sharding))
+                key: Any = leaf.sharding  # a frozen dataclass: equal values, one key
+                try:
+                    sharding = shardings.get(key)
+                except TypeError:  # a field holding a list: by object
+                    key = id(leaf.sharding)
+                    sharding = shardings.get(key)
                 if sharding is None:
-                    sharding = shardings[id(leaf.sharding)] = leaf.sharding.to_json()
+                    sharding = shardings[key] = leaf.sharding.to_json()
             chunk_shape = leaf.chunk_shape
             out.update(
                 shape=list(leaf.shape), dtype=leaf.dtype, nbytes=leaf.nbytes,
