@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import itertools
 import math
 import posixpath
@@ -118,26 +119,13 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             file=name,
         )
 
-    md = _load_metadata(storage, findings, allow)
+    md, parsed = _load_metadata(storage, findings, allow)
     if md is _UNREADABLE:
         return
-    # the object torch's reader gets (a pickled None is a value, not a failure)
-    problem = dcp.metadata_problem(md)
-    if problem:
-        findings.error("bad-metadata", problem, file=dcp.METADATA_FILE)
-    if not (isinstance(md, safe_pickle.Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
+    walked = _walk(md, parsed, findings, leaf_path, report_metadata=True)
+    if walked is None:
         return  # nothing below can be located
-
-    # the reader's leaf paths (planner_data's original keys), so that findings
-    # name the same leaf as `ckpt inspect` and --deep do
-    naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
-
-    def leaf_of(fqn: str) -> str:
-        return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
-
-    entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
-    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings, md.planner_data)
+    leaf_of, entries, malformed, tensors, bytes_fqns = walked
 
     # every chunk and bytes item needs a storage entry; every entry needs an owner
     placed: list[_Placed] = []
@@ -333,8 +321,12 @@ def _report_missing_metadata(
 _UNREADABLE: Any = object()
 
 
-def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> Any:
-    """`.metadata` through the allow-list unpickler, or _UNREADABLE after reporting why not."""
+def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> tuple[Any, dcp._ParsedMetadata | None]:
+    """`.metadata` through the allow-list unpickler, or _UNREADABLE after reporting why not; and
+    the reader's parse of it when it is well formed (then the unpickled object is not kept: None).
+
+    A .metadata this process parsed already (the reader's open before convert's
+    preflight, validate before --deep's open) is not unpickled or parsed again."""
     name = dcp.METADATA_FILE
     try:
         size = storage.size(name)
@@ -342,8 +334,16 @@ def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> A
             findings.error(
                 "bad-metadata", f"{size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", file=name
             )
-            return _UNREADABLE
-        return safe_pickle.load_metadata(storage.read(name), f"{storage.url}/{name}", allow)
+            return _UNREADABLE, None
+        data = storage.read(name)
+        digest = hashlib.sha256(data).digest()
+        parsed = dcp.parsed_before(digest, allow)
+        if parsed is not None:
+            return None, parsed
+        md = safe_pickle.load_metadata(data, f"{storage.url}/{name}", allow)
+        del data
+        parsed = dcp.parse_well_formed(md, (digest, allow))
+        return (None if parsed is not None else md), parsed
     except UnsafePickleError as exc:
         findings.error(
             "unsafe-pickle",
@@ -355,7 +355,79 @@ def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> A
         findings.error("path-escape", exc.message, file=name)
     except (CkptError, OSError) as exc:
         findings.error("bad-metadata", f"unreadable: {getattr(exc, 'message', exc)}", file=name)
-    return _UNREADABLE
+    return _UNREADABLE, None
+
+
+def _walk(md: Any, parsed: dcp._ParsedMetadata | None, findings: Findings,
+          leaf_path: Callable[[str], str] | None, *, report_metadata: bool) -> tuple[
+              Callable[[str], str], dict[EntryKey, dcp._Entry], set[EntryKey], list[_Tensor], list[str]] | None:
+    """.metadata's storage entries and items, every problem in them a finding: (the leaf naming,
+    the entries, the keys of malformed ones, the tensors, the bytes items' fqns), or None when
+    nothing can be located. `report_metadata`: the top-level object's problems and the
+    planner_data paths are findings too (the shallow checks; the deep duplicate check has them)."""
+    if parsed is not None:
+        # well formed (the reader's parse accepted it, in this command or just now): the walk
+        # below would find nothing wrong in it; what it would build is built from the parse
+        keys_of = parsed.keys or {}
+
+        def leaf_of(fqn: str) -> str:
+            if leaf_path is not None:
+                return leaf_path(fqn)
+            keys = keys_of.get(fqn)
+            return keys_path(keys if keys is not None else parsed.keys_for(fqn))
+
+        tensors, bytes_fqns = _parsed_items(parsed, leaf_of, findings)
+        return leaf_of, parsed.storage, set(), tensors, bytes_fqns
+    if md is _UNREADABLE:
+        return None
+    if report_metadata:
+        # the object torch's reader gets (a pickled None is a value, not a failure)
+        problem = dcp.metadata_problem(md)
+        if problem:
+            findings.error("bad-metadata", problem, file=dcp.METADATA_FILE)
+    if not (isinstance(md, safe_pickle.Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        return None
+
+    # the reader's leaf paths (planner_data's original keys), so that findings
+    # name the same leaf as `ckpt inspect` and --deep do
+    naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
+
+    def leaf_of(fqn: str) -> str:  # noqa: F811 - (one of the two branches' namings)
+        return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
+
+    entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
+    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings,
+                                 md.planner_data if report_metadata else None)
+    return leaf_of, entries, malformed, tensors, bytes_fqns
+
+
+def _parsed_items(
+    parsed: dcp._ParsedMetadata, leaf_of: Callable[[str], str], findings: Findings
+) -> tuple[list[_Tensor], list[str]]:
+    """_items() of a well-formed .metadata, from the reader's parse of it (the same tensors, in the
+    same order; the one finding _items makes on such a file: a layout ckpt does not read)."""
+    tensors: list[_Tensor] = []
+    bytes_fqns: list[str] = []
+    itemsizes: dict[str, int] = {}
+    for fqn, item in parsed.items.items():
+        if type(item) is not dcp._TensorItem:
+            bytes_fqns.append(fqn)
+            continue
+        leaf = leaf_of(fqn)
+        itemsize = itemsizes.get(item.dtype)
+        if itemsize is None:
+            itemsize = itemsizes[item.dtype] = dtypes.get(item.dtype).itemsize
+        if item.layout != "torch.strided":
+            findings.error(
+                "bad-metadata",
+                f"{fqn}: a {item.layout.removeprefix('torch.')} tensor: ckpt reads only strided (dense) tensors "
+                "and cannot check or convert it (load it with torch)",
+                leaf=leaf, file=dcp.METADATA_FILE,
+            )
+        tensors.append(_Tensor(fqn, leaf, item.shape, list(item.chunks), item.duplicates, dict(item.copies or {}),
+                               itemsize))
+    return tensors, bytes_fqns
 
 
 def _storage_entries(
@@ -1186,17 +1258,11 @@ def check_duplicates_deep(storage: Storage, findings: Findings, allow: Any = Non
     the replicas disagreed when saved, and torch silently restores one.
     """
     quiet = Findings()  # the shallow checks already reported what is malformed
-    md = _load_metadata(storage, quiet, allow)
-    if not isinstance(md, safe_pickle.Metadata) or not isinstance(md.state_dict_metadata, dict) \
-            or not isinstance(md.storage_data, dict):
+    md, parsed = _load_metadata(storage, quiet, allow)
+    walked = _walk(md, parsed, quiet, leaf_path, report_metadata=False)
+    if walked is None:
         return
-    naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
-
-    def leaf_of(fqn: str) -> str:
-        return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
-
-    entries, _ = _storage_entries(md.storage_data, leaf_of, quiet)
-    tensors, _ = _items(md.state_dict_metadata, leaf_of, quiet)
+    _, entries, _, tensors, _ = walked
     duplicated = [(t, c, n) for t in tensors for c, n in t.copies.items()]
     if not duplicated:
         return

@@ -15,13 +15,15 @@ region needs.
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
 import math
 import operator
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -75,12 +77,16 @@ def read(storage: Storage, *, step: str | int | None = None, allow: Allow = None
 
     `allow`: stand-ins for the classes a framework writing through DCP pickles into
     `.metadata` and its items (Megatron-Core's plans), beside the allow-list."""
-    return read_with_metadata(storage, step=step, allow=allow)[0]
+    return _read(storage, step=step, allow=allow, want_metadata=False)[0]
 
 
 def read_with_metadata(storage: Storage, *, step: str | int | None = None,
                        allow: Allow = None) -> tuple[Checkpoint, Any]:
     """read(), and the unpickled `.metadata` object (for a framework's own fields on it)."""
+    return _read(storage, step=step, allow=allow, want_metadata=True)
+
+
+def _read(storage: Storage, *, step: str | int | None, allow: Allow, want_metadata: bool) -> tuple[Checkpoint, Any]:
     if step is not None:
         raise CkptError(
             "a torch.distributed.checkpoint directory has no steps; open the step's own directory", storage.url
@@ -104,31 +110,40 @@ def read_with_metadata(storage: Storage, *, step: str | int | None = None,
         raise CorruptMetadataError(
             f".metadata is {size} bytes, over the {safe_pickle.MAX_METADATA_BYTES}-byte limit", metadata_where
         )
-    metadata = safe_pickle.load_metadata(storage.read(METADATA_FILE), metadata_where, allow)
-    parsed = _parse_metadata(metadata, metadata_where)
+    data = storage.read(METADATA_FILE)
+    digest = hashlib.sha256(data).digest()
+    parsed = parsed_before(digest, allow)
+    metadata = None
+    if parsed is None or want_metadata:
+        metadata = safe_pickle.load_metadata(data, metadata_where, allow)
+    del data
+    if parsed is None:
+        parsed = _parse_metadata(metadata, metadata_where, (digest, allow))
 
     leaves: list[Leaf] = []
+    keys_of = parsed.keys
+    array_leaf = _LeafMaker(storage)
+    duplicates = 0
     for fqn, item in parsed.items.items():
-        keys = parsed.keys_for(fqn)
-        if isinstance(item, _TensorItem):
-            leaves.append(_array_leaf(storage, fqn, keys, item))
+        keys = keys_of[fqn] if keys_of is not None else parsed.keys_for(fqn)
+        if type(item) is _TensorItem:
+            leaves.append(array_leaf(fqn, keys, item))
+            duplicates += item.duplicates
         else:
             leaves.append(_value_leaf(storage, fqn, keys, item, allow))
 
-    files = sorted({info.relative_path for info in parsed.storage.values()})
+    needed = parsed.needed
+    if needed is None:
+        needed = {}
+        for info in parsed.storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    files = sorted(needed)
     # torch names data files __<rank>_<n>.distcp; other writers may not
     matches = [_RANK_FILE.match(f) for f in files]
     ranks = len({m.group(1) for m in matches if m}) if all(matches) else None
     notes: list[str] = []
     listed = set(storage.list()) if files else set()
     # every data file there and long enough (a stat each, no read): else the checkpoint is incomplete
-    needed: dict[str, int] = {}
-    held: dict[str, list[str]] = {}
-    for (fqn, _offset), info in parsed.storage.items():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        names = held.setdefault(info.relative_path, [])
-        if not names or names[-1] != fqn:
-            names.append(fqn)
     missing: list[MissingData] = []
     for f in files:
         if f not in listed:
@@ -143,14 +158,17 @@ def read_with_metadata(storage: Storage, *, step: str | int | None = None,
             if size >= needed[f]:
                 continue
             reason = f"{size:,} of the {needed[f]:,} bytes .metadata places in it"
-        missing.append(MissingData(f, reason, sorted(set(held.get(f, [])))))
-    transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
+        missing.append(MissingData(f, reason, sorted({fqn for (fqn, _), info in parsed.storage.items()
+                                                      if info.relative_path == f})))
+    if parsed.transforms is not None:
+        transforms = sorted({t for tr in parsed.transforms for t in tr})
+    else:
+        transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
     unknown = _transforms_module().describe_unknown(transforms)
     if unknown:
         notes.append(f"entries are stored with transforms {', '.join(unknown)} (not readable by ckpt)")
     elif transforms:
         notes.append(f"entries are stored with transforms {', '.join(transforms)} (torch's ZStandard extension)")
-    duplicates = sum(item.duplicates for item in parsed.items.values() if isinstance(item, _TensorItem))
     if duplicates:
         notes.append(
             f"{duplicates} tensor chunk{'s are' if duplicates != 1 else ' is'} listed more than once (replicated "
@@ -176,9 +194,12 @@ def read_with_metadata(storage: Storage, *, step: str | int | None = None,
 # ---------------------------------------------------------------------------
 # Metadata: validated into plain records
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)  # (one per stored item: no per-instance __dict__)
-class _Entry:
-    """Where one stored item (a tensor chunk or a bytes item) lives."""
+class _Entry(NamedTuple):
+    """Where one stored item (a tensor chunk or a bytes item) lives.
+
+    A named tuple, not a dataclass: one per stored item (10^4-10^5), built by
+    tuple's own constructor at C speed (a frozen dataclass's __init__ costs a
+    microsecond), immutable, compared and hashed by value."""
 
     relative_path: str
     offset: int
@@ -201,6 +222,8 @@ class _TensorItem:
     requires_grad: bool = False
     duplicates: int = 0  # chunks .metadata lists again with the same offsets and sizes
     layout: str = "torch.strided"
+    # chunk -> times listed, for the chunks listed more than once (the fast parse only: validate's use)
+    copies: dict[Chunk, int] | None = None
 
 
 @dataclass
@@ -214,6 +237,10 @@ class _ParsedMetadata:
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry]
     planner_data: Any
     version: str | None
+    # found on the way by the fast parse (None: work them out from `storage`)
+    needed: dict[str, int] | None = None  # data file -> the bytes .metadata places in it
+    transforms: set[tuple[str, ...]] | None = None  # the entries' distinct transform lists
+    keys: dict[str, tuple[Key, ...]] | None = None  # fqn -> keys_for(fqn)
 
     def keys_for(self, fqn: str) -> tuple[Key, ...]:
         """The original state-dict path: planner_data's tuple (ints stay ints), else the fqn as one key.
@@ -299,7 +326,246 @@ def properties_problem(props: Any) -> str | None:
     return None
 
 
-def _parse_metadata(md: Any, where: str) -> _ParsedMetadata:
+def _parse_metadata(md: Any, where: str, key: tuple[bytes, Allow] | None = None) -> _ParsedMetadata:
+    # a well-formed .metadata (every real one) takes the fast walk; anything
+    # it does not vouch for is walked again by the careful one, which names
+    # the problem exactly as before
+    parsed = parse_well_formed(md, key)
+    if parsed is not None:
+        return parsed
+    return _parse_careful(md, where)
+
+
+def parse_well_formed(md: Any, key: tuple[bytes, Allow] | None = None) -> _ParsedMetadata | None:
+    """The parsed metadata when `.metadata` is well formed (nothing the careful walk would object to), else None.
+
+    `key` (the file's SHA-256 and the `allow` it was unpickled with): the
+    result is kept under it for parsed_before(), so that a command that opens
+    a checkpoint and validates it (convert's preflight, validate --deep)
+    unpickles and parses its `.metadata` once."""
+    global _LAST_PARSED
+    try:
+        parsed = _parse_fast(md)
+    except Exception:  # noqa: BLE001 - whatever a damaged pickle makes the fast walk trip on: the careful walk says
+        return None
+    if parsed is not None and key is not None:
+        _LAST_PARSED = (key[0], key[1], parsed)
+    return parsed
+
+
+# the last well-formed .metadata parsed, by its SHA-256 (and `allow`): one only. What it
+# holds beyond the leaves of an open checkpoint is small (its storage and item dicts, not
+# the unpickled objects: those take ~1.8 KiB per tensor)
+_LAST_PARSED: tuple[bytes, Any, _ParsedMetadata] | None = None
+
+
+def parsed_before(digest: bytes, allow: Allow = None) -> _ParsedMetadata | None:
+    """The parse of a .metadata with these bytes (their SHA-256), if it was the last one parsed."""
+    last = _LAST_PARSED
+    if last is not None and last[0] == digest and last[1] is allow:
+        return last[2]
+    return None
+
+
+# the planner_data key types torch writes (exact types: a subclass is walked carefully)
+_KEY_TYPES = frozenset({str, int})
+
+
+def _parse_fast(md: Any) -> _ParsedMetadata | None:
+    """_parse_careful's result for a .metadata it accepts, or None wherever that walk might object.
+
+    The same checks, made per stored item with exact type tests and identity
+    fast paths (a tensor of one chunk at offset 0 that is its whole shape,
+    the common case of 10^4-10^5 small tensors), and the per-element checks
+    of every shape, offset and size (all ints, none negative) made once over
+    all of them at C speed. Never raises for a problem it finds: it returns
+    None, and the careful walk names the problem.
+    """
+    if type(md) is not Metadata or metadata_problem(md) is not None:
+        return None
+    sdm, storage_data, planner_data = md.state_dict_metadata, md.storage_data, md.planner_data
+    new_entry = tuple.__new__
+    ints: list[tuple[Any, ...]] = []  # every shape, offset and size: checked at the end, at once
+    storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
+    needed: dict[str, int] = {}
+    transforms: set[tuple[str, ...]] = set()
+    offsets_of: dict[Any, tuple[int, ...]] = {}  # a shared torch.Size (memoized by the pickler) once
+    for index, info in storage_data.items():
+        if type(index) is not MetadataIndex or type(info) is not StorageInfo:
+            return None
+        fqn, offset, hint = index.fqn, index.offset, index.index
+        if type(fqn) is not str or (hint is not None and type(hint) is not int):
+            return None
+        if offset is not None:
+            if type(offset) is not Size:
+                return None
+            key_offset = offsets_of.get(id(offset))
+            if key_offset is None:
+                key_offset = offsets_of[id(offset)] = tuple(offset)
+                ints.append(key_offset)
+            offset = key_offset
+        path, start, length, tr = info.relative_path, info.offset, info.length, info.transform_descriptors
+        if type(path) is not str or not path or type(start) is not int or type(length) is not int:
+            return None
+        if start < 0 or length < 0:
+            return None
+        if tr:
+            if type(tr) not in (list, tuple) or not all(type(t) is str for t in tr):
+                return None
+            tr = tuple(tr)
+            transforms.add(tr)
+        else:
+            tr = ()
+        storage[(fqn, offset)] = new_entry(_Entry, (path, start, length, tr))
+        end = start + length
+        if end > needed.get(path, -1):
+            needed[path] = end
+    del offsets_of
+
+    pd_dict = isinstance(planner_data, dict)
+    check_paths = pd_dict and bool(planner_data)
+    pd_get = planner_data.get if pd_dict else None
+    joined: list[tuple[Any, ...]] = []  # planner paths found all-str by str.join: their exact types checked at once
+    keys: dict[str, tuple[Key, ...]] = {}
+    items: dict[str, _TensorItem | _BytesItem] = {}
+    dtype_names = _TORCH_DTYPES
+    chunk_of: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}  # equal chunks shared (Chunk is frozen)
+    for fqn, item in sdm.items():
+        if type(fqn) is not str:
+            return None
+        path = pd_get(fqn) if pd_get is not None else None
+        if check_paths:
+            if type(path) is tuple and path:
+                try:
+                    ok = ".".join(path) == fqn
+                except TypeError:  # an int index in the path: the full check
+                    ok = planner_path_problem(planner_data, fqn) is None
+                else:
+                    joined.append(path)
+                if not ok:
+                    return None
+            elif planner_path_problem(planner_data, fqn) is not None:
+                return None
+        # keys_for(fqn)
+        if type(path) is tuple and path and (check_paths or all(type(k) in _KEY_TYPES for k in path)):
+            keys[fqn] = path
+        elif isinstance(path, (tuple, list)) and path and all(type(k) in _KEY_TYPES for k in path):
+            keys[fqn] = tuple(path)
+        else:
+            keys[fqn] = (fqn,)
+        kind = type(item)
+        if kind is BytesStorageMetadata:
+            entry = storage.get((fqn, None))
+            if entry is None:
+                return None
+            items[fqn] = _BytesItem(entry)
+            continue
+        if kind is not TensorStorageMetadata:
+            return None
+        props = item.properties
+        if type(props) is not TensorProperties:
+            return None
+        torch_dtype = props.dtype
+        if type(torch_dtype) is not TorchDType or props.memory_format not in _MEMORY_FORMATS:
+            return None
+        dtype = dtype_names.get(torch_dtype.name)
+        if dtype is None:
+            return None
+        size = item.size
+        if type(size) is not Size:
+            return None
+        shape = tuple(size)
+        ints.append(shape)
+        chunk_mds = item.chunks
+        if type(chunk_mds) is not list or not chunk_mds:
+            return None
+        chunks: list[Chunk] = []
+        entries: list[_Entry] = []
+        duplicates = 0
+        rank = len(shape)
+        if len(chunk_mds) == 1:
+            chunk_md = chunk_mds[0]
+            if type(chunk_md) is not ChunkStorageMetadata:
+                return None
+            offsets, sizes = chunk_md.offsets, chunk_md.sizes
+            if type(offsets) is not Size or type(sizes) is not Size:
+                return None
+            offsets, sizes = tuple(offsets), tuple(sizes)
+            ints.append(offsets)
+            ints.append(sizes)
+            # the whole tensor in one chunk: in its bounds (once its ints are checked non-negative)
+            if sizes != shape or len(offsets) != rank or any(offsets):
+                return None
+            entry = storage.get((fqn, offsets))
+            if entry is None:
+                return None
+            chunk = chunk_of.get((offsets, sizes))
+            if chunk is None:
+                chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
+            chunks.append(chunk)
+            entries.append(entry)
+        else:
+            seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+            copies: dict[Chunk, int] | None = None
+            for chunk_md in chunk_mds:
+                if type(chunk_md) is not ChunkStorageMetadata:
+                    return None
+                offsets, sizes = chunk_md.offsets, chunk_md.sizes
+                if type(offsets) is not Size or type(sizes) is not Size:
+                    return None
+                offsets, sizes = tuple(offsets), tuple(sizes)
+                ints.append(offsets)
+                ints.append(sizes)
+                if len(offsets) != rank or len(sizes) != rank:
+                    return None
+                if shape and any(map(operator.gt, map(operator.add, offsets, sizes), shape)):
+                    return None
+                entry = storage.get((fqn, offsets))
+                if entry is None:
+                    return None
+                chunk = chunk_of.get((offsets, sizes))
+                if chunk is None:
+                    chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
+                if (offsets, sizes) in seen:
+                    duplicates += 1
+                    copies = {} if copies is None else copies
+                    copies[chunk] = copies.get(chunk, 1) + 1
+                    continue
+                seen.add((offsets, sizes))
+                chunks.append(chunk)
+                entries.append(entry)
+        layout = props.layout
+        items[fqn] = _TensorItem(shape, dtype, chunks, entries, bool(props.requires_grad), duplicates,
+                                 layout if isinstance(layout, str) else "torch.strided",
+                                 copies if duplicates else None)
+    # every shape, offset and size all ints (no bool, no float), none negative; the planner paths str
+    flat = itertools.chain.from_iterable(ints)
+    if not {int}.issuperset(map(type, flat)):
+        return None
+    if ints and min(itertools.chain.from_iterable(ints), default=0) < 0:
+        return None
+    if joined and not {str}.issuperset(map(type, itertools.chain.from_iterable(joined))):
+        return None
+    if len(storage) != len(storage_data):
+        return None  # one (fqn, offsets) listed twice: the last wins, and `needed` counted both
+    return _ParsedMetadata(items, storage, planner_data, md.version, needed, transforms, keys)
+
+
+def _torch_dtypes() -> dict[str, str]:
+    """torch dtype attribute name -> ckpt's dtype name, for every one ckpt reads."""
+    out = {}
+    for name in dtypes.TORCH_DTYPE_NAMES:
+        try:
+            out[name] = dtypes.from_torch(name).name
+        except CkptError:
+            continue
+    return out
+
+
+_TORCH_DTYPES = _torch_dtypes()
+
+
+def _parse_careful(md: Any, where: str) -> _ParsedMetadata:
     problem = metadata_problem(md)
     if problem:
         raise CorruptMetadataError(problem, where)
@@ -439,6 +705,41 @@ def _entry_where(storage: Storage, entry: _Entry, fqn: str) -> str:
     return f"{storage.url}/{entry.relative_path}[{entry.offset}:{entry.offset + entry.length}] ({fqn})"
 
 
+class _LeafMaker:
+    """_array_leaf for every tensor of one checkpoint: what thousands of tensors share (the
+    dtype's size and numpy type, the chunk list of a one-chunk tensor) is made once."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._dtypes: dict[str, tuple[int, np.dtype]] = {}
+        self._layouts: dict[int, tuple[Chunk, ChunkList]] = {}  # id(chunk) -> (chunk, its one-chunk list)
+        self._sharding = _chunk_list_sharding(1)
+
+    def __call__(self, fqn: str, keys: tuple[Key, ...], item: _TensorItem) -> ArrayLeaf:
+        chunks, entries = item.chunks, item.entries
+        if len(chunks) != 1 or item.requires_grad or item.duplicates:
+            return _array_leaf(self._storage, fqn, keys, item)
+        dtype = item.dtype
+        known = self._dtypes.get(dtype)
+        if known is None:
+            known = self._dtypes[dtype] = (dtypes.get(dtype).itemsize, dtypes.numpy_dtype(dtype))
+        itemsize, np_dtype = known
+        chunk, entry = chunks[0], entries[0]
+        unreadable = None
+        if not entry.length or entry.transforms or math.prod(chunk.sizes) * itemsize > entry.length:
+            unreadable = chunk_claim_problem(chunk.sizes, itemsize, entry)
+        shared = self._layouts.get(id(chunk))
+        if shared is None:
+            shared = self._layouts[id(chunk)] = (chunk, ChunkList((chunk,)))  # (the chunk kept: its id stays its own)
+        reader = _TensorReader(self._storage, fqn, item, np_dtype)
+        if entry.transforms:
+            stored = [entry.to_json()]
+        else:
+            stored = [{"file": entry.relative_path, "offset": entry.offset, "length": entry.length}]
+        return ArrayLeaf(keys, fqn, item.shape, dtype, shared[1], self._sharding, reader, reader.verify_chunk,
+                         {"storage": stored}, unreadable)
+
+
 def _array_leaf(storage: Storage, fqn: str, keys: tuple[Key, ...], item: _TensorItem) -> ArrayLeaf:
     extra: dict[str, Any] = {"storage": [e.to_json() for e in item.entries]}
     reader = _TensorReader(storage, fqn, item)
@@ -533,11 +834,11 @@ class _TensorReader:
                  "_crc_checked")
     _lock = threading.Lock()
 
-    def __init__(self, storage: Storage, fqn: str, item: _TensorItem) -> None:
+    def __init__(self, storage: Storage, fqn: str, item: _TensorItem, np_dtype: np.dtype | None = None) -> None:
         self._storage = storage
         self._fqn = fqn
         self._item = item
-        self._dtype = dtypes.numpy_dtype(item.dtype)
+        self._dtype = dtypes.numpy_dtype(item.dtype) if np_dtype is None else np_dtype
         # a chunk's payload location (from its zip headers) never changes: keep it
         self._located: dict[int, TensorPayload] | None = None
         self._decoded_lengths: dict[int, int] | None = None  # transformed entries: decoded archive sizes
