@@ -389,7 +389,6 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
     needed: dict[str, int] = {}
     transforms: set[tuple[str, ...]] = set()
-    offsets_of: dict[Any, tuple[int, ...]] = {}  # a shared torch.Size (memoized by the pickler) once
     for index, info in storage_data.items():
         if type(index) is not MetadataIndex or type(info) is not StorageInfo:
             return None
@@ -399,11 +398,8 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         if offset is not None:
             if type(offset) is not Size:
                 return None
-            key_offset = offsets_of.get(id(offset))
-            if key_offset is None:
-                key_offset = offsets_of[id(offset)] = tuple(offset)
-                ints.append(key_offset)
-            offset = key_offset
+            offset = tuple(offset)
+            ints.append(offset)
         path, start, length, tr = info.relative_path, info.offset, info.length, info.transform_descriptors
         if type(path) is not str or not path or type(start) is not int or type(length) is not int:
             return None
@@ -420,7 +416,6 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         end = start + length
         if end > needed.get(path, -1):
             needed[path] = end
-    del offsets_of
 
     pd_dict = isinstance(planner_data, dict)
     check_paths = pd_dict and bool(planner_data)
