@@ -10,6 +10,7 @@ array data is read on request through tensorstore.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -700,6 +701,9 @@ def _parse_zarr_metadata(
     return z.shape, z.dtype, z.chunk_shape, z.info
 
 
+_OPEN_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
 class _ZarrRegionReader:
     """Reads regions of one zarr array through tensorstore, opening it on first use."""
 
@@ -714,7 +718,8 @@ class _ZarrRegionReader:
         self._zmeta = zmeta
         self._store: ts.TensorStore | None = None
         self._opening: Any = None  # the open future, once started
-        self._lock = threading.Lock()
+        # a lock per array was 84 bytes each (8 MiB at 100k leaves): opens share a few, by name
+        self._lock = _OPEN_LOCKS[hash(name) % len(_OPEN_LOCKS)]
         # (chunk key, array shape, chunk shape) of a small one-chunk array in an OCDBT database, else None
         self._small: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
         if source.ocdbt_dir is not None and shape is not None and chunk_shape is not None:
@@ -729,7 +734,7 @@ class _ZarrRegionReader:
         if problem is not None:
             return
         try:
-            nbytes = int(np.prod(chunk_shape, dtype=np.int64)) * codecs.stored_itemsize(self._zmeta, self._zarr3)
+            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(self._zmeta, self._zarr3)
         except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
             return
         if nbytes > SMALL_CHUNK_BYTES:
@@ -758,8 +763,9 @@ class _ZarrRegionReader:
         return chunk
 
     def start_open(self) -> None:
-        """Start opening the array without waiting (opens of many small arrays then overlap)."""
-        if self._store is None and self._opening is None:
+        """Start opening the array without waiting (opens of many small arrays then overlap).
+        Not for an array read from an OCDBT walk: it is opened only if its chunk is not found there."""
+        if self._small is None and self._store is None and self._opening is None:
             with self._lock:
                 if self._store is None and self._opening is None:
                     self._opening = self._open_future()
