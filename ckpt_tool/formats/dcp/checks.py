@@ -893,8 +893,35 @@ def _check_group(
     out: list[tuple[dcp._Entry, str | None]] = []
     for entry in members:
         a, b = _first_range(entry)
+        if not entry.transforms and _zip_tail_sound(data, a - lo, entry.length):
+            out.append((entry, None))
+            continue
         out.append((entry, _entry_problem(_EntryBytes(storage, entry, reads, (a - entry.offset, data[a - lo : b - lo])))))
     return out
+
+
+def _zip_tail_sound(data: bytes, at: int, n: int) -> bool:
+    """True when _zip_problem would find nothing wrong with an entry of n bytes whose last
+    _TAIL_BYTES are data[at:at + _TAIL_BYTES], decided from those bytes alone (False: undecided).
+
+    The archive torch.save writes, whose zip64 end record, locator and end record are its
+    last 98 bytes: read in place (no copies, no reader object), for the 10^4-10^5 small
+    entries of a checkpoint of many tensors. Anything else is left to _zip_problem."""
+    if n < _TAIL_BYTES or len(data) < at + _TAIL_BYTES:
+        return False
+    eocd = at + _TAIL_BYTES - _EOCD.size
+    sig, _, _, _, _, cd_size, cd_offset, comment = _EOCD.unpack_from(data, eocd)
+    if sig != b"PK\x05\x06" or comment != 0:
+        return False
+    locator = eocd - _ZIP64_LOCATOR.size
+    if data[locator : locator + 4] != b"PK\x06\x07":
+        return cd_offset + cd_size == n - _EOCD.size
+    record_at = _ZIP64_LOCATOR.unpack_from(data, locator)[2]
+    if record_at != n - _TAIL_BYTES:
+        return False
+    record = _ZIP64_EOCD.unpack_from(data, at)
+    return (record[0] == b"PK\x06\x06" and record_at + 12 + record[1] == n - _TAIL_BYTES + _ZIP64_EOCD.size
+            and record[8] + record[9] == record_at)
 
 
 def _entry_problem(b: _EntryBytes) -> str | None:
