@@ -187,7 +187,7 @@ def test_small_chunks_from_the_walk_equal_tensorstore_reads(name):
     small = 0
     for leaf in ck.leaves:
         reader = getattr(getattr(leaf, "reader", None), "__self__", None)
-        if reader is None or getattr(reader, "_small", None) is None:
+        if reader is None or not hasattr(reader, "small_key") or reader.small_key() is None:
             continue
         small += 1
         region = tuple(slice(0, n) for n in leaf.shape)

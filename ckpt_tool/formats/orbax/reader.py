@@ -622,26 +622,26 @@ class _ArraySource:
     storage: Storage
     ocdbt_dir: str | None
     _view: Storage | None = None
-    small_chunks: list[str] = field(default_factory=list)
-    _small_index: dict[str, int] = field(default_factory=dict)
+    # the arrays that may be read from a walk, in leaf order (whether each can is decided at its batch's
+    # first read: `ckpt inspect` reads no data and pays nothing per array for this)
+    small_readers: list["_ZarrRegionReader"] = field(default_factory=list)
     _batches: dict[int, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def register_small_chunk(self, key: str) -> None:
-        self._small_index[key] = len(self.small_chunks)
-        self.small_chunks.append(key)
+    def register_small(self, reader: "_ZarrRegionReader") -> int:
+        self.small_readers.append(reader)
+        return len(self.small_readers) - 1
 
-    def small_chunk(self, key: str) -> bytes | None:
-        """The stored bytes of a registered chunk, or None when the database does not hold it
-        (the caller then reads through tensorstore, which says how it is missing)."""
-        i = self._small_index.get(key)
-        if i is None:
-            return None
-        batch = i // SMALL_CHUNK_BATCH
+    def small_chunk(self, index: int, key: str) -> bytes | None:
+        """The stored bytes of the chunk `key` of registered array `index`, or None when the database
+        does not hold it (the caller then reads through tensorstore, which says how it is missing)."""
+        batch = index // SMALL_CHUNK_BATCH
         with self._lock:
             located = self._batches.get(batch)
             if located is None:
-                located = self.view.locate_values(self.small_chunks[batch * SMALL_CHUNK_BATCH:(batch + 1) * SMALL_CHUNK_BATCH])
+                members = self.small_readers[batch * SMALL_CHUNK_BATCH:(batch + 1) * SMALL_CHUNK_BATCH]
+                keys = [k for k in (r.small_key() for r in members) if k is not None]
+                located = self.view.locate_values(keys)
                 if len(self._batches) >= 2:
                     del self._batches[next(iter(self._batches))]
                 self._batches[batch] = located
@@ -721,38 +721,47 @@ class _ZarrRegionReader:
         # a lock per array was 84 bytes each (8 MiB at 100k leaves): opens share a few, by name
         self._lock = _OPEN_LOCKS[hash(name) % len(_OPEN_LOCKS)]
         # (chunk key, array shape, chunk shape) of a small one-chunk array in an OCDBT database, else None
-        self._small: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
+        # an array of an OCDBT database: (its index among the source's small readers, shape, chunk shape,
+        # then its chunk key once known to be one small chunk the decoders handle, or "" when it is not)
+        self._small: tuple[Any, ...] | None = None
         if source.ocdbt_dir is not None and shape is not None and chunk_shape is not None:
-            self._register_small(shape, chunk_shape)
+            self._small = (source.register_small(self), shape, chunk_shape)
 
-    def _register_small(self, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> None:
-        from ... import codecs
-
-        if len(chunk_shape) != len(shape) or any(c < n for c, n in zip(chunk_shape, shape)) or 0 in chunk_shape:
-            return
-        problem = codecs.zarr3_stream_problem(self._zmeta) if self._zarr3 else codecs.zarr2_stream_problem(self._zmeta)
-        if problem is not None:
-            return
-        try:
-            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(self._zmeta, self._zarr3)
-        except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
-            return
-        if nbytes > SMALL_CHUNK_BYTES:
-            return
-        key = chunk_key(self._name, (0,) * len(shape), self._zarr3, self._zmeta)
-        self._small = (key, shape, chunk_shape)
-        self._source.register_small_chunk(key)
-
-    def _small_read(self, region: Region) -> np.ndarray | None:
-        """The region from the chunk an OCDBT walk found, when the array is one small chunk; else None."""
+    def small_key(self) -> str | None:
+        """The chunk key, when this array is one small chunk read from a walk of its database."""
         small = self._small
         if small is None:
             return None
-        key, shape, chunk_shape = small
+        if len(small) == 3:
+            small = self._small = small + (self._small_chunk_key(small[1], small[2]),)
+        return small[3] or None
+
+    def _small_chunk_key(self, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> str:
+        from ... import codecs
+
+        if len(chunk_shape) != len(shape) or any(c < n for c, n in zip(chunk_shape, shape)) or 0 in chunk_shape:
+            return ""
+        problem = codecs.zarr3_stream_problem(self._zmeta) if self._zarr3 else codecs.zarr2_stream_problem(self._zmeta)
+        if problem is not None:
+            return ""
+        try:
+            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(self._zmeta, self._zarr3)
+        except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
+            return ""
+        if nbytes > SMALL_CHUNK_BYTES:
+            return ""
+        return chunk_key(self._name, (0,) * len(shape), self._zarr3, self._zmeta)
+
+    def _small_read(self, region: Region) -> np.ndarray | None:
+        """The region from the chunk an OCDBT walk found, when the array is one small chunk; else None."""
+        key = self.small_key()
+        if key is None:
+            return None
+        index, shape, chunk_shape, _ = self._small  # type: ignore[misc]
         if region and any((r.start or 0) != 0 or (r.stop if r.stop is not None else n) != n or r.step not in (None, 1)
                           for r, n in zip(region, shape)):
             return None
-        data = self._source.small_chunk(key)
+        data = self._source.small_chunk(index, key)
         if data is None:
             return None
         from ... import codecs
@@ -765,7 +774,7 @@ class _ZarrRegionReader:
     def start_open(self) -> None:
         """Start opening the array without waiting (opens of many small arrays then overlap).
         Not for an array read from an OCDBT walk: it is opened only if its chunk is not found there."""
-        if self._small is None and self._store is None and self._opening is None:
+        if self.small_key() is None and self._store is None and self._opening is None:
             with self._lock:
                 if self._store is None and self._opening is None:
                     self._opening = self._open_future()

@@ -78,9 +78,25 @@ _INT64_MAX = 2**63 - 1
 class SchemaError(CorruptMetadataError):
     """A metadata file that breaks its schema: `<file>: <field>: <what>`."""
 
-    def __init__(self, message: str, file: str, field_: str | None = None) -> None:
-        self.field = field_
+    def __init__(self, message: str, file: str, field_: "str | _EntryWhere | None" = None) -> None:
+        self.field = str(field_) if field_ is not None else None
         super().__init__(f"{field_}: {message}" if field_ else message, file)
+
+
+class _EntryWhere:
+    """`tree_metadata[<key>]`, formatted only when an error names it (a string per entry was
+    ~1 us of every leaf's parse)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"tree_metadata[{short_repr(self.key, 80)}]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 # -- bounded JSON --------------------------------------------------------------
@@ -302,8 +318,9 @@ class TreeMetadata:
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
-def _value_meta(v: Any, file: str, where: str, *, legacy: bool) -> ValueMeta:
-    v = _dict(v, file, f"{where}.value_metadata")
+def _value_meta(v: Any, file: str, where: "str | _EntryWhere", *, legacy: bool) -> ValueMeta:
+    if not isinstance(v, dict):
+        v = _dict(v, file, f"{where}.value_metadata")
     vt = v.get("value_type")
     if not isinstance(vt, str):
         raise SchemaError(f"value_type must be a string, got {short_repr(vt)}", file, where)
@@ -337,7 +354,7 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
     # the key type at each level of the tree: prefix -> (a key there, the entry it came from)
     levels: dict[tuple[Any, ...], tuple[Any, str]] = {}
     for flat_key, entry in tree.items():
-        where = f"tree_metadata[{short_repr(flat_key, 80)}]"
+        where = _EntryWhere(flat_key)
         if isinstance(entry, dict) and "key_metadata" in entry:
             kms = entry["key_metadata"]
             if not isinstance(kms, list) or not kms:
@@ -380,7 +397,8 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
     return TreeMetadata(entries, use_ocdbt, use_zarr3, store_flag, doc)
 
 
-def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[Any, str]], file: str, where: str) -> None:
+def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[Any, Any]], file: str,
+                     where: "str | _EntryWhere") -> None:
     """One level of the tree holds sequence indices or dict keys, never both.
 
     orbax's restore (metadata/tree.py as_nested_tree) sorts the entries by
@@ -391,7 +409,7 @@ def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[
     """
     for i, key in enumerate(keys):
         seen, seen_where = levels.setdefault(keys[:i], (key, where))
-        if type(seen) is not type(key):
+        if seen.__class__ is not key.__class__:
             kind = lambda k: "a sequence index" if isinstance(k, int) else "a dict key"  # noqa: E731
             under = "/".join(str(k) for k in keys[:i]) or "the root"
             raise SchemaError(
