@@ -13,14 +13,18 @@ Each axis on its own, its checkpoints generated once into bench/out/scale/ (git-
              presents its rows as a DTensor shard does: DCP's __create_write_items__ protocol), so every
              rank writes its own __R_0.distcp and the coordinator the one .metadata, as in a real N-rank
              save; inspect, validate, validate --deep, convert --to safetensors. Quick: 8, 32, 64; --full:
-             8, 64, 512.
+             8, 64, 512. And the same commands on an Orbax save of that DCP by N processes (N OCDBT
+             process databases merged under the root), written by ckpt's multi-process writer as N live
+             processes over gloo. Quick: 2, 4, 8; --full: 8, 32 (each writer process peaks at ~350 MiB
+             with torch loaded: 64 of them would need 22 GiB, more than this machine has free).
   bytes      G GiB in (8192, 8192) float32 arrays: written as 1 GiB safetensors shards by the safetensors
              library, then made an Orbax checkpoint by `ckpt convert --to orbax` (ckpt's own writer: orbax
              itself must hold the whole tree in memory, which the largest size does not fit); convert --to
              dcp, validate --deep and reshard --mesh data=2,model=4, all at --memory 512MiB, against
              `cp -r` + sync of the same bytes. The page cache is dropped before every timed run where the
              OS allows (root: /proc/sys/vm/drop_caches; the table says which). Quick: 0.5, 1, 2 GiB;
-             --full: 2, 8, 25 GiB (25 GiB, 26.8 GB, is larger than this machine's 24.7 GB of memory; 32 GiB and its output do not fit its disk).
+             --full: 2, 8, 25 GiB (25 GiB, 26.8 GB, is larger than this machine's 24.7 GB of memory; 32 GiB
+             and its output do not fit its disk).
   processes  convert --to dcp and reshard of the bytes axis' 1 GiB checkpoint by 1, 2 and 4 local
              processes (--coordinator / --num-processes / --process-id), on local disk; and convert of
              the same save read from the S3 test server (moto on 127.0.0.1, one Python process: its
@@ -81,6 +85,8 @@ SIZES = {
     "processes": {"quick": [1, 2, 4], "full": [1, 2, 4]},
 }
 UNIT = {"leaves": "leaf", "files": "file", "bytes": "GiB", "processes": "process"}
+# the files axis' Orbax saves: n process databases, each written by one of n live processes
+ORBAX_PROCESS_DBS = {"quick": [2, 4, 8], "full": [8, 32]}
 
 # ---------------------------------------------------------------------------------------------
 # generators (children of the test venv's python: they import orbax, torch, safetensors)
@@ -232,6 +238,21 @@ def gen_ranks(n: int, regen: bool, log) -> str:
                       regen, log)
 
 
+def gen_orbax_processes(n: int, regen: bool, log) -> str:
+    """An Orbax save by n processes (n OCDBT process databases merged under the root, as orbax's
+    multi-process save leaves them), written by ckpt's own multi-process writer from the n-rank DCP:
+    n real processes coordinated over torch's gloo (jax would need n * ~300 MB of memory)."""
+    def build(path: str) -> None:
+        src = gen_ranks(n, regen, log)
+        port = ib.free_port()
+        argvs = [_ckpt("convert", src, path, "--to", "orbax", "--coordinator", f"127.0.0.1:{port}",
+                       "--num-processes", str(n), "--process-id", str(i)) for i in range(n)]
+        r = run_group(argvs, {**ib._run_env(), "CKPT_DISTRIBUTED": "torch"})
+        if any(r["rcs"]):
+            raise RuntimeError(f"{n}-process convert --to orbax failed: {r['tail']}")
+    return _generated(f"files_orbax_{n}", f"orbax-processes:{n}", build, regen, log)
+
+
 def gen_bytes(gib: float, regen: bool, log) -> str:
     def build(path: str) -> None:
         st = path + ".safetensors-src"
@@ -379,6 +400,18 @@ def bench_files(sizes: list[int], runs: int, regen: bool, log) -> list[dict]:
         ):
             log(f"files {n}: dcp {command}")
             rows.append(measure("files", f"dcp {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
+    full = sizes == SIZES["files"]["full"]
+    for n in ORBAX_PROCESS_DBS["full" if full else "quick"]:
+        path = gen_orbax_processes(n, regen, log)
+        out = _tmp("files-orbax-st")
+        for command, argv, outputs in (
+            ("inspect", _ckpt("inspect", path, "--json"), ()),
+            ("validate", _ckpt("validate", path, "--json"), ()),
+            ("validate --deep", _ckpt("validate", "--deep", path, "--json"), ()),
+            ("convert --to safetensors", _ckpt("convert", path, out, "--to", "safetensors", "--json"), (out,)),
+        ):
+            log(f"files {n}: orbax ({n} process databases) {command}")
+            rows.append(measure("files", f"orbax {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
     return rows
 
 
