@@ -394,7 +394,9 @@ def parse_tree_metadata(doc: Any, file: str) -> TreeMetadata:
             keys = list(parsed)
             vmeta = _value_meta(entry, file, where, legacy=True)
         entries.append((tuple(keys), vmeta))
-    return TreeMetadata(entries, use_ocdbt, use_zarr3, store_flag, doc)
+    # the top-level fields only: the tree's entries (a few containers per leaf, ~1.5 KiB each as
+    # Python objects) are freed as soon as the caller drops the parsed document
+    return TreeMetadata(entries, use_ocdbt, use_zarr3, store_flag, {k: v for k, v in doc.items() if k != "tree_metadata"})
 
 
 def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[Any, Any]], file: str,
