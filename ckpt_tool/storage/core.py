@@ -63,6 +63,10 @@ class ReadLog:
         with self._lock:
             self.reads[key] += 1
 
+    def record_many(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self.reads.update(keys)
+
 
 class PendingReads:
     """Reads started by `Storage.start_reads`; `result()` waits for them all."""
@@ -406,8 +410,7 @@ class Storage:
         """Start reading several keys; the caller may do other work before `.result()`."""
         keys = list(keys)
         if self._ocdbt_base is not None and len(keys) >= ocdbt_bulk.BULK_MIN_KEYS:
-            for key in keys:
-                self.log.record(self._checked(key))
+            self.log.record_many([self._checked(key) for key in keys])
             return OcdbtBulkReads(self, keys)
         futures = {}
         for key in keys:

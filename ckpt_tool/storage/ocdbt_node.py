@@ -258,4 +258,19 @@ class LeafNode:
 
     def lookup(self, wanted: set[bytes], key_prefix: bytes = b"") -> dict[bytes, bytes | IndirectValue]:
         """The values of the wanted full keys this node holds."""
-        return {key: self.value(i) for key, i in self.entries(key_prefix) if key in wanted}
+        hits = [(key, i) for key, i in self.entries(key_prefix) if key in wanted]
+        if not hits:
+            return {}
+        # the columns as Python lists and the body as bytes once: value(i) per hit converts numpy
+        # scalars one at a time (~1 us each, 100,000 hits for the .zarray files of 100k leaves)
+        kind = self._kind.tolist()
+        length = self._value_len.tolist()
+        start = self._inline_start.tolist()
+        body = self._buf.tobytes()
+        out: dict[bytes, bytes | IndirectValue] = {}
+        for key, i in hits:
+            if kind[i] == 0:
+                out[key] = body[start[i] : start[i] + length[i]]
+            else:
+                out[key] = self.value(i)
+        return out
