@@ -479,15 +479,10 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         duplicates = 0
         rank = len(shape)
         if len(chunk_mds) == 1:
-            chunk_md = chunk_mds[0]
-            if type(chunk_md) is not ChunkStorageMetadata:
+            geometry = _fast_chunk_geometry(chunk_mds[0], ints)
+            if geometry is None:
                 return None
-            offsets, sizes = chunk_md.offsets, chunk_md.sizes
-            if type(offsets) is not Size or type(sizes) is not Size:
-                return None
-            offsets, sizes = tuple(offsets), tuple(sizes)
-            ints.append(offsets)
-            ints.append(sizes)
+            offsets, sizes = geometry
             # the whole tensor in one chunk: in its bounds (once its ints are checked non-negative)
             if sizes != shape or len(offsets) != rank or any(offsets):
                 return None
@@ -503,14 +498,10 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
             copies: dict[Chunk, int] | None = None
             for chunk_md in chunk_mds:
-                if type(chunk_md) is not ChunkStorageMetadata:
+                geometry = _fast_chunk_geometry(chunk_md, ints)
+                if geometry is None:
                     return None
-                offsets, sizes = chunk_md.offsets, chunk_md.sizes
-                if type(offsets) is not Size or type(sizes) is not Size:
-                    return None
-                offsets, sizes = tuple(offsets), tuple(sizes)
-                ints.append(offsets)
-                ints.append(sizes)
+                offsets, sizes = geometry
                 if len(offsets) != rank or len(sizes) != rank:
                     return None
                 if shape and any(map(operator.gt, map(operator.add, offsets, sizes), shape)):
@@ -544,6 +535,20 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     if len(storage) != len(storage_data):
         return None  # one (fqn, offsets) listed twice: the last wins, and `needed` counted both
     return _ParsedMetadata(items, storage, planner_data, md.version, needed, transforms, keys)
+
+
+def _fast_chunk_geometry(chunk_md: Any, ints: list[tuple[Any, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A chunk's (offsets, sizes) for the fast parse when it is exactly torch's ChunkStorageMetadata
+    of two torch.Size stand-ins (their ints queued in `ints` for the one all-at-once check), else None."""
+    if type(chunk_md) is not ChunkStorageMetadata:
+        return None
+    offsets, sizes = chunk_md.offsets, chunk_md.sizes
+    if type(offsets) is not Size or type(sizes) is not Size:
+        return None
+    offsets, sizes = tuple(offsets), tuple(sizes)
+    ints.append(offsets)
+    ints.append(sizes)
+    return offsets, sizes
 
 
 def _torch_dtypes() -> dict[str, str]:
