@@ -224,3 +224,19 @@ def test_a_damaged_small_chunk_fails_validate_deep_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert name in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", [b"../x", b"d/../../x", b"/etc/passwd", b"d//x"])
+def test_a_data_file_path_that_leaves_the_database_is_refused(path):
+    """Out-of-line values are read by byte range from the base store: a node's data file table must
+    not point outside the database (tensorstore's writers never write such a path)."""
+    import numpy as np
+
+    from ckpt_tool.storage import ocdbt_node
+
+    # one file: count 1, no prefix lengths, suffix length, base path length 0, the path
+    table = bytes([1, len(path), 0]) + path
+    with pytest.raises(ocdbt_node.OcdbtNodeError, match="leaves the database"):
+        ocdbt_node._data_file_table(np.frombuffer(table, dtype=np.uint8), 0, "")
+    paths, end = ocdbt_node._data_file_table(np.frombuffer(bytes([1, 3, 0]) + b"d/x", dtype=np.uint8), 0, "")
+    assert paths == ["d/x"] and end == 6

@@ -35,6 +35,10 @@ DEFAULT_MAX_DECODED_BYTES = 256 * 2**20
 _LOCATION = re.compile(r"([^:]+):([^:]*):([^:]*):([0-9]+):([0-9]+)")
 
 
+# an absolute path, a '.' or '..' segment, an empty segment or a NUL
+_ESCAPING_PATH = re.compile(r"^/|(^|/)\.{1,2}(/|$)|//|\x00")
+
+
 class OcdbtNodeError(ValueError):
     """A stored B+tree node that tensorstore's decoder would refuse too."""
 
@@ -123,7 +127,12 @@ def _data_file_table(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[s
         path = prev[:keep] + suffix
         if int(base_len[i]) > len(path) or len(path) > 65535:
             raise OcdbtNodeError("data file base path longer than its path")
-        paths.append(transitive + path.decode("utf-8", "surrogateescape"))
+        full = transitive + path.decode("utf-8", "surrogateescape")
+        if _ESCAPING_PATH.search(full):
+            # read by byte range from the base store: a path that climbs out would read outside the
+            # database (tensorstore's writers never make one; its reader refuses them too)
+            raise OcdbtNodeError(f"data file path {full!r} leaves the database directory")
+        paths.append(full)
         prev = path
     return paths, pos
 

@@ -720,7 +720,6 @@ class _ZarrRegionReader:
         self._opening: Any = None  # the open future, once started
         # a lock per array was 84 bytes each (8 MiB at 100k leaves): opens share a few, by name
         self._lock = _OPEN_LOCKS[hash(name) % len(_OPEN_LOCKS)]
-        # (chunk key, array shape, chunk shape) of a small one-chunk array in an OCDBT database, else None
         # an array of an OCDBT database: (its index among the source's small readers, shape, chunk shape,
         # then its chunk key once known to be one small chunk the decoders handle, or "" when it is not)
         self._small: tuple[Any, ...] | None = None
