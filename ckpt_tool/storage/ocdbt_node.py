@@ -30,6 +30,7 @@ _HEADER = struct.Struct("<Q")  # the node's length, after the big-endian magic
 _MAX_VARINT_BYTES = 10
 # a node no writer would make: tensorstore's writers keep a node under max_decoded_node_bytes (100 MB for orbax)
 DEFAULT_MAX_DECODED_BYTES = 256 * 2**20
+_READ_STEP = 4 * 2**20
 
 # tensorstore's dump: "<kind>:<percent-encoded base path>:<percent-encoded relative path>:<offset>:<length>"
 _LOCATION = re.compile(r"([^:]+):([^:]*):([^:]*):([0-9]+):([0-9]+)")
@@ -137,10 +138,19 @@ def _data_file_table(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[s
     return paths, pos
 
 
-def _body(raw: bytes | memoryview, max_decoded: int) -> bytes:
-    """The decompressed body of an encoded node, after checking its header and CRC-32C footer."""
+def _crc32c(data: memoryview) -> int:
+    """CRC-32C of a buffer, a megabyte at a time (google_crc32c takes bytes only: one copy of a
+    whole node would add its size to the peak)."""
     import google_crc32c
 
+    crc = 0
+    for i in range(0, len(data), 1 << 20):
+        crc = google_crc32c.extend(crc, data[i : i + (1 << 20)].tobytes())
+    return crc
+
+
+def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
+    """The decompressed body of an encoded node, after checking its header and CRC-32C footer."""
     if len(raw) < 4 + 8 + 2 + 4:
         raise OcdbtNodeError(f"node of {len(raw)} bytes is shorter than its header and footer")
     (magic,) = struct.unpack_from(">I", raw, 0)
@@ -150,30 +160,45 @@ def _body(raw: bytes | memoryview, max_decoded: int) -> bytes:
     if length != len(raw):
         raise OcdbtNodeError(f"B+tree node header says {length} bytes, its reference {len(raw)}")
     (crc,) = struct.unpack_from("<I", raw, len(raw) - 4)
-    if google_crc32c.value(bytes(raw[:-4])) != crc:
+    view = memoryview(raw)
+    if _crc32c(view[:-4]) != crc:
         raise OcdbtNodeError("B+tree node fails its crc32c check")
     head = np.frombuffer(raw, dtype=np.uint8, count=min(len(raw) - 4, 32), offset=0)
     version, pos = _one_varint(head, 12)
     if version != 0:
         raise OcdbtNodeError(f"B+tree node format version {version}, expected 0")
     compression, pos = _one_varint(head, pos)
-    body = bytes(raw[pos:-4])
+    body = view[pos:-4]  # (no copies of a node of tens of MB: they added up to the walk's peak)
     if compression == 0:
-        return body
+        return body.tobytes()
     if compression != 1:
         raise OcdbtNodeError(f"B+tree node compression {compression} (0 = none, 1 = zstd)")
     import zstandard
 
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True)
-        parts, got = [], 0
-        while got <= max_decoded:
-            part = reader.read(max_decoded + 1 - got)
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-        out = b"".join(parts)
+        size = zstandard.frame_content_size(body.tobytes() if len(body) < 18 else body[:18].tobytes())
+        if 0 <= size <= max_decoded:
+            # the size the frame declares: decoded into one buffer, then nothing may follow
+            out: bytes | bytearray = bytearray(size)
+            got = 0
+            while got < size:
+                n = reader.readinto(memoryview(out)[got:])
+                if not n:
+                    break
+                got += n
+            if got < size:
+                raise OcdbtNodeError(f"B+tree node decompresses to {got} bytes, its frame declares {size}")
+            if reader.read(1):
+                raise OcdbtNodeError(f"B+tree node decompresses to more than the {size} bytes its frame declares")
+        else:  # no declared size (tensorstore's writer streams its frames): a few MiB at a time, bounded
+            # (one read of the bound would allocate all of it: 256 MiB for a 43 MB node)
+            out = bytearray()
+            while len(out) <= max_decoded:
+                part = reader.read(min(_READ_STEP, max_decoded + 1 - len(out)))
+                if not part:
+                    break
+                out += part
     except zstandard.ZstdError as exc:
         raise OcdbtNodeError(f"B+tree node does not decompress: {exc}") from None
     if len(out) > max_decoded:
@@ -270,16 +295,16 @@ class LeafNode:
         hits = [(key, i) for key, i in self.entries(key_prefix) if key in wanted]
         if not hits:
             return {}
-        # the columns as Python lists and the body as bytes once: value(i) per hit converts numpy
-        # scalars one at a time (~1 us each, 100,000 hits for the .zarray files of 100k leaves)
+        # the columns as Python lists once: value(i) per hit converts numpy scalars one at a time
+        # (~1 us each, 100,000 hits for the .zarray files of 100k leaves)
         kind = self._kind.tolist()
         length = self._value_len.tolist()
         start = self._inline_start.tolist()
-        body = self._buf.tobytes()
+        body = memoryview(self._buf)
         out: dict[bytes, bytes | IndirectValue] = {}
         for key, i in hits:
             if kind[i] == 0:
-                out[key] = body[start[i] : start[i] + length[i]]
+                out[key] = body[start[i] : start[i] + length[i]].tobytes()
             else:
                 out[key] = self.value(i)
         return out
