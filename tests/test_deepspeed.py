@@ -419,7 +419,9 @@ def test_bf16_optimizer_files_are_refused_by_name(tmp_path, ckpt):
 # no torch, no DeepSpeed; bounded memory
 # --------------------------------------------------------------------------------------------
 
-def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
+def assert_read_without_torch_or_deepspeed(*paths) -> None:
+    """inspect and validate --deep --strict of each path pass in one process that never imports torch,
+    deepspeed or jax (shared by the ZeRO, pipeline/MoE and universal tests)."""
     code = (
         "import sys\nfrom ckpt_tool.cli.main import main\n"
         "for path in sys.argv[1:]:\n"
@@ -428,10 +430,13 @@ def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'jax')]\n"
         "assert not bad, bad\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "deepspeed_z2_bf16"),
-                        str(FIXTURES / "deepspeed_z3_fp32" / "global_step2")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
+    assert_read_without_torch_or_deepspeed(FIXTURES / "deepspeed_z2_bf16", FIXTURES / "deepspeed_z3_fp32" / "global_step2")
 
 
 def test_a_parameter_larger_than_memory_streams_in_bands(tmp_path):
