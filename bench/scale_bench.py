@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -366,20 +365,26 @@ def _tmp(name: str) -> str:
     return os.path.join(TMP, name)
 
 
+def _read_rows(axis: str, fmt: str, n: int, path: str, out: str, runs: int, log) -> list[dict]:
+    """inspect, validate, validate --deep and convert --to safetensors of one checkpoint, warm."""
+    rows = []
+    for command, argv, outputs in (
+        ("inspect", _ckpt("inspect", path, "--json"), ()),
+        ("validate", _ckpt("validate", path, "--json"), ()),
+        ("validate --deep", _ckpt("validate", "--deep", path, "--json"), ()),
+        ("convert --to safetensors", _ckpt("convert", path, out, "--to", "safetensors", "--json"), (out,)),
+    ):
+        log(f"{axis} {n}: {fmt} {command}")
+        rows.append(measure(axis, f"{fmt} {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
+    return rows
+
+
 def bench_leaves(sizes: list[int], runs: int, regen: bool, log) -> list[dict]:
     rows = []
     for n in sizes:
         src = gen_leaves(n, regen, log)
         for fmt, path in src.items():
-            out = _tmp(f"leaves-{fmt}-st")
-            for command, argv, outputs in (
-                ("inspect", _ckpt("inspect", path, "--json"), ()),
-                ("validate", _ckpt("validate", path, "--json"), ()),
-                ("validate --deep", _ckpt("validate", "--deep", path, "--json"), ()),
-                ("convert --to safetensors", _ckpt("convert", path, out, "--to", "safetensors", "--json"), (out,)),
-            ):
-                log(f"leaves {n}: {fmt} {command}")
-                rows.append(measure("leaves", f"{fmt} {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
+            rows += _read_rows("leaves", fmt, n, path, _tmp(f"leaves-{fmt}-st"), runs, log)
         log(f"leaves {n}: diff orbax dcp --values")
         rows.append(measure("leaves", "diff --values (orbax vs dcp)", n,
                             [_ckpt("diff", src["orbax"], src["dcp"], "--values", "--json")], runs,
@@ -390,28 +395,10 @@ def bench_leaves(sizes: list[int], runs: int, regen: bool, log) -> list[dict]:
 def bench_files(sizes: list[int], runs: int, regen: bool, log) -> list[dict]:
     rows = []
     for n in sizes:
-        path = gen_ranks(n, regen, log)
-        out = _tmp("files-st")
-        for command, argv, outputs in (
-            ("inspect", _ckpt("inspect", path, "--json"), ()),
-            ("validate", _ckpt("validate", path, "--json"), ()),
-            ("validate --deep", _ckpt("validate", "--deep", path, "--json"), ()),
-            ("convert --to safetensors", _ckpt("convert", path, out, "--to", "safetensors", "--json"), (out,)),
-        ):
-            log(f"files {n}: dcp {command}")
-            rows.append(measure("files", f"dcp {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
+        rows += _read_rows("files", "dcp", n, gen_ranks(n, regen, log), _tmp("files-st"), runs, log)
     full = sizes == SIZES["files"]["full"]
     for n in ORBAX_PROCESS_DBS["full" if full else "quick"]:
-        path = gen_orbax_processes(n, regen, log)
-        out = _tmp("files-orbax-st")
-        for command, argv, outputs in (
-            ("inspect", _ckpt("inspect", path, "--json"), ()),
-            ("validate", _ckpt("validate", path, "--json"), ()),
-            ("validate --deep", _ckpt("validate", "--deep", path, "--json"), ()),
-            ("convert --to safetensors", _ckpt("convert", path, out, "--to", "safetensors", "--json"), (out,)),
-        ):
-            log(f"files {n}: orbax ({n} process databases) {command}")
-            rows.append(measure("files", f"orbax {command}", n, [argv], runs, outputs=outputs, warm=(path,)))
+        rows += _read_rows("files", "orbax", n, gen_orbax_processes(n, regen, log), _tmp("files-orbax-st"), runs, log)
     return rows
 
 
