@@ -201,13 +201,6 @@ def zarr3_stream_problem(zmeta: dict[str, Any]) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), for the 16-byte index of a one-chunk shard."""
-    import google_crc32c
-
-    return google_crc32c.value(bytes(data))
-
-
 class ChunkStream:
     """The decoded bytes of one stored zarr chunk (v2, or v3 as orbax writes it), read front to back."""
 
@@ -291,7 +284,9 @@ def _one_chunk_shard(storage: Storage, key: str, size: int) -> tuple[int, int]:
     if size < 20:
         raise CkptError(f"shard of {size} bytes has no room for its 20-byte index", where)
     index = storage.read_range(key, size - 20, size)
-    if _crc32c(index[:16]) != int.from_bytes(index[16:], "little"):
+    from .checksum import crc32c
+
+    if crc32c(index[:16]) != int.from_bytes(index[16:], "little"):
         raise CkptError("shard index fails its crc32c check", where)
     offset, nbytes = int.from_bytes(index[:8], "little"), int.from_bytes(index[8:16], "little")
     if offset == nbytes == 2**64 - 1:

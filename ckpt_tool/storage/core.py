@@ -93,22 +93,11 @@ class OcdbtBulkReads:
         self._keys = keys
 
     def result(self) -> dict[str, bytes | None]:
-        st = self._storage
-        prefix = st._ocdbt_prefix
-        where = st.url
-
-        def wait(future: Any) -> Any:
-            return st.wait(future, "cannot read OCDBT B+tree", where)
-
-        try:
-            inline, indirect = ocdbt_bulk.read_keys(st._ocdbt_base, [prefix + k for k in self._keys], wait)
-        except ocdbt_bulk.OcdbtTreeError as exc:
-            raise CkptError(f"cannot read OCDBT B+tree: {exc}", where) from None
-        out: dict[str, bytes | None] = {k: inline.get(prefix + k) for k in self._keys}
-        if indirect:  # values stored out of line: read from their data files where the walk found them
-            cut = len(prefix)
-            out.update(read_indirect(st, {k[cut:]: ref for k, ref in indirect.items()}))
-        return out
+        located = self._storage.locate_values(self._keys)
+        # values stored out of line: read from their data files where the walk found them
+        refs = {k: v for k, v in located.items() if isinstance(v, ocdbt_bulk.IndirectValue)}
+        read = read_indirect(self._storage, refs) if refs else {}
+        return {k: read[k] if k in read else located.get(k) for k in self._keys}  # type: ignore[misc] (inline: bytes)
 
 
 def read_indirect(view: "Storage", refs: dict[str, ocdbt_bulk.IndirectValue]) -> dict[str, bytes]:

@@ -138,17 +138,6 @@ def _data_file_table(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[s
     return paths, pos
 
 
-def _crc32c(data: memoryview) -> int:
-    """CRC-32C of a buffer, a megabyte at a time (google_crc32c takes bytes only: one copy of a
-    whole node would add its size to the peak)."""
-    import google_crc32c
-
-    crc = 0
-    for i in range(0, len(data), 1 << 20):
-        crc = google_crc32c.extend(crc, data[i : i + (1 << 20)].tobytes())
-    return crc
-
-
 def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
     """The decompressed body of an encoded node, after checking its header and CRC-32C footer."""
     if len(raw) < 4 + 8 + 2 + 4:
@@ -161,7 +150,9 @@ def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
         raise OcdbtNodeError(f"B+tree node header says {length} bytes, its reference {len(raw)}")
     (crc,) = struct.unpack_from("<I", raw, len(raw) - 4)
     view = memoryview(raw)
-    if _crc32c(view[:-4]) != crc:
+    from ..checksum import crc32c
+
+    if crc32c(view[:-4]) != crc:
         raise OcdbtNodeError("B+tree node fails its crc32c check")
     head = np.frombuffer(raw, dtype=np.uint8, count=min(len(raw) - 4, 32), offset=0)
     version, pos = _one_varint(head, 12)

@@ -16,7 +16,7 @@ from ...findings import Findings
 from . import reader as ob
 from . import schema
 from ...storage import Storage, ocdbt_bulk
-from ...storage.ocdbt_node import OcdbtNodeError
+from ...storage.ocdbt_node import OcdbtNodeError, parse_location
 
 ROOT_METADATA = "_ROOT_METADATA"
 # more chunks than this per array are not enumerated key by key; the count is compared instead
@@ -360,21 +360,14 @@ def _check_ocdbt(
     needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
 
     def need(location: str) -> tuple[str, int, int] | None:
-        # "<type>:<base path>:<file>:<offset>:<length>", the base path relative
-        # to the database directory: empty for its own files, "ocdbt.process_0/"
-        # for a merged root's values that stay in a process database
+        # the base path is relative to the database directory: empty for its own files,
+        # "ocdbt.process_0/" for a merged root's values that stay in a process database
         try:
-            _kind, _, rest = location.partition(":")
-            base, sep, rest = rest.partition(":")
-            if not sep:
-                return None
-            file, offset, length = rest.rsplit(":", 2)
-            file = base + file
-            end = int(offset) + int(length)
-        except ValueError:
+            where = parse_location(location)
+        except OcdbtNodeError:
             return None
-        needed[file] = max(needed.get(file, 0), end)
-        return file, int(offset), int(length)
+        needed[where.path] = max(needed.get(where.path, 0), where.offset + where.length)
+        return where.path, where.offset, where.length
 
     lost_files: set[str] = set()
     try:
