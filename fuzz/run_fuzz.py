@@ -9,7 +9,8 @@ and `ckpt validate --deep` on each as whole processes, checks the contract
 explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once.
 
 Writes DIR/summary.json (rewritten as the run goes, so an interrupted run
-still has figures) and, for every failing mutant, DIR/failures/<class>/<id>/
+still has figures; it keeps the largest peak RSS per input-size band), DIR/rss_by_input.jsonl
+(every run's peak RSS against the bytes it was given and the damaged file's size) and, for every failing mutant, DIR/failures/<class>/<id>/
 holding the mutant checkpoint and outcome.json (its runs, stderr and the
 oracle's answer): `ckpt validate --deep DIR/failures/<class>/<id>/<fixture>`
 reproduces it. A torch.save mutant naming a global ckpt admits whose real class the
@@ -72,6 +73,11 @@ class Summary:
         self.slowest: dict | None = None
         self.max_rss: dict | None = None
         self.by_format_peaks: dict[str, dict] = {}  # format -> its own slowest run and peak RSS
+        # peak RSS against input size: every run's (input bytes, damaged file bytes, RSS) goes to
+        # DIR/rss_by_input.jsonl; the summary keeps the largest RSS per input-size band
+        self.rss_log = args.out / "rss_by_input.jsonl"
+        self.rss_log.unlink(missing_ok=True)
+        self.rss_by_band: dict[str, dict] = {}
         self.failing = 0
         # what was measured: the tree at the start (the zygote imports it once)
         import subprocess
@@ -95,6 +101,20 @@ class Summary:
             self.by_kind[f"{m.format}:{m.kind}"] += 1
             self.unconfirmed += len(unconfirmed)
             peaks = self.by_format_peaks.setdefault(m.format, {"slowest": None, "max_rss": None})
+            input_bytes, target_bytes = _input_sizes(m)
+            band = _band(input_bytes)
+            with self.rss_log.open("a") as log:
+                for c, r in outcome.runs.items():
+                    log.write(json.dumps({"id": ident, "format": m.format, "kind": m.kind, "command": c,
+                                          "input_bytes": input_bytes, "target_bytes": target_bytes,
+                                          "rss_mb": None if r.rss_kb is None else round(r.rss_kb / 1024, 1),
+                                          "seconds": round(r.seconds, 3), "mutation": m.description[:120]}) + "\n")
+                    if r.rss_kb:
+                        top = self.rss_by_band.get(band)
+                        if top is None or r.rss_kb / 1024 > top["rss_mb"]:
+                            self.rss_by_band[band] = {"rss_mb": round(r.rss_kb / 1024, 1), "input_bytes": input_bytes,
+                                                      "target_bytes": target_bytes, "id": ident, "command": c,
+                                                      "mutant": m.label()[:160]}
             for c, r in outcome.runs.items():
                 self.runs += 1
                 self.exit_codes[c][str(r.exit_code if r.signal is None else f"signal {r.signal}")] += 1
@@ -155,8 +175,31 @@ class Summary:
                 },
                 "classes": {c: self.classes[c] for c in F.CLASSES if self.classes[c]},
                 "slowest": self.slowest, "max_rss": self.max_rss, "by_format_peaks": self.by_format_peaks,
+                "max_rss_by_input_size": {b: self.rss_by_band[b] for b in _BANDS if b in self.rss_by_band},
                 "signatures": [{**e, "formats": dict(e["formats"])} for e in sigs],
             }
+
+
+_BANDS = ("< 64 KiB", "64 KiB - 1 MiB", "1 - 16 MiB", "16 - 256 MiB", ">= 256 MiB")
+
+
+def _band(n: int) -> str:
+    for limit, name in zip((64 << 10, 1 << 20, 16 << 20, 256 << 20), _BANDS):
+        if n < limit:
+            return name
+    return _BANDS[-1]
+
+
+def _input_sizes(m: F.Mutant) -> tuple[int, int]:
+    """(bytes of what ckpt was given, bytes of the damaged file) of a mutant, before it is removed."""
+    def size(p: Path) -> int:
+        try:
+            if p.is_file():
+                return p.stat().st_size
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+        except OSError:
+            return 0
+    return size(m.path), size(m.dir / m.target) if m.target else 0
 
 
 def _save_failure(out: Path, ident: str, outcome: F.Outcome) -> str:

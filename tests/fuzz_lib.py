@@ -108,6 +108,7 @@ FIXTURE_SPECS = [
     FixtureSpec("megatron_torch_dist_tp2", "megatron", None),
     FixtureSpec("megatron_torch_dist_fully_sharded", "megatron", None),
     FixtureSpec("megatron_run", "megatron", None),
+    FixtureSpec("megatron_legacy", "megatron", None),
     FixtureSpec("deepspeed_z3_fp32", "deepspeed", None),
     FixtureSpec("deepspeed_z2_bf16", "deepspeed", None),
     # the layouts issue 21 added: fp16 (a loss scaler in the optimizer state), pipeline stages with their
@@ -171,7 +172,9 @@ def target_kind(rel: str) -> str | None:
         return "safetensors"
     if name == "model.safetensors.index.json":
         return "safetensors_index"
-    if len(parts) == 1 and name.endswith(TORCH_SUFFIXES):
+    if name.endswith(TORCH_SUFFIXES):
+        # at any depth: DeepSpeed's global_stepN/*.pt, Megatron's iter_N/common.pt and
+        # mp_rank_XX/model_optim_rng.pt are torch.save archives too
         return "torch_save"  # expanded into TORCH_KINDS by fixture_targets
     if len(parts) == 1 and name.endswith(".bin.index.json"):
         return "torch_index"
@@ -1185,6 +1188,115 @@ def storage_key_mutation(rng: random.Random, pkl: bytes) -> tuple[bytes, str]:
     return pkl[:s] + _unicode_op(new) + pkl[e:], f"storage key {arg!r} -> {new!r}"
 
 
+def _long_binput(i: int) -> bytes:
+    return b"r" + struct.pack("<I", i)
+
+
+def _long_binget(i: int) -> bytes:
+    return b"j" + struct.pack("<I", i)
+
+
+# memo slots the graph operators use: far above any torch.save pickle's own (BINPUT numbers
+# them from 0), so the original object's memo references stay as they were
+_GRAPH_MEMO = 1 << 20
+# one-byte opcodes that each build a new object: an empty list, dict, set, or one memoised
+_CHEAP_OPS = {"empty_list": b"]", "empty_dict": b"}", "empty_set": b"\x8f", "none": b"N",
+              "memoised_dict": b"}r"}  # + a new LONG_BINPUT index each time (torch's unpickler has no MEMOIZE)
+
+
+GRAPH_VARIANTS = ("shared", "self", "cheap")
+VIEW_VARIANTS = ("stride0", "overlap")
+
+
+def graph_mutation(rng: random.Random, pkl: bytes, variant: str | None = None) -> tuple[bytes, str]:
+    """The pickle's object graph changed as genuine files change it, the original object kept
+    (the new top is the tuple (original, extra)), so a reader that walks the graph as a tree, or
+    believes the opcodes' cost is small, is caught:
+      * shared: `x = [x, x]` nested DEPTH levels over a leaf (an int, or the original object
+        itself, so its tensors are reachable 2**DEPTH ways); torch.load builds it in DEPTH steps;
+      * self: a dict (or list) that contains itself, which torch.load loads;
+      * cheap: the extra object is a list of N objects of one byte each (an empty list, dict,
+        set, or a memoised dict): N bytes of input, tens to hundreds of bytes each unpickled.
+    """
+    if not pkl.endswith(b"."):
+        return pickle_opcode_mutation(rng, pkl)
+    body = pkl[:-1]  # the original object ends up on the stack
+    kind = variant or rng.choice(["shared", "shared", "self", "cheap"])
+    if kind == "shared":
+        # (asked for by name, as the tests do, always deep enough that a tree walk never ends)
+        depth = rng.choice([40, 64, 100] if variant else [8, 24, 40, 64, 100])
+        on_original = rng.random() < 0.5
+        m = _GRAPH_MEMO
+        # (torch's unpickler has no POP: every level stays on the stack, and the extra object
+        # is the tuple of all levels, the deepest last)
+        if on_original:
+            out = body + _long_binput(m) + b"("  # the original, still on the stack, memoised
+        else:
+            out = body + b"(K\x07" + _long_binput(m)
+        for level in range(1, depth + 1):
+            out += b"](" + _long_binget(m + level - 1) + _long_binget(m + level - 1) + b"e" + _long_binput(m + level)
+        out += b"t\x86."
+        leaf = "the original object" if on_original else "an int"
+        return out, f"graph: (original, levels) with x = [x, x] nested {depth} levels over {leaf}"
+    if kind == "self":
+        m = _GRAPH_MEMO
+        if rng.random() < 0.5:
+            extra = b"}" + _long_binput(m) + _unicode_op("self") + _long_binget(m) + b"s"
+            what = "a dict holding itself under 'self'"
+        else:
+            extra = b"]" + _long_binput(m) + _long_binget(m) + b"a"
+            what = "a list holding itself"
+        return body + extra + b"\x86.", f"graph: (original, {what})"
+    name = rng.choice(sorted(_CHEAP_OPS))
+    op = _CHEAP_OPS[name]
+    if name == "memoised_dict":
+        n = rng.choice([1 << 16, 1 << 19, 1 << 21]) // 6
+        extra = b"](" + b"".join(op + struct.pack("<I", _GRAPH_MEMO + i) for i in range(n)) + b"e"
+    else:
+        n = rng.choice([1 << 16, 1 << 19, 1 << 21]) // len(op)
+        extra = b"](" + op * n + b"e"
+    return body + extra + b"\x86.", f"graph: (original, a list of {n} one-opcode objects: {name})"
+
+
+def view_geometry_mutation(rng: random.Random, pkl: bytes, variant: str | None = None) -> tuple[bytes, str]:
+    """One tensor made a view torch.load accepts but whose logical size is far above its stored
+    bytes: every stride 0 (an `expand`, each size raised up to 2**20), or strides smaller than
+    the contiguous ones so elements overlap (sizes kept inside the storage)."""
+    ops = _ops(pkl)
+    sites = [s for s in tensor_sites(ops) if any(r.startswith("stride[") for r, _ in s["roles"])]
+    if not sites:
+        return tensor_view_mutation(rng, pkl)
+    site = rng.choice(sites)
+    roles = dict(site["roles"])
+    sizes = sorted((r, o) for r, o in site["roles"] if r.startswith("size["))
+    strides = sorted((r, o) for r, o in site["roles"] if r.startswith("stride["))
+    edits = []
+    if variant == "stride0" or (variant is None and rng.random() < 0.6):
+        big = rng.choice([2**10, 2**16, 2**20])
+        for _r, (op, _arg, s, e) in strides:
+            edits.append((s, e, _encode_int_op(op.name, 0)))
+        for _r, (op, _arg, s, e) in sizes:
+            edits.append((s, e, _encode_int_op(op.name, big)))
+        desc = f"every stride 0 and every size {big} (an expand)"
+    else:
+        # stride 1 in every dimension: element (i, j, ...) at i + j + ...; the sizes shrink
+        # until the last element is inside the storage
+        numel = roles["numel"][1] if "numel" in roles else 1
+        off = roles["storage_offset"][1] if "storage_offset" in roles else 0
+        dims = [o[1] for _r, o in sizes]
+        while dims and off + sum(d - 1 for d in dims) >= numel and max(dims) > 1:
+            i = dims.index(max(dims))
+            dims[i] = max(1, dims[i] // 2)
+        for (_r, (op, _arg, s, e)), d in zip(sizes, dims):
+            edits.append((s, e, _encode_int_op(op.name, d)))
+        for _r, (op, _arg, s, e) in strides:
+            edits.append((s, e, _encode_int_op(op.name, 1)))
+        desc = f"every stride 1, sizes {dims} (overlapping elements)"
+    if any(new is None for _s, _e, new in edits):
+        return tensor_view_mutation(rng, pkl)
+    return _replace_ops(pkl, edits), f"tensor at pickle op {site['at']}: {desc}"
+
+
 # globals to swap in: torch's (other storage types change a tensor's dtype), ones ckpt's
 # allow-list admits and torch.load(weights_only=True) refuses, and hostile ones
 TORCH_GLOBALS = [
@@ -1225,7 +1337,8 @@ def _with_pickle(tz: TorchZip, pkl: bytes, fix_crc: bool) -> bytes:
 
 def mutate_torch_pickle(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
     """data.pkl of a torch.save archive: its opcodes (pickle_opcode_mutation), a tensor's view
-    (storage_offset / size / stride / numel), storage keys, globals; the member then rewritten
+    (storage_offset / size / stride / numel; stride-0 and overlapping views), its object graph
+    (shared references, self-reference, opcode-cheap memory), storage keys, globals; the member then rewritten
     with a correct CRC-32 half the time (the damage reaches the unpickler and the tree), else
     with sizes and offsets right but the old CRC-32 (only the CRC check stands in the way)."""
     tz = parse_torch_zip(data)
@@ -1234,11 +1347,15 @@ def mutate_torch_pickle(rng: random.Random, data: bytes) -> tuple[bytes | None, 
         return bytes_mutation(rng, data)
     pkl = member.data
     r = rng.random()
-    if r < 0.35:
+    if r < 0.3:
         new, desc = pickle_opcode_mutation(rng, pkl)
-    elif r < 0.7:
+    elif r < 0.55:
         new, desc = tensor_view_mutation(rng, pkl)
-    elif r < 0.82:
+    elif r < 0.65:
+        new, desc = view_geometry_mutation(rng, pkl)
+    elif r < 0.77:
+        new, desc = graph_mutation(rng, pkl)
+    elif r < 0.87:
         new, desc = storage_key_mutation(rng, pkl)
     else:
         new, desc = torch_global_mutation(rng, pkl)
@@ -1531,6 +1648,22 @@ def make_mutant(rng: random.Random, spec: FixtureSpec, workdir: Path, kind: str 
     else:
         path.write_bytes(new)
     return Mutant(dst, spec.name, spec.format, kind, rel, desc, spec.oracle, spec.mode, entry=spec.entry)
+
+
+def structured_torch_mutant(rng: random.Random, spec: FixtureSpec, target: str, family: str, variant: str,
+                            workdir: Path) -> Mutant:
+    """Copy `spec`'s fixture under workdir and give its torch.save file `target` one of the
+    graph ("shared", "self", "cheap") or view ("stride0", "overlap") changes, CRC-32 made right."""
+    dst = copy_fixture(spec.name, workdir / spec.name)
+    path = dst / target
+    data = path.read_bytes()
+    pkl = torch_pickle_bytes(data)
+    assert pkl is not None, f"{target} is not a torch.save archive"
+    op = graph_mutation if family == "graph" else view_geometry_mutation
+    new, desc = op(rng, pkl, variant)
+    path.write_bytes(with_torch_pickle(data, new))
+    return Mutant(dst, spec.name, spec.format, "torch_pickle", target, f"data.pkl: {desc}", spec.oracle, spec.mode,
+                  entry=spec.entry)
 
 
 def pick_spec(rng: random.Random, formats: list[str] | None = None) -> FixtureSpec:
