@@ -37,6 +37,7 @@ import numpy as np
 from .. import dtypes
 from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError
+from ..text import is_ascii_number
 from . import safe_pickle
 from .safe_pickle import StorageRef, TensorRef
 
@@ -121,6 +122,51 @@ class TensorPayload:
         last = first + sum((r.stop - 1 - r.start) * s for r, s in zip(region, self.stride))
         size = self.itemsize
         return self.data_offset + first * size, self.data_offset + (last + 1) * size
+
+
+@dataclass(frozen=True)
+class DistinctValues:
+    """The values a view that repeats stored elements draws from, as a view of its own.
+
+    A view whose logical elements outnumber the storage elements it spans
+    (torch's `expand`: stride 0; `as_strided` with strides below the
+    contiguous ones: elements that overlap) costs its logical size to read
+    but holds no more values than its storage. `shape`/`stride` (elements;
+    from the same storage offset) give those values: the view with its
+    stride-0 and size-1 dimensions dropped, which the view repeats exactly
+    `repeats` times (an expand); or, when what is left still overlaps, the
+    span of storage elements it reaches, flat, which it repeats unevenly
+    (`repeats` None).
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    repeats: int | None
+
+
+def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Storage elements from a view's first element to its last (0 for an empty view)."""
+    if any(n <= 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def distinct_values(shape: tuple[int, ...], stride: tuple[int, ...]) -> DistinctValues | None:
+    """For a view that repeats stored elements, the values it draws from (DistinctValues); None for a
+    view with no more elements than the storage it spans (reading it costs its stored bytes)."""
+    numel = math.prod(shape)
+    if numel <= span_elements(shape, stride):
+        return None
+    kept = [(n, s) for n, s in zip(shape, stride) if n > 1 and s != 0]
+    kept_shape = tuple(n for n, _ in kept)
+    kept_stride = tuple(s for _, s in kept)
+    # (logical counts of the view are those of the kept view, `repeats` times over: dropping
+    # stride-0 dimensions is exact whatever the kept view holds)
+    repeats = numel // math.prod(kept_shape)
+    span = span_elements(kept_shape, kept_stride)
+    if math.prod(kept_shape) <= span:
+        return DistinctValues(kept_shape, kept_stride, repeats)
+    return DistinctValues((span,), (1,), None)
 
 
 class _RangeFile(io.RawIOBase):
@@ -335,7 +381,7 @@ class PayloadArchive:
         else:
             raise self._damaged(f"no {self.prefix}version record")
         text = raw.decode("latin-1").strip()
-        if not text.isdigit() or not _MIN_FILE_VERSION <= int(text) <= _MAX_FILE_VERSION:
+        if not is_ascii_number(text) or not _MIN_FILE_VERSION <= int(text) <= _MAX_FILE_VERSION:
             raise CorruptMetadataError(
                 f"torch.save file format version {text[:20]!r} is not one torch reads "
                 f"({_MIN_FILE_VERSION} to {_MAX_FILE_VERSION})",

@@ -180,9 +180,21 @@ def deep_check(
     # a finding without a file of its own names the step it is in (a root holds several)
     step_file = _step_prefix(ckpt) or None
     skip = skip_leaves or set()
-    leaves = [leaf for leaf in ckpt.arrays() if leaf.path not in skip]
+    viewed = [leaf for leaf in ckpt.arrays() if leaf.path not in skip]
+    # a view that repeats stored elements (torch's expand, overlapping strides) is checked
+    # through the values it draws from, read once for every view on them: its logical
+    # size (a TiB from 4 stored bytes) is never read
+    leaves: list[ArrayLeaf] = []
+    views_of: dict[int, list[tuple[ArrayLeaf, int | None]]] = {}  # id(leaf read) -> (view, repeats)
+    for leaf in viewed:
+        stored = _stored_values(leaf)
+        read, repeats = stored if stored is not None else (leaf, 1)
+        if id(read) not in views_of:
+            leaves.append(read)
+            views_of[id(read)] = []
+        views_of[id(read)].append((leaf, repeats))
     total_bytes = sum(leaf.nbytes for leaf in leaves)
-    stats = {leaf.path: _LeafStats() for leaf in leaves}
+    stats = {id(leaf): _LeafStats() for leaf in leaves}
     lock = threading.Lock()
 
     def check(leaf: ArrayLeaf, region: Region) -> Callable[[list[np.ndarray]], int]:
@@ -190,17 +202,18 @@ def deep_check(
             data = arrays[0]
             want = tuple(r.stop - r.start for r in region)
             if data.shape != want or data.dtype != dtypes.numpy_dtype(leaf.dtype):
-                findings.error(
-                    "bad-chunk",
-                    f"chunk decoded to {data.dtype}{list(data.shape)}, metadata says {leaf.dtype}{list(want)}",
-                    leaf=leaf.path, file=step_file,
-                )
+                for view, _ in views_of[id(leaf)]:
+                    findings.error(
+                        "bad-chunk",
+                        f"chunk decoded to {data.dtype}{list(data.shape)}, metadata says {leaf.dtype}{list(want)}",
+                        leaf=view.path, file=step_file,
+                    )
             elif dtypes.get(leaf.dtype).is_float and data.size:
                 nan, inf = _non_finite(data)
                 if nan or inf:
                     with lock:
-                        stats[leaf.path].nan += nan
-                        stats[leaf.path].inf += inf
+                        stats[id(leaf)].nan += nan
+                        stats[id(leaf)].inf += inf
             return int(data.nbytes)
 
         return run
@@ -212,13 +225,15 @@ def deep_check(
 
     def failed(leaf: ArrayLeaf, index: int, exc: CkptError) -> None:
         with lock:
-            stats[leaf.path].failed = True
+            stats[id(leaf)].failed = True
         region = stored_chunks(leaf.shape, leaf.layout)[index].region
         where = ", ".join(f"{r.start}:{r.stop}" for r in region)
-        findings.error(
-            "bad-chunk", f"chunk [{where}] does not decode: {exc.message}",
-            leaf=leaf.path, file=_relative(exc.where, ckpt.path) or step_file,
-        )
+        for view, repeats in views_of[id(leaf)]:
+            what = f"chunk [{where}]" if view is leaf else "its stored values"
+            findings.error(
+                "bad-chunk", f"{what} do{'es' if view is leaf else ''} not decode: {exc.message}",
+                leaf=view.path, file=_relative(exc.where, ckpt.path) or step_file,
+            )
 
     progress("read", 0, total_bytes)
     done_bytes = scheduler.run(on_done=lambda n: progress("read", n, total_bytes), on_error=failed)
@@ -227,7 +242,7 @@ def deep_check(
     # whole: the format's verifier checks it (DCP: from the bands' CRC-32s
     # when they tiled the chunk's storage, else by streaming it once more)
     verify = [
-        (leaf, index) for leaf in leaves if leaf.verifier is not None and not stats[leaf.path].failed
+        (leaf, index) for leaf in leaves if leaf.verifier is not None and not stats[id(leaf)].failed
         for index in range(len(stored_chunks(leaf.shape, leaf.layout))) if not scheduler.decodes_whole(leaf, index)
     ]
 
@@ -235,8 +250,9 @@ def deep_check(
         try:
             leaf.verifier(index)  # type: ignore[misc]
         except CkptError as exc:
-            findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=leaf.path,
-                           file=_relative(exc.where, ckpt.path) or step_file)
+            for view, _ in views_of[id(leaf)]:
+                findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=view.path,
+                               file=_relative(exc.where, ckpt.path) or step_file)
         return 0
 
     if verify:
@@ -267,6 +283,20 @@ def deep_check(
         if values:
             findings.count("values_read", len(values))
     findings.count("bytes_read", done_bytes)
-    for path_, st in stats.items():
-        if st.nan or st.inf:
-            findings.warning("non-finite", f"{st.nan} NaN and {st.inf} Inf values", leaf=path_, file=step_file)
+    for leaf in leaves:
+        st = stats[id(leaf)]
+        if not (st.nan or st.inf):
+            continue
+        for view, repeats in views_of[id(leaf)]:
+            if repeats is not None:  # (an expand repeats every value it draws from the same number of times)
+                message = f"{st.nan * repeats} NaN and {st.inf * repeats} Inf values"
+            else:
+                message = f"{st.nan} NaN and {st.inf} Inf among the {leaf.size} stored values it spans"
+            findings.warning("non-finite", message, leaf=view.path, file=step_file)
+
+
+def _stored_values(leaf: ArrayLeaf) -> tuple[ArrayLeaf, int | None] | None:
+    """(the leaf of the values a view draws from, how many times it repeats each; None: unevenly)
+    for a leaf whose reader says it repeats stored elements (`stored_values`); None for any other."""
+    stored_values = getattr(leaf.reader, "stored_values", None)
+    return stored_values() if callable(stored_values) else None

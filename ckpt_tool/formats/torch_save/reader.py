@@ -34,15 +34,18 @@ The pre-1.6 format (a bare pickle stream, also what `_use_new_zipfile_serializat
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ... import dtypes
+from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, Region, RegularGrid, ValueLeaf, memory_leaf
 from ...storage import Storage
@@ -154,7 +157,18 @@ def _holds_data_pkl(path: str, name: str) -> bool:
 # One archive
 # ---------------------------------------------------------------------------
 class Archive:
-    """One torch.save file in a storage: its zip directory, its object, CRCs verified so far."""
+    """One torch.save file in a storage: its zip directory, its object, CRCs verified so far.
+
+    Views share storages: tied weights, slices of one storage, and views whose
+    logical size is far above their stored bytes (an `expand`: stride 0). A
+    storage several tensors read, or one a view repeats, is fetched once and
+    kept (CRC-checked) while it fits `CACHE_BYTES`, so that each of its readers,
+    and each band of a view read in bands, takes its values from that one read.
+    """
+
+    # stored bytes kept for tensors that share or repeat them: least recently used first out;
+    # a storage larger than this is read by each region's byte span instead
+    CACHE_BYTES = 64 << 20
 
     def __init__(self, storage: Storage, name: str, allow: tp.Allow = None) -> None:
         self.storage = storage
@@ -173,6 +187,11 @@ class Archive:
         self._lock = threading.Lock()
         self._located: dict[str, tp.TensorPayload] = {}  # storage key -> its member as uint8
         self.crc_checked: set[str] = set()  # storage keys whose CRC-32 a whole read has checked
+        self._readers: dict[str, int] = {}  # storage key -> tensor readers on it
+        self._cached: OrderedDict[str, memoryview] = OrderedDict()  # storage key -> its bytes (CRC-checked)
+        self._cached_bytes = 0
+        self._loading: dict[str, threading.Lock] = {}  # storage key -> held while it is fetched for the cache
+        self._distinct: dict[tuple[Any, ...], ArrayLeaf] = {}  # a repeating view's geometry -> its values' leaf
 
     @property
     def obj(self) -> Any:
@@ -215,9 +234,77 @@ class Archive:
         with self._lock:
             self.crc_checked.add(key)
 
+    def add_reader(self, key: str) -> None:
+        """A tensor reader on storage `key` (a storage several read is worth keeping once fetched)."""
+        with self._lock:
+            self._readers[key] = self._readers.get(key, 0) + 1
+
+    def shared(self, key: str) -> bool:
+        with self._lock:
+            return self._readers.get(key, 0) > 1
+
+    def cached_member(self, key: str) -> memoryview | None:
+        """Storage member `key`'s bytes, fetched once and CRC-checked, kept while they fit
+        CACHE_BYTES (least recently used first out); None for a member larger than that."""
+        member = self.member(key)
+        if member.data_length > self.CACHE_BYTES:
+            return None
+        with self._lock:
+            found = self._cached.get(key)
+            if found is not None:
+                self._cached.move_to_end(key)
+                return found
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:  # one fetch per member, however many readers ask at once
+            with self._lock:
+                found = self._cached.get(key)
+                if found is not None:
+                    return found
+            start, end = member.data_offset, member.data_offset + member.data_length
+            data = self.fetch(start, end)
+            if len(data) != end - start:
+                raise CorruptMetadataError(f"short read: wanted {end - start} bytes, got {len(data)}", self.where)
+            if member.data_crc and crc32(data) != member.data_crc:
+                raise CorruptMetadataError("tensor data fails its CRC-32 check", self.where)
+            found = memoryview(data)
+            with self._lock:
+                self.crc_checked.add(key)
+                self._cached[key] = found
+                self._cached_bytes += len(found)
+                while self._cached_bytes > self.CACHE_BYTES and len(self._cached) > 1:
+                    _, dropped = self._cached.popitem(last=False)
+                    self._cached_bytes -= len(dropped)
+        return found
+
+    def distinct_leaf(self, ref: TensorRef, values: tp.DistinctValues, name: str) -> ArrayLeaf:
+        """The leaf of the values a repeating view draws from (one per storage and geometry: views
+        repeating the same values share it, so that they are read and checked once)."""
+        geometry = (ref.storage.key, ref.dtype, ref.storage_offset, values.shape, values.stride, ref.conj, ref.neg)
+        with self._lock:
+            found = self._distinct.get(geometry)
+        if found is not None:
+            return found
+        stored = TensorRef(ref.storage, ref.dtype, ref.storage_offset, values.shape, values.stride,
+                           ref.requires_grad, ref.conj, ref.neg)
+        reader = TensorReader(self, stored, name)
+        leaf = ArrayLeaf(
+            keys=(), name=name, shape=values.shape, dtype=ref.dtype, layout=RegularGrid(values.shape),
+            reader=reader, verifier=reader.verify if ref.storage.nbytes else None,
+            extra={"file": self.name, "storage": ref.storage.key}, unreadable=self.zip.claim_problem(stored),
+        )
+        with self._lock:
+            return self._distinct.setdefault(geometry, leaf)
+
 
 class TensorReader:
-    """Reads a region of one tensor of an archive by byte ranges (the scheduler streams big ones)."""
+    """Reads a region of one tensor of an archive by byte ranges (the scheduler streams big ones).
+
+    A view's values come from its storage: the bytes from the region's first
+    element to its last, strided into place (payload.read_region). A tensor on
+    a storage other tensors read too, or a view that repeats its stored
+    elements, reads them from the archive's one fetch of the storage
+    (Archive.cached_member) when it is small enough to keep.
+    """
 
     reads_byte_ranges = True
 
@@ -226,6 +313,8 @@ class TensorReader:
         self._ref = ref
         self._name = name
         self._payload: tp.TensorPayload | None = None
+        self._distinct = tp.distinct_values(ref.size, ref.stride)
+        archive.add_reader(ref.storage.key)
 
     def _located(self) -> tp.TensorPayload:
         if self._payload is None:
@@ -235,12 +324,32 @@ class TensorReader:
     def __call__(self, region: Region) -> np.ndarray:
         payload = self._located()
         archive = self._archive
+        key = self._ref.storage.key
+        if payload.data_length and (self._distinct is not None or archive.shared(key)):
+            kept = archive.cached_member(key)
+            if kept is not None:
+                base = payload.data_offset
+
+                def from_kept(start: int, end: int) -> memoryview:
+                    return kept[start - base : end - base]
+
+                # (the CRC-32 was checked when the member was kept)
+                return tp.read_region(dataclasses.replace(payload, data_crc=0), region, from_kept, archive.where)
         out = tp.read_region(payload, region, archive.fetch, archive.where, archive.fetch_into)
         span = payload.span(region)
         if payload.data_crc and span == (payload.data_offset, payload.data_offset + payload.data_length):
             with archive._lock:  # read_region checked the whole member's CRC-32
-                archive.crc_checked.add(self._ref.storage.key)
+                archive.crc_checked.add(key)
         return out
+
+    def stored_values(self) -> tuple[ArrayLeaf, int | None] | None:
+        """For a view that repeats stored elements (stride 0, overlapping strides): the leaf of the
+        values it draws from, and how many times it repeats each (None: unevenly); None for any
+        other tensor. validate --deep reads and checks those values, never the logical view."""
+        if self._distinct is None:
+            return None
+        leaf = self._archive.distinct_leaf(self._ref, self._distinct, self._name)
+        return leaf, self._distinct.repeats
 
     def verify(self, index: int) -> None:
         """validate --deep: the storage member's CRC-32 (a tensor read in bands never passes it whole)."""
