@@ -10,6 +10,7 @@ from .. import formats
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
+from ..text import printable
 from .options import weights_option
 from .render import Node, Output, esc, human_bytes, human_count, plural
 
@@ -116,8 +117,10 @@ def _leaf_text(leaf: Leaf, result: InspectResult) -> str:
 
 
 def _flat_lines(result: InspectResult) -> list[str]:
-    width = max((len(leaf.path) for leaf in result.leaves), default=0)
-    return [f"{esc(leaf.path.ljust(width))}  {_leaf_text(leaf, result)}" for leaf in result.leaves]
+    # the column as shown: a name's escapes (\n, \x1b) are wider than the characters they stand for
+    shown = [printable(leaf.path) for leaf in result.leaves]
+    width = max(map(len, shown), default=0)
+    return [f"{esc(path.ljust(width))}  {_leaf_text(leaf, result)}" for path, leaf in zip(shown, result.leaves)]
 
 
 def _tree(result: InspectResult, depth: int | None) -> Node:

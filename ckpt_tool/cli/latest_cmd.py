@@ -6,6 +6,7 @@ import sys
 import click
 
 from ..runs import latest
+from ..text import printable
 from .render import Output
 
 
@@ -23,18 +24,19 @@ def latest_command(root: str, deep: bool, as_json: bool) -> None:
     if not as_json and found.path is not None:
         for s in found.skipped:
             pointed = f" (named by {found.pointer_file})" if s["pointer"] else ""
-            click.echo(f"ckpt: latest: skipped {s['name']}{pointed}: {s['status']}: {s['reason']}", err=True)
+            click.echo(printable(f"ckpt: latest: skipped {s['name']}{pointed}: {s['status']}: {s['reason']}"), err=True)
         if found.pointer_problem:
-            click.echo(f"ckpt: latest: {found.pointer_file}: {found.pointer_problem}", err=True)
+            click.echo(printable(f"ckpt: latest: {found.pointer_file}: {found.pointer_problem}"), err=True)
     if as_json:
         out.json(found.to_json())
     elif found.path is not None:
-        out.write(found.path + "\n")
+        # escaped like every shown name: a path holding a newline must not become two paths
+        out.text_line(found.path)
     else:
         # one line: the newest step passed over says why
         why = ""
         if found.skipped:
             s = found.skipped[0]
             why = f" ({len(found.skipped)} passed over; newest: {s['name']}: {s['status']}: {s['reason']})"
-        click.echo(f"ckpt: error: {found.root}: no step that is complete and passes validate{why}", err=True)
+        click.echo(printable(f"ckpt: error: {found.root}: no step that is complete and passes validate{why}"), err=True)
     sys.exit(0 if found.path is not None else 1)

@@ -7,6 +7,7 @@ import sys
 import click
 
 from ..runs import RunListing, StepRow, list_run
+from ..text import printable
 from .render import Output, esc, human_bytes, plural
 
 _COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
@@ -60,7 +61,8 @@ def _table(out: Output, listing: RunListing, check: bool) -> None:
         if check:
             c = s.check or {}
             cells.append("ok" if c.get("ok") else f"FAILED: {c.get('first')}")
-        rows.append(cells)
+        # measured as shown: a name's escapes (\n, \x1b) are wider than the characters they stand for
+        rows.append([printable(c) for c in cells])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     out.line("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
     for s, cells in zip(listing.steps, rows):

@@ -21,6 +21,7 @@ import click
 
 from .. import __version__, formats
 from ..errors import CkptError, UsageError
+from ..text import printable
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -164,6 +165,7 @@ def _run(argv: list[str] | None) -> int:
         _json_error(args, "interrupted", word)
         return EXIT_INTERRUPTED
     except click.ClickException as exc:
+        exc.message = printable(exc.message)  # an option value echoed back may hold a terminal escape
         exc.show()
         _json_error(args, "usage" if isinstance(exc, click.UsageError) else "error", exc.format_message())
         return exc.exit_code if exc.exit_code else EXIT_USAGE
@@ -172,7 +174,7 @@ def _run(argv: list[str] | None) -> int:
             raise
         # the core's usage errors (--mesh data:2, --step abc, a bad rules
         # file) print exactly as click's own: usage line, help hint, Error:
-        click.UsageError(str(exc), _command_context(args)).show()
+        click.UsageError(printable(str(exc)), _command_context(args)).show()
         _json_error(args, exc.code, str(exc), exc.where)
         return EXIT_USAGE
     except CkptError as exc:
@@ -180,8 +182,8 @@ def _run(argv: list[str] | None) -> int:
             raise
         if exc.details and not _json_requested(args):
             for line in exc.details:
-                click.echo(f"  {_one_line(line)}")
-        click.echo(f"ckpt: error: {_one_line(str(exc))}", err=True)
+                click.echo(f"  {printable(line)}")
+        click.echo(f"ckpt: error: {printable(str(exc))}", err=True)
         _json_error(args, exc.code, str(exc), exc.where, exc.details)
         return EXIT_PROBLEM
     except KeyboardInterrupt:
@@ -196,21 +198,10 @@ def _run(argv: list[str] | None) -> int:
         if _debug():
             raise
         message = f"{type(exc).__name__}: {exc}"
-        click.echo(f"ckpt: internal error: {_one_line(message)} (set CKPT_DEBUG=1 for the traceback)", err=True)
+        click.echo(f"ckpt: internal error: {printable(message)} (set CKPT_DEBUG=1 for the traceback)", err=True)
         _json_error(args, "internal", message)
         return EXIT_PROBLEM
     return EXIT_OK
-
-
-# control characters (C0 but tab, DEL, C1): a name read from a damaged file may hold a newline or a
-# terminal escape, and the error must stay one line that prints what it is
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0a, 0x20), *range(0x7f, 0xa0))}
-_CONTROL.update({0x0a: "\\n", 0x0d: "\\r"})
-
-
-def _one_line(text: str) -> str:
-    """`text` with its control characters escaped (\\n, \\x1b): one line, no terminal codes."""
-    return text.translate(_CONTROL)
 
 
 def _command_context(args: list[str]) -> click.Context:

@@ -5,6 +5,7 @@ import contextlib
 from typing import Any, Iterator
 
 from ..findings import Progress, no_progress
+from ..text import printable
 from .render import Output, human_bytes, human_rate
 
 
@@ -37,7 +38,11 @@ class ProgressBar:
 
     def update(self, what: str, done: int, total: int) -> None:
         if what.startswith("step "):  # validate --deep on a root: one bar per step, named
-            self._progress.update(self._task, description=f"{self._description}, {what}", completed=done, total=total)
+            # a step's name comes from the input: escaped, and out of rich markup
+            from rich.markup import escape
+
+            self._progress.update(self._task, description=escape(printable(f"{self._description}, {what}")),
+                                  completed=done, total=total)
             return
         self._progress.update(self._task, completed=done, total=total)
 

@@ -3,6 +3,10 @@
 Commands hand it finished content (header rows, trees of labelled nodes,
 lines, JSON objects); it decides how that looks. Labels use rich markup; in
 plain mode the markup is stripped so scripts and logs get stable text.
+Every text it shows goes through text.printable: names, paths and reasons
+come from the input, and a newline, a terminal escape or a lone surrogate in
+them is shown as an escape, never acted on or failing the write. JSON is
+written ASCII-only (json.dumps escapes those itself).
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from ..text import printable
 
 # rich is imported when something is rendered for a person: `--json` runs
 # (CI scripts, the inspect benchmark) do not pay for it
@@ -104,20 +110,25 @@ class Output:
             )
         return self._console
 
+    def text_line(self, text: str) -> None:
+        """One line of plain text (no markup), escaped as every shown text is."""
+        self.write(printable(text) + "\n")
+
     def json(self, obj: Any) -> None:
         # indented for a person; compact in a pipe, where the pure-Python
-        # indenting encoder would cost more than reading the metadata
-        text = json.dumps(obj, indent=2 if self.is_terminal else None, default=str)
+        # indenting encoder would cost more than reading the metadata. ASCII
+        # (json.dumps' default): a lone surrogate in a name stays the escape
+        # \udc80, which a UTF-8 stream can write and json.loads gives back
+        text = json.dumps(obj, indent=2 if self.is_terminal else None, default=str, ensure_ascii=True)
         self.write(text + "\n")
         self._guard(self.stream.flush)
 
     def line(self, markup: str = "") -> None:
-        from rich.text import Text
-
+        text = _text(markup)
         if self.is_terminal:
-            self.console.print(markup)
+            self.console.print(text)
         else:
-            self.write(Text.from_markup(markup).plain + "\n")
+            self.write(text.plain + "\n")
 
     def lines(self, markups: Iterable[str]) -> None:
         for m in markups:
@@ -132,21 +143,20 @@ class Output:
             grid.add_column(style="bold")
             grid.add_column()
             for k, v in rows:
-                grid.add_row(k, Text.from_markup(v))
-            self.console.print(Text.from_markup(f"[bold]{title}[/bold]"))
+                grid.add_row(Text(printable(k)), _text(v))
+            self.console.print(_text(f"[bold]{title}[/bold]"))
             self.console.print(grid)
         else:
             self.line(title)
-            width = max((len(k) for k, _ in rows), default=0)
+            width = max((len(printable(k)) for k, _ in rows), default=0)
             for k, v in rows:
-                self.line(f"  {esc(k).ljust(width)}  {v}")
+                self.line(f"  {esc(printable(k).ljust(width))}  {v}")
 
     def tree(self, root: Node) -> None:
-        from rich.text import Text
         from rich.tree import Tree
 
         if self.is_terminal:
-            tree = Tree(Text.from_markup(root.label), guide_style="dim")
+            tree = Tree(_text(root.label), guide_style="dim")
             self._fill(tree, root.children)
             self.console.print(tree)
         else:
@@ -154,13 +164,22 @@ class Output:
             self._plain(root.children, "  ")
 
     def _fill(self, parent: Any, children: list[Node]) -> None:
-        from rich.text import Text
-
         for child in children:
-            branch = parent.add(Text.from_markup(child.label))
+            branch = parent.add(_text(child.label))
             self._fill(branch, child.children)
 
     def _plain(self, children: list[Node], indent: str) -> None:
         for child in children:
             self.line(indent + child.label)
             self._plain(child.children, indent + "  ")
+
+
+def _text(markup: str) -> Any:
+    """A rich Text of `markup` with the input's unsafe characters escaped (text.printable).
+
+    Escaped after esc(): an escape ends in a letter or hex digit, so it never
+    makes a backslash that turns a following '[' into markup or out of it.
+    """
+    from rich.text import Text
+
+    return Text.from_markup(printable(markup))

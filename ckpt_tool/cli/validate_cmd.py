@@ -13,6 +13,7 @@ from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
 from .options import memory_option, weights_option
 from .progress import progress_for
+from ..text import printable
 from .render import Output, esc, human_bytes, plural
 
 
@@ -98,8 +99,9 @@ def _github(out: Output, report: ValidationReport) -> None:
         level = "error" if f.severity == ERROR else "warning"
         where = f" {f.file}" if f.file else ""
         leaf = f" [{f.leaf}]" if f.leaf else ""
-        # annotation text must stay on one line
+        # annotation text must stay on one line: GitHub's own escapes for CR and LF (%0D, %0A),
+        # then the other control characters as every shown text has them (\x1b)
         message = f"{f.code}{leaf}: {f.message}{where}".replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-        out.write(f"::{level} title=ckpt validate::{message}\n")
+        out.text_line(f"::{level} title=ckpt validate::{message}")
     errors = sum(f.severity == ERROR for f in report.findings)
-    out.write(f"ckpt validate {report.path}: {plural(errors, 'error')}, {plural(len(report.findings) - errors, 'warning')}\n")
+    out.text_line(f"ckpt validate {report.path}: {plural(errors, 'error')}, {plural(len(report.findings) - errors, 'warning')}")
