@@ -41,6 +41,7 @@ from types import TracebackType
 from typing import Any, Mapping, Protocol
 
 from .errors import CkptError
+from .text import is_ascii_number
 
 # which library coordinates: auto (by the rules above), torch, jax; off: ignore launcher variables
 CHOICE_VARIABLE = "CKPT_DISTRIBUTED"
@@ -367,7 +368,7 @@ def _first_line(exc: BaseException) -> str:
 def _split_address(address: str, source: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     host = host.strip("[]")  # [::1]:1234
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not is_ascii_number(port) or not 0 < int(port) < 65536:
         raise LaunchError(f"coordinator address {address!r} ({source}) is not HOST:PORT")
     return host, int(port)
 

@@ -44,6 +44,7 @@ from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
+from .text import is_ascii_number
 from .writers import TargetArray, WritePlan
 
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
@@ -116,7 +117,7 @@ def parse_mesh(text: str) -> list[tuple[str, int]]:
     for part in (p.strip() for p in text.split(",")):
         name, eq, size = part.partition("=")
         name = name.strip()
-        if not eq or not name or not size.strip().isdigit():
+        if not eq or not name or not is_ascii_number(size.strip()):
             raise UsageError(f"--mesh wants NAME=SIZE[,NAME=SIZE...], e.g. data=2,model=4; got {text!r}")
         if int(size) < 1:
             raise UsageError(f"--mesh: axis {name!r} has size {size}; sizes are at least 1")

@@ -23,6 +23,7 @@ from .findings import ERROR
 from .formats import roots
 from .formats.roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
 from .storage import Storage, check_url
+from .text import is_ascii_number
 
 __all__ = ["StepRow", "RunListing", "Latest", "list_run", "latest", "step_path"]
 
@@ -277,7 +278,7 @@ def step_path(root: str, step: str | int) -> tuple[str, str | int | None]:
         chosen = found.path
     else:
         names = {e.name: e for e, _ in entries}
-        matches = [e for e, n in entries if e.name == text or (text.isdigit() and n == int(text))]
+        matches = [e for e, n in entries if e.name == text or (is_ascii_number(text) and n == int(text))]
         if not matches:
             have = ", ".join(sorted((str(n) for _, n in entries if n is not None), key=int)[-6:]) or "none"
             raise UsageError(f"--step {text}: no such step in {listing.storage.url} (steps: {have})")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import CkptError, CorruptMetadataError
+from ..text import is_ascii_number
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -408,7 +409,7 @@ def _verl_pointer(listing: RootListing) -> str:
         raise CorruptMetadataError("not a step number", where)
     text = listing.storage.read(VERL_TRACKER).decode("utf-8", "replace").strip()
     # verl writes str(global_steps); find_latest_ckpt_path reads int(...) and opens global_step_{N}
-    if not text.isdigit():
+    if not is_ascii_number(text):
         raise CorruptMetadataError(f"{text[:40]!r} is not a step number", where)
     return f"global_step_{int(text)}"
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from ..errors import CkptError, DestinationExistsError, NotFoundError, PathEscapeError, UsageError
 from ..findings import Progress, no_progress
 from ..storage import Storage
+from ..text import is_ascii_number
 from .hashing import hash_files
 from .schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, parse, render
 
@@ -268,7 +269,7 @@ def _remove_dead_temporaries(directory: str) -> None:
         return
     for n in names:
         pid = n[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not is_ascii_number(pid) or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)

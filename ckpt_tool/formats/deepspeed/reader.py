@@ -95,6 +95,7 @@ from ...model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, Region, Regu
 from ...storage import Storage
 from ...torchsave import safe_pickle
 from ...torchsave.safe_pickle import DSLossScaler, Size, TensorRef
+from ...text import is_ascii_number
 from ..torch_save import reader as ts
 from . import layout as L
 from . import moe
@@ -1005,7 +1006,7 @@ def pick_step(storage: Storage, step: str | int | None) -> tuple[str, list[StepI
     """(step directory name, the root's steps, latest's tag) for --step (None / 'latest': `latest`'s tag)."""
     steps, tag, problem = list_steps(storage)
     name = choose_step(storage, step, steps, tag, problem, LATEST,
-                       lambda text: [f"global_step{text}"] if text.isdigit() else [text],
+                       lambda text: [f"global_step{text}"] if is_ascii_number(text) else [text],
                        "no global_stepN directories and no latest file", complete_only=False)
     return name, steps, tag
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, StepInfo, ValueLeaf
 from ...storage import Storage
+from ...text import is_ascii_number
 from . import pickled, reformulated
 
 # detection (detection.py, which the registry imports without this module) and the names it looks for
@@ -251,7 +252,7 @@ def read_tracker(storage: Storage) -> str | None:
     text = storage.read(TRACKER_FILE).decode("utf-8", "replace").strip()
     if text == "release":
         return RELEASE_DIR
-    if not text.isdigit():
+    if not is_ascii_number(text):
         raise CorruptMetadataError(f"{text[:40]!r} is not an iteration number (or 'release')", where)
     return step_dir(int(text))
 
@@ -328,7 +329,7 @@ def _chosen(storage: Storage, step: str | int | None, tracker: str | None, steps
     text = str(step)
     if text == RELEASE_DIR or STEP_DIR.match(text):
         name = text
-    elif text.isdigit():
+    elif is_ascii_number(text):
         name = step_dir(int(text))
     else:
         raise UsageError(f"--step {text!r}: an iteration number, iter_NNNNNNN, 'release' or 'latest'")

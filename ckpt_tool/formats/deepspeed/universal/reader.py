@@ -49,6 +49,7 @@ from ....errors import CkptError, CorruptMetadataError, NotFoundError, UsageErro
 from ....model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, RegularGrid, StepInfo, ValueLeaf
 from ....storage import Storage
 from ....torchsave.safe_pickle import DSZeroStage, TensorRef
+from ....text import is_ascii_number
 from ...torch_save import reader as ts
 from .. import layout as L
 from .. import reader as ds
@@ -128,7 +129,7 @@ def pick_step(storage: Storage, step: str | int | None) -> tuple[str, list[StepI
     steps, tag, problem = list_steps(storage)
     name = choose_step(
         storage, step, steps, tag, problem, LATEST,
-        lambda text: [f"global_step{text}_universal", f"global_step{text}"] if text.isdigit() else [text],
+        lambda text: [f"global_step{text}_universal", f"global_step{text}"] if is_ascii_number(text) else [text],
         f"no universal step directory (zero/ beside a model-states file) and no {LATEST}", complete_only=True,
     )
     return name, steps, tag
