@@ -6,14 +6,21 @@ place once complete (object stores have no rename: the commit markers written
 last make the output a checkpoint there). Three rules keep that safe:
 
 * Only a checkpoint is ever replaced. `--overwrite` replaces DST when ckpt
-  recognises it as a checkpoint (any format it reads: the registry's
-  detection) or when it is an empty directory. A regular file, a symlink, a
-  directory holding anything else, the working directory, a home directory,
-  a filesystem root or mount point, a version-controlled directory, SRC or
-  an ancestor of it are refused with one line saying what DST is. The check
-  runs when the run starts and again on the very directory moved aside at
-  the end (DST may have changed while the run wrote), before anything is
-  deleted.
+  recognises it as one checkpoint (any format it reads: the registry's
+  detection) and every entry in it belongs to that checkpoint (what the
+  format that recognised it says its checkpoints hold: formats.contents),
+  or when it is an empty directory. A checkpoint beside anything else (a
+  user's notes.txt, a logs/ directory) is refused naming those entries:
+  ckpt never deletes what is not a checkpoint's, and merging a new output
+  into a directory of other files would give up the atomic rename. A run
+  root of several steps is refused too (replacing it would delete every
+  step for one checkpoint). A regular file, a symlink, a directory holding
+  anything else, the working directory, a home directory, a filesystem root
+  or mount point, a version-controlled directory, SRC or an ancestor of it
+  are refused with one line saying what DST is. The check runs when the run
+  starts and again on the very directory moved aside at the end (DST may
+  have changed while the run wrote), before anything is deleted; what was
+  replaced comes back as a line in OutputDir.notes.
 * A temporary output names its owner. The first file written into it is
   `.ckpt-owner.json` (host, pid, the pid's start time from /proc, boot id,
   wall-clock start). A later run to the same DST looks at the temporaries
@@ -46,10 +53,10 @@ import stat
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import CkptError, DestinationExistsError
-from .formats import TMP_MARKER, names_single_file
+from .formats import TMP_MARKER, Contents, names_single_file
 from .storage import Storage, _kvstore_spec
 
 OWNER_FILE = ".ckpt-owner.json"
@@ -61,6 +68,8 @@ _TEMP_NAME = re.compile(r"^\.(?P<base>.+)" + re.escape(TMP_MARKER) + r"(?:-old)?
 # directories that hold a person's work, never a checkpoint's
 _VCS_MARKERS = (".git", ".hg", ".svn")
 _SHOWN_NAMES = 3
+_OTHERS_SHOWN = 6  # entries named when a checkpoint shares DST with other entries
+_REPLACED_SHOWN = 6
 
 
 # -- who owns a temporary output ---------------------------------------------------
@@ -307,6 +316,8 @@ class Verdict:
 
     replaceable: bool
     what: str  # "a checkpoint (orbax)", "a regular file (12 bytes)", ...
+    parts: tuple[str, ...] = ()  # a replaceable checkpoint's top-level entries (what replacing it deletes)
+    hint: str = ""  # what to do instead, where the refusal alone would not say
 
     def exists_error(self, destination: str) -> CkptError:
         """The error for an existing DST without --overwrite: the hint only where --overwrite would work."""
@@ -315,7 +326,16 @@ class Verdict:
         return DestinationExistsError(f"destination exists and is {self.what}; choose another destination", destination)
 
     def refusal(self, destination: str) -> CkptError:
-        return DestinationExistsError(f"destination is {self.what}; refusing to replace it", destination)
+        hint = f": {self.hint}" if self.hint else ""
+        return DestinationExistsError(f"destination is {self.what}; refusing to replace it{hint}", destination)
+
+    def replaced(self, destination: str) -> str:
+        """The line saying what replacing DST deleted (OutputDir.notes)."""
+        if not self.parts:
+            return f"replaced {self.what} at {destination}"
+        n = len(self.parts)
+        return (f"replaced {self.what} at {destination}: {n} entr{'ies' if n != 1 else 'y'} "
+                f"({_names_text(list(self.parts), _REPLACED_SHOWN)})")
 
 
 def _is_within(inner: str, outer: str) -> bool:
@@ -344,25 +364,50 @@ def _protected(real: str) -> str | None:
     return None
 
 
-def _entries_text(dirs: list[str], files: list[str], noun: str = "file") -> str:
+def _names_text(names: list[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (f", and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _entries_text(dirs: list[str], files: list[str], noun: str = "file", shown: int = _SHOWN_NAMES) -> str:
     parts = []
     if files:
         parts.append(f"{len(files)} {noun}{'s' * (len(files) != 1)}")
     if dirs:
         parts.append(f"{len(dirs)} director{'ies' if len(dirs) != 1 else 'y'}")
     names = sorted(files) + [d + "/" for d in sorted(dirs)]
-    shown = ", ".join(names[:_SHOWN_NAMES]) + (", ..." if len(names) > _SHOWN_NAMES else "")
-    return f"{' and '.join(parts)} ({shown})"
+    if shown == _SHOWN_NAMES:
+        listed = ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+    else:
+        listed = _names_text(names, shown)
+    return f"{' and '.join(parts)} ({listed})"
 
 
-def _recognised(url: str) -> str | None:
-    """The format ckpt reads at `url`, if any (the registry's detection; metadata is not parsed)."""
-    from .formats import detect
+def _recognised(url: str, names: list[str] | None = None) -> Contents | None:
+    """What ckpt recognises at `url`: the checkpoint's format and which entries are its own
+    (formats.contents: the registry's detection and the format's parts; metadata is not parsed)."""
+    from .formats import contents
 
     try:
-        return detect(Storage.open(url)).NAME
+        return contents(Storage.open(url), names)
     except Exception:  # noqa: BLE001 - anything a detector trips on: not a checkpoint it recognises
         return None
+
+
+def _checkpoint_verdict(found: Contents, is_dir: Callable[[str], bool]) -> Verdict:
+    """A recognised checkpoint: replaceable when all of it is the checkpoint's and it is one checkpoint."""
+    fmt = found.format.name
+    if found.steps:
+        n = len(found.steps)
+        return Verdict(False, f"a run root of {n} checkpoints ({found.run}: "
+                              f"{_names_text([s + '/' if is_dir(s) else s for s in found.steps], _OTHERS_SHOWN)})",
+                       hint="replacing it would delete every step; choose a new directory")
+    if found.others:
+        dirs = [n for n in found.others if is_dir(n)]
+        files = [n for n in found.others if n not in dirs]
+        return Verdict(False, f"a checkpoint ({fmt}) beside {_entries_text(dirs, files, shown=_OTHERS_SHOWN)} "
+                              f"that {'are' if len(found.others) != 1 else 'is'} not part of it",
+                       hint="ckpt deletes only a checkpoint's own files; move the others out, or choose another destination")
+    return Verdict(True, f"a checkpoint ({fmt})", parts=tuple(d + "/" if is_dir(d) else d for d in found.parts))
 
 
 def judge_local(path: str, source: str | None = None) -> Verdict | None:
@@ -398,10 +443,15 @@ def judge_local(path: str, source: str | None = None) -> Verdict | None:
     vcs = [n for n in _VCS_MARKERS if n in names]
     if vcs:
         return Verdict(False, f"a version-controlled directory ({vcs[0]})")
-    fmt = _recognised(path)
-    if fmt is not None:
-        return Verdict(True, f"a checkpoint ({fmt})")
-    dirs = [n for n in names if os.path.isdir(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))]
+
+    def is_dir(name: str) -> bool:
+        return os.path.isdir(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name))
+
+    # the directory's own listing: empty directories, links and special files count too
+    found = _recognised(path, names)
+    if found is not None:
+        return _checkpoint_verdict(found, is_dir)
+    dirs = [n for n in names if is_dir(n)]
     files = [n for n in names if n not in dirs]
     return Verdict(False, f"a directory holding {_entries_text(dirs, files)} that are not a checkpoint")
 
@@ -424,11 +474,11 @@ def judge_remote(destination: str, storage: Storage, keys: list[str], source: st
     src = _remote_key(source) if source else None
     if src is not None and dst is not None and src[:2] == dst[:2] and src[2].startswith(dst[2]):
         return Verdict(False, "the source or a prefix holding it")
-    fmt = _recognised(destination)
-    if fmt is not None:
-        return Verdict(True, f"a checkpoint ({fmt})")
     top = sorted({k.split("/", 1)[0] for k in keys if "/" not in k})
     dirs = sorted({k.split("/", 1)[0] for k in keys if "/" in k})
+    found = _recognised(destination)
+    if found is not None:
+        return _checkpoint_verdict(found, set(dirs).__contains__)
     return Verdict(False, f"a prefix holding {_entries_text(dirs, top, 'object')} that are not a checkpoint")
 
 
@@ -488,6 +538,7 @@ def prepare_output(
             raise CkptError("destination is the source or inside it; the source is never written", destination)
         if _is_within(src_real, dst_real):
             raise CkptError(f"destination holds the source ({source}); refusing to write over it", destination)
+    replacing: Verdict | None = None
     if os.path.lexists(dst_local):
         verdict = judge_local(dst_local, src_local)
         if verdict is not None:
@@ -495,6 +546,7 @@ def prepare_output(
                 raise verdict.exists_error(destination)
             if not verdict.replaceable:
                 raise verdict.refusal(destination)
+            replacing = verdict
     parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
     try:
         os.makedirs(parent, exist_ok=True)
@@ -507,6 +559,10 @@ def prepare_output(
     out = OutputDir(destination, tmp, tmp, src_local)
     if primary:
         _clear_leftovers(out, parent, base)
+        if replacing is not None:
+            # said now (a command's summary takes the notes when the run starts); finalize_output
+            # checks DST again and corrects this line if what it replaces changed meanwhile
+            out.notes.append(replacing.replaced(destination))
     return out
 
 
@@ -521,6 +577,7 @@ def _prepare_remote(source: str, destination: str, *, overwrite: bool) -> Output
         if not verdict.replaceable:
             raise verdict.refusal(destination)
         dst.delete_all()
+        return OutputDir(destination, destination, None, notes=[verdict.replaced(destination)])
     return OutputDir(destination, destination, None)
 
 
@@ -649,6 +706,13 @@ def _replace(out: OutputDir, dst: str) -> None:
             pass
         raise
     shutil.rmtree(trash, ignore_errors=True)
+    said = moved.replaced(out.destination) if moved is not None else None
+    old = [i for i, line in enumerate(out.notes) if line.startswith("replaced ")]
+    if said is not None and said not in out.notes:
+        if old:
+            out.notes[old[0]] = said
+        else:
+            out.notes.append(said)
 
 
 def discard_output(out: OutputDir) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
-from ..errors import UnknownFormatError, UsageError
+from ..errors import CkptError, UnknownFormatError, UsageError
 
 if TYPE_CHECKING:
     from ..model import Checkpoint
@@ -39,6 +39,9 @@ class FormatModule(Protocol):
 
     def read(self, storage: Storage, *, step: str | int | None = None) -> Checkpoint: ...
 
+
+# sub-directories looked into when a directory's contents are judged (as unknown.describe does)
+_MAX_SUBDIRS = 64
 
 # leaf kinds a format may hold (FormatInfo.value_kinds)
 VALUE_KINDS = frozenset({"array", "scalar", "string", "object"})
@@ -77,6 +80,17 @@ class FormatInfo:
     # reader options it takes ("weights": which copy of the weights to give), passed to its read();
     # any other format refuses them by name (read_options below)
     read_options: tuple[str, ...] = ()
+    # top-level names its checkpoints hold beside `claims` (data directories, pointers, what its
+    # writer leaves): with `claims`, what `--overwrite` may replace (contents below); anything
+    # else in the directory is someone else's and is never deleted
+    parts: tuple[str, ...] = ()
+    # a sub-directory holding a file of one of these names is part of its checkpoint (a
+    # per-array zarr directory named after its parameter: no name glob can say that)
+    part_dirs: tuple[str, ...] = ()
+    # a single-file format: names that make its top-level files one model directory even beside
+    # sub-directory checkpoints (a Hugging Face config.json, a shard index naming the files); without
+    # one, loose files beside checkpoints are one more checkpoint among several (detect refuses)
+    model_marks: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -104,8 +118,26 @@ class FormatInfo:
         """Whether a top-level file or directory `name` is one this format's checkpoints hold."""
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.claims)
 
+    def part(self, name: str) -> bool:
+        """Whether a top-level entry `name` belongs to this format's checkpoints by its name alone."""
+        return self.claimed(name) or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.parts)
+
 
 _ALL = frozenset({"array", "scalar", "string", "object"})
+
+# the files of a Hugging Face model directory beside its weights (transformers' and tokenizers'
+# names, the model card): part of a safetensors / pytorch_model.bin checkpoint directory, and copied
+# with it by convert (hf_export.COMPANIONS names the same files)
+HF_MODEL_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+    "tokenizer.model", "*.tiktoken", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "processor_config.json", "video_preprocessor_config.json", "README.md", "LICENSE*", "NOTICE*",
+)
+# what the Hugging Face Trainer saves beside the model in a checkpoint-N/ directory
+HF_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "trainer_state.json", "training_args.bin")
+# per-array zarr directories (v2 and v3): an Orbax array, a T5X array, a Megatron zarr-backend key
+_ZARR_ARRAY_FILES = (".zarray", "zarr.json")
 
 # In detection order: the first format whose detect() claims a directory reads it.
 # msgpack first: an orbax <= 0.4 save has OCDBT files but no _METADATA.
@@ -116,17 +148,29 @@ REGISTRY: dict[str, FormatInfo] = {
         claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"), claims_flat=True,
         reads="Megatron-Core / NeMo 2 saves (torch_dist, zarr) and Megatron-LM run roots (also legacy mp_rank_*)",
         listed=5,
+        # the DCP files of torch_dist, integrity.json, NeMo 2's weights/ + context/, a run's steps
+        parts=(".metadata", "*.distcp", "integrity.json", "weights", "context", "iter_*", "release", "mp_rank_*"),
+        part_dirs=(*_ZARR_ARRAY_FILES, "shard_*.pt"),  # the zarr backend: a directory per key
     ),
     "msgpack": FormatInfo(
         "msgpack", "Flax / T5X msgpack", f"{__name__}.msgpack", can_write=False, value_kinds=_ALL,
         claims=("checkpoint", "checkpoint_*"), reads="Flax msgpack and T5X checkpoints",
         claims_mark_checkpoint=False, single_file="any", file_suffixes=(".msgpack",), families=("flax", "t5x"), listed=3,
+        # a Flax state file by its suffix; orbax <= 0.4 beside its `checkpoint` file: _sharding and the
+        # OCDBT database (or zarr arrays)
+        parts=("*.msgpack", "_sharding", "manifest.ocdbt", "d", "ocdbt.process_*"), part_dirs=_ZARR_ARRAY_FILES,
     ),
     "orbax": FormatInfo(
         "orbax", "Orbax", f"{__name__}.orbax", can_write=True, value_kinds=_ALL,
         claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
         reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
         can_reshard=True, listed=0, options=("zarr3",), claims_flat=True,
+        # (orbax's file names: OCDBT data and per-process databases, items, a manager's metadata,
+        # saves in progress and TensorStore's locks, 0.5's msgpack tree `checkpoint`)
+        parts=("d", "ocdbt.process_*", "array_metadatas", "_strings.json", "_ROOT_METADATA", "descriptor",
+               "metadata", "metrics", "orbax.checkpoint", "*.orbax-checkpoint-tmp*", "*.__lock", "checkpoint"),
+        # an array's zarr directory; an item of another handler (JsonCheckpointHandler's `metadata`)
+        part_dirs=(*_ZARR_ARRAY_FILES, "metadata", "commit_success.txt"),
     ),
     "dcp": FormatInfo(
         "dcp", "torch.distributed.checkpoint (DCP)", f"{__name__}.dcp", can_write=True, value_kinds=_ALL,
@@ -137,6 +181,7 @@ REGISTRY: dict[str, FormatInfo] = {
         value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
         options=("max_shard_size", "like"), claims_flat=True,
+        parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES), model_marks=("*.safetensors.index.json", "config.json"),
     ),
     # before deepspeed and torch: a universal step directory holds model-states .pt files beside zero/
     "deepspeed-universal": FormatInfo(
@@ -144,6 +189,7 @@ REGISTRY: dict[str, FormatInfo] = {
         value_kinds=_ALL, claims=("latest_universal", "zero"),
         reads="DeepSpeed universal checkpoints (ds_to_universal's zero/<param>/*.pt, a root with latest_universal)",
         listed=7, writes_from=("deepspeed",),
+        parts=("*_model_states.pt", "latest", "zero_to_*.py"),
     ),
     # before torch: a global_stepN directory holds .pt files, which are one ZeRO checkpoint, not loose torch.save files
     "deepspeed": FormatInfo(
@@ -151,6 +197,9 @@ REGISTRY: dict[str, FormatInfo] = {
         claims=("*_model_states.pt", "*_optim_states.pt"), short="DeepSpeed",
         reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=6,
         read_options=("weights",),
+        # pipeline stages' layer_NN-model_states.pt, the root's tag pointer, the scripts DeepSpeed copies
+        # there (zero_to_fp32.py, zero_to_torch.py), an HF Trainer's model files beside them
+        parts=("*-model_states.pt", "latest", "zero_to_*.py", *HF_MODEL_FILES),
     ),
     # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
     "torch": FormatInfo(
@@ -158,7 +207,9 @@ REGISTRY: dict[str, FormatInfo] = {
         claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
         reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
         claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
-        claims_flat=True,
+        claims_flat=True, model_marks=("*.bin.index.json", "config.json"),
+        # a verl actor's FSDP config and Hugging Face export beside its rank files
+        parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES, "fsdp_config.json", "huggingface"),
     ),
 }
 
@@ -269,8 +320,8 @@ def format_module(name: str) -> FormatModule:
     return get(name).module()  # type: ignore[return-value]
 
 
-def detect(storage: Storage) -> FormatModule:
-    """The package of the first format (in detection order) whose detect() claims `storage`."""
+def _claiming(storage: Storage) -> FormatInfo | None:
+    """The first format (in detection order) whose detect() claims `storage`, or None."""
     flat_files: list[str] | None = None  # the files of a directory without sub-directories
     listed = False
     for info in registered():
@@ -280,14 +331,120 @@ def detect(storage: Storage) -> FormatModule:
                 flat_files, listed = (None if dirs else files), True
             if flat_files is not None and not any(info.claimed(f) for f in flat_files):
                 continue  # its detect() would say no: its package stays unimported
-        module = info.module()
-        if module.detect(storage):
-            _check_options(info)
-            return module  # type: ignore[return-value]
+        if info.module().detect(storage):
+            return info
+    return None
+
+
+def _sub_checkpoints(storage: Storage, dirs: list[str]) -> list[tuple[str, FormatInfo]]:
+    """The sub-directories (the first _MAX_SUBDIRS) that are checkpoints themselves, with their format."""
+    found = []
+    for d in dirs[:_MAX_SUBDIRS]:
+        try:
+            info = _claiming(storage.child(d))
+        except CkptError:  # a sub-directory ckpt cannot look into is not a checkpoint it reads
+            continue
+        if info is not None:
+            found.append((d, info))
+    return found
+
+
+def _loose_beside_checkpoints(info: FormatInfo, storage: Storage) -> str | None:
+    """Why a directory a single-file format claims holds several checkpoints, not one; None if it does not.
+
+    A single-file format claims a directory by its loose top-level files (a `state.pt`, a
+    `.safetensors`). Beside sub-directories that are checkpoints themselves, those files are one
+    checkpoint among several, not the directory's checkpoint: reading them alone would ignore the
+    others in silence. A model directory (a Hugging Face config.json, a shard index: its format's
+    model_marks) is one checkpoint whatever sub-directories it has (transformers loads its top files);
+    sub-directories that are not checkpoints (logs/) change nothing.
+    """
+    if not info.single_file:
+        return None
+    dirs, files = storage.listdir()
+    loose = sorted(f for f in files if info.claimed(f))
+    if not dirs or not loose or any(fnmatch.fnmatchcase(f, m) for f in files for m in info.model_marks):
+        return None
+    subs = _sub_checkpoints(storage, dirs)
+    if not subs:
+        return None
+    entries = [f"{f} ({info.name})" for f in loose] + [f"{d}/ ({sub.name})" for d, sub in subs]
+    shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
+    example = f"{storage.url.rstrip('/')}/{subs[0][0]}"
+    return f"a directory of {len(entries)} checkpoints, not one: {shown}; open one, e.g. ckpt inspect {example}"
+
+
+def detect(storage: Storage) -> FormatModule:
+    """The package of the first format (in detection order) whose detect() claims `storage`."""
+    info = _claiming(storage)
+    if info is not None:
+        several = _loose_beside_checkpoints(info, storage)
+        if several is not None:
+            raise UnknownFormatError(several, storage.url)
+        _check_options(info)
+        return info.module()  # type: ignore[return-value]
     from .unknown import describe
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
     raise UnknownFormatError(describe(storage, _formats(), format_module), storage.url)
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a directory that a format recognises holds, entry by entry (its top level): what
+    belongs to the checkpoint (what `--overwrite` may replace) and what does not."""
+
+    format: FormatInfo
+    parts: tuple[str, ...]  # top-level entries of the checkpoint
+    others: tuple[str, ...]  # top-level entries that are not (a user's notes.txt, logs/)
+    steps: tuple[str, ...] = ()  # a run root holding several steps: their entries
+    run: str = ""  # that run root's framework ("Orbax CheckpointManager")
+
+
+def contents(storage: Storage, names: list[str] | None = None) -> Contents:
+    """Which of a checkpoint directory's top-level entries belong to it, by the format that
+    recognises it (UnknownFormatError where none does, as detect).
+
+    An entry belongs to the checkpoint when its format says so: a name its checkpoints hold (the
+    registry's `claims` and `parts`), a sub-directory that is a checkpoint of the same format (an
+    Orbax item or step, a DeepSpeed tag, torch's `sharded/`), one holding a file named in its
+    `part_dirs` (a per-array zarr directory), or a step or the pointer file of the run root it is.
+    `names`: the entries to judge (a local directory's own listing, which shows empty directories
+    and links that a listing of files never does); by default the storage's listing.
+    """
+    from . import roots
+
+    info = get(detect(storage).NAME)
+    dirs, files = storage.listdir()
+    steps: tuple[str, ...] = ()
+    run = ""
+    owned: set[str] = set()
+    found = roots.identify(roots.RootListing.of(storage))
+    if found is not None:
+        layout, entries = found
+        owned.update(entry.name for entry, _ in entries)
+        if layout.pointer:
+            owned.add(layout.pointer)
+        if len(entries) > 1:
+            steps, run = tuple(sorted(entry.name for entry, _ in entries)), layout.title
+    file_set, dir_set = set(files), set(dirs)
+
+    def belongs(name: str) -> bool:
+        if name in owned or info.part(name):
+            return name in file_set or name in dir_set
+        if name not in dir_set:
+            return False
+        try:
+            sub = storage.child(name)
+            if info.part_dirs and any(fnmatch.fnmatchcase(f, p) for f in sub.listdir()[1] for p in info.part_dirs):
+                return True
+            return _claiming(sub) is info
+        except CkptError:  # a sub-directory ckpt cannot look into is not one it may delete
+            return False
+
+    judged = sorted(set(names) if names is not None else file_set | dir_set)
+    parts = tuple(n for n in judged if belongs(n))
+    return Contents(info, parts, tuple(n for n in judged if n not in parts), steps, run)
 
 
 def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
