@@ -117,9 +117,56 @@ def a_type(value: Any) -> str:
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
-    """A value as it appears in a one-line message: repr, cut to `limit`, never failing."""
+    """A value as it appears in a one-line message: repr, cut to `limit`, never failing.
+
+    Lists, tuples, dicts and sets are spelled here, only as far as `limit` reaches: a
+    decoded pickle may share one list at 2**60 places or hold itself, where repr() would
+    never end (a cycle reads `[...]`, as repr spells it)."""
+    parts: list[str] = []
+    room = [limit + 1]  # characters still wanted; one past the limit shows that it was cut
+    on_path: set[int] = set()
+
+    def put(text: str) -> None:
+        parts.append(text[: room[0]])
+        room[0] -= len(parts[-1])
+
+    def spell(v: Any) -> None:
+        if room[0] <= 0:
+            return
+        t = type(v)
+        if t in (list, tuple, dict, set, frozenset) and v:
+            if id(v) in on_path:
+                put("[...]" if t is list else "{...}" if t is dict else "(...)")
+                return
+            on_path.add(id(v))
+            opening, closing = {list: ("[", "]"), tuple: ("(", ")"), dict: ("{", "}")}.get(t, ("{", "}"))
+            if t is frozenset:
+                opening, closing = "frozenset({", "})"
+            put(opening)
+            for i, item in enumerate(v.items() if t is dict else v):
+                if room[0] <= 0:
+                    break
+                if i:
+                    put(", ")
+                if t is dict:
+                    spell(item[0])
+                    put(": ")
+                    spell(item[1])
+                else:
+                    spell(item)
+            put("," + closing if t is tuple and len(v) == 1 else closing)
+            on_path.discard(id(v))
+            return
+        if t in (str, bytes, bytearray) and len(v) > room[0]:
+            v = v[: room[0]]  # (repr of a 100 MB string would copy it all to show a line)
+        try:
+            put(repr(v))
+        except Exception:  # a stand-in with odd state; never let repr fail the report
+            put(f"<{t.__name__}>")
+
     try:
-        text = repr(value)
-    except Exception:  # a stand-in with odd state; never let repr fail the report
-        text = f"<{type(value).__name__}>"
+        spell(value)
+    except RecursionError:  # nested past the interpreter's depth: show what was spelled
+        pass
+    text = "".join(parts)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -18,17 +18,20 @@ Two modes share the allow-list:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import ntpath
 import pickle
 import posixpath
 import re
-from typing import Any, Callable, ClassVar, Mapping
+import threading
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 from types import MappingProxyType
 
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, values
 from ..errors import CkptError, CorruptMetadataError, UnsafePickleError, short_repr
 from . import pickle_scan
 
@@ -756,6 +759,145 @@ MAX_NESTING = 200
 # more than 4,300); nothing torch stores needs a tenth of that
 MAX_LONG_BYTES = 1 << 10
 
+# ---------------------------------------------------------------------------
+# Memory: what unpickling will take, estimated from the opcodes before it runs
+# ---------------------------------------------------------------------------
+# The limits above bound counts, not bytes: within them a 2 MB run of one-byte
+# EMPTY_SET opcodes builds 480 MB of sets, and a payload at its size cap could
+# take tens of GB. So the walk also adds up a conservative byte cost of what
+# the C unpickler will allocate for each opcode (CPython 3.11-3.13, 64-bit;
+# sizes include the GC header and allocator rounding), and a pickle whose
+# estimate exceeds the limit is refused before anything is built. What the
+# allow-listed stand-ins build beyond one fixed-size object per call (a
+# torch.Size copying a memoized tuple, a path joined from memoized strings, a
+# numpy array copied from its bytes) is charged by the stand-in itself, at
+# run time and before it allocates (`charge`), against what the estimate left.
+#
+# The limit is the run's memory budget (--memory: `memory_budget`, default
+# 512 MiB, the scheduler's default) plus PICKLE_ALLOWANCE, a fixed allowance
+# so that a large real DCP .metadata (~12 bytes of objects per byte, estimated
+# at ~30) reads under the default budget.
+DEFAULT_BUDGET = 512 << 20  # scheduler.admission.DEFAULT_MEMORY (not imported: it pulls in the scheduler)
+PICKLE_ALLOWANCE = 512 << 20
+_SLOT = 24  # a reference in a list, tuple or the stack: 8 bytes, x1.125 growth, x2 while reallocated
+_MEMO = 24  # a memo entry: the memo array doubles (x2), and is copied when it does
+_DICT_ITEM = 192  # a dict entry (24 B) at the lowest fill after a resize, its index, the old table while resizing
+_SET_ITEM = 160  # a set entry (16 B): the table grows x4 at 60% fill, the old one kept while resizing
+_VALUE = 96  # a str/bytes object's header, the read buffer's; plus _PER_BYTE for each byte of its argument
+_PER_BYTE = 5  # a string's characters up to 4 bytes each (UCS-4), and the byte read
+_CALL = 128  # the one object a REDUCE/NEWOBJ/OBJ/INST call returns (a record, a TensorRef: ~100 B)
+
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("pickle_memory_budget", default=None)
+
+
+@contextlib.contextmanager
+def memory_budget(nbytes: int | None) -> Iterator[None]:
+    """Within it, pickles are unpickled within `nbytes` (--memory) plus PICKLE_ALLOWANCE (None: the default budget)."""
+    token = _BUDGET.set(nbytes)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def memory_limit() -> int:
+    """The bytes one pickle may take to unpickle in this context: the budget plus the fixed allowance."""
+    budget = _BUDGET.get()
+    return (DEFAULT_BUDGET if budget is None else budget) + PICKLE_ALLOWANCE
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB" if n < 10 << 30 else f"{n / (1 << 30):,.1f} GiB"
+
+
+def _over_limit(estimate: int, limit: int) -> str:
+    budget = limit - PICKLE_ALLOWANCE
+    return (f"unpickling it would take an estimated {_mib(estimate)} of memory, over the {_mib(limit)} allowed "
+            f"(the {_mib(budget)} memory budget + {_mib(PICKLE_ALLOWANCE)} for pickles); "
+            "a larger --memory admits it")
+
+
+class PickleMemoryError(CorruptMetadataError):
+    """A pickle that would take more memory to unpickle than the limit allows."""
+
+
+class _Allowance:
+    """What a stand-in may still allocate while one pickle loads (per thread: loads run in workers)."""
+
+    local = threading.local()
+
+
+def charge(nbytes: int) -> None:
+    """Count `nbytes` a stand-in is about to allocate against the pickle being loaded.
+
+    A no-op outside SafeUnpickler loads (a format's own unpickler that only
+    ran check_limits). Raises PickleMemoryError, before the allocation, once
+    the load's allowance is spent.
+    """
+    left = getattr(_Allowance.local, "left", None)
+    if left is None:
+        return
+    left -= nbytes
+    _Allowance.local.left = left
+    if left < 0:
+        limit = _Allowance.local.limit
+        raise PickleMemoryError(_over_limit(limit - left, limit))
+
+
+def _cost_tables() -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per opcode byte: the fixed cost and the cost per element a MARK-popping opcode takes in (the
+    walk's tables); and the most a byte can cost wherever it is (the fast bound's tables: without
+    and with set opcodes in the pickle)."""
+    import pickletools
+
+    fixed = [0] * 256
+    per_element = [0] * 256
+    sizes = {
+        "EMPTY_LIST": 64, "LIST": 64, "EMPTY_DICT": 224, "DICT": 224,  # (a dict with its first keys table)
+        "EMPTY_SET": 224, "FROZENSET": 224, "TUPLE": 48, "TUPLE1": 48 + _SLOT, "TUPLE2": 56 + 2 * _SLOT,
+        "TUPLE3": 64 + 3 * _SLOT, "BININT": 32, "BININT2": 32, "BINFLOAT": 32, "INT": 32, "LONG": 32, "FLOAT": 32,
+        "LONG1": 32, "LONG4": 32, "REDUCE": _CALL, "NEWOBJ": _CALL, "NEWOBJ_EX": _CALL, "OBJ": _CALL,
+        "INST": _CALL, "BINPERSID": 2 * _CALL, "PERSID": 2 * _CALL,  # (a StorageRef and its entry by key)
+        "MEMOIZE": _MEMO, "BINPUT": _MEMO, "LONG_BINPUT": _MEMO, "PUT": _MEMO, "MARK": 8,
+        "APPEND": _SLOT, "SETITEM": _DICT_ITEM,
+    }
+    elements = {"LIST": _SLOT, "TUPLE": _SLOT, "APPENDS": _SLOT, "DICT": _DICT_ITEM // 2,
+                "SETITEMS": _DICT_ITEM // 2, "FROZENSET": _SET_ITEM, "ADDITEMS": _SET_ITEM}
+    # opcodes that make no new stack value (the rest may: each such value may end up in a container,
+    # and the fast bound charges it the dearest place there is)
+    not_new = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD", "MEMOIZE", "PUT", "BINPUT",
+               "LONG_BINPUT", "POP", "POP_MARK", "MARK", "FRAME", "PROTO", "STOP"}
+    fast = [[_PER_BYTE] * 256, [_PER_BYTE] * 256]  # an argument byte: at most a string's
+    for op in pickletools.opcodes:
+        b = op.code.encode("latin-1")[0]
+        fixed[b] = sizes.get(op.name, 0)
+        per_element[b] = elements.get(op.name, 0)
+        has_value = op.arg is not None and op.arg.n < 0  # a length-prefixed value or a text line
+        new_value = bool(op.stack_after) and op.name not in not_new
+        for with_sets, dearest in ((0, max(_SLOT, _DICT_ITEM // 2)), (1, max(_SLOT, _DICT_ITEM // 2, _SET_ITEM))):
+            fast[with_sets][b] += fixed[b] + (_VALUE if has_value else 0) + (dearest if new_value else 0)
+    return fixed, per_element, fast[0], fast[1]
+
+
+_FIXED_COST, _ELEMENT_COST, _FAST_COST, _FAST_COST_WITH_SETS = _cost_tables()
+_FAST_COSTS = (np.array(_FAST_COST, dtype=np.int64), np.array(_FAST_COST_WITH_SETS, dtype=np.int64))
+_SET_OPCODES = (ord(b"\x90"), ord(b"\x91"))  # ADDITEMS, FROZENSET: a set's items cost more than a dict's
+
+
+def fast_memory_bound(data: bytes) -> int:
+    """An upper bound on what unpickling `data` takes, from how often each byte value occurs (C speed).
+
+    Valid for a pickle whose memo indices are within the limits (pickle_scan
+    proves it): every byte is charged as the dearest thing it can be, an
+    opcode (its object and its value's place in a container) or a byte of a
+    string; the stack is at most MAX_STACK_DEPTH slots, a frame's read buffer
+    and the input at most the data's size each. (~100 bytes a byte for a
+    DCP .metadata, which takes ~12; walk_limits estimates ~30.)
+    """
+    counts = np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256)
+    costs = _FAST_COSTS[bool(counts[_SET_OPCODES[0]] or counts[_SET_OPCODES[1]])]
+    return int(counts @ costs) + MAX_STACK_DEPTH * _SLOT + 2 * len(data)
+
 
 def _tables() -> tuple[list[int], list[int], list[int]]:
     """Per opcode byte: argument kind, stack delta, and the MARK action.
@@ -800,42 +942,64 @@ _LONG_BINPUT, _PUT, _BINPUT, _MEMOIZE, _LONG4, _BYTEARRAY8, _FRAME, _STOP = b"rp
 FAST_SCAN_MIN_BYTES = 128 << 10
 
 
-def check_limits(data: bytes, where: str, *, fast: bool | None = None) -> None:
-    """Refuse a pickle whose opcodes would take the unpickler past a limit.
+def check_limits(data: bytes, where: str, *, fast: bool | None = None, limit: int | None = None) -> int:
+    """Refuse a pickle whose opcodes would take the unpickler past a limit; the memory it would take.
 
     A large pickle is first matched against pickle_scan's pattern, which
-    proves in C that no limit can be reached; when it cannot (or `fast` is
-    False, or the pickle is small and `fast` is not True) walk_limits decides,
-    with the walk's own errors. `fast=True` skips the walk after a proof
-    whatever the size (tests run both ways).
+    proves in C that no count limit can be reached, and its memory bounded
+    from its bytes' counts (fast_memory_bound); when either fails (or `fast`
+    is False, or the pickle is small and `fast` is not True) walk_limits
+    decides, with the walk's own errors and its closer estimate. `fast=True`
+    skips the walk after a proof whatever the size (tests run both ways).
+    `limit`: the memory allowed (default: memory_limit(), the budget in force).
+    Returns the estimate (bytes) of what unpickling will take, the data included.
     """
+    if limit is None:
+        limit = memory_limit()
     if fast is None:
         fast = len(data) >= FAST_SCAN_MIN_BYTES
     if fast and pickle_scan.within_limits(data, MAX_STACK_DEPTH, MAX_OBJECTS):
-        return
-    walk_limits(data, where)
+        bound = fast_memory_bound(data)
+        if bound <= limit:
+            return bound
+    return walk_limits(data, where, limit)
 
 
-def walk_limits(data: bytes, where: str) -> None:
+def walk_limits(data: bytes, where: str, limit: int | None = None) -> int:
     """Walk the opcodes, counting what the unpickler would build; refuse past a limit.
 
-    Malformed input (a truncated pickle, an unknown opcode, a stack
-    underflow) ends the walk quietly: the unpickler then reports it, before
-    reaching anything this walk did not check.
+    Returns the estimated bytes unpickling takes (the data, the objects, the
+    memo, the stack and a frame's read buffer: see "Memory" above) and
+    refuses (PickleMemoryError) when it exceeds `limit` (default:
+    memory_limit()). Malformed input (a truncated pickle, an unknown opcode,
+    a stack underflow) ends the walk quietly: the unpickler then reports it,
+    before reaching anything this walk did not check.
     """
+    if limit is None:
+        limit = memory_limit()
     n = len(data)
-    pos = depth = objects = stores = 0
+    # the input, and the unpickler's read buffer of the largest frame (at most the input again)
+    base = 2 * n
+    pos = depth = objects = stores = peak = 0
+    cost = base
     marks: list[int] = []
-    arg_of, delta_of, mark_of = _ARG, _DELTA, _MARK
+    arg_of, delta_of, mark_of, fixed_of, element_of = _ARG, _DELTA, _MARK, _FIXED_COST, _ELEMENT_COST
 
     def refuse(what: str, at: int) -> None:
         raise CorruptMetadataError(f"pickle refused at byte {at}: {what}", where)
+
+    def estimate() -> int:
+        total = cost + peak * _SLOT
+        if total > limit:
+            raise PickleMemoryError(_over_limit(total, limit), where)
+        return total
 
     while pos < n:
         b = data[pos]
         kind = arg_of[b]
         at = pos
         pos += 1
+        cost += fixed_of[b]
         if kind > 0:
             if b == _LONG_BINPUT or b == _FRAME:
                 value = int.from_bytes(data[pos:pos + kind], "little")
@@ -847,7 +1011,7 @@ def walk_limits(data: bytes, where: str) -> None:
             pos += kind
         elif kind < 0:
             if kind == -99:
-                return  # not an opcode: the unpickler refuses it
+                return estimate()  # not an opcode: the unpickler refuses it
             if kind >= -8:
                 size = -kind
                 length = int.from_bytes(data[pos:pos + size], "little")
@@ -861,17 +1025,19 @@ def walk_limits(data: bytes, where: str) -> None:
                 if b == _LONG4 and length > MAX_LONG_BYTES:
                     refuse(f"a {length}-byte integer (limit {MAX_LONG_BYTES})", at)
                 pos += length
+                cost += _VALUE + _PER_BYTE * length
             else:
                 for _ in range(kind // -10):
                     end = data.find(b"\n", pos)
                     if end < 0:
-                        return
+                        return estimate()
                     line, pos = data[pos:end], end + 1
                     if end - at > 8 * MAX_LONG_BYTES:
                         refuse("a text argument of more than 8,192 bytes", at)
+                    cost += _VALUE + _PER_BYTE * len(line)
                 if b == _PUT:
                     if not line.isdigit():
-                        return
+                        return estimate()
                     value = int(line)
                     if value > stores or value >= MAX_MEMO_ENTRIES:
                         refuse(f"memo index {value} after {stores} memo stores", at)
@@ -884,23 +1050,32 @@ def walk_limits(data: bytes, where: str) -> None:
             depth += d
             if d > 0:
                 objects += 1
+                if depth > peak:
+                    peak = depth
                 if depth > MAX_STACK_DEPTH or objects > MAX_OBJECTS:
                     refuse(f"more than {MAX_STACK_DEPTH} stack entries or {MAX_OBJECTS} objects", at)
+                if cost > limit:
+                    return estimate()  # (refuses: no need to walk the rest)
             elif depth < 0:
-                return
+                return estimate()
             elif b == _STOP:
-                return
+                return estimate()
         elif action == 1:
             marks.append(depth)
             if len(marks) > MAX_NESTING:
                 refuse(f"MARKs nested more than {MAX_NESTING} deep", at)
         else:
             if not marks:
-                return
-            depth = marks.pop()
+                return estimate()
+            mark = marks.pop()
+            cost += (depth - mark) * element_of[b]
+            depth = mark
             if action == 2:
                 depth += 1
                 objects += 1
+                if depth > peak:
+                    peak = depth
+    return estimate()
 
 
 # Protocol 0-2 pickles from Python 3 spell a few modules the Python 2 way.
@@ -963,13 +1138,22 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int,
     if not data:
         raise CorruptMetadataError("empty pickle", where)
     data = bytes(data)
-    check_limits(data, where)  # before the unpickler allocates anything the opcodes ask for
+    memory = memory_limit()
+    estimate = check_limits(data, where, limit=memory)  # before the unpickler allocates anything the opcodes ask for
     unpickler = SafeUnpickler(data, where, payload=payload, extra=extra)
+    # what the stand-ins may build on top of the estimate (they charge it as they go)
+    allowance = _Allowance.local
+    outer = getattr(allowance, "left", None), getattr(allowance, "limit", None)
+    allowance.left, allowance.limit = memory - estimate, memory
     try:
         obj = unpickler.load()
     except UnsupportedTensorError as exc:
         if exc.where is None:  # raised by a rebuild stand-in, which does not know where it is
             raise UnsupportedTensorError(exc.message, where) from None
+        raise
+    except PickleMemoryError as exc:
+        if exc.where is None:  # raised by charge(), which does not know where it is
+            raise PickleMemoryError(exc.message, where) from None
         raise
     except CkptError:
         raise
@@ -985,6 +1169,8 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int,
         raise CorruptMetadataError(f"malformed pickle: {_first_line(exc)}", where) from None
     except Exception as exc:  # any failure here is the input's: nothing foreign ran
         raise CorruptMetadataError(f"malformed pickle: {type(exc).__name__}: {_first_line(exc)}", where) from None
+    finally:
+        allowance.left, allowance.limit = outer
     return obj, unpickler.storages
 
 
@@ -1006,45 +1192,28 @@ def load_payload(data: bytes, where: str,
     return finalize(obj, where), storages
 
 
-def finalize(obj: Any, where: str, resolve_tensor: Callable[[TensorRef], Any] | None = None) -> Any:
+def finalize(obj: Any, where: str, resolve_tensor: Callable[[TensorRef], Any] | None = None,
+             memo: dict[int, Any] | None = None) -> Any:
     """Replace numpy stand-ins (and, given a resolver, TensorRefs) inside a loaded value.
 
-    Containers are rebuilt bottom-up with a memo so shared and self-referencing
-    lists and dicts keep their identity.
+    Each object is converted once (values.transform): shared and self-referencing
+    lists and dicts keep their identity, as torch.load gives them, and the cost is one
+    step per stored object however often it is shared. `memo` may be kept between the
+    values of one pickle (the objects must stay alive as long as it does).
     """
-    memo: dict[int, Any] = {}
 
-    def walk(value: Any) -> Any:
-        vid = id(value)
-        if vid in memo:
-            return memo[vid]
+    def convert(value: Any) -> Any:
         if isinstance(value, NumpyArray):
-            out: Any = value.array
-            if out is None:
+            if value.array is None:
                 raise CorruptMetadataError("numpy array without data", where)
-        elif isinstance(value, NumpyDType):
-            out = value.resolve()
-        elif isinstance(value, TensorRef) and resolve_tensor is not None:
-            out = resolve_tensor(value)
-        elif isinstance(value, list):
-            out = memo[vid] = []
-            out.extend(walk(v) for v in value)
-        elif isinstance(value, dict):
-            out = memo[vid] = {}
-            for k, v in list(value.items()):
-                out[walk(k)] = walk(v)
-        elif type(value) is tuple:
-            out = tuple(walk(v) for v in value)
-        elif isinstance(value, (set, frozenset)):
-            out = type(value)(walk(v) for v in value)
-        else:
-            out = value
-        memo[vid] = out
-        return out
+            return value.array
+        if isinstance(value, NumpyDType):
+            return value.resolve()
+        if isinstance(value, TensorRef) and resolve_tensor is not None:
+            return resolve_tensor(value)
+        return value
 
     try:
-        return walk(obj)
-    except RecursionError:
-        raise CorruptMetadataError("value nested too deeply to decode", where) from None
+        return values.transform(obj, convert, where, memo)
     except TypeError as exc:  # e.g. an unhashable numpy array used as a dict key
         raise CorruptMetadataError(f"malformed value: {_first_line(exc)}", where) from None

@@ -49,8 +49,10 @@ from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, Region, RegularGrid, ValueLeaf, memory_leaf
 from ...storage import Storage
+from ...torchsave import object_tree
 from ...torchsave import payload as tp
-from ...torchsave.safe_pickle import NumpyArray, TensorRef
+from ...torchsave.safe_pickle import TensorRef
+from ...values import SameObject
 
 NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth")
@@ -359,28 +361,10 @@ class TensorReader:
 # ---------------------------------------------------------------------------
 # Objects to leaves
 # ---------------------------------------------------------------------------
-def _has_tensor(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, (TensorRef, NumpyArray, np.ndarray)):
-        return True
-    if depth > 64:
-        return False
-    if isinstance(value, dict):
-        return any(_has_tensor(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v, depth + 1) for v in value)
-    return False
-
-
 def walk(obj: Any, keys: tuple[Key, ...] = ()) -> Iterator[tuple[tuple[Key, ...], Any]]:
-    """(key path, value) for each leaf of a torch.save object (see the module docstring)."""
-    if isinstance(obj, dict) and obj and all(type(k) in (str, int) for k in obj):
-        for k, v in obj.items():
-            yield from walk(v, keys + (k,))
-    elif isinstance(obj, (list, tuple)) and obj and _has_tensor(obj):
-        for i, v in enumerate(obj):
-            yield from walk(v, keys + (i,))
-    else:
-        yield keys, obj
+    """(key path, value) for each leaf of a torch.save object (see the module docstring); a
+    container met again is an object_tree.Reference to the path that shows it."""
+    return object_tree.walk(obj, keys)
 
 
 def split_keys(paths: list[tuple[Key, ...]]) -> list[tuple[Key, ...]] | None:
@@ -431,6 +415,44 @@ def file_tree(archive: Archive) -> FileTree:
     return tree
 
 
+class _ValueDecoder:
+    """Decodes the value leaves of one tree with one memo: an object several values share is
+    converted once (a value of N references to one big list costs the list once, not N times).
+    Values from which a tensor can be reached are decoded alone, so that the memo never keeps
+    tensor data alive. It holds the tree's values, so the ids in the memo stay theirs."""
+
+    def __init__(self, archive: Archive, values: list[Any]) -> None:
+        self._archive = archive
+        self._values = values
+        self._holders: set[int] | None = None
+        self._memo: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def loader(self, value: Any) -> Callable[[], Any]:
+        return lambda: self._decode(value)
+
+    def _decode(self, value: Any) -> Any:
+        from ...torchsave import safe_pickle
+
+        archive = self._archive
+
+        def read_tensor(ref: TensorRef) -> Any:
+            # a tensor nested in a value (inside a set, say) is read when the value is loaded
+            return TensorReader(archive, ref, "")(tuple(slice(0, n) for n in ref.size))
+
+        with self._lock:
+            if self._holders is None:
+                self._holders = object_tree.tensor_holders(self._values, everywhere=True)
+            alone = isinstance(value, object_tree.TENSORS) or id(value) in self._holders
+            if not alone:
+                try:
+                    return safe_pickle.finalize(value, archive.where, read_tensor, self._memo)
+                except BaseException:
+                    self._memo.clear()  # (what a failed decode left half-built is not kept)
+                    raise
+        return safe_pickle.finalize(value, archive.where, read_tensor)
+
+
 def _dotted(path: tuple[Key, ...]) -> str:
     return ".".join(str(k) for k in path)
 
@@ -439,6 +461,7 @@ def leaves_of(tree: FileTree, prefix: tuple[Key, ...] = ()) -> list[Leaf]:
     archive = tree.archive
     split = split_keys(tree.paths)
     keyed = split if split is not None else tree.paths
+    decoder = _ValueDecoder(archive, tree.values)
     leaves: list[Leaf] = []
     for path, keys, value in zip(tree.paths, keyed, tree.values):
         keys = prefix + keys
@@ -447,20 +470,27 @@ def leaves_of(tree: FileTree, prefix: tuple[Key, ...] = ()) -> list[Leaf]:
             leaves.append(_array_leaf(archive, value, keys, name, tree.shared.get(value.storage.key, [])))
         elif isinstance(value, np.ndarray):
             leaves.append(memory_leaf(keys, name, value))
+        elif isinstance(value, object_tree.Reference):
+            first = _dotted(prefix + value.first)
+            leaves.append(ValueLeaf(
+                keys=keys, name=name, value_type="reference", loader=_constant(SameObject(first)),
+                extra={"file": archive.name, "same_as": first},
+            ))
         else:
             leaves.append(ValueLeaf(
                 keys=keys, name=name, value_type=_value_type(value), dtype=_SCALAR_DTYPES.get(type(value)),
-                loader=_value_loader(archive, value), extra={"file": archive.name},
+                loader=decoder.loader(value), extra={"file": archive.name},
             ))
     return leaves
 
 
-def _value_loader(archive: Archive, value: Any) -> Callable[[], Any]:
-    from ...torchsave import safe_pickle
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
 
-    # a tensor nested in a value (inside a set, say) is read when the value is loaded
-    return lambda: safe_pickle.finalize(value, archive.where, lambda ref: TensorReader(archive, ref, "")(
-        tuple(slice(0, n) for n in ref.size)))
+
+def _value_loader(archive: Archive, value: Any) -> Callable[[], Any]:
+    """A loader of one value of `archive` (decoded alone)."""
+    return _ValueDecoder(archive, [value]).loader(value)
 
 
 def _array_leaf(archive: Archive, ref: TensorRef, keys: tuple[Key, ...], name: str, on_storage: list[str]) -> ArrayLeaf:
@@ -635,6 +665,12 @@ def _notes(trees: list[FileTree], layout: Layout) -> list[str]:
                 shown = sorted(set(names))
                 notes.append(f"one storage, {len(shown)} tensors ({tree.archive.name}): " + ", ".join(shown[:4])
                              + (" ..." if len(shown) > 4 else ""))
+        refs = [(_dotted(path), _dotted(value.first) or "the top-level object")
+                 for path, value in zip(tree.paths, tree.values) if isinstance(value, object_tree.Reference)]
+        if refs:
+            notes.append(f"{len(refs)} path{'s' if len(refs) != 1 else ''} to an object shown at another ({tree.archive.name}; "
+                         "torch.load gives one object at both): " + ", ".join(f"{a} is {b}" for a, b in refs[:4])
+                         + (" ..." if len(refs) > 4 else ""))
     if layout.stray:
         notes.append(f"not in {layout.index_file} (not read): {', '.join(layout.stray[:5])}"
                      + (" ..." if len(layout.stray) > 5 else ""))
