@@ -184,6 +184,8 @@ def test_zarr_damage_beyond_the_catalogue(tmp_path, ckpt):
 # --------------------------------------------------------------------------------------------
 
 def test_legacy_ranks_are_separate_subtrees_of_their_own_slices():
+    """Each rank's state under its directory; the model's tensors merged over the TP ranks under model/
+    (tests/test_megatron_legacy_tp.py: equal to Megatron's own merge), each rank's slice a chunk of it."""
     import ckpt_tool
 
     ck = ckpt_tool.open(str(LEGACY))
@@ -191,11 +193,11 @@ def test_legacy_ranks_are_separate_subtrees_of_their_own_slices():
     by_rank: dict[str, dict] = {}
     for leaf in ck.leaves:
         by_rank.setdefault(leaf.keys[0], {})[leaf.keys[1:]] = leaf
-    assert sorted(by_rank) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(by_rank) == ["model", "mp_rank_00", "mp_rank_01"]
     assert by_rank["mp_rank_00"].keys() == by_rank["mp_rank_01"].keys()
-    key = ("model", "embedding", "word_embeddings", "weight")
-    r0, r1 = (by_rank[r][key].read() for r in ("mp_rank_00", "mp_rank_01"))
-    assert r0.shape == r1.shape == (32, 16) and r0.tobytes() != r1.tobytes()  # each rank's half of 64 rows
+    merged = by_rank["model"][("embedding", "word_embeddings", "weight")].read()
+    r0, r1 = merged[:32], merged[32:]
+    assert merged.shape == (64, 16) and r0.tobytes() != r1.tobytes()  # each rank's half of 64 rows
     rec = json.loads((LEGACY / "_reference.json").read_text())["saves"]
     for rank, got in (("mp_rank_00", r0), ("mp_rank_01", r1)):
         leaves = rec[f"iter_0000005/{rank}/model_optim_rng.pt"]["leaves"]
@@ -221,7 +223,7 @@ def test_legacy_master_params_keep_their_partition_dim():
     assert sorted(set(split[1])) == [(16, 8), (16, 32)]  # linear_proj, linear_fc2 weights (TP-local)
     assert sorted(set(split[0])) == [(24,), (24, 16), (32,), (32, 16)]  # qkv, fc1, word embeddings
     assert set(split[None]) == {(16,), (32, 16)}  # layer norms, row-parallel biases; position embeddings
-    model = [leaf for leaf in ck.leaves if leaf.keys[:2] == ("mp_rank_00", "model") and leaf.kind == "array"]
+    model = [leaf for leaf in ck.leaves if leaf.keys[0] == "model" and leaf.kind == "array"]
     assert model and not any("tensor_parallel" in leaf.extra for leaf in model)
     assert any("carry Megatron's tensor-parallel attributes" in n for n in ck.notes)
 

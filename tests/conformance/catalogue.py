@@ -148,6 +148,8 @@ ENTRIES: list[Entry] = [
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
     # Megatron-LM --ckpt-format torch (mp_rank_0X/model_optim_rng.pt): torch.load(weights_only=True), recorded
     Entry("megatron_legacy", "megatron", R.megatron_legacy_recorded, values=R.megatron_legacy_recorded_values),
+    # the same with --swiglu (gated linear_fc1), GQA, an untied output layer: megatron's own TP merge, recorded
+    Entry("megatron_legacy_swiglu", "megatron", R.megatron_legacy_recorded, values=R.megatron_legacy_recorded_values),
     # NeMo 2 (IMITATED layout around megatron_torch_dist_tp2's save: weights/ + context/): megatron's load, safe_load
     Entry("megatron_nemo2", "megatron", R.megatron_nemo_recorded, values=R.megatron_nemo_recorded_values),
     # DeepSpeed 0.19 ZeRO (gen_deepspeed.py: 2 gloo ranks on CPU): zero_to_fp32 and DeepSpeed's own

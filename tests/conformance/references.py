@@ -348,12 +348,17 @@ def _legacy_walk(doc: Any, keys: tuple, out: dict) -> None:
 
 
 def _megatron_legacy(path: Path, step: str | None) -> dict:
-    """{by_name: recorded doc} of every leaf: the rank directory's name, then the file's key path."""
+    """{by_name: recorded doc} of every leaf: the rank directory's name, then the file's key path;
+    the model's tensors instead merged over the TP ranks under `model`, as megatron's own TP merge
+    gave them (`tp_merged`: Megatron-LM's load at TP 2, dist_checkpointing save, load at TP 1)."""
     out: dict = {}
     for prefix, save in _megatron_legacy_saves(path, step).items():
         found: dict = {}
         _legacy_walk(save["summary"], (), found)
-        out.update({by_name(".".join(map(str, (prefix,) + k))): doc for k, doc in found.items()})
+        out.update({by_name(".".join(map(str, (prefix,) + k))): doc for k, doc in found.items()
+                    if not (k[:1] == ("model",) and isinstance(doc, dict) and "__tensor__" in doc)})
+    merged = json.loads((Path(path) / "_reference.json").read_text()).get("tp_merged") or []
+    out.update({by_name(".".join(("model", *r["keys"]))): {"__tensor__": r} for r in merged})
     return out
 
 

@@ -240,6 +240,7 @@ def read(storage: Storage) -> Checkpoint:
     present = ranks(storage)
     leaves: list[Leaf] = []
     sizes = None
+    first_args = None
     files = 0
     for rank in present:
         if MODEL_FILE not in rank.files:
@@ -248,6 +249,8 @@ def read(storage: Storage) -> Checkpoint:
         rank_leaves, args = file_leaves(storage, f"{rank.name}/{MODEL_FILE}", (rank.name,))
         leaves += rank_leaves
         files += 1
+        if first_args is None:
+            first_args = args
         sizes = sizes or parallel_sizes(args)
         if OPTIM_FILE in rank.files:
             leaves += file_leaves(storage, f"{rank.name}/{OPTIM_FILE}", (rank.name, "distrib_optim"))[0]
@@ -262,9 +265,17 @@ def read(storage: Storage) -> Checkpoint:
             storage.url)
     axes = axes_of(len(present[0].coords), sizes) if present else ()
     grid = " x ".join(f"{a} {max(r.coords[i] for r in present) + 1}" for i, a in enumerate(axes))
-    notes = [f"legacy Megatron-LM save (--ckpt-format torch): {len(present)} rank directories ({grid}), each "
-             "rank's state dict as it is: model tensors are that rank's tensor-parallel slices (ckpt does not "
-             "merge them; convert writes the ranks as they are)"]
+    if axes == ("tp",):
+        leaves, merge_notes = _merge_model(leaves, len(present), first_args, storage.url)
+        notes = [f"legacy Megatron-LM save (--ckpt-format torch): {len(present)} rank directories ({grid}); "
+                 "the model's tensors merged over the tensor-parallel ranks under model/, as Megatron's "
+                 "sharded_state_dict merges them; everything else (optimizer, rng_state, args, ...) each "
+                 "rank's as it is, under its directory", *merge_notes]
+    else:
+        notes = [f"legacy Megatron-LM save (--ckpt-format torch): {len(present)} rank directories ({grid}), "
+                 "each rank's state dict as it is: model tensors are that rank's slices (ckpt merges "
+                 "tensor-parallel ranks only where there is no pipeline or expert axis; convert writes the "
+                 "ranks as they are)"]
     tp = [leaf for leaf in leaves if isinstance(leaf, ArrayLeaf) and "tensor_parallel" in leaf.extra]
     if tp:
         dims: dict[str, int] = {}
@@ -278,6 +289,36 @@ def read(storage: Storage) -> Checkpoint:
                      + " (in each leaf's extra as tensor_parallel; the model tensors record none)")
     layout = {"backend": BACKEND, "ranks": len(present), "rank_files": files}
     return Checkpoint(path=storage.url, format=NAME, layout=layout, leaves=leaves, notes=notes)
+
+
+def _merge_model(leaves: list[Leaf], ranks: int, args: Any, where: str) -> tuple[list[Leaf], list[str]]:
+    """The ranks' model tensors replaced by their tensor-parallel merge (tp_merge: Megatron's own
+    layout per module, the gated linear_fc1 from the run's args); tensors whose split is not known
+    stay per rank. The ranks are mp_rank_00 .. in order (missing ones were refused before)."""
+    from . import tp_merge
+
+    model: list[dict[tuple[Key, ...], ArrayLeaf]] = [{} for _ in range(ranks)]
+    rank_index: dict[str, int] = {}
+    for leaf in leaves:
+        if isinstance(leaf, ArrayLeaf) and len(leaf.keys) > 2 and leaf.keys[1] == "model":
+            index = rank_index.setdefault(str(leaf.keys[0]), len(rank_index))
+            model[index][leaf.keys[2:]] = leaf
+    try:
+        merged, unknown = tp_merge.merge(model, tp_merge.gated_mlp(args))
+    except CorruptMetadataError as exc:
+        raise CorruptMetadataError(exc.message, where) from None
+    if not merged:
+        return leaves, []
+    done = {leaf.keys for leaf in merged}  # ("model", ...): a rank's model leaf without its rank
+    kept = [leaf for leaf in leaves if not (isinstance(leaf, ArrayLeaf) and leaf.keys[1:] in done)]
+    notes = [f"{len(merged)} model tensors merged over {ranks} tensor-parallel ranks"
+             + (" (linear_fc1 of the gated MLP: every rank's gate half, then every rank's up half)"
+                if tp_merge.gated_mlp(args) else "")]
+    if unknown:
+        notes.append(f"{len(unknown)} model tensors not merged (how Megatron splits them is not known here), "
+                     f"left under each rank's directory: {', '.join(unknown[:_MAX_NAMED])}"
+                     + (" ..." if len(unknown) > _MAX_NAMED else ""))
+    return merged + kept, notes
 
 
 # ---------------------------------------------------------------------------
