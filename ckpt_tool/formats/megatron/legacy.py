@@ -18,9 +18,12 @@ directory `iter_NNNNNNN/` (or `release/`) of the run root with its tracker:
 
 Each rank's tree is read through the torch.save package (the allow-list unpickler with
 Megatron's data classes, pickled.ALLOW) and shown under the rank's directory name
-(`mp_rank_00/model/decoder/layers/0/...`), as it is: ckpt does not merge tensor-parallel slices
-(which axis a model tensor is split on is not in the file; the master params' `partition_dim`
-is, and is kept in each leaf's extra as `tensor_parallel`).
+(`mp_rank_00/optimizer/...`, `mp_rank_00/args`), as it is. Where the ranks are tensor-parallel only
+(`mp_rank_XX`), the model's tensors are shown once, merged over the ranks under `model/`
+(`model/decoder/layers/0/mlp/linear_fc1/weight`) the way Megatron's sharded_state_dict merges them
+(tp_merge.py: the split per module name, a gated MLP's [gate; up] halves); which axis a model tensor
+is split on is not in the file (the master params' `partition_dim` is, and is kept in each leaf's
+extra as `tensor_parallel`). Pipeline and expert grids keep every rank's model as it is.
 """
 from __future__ import annotations
 
@@ -137,19 +140,28 @@ def _key_text(key: Any) -> Any:
     return key if type(key) in (str, int) else pickled._key_text(key)
 
 
-def _with_plain_keys(obj: Any, depth: int = 0) -> Any:
+def _with_plain_keys(obj: Any) -> Any:
     """The object with dict keys that are neither str nor int spelled as Megatron spells them
-    (distrib_optim.pt keys buffers by (param dtype, grad dtype)), so its tree is walked by key."""
-    if depth > 64:
-        return obj
-    if isinstance(obj, dict) and not all(type(k) in (str, int) for k in obj):
-        texts = [_key_text(k) for k in obj]
-        if len(set(texts)) == len(texts):
-            return {t: _with_plain_keys(v, depth + 1) for t, v in zip(texts, obj.values())}
-        return obj
-    if isinstance(obj, dict):
-        return {k: _with_plain_keys(v, depth + 1) for k, v in obj.items()}
-    return obj
+    (distrib_optim.pt keys buffers by (param dtype, grad dtype)), so its tree is walked by key.
+    Each dict is copied once (by identity): a dict the pickle shares stays one dict, and one
+    holding itself stays a cycle (the walk then shows it once, later paths as references)."""
+    copies: dict[int, Any] = {}
+
+    def copy(d: Any, depth: int) -> Any:
+        if not isinstance(d, dict) or depth > 64:
+            return d
+        if id(d) in copies:
+            return copies[id(d)]
+        keys = list(d) if all(type(k) in (str, int) for k in d) else [_key_text(k) for k in d]
+        if len(set(keys)) != len(keys):
+            copies[id(d)] = d
+            return d
+        out = copies[id(d)] = {}
+        for k, v in zip(keys, list(d.values())):
+            out[k] = copy(v, depth + 1)
+        return out
+
+    return copy(obj, 0)
 
 
 def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
