@@ -42,6 +42,7 @@ from .model import (
 from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
 from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
 from .storage import Storage
+from .text import is_unicode_text
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
 # Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
@@ -188,9 +189,14 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         tuples.update(_renamed_keys(t, rules) for t in source_tuples)
         source_tuples = set()
     gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
+    # a writer that stores names and strings as Python str (DCP's pickle) keeps any; the others
+    # write them as UTF-8 (a JSON header or metadata, zarr paths, file names), which a lone surrogate is not
+    keeps_any_str = getattr(write, "KEEPS_ANY_STR", False)
 
     def claim(keys: tuple[Key, ...], source_path: str) -> tuple[str, str]:
         name = ".".join(str(k) for k in keys)
+        if not keeps_any_str and not is_unicode_text(name):  # keys inside a value, a gathered tuple's
+            raise UnsupportedLeafError(_not_text(name, target.title), source_path)
         if name in seen:
             raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {source_path!r}")
         seen[name] = source_path
@@ -223,8 +229,12 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         def claim(self, keys: tuple[Key, ...], source_path: str) -> str:
             return claim(keys, source_path)[0]
 
-        def add_value(self, target: TargetValue) -> None:
-            targets.append(target)
+        def add_value(self, value: TargetValue) -> None:
+            if isinstance(value.value, str) and not keeps_any_str and not is_unicode_text(value.value):
+                refuse(value.path, f"its string {value.value[:40]!r} holds a lone surrogate (not Unicode text), "
+                                   f"which {target.title} checkpoints cannot store")
+                return
+            targets.append(value)
 
         def add_array(self, keys: tuple[Key, ...], name: str, arr: np.ndarray) -> None:
             add_array(memory_leaf(keys, name, arr), keys, name, "/".join(str(k) for k in keys))
@@ -249,6 +259,10 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             gathered[outer][1].append(leaf)
             continue
         keys = _renamed_keys(tuple(leaf.keys), rules)
+        joined = ".".join(str(k) for k in keys)
+        if not keeps_any_str and not is_unicode_text(joined):  # (where --skip-unsupported may leave it out)
+            refuse(leaf.path, _not_text(joined, target.title))
+            continue
         name, path = claim(keys, leaf.path)
         if isinstance(leaf, ArrayLeaf):
             add_array(leaf, keys, name, path)
@@ -278,6 +292,11 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     plan = WritePlan(final, info={"source": src.path, "source_format": src.format, "source_layout": dict(src.layout)},
                      tuples=tuples)
     return plan, skipped, sources
+
+
+def _not_text(name: str, target: str) -> str:
+    """Why a name holding a lone surrogate is refused (where it names the leaf)."""
+    return f"its name {name!r} holds a lone surrogate (not Unicode text), which {target} checkpoints cannot store"
 
 
 def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:

@@ -138,6 +138,8 @@ class PlanContext(Protocol):
 #   plan_value(ctx: PlanContext, keys, name, value, source_path) -> None: a loaded value leaf
 #   TUPLES_AS_VALUES: a tuple of the source is one value there (DCP's bytes item), gathered
 #       from the source's element leaves by gathered_value(value, where) -> value
+#   KEEPS_ANY_STR (optional, default False): it stores any str as a name or string value, lone
+#       surrogates too (DCP's pickle); else one that is not Unicode text is refused (written as UTF-8)
 
 
 def byte_runs(shape: tuple[int, ...], region: Region, itemsize: int) -> Iterator[tuple[int, int]]:
