@@ -74,8 +74,11 @@ def test_validate_deep_of_a_tib_expand_reads_its_stored_bytes_in_seconds(tmp_pat
     assert seconds < 30
     # inspect still shows the logical tensor
     r = run("inspect", "--json", path)
-    [leaf] = json.loads(r.stdout)["leaves"]
+    shown = json.loads(r.stdout)
+    [leaf] = shown["leaves"]
     assert leaf["shape"] == [2**20, 2**18] and leaf["nbytes"] == 2**40
+    # and says that it is a view of 4 stored bytes
+    assert "w: a view of 4 stored bytes (stride 0), 1,099,511,627,776 bytes logically" in shown["notes"]
 
 
 def test_validate_deep_reports_a_damaged_storage_under_a_stride0_view(tmp_path):

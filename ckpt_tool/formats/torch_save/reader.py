@@ -35,6 +35,7 @@ The pre-1.6 format (a bare pickle stream, also what `_use_new_zipfile_serializat
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import threading
@@ -358,6 +359,27 @@ class TensorReader:
         self._archive.verify_member(self._ref.storage.key)
 
 
+def repeating_view_notes(paths: list[tuple[Key, ...]], values: list[Any], shown: int = 4) -> list[str]:
+    """inspect's notes on views whose logical size is far above their stored bytes (an expand: stride 0;
+    overlapping strides): "w: a view of 4 stored bytes (stride 0), 1,099,511,627,776 bytes logically"."""
+    notes = []
+    for path, value in zip(paths, values):
+        if not isinstance(value, TensorRef):
+            continue
+        values_of = tp.distinct_values(value.size, value.stride)
+        if values_of is None:
+            continue
+        if len(notes) == shown:
+            notes.append("... (more views that repeat their stored elements)")
+            break
+        itemsize = dtypes.get(value.dtype).itemsize
+        stored = tp.span_elements(value.size, value.stride) * itemsize
+        how = "stride 0" if values_of.repeats is not None else "overlapping strides"
+        notes.append(f"{_dotted(path)}: a view of {stored:,} stored bytes ({how}), "
+                     f"{math.prod(value.size) * itemsize:,} bytes logically")
+    return notes
+
+
 # ---------------------------------------------------------------------------
 # Objects to leaves
 # ---------------------------------------------------------------------------
@@ -660,6 +682,7 @@ def _merged(leaves: list[Leaf], storage: Storage, layout: Layout, notes: list[st
 def _notes(trees: list[FileTree], layout: Layout) -> list[str]:
     notes: list[str] = []
     for tree in trees:
+        notes.extend(repeating_view_notes(tree.paths, tree.values))
         for names in tree.shared.values():
             if len(set(names)) > 1:
                 shown = sorted(set(names))
