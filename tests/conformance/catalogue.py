@@ -161,12 +161,15 @@ ENTRIES: list[Entry] = [
     *[Entry(n, "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values) for n in
       ("deepspeed_z2_fp32_dp4", "deepspeed_z3_bf16_dp4", "deepspeed_z1_bf16_dp4", "deepspeed_z1_fp16", "deepspeed_z2_fp16",
        "deepspeed_z3_fp16", "deepspeed_z3_hf_llama")],
+    # ZeRO-3 bf16 on 4 ranks of an attention model whose sizes 4 does not divide (qkv 63x21, proj 21x21,
+    # a 3-element per-head scale), three optimizer groups cut into six sub-groups (sub_group_size)
+    Entry("deepspeed_z3_bf16_uneven", "deepspeed", R.deepspeed_recorded, values=R.deepspeed_recorded_values),
     Entry("deepspeed_z3_bf16/global_step2", "deepspeed", R.deepspeed_recorded,
           values=R.deepspeed_recorded_values),  # a step directory, given as itself
     # DeepSpeed 0.19's ds_to_universal of each of those (gen_deepspeed.py): torch.load of every file, recorded
     *[Entry(f"deepspeed_universal_{n}", "deepspeed-universal", R.deepspeed_universal_recorded,
             values=R.deepspeed_universal_recorded_values)
-      for n in ("z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16")],
+      for n in ("z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16", "z3_bf16_uneven")],
     Entry("deepspeed_universal_z3_bf16/global_step2_universal", "deepspeed-universal", R.deepspeed_universal_recorded,
           values=R.deepspeed_universal_recorded_values),  # a universal step directory, given as itself
     # DeepSpeed 0.19 pipeline parallel (2 stages; x2 DP) and MoE (4 experts, ep_size 1 and 2), gloo on CPU

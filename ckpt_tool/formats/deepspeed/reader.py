@@ -673,14 +673,35 @@ def _model_name(rank: int, mp: int = 0) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
 
 
+def _group_flats(o: RankOptim) -> list[list[Any]]:
+    """Per parameter group of the base optimizer, the positions (0, 1, ...: the order of
+    single_partition_of_fp32_groups / fp32_flat_groups, and of param_shapes) of the flat tensors
+    it steps. Stages 1/2 give each group one flat tensor; stage 3 gives each group one per
+    sub-group (sub_group_size cuts a group into several), appended to it in sub-group order
+    (stage3.py, _set_fp32_optimizer_param_groups), so flat tensor g is the g-th of all the
+    groups' `params` lists taken in order; torch numbers its state the same way."""
+    groups = o.base.get("param_groups")
+    out: list[list[Any]] = []
+    at = 0
+    for group in groups if isinstance(groups, list) else []:
+        params = group.get("params") if isinstance(group, dict) else None
+        n = len(params) if isinstance(params, list) else 0
+        out.append(list(range(at, at + n)))
+        at += n
+    return out
+
+
 def _group_state(o: RankOptim, g: int) -> dict:
-    """The base optimizer's state for group g (its flat tensor's entry: the index param_groups names)."""
+    """The base optimizer's state for flat tensor g (the g-th entry of its param_groups' `params`,
+    taken in order: at stage 3 a group lists one flat tensor per sub-group, so a group's index is
+    not the flat tensor's; ds_to_universal reads `state[g]`, which torch numbered so)."""
     groups = o.base.get("param_groups")
     index: Any = g
-    if isinstance(groups, list) and g < len(groups) and isinstance(groups[g], dict):
-        params = groups[g].get("params")
-        if isinstance(params, list) and len(params) == 1:
-            index = params[0]
+    if isinstance(groups, list):
+        params = [p for group in groups if isinstance(group, dict) and isinstance(group.get("params"), list)
+                  for p in group["params"]]
+        if g < len(params):
+            index = params[g]
     state = o.base.get("state")
     entry = state.get(index) if isinstance(state, dict) else None
     return entry if isinstance(entry, dict) else {}
@@ -937,7 +958,8 @@ def _optimizer_leaves(step: Step, trained: list[str]) -> list[Leaf]:
                 out.append(_value(keys, lname, value, o0.archive))
     groups = o0.base.get("param_groups")
     if isinstance(groups, list) and groups:
-        named = [[n for n, _ in group] for group in step.shapes]
+        # a group's parameters: those of each flat tensor it steps (stage 3: each of its sub-groups)
+        named = [[n for f in flats if f < len(step.shapes) for n, _ in step.shapes[f]] for flats in _group_flats(o0)]
 
         def load(groups: list = groups) -> Any:
             value = safe_pickle.finalize(groups, o0.archive.where)
