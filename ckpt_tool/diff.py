@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, values
 from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
 from .filters import Glob
@@ -425,10 +425,11 @@ def _compare_flat(xa: np.ndarray, xb: np.ndarray, rtol: float, atol: float) -> t
 
 
 def _values_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    """Equal as trees (lists and tuples alike), each pair of shared containers compared once."""
+    return values.equal(a, b, _scalars_equal)
+
+
+def _scalars_equal(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:

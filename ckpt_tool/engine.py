@@ -43,6 +43,7 @@ from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model 
 from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
 from .storage import Storage
 from .text import is_unicode_text
+from .values import SameObject
 from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
 
 # Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
@@ -277,6 +278,11 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
+        if isinstance(value, SameObject):  # (a reader's later path to an object it shows once)
+            first = value.name or "the top-level object"
+            refuse(leaf.path, f"the same object as {first} (torch.load gives one object at both paths; "
+                              f"the output holds it at {first} only)")
+            continue
         write.plan_value(ctx, keys, name, value, leaf.path)
     for leaf in unread:
         if selection.keeps(leaf):

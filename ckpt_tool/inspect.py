@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from . import values
+from .errors import CkptError
 from .model import ArrayLeaf, Checkpoint, Leaf, ValueLeaf
 
 JSON_SCHEMA_VERSION = 1
@@ -108,19 +110,24 @@ class InspectResult:
                 sharding=None, value_type=leaf.value_type,
             )
             if self.values is not None and leaf.path in self.values:
-                out["value"] = _jsonable(self.values[leaf.path])
+                try:
+                    out["value"] = _jsonable(self.values[leaf.path])
+                except CkptError as exc:  # a value that holds itself has no JSON form
+                    out["value_error"] = exc.message
             if leaf.path in self.value_errors:
                 out["value_error"] = self.value_errors[leaf.path]
         return out
 
 
 def _jsonable(value: Any) -> Any:
+    """A decoded value as JSON; a CkptError when it holds itself or its shared parts unfold
+    too far (values.jsonable: a pickle's object graph is walked once, never as a tree)."""
+    return values.jsonable(value, _json_atom)
+
+
+def _json_atom(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
     if hasattr(value, "tolist"):
         return value.tolist()
     return repr(value)
@@ -145,8 +152,6 @@ def inspect_checkpoint(
     decoded: dict[str, Any] | None = None
     errors: dict[str, str] = {}
     if values:
-        from .errors import CkptError
-
         decoded = {}
         for leaf in leaves:
             if isinstance(leaf, ValueLeaf):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, values
 from .errors import CkptError, UsageError
 from .filters import Glob, glob_to_regex  # noqa: F401 - glob_to_regex: re-exported for callers of model
 
@@ -492,16 +492,25 @@ def flatten_value(
     """Non-empty lists/tuples/dicts (str keys) become subtrees; anything else is one leaf.
 
     The paths of the non-empty tuples go into `tuples` (pytree nodes orbax
-    records as tuples, where DCP keeps one bytes item).
+    records as tuples, where DCP keeps one bytes item). A decoded pickle may
+    share a list at many places or hold itself: values.SharedValueError (a
+    CkptError) when it has no tree form within values.MAX_UNFOLDED objects.
     """
+    values.check_tree(value, "/".join(str(k) for k in keys) or None)
+    return _flatten(keys, value, tuples)
+
+
+def _flatten(
+    keys: tuple[Key, ...], value: Any, tuples: set[tuple[Key, ...]] | None
+) -> Iterator[tuple[tuple[Key, ...], Any]]:
     if isinstance(value, (list, tuple)) and value:
         if isinstance(value, tuple) and tuples is not None:
             tuples.add(keys)
         for i, v in enumerate(value):
-            yield from flatten_value(keys + (i,), v, tuples)
+            yield from _flatten(keys + (i,), v, tuples)
     elif isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
         for k, v in value.items():
-            yield from flatten_value(keys + (k,), v, tuples)
+            yield from _flatten(keys + (k,), v, tuples)
     else:
         yield keys, value
 

@@ -76,12 +76,13 @@ def nodes(value: Any) -> Iterator[Any]:
 
 
 def transform(value: Any, convert: Callable[[Any], Any], where: str | None = None,
-              memo: dict[int, Any] | None = None) -> Any:
+              memo: dict[int, Any] | None = None, key: Callable[[Any], Any] | None = None) -> Any:
     """A copy of `value` with each non-container object replaced by `convert(obj)` (called
     once per object); a container `convert` returns is copied in turn. Lists, dicts and sets
-    keep their identity: what is shared stays shared, a cycle stays a cycle. `memo` (id of an
-    original -> its copy) may be shared between calls on parts of one graph; the originals
-    must then stay alive as long as it does."""
+    keep their identity: what is shared stays shared, a cycle stays a cycle. `key(k)`, when
+    given, replaces each dict key before it is copied. `memo` (id of an original -> its copy)
+    may be shared between calls on parts of one graph; the originals must then stay alive as
+    long as it does."""
     memo = {} if memo is None else memo
     # the originals behind the ids in `memo` stay alive for as long as this call runs
     keep: list[Any] = []
@@ -104,7 +105,7 @@ def transform(value: Any, convert: Callable[[Any], Any], where: str | None = Non
         elif isinstance(src, dict):
             out = memo[vid] = {}
             for k, x in list(src.items()):
-                out[walk(k)] = walk(x)
+                out[walk(key(k) if key is not None else k)] = walk(x)
         elif type(src) is tuple:
             # (a tuple cannot hold itself without a list or dict between: those are memoised first)
             out = memo[vid] = tuple(walk(x) for x in src)
@@ -226,9 +227,6 @@ def equal(a: Any, b: Any, scalar_equal: Callable[[Any, Any], bool] | None = None
             known.add(pair)
             keep.append((x, y))
             stack.extend((x[k], y[k]) for k in x)
-        elif is_container(x) or is_container(y):
-            if type(x) is not type(y) or not same(x, y):
-                return False
         elif not same(x, y):
             return False
     return True

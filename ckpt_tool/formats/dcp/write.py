@@ -42,7 +42,7 @@ from typing import Any, Iterable, Union
 
 import numpy as np
 
-from ... import dtypes
+from ... import dtypes, values
 from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
 from ...model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
@@ -82,16 +82,19 @@ def plain_value(value: Any, where: str, storages: list[tuple[memoryview, int]] |
     tensors, which DCP stores as one bytes item): each array's bytes are
     appended to `storages`, in the order torch's pickler meets the tensors.
     """
+    # each object once (values.nodes, values.transform): shared lists stay shared in the
+    # pickle, an array at two places is one tensor at both (as torch.save keeps them)
+    for node in values.nodes(value):
+        if values.is_container(node) and type(node) not in (list, tuple, dict):
+            _plain_atom(node, where, storages)  # a set, a subclass: refused by name
+    return values.transform(value, lambda v: _plain_atom(v, where, storages), where)
+
+
+def _plain_atom(value: Any, where: str, storages: list[tuple[memoryview, int]] | None) -> Any:
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
     if isinstance(value, np.generic) and not isinstance(value, np.void):
-        return plain_value(value.item(), where)  # numpy scalars load without numpy
-    if type(value) is list:
-        return [plain_value(v, where, storages) for v in value]
-    if type(value) is tuple:
-        return tuple(plain_value(v, where, storages) for v in value)
-    if type(value) is dict:
-        return {plain_value(k, where): plain_value(v, where, storages) for k, v in value.items()}
+        return _plain_atom(value.item(), where, None)  # numpy scalars load without numpy
     if isinstance(value, np.ndarray) and storages is not None:
         return _tensor_value(value, where, storages)
     raise DcpWriteError(
@@ -876,26 +879,22 @@ def gathered_value(value: Any, where: str) -> Any:
 def is_simple(value: Any) -> bool:
     """A value a DCP bytes item can hold: plain Python values, numpy scalars, and
     numpy arrays of a torch dtype (the tensors of a tuple torch saved as one item)."""
+    # each object once (values.nodes): a decoded pickle may share one list at many places
+    return all(_simple_node(v) for v in values.nodes(value))
+
+
+def _simple_node(value: Any) -> bool:
     if isinstance(value, _SIMPLE) or isinstance(value, np.generic):
         return True
     if isinstance(value, np.ndarray):
         return dtypes.torch_name_of(value) is not None
-    if isinstance(value, (list, tuple)):
-        return all(is_simple(v) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and is_simple(v) for k, v in value.items())
-    return False
+        return all(isinstance(k, str) for k in value)
+    return isinstance(value, (list, tuple))
 
 
 def plain(value: Any) -> Any:
     """numpy scalars inside values become Python scalars (torch.load reads them without numpy);
-    numpy arrays stay arrays (the DCP writer stores them as tensors)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(plain(v) for v in value)
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    return value
+    numpy arrays stay arrays (the DCP writer stores them as tensors). What the value shares
+    stays shared (values.transform: each object once), as torch.save keeps it."""
+    return values.transform(value, lambda v: v.item() if isinstance(v, np.generic) else v)

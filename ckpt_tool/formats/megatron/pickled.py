@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import values
 from ...torchsave.safe_pickle import Metadata, Record, TorchDType, _Fn, _Frozen
 
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -156,23 +157,26 @@ ALLOW: dict[tuple[str, str], Any] = {
 }
 
 
-def plain(value: Any, depth: int = 0) -> Any:
-    """A loaded value with the stand-ins turned into plain data (dicts, strings), for inspect and convert."""
-    if depth > 100:
-        raise ValueError("value nested too deeply")
+def plain(value: Any) -> Any:
+    """A loaded value with the stand-ins turned into plain data (dicts, strings), for inspect and convert.
+
+    Each object is turned once (values.transform): what the pickle shares stays shared and a
+    value holding itself stays a cycle, at a cost of one step per object."""
+    return values.transform(value, _plain_atom, key=_plain_key)
+
+
+def _plain_atom(value: Any) -> Any:
     if isinstance(value, Namespace):
-        return {k: plain(v, depth + 1) for k, v in value.fields.items()}
+        return dict(value.fields)
     if isinstance(value, (EnumValue, TorchDType)):
         return repr(value)
     if isinstance(value, Record):
-        return {f: plain(getattr(value, f), depth + 1) for f in value.FIELDS}
-    if isinstance(value, dict):
-        return {k if isinstance(k, (str, int)) else _key_text(k): plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain(v, depth + 1) for v in value]
-    if type(value) is tuple:
-        return tuple(plain(v, depth + 1) for v in value)
+        return {f: getattr(value, f) for f in value.FIELDS}
     return value
+
+
+def _plain_key(key: Any) -> Any:
+    return key if isinstance(key, (str, int)) else _key_text(key)
 
 
 def _key_text(key: Any) -> str:

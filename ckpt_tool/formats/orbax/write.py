@@ -38,6 +38,7 @@ import tensorstore as ts
 
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
+from ...values import SharedValueError
 from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
 from ...pagecache import DirectoryDropper
 from ...storage import Storage, ts_error_text
@@ -837,7 +838,12 @@ def plan_value(ctx: PlanContext, keys: tuple[Key, ...], name: str, value: Any, s
     """Lists, tuples and dicts are subtrees in a pytree: their elements become leaves as orbax
     would have saved them (tuples recorded as tuples); None and empty containers are orbax's
     empty values; a tensor inside a bytes item (a tuple of tensors) is an array leaf."""
-    for sub_keys, sub_value in flatten_value(keys, value, ctx.tuples):
+    try:
+        flat = flatten_value(keys, value, ctx.tuples)
+    except SharedValueError as exc:  # a value holding itself, or shared past any tree's size
+        ctx.refuse(source_path, exc.message)
+        return
+    for sub_keys, sub_value in flat:
         sub_name = ".".join(str(k) for k in sub_keys)
         if sub_keys != keys:
             ctx.claim(sub_keys, source_path)
