@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """DeepSpeed's own universal load, run in build/venv-deepspeed-0.19 (tests/test_deepspeed_universal.py
 starts it): each universal root given is loaded by `engine.load_checkpoint(root, load_universal=True)`
-into the fixtures' model (fixtures/gen_deepspeed.py: the same TinyLM, optimizer groups and config,
-2 gloo ranks on CPU), and what DeepSpeed then holds is recorded, before and after one more
+into the model the ZeRO fixture was trained with (fixtures/gen_deepspeed.py's FIXTURES: the same
+model, optimizer groups and config, as many gloo ranks on CPU), and what DeepSpeed then holds is recorded, before and after one more
 training step on the same batch: each trained parameter's fp32 master weights and Adam moments
 (safe_get_full_fp32_param / safe_get_full_optimizer_state, gathered from every rank), the base
 optimizer's steps and hyper-parameters, the engine's step counters and lr scheduler.
 
-    python tests/deepspeed_universal_load.py OUT.json STAGE BF16(0|1) ROOT [ROOT ...]
+    python tests/deepspeed_universal_load.py OUT.json ZERO_FIXTURE ROOT [ROOT ...]
+
+(ZERO_FIXTURE: the name of the ZeRO fixture the roots were converted from, e.g. deepspeed_z3_bf16)
 """
 from __future__ import annotations
 
@@ -55,21 +57,19 @@ def _record(engine) -> dict:  # noqa: ANN001
     return out
 
 
-def _rank(rank: int, port: int, out: str, stage: int, bf16: bool, roots: list[str]) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(G.WORLD),
-                       "LOCAL_WORLD_SIZE": str(G.WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _rank(rank: int, port: int, out: str, fixture: str, roots: list[str]) -> None:
+    stage, precision, world, kind = G.FIXTURES[fixture]
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import deepspeed
     import torch
 
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for root in roots:
-        model = G._model()
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-        optimizer = torch.optim.Adam([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=1e-2)
-        config = G._config(stage, bf16)
+        model = G._make_model(kind)
+        optimizer = torch.optim.Adam(G._groups(model, kind), lr=1e-2)
+        config = G._config(stage, precision, kind)
         config["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         path, client = engine.load_checkpoint(root, load_universal=True) if _takes_flag(engine) else \
@@ -102,11 +102,11 @@ def _takes_flag(engine) -> bool:  # noqa: ANN001
 def main() -> None:
     import torch.multiprocessing as mp
 
-    out, stage, bf16, *roots = sys.argv[1:]
+    out, fixture, *roots = sys.argv[1:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, out, int(stage), bool(int(bf16)), roots), nprocs=G.WORLD, join=True,
+    mp.start_processes(_rank, args=(port, out, fixture, roots), nprocs=G.FIXTURES[fixture][2], join=True,
                        start_method="spawn")
 
 

@@ -29,8 +29,9 @@ from test_deepspeed import assert_read_without_torch_or_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
 DS_PYTHON = ROOT / "build" / "venv-deepspeed-0.19" / "bin" / "python"
-STAGES = {"z1_fp32": (1, False), "z1_bf16": (1, True), "z2_fp32": (2, False), "z2_bf16": (2, True),
-          "z3_fp32": (3, False), "z3_bf16": (3, True)}
+# the ZeRO fixtures ds_to_universal converted (fixtures/deepspeed_universal_<name>), by ZeRO stage;
+# z3_bf16_uneven: 4 ranks, an attention model whose sizes 4 does not divide, six sub-groups
+STAGES = {"z1_fp32": 1, "z1_bf16": 1, "z2_fp32": 2, "z2_bf16": 2, "z3_fp32": 3, "z3_bf16": 3, "z3_bf16_uneven": 3}
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
@@ -73,16 +74,16 @@ def _reference(name: str) -> dict:
 
 
 @pytest.mark.skipif(not DS_PYTHON.exists(), reason="no build/venv-deepspeed-0.19 (make fixtures builds it)")
-@pytest.mark.parametrize("name", ["z1_bf16", "z2_fp32", "z3_bf16"])
+@pytest.mark.parametrize("name", ["z1_bf16", "z2_fp32", "z3_bf16", "z3_bf16_uneven"])
 def test_deepspeed_loads_ckpts_output_as_ds_to_universals(tmp_path, name):
-    stage, bf16 = STAGES[name]
+    stage = STAGES[name]
     ours = tmp_path / "ours"
     assert run("convert", FIXTURES / f"deepspeed_{name}", ours, "--to", "deepspeed-universal").returncode == 0
     theirs = tmp_path / "theirs"
     shutil.copytree(FIXTURES / f"deepspeed_universal_{name}", theirs)
     out = tmp_path / "loaded.json"
-    r = subprocess.run([str(DS_PYTHON), str(ROOT / "tests" / "deepspeed_universal_load.py"), str(out), str(stage),
-                        str(int(bf16)), str(ours), str(theirs)], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([str(DS_PYTHON), str(ROOT / "tests" / "deepspeed_universal_load.py"), str(out),
+                        f"deepspeed_{name}", str(ours), str(theirs)], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     loaded = json.loads(out.read_text())
@@ -222,3 +223,36 @@ def test_a_trained_parameters_missing_state_is_named(tmp_path):
                for f in findings), findings
     doc = json.loads(run("inspect", "--json", root).stdout)
     assert doc["missing"] and doc["missing"][0]["file"].endswith("zero/mix/exp_avg_sq.pt")
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO-3 sub-groups and sizes the DP degree does not divide (issue 29)
+# --------------------------------------------------------------------------------------------
+
+def test_zero3_sub_groups_read_their_own_adam_state_as_deepspeed_gathers_it():
+    """deepspeed_z3_bf16_uneven: three optimizer groups cut into six sub-groups (sub_group_size), each
+    its own flat tensor listed in its group's params (the attention group holds three). Every
+    parameter's fp32 weights and Adam moments equal DeepSpeed's safe_get_full_fp32_param /
+    safe_get_full_optimizer_state from the run, and each group names its parameters as the script
+    put them in it; the universal form ds_to_universal wrote reads the same."""
+    import base64
+
+    import numpy as np
+
+    import ckpt_tool
+
+    ref = _reference("deepspeed_z3_bf16_uneven")
+    assert [len(g["params"]) for g in ref["param_groups"]] == [5, 10, 14]
+
+    def recorded(t: dict) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(t["data"]), dtype=t["dtype"]).reshape(t["shape"])
+
+    for path in (FIXTURES / "deepspeed_z3_bf16_uneven", FIXTURES / "deepspeed_universal_z3_bf16_uneven"):
+        leaves = {leaf.name: leaf for leaf in ckpt_tool.open(str(path)).leaves}
+        for pname, t in ref["fp32_params"].items():
+            assert np.array_equal(leaves[pname][...], recorded(t)), (path.name, pname)
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = leaves[f"optimizer.state.{pname}.{key}"]
+                assert np.array_equal(got[...], recorded(ref["optimizer"][pname][key])), (path.name, pname, key)
+    groups = {leaf.name: leaf for leaf in ckpt_tool.open(str(FIXTURES / "deepspeed_z3_bf16_uneven")).leaves}
+    assert [g["params"] for g in groups["optimizer.param_groups"].load()] == [g["params"] for g in ref["param_groups"]]
