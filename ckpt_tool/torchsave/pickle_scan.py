@@ -41,6 +41,9 @@ Why a match proves each limit (safe_pickle's "Resource limits" section):
     than the pattern admits, so the copy splits exactly as the data does. A
     0xF1 that was in the data already is no opcode: the walk stops there and
     the unpickler refuses it, so admitting it proves no less.
+  * memory: safe_pickle.fast_memory_bound prices each byte of such a stream
+    at the dearest thing it can be; sets filled by opcodes (ADDITEMS,
+    FROZENSET) cost more than it allows for, and are not in the subset.
 A stream that ends at its STOP with anything after it is judged up to the
 STOP, as the walk (and the unpickler) do.
 """
@@ -73,8 +76,11 @@ def _opcode_classes() -> dict[str, bytes]:
         if op.name in ("MARK", "STOP", "FRAME"):
             continue
         if "mark" in before:
-            if op.arg is None:
-                out["popmark"].append(code)  # TUPLE, LIST, DICT, APPENDS, SETITEMS, ... (INST has lines: left out)
+            # TUPLE, LIST, DICT, APPENDS, SETITEMS, ... (INST has lines: left out; ADDITEMS and FROZENSET
+            # too, which torch never writes: safe_pickle.fast_memory_bound prices a value's place in a
+            # container at most a dict entry's, and a set's costs more)
+            if op.arg is None and op.name not in ("ADDITEMS", "FROZENSET"):
+                out["popmark"].append(code)
             continue
         # LONG_BINPUT and PUT name a memo index the unpickler sizes its memo by: never in the subset
         if op.name in ("LONG_BINPUT", "PUT"):

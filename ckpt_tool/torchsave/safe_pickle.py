@@ -18,15 +18,13 @@ Two modes share the allow-list:
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import ntpath
 import pickle
 import posixpath
 import re
 import threading
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -34,6 +32,7 @@ import numpy as np
 from .. import dtypes, values
 from ..errors import CkptError, CorruptMetadataError, UnsafePickleError, short_repr
 from . import pickle_scan
+from .pickle_budget import PICKLE_ALLOWANCE, memory_budget, memory_limit  # noqa: F401 (memory_budget: the API)
 
 # A real .metadata for a model with tens of thousands of tensors and many
 # ranks is tens of MB; torch.save's data.pkl for one tensor is ~200 bytes and
@@ -116,11 +115,20 @@ _DTYPE_SINGLETONS = {name: TorchDType(name) for name in _TORCH_DTYPE_NAMES}
 
 
 class Size(tuple):
-    """`torch.Size`: a tuple (built by tuple's own constructor, at C speed:
-    a .metadata holds thousands). Its elements are checked to be ints where
-    the reader uses it (dcp._int_tuple), not here."""
+    """`torch.Size`: a tuple. Its elements are checked to be ints where the
+    reader uses it (dcp._int_tuple), not here."""
 
     __slots__ = ()
+
+    def __new__(cls, items: Any = ()) -> Size:
+        # a copy of its argument, which may be a memoized tuple (or string: a slot per character)
+        # of millions: charged first
+        if type(items) is not tuple or len(items) > 16:  # (a tensor's dimensions: the common case costs no call)
+            try:
+                charge(_SLOT * len(items))
+            except TypeError:  # no length (an iterator: not something a pickle makes)
+                pass
+        return tuple.__new__(cls, items)
 
     def __repr__(self) -> str:
         return f"torch.Size({list(self)})"
@@ -208,7 +216,9 @@ class TensorRef(_Frozen):
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
-        raise TypeError(f"{what} must be a tuple of ints, got {value!r}")
+        raise TypeError(f"{what} must be a tuple of ints, got {short_repr(value)}")
+    if type(value) is not tuple:
+        charge(_SLOT * len(value))  # tuple() copies a list or a Size
     return tuple(value)
 
 
@@ -328,19 +338,26 @@ def _mem_format_encoding(value: Any) -> str:
 
 def _torch_device(spec: Any, index: Any = None) -> str:
     if not isinstance(spec, str) or (index is not None and type(index) is not int):
-        raise TypeError(f"invalid torch.device({spec!r}, {index!r})")
+        raise TypeError(f"invalid torch.device({short_repr(spec)}, {short_repr(index)})")
+    if index is not None:
+        charge(_VALUE + _PER_BYTE * len(spec))  # a new string
     return spec if index is None else f"{spec}:{index}"
 
 
-def _posix_path(*parts: Any) -> str:
+def _path_cost(parts: tuple[Any, ...]) -> None:
+    """Check a path's parts and charge the string joined from them (each may be a memoized string)."""
     if not all(isinstance(p, str) for p in parts):
         raise TypeError("path parts must be strings")
+    charge(_VALUE + _PER_BYTE * sum(len(p) + 1 for p in parts))
+
+
+def _posix_path(*parts: Any) -> str:
+    _path_cost(parts)
     return posixpath.join(*parts) if parts else "."
 
 
 def _windows_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise TypeError("path parts must be strings")
+    _path_cost(parts)
     return ntpath.join(*parts) if parts else "."
 
 
@@ -392,10 +409,12 @@ class Record:
         if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
             merged: dict[Any, Any] = {}
             for part in state:
+                charge(_DICT_ITEM * len(part or {}))
                 merged.update(part or {})
             state = merged
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__} state must be a dict, got {type(state).__name__}")
+        charge(_DICT_ITEM * (len(state) + len(self.FIELDS)))  # copied into the attributes (or `unknown`)
         d = self.__dict__
         for name in self.FIELDS:
             d.setdefault(name, self.DEFAULTS.get(name))
@@ -521,20 +540,26 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     unboundedly, and no pickler emits them.
     """
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise TypeError(f"_codecs.encode only supports (str, 'latin1'), got encoding {encoding!r}")
+        raise TypeError(f"_codecs.encode only supports (str, 'latin1'), got encoding {short_repr(encoding)}")
+    charge(_VALUE + len(text))
     return text.encode("latin-1")
 
 
 def _bytes(value: Any = b"", encoding: Any = None) -> bytes:
     if isinstance(value, (bytes, bytearray)) and encoding is None:
+        if type(value) is not bytes:
+            charge(_VALUE + len(value))  # a copy (bytes() of bytes is the same object)
         return bytes(value)
     if isinstance(value, str) and encoding in ("latin1", "latin-1"):
+        charge(_VALUE + len(value))
         return value.encode("latin-1")
     raise TypeError("bytes() only from bytes or a latin-1 string")  # never bytes(huge_int)
 
 
 def _bytearray(value: Any = b"", encoding: Any = None) -> bytearray:
-    return bytearray(_bytes(value, encoding))
+    data = _bytes(value, encoding)
+    charge(_VALUE + len(data))
+    return bytearray(data)
 
 
 def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
@@ -544,16 +569,21 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 
 def _set(items: Any = ()) -> set:
-    return set(_plain_sequence(items))
+    items = _plain_sequence(items)
+    charge(_SET_ITEM * len(items))
+    return set(items)
 
 
 def _frozenset(items: Any = ()) -> frozenset:
-    return frozenset(_plain_sequence(items))
+    items = _plain_sequence(items)
+    charge(_SET_ITEM * len(items))
+    return frozenset(items)
 
 
 def _plain_sequence(items: Any) -> list:
     if not isinstance(items, (list, tuple)):
         raise TypeError("set() only from a list or tuple")
+    charge(_SLOT * len(items))  # a copy of what may be a memoized list of millions
     return list(items)
 
 
@@ -573,7 +603,9 @@ class _OrderedDict(dict):
 def _ordered_dict(items: Any = ()) -> dict:
     """collections.OrderedDict -> a dict (pickles fill it by SETITEMS; a state dict's BUILD is taken)."""
     out: dict = _OrderedDict()
-    for key, value in _plain_sequence(items):
+    items = _plain_sequence(items)
+    charge(_DICT_ITEM * len(items))
+    for key, value in items:
         out[key] = value
     return out
 
@@ -627,18 +659,20 @@ class NumpyArray:
         shape = _int_tuple(shape, "numpy shape")
         if not isinstance(dtype, NumpyDType):
             raise TypeError("numpy array dtype must be a plain numeric dtype")
-        if isinstance(raw, str):
-            raw = raw.encode("latin-1")
-        if not isinstance(raw, (bytes, bytearray)):
+        if not isinstance(raw, (bytes, bytearray, str)):
             raise TypeError("numpy array data must be bytes (object arrays are refused)")
         dt = dtype.resolve()
         count = 1
         for n in shape:
             if n < 0:
-                raise TypeError(f"negative numpy dimension in {shape}")
+                raise TypeError(f"negative numpy dimension in {short_repr(shape)}")
             count *= n
-        if count > _MAX_ELEMENTS or count * dt.itemsize != len(raw):
-            raise ValueError(f"numpy array {shape} of {dt} does not match its {len(raw)} data bytes")
+        if count > _MAX_ELEMENTS or count * dt.itemsize != len(raw):  # (a latin-1 str: a byte per character)
+            raise ValueError(f"numpy array {short_repr(shape)} of {dt} does not match its {len(raw)} data bytes")
+        # the bytes may be a memoized value rebuilt into many arrays: a str's encoding, a copy, the array
+        charge(_VALUE + 3 * len(raw))
+        if isinstance(raw, str):
+            raw = raw.encode("latin-1")
         arr = np.frombuffer(bytes(raw), dtype=dt).reshape(shape, order="F" if fortran else "C")
         self.array = arr.copy(order="C")
 
@@ -646,11 +680,11 @@ class NumpyArray:
 def _numpy_scalar(dtype: Any, raw: Any = None) -> Any:
     if not isinstance(dtype, NumpyDType):
         raise TypeError("numpy scalar dtype must be a plain numeric dtype")
+    dt = dtype.resolve()
+    if not isinstance(raw, (bytes, bytearray, str)) or len(raw) != dt.itemsize:
+        raise ValueError("numpy scalar data does not match its dtype")
     if isinstance(raw, str):
         raw = raw.encode("latin-1")
-    dt = dtype.resolve()
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) != dt.itemsize:
-        raise ValueError("numpy scalar data does not match its dtype")
     return np.frombuffer(bytes(raw), dtype=dt)[0]
 
 
@@ -773,12 +807,9 @@ MAX_LONG_BYTES = 1 << 10
 # numpy array copied from its bytes) is charged by the stand-in itself, at
 # run time and before it allocates (`charge`), against what the estimate left.
 #
-# The limit is the run's memory budget (--memory: `memory_budget`, default
-# 512 MiB, the scheduler's default) plus PICKLE_ALLOWANCE, a fixed allowance
-# so that a large real DCP .metadata (~12 bytes of objects per byte, estimated
-# at ~30) reads under the default budget.
-DEFAULT_BUDGET = 512 << 20  # scheduler.admission.DEFAULT_MEMORY (not imported: it pulls in the scheduler)
-PICKLE_ALLOWANCE = 512 << 20
+# The limit is the run's memory budget (--memory, set by the core through
+# pickle_budget.memory_budget; default 512 MiB) plus a fixed allowance
+# (pickle_budget.PICKLE_ALLOWANCE).
 _SLOT = 24  # a reference in a list, tuple or the stack: 8 bytes, x1.125 growth, x2 while reallocated
 _MEMO = 24  # a memo entry: the memo array doubles (x2), and is copied when it does
 _DICT_ITEM = 192  # a dict entry (24 B) at the lowest fill after a resize, its index, the old table while resizing
@@ -787,32 +818,15 @@ _VALUE = 96  # a str/bytes object's header, the read buffer's; plus _PER_BYTE fo
 _PER_BYTE = 5  # a string's characters up to 4 bytes each (UCS-4), and the byte read
 _CALL = 128  # the one object a REDUCE/NEWOBJ/OBJ/INST call returns (a record, a TensorRef: ~100 B)
 
-_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("pickle_memory_budget", default=None)
-
-
-@contextlib.contextmanager
-def memory_budget(nbytes: int | None) -> Iterator[None]:
-    """Within it, pickles are unpickled within `nbytes` (--memory) plus PICKLE_ALLOWANCE (None: the default budget)."""
-    token = _BUDGET.set(nbytes)
-    try:
-        yield
-    finally:
-        _BUDGET.reset(token)
-
-
-def memory_limit() -> int:
-    """The bytes one pickle may take to unpickle in this context: the budget plus the fixed allowance."""
-    budget = _BUDGET.get()
-    return (DEFAULT_BUDGET if budget is None else budget) + PICKLE_ALLOWANCE
-
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB" if n < 10 << 30 else f"{n / (1 << 30):,.1f} GiB"
 
 
-def _over_limit(estimate: int, limit: int) -> str:
+def _over_limit(limit: int) -> str:
+    # (the walk stops counting once past the limit: "more than" is all it knows)
     budget = limit - PICKLE_ALLOWANCE
-    return (f"unpickling it would take an estimated {_mib(estimate)} of memory, over the {_mib(limit)} allowed "
+    return (f"unpickling it would take more than the {_mib(limit)} of memory allowed "
             f"(the {_mib(budget)} memory budget + {_mib(PICKLE_ALLOWANCE)} for pickles); "
             "a larger --memory admits it")
 
@@ -841,17 +855,18 @@ def charge(nbytes: int) -> None:
     _Allowance.local.left = left
     if left < 0:
         limit = _Allowance.local.limit
-        raise PickleMemoryError(_over_limit(limit - left, limit))
+        raise PickleMemoryError(_over_limit(limit))
 
 
-def _cost_tables() -> tuple[list[int], list[int], list[int], list[int]]:
+def _cost_tables() -> tuple[list[int], list[int], list[int]]:
     """Per opcode byte: the fixed cost and the cost per element a MARK-popping opcode takes in (the
-    walk's tables); and the most a byte can cost wherever it is (the fast bound's tables: without
-    and with set opcodes in the pickle)."""
+    walk's tables), and the most a byte can cost wherever it is in a pickle that pickle_scan proves
+    within the limits (the fast bound's table)."""
     import pickletools
 
     fixed = [0] * 256
     per_element = [0] * 256
+    fast = [_PER_BYTE] * 256  # an argument byte: at most a string's
     sizes = {
         "EMPTY_LIST": 64, "LIST": 64, "EMPTY_DICT": 224, "DICT": 224,  # (a dict with its first keys table)
         "EMPTY_SET": 224, "FROZENSET": 224, "TUPLE": 48, "TUPLE1": 48 + _SLOT, "TUPLE2": 56 + 2 * _SLOT,
@@ -863,40 +878,43 @@ def _cost_tables() -> tuple[list[int], list[int], list[int], list[int]]:
     }
     elements = {"LIST": _SLOT, "TUPLE": _SLOT, "APPENDS": _SLOT, "DICT": _DICT_ITEM // 2,
                 "SETITEMS": _DICT_ITEM // 2, "FROZENSET": _SET_ITEM, "ADDITEMS": _SET_ITEM}
-    # opcodes that make no new stack value (the rest may: each such value may end up in a container,
-    # and the fast bound charges it the dearest place there is)
+    # opcodes that make no new stack value; each value the others make may end up in a container, and the
+    # fast bound charges it the dearest place: a list's slot or half a dict entry (pickle_scan proves no
+    # pickle that fills a set by opcodes: ADDITEMS and FROZENSET are outside its pattern)
     not_new = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD", "MEMOIZE", "PUT", "BINPUT",
                "LONG_BINPUT", "POP", "POP_MARK", "MARK", "FRAME", "PROTO", "STOP"}
-    fast = [[_PER_BYTE] * 256, [_PER_BYTE] * 256]  # an argument byte: at most a string's
+    dearest = max(_SLOT, _DICT_ITEM // 2)
     for op in pickletools.opcodes:
         b = op.code.encode("latin-1")[0]
         fixed[b] = sizes.get(op.name, 0)
         per_element[b] = elements.get(op.name, 0)
         has_value = op.arg is not None and op.arg.n < 0  # a length-prefixed value or a text line
         new_value = bool(op.stack_after) and op.name not in not_new
-        for with_sets, dearest in ((0, max(_SLOT, _DICT_ITEM // 2)), (1, max(_SLOT, _DICT_ITEM // 2, _SET_ITEM))):
-            fast[with_sets][b] += fixed[b] + (_VALUE if has_value else 0) + (dearest if new_value else 0)
-    return fixed, per_element, fast[0], fast[1]
+        fast[b] += fixed[b] + (_VALUE if has_value else 0) + (dearest if new_value else 0)
+    return fixed, per_element, fast
 
 
-_FIXED_COST, _ELEMENT_COST, _FAST_COST, _FAST_COST_WITH_SETS = _cost_tables()
-_FAST_COSTS = (np.array(_FAST_COST, dtype=np.int64), np.array(_FAST_COST_WITH_SETS, dtype=np.int64))
-_SET_OPCODES = (ord(b"\x90"), ord(b"\x91"))  # ADDITEMS, FROZENSET: a set's items cost more than a dict's
+_FIXED_COST, _ELEMENT_COST, _FAST_COST = _cost_tables()
+_FAST_COST_ARRAY = np.array(_FAST_COST, dtype=np.int64)
+_COUNT_BLOCK = 1 << 20
 
 
 def fast_memory_bound(data: bytes) -> int:
     """An upper bound on what unpickling `data` takes, from how often each byte value occurs (C speed).
 
-    Valid for a pickle whose memo indices are within the limits (pickle_scan
-    proves it): every byte is charged as the dearest thing it can be, an
-    opcode (its object and its value's place in a container) or a byte of a
-    string; the stack is at most MAX_STACK_DEPTH slots, a frame's read buffer
-    and the input at most the data's size each. (~100 bytes a byte for a
-    DCP .metadata, which takes ~12; walk_limits estimates ~30.)
+    Valid for a pickle that pickle_scan proves within the limits (its memo
+    indices, no set filled by opcodes): every byte is charged as the dearest
+    thing it can be, an opcode (its object and its value's place in a
+    container) or a byte of a string; the stack is at most MAX_STACK_DEPTH
+    slots, a frame's read buffer and the input at most the data's size each.
+    (~100 bytes a byte for a DCP .metadata, which takes ~12; walk_limits
+    estimates ~30.)
     """
-    counts = np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256)
-    costs = _FAST_COSTS[bool(counts[_SET_OPCODES[0]] or counts[_SET_OPCODES[1]])]
-    return int(counts @ costs) + MAX_STACK_DEPTH * _SLOT + 2 * len(data)
+    view = np.frombuffer(data, dtype=np.uint8)
+    counts = np.zeros(256, dtype=np.int64)
+    for start in range(0, len(view), _COUNT_BLOCK):  # (bincount takes 8 bytes a byte: a block at a time)
+        counts += np.bincount(view[start:start + _COUNT_BLOCK], minlength=256)
+    return int(counts @ _FAST_COST_ARRAY) + MAX_STACK_DEPTH * _SLOT + 2 * len(data)
 
 
 def _tables() -> tuple[list[int], list[int], list[int]]:
@@ -991,7 +1009,7 @@ def walk_limits(data: bytes, where: str, limit: int | None = None) -> int:
     def estimate() -> int:
         total = cost + peak * _SLOT
         if total > limit:
-            raise PickleMemoryError(_over_limit(total, limit), where)
+            raise PickleMemoryError(_over_limit(limit), where)
         return total
 
     while pos < n:

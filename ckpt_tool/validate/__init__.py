@@ -51,8 +51,25 @@ def validate_checkpoint(
 ) -> ValidationReport:
     """Check the checkpoint at `path`; collects every finding instead of stopping at the first.
 
-    `memory`: the --deep read scheduler's budget in bytes (None: its default). `manifest`: an
-    integrity manifest kept elsewhere (default: the checkpoint's own, when it has one)."""
+    `memory`: the --deep read scheduler's budget in bytes, and the unpickler's (None: the default).
+    `manifest`: an integrity manifest kept elsewhere (default: the checkpoint's own, when it has one)."""
+    from ..torchsave.pickle_budget import memory_budget
+
+    with memory_budget(memory):
+        return _validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress,
+                                    memory=memory, manifest=manifest)
+
+
+def _validate_checkpoint(
+    path: str,
+    *,
+    step: str | int | None,
+    deep: bool,
+    workers: int,
+    progress: Progress,
+    memory: int | None,
+    manifest: str | None,
+) -> ValidationReport:
     from .. import formats
     from ..formats import TMP_MARKER, detect
     from ..storage import check_url

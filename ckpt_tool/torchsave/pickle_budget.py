@@ -1,0 +1,36 @@
+"""The memory one pickle may take to unpickle: the run's budget plus a fixed allowance.
+
+Set by the core around a command's work (`memory_budget(--memory)`), read by
+safe_pickle before it unpickles anything (its "Memory" section says how the
+cost is estimated). Kept apart from safe_pickle so that setting it imports
+nothing: most checkpoints hold no pickle.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+# scheduler.admission.DEFAULT_MEMORY (not imported: it pulls in the scheduler); a test checks they agree
+DEFAULT_BUDGET = 512 << 20
+# on top of the budget: a large real DCP .metadata (~12 bytes of objects a byte, estimated at ~30)
+# reads under the default budget up to ~34 MB (~140,000 tensors of one rank)
+PICKLE_ALLOWANCE = 512 << 20
+
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("pickle_memory_budget", default=None)
+
+
+@contextlib.contextmanager
+def memory_budget(nbytes: int | None) -> Iterator[None]:
+    """Within it, a pickle may take `nbytes` (--memory; None: the default) plus PICKLE_ALLOWANCE to unpickle."""
+    token = _BUDGET.set(nbytes)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def memory_limit() -> int:
+    """The bytes one pickle may take to unpickle in this context: the budget plus the fixed allowance."""
+    budget = _BUDGET.get()
+    return (DEFAULT_BUDGET if budget is None else budget) + PICKLE_ALLOWANCE
