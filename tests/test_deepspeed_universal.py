@@ -256,3 +256,11 @@ def test_zero3_sub_groups_read_their_own_adam_state_as_deepspeed_gathers_it():
                 assert np.array_equal(got[...], recorded(ref["optimizer"][pname][key])), (path.name, pname, key)
     groups = {leaf.name: leaf for leaf in ckpt_tool.open(str(FIXTURES / "deepspeed_z3_bf16_uneven")).leaves}
     assert [g["params"] for g in groups["optimizer.param_groups"].load()] == [g["params"] for g in ref["param_groups"]]
+
+
+def test_validate_counts_each_file_once():
+    """validate's "checked N files": the step's model-states, optimizer_state.pt and parameter files, once each."""
+    step = FIXTURES / "deepspeed_universal_z3_bf16_uneven" / "global_step2_universal"
+    r = run("validate", "--json", step.parent)
+    assert r.returncode == 0, r.stdout
+    assert json.loads(r.stdout)["checked"]["files"] == len([p for p in step.rglob("*") if p.is_file()]) == 92
