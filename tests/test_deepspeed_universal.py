@@ -264,3 +264,39 @@ def test_validate_counts_each_file_once():
     r = run("validate", "--json", step.parent)
     assert r.returncode == 0, r.stdout
     assert json.loads(r.stdout)["checked"]["files"] == len([p for p in step.rglob("*") if p.is_file()]) == 92
+
+
+@pytest.mark.parametrize("expert_group", [False, True])
+def test_zero3_sub_groups_partitioned_over_other_ranks_are_refused(tmp_path, expert_group):
+    """AutoEP's ZeRO-3 layout records per sub-group the ranks it is partitioned over
+    (ds_zero_partition_groups, DeepSpeed 0.19's stage3._zero3_partition_group_metadata): an expert
+    sub-group split over 1 rank of 2 is not where the DP rule puts it, so inspect and convert refuse it
+    in one line (zero_to_fp32 refuses it too); a record of every sub-group over the 2 ranks reads as usual.
+    The checkpoint is IMITATED (test_deepspeed.imitate), the record added as DeepSpeed writes it."""
+    import torch
+
+    from test_deepspeed import imitate
+
+    experts = torch.arange(6.0).reshape(2, 3)
+    root = imitate(tmp_path / "run", 3, [OrderedDict(w=torch.ones(3, 5)), OrderedDict(experts=experts)])
+    for r in range(2):
+        f = root / "global_step1" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        sd = torch.load(f, weights_only=False)
+        sd["optimizer_state_dict"]["ds_zero_partition_groups"] = [
+            {"sub_group": g, "partition_count": 1 if expert_group and g == 1 else 2,
+             "partition_rank": 0 if expert_group and g == 1 else r, "partition_ranks": [r] if expert_group and g == 1
+             else [0, 1], "families": ["replicated"], "group_names": ["replicated"]} for g in range(2)]
+        torch.save(sd, f)
+    r = run("inspect", root)
+    out = tmp_path / "outs"
+    out.mkdir()
+    c = run("convert", root, out / "uc", "--to", "deepspeed-universal")
+    if expert_group:
+        for result in (r, c):
+            assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "ds_zero_partition_groups: sub-group 1 is partitioned over other ranks" in result.stderr
+        assert not list(out.iterdir())
+    else:
+        assert r.returncode == 0 and c.returncode == 0, r.stderr + c.stderr
+        assert torch.equal(torch.load(out / "uc" / "global_step1_universal" / "zero" / "experts" / "fp32.pt"),
+                           experts.reshape(-1))

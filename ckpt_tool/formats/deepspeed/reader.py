@@ -78,7 +78,8 @@ stage by stage by pipeline.py (open_leaves dispatches); MoE expert groups (`"moe
 param groups, partitioned over the expert data-parallel ranks) are laid out by moe.py (open_step
 calls it). Not read yet (refused by name): several tensor-parallel ranks (mp_rank_01... without
 layer files, layer_XX-model_01-...), MoE without ZeRO (expp_rank_X_... optimizer files), stage-3
-checkpoints of the AutoEP partition-native format. zero_to_fp32 reads none of these either.
+checkpoints of the AutoEP partition-native format (sub-groups partitioned over expert replica
+groups, `ds_zero_partition_groups`). zero_to_fp32 reads none of these either.
 """
 from __future__ import annotations
 
@@ -599,6 +600,9 @@ def open_step(storage: Storage, *, strict_files: bool = False, files: StepFiles 
     if stray:
         raise CorruptMetadataError(f"optimizer states of rank {stray[0]}, but the DP degree (partition_count) is "
                                    f"{world}", storage.url)
+    if stage == 3:
+        for r, o in optims.items():
+            _check_zero3_partition_groups(o, r, world)
     prefix = "bf16_" if files.bf16_prefix else ""
     missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt" for r in range(world) if r not in optims]
     model_archives: dict[int, ts.Archive] = {}
@@ -626,6 +630,26 @@ def open_step(storage: Storage, *, strict_files: bool = False, files: StepFiles 
     if stage != 3 and moe.has_expert_groups(step):
         moe.apply(step)  # expert groups: partitioned over the expert data-parallel ranks, experts renumbered
     return step
+
+
+def _check_zero3_partition_groups(o: RankOptim, rank: int, world: int) -> None:
+    """Stage 3 with AutoEP records, per sub-group, the ranks it is partitioned over
+    (`ds_zero_partition_groups`): an expert sub-group is split over its expert replica group, not
+    over every DP rank, so layout.zero3's rule (each parameter over all `world` ranks, rank r its
+    r-th piece) would read it wrong. Refused, as zero_to_fp32 refuses it; a record that only
+    restates the rule (every sub-group over all ranks, this file's rank) reads as usual."""
+    osd = o.archive.obj.get("optimizer_state_dict") if isinstance(o.archive.obj, dict) else None
+    groups = osd.get("ds_zero_partition_groups") if isinstance(osd, dict) else None
+    if groups is None:
+        return
+    other = [g for g, entry in enumerate(groups if isinstance(groups, list) else [None])
+             if not isinstance(entry, dict) or entry.get("partition_count") != world
+             or entry.get("partition_rank") != rank]
+    if other:
+        raise CorruptMetadataError(
+            f"ds_zero_partition_groups: sub-group {other[0]} is partitioned over other ranks than the {world} "
+            "data-parallel ranks (AutoEP's ZeRO-3 partition-native layout): ckpt does not read it yet "
+            "(zero_to_fp32 refuses it too)", o.archive.where)
 
 
 def _lengths(optims: dict[int, RankOptim], world: int, stage: int,
