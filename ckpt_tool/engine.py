@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import dtypes, formats, hf_export, unstack
+from . import casting, dtypes, formats, hf_export, unstack
 from .errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
     UnsupportedLeafError, UsageError,
@@ -88,6 +88,11 @@ class ConvertResult:
     seconds: float = 0.0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
+    dtype: str | None = None  # --dtype
+    # (leaf, its dtype, why) for each array --dtype left as it is (casting.py's reasons)
+    kept: list[tuple[str, str, str]] = field(default_factory=list)
+    # (file, field, was): each dtype field of the model's config set to --dtype (hf_export.py)
+    config_dtype: list[tuple[str, str, str]] = field(default_factory=list)
     process_index: int = 0
     process_count: int = 1
     # what was done with temporary outputs of killed runs beside DST, one line each (output.py)
@@ -102,7 +107,10 @@ class ConvertResult:
             "arrays": self.arrays, "values": self.values, "chunks": self.chunks, "bytes": self.bytes,
             "seconds": round(self.seconds, 3),
             "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
-            "cast": self.cast, "process_index": self.process_index, "process_count": self.process_count,
+            "cast": self.cast, "dtype": self.dtype,
+            "kept": [{"leaf": p, "dtype": d, "reason": r} for p, d, r in self.kept],
+            "config_dtype": [{"file": f, "field": k, "was": w, "now": self.dtype} for f, k, w in self.config_dtype],
+            "process_index": self.process_index, "process_count": self.process_count,
             "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
         }
 
@@ -209,7 +217,8 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
             raise CkptError(f"cannot be read: {leaf.unreadable}", leaf.path)
         dtype = leaf.dtype
         source_dtype = None
-        if opts.dtype and dtypes.get(leaf.dtype).is_float and leaf.dtype != opts.dtype:
+        # (casting.py: step counters, integer leaves and the other kind of floating type stay)
+        if opts.dtype and casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, opts.dtype) is None:
             dtype, source_dtype = opts.dtype, leaf.dtype
         itemsize = dtypes.get(dtype).itemsize
         layout = _target_layout(leaf, write, itemsize, cap, opts.memory)
@@ -411,6 +420,12 @@ def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: R
         return int(data.nbytes)
 
     return copy
+
+
+def _kept_reason(target: TargetArray, sources: dict[str, ArrayLeaf], dtype: str) -> str:
+    """Why --dtype left a planned array as it is (decided on its source leaf, as planned)."""
+    leaf = sources[target.path]
+    return casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, dtype) or casting.SAME_DTYPE
 
 
 # -- the output directory -------------------------------------------------------
@@ -636,6 +651,13 @@ def convert(
     else:
         src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources
         companions, differences = None, []
+    cast = [t.path for t in plan.arrays() if t.source_dtype]
+    # the model's config names the dtype from_pretrained loads by default: the cast one, read and
+    # checked before anything is written
+    retyped: dict[str, bytes] = {}
+    config_dtype: list[tuple[str, str, str]] = []
+    if companions and cast and opts.dtype:
+        retyped, config_dtype = hf_export.retyped_configs(companions[0], companions[1], opts.dtype)
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     primary = coord.process_index == 0
@@ -648,7 +670,12 @@ def convert(
     coord.barrier("ckpt-convert-start")
     result = ConvertResult(source, destination, src.format, opts.to, skipped=skipped,
                            process_index=coord.process_index, process_count=coord.process_count)
-    result.cast = [t.path for t in plan.arrays() if t.source_dtype]
+    result.cast = cast
+    if opts.dtype:
+        result.dtype = opts.dtype
+        result.kept = [(t.path, t.dtype, reason) for t in plan.arrays() if not t.source_dtype
+                       for reason in [_kept_reason(t, sources, opts.dtype)]]
+        result.config_dtype = config_dtype
     result.cleanup = list(out.notes)
     result.companions = list(companions[1]) if companions else []
     result.like_differences = differences
@@ -674,7 +701,7 @@ def convert(
             coord.barrier("ckpt-convert-written")
             if primary:
                 if companions:  # before the commit: the model's files are part of the output
-                    hf_export.copy_companions(companions[0], companions[1], out.storage())
+                    hf_export.copy_companions(companions[0], companions[1], out.storage(), retyped)
                 writer.commit()
                 finalize_output(out, overwrite=opts.overwrite)
             coord.barrier("ckpt-convert-done")

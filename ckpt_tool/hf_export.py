@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import dtypes
 from .errors import CkptError
 from .storage import Storage
 
@@ -33,6 +34,13 @@ COMPANIONS = (
     "processor_config.json", "video_preprocessor_config.json", "README.md", "LICENSE*", "NOTICE*",
 )
 MAX_COMPANION_BYTES = 1 << 30
+# companion files that name the dtype the model loads in, and the fields that do (transformers 5
+# writes `dtype`; before 4.56 it wrote `torch_dtype`, which it still reads); generation_config.json
+# and the tokenizer's files name none
+CONFIGS_WITH_DTYPE = ("config.json",)
+DTYPE_FIELDS = ("dtype", "torch_dtype")
+# a config rewritten for --dtype is parsed whole: real ones are a few KiB
+MAX_CONFIG_BYTES = 16 << 20
 # transformers' output embedding, tied to the input embedding when tie_word_embeddings holds
 TIED_OUTPUT_NAMES = ("lm_head.weight",)
 
@@ -48,13 +56,90 @@ def is_model_directory(storage: Storage) -> bool:
     return "config.json" in storage.listdir()[1]
 
 
-def copy_companions(src: Storage, names: list[str], dst: Storage) -> None:
-    """Copy the companion files into the (temporary) output, each whole (they are small)."""
+def copy_companions(src: Storage, names: list[str], dst: Storage, replaced: dict[str, bytes] | None = None) -> None:
+    """Copy the companion files into the (temporary) output, each whole (they are small);
+    `replaced`: the new contents of some of them (retyped_configs)."""
     for name in names:
+        if replaced and name in replaced:
+            dst.write(name, replaced[name])
+            continue
         size = src.size(name)
         if size > MAX_COMPANION_BYTES:
             raise CkptError(f"{size} bytes: too large for a model's companion file", f"{src.url}/{name}")
         dst.write(name, src.read(name))
+
+
+def retyped_configs(src: Storage, names: list[str], dtype: str) -> tuple[dict[str, bytes], list[tuple[str, str, str]]]:
+    """The companion configs whose dtype fields must name `dtype` (ckpt's name) after `--dtype`.
+
+    transformers' `from_pretrained` loads a model in the dtype its config.json names (`dtype`;
+    `torch_dtype` before transformers 4.56, still read), sub-configs included: a cast export that
+    kept `"dtype": "float32"` would load as float32. Each such field naming a floating torch dtype
+    is set to the new one; anything else (a token id under a `dtype` key, "auto") stays.
+    Returns (file -> new bytes, [(file, field path, the old value)]); a file that needs no change
+    is not in it (copied byte for byte)."""
+    torch_name = dtypes.get(dtype).torch
+    out: dict[str, bytes] = {}
+    changes: list[tuple[str, str, str]] = []
+    if torch_name is None:  # no torch dtype: transformers cannot load it whatever the config says
+        return out, changes
+    for name in names:
+        if name not in CONFIGS_WITH_DTYPE:
+            continue
+        where = f"{src.url}/{name}"
+        size = src.size(name)
+        if size > MAX_CONFIG_BYTES:
+            raise CkptError(f"{size} bytes: too large for a model config (at most {MAX_CONFIG_BYTES >> 20} MiB), "
+                            f"so --dtype cannot set its dtype", where)
+        try:
+            config = json.loads(src.read(name))
+            fields = _set_dtype_fields(config, torch_name)
+            text = json.dumps(config, indent=2) + "\n" if fields else ""
+        except RecursionError:
+            raise CkptError("nested too deeply to be a model config, so --dtype cannot set its dtype", where) from None
+        except ValueError:  # (UnicodeDecodeError included)
+            raise CkptError("not valid JSON, so --dtype cannot set its dtype (from_pretrained would not read it "
+                            "either)", where) from None
+        if fields:
+            out[name] = text.encode()
+            changes.extend((name, field_path, old) for field_path, old in fields)
+    return out, changes
+
+
+def _set_dtype_fields(config: Any, torch_name: str) -> list[tuple[str, str]]:
+    """Set every dtype field naming a floating torch dtype, in `config` and its nested objects
+    (sub-configs), to `torch_name`; [(dotted field path, old value)] of those changed. A walk with
+    its own stack: a config nested as deep as the JSON parser allows is no recursion limit here."""
+    changed: list[tuple[str, str]] = []
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:
+        prefix, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key in DTYPE_FIELDS and isinstance(node, dict):
+                if _floating_torch_name(value) and value != torch_name:
+                    node[key] = torch_name
+                    changed.append((path, value))
+                    continue
+                if isinstance(value, dict):  # a dtype per sub-config: {"": "float32", "text_config": ...}
+                    for sub, sub_value in value.items():
+                        if _floating_torch_name(sub_value) and sub_value != torch_name:
+                            value[sub] = torch_name
+                            changed.append((f"{path}.{sub}", sub_value))
+                    continue
+            if isinstance(value, (dict, list)):
+                stack.append((path, value))
+    changed.sort()
+    return changed
+
+
+def _floating_torch_name(value: Any) -> bool:
+    """"float32", "bfloat16", ... as transformers writes a torch dtype (str(torch.float32) without "torch.")."""
+    if not isinstance(value, str):
+        return False
+    name = value.removeprefix("torch.")
+    return name in dtypes.TORCH_DTYPE_NAMES and dtypes.from_torch(name).is_float
 
 
 @dataclass

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 import click
 
 from .. import formats
+from ..casting import kept_phrase
 from ..engine import ConvertOptions, convert
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options, weights_option
@@ -26,7 +27,9 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
               help="A Hugging Face model directory the output must match (tensor names, shapes, dtypes; every "
                    "difference listed, nothing written); its config and tokenizer files are copied beside it.")
 @click.option("--force-like", is_flag=True, help="With --like: write even when the output does not match.")
-@click.option("--dtype", help="Cast floating leaves to this dtype (e.g. bfloat16). Never done without this flag.")
+@click.option("--dtype", help="Cast floating weights and optimizer moments to this dtype (e.g. bfloat16); step "
+                               "counters and integer leaves stay as they are, and a model's config.json names the "
+                               "new dtype. Never done without this flag.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
 @click.option("--max-shard-size", metavar="SIZE",
               help="safetensors: bytes per file, e.g. 5GB (default, as transformers), 500MB, 2GiB.")
@@ -65,8 +68,13 @@ def convert_command(
         out.line(f"[yellow]{esc(line)}[/yellow]")
     for path, reason in result.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
-    if result.cast:
-        out.line(f"cast {plural(len(result.cast), 'leaf', 'leaves')} to {esc(dtype)}")
+    if result.dtype is not None:  # what --dtype cast, and what it kept (step counters, integers: casting.py)
+        kept = kept_phrase((reason for _, _, reason in result.kept), result.dtype)
+        as_is = " as it is" if len(result.kept) == 1 else " as they are"
+        out.line(f"cast {plural(len(result.cast), 'floating leaf', 'floating leaves')} to {esc(result.dtype)}"
+                 + (f"; kept {esc(kept)}{as_is}" if kept else ""))
+    for file, field, was in result.config_dtype:  # so that from_pretrained loads the cast dtype
+        out.line(f"set {esc(file)} {esc(field)} to {esc(result.dtype or '')} (was {esc(was)})")
     for line in result.like_differences:  # --force-like: written although the reference differs
         out.line(f"[yellow]differs from --like[/yellow] {esc(line)}")
     if result.companions:
