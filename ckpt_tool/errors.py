@@ -74,6 +74,35 @@ class StorageUnavailableError(CkptError):
     code = "storage-unavailable"
 
 
+class UnreadableFileError(CkptError):
+    """A file that is there but cannot be read (permission denied, an I/O error).
+
+    A property of the file, not of any item in it: every item stored there
+    fails alike, so validate reports the file once (`unreadable-file`) with the
+    leaves it holds, not a finding per item."""
+
+    code = "unreadable"
+
+
+class TruncatedFileError(CkptError):
+    """A file shorter than an item stored in it needs. `size`: the bytes it has.
+
+    `cause` says what is wrong with the file itself, the same words for every
+    item past its end (the message says which bytes this read needed): validate
+    groups the items of one short file under one finding with it."""
+
+    def __init__(self, message: str, where: str | None = None, *, size: int, cause: str | None = None) -> None:
+        self.size = size
+        self.cause = cause or f"truncated: it has {size:,} bytes, fewer than the items stored in it need"
+        super().__init__(message, where)
+
+
+class NoSpaceError(CkptError):
+    """The destination's file system is full (ENOSPC, EDQUOT), or would be by the output's size."""
+
+    code = "no-space"
+
+
 class IncompleteCheckpointError(CkptError):
     """An uncommitted or partially written save."""
 

@@ -7,6 +7,7 @@ README lists them from CODES.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +31,7 @@ CODES: dict[str, str] = {
     "empty-file": "a data file with no bytes while the metadata places items in it",
     "truncated-file": "a data file shorter than offset+length of an item stored in it",
     "missing-file": "a data file the metadata refers to does not exist",
+    "unreadable-file": "a data file that is there but cannot be read (permission denied, an I/O error)",
     "coverage-gap": "part of a tensor is covered by no chunk (restored values there are undefined)",
     "chunk-overlap": "two chunks of a tensor cover the same elements",
     "duplicate-mismatch": "copies of a replicated duplicate chunk that hold different bytes (--deep)",
@@ -49,6 +51,18 @@ CODES: dict[str, str] = {
 }
 
 
+# findings about a file as a whole: every item stored in it is hurt by the same cause, so a
+# file has one of them, with the leaves it affects, not a finding per item or chunk
+FILE_CAUSES = frozenset({
+    "missing-file", "unreadable-file", "empty-file", "truncated-file", "lost-process-data",
+})
+# of those, the ones no byte of the file can be read past: any chunk of the file that does
+# not decode is one of the leaves the file's finding affects
+_WHOLE_FILE = frozenset({"missing-file", "unreadable-file", "empty-file"})
+# affected leaves named in the text line of a file's finding (--json lists them all)
+_NAMED_LEAVES = 3
+
+
 @dataclass(frozen=True)
 class Finding:
     severity: str  # ERROR | WARNING
@@ -56,16 +70,22 @@ class Finding:
     message: str
     leaf: str | None = None
     file: str | None = None
+    # a finding about a file (FILE_CAUSES): the leaves stored in it that the cause hurts
+    leaves: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
             raise ValueError(f"unknown finding code {self.code!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "severity": self.severity, "code": self.code, "leaf": self.leaf,
             "file": self.file, "message": self.message,
         }
+        if self.leaves:
+            out["leaves"] = list(self.leaves)
+            out["count"] = len(self.leaves)
+        return out
 
 
 # findings of one severity and code for one leaf past this many are counted,
@@ -79,24 +99,47 @@ class Findings:
 
     Per leaf, the first MAX_PER_LEAF findings of each (severity, code) are
     kept; the rest are counted in one closing finding "... and N more".
+    A file has one error of FILE_CAUSES (the first one reported): later ones
+    for the same file, and chunks that fail because of it (`file_problem`;
+    any chunk of a file no byte of which can be read), add their leaf to its
+    `leaves` instead of a line each.
     """
 
-    items: list[Finding] = field(default_factory=list)
+    _items: list[Finding] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
+    # file -> index in _items of its FILE_CAUSES error; that finding's message before its count
+    # of leaves, and the leaves (an ordered set)
+    _causes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _cause_text: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
+    _affected: dict[int, dict[str, None]] = field(default_factory=dict, repr=False, compare=False)
+    _stale: set[int] = field(default_factory=set, repr=False, compare=False)
     # (severity, code, leaf) -> [findings seen, index of the "and N more" item or -1]
     _per_leaf: dict[tuple[str, str, str], list[int]] = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def _add(self, finding: Finding) -> None:
+    @property
+    def items(self) -> list[Finding]:
+        """Every finding so far, in the order reported (a file's one with its leaves counted)."""
         with self._lock:
+            for index in self._stale:
+                f, leaves = self._items[index], tuple(self._affected[index])
+                self._items[index] = dataclasses.replace(
+                    f, message=self._cause_text[index] + _affects_text(leaves), leaves=leaves)
+            self._stale.clear()
+            return self._items
+
+    def _add(self, finding: Finding, affects: str | None = None) -> None:
+        with self._lock:
+            if finding.severity == ERROR and finding.file is not None and self._file_cause(finding, affects):
+                return
             if finding.leaf is None:
-                self.items.append(finding)
+                self._items.append(finding)
                 return
             key = (finding.severity, finding.code, finding.leaf)
             seen = self._per_leaf.setdefault(key, [0, -1])
             seen[0] += 1
             if seen[0] <= MAX_PER_LEAF:
-                self.items.append(finding)
+                self._items.append(finding)
                 return
             more = seen[0] - MAX_PER_LEAF
             summary = Finding(
@@ -105,16 +148,47 @@ class Findings:
                 finding.leaf, None,
             )
             if seen[1] < 0:
-                seen[1] = len(self.items)
-                self.items.append(summary)
+                seen[1] = len(self._items)
+                self._items.append(summary)
             else:
-                self.items[seen[1]] = summary
+                self._items[seen[1]] = summary
+
+    def _file_cause(self, finding: Finding, affects: str | None) -> bool:
+        """Count `finding` as its file's one FILE_CAUSES error (the first, or added to it), or a
+        chunk failed by its file's unreadable bytes; False: a finding of its own (under the lock)."""
+        file = finding.file
+        assert file is not None
+        index = self._causes.get(file)
+        leaf = affects or finding.leaf
+        if finding.code in FILE_CAUSES:
+            if index is None:  # the file's first: its finding
+                self._causes[file] = index = len(self._items)
+                self._items.append(finding)
+                self._cause_text[index] = finding.message
+                self._affected[index] = {}
+            if leaf is not None:
+                self._affected[index][leaf] = None
+                self._stale.add(index)
+            return True
+        if index is None or finding.leaf is None or finding.code != "bad-chunk" \
+                or self._items[index].code not in _WHOLE_FILE:
+            return False
+        self._affected[index][finding.leaf] = None  # a chunk of a file none of which can be read
+        self._stale.add(index)
+        return True
 
     def error(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
         self._add(Finding(ERROR, code, message, leaf, file))
 
     def warning(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None:
         self._add(Finding(WARNING, code, message, leaf, file))
+
+    def file_problem(self, code: str, message: str, *, file: str, leaf: str | None = None) -> None:
+        """An error about `file` as a whole (a FILE_CAUSES code) that hurts `leaf`: one finding per
+        file, listing the leaves (added to the file's finding when it has one already)."""
+        if code not in FILE_CAUSES:
+            raise ValueError(f"{code!r} is not a finding about a file")
+        self._add(Finding(ERROR, code, message, None, file), affects=leaf)
 
     def count(self, what: str, n: int = 1) -> None:
         self.checked[what] = self.checked.get(what, 0) + n
@@ -126,6 +200,15 @@ class Findings:
     @property
     def warnings(self) -> list[Finding]:
         return [f for f in self.items if f.severity == WARNING]
+
+
+def _affects_text(leaves: tuple[str, ...]) -> str:
+    """" (2 leaves affected: a, b)": the count of a file's finding, with the first few names."""
+    if not leaves:
+        return ""
+    named = ", ".join(leaves[:_NAMED_LEAVES])
+    more = f" and {len(leaves) - _NAMED_LEAVES:,} more" if len(leaves) > _NAMED_LEAVES else ""
+    return f" ({len(leaves):,} lea{'f' if len(leaves) == 1 else 'ves'} affected: {named}{more})"
 
 
 # progress callback: (what, done, total) — the core never prints

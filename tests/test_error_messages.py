@@ -74,7 +74,7 @@ def test_unreadable_distcp_is_one_finding_with_the_os_reason(tmp_path, deep):
     findings = json.loads(r.stdout)["findings"]
     about_it = [f for f in findings if f["file"] == "__0_0.distcp"]
     assert [f["code"] for f in findings if f["code"] == "bad-metadata"] == []  # .metadata is not to blame
-    assert about_it[0]["code"] == "missing-file"
+    assert about_it[0]["code"] == "unreadable-file"  # (not missing: it is there)
     assert about_it[0]["message"].startswith("data file cannot be read (Permission denied); .metadata places 7 items")
     if not deep:
         assert len(findings) == 1, findings
@@ -93,7 +93,7 @@ def test_unreadable_distcp_only_that_file(tmp_path):
     assert r.returncode == 1
     errors = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("error ")]
     assert len(errors) == 1 and errors[0].endswith("__1_0.distcp"), r.stdout
-    assert "error missing-file: data file cannot be read (Permission denied)" in errors[0]
+    assert "error unreadable-file: data file cannot be read (Permission denied)" in errors[0]
 
 
 # -- a file inside a checkpoint --------------------------------------------------------

@@ -229,6 +229,12 @@ def refuse_file(url: str, command: str = "inspect") -> None:
     path = local_path(url)
     if path is None or not os.path.isfile(path):
         return
+    try:  # a file no reader could sniff because it cannot be read at all: say that, not what it is not
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as exc:
+        from ..storage.local import errno_error
+
+        raise errno_error(exc.errno, exc.strerror or str(exc), "cannot read", url) from None
     shown = url[len("file://"):] if url.startswith("file://") else url
     around = _checkpoint_around(shown if not url.startswith("file://") else path)
     if around is not None:

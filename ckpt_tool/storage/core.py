@@ -20,14 +20,14 @@ from typing import Any, Iterable, Iterator
 import tensorstore as ts
 
 from .. import directio
-from ..errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
+from ..errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError, TruncatedFileError
 from ..pagecache import DirectoryDropper
 from . import local as localfs
 from . import ocdbt_bulk
 from .containment import _check_relative, _Containment, check_local_path
 from .local import LocalFileWriter, _os_error
 from .remote import (
-    _RETRIES, _SIZE_IN_ERROR, _TRANSPORT, _endpoint_of, _error_for, _kvstore_spec, _text, _wait_for, opening,
+    ocdbt_truncated_cause, _RETRIES, _SIZE_IN_ERROR, _TRANSPORT, _endpoint_of, _error_for, _kvstore_spec, _text, _wait_for, opening,
 )
 
 # One context for every open: memory:// stores are shared within a process
@@ -50,6 +50,10 @@ _READ_CONTEXT = ts.Context(
     | ({"file_io_mode": {"mode": "memmap"}} if os.environ.get("CKPT_MMAP_READS", "") not in ("", "0") else {}),
     parent=_CONTEXT,
 )
+
+
+# what an OCDBT view's url adds to its database directory's
+_OCDBT_SUFFIX = " (ocdbt)"
 
 
 class ReadLog:
@@ -105,17 +109,20 @@ def read_indirect(view: "Storage", refs: dict[str, ocdbt_bulk.IndirectValue]) ->
     (relative to the database root) the B+tree walk found them in."""
     base = view._ocdbt_base
     assert base is not None
+    base_url = view.url[: -len(_OCDBT_SUFFIX)] if view.url.endswith(_OCDBT_SUFFIX) else view.url
     futures = {key: base.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length))
                for key, ref in refs.items()}
     out: dict[str, bytes] = {}
     for key, fut in futures.items():
         ref = refs[key]
-        where = f"{view.url}: {ref.path}"
+        where = f"{base_url}/{ref.path}"  # the data file, as validate names it
         res = view.wait(fut, "cannot read", where, nbytes=ref.length)
         data = bytes(res.value) if res.state == "value" else b""
         if len(data) != ref.length:
-            raise CkptError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
-                            f"the data file holds {len(data)} of them", where)
+            # (a read that ends short ends at the end of the file)
+            raise TruncatedFileError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
+                                     f"the data file holds {len(data)} of them", where,
+                                     size=ref.offset + len(data), cause=ocdbt_truncated_cause(ref.offset + len(data)))
         out[key] = data
     return out
 
@@ -214,7 +221,7 @@ class Storage:
         base.guard()  # the manifest, the data files and (at the root) every process's database
         spec = {"driver": "ocdbt", "base": base._spec}
         kv = self._open_kvstore(spec, base.url, "cannot open OCDBT database")
-        view = Storage(kv, base.url + " (ocdbt)", spec=spec, local_root=None, log=self.log, check_local=False)
+        view = Storage(kv, base.url + _OCDBT_SUFFIX, spec=spec, local_root=None, log=self.log, check_local=False)
         view._ocdbt_base = base._kv
         return view
 
@@ -573,7 +580,30 @@ class Storage:
         return _wait_for(future, self._endpoint, nbytes, what, where)
 
     def _error(self, exc: BaseException, what: str, where: str) -> CkptError:
-        return _error_for(exc, self._endpoint, what, where)
+        err = _error_for(exc, self._endpoint, what, where)
+        located = getattr(err, "ocdbt_value", None)
+        if located is not None:  # a value past the end of its data file: name the file, not the database
+            data_file = self._ocdbt_data_file(*located)
+            if data_file is not None:
+                err.where = data_file
+                err.args = (f"{data_file}: {err.message}",)
+        return err
+
+    def _ocdbt_data_file(self, database: str, key: str) -> str | None:
+        """The local data file the value `key` of the OCDBT database at `database` lies in
+        (one walk of its tree), or None where that cannot be told."""
+        if self.local_root is None or not os.path.isabs(database):
+            return None
+        rel = os.path.relpath(database, self.local_root)
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            return None
+        try:
+            ref = self.ocdbt("" if rel == os.curdir else rel).locate_values([key]).get(key)
+        except (CkptError, ValueError):
+            return None
+        if not isinstance(ref, ocdbt_bulk.IndirectValue):
+            return None
+        return os.path.join(database, ref.path)
 
     # -- internals -------------------------------------------------------
     def _where(self, key: str) -> str:

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Iterable, Iterator
 
 from .. import directio
-from ..errors import CkptError, NotFoundError, PathEscapeError
+from ..errors import CkptError, NoSpaceError, NotFoundError, PathEscapeError, TruncatedFileError, UnreadableFileError
 from ..pagecache import WriteBehind
 
 
@@ -41,8 +41,8 @@ def open_for_read(path: str, where: str) -> Iterator[int]:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in after the check
             raise PathEscapeError("not a regular file (refusing to read a FIFO, device or socket)", where)
         yield fd
-    except OSError as exc:
-        raise CkptError(f"cannot read: {exc.strerror or exc}", where) from exc
+    except OSError as exc:  # (an I/O error while reading it)
+        raise _os_error(exc, "cannot read", where) from exc
     finally:
         os.close(fd)
 
@@ -78,7 +78,8 @@ def pread_into(fd: int, view: memoryview, start: int, where: str) -> None:
 
 
 def _truncated(fd: int, start: int, end: int, where: str) -> CkptError:
-    return CkptError(f"truncated: needed bytes [{start}, {end}) but it has {os.fstat(fd).st_size} bytes", where)
+    size = os.fstat(fd).st_size
+    return TruncatedFileError(f"truncated: needed bytes [{start}, {end}) but it has {size} bytes", where, size=size)
 
 
 def fsync_tree(top: str, where: str) -> None:
@@ -89,7 +90,7 @@ def fsync_tree(top: str, where: str) -> None:
                 _fsync_path(os.path.join(dirpath, name), os.O_RDONLY)
             _fsync_path(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError as exc:
-        raise CkptError(f"cannot write: {exc.strerror or exc}", where) from exc
+        raise _os_error(exc, "cannot write", where) from exc
 
 
 def _fsync_path(path: str, flags: int) -> None:
@@ -100,11 +101,30 @@ def _fsync_path(path: str, flags: int) -> None:
         os.close(fd)
 
 
+# errors that say a file cannot be read at all, whatever is read from it: validate names the
+# file once (unreadable-file), not every item stored in it
+_UNREADABLE = frozenset({errno.EACCES, errno.EPERM, errno.EIO, errno.ENXIO})
+# a full file system, or the user's quota on it
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 def _os_error(exc: OSError, what: str, where: str) -> CkptError:
-    """An OS error on a local path as one line (a symlink loop is a containment failure)."""
+    """An OS error on a local path as one line (a symlink loop is a containment failure;
+    permission denied and I/O errors are the file's, a full disk the file system's)."""
     if exc.errno == errno.ELOOP:
         return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
-    return CkptError(f"{what}: {exc.strerror or exc}", where)
+    return errno_error(exc.errno, exc.strerror or str(exc), what, where)
+
+
+def errno_error(code: int | None, strerror: str, what: str, where: str) -> CkptError:
+    """An OS error number met doing `what` on the file `where` as its one line, of the class that
+    says whose it is: the file's (unreadable), the file system's (no space), or the input's.
+    (Also for the errors tensorstore reports with their os_error_code.)"""
+    if code in NO_SPACE:
+        return NoSpaceError(f"{what}: {strerror}", where)
+    if code in _UNREADABLE and what.startswith(("cannot read", "cannot stat")):
+        return UnreadableFileError(f"{what}: {strerror}", where)
+    return CkptError(f"{what}: {strerror}", where)
 
 
 class LocalFileWriter:
@@ -123,7 +143,7 @@ class LocalFileWriter:
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
-            raise CkptError(f"cannot create: {exc.strerror or exc}", where) from exc
+            raise _os_error(exc, "cannot create", where) from exc
         self._behind = WriteBehind(self._fd)
         self._direct_fd = -1
         if direct:
@@ -159,7 +179,7 @@ class LocalFileWriter:
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+                    raise _os_error(exc, "cannot write", self.where) from exc
                 # the device wants a coarser alignment than ALIGNMENT: write
                 # this range buffered, and place the next ones unaligned (the
                 # descriptor stays open until close: another thread may be using it)
@@ -200,7 +220,7 @@ class LocalFileWriter:
                 if views and written:
                     views[0] = views[0][written:]
         except OSError as exc:
-            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+            raise _os_error(exc, "cannot write", self.where) from exc
         self._behind.written(start, offset - start)
 
     def close(self) -> None:
@@ -213,7 +233,7 @@ class LocalFileWriter:
             os.fsync(fd)
             self._behind.finish()
         except OSError as exc:
-            raise CkptError(f"cannot write: {exc.strerror or exc}", self.where) from exc
+            raise _os_error(exc, "cannot write", self.where) from exc
         finally:
             self._behind.close()  # after a failed fsync too: no background work may outlive the descriptor
             self._close_direct()

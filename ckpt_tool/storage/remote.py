@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import CkptError, PathEscapeError, StorageUnavailableError
+from ..errors import CkptError, PathEscapeError, StorageUnavailableError, TruncatedFileError
 from .nativelog import quiet_native_logs
 
 
@@ -246,10 +246,24 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
         return _note_unavailable(f"{what}: {_transport_detail(text, endpoint)}", where, endpoint)
     if "Too many levels of symbolic links" in text:
         return PathEscapeError("symlink loop (Too many levels of symbolic links)", where)
+    os_error = _OS_ERROR.search(text) if endpoint is None else None
+    if os_error is not None:  # permission denied, an I/O error, a full disk: the file's one line
+        from .local import errno_error
+
+        code = int(os_error.group(2))
+        return errno_error(code, os.strerror(code), what, os_error.group(1))
     past_end = _past_end(text)
     if past_end is not None:  # the file that is short, named as validate names it
-        message, path = past_end
-        return CkptError(message, _object_url(path, where))
+        message, path, size = past_end
+        cause = ocdbt_truncated_cause(size) if _OCDBT_DATA_FILE.search(path) else None
+        return TruncatedFileError(message, _object_url(path, where), size=size, cause=cause)
+    m = _OCDBT_PAST_END.search(text)
+    if m is not None:
+        size = int(m.group(5))
+        err = TruncatedFileError(ocdbt_truncated_message(size, int(m.group(4))), _object_url(m.group(2), where),
+                                 size=size, cause=ocdbt_truncated_cause(size))
+        err.ocdbt_value = (m.group(2), m.group(1))  # type: ignore[attr-defined] (database, key: Storage names the file)
+        return err
     denied = _denied(text, where) if endpoint is not None else None
     if denied is not None:
         if _credentials_hint(where):
@@ -390,6 +404,14 @@ _PAST_END = re.compile(
     r"(?:not valid for value of size|not satisfied by response .*? and total size) (\d+)"
 )
 _OCDBT_DATA_FILE = re.compile(r"(?:^|/)d/[0-9a-f]{32}$")
+# a value of an OCDBT database past the end of the data file it lies in: tensorstore names the
+# key and the database, not the file (Storage finds the file by a walk of the database's tree)
+_OCDBT_PAST_END = re.compile(
+    r"Error reading \"([^\"]*)\" in OCDBT database at (?:local file )?\"([^\"]+)\".*?"
+    r"Requested byte range \[(\d+), (\d+)\) is not valid for value of size (\d+)"
+)
+# an OS error tensorstore met on a local file: the file (the last one it names before the code) and errno
+_OS_ERROR = re.compile(r"\"([^\"]+)\"[^\"]*\[os_error_code='?(\d+)'?\]")
 _DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
 _HTTP_CODE = re.compile(r"\[http_response_code='?(\d+)'?\]")
 _TRAILERS = re.compile(r"\s*\[[A-Za-z0-9_.-]+='[^']*'\]")
@@ -397,20 +419,25 @@ _TRAILERS = re.compile(r"\s*\[[A-Za-z0-9_.-]+='[^']*'\]")
 _SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
 
 
+def ocdbt_truncated_cause(size: int) -> str:
+    """What is wrong with a truncated OCDBT data file, the same words for every value past its end."""
+    return f"OCDBT data file has {size:,} bytes, fewer than the values the database places in it need"
+
+
 def ocdbt_truncated_message(size: int, needed: int) -> str:
     """A truncated OCDBT data file, in the words `ckpt validate` uses (lost-process-data)."""
     return f"OCDBT data file has {size} bytes but the database needs {needed}"
 
 
-def _past_end(text: str) -> tuple[str, str] | None:
-    """(message, file) for a read past the end of a stored file, else None."""
+def _past_end(text: str) -> tuple[str, str, int] | None:
+    """(message, file, its size) for a read past the end of a stored file, else None."""
     m = _PAST_END.search(text)
     if m is None:
         return None
     end, path, size = int(m.group(2)), m.group(3), int(m.group(4))
     if _OCDBT_DATA_FILE.search(path):
-        return ocdbt_truncated_message(size, end), path
-    return f"truncated: needed bytes [{m.group(1)}, {end}) but it has {size} bytes", path
+        return ocdbt_truncated_message(size, end), path, size
+    return f"truncated: needed bytes [{m.group(1)}, {end}) but it has {size} bytes", path, size
 
 
 def _object_url(path: str, where: str) -> str:
@@ -478,7 +505,7 @@ def ts_error_text(exc: BaseException) -> str:
         return text
     past_end = _past_end(text)
     if past_end is not None:
-        message, path = past_end
+        message, path, _ = past_end
         return f"{_object_url(path, _LAST_REMOTE_URL) if _LAST_ENDPOINT else path}: {message}"
     denied = _denied(text, _LAST_SCHEME) if _LAST_ENDPOINT is not None else None
     if denied is not None and _credentials_hint(_LAST_SCHEME):

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .. import dtypes
-from ..errors import CkptError
+from ..errors import CkptError, NotFoundError, TruncatedFileError, UnreadableFileError
 from ..findings import Findings, Progress
 from ..parallel import run_bounded
 from ..model import ArrayLeaf, Checkpoint, Region, ValueLeaf, split_to_cap, stored_chunks
@@ -79,6 +79,21 @@ def _region_bytes(leaf: ArrayLeaf, region: Region) -> int:
     for r in region:
         n *= r.stop - r.start
     return n
+
+
+def file_cause(exc: CkptError) -> tuple[str, str] | None:
+    """(finding code, message) when a read failed because of its file as a whole (missing,
+    unreadable, cut short), the same for every item stored there: validate says so once for the
+    file, with the leaves it hurts; None for a failure of the item itself (bad bytes, a bad codec)."""
+    if not exc.where:
+        return None
+    if isinstance(exc, UnreadableFileError):
+        return "unreadable-file", exc.message
+    if isinstance(exc, TruncatedFileError):
+        return "truncated-file", exc.cause
+    if isinstance(exc, NotFoundError):
+        return "missing-file", "data file is missing"
+    return None
 
 
 def _relative(where: str | None, root: str) -> str | None:
@@ -226,6 +241,11 @@ def deep_check(
     def failed(leaf: ArrayLeaf, index: int, exc: CkptError) -> None:
         with lock:
             stats[id(leaf)].failed = True
+        cause = file_cause(exc)
+        if cause is not None:  # the file's fault, not this chunk's: one finding for the file
+            for view, _ in views_of[id(leaf)]:
+                findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".", leaf=view.path)
+            return
         region = stored_chunks(leaf.shape, leaf.layout)[index].region
         where = ", ".join(f"{r.start}:{r.stop}" for r in region)
         for view, repeats in views_of[id(leaf)]:
@@ -250,9 +270,14 @@ def deep_check(
         try:
             leaf.verifier(index)  # type: ignore[misc]
         except CkptError as exc:
+            cause = file_cause(exc)
             for view, _ in views_of[id(leaf)]:
-                findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=view.path,
-                               file=_relative(exc.where, ckpt.path) or step_file)
+                if cause is not None:
+                    findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".",
+                                          leaf=view.path)
+                else:
+                    findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=view.path,
+                                   file=_relative(exc.where, ckpt.path) or step_file)
         return 0
 
     if verify:
@@ -278,8 +303,13 @@ def deep_check(
             try:
                 leaf.load()
             except CkptError as exc:
-                findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
-                               file=_relative(exc.where, ckpt.path) or step_file)
+                cause = file_cause(exc)
+                if cause is not None:
+                    findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".",
+                                          leaf=leaf.path)
+                else:
+                    findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
+                                   file=_relative(exc.where, ckpt.path) or step_file)
         if values:
             findings.count("values_read", len(values))
     findings.count("bytes_read", done_bytes)

@@ -601,7 +601,7 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
             continue
         except (CkptError, OSError) as exc:
             findings.error(
-                "missing-file",
+                "unreadable-file",
                 f"data file cannot be read ({getattr(exc, 'message', exc)}); .metadata places {_items_text(items)}",
                 leaf=_one_leaf(items), file=name,
             )
@@ -610,7 +610,7 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
         if unreadable is not None:
             # one finding for the file, with the OS's reason: not one per entry blaming .metadata's offsets
             findings.error(
-                "missing-file",
+                "unreadable-file",
                 f"data file cannot be read ({unreadable}); .metadata places {_items_text(items)}",
                 leaf=_one_leaf(items), file=name,
             )

@@ -11,7 +11,7 @@ per-rank pieces (overlaps, gaps).
 """
 from __future__ import annotations
 
-from ...errors import CkptError, PathEscapeError
+from ...errors import CkptError, PathEscapeError, UnreadableFileError
 from ...findings import Findings
 from . import reader as st
 from ...storage import Storage
@@ -57,6 +57,9 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             continue
         except PathEscapeError:
             raise
+        except UnreadableFileError as exc:  # (the file's own problem, not its header's)
+            findings.error("unreadable-file", exc.message, file=name)
+            continue
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=name)
             continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, PathEscapeError, UnsafePickleError
+from ...errors import CkptError, PathEscapeError, UnreadableFileError, UnsafePickleError
 from ...findings import Findings
 from ...model import ValueLeaf
 from ...storage import Storage
@@ -95,6 +95,9 @@ def check_file(storage: Storage, name: str, findings: Findings, allow: Any = Non
         return None
     except UnsupportedTensorError as exc:
         findings.error("bad-metadata", exc.message, file=name)
+        return None
+    except UnreadableFileError as exc:
+        findings.error("unreadable-file", exc.message, file=name)
         return None
     except CkptError as exc:
         size = _size(storage, name)
