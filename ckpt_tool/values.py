@@ -77,8 +77,9 @@ def nodes(value: Any) -> Iterator[Any]:
 
 def transform(value: Any, convert: Callable[[Any], Any], where: str | None = None,
               memo: dict[int, Any] | None = None, key: Callable[[Any], Any] | None = None) -> Any:
-    """A copy of `value` with each non-container object replaced by `convert(obj)` (called
-    once per object); a container `convert` returns is copied in turn. Lists, dicts and sets
+    """A copy of `value` with each non-container object replaced by `convert(obj)` (an object
+    it replaces is replaced once, wherever it is shared); a container `convert` returns is
+    copied in turn. Lists, dicts and sets
     keep their identity: what is shared stays shared, a cycle stays a cycle. `key(k)`, when
     given, replaces each dict key before it is copied. `memo` (id of an original -> its copy)
     may be shared between calls on parts of one graph; the originals must then stay alive as
@@ -91,13 +92,16 @@ def transform(value: Any, convert: Callable[[Any], Any], where: str | None = Non
         vid = id(v)
         if vid in memo:
             return memo[vid]
-        keep.append(v)
         src = v
         if not is_container(v):
             src = convert(v)
-            if not is_container(src) or src is v:
+            if src is v:
+                return v  # (an atom kept as it is needs no memo entry: most of a value's objects)
+            if not is_container(src):
+                keep.append(v)
                 memo[vid] = src
                 return src
+        keep.append(v)
         out: Any
         if isinstance(src, list):
             out = memo[vid] = []
@@ -171,13 +175,30 @@ def _add(pending: list[int], n: int) -> None:
 def check_tree(value: Any, where: str | None, limit: int = MAX_UNFOLDED) -> None:
     """SharedValueError when `value` cannot be written out as a tree: it holds itself, or its
     shared parts unfold to more than `limit` objects."""
-    if not is_container(value) or unfolded_size(value, limit) is not None:
+    if not is_container(value) or _small_tree(value, min(limit, _SMALL)) or unfolded_size(value, limit) is not None:
         return
     if _cyclic(value):
         raise SharedValueError("holds itself (a container inside its own contents, as torch.load gives it): "
                                "it has no form as a tree", where)
     raise SharedValueError(f"shares objects so that it unfolds to more than {limit:,} values as a tree "
                            "(torch.load gives one object at each shared place)", where)
+
+
+_SMALL = 4096
+
+
+def _small_tree(value: Any, budget: int) -> bool:
+    """Whether `value` is a tree of at most `budget` objects as it unfolds (a cycle never is):
+    most values are, and counting them costs less than unfolded_size's memo."""
+    stack = [value]
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return False
+        node = stack.pop()
+        if is_container(node):
+            stack.extend(children(node))
+    return True
 
 
 def _cyclic(value: Any) -> bool:

@@ -63,7 +63,7 @@ def tensor_holders(obj: Any, *, everywhere: bool = False) -> set[int]:
         for child in inner:
             if isinstance(child, TENSORS):
                 holding.append(id(node))
-            else:
+            elif isinstance(child, (dict, list, tuple, set, frozenset)):  # (numbers and strings hold nothing)
                 parents.setdefault(id(child), []).append(id(node))
                 if id(child) not in seen:
                     seen.add(id(child))
