@@ -99,10 +99,10 @@ class Findings:
 
     Per leaf, the first MAX_PER_LEAF findings of each (severity, code) are
     kept; the rest are counted in one closing finding "... and N more".
-    A file has one error of FILE_CAUSES (the first one reported): later ones
-    for the same file, and chunks that fail because of it (`file_problem`;
-    any chunk of a file no byte of which can be read), add their leaf to its
-    `leaves` instead of a line each.
+    The first error of FILE_CAUSES about a file is that file's finding: the
+    chunks and values that fail because of it (`file_problem`; any chunk of a
+    file no byte of which can be read) add their leaf to its `leaves` instead
+    of a line each. (Another check's finding about the file keeps its line.)
     """
 
     _items: list[Finding] = field(default_factory=list)
@@ -161,6 +161,8 @@ class Findings:
         index = self._causes.get(file)
         leaf = affects or finding.leaf
         if finding.code in FILE_CAUSES:
+            if index is not None and affects is None:
+                return False  # another check's own word on the file (an integrity manifest's): its own line
             if index is None:  # the file's first: its finding
                 self._causes[file] = index = len(self._items)
                 self._items.append(finding)
