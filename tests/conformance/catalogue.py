@@ -143,9 +143,10 @@ ENTRIES: list[Entry] = [
     Entry("megatron_torch_dist_tp2", "megatron", R.megatron_recorded),
     Entry("megatron_torch_dist_tp2_dp2", "megatron", R.megatron_recorded),
     Entry("megatron_torch_dist_fully_sharded", "megatron", R.megatron_recorded),
-    # 0.13 distributed optimizer, DP 4 / TP 2 x DP 2, several buckets, SwiGLU, GQA (gen_megatron_distopt.py)
+    # 0.13 distributed optimizer, DP 4 / TP 2 x DP 2 / MoE, several buckets, SwiGLU, GQA (gen_megatron_distopt.py)
     Entry("megatron_distopt_dp4", "megatron", R.megatron_recorded),
     Entry("megatron_distopt_tp2_dp2", "megatron", R.megatron_recorded),
+    Entry("megatron_distopt_moe", "megatron", R.megatron_recorded),  # EP 2, chained dense + expert optimizers
     Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
     Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
