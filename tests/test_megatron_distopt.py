@@ -3,7 +3,9 @@ stored nd-reformulated with `mcore_data`) against megatron's own loads, on the s
 megatron_torch_dist_fully_sharded leaves out (fixtures/gen_megatron_distopt.py): DP 4 with ranges
 ending inside tensors at non-row boundaries, several buckets with padding, GQA + SwiGLU (linear_fc1
 cut in two by megatron's factory), RoPE, tied embeddings, 3 stacked layers, bf16 and fp32 models,
-MoE experts (an expert axis after the layer axis) under two chained optimizers.
+MoE experts (an expert axis after the layer axis) under two chained optimizers, pipeline parallel
+(PP 2: each stage's layers at its offset, tied embeddings across stages; PP 2 x VPP 2: two model
+chunks per stage, interleaved layers, two grad buffers), learned absolute positions, RMSNorm.
 
 Each tensor ckpt reads must equal, byte for byte, both megatron's whole-tensor
 `dist_checkpointing.load` and what megatron's DistributedOptimizer holds after loading the save at
@@ -23,7 +25,8 @@ from conftest import FIXTURES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-DISTOPT = ["megatron_distopt_dp4", "megatron_distopt_tp2_dp2", "megatron_distopt_moe"]
+DISTOPT = ["megatron_distopt_dp4", "megatron_distopt_tp2_dp2", "megatron_distopt_moe", "megatron_distopt_pp2_dp2",
+           "megatron_distopt_vpp"]
 STATES = ("exp_avg", "exp_avg_sq", "fp32_param")
 
 

@@ -147,6 +147,8 @@ ENTRIES: list[Entry] = [
     Entry("megatron_distopt_dp4", "megatron", R.megatron_recorded),
     Entry("megatron_distopt_tp2_dp2", "megatron", R.megatron_recorded),
     Entry("megatron_distopt_moe", "megatron", R.megatron_recorded),  # EP 2, chained dense + expert optimizers
+    Entry("megatron_distopt_pp2_dp2", "megatron", R.megatron_recorded),  # PP 2, tied embeddings across stages
+    Entry("megatron_distopt_vpp", "megatron", R.megatron_recorded),  # PP 2 x VPP 2 (interleaved), RMSNorm
     Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
     Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
