@@ -14,18 +14,22 @@ Nothing here prints: the commands render what these return.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .errors import CkptError, NotFoundError, UnknownFormatError, UsageError
+from .errors import (CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError,
+                     UnknownFormatError, UsageError)
 from .findings import ERROR
 from .formats import roots
 from .formats.roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
 from .storage import Storage, check_url
 from .text import is_ascii_number
 
-__all__ = ["StepRow", "RunListing", "Latest", "list_run", "latest", "step_path"]
+__all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "resolve_step", "step_path", "recording", "opened_steps"]
 
 # stat requests in flight on object stores (each is a request there; local stats are cheap)
 _STAT_WORKERS = 32
@@ -129,12 +133,14 @@ def _stats(storage: Storage, keys: list[str], want_sizes: bool) -> dict[str, tup
 
 
 def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool | None = None,
-             progress: Callable[[str, int, int], None] | None = None) -> RunListing:
+             progress: Callable[[str, int, int], None] | None = None,
+             _opened: tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]] | None = None,
+             ) -> RunListing:
     """The steps of the run root at `root`, sorted by step (listing only unless `check`).
 
     `sizes`: add each step's bytes (default: on local roots; on object stores each file's size
     is a request, so only when asked). `check`: run validate on each step (`deep`: --deep)."""
-    storage, listing, layout, entries = _open_root(root)
+    storage, listing, layout, entries = _opened if _opened is not None else _open_root(root)
     want_sizes = storage.local_root is not None if sizes is None else sizes
     pointer_names, problem = roots.read_pointer(listing, layout)
     named = {e.name for e, _ in entries}
@@ -260,29 +266,188 @@ def latest(root: str, deep: bool = False) -> Latest:
     return found
 
 
+# -- which step a path opens: the default (the newest complete step) and --step ---------------------
+
+@dataclass
+class OpenedStep:
+    """The step of a run root that a command opened, and why that one (inspect, validate, diff,
+    convert say it: one line on stderr, `opened` in --json)."""
+
+    root: str
+    name: str
+    step: int | None
+    status: str  # roots.STATUSES: the opened step's own state (a pointer may name a torn step)
+    reason: str | None
+    chosen_by: str  # "requested" (--step), "newest-complete", "pointer" (the framework's pointer file)
+    layout: str  # the framework's title
+    pointer_file: str | None
+    complete: list[str]  # the names of the root's committed steps, oldest first
+    # every step of the root: name, step, status (the one table of states: committed / incomplete /
+    # in-progress, as `ckpt ls` says it), reason
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    requested: str | None = None  # --step's value, when given
+
+    def line(self) -> str:
+        """`opened step-30 (the newest of 3 complete steps; step-40 is incomplete: no .metadata ...)`."""
+        this = next((s for s in self.steps if s["name"] == self.name), None)
+        newer = [s for s in self.steps if s["name"] != self.name and s["status"] != COMMITTED and this is not None
+                 and (s["step"] is None or this["step"] is None or s["step"] >= this["step"])]
+        if self.chosen_by == "requested":
+            why = f"--step {self.requested}"
+        elif self.chosen_by == "pointer":
+            why = f"named by {self.pointer_file}, the step {self.layout} resumes from"
+        else:
+            why = f"the newest of {_count(len(self.complete), 'complete step')}"
+        parts = [why]
+        if self.status != COMMITTED:
+            parts.append(f"it is {self.status}: {self.reason}")
+            if self.complete and self.name not in self.complete:
+                parts.append(f"the newest complete step is {self.complete[-1]}")
+        elif self.chosen_by != "requested" and newer:
+            shown = newer[-1]
+            more = f" (and {len(newer) - 1} more not complete)" if len(newer) > 1 else ""
+            parts.append(f"{shown['name']} is {shown['status']}: {shown['reason']}{more}")
+        return f"opened {self.name} of {self.root} ({'; '.join(parts)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"root": self.root, "name": self.name, "step": self.step, "status": self.status,
+                "reason": self.reason, "chosen_by": self.chosen_by, "requested": self.requested,
+                "layout": self.layout, "pointer": self.pointer_file, "complete": len(self.complete),
+                "steps": self.steps, "line": self.line()}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+# the steps opened while a command runs (recording()): the CLI says them, the core never prints
+_OPENED: contextvars.ContextVar[tuple[list[OpenedStep], Callable[[OpenedStep], None] | None] | None] = \
+    contextvars.ContextVar("opened_steps", default=None)
+
+
+@contextlib.contextmanager
+def recording(on_open: Callable[[OpenedStep], None] | None = None) -> Iterator[list[OpenedStep]]:
+    """Within it, each run-root step opened (by default or by --step) is appended to the list yielded,
+    once per root and step, and passed to `on_open` as it is opened (the CLI's line on stderr)."""
+    opened: list[OpenedStep] = []
+    token = _OPENED.set((opened, on_open))
+    try:
+        yield opened
+    finally:
+        _OPENED.reset(token)
+
+
+def opened_steps() -> list[OpenedStep]:
+    """The steps opened so far within recording() (none outside it)."""
+    current = _OPENED.get()
+    return list(current[0]) if current is not None else []
+
+
+def _record(found: OpenedStep) -> None:
+    current = _OPENED.get()
+    if current is None:
+        return
+    opened, on_open = current
+    if not any(o.root == found.root and o.name == found.name for o in opened):
+        opened.append(found)
+        if on_open is not None:
+            on_open(found)
+
+
+def _may_be_run_root(storage: Storage) -> bool:
+    """Whether a top-level name is one a run layout names as a step or its pointer file: a cheap
+    look (the directory's own listing) before the root's recursive LIST."""
+    try:
+        dirs, files = storage.listdir()
+    except CkptError:
+        return False
+    for layout in roots.LAYOUTS:
+        if layout.pointer and layout.pointer in files:
+            return True
+        hint = re.compile(layout.hint) if layout.hint else None
+        for names, is_dir in ((dirs, True), (files, False)):
+            if any((hint is None or hint.search(n)) and layout.step_of(n, is_dir) is not None for n in names):
+                return True
+    return False
+
+
+def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | None, OpenedStep | None]:
+    """(path to open, step for the format's reader, the step opened) for `root` and --step `step`.
+
+    On a run root of any framework (roots.LAYOUTS): without --step (or --step latest) the step the
+    framework resumes from: what its pointer file names where it has one (Megatron's tracker,
+    DeepSpeed's `latest`, verl's tracker: their loaders open that step whether or not it is complete,
+    so a torn one is opened and said to be torn), else the newest complete step by the writer's rule.
+    --step N (a number or a step's name) opens that step whatever its state; a step that is not there
+    is NotFoundError (exit 1, as a missing path). A path that is no run root is left to its reader:
+    (root, step, None). Roots whose reader has its own step rules (Orbax, Flax/T5X, Megatron,
+    DeepSpeed) get the root and the chosen step; the others the step's own directory."""
+    try:
+        check_url(root)
+        if not _may_be_run_root(Storage.open(root)):
+            return root, step, None
+        opened = _open_root(root)
+    except CkptError:
+        return root, step, None  # not a run root (one checkpoint, a file): the reader says what --step means there
+    layout = opened[2]
+    if step == "all":
+        if layout.own_root:
+            return root, step, None  # validate's every step: the format's reader checks them all
+        raise UsageError(f"--step all: validate checks one step of a {layout.title} root at a time; "
+                         "`ckpt ls ROOT --check` validates every step")
+    run = list_run(root, sizes=False, _opened=opened)
+    rows = run.steps
+    states = [{"name": r.name, "step": r.step, "status": r.status, "reason": r.reason} for r in rows]
+    complete = [r.name for r in rows if r.status == COMMITTED]
+    text = None if step is None else str(step)
+    chosen_by = "requested"
+    if text is None or text == "latest":
+        if run.pointer_problem is not None and run.pointer_file is not None:
+            raise CorruptMetadataError(
+                f"{run.pointer_problem}; {layout.title} resumes from the step it names: "
+                "open a step with --step N (`ckpt ls` lists them)", f"{run.root}/{run.pointer_file}")
+        pointed = next((r for r in rows if r.pointer), None)
+        if pointed is not None and layout.pointer_is_commit:
+            row, chosen_by = pointed, "pointer"
+        else:
+            done = [r for r in rows if r.status == COMMITTED]
+            if not done:
+                newest = rows[-1] if rows else None
+                why = f" ({newest.name} is {newest.status}: {newest.reason})" if newest is not None else ""
+                raise IncompleteCheckpointError(
+                    f"no complete step to open{why}; `ckpt ls` lists the steps, --step N opens one anyway", run.root)
+            # newest by number; among copies of one step (NeMo's `-last`), the later name
+            row, chosen_by = done[-1], "newest-complete"
+    else:
+        matches = [r for r in rows if r.name == text or (is_ascii_number(text) and r.step == int(text))]
+        if not matches:
+            raise NotFoundError(f"--step {text}: no such step ({_steps_text(rows)})", run.root)
+        # a step named twice (NeMo's `-last` copy beside the step's own directory): the complete one first
+        matches.sort(key=lambda r: (r.status != COMMITTED, r.name))
+        row = matches[0]
+    found = OpenedStep(run.root, row.name, row.step, row.status, row.reason, chosen_by, layout.title,
+                       run.pointer_file, complete, states, requested=text)
+    _record(found)
+    if layout.own_root:
+        # the format's reader opens the root at that step (its own step rules and notes apply)
+        return root, (row.step if row.step is not None else row.name), found
+    chosen = row.url
+    return (f"{chosen}/{layout.payload}" if layout.payload else chosen), None, found
+
+
+def _steps_text(rows: list[StepRow]) -> str:
+    """"steps: 10, 20, 30 complete; 40 incomplete": the root's steps by state (the newest few)."""
+    parts = []
+    for status in roots.STATUSES:
+        names = [str(r.step) if r.step is not None else r.name for r in rows if r.status == status]
+        if names:
+            shown = ", ".join(names[-6:]) + (" ..." if len(names) > 6 else "")
+            parts.append(f"{shown} {status}")
+    return "steps: " + "; ".join(parts) if parts else "no steps"
+
+
 def step_path(root: str, step: str | int) -> tuple[str, str | int | None]:
     """(path, step for the format's reader) of step `step` of the run root at `root`: a number,
-    an entry's name or 'latest'. Roots whose format reader has its own step rules (Orbax, Flax/T5X,
-    Megatron, DeepSpeed) are left to it, and so is a path that is not a run root: (root, step)."""
-    try:
-        _, listing, layout, entries = _open_root(root)
-    except CkptError:
-        return root, step  # not a run root (one checkpoint, a file): the reader says what --step means there
-    if layout.own_root:
-        return root, step
-    text = str(step)
-    if text == "latest":
-        found = latest(root)
-        if found.path is None:
-            raise NotFoundError("--step latest: no complete step that passes validate", listing.storage.url)
-        chosen = found.path
-    else:
-        names = {e.name: e for e, _ in entries}
-        matches = [e for e, n in entries if e.name == text or (is_ascii_number(text) and n == int(text))]
-        if not matches:
-            have = ", ".join(sorted((str(n) for _, n in entries if n is not None), key=int)[-6:]) or "none"
-            raise UsageError(f"--step {text}: no such step in {listing.storage.url} (steps: {have})")
-        # a step named twice (NeMo's `-last` copy beside the step's own directory): the complete one first
-        matches.sort(key=lambda e: (layout.status_of(listing, e).status != COMMITTED, e.name))
-        chosen = f"{listing.storage.url}/{names[matches[0].name].name}"
-    return (f"{chosen}/{layout.payload}" if layout.payload else chosen), None
+    an entry's name or 'latest' (resolve_step, without what it says about the step)."""
+    path, for_reader, _ = resolve_step(root, step)
+    return path, for_reader

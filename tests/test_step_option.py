@@ -14,7 +14,7 @@ import pytest
 from conftest import fixture_path
 
 import ckpt_tool
-from ckpt_tool.errors import UsageError
+from ckpt_tool.errors import NotFoundError
 from ckpt_tool.validate import validate_checkpoint
 
 NEMO = "runs_nemo2/checkpoints"
@@ -65,13 +65,15 @@ def test_cli_inspect_and_validate_with_step(ckpt):
     assert r.returncode == 1 and "step-40" in r.stdout + r.stderr
 
 
-def test_unknown_step_is_one_usage_line(ckpt):
+def test_unknown_step_is_one_not_found_line(ckpt):
+    # a step that is not there is like a path that is not there: not-found, exit 1, on every root
+    # (tests/test_run_roots_default.py checks the same line on each framework's root)
     root = str(fixture_path("runs_hf_trainer"))
-    with pytest.raises(UsageError, match="--step 99: no such step"):
+    with pytest.raises(NotFoundError, match="--step 99: no such step"):
         ckpt_tool.open(root, step=99)
     for cmd in ("inspect", "validate"):
         r = ckpt(cmd, root, "--step", "99")
-        assert r.returncode == 2 and "--step 99: no such step" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode == 1 and "--step 99: no such step" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_convert_with_step(ckpt, tmp_path):

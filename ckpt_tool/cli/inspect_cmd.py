@@ -10,6 +10,7 @@ from .. import formats
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
+from ..runs import opened_steps
 from ..text import printable
 from .options import weights_option
 from .render import Node, Output, esc, human_bytes, human_count, plural
@@ -36,7 +37,8 @@ def inspect_command(
         result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
     out = Output(json_mode=as_json)
     if as_json:
-        out.json(result.to_json())
+        # "opened": the run root's step opened (runs.OpenedStep), as validate --json says it
+        out.json({**result.to_json(), "opened": _opened_json()})
         return
     out.header(_title(result), _header_rows(result))
     if flat:
@@ -44,6 +46,11 @@ def inspect_command(
     else:
         out.line("")
         out.tree(_tree(result, depth))
+
+
+def _opened_json() -> dict[str, Any] | None:
+    opened = opened_steps()
+    return opened[0].to_json() if opened else None
 
 
 def _title(result: InspectResult) -> str:
@@ -61,7 +68,15 @@ def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
     ck = result.checkpoint
     s = result.summary
     rows = [("format", esc(_layout_text(ck)))]
-    if ck.steps:
+    opened = opened_steps()
+    if opened:  # a run root: its steps in the states `ckpt ls` names (runs.OpenedStep.steps)
+        steps = ", ".join(
+            (esc(st["name"]) if st["status"] == "committed" else f"[yellow]{esc(st['name'])} ({st['status']})[/yellow]")
+            for st in opened[0].steps
+        )
+        rows.append(("steps", steps))
+        rows.append(("showing", esc(opened[0].name)))
+    elif ck.steps:
         steps = ", ".join(
             (f"{st.step}" if st.committed else f"[yellow]{esc(st.name)} (incomplete)[/yellow]") for st in ck.steps
         )

@@ -155,7 +155,12 @@ def _run(argv: list[str] | None) -> int:
     """Run the command; the exit code, with every error turned into one line (and JSON with --json)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli.main(args=args, prog_name="ckpt", standalone_mode=False)
+        from ..runs import recording
+
+        # the step of a run root a command opened (by default, or --step): one line on stderr as
+        # it is opened, before anything the command finds there
+        with recording(on_open=lambda o: click.echo(printable(f"ckpt: {o.line()}"), err=True)):
+            cli.main(args=args, prog_name="ckpt", standalone_mode=False)
     except SystemExit as exc:  # commands that decide their own exit code (validate, diff)
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_PROBLEM)
     except click.exceptions.Abort as exc:

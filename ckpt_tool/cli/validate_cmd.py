@@ -44,7 +44,10 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
         report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
                                      manifest=manifest_file)
     if as_json:
-        out.json(report.to_json(strict))
+        from ..runs import opened_steps
+
+        opened = opened_steps()  # the run root's step validated, as inspect --json says it
+        out.json({**report.to_json(strict), "opened": opened[0].to_json() if opened else None})
     elif fmt == "github":
         _github(out, report)
     else:

@@ -465,14 +465,13 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
 def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only.
 
-    `step` on a run root whose format reader has no step rules of its own (torchtitan's step-N/,
-    HF Trainer's checkpoint-N/, NeMo 2, verl): the run layouts' table picks the step's directory."""
+    On a run root of any framework `ckpt ls` lists, the run layouts' table picks the step
+    (runs.resolve_step): `step` when given, else the step the framework resumes from (its pointer
+    file's, or the newest complete one); the step opened is recorded for the CLI to say."""
+    from ..runs import resolve_step
     from ..storage import Storage, check_url
 
-    if step is not None:
-        from ..runs import step_path
-
-        url, step = step_path(url, step)
+    url, step, _ = resolve_step(url, step)
 
     check_url(url)  # before a file's URL is cut to its directory: the error names the URL whole
     single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory

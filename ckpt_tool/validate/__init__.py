@@ -76,12 +76,11 @@ def _validate_checkpoint(
     from . import integrity
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
-    if step is not None and step != "all":
-        from ..runs import step_path
+    from ..runs import resolve_step
 
-        # a run root whose format reader has no step rules of its own (torchtitan, HF Trainer,
-        # NeMo 2, verl): the run layouts' table picks the step's directory
-        path, step = step_path(path, step)
+    # a run root of any framework: the step asked for, else the one the framework resumes from
+    # (the run layouts' table; the step opened is recorded for the CLI to say)
+    path, step, _ = resolve_step(path, step)
     integrity_args = dict(manifest=manifest, deep=deep, workers=workers, memory=memory, progress=progress)
     if manifest is not None:
         integrity.require(path, manifest)  # one line when the file given is not there
