@@ -770,6 +770,8 @@ def convert(
                     hf_export.copy_companions(companions[0], companions[1], out.storage(), retyped)
                 writer.commit()
                 finalize_output(out, overwrite=opts.overwrite)
+                # (finalize re-judges DST and may correct what it says it replaced)
+                result.cleanup = list(out.notes)
             coord.barrier("ckpt-convert-done")
         except BaseException as exc:
             try:

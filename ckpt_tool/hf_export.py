@@ -23,16 +23,13 @@ from typing import Any
 
 from . import dtypes
 from .errors import CkptError
+from .formats import HF_MODEL_FILES
 from .storage import Storage
 
 # top-level files of a Hugging Face model directory that are not weights (transformers' and
-# tokenizers' names); training state beside them (optimizer.pt, trainer_state.json) is not the model's
-COMPANIONS = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
-    "tokenizer.model", "*.tiktoken", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
-    "processor_config.json", "video_preprocessor_config.json", "README.md", "LICENSE*", "NOTICE*",
-)
+# tokenizers' names): the registry's list, which --overwrite also counts as the model's own;
+# training state beside them (optimizer.pt, trainer_state.json) is not the model's
+COMPANIONS = HF_MODEL_FILES
 MAX_COMPANION_BYTES = 1 << 30
 # companion files that name the dtype the model loads in, and the fields that do (transformers 5
 # writes `dtype`; before 4.56 it wrote `torch_dtype`, which it still reads); generation_config.json

@@ -130,7 +130,7 @@ _ALL = frozenset({"array", "scalar", "string", "object"})
 
 # the files of a Hugging Face model directory beside its weights (transformers' and tokenizers'
 # names, the model card): part of a safetensors / pytorch_model.bin checkpoint directory, and copied
-# with it by convert (hf_export.COMPANIONS names the same files)
+# with it by convert (hf_export.COMPANIONS is this list)
 HF_MODEL_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
