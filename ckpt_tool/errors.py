@@ -126,8 +126,10 @@ class UsageError(CkptError):
     """A bad option value or a combination of options that cannot work.
 
     Raised by the core where an option is parsed (--mesh, --rename, --dtype,
-    --step, a rules file, a size); the CLI prints it as click prints its own
-    usage errors and exits 2. A CkptError, so API callers catch it as before.
+    a rules file, a size); the CLI prints it as click prints its own usage
+    errors and exits 2. A CkptError, so API callers catch it as before. Not for
+    a --step the run root does not have: that is NotFoundError (exit 1), like a
+    path that is not there, on every framework's root (runs.resolve_step).
     """
 
     code = "usage"
