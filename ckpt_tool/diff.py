@@ -1,7 +1,9 @@
 """`ckpt diff A B`: compare two checkpoints of either format, leaf by leaf.
 
 Leaves are matched by their keys ('/'-joined), after optional rename rules
-applied to A's paths. Structure differences (only in A, only in B, changed
+applied to A's paths; leaves whose keys differ only in where their dotted name
+is split (torch.save's `model/0/weight`, DCP's `model/0.weight`) are matched by
+that name. Structure differences (only in A, only in B, changed
 kind, shape or dtype) come from metadata alone; with values=True each array
 pair is compared region by region along A's stored chunks, so memory stays
 bounded by a couple of chunks whatever the size of the checkpoints.
@@ -61,6 +63,33 @@ class DtypeCast:
 
 
 @dataclass
+class DottedMatch:
+    """One leaf whose key paths differ only in where its dotted name is split."""
+
+    name: str  # the dotted name, the path it is reported under
+    a: str  # A's (renamed) '/'-joined keys
+    b: str  # B's
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "a": self.a, "b": self.b}
+
+
+@dataclass
+class TiedLeaf:
+    """A leaf of one side only that its reader records as the same tensor as another
+    leaf of that side (same storage, offset, shape, strides): a tied weight the other
+    side stores once (transformers' safetensors keep `lm_head.weight` out when it is
+    the input embedding). Its data is compared through `same_as`."""
+
+    path: str
+    side: str  # "a" or "b": where it is
+    same_as: str  # the compared path it shares its data with
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "side": self.side, "same_as": self.same_as}
+
+
+@dataclass
 class DiffReport:
     a: str
     b: str
@@ -76,6 +105,12 @@ class DiffReport:
     cast_ok: bool = False
     # with cast_ok: floating dtype changes, one entry per (dtype in A, dtype in B)
     casts: list[DtypeCast] = field(default_factory=list)
+    # leaves whose key paths split their dotted name at other dots (torch.save's
+    # `model/0/weight`, DCP's `model/0.weight`), matched by that name and reported under it
+    dotted: list[DottedMatch] = field(default_factory=list)
+    # leaves on one side only that are the same tensor as a compared leaf of that side
+    # (a tied weight the other side stores once): not differences, each said
+    tied: list[TiedLeaf] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
@@ -87,6 +122,7 @@ class DiffReport:
             "values": self.values_compared, "layout": self.layout_compared, "sources": dict(self.sources),
             "steps": {side: dict(v) for side, v in self.steps.items()},
             "cast_ok": self.cast_ok, "casts": [c.to_json() for c in self.casts],
+            "dotted_matches": [m.to_json() for m in self.dotted], "tied": [t.to_json() for t in self.tied],
             "differences": [d.to_json() for d in self.differences],
         }
 
@@ -148,16 +184,29 @@ def diff_checkpoints(
     left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
     right = {leaf.path: leaf for leaf in b.leaves}
     # a DCP bytes item holding a list/tuple/dict is a subtree once converted to
-    # Orbax: compare it the way convert flattens it
-    if not isinstance(a, RecordedStructure):
-        left = _expand_values(left, right)
-    if not isinstance(b, RecordedStructure):
-        right = _expand_values(right, left)
+    # Orbax: compare it the way convert flattens it; until neither side changes, as
+    # one side's expansion may make the other's value an inner node (a torch.save
+    # `param_groups` list against DCP's per-group values, whichever side is A)
+    while True:
+        before = (set(left), set(right))
+        if not isinstance(a, RecordedStructure):
+            left = _expand_values(left, right)
+        if not isinstance(b, RecordedStructure):
+            right = _expand_values(right, left)
+        if (set(left), set(right)) == before:
+            break
+    left, right, dotted, spellings = _match_dotted(left, right)
     if pattern:
         glob = Glob(pattern)
         all_left, all_right = left, right
-        left = {p: leaf for p, leaf in left.items() if glob.matches(p, _flat_names(p, leaf))}
-        right = {p: leaf for p, leaf in right.items() if glob.matches(p, _flat_names(p, leaf))}
+
+        def keep(path: str, leaf: Leaf) -> bool:
+            # a leaf matched by its dotted name is kept when any spelling of either side matches
+            return any(glob.matches(p, _flat_names(p, lf)) for p, lf in spellings.get(path, [(path, leaf)]))
+
+        left = {p: leaf for p, leaf in left.items() if keep(p, leaf)}
+        right = {p: leaf for p, leaf in right.items() if keep(p, leaf)}
+        dotted = [m for m in dotted if m.name in left]
         if not left and not right:
             raise glob.no_match([*all_left.values(), *all_right.values()], what=f" of A ({a.path}) and B ({b.path})")
     report = DiffReport(a.path, b.path, values_compared=values, layout_compared=layout, sources={
@@ -165,11 +214,17 @@ def diff_checkpoints(
     }, cast_ok=cast_ok, steps={
         side: {"requested": asked, "step": ck.step} for side, asked, ck in (("a", steps[0], a), ("b", steps[1], b))
     })
+    report.dotted = dotted
     casts: dict[tuple[str, str], DtypeCast] = {}
-    for path in sorted(set(left) - set(right)):
-        report.differences.append(LeafDiff(path, "only_a", "only in A"))
-    for path in sorted(set(right) - set(left)):
-        report.differences.append(LeafDiff(path, "only_b", "only in B"))
+    common = set(left) & set(right)
+    for side, mine, theirs, kind in (("a", left, right, "only_a"), ("b", right, left, "only_b")):
+        by_name = {leaf.name: path for path, leaf in mine.items() if path in common}
+        for path in sorted(set(mine) - set(theirs)):
+            alias = mine[path].extra.get("same_tensor_as") if isinstance(mine[path], ArrayLeaf) else None
+            if alias in by_name:
+                report.tied.append(TiedLeaf(path, side, by_name[alias]))
+            else:
+                report.differences.append(LeafDiff(path, kind, f"only in {side.upper()}"))
     pairs: list[tuple[str, ArrayLeaf, ArrayLeaf]] = []
     for path in sorted(set(left) & set(right)):
         la, lb = left[path], right[path]
@@ -201,6 +256,40 @@ def diff_checkpoints(
         report.differences.extend(_compare_values(pairs, rtol, atol, workers=workers, memory=memory, progress=progress))
     report.differences.sort(key=lambda d: d.path)  # stable: a leaf's chunks line stays before its sharding line
     return report
+
+
+def _match_dotted(
+    left: dict[str, Leaf], right: dict[str, Leaf],
+) -> tuple[dict[str, Leaf], dict[str, Leaf], list[DottedMatch], dict[str, list[tuple[str, Leaf]]]]:
+    """Pair the leaves of one side only with those of the other whose dotted name is the
+    same: readers split a torch FQN differently (torch.save and safetensors at every dot,
+    `model/0/weight`; DCP only at its state dict's nesting, `model/0.weight`). A pair is
+    keyed by its dotted name on both sides; a name two leaves of one side share stays
+    unpaired (only in A / only in B), as does one that is another leaf's path already.
+    Returns the re-keyed sides, the matches, and each pair's spellings (for --filter)."""
+    def dotted(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for path in side:
+            if path not in other:
+                out.setdefault(path.replace("/", "."), []).append(path)
+        return out
+
+    only_a, only_b = dotted(left, right), dotted(right, left)
+    def unclaimed(name: str, path_a: str, path_b: str) -> bool:
+        # the name is no other leaf's path (DCP's top-level `0.weight` is its own)
+        return (name not in left or name == path_a) and (name not in right or name == path_b)
+
+    matches = [DottedMatch(name, pa[0], only_b[name][0]) for name, pa in sorted(only_a.items())
+               if len(pa) == 1 and len(only_b.get(name, ())) == 1 and unclaimed(name, pa[0], only_b[name][0])]
+    if not matches:
+        return left, right, [], {}
+    left, right = dict(left), dict(right)
+    spellings: dict[str, list[tuple[str, Leaf]]] = {}
+    for m in matches:
+        la, lb = left.pop(m.a), right.pop(m.b)
+        left[m.name], right[m.name] = la, lb
+        spellings[m.name] = [(m.a, la), (m.b, lb)]
+    return left, right, matches, spellings
 
 
 def _flat_names(path: str, leaf: Leaf) -> tuple[str, ...]:

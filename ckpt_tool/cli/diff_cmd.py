@@ -18,6 +18,7 @@ from ..model import Checkpoint
 from ..runs import step_path
 from ..structure import is_inspect_json_file, load_structure
 from .options import memory_option, weights_option
+from .progress import progress_for
 from .render import Output, esc, plural
 
 
@@ -64,15 +65,24 @@ def diff_command(
     with formats.read_options(weights=weights):  # (both sides: each must take it)
         ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
         ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
-    report = diff_checkpoints(
-        ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
-        layout=layout, pattern=pattern, memory=memory, cast_ok=cast_ok,
-        steps=(step_a if step is None else step, step_b if step is None else step),
-    )
     out = Output(json_mode=as_json)
+    # the bytes compared so far, on a terminal (never on a pipe or with --json)
+    with progress_for(out, "comparing", show=values) as progress:
+        report = diff_checkpoints(
+            ck_a, ck_b, values=values, rtol=rtol, atol=atol, rename=list(rename), workers=workers,
+            layout=layout, pattern=pattern, memory=memory, cast_ok=cast_ok,
+            steps=(step_a if step is None else step, step_b if step is None else step), progress=progress,
+        )
     if as_json:
         out.json(report.to_json())
     else:
+        if report.dotted:
+            first = report.dotted[0]
+            out.line(f"[cyan]{'dotted':8}[/cyan] matched {plural(len(report.dotted), 'leaf', 'leaves')} by dotted name "
+                     f"(keys split at other dots: {esc(first.a)} in A, {esc(first.b)} in B)")
+        for t in report.tied:
+            out.line(f"[cyan]{'tied':8}[/cyan] {esc(t.path)}: only in {t.side.upper()}, the same tensor as "
+                     f"{esc(t.same_as)} (compared); {'B' if t.side == 'a' else 'A'} stores it once")
         for d in report.differences:
             colour = {"only_a": "red", "only_b": "green"}.get(d.kind, "yellow")
             out.line(f"[{colour}]{d.kind:8}[/{colour}] {esc(d.path)}: {esc(d.message)}")

@@ -485,11 +485,20 @@ def leaves_of(tree: FileTree, prefix: tuple[Key, ...] = ()) -> list[Leaf]:
     keyed = split if split is not None else tree.paths
     decoder = _ValueDecoder(archive, tree.values)
     leaves: list[Leaf] = []
+    # each view of a storage (a tied weight saved under two names) -> the first name it has
+    first_name: dict[tuple[Any, ...], str] = {}
     for path, keys, value in zip(tree.paths, keyed, tree.values):
         keys = prefix + keys
         name = _dotted(prefix + path)
         if isinstance(value, TensorRef):
-            leaves.append(_array_leaf(archive, value, keys, name, tree.shared.get(value.storage.key, [])))
+            leaf = _array_leaf(archive, value, keys, name, tree.shared.get(value.storage.key, []))
+            view = (value.storage.key, value.dtype, value.storage_offset, value.size, value.stride, value.conj, value.neg)
+            if leaf.extra.get("shares_storage_with"):
+                # the same tensor as an earlier leaf: diff accepts a side that stores it once
+                same = first_name.setdefault(view, name)
+                if same != name:
+                    leaf.extra["same_tensor_as"] = same
+            leaves.append(leaf)
         elif isinstance(value, np.ndarray):
             leaves.append(memory_leaf(keys, name, value))
         elif isinstance(value, object_tree.Reference):
