@@ -5,7 +5,8 @@ ending inside tensors at non-row boundaries, several buckets with padding, GQA +
 cut in two by megatron's factory), RoPE, tied embeddings, 3 stacked layers, bf16 and fp32 models,
 MoE experts (an expert axis after the layer axis) under two chained optimizers, pipeline parallel
 (PP 2: each stage's layers at its offset, tied embeddings across stages; PP 2 x VPP 2: two model
-chunks per stage, interleaved layers, two grad buffers), learned absolute positions, RMSNorm.
+chunks per stage, interleaved layers, two grad buffers), learned absolute positions, RMSNorm,
+a partial distributed optimizer (2 instances), an fp16 model at TP 2 x PP 2.
 
 Each tensor ckpt reads must equal, byte for byte, both megatron's whole-tensor
 `dist_checkpointing.load` and what megatron's DistributedOptimizer holds after loading the save at
@@ -26,7 +27,7 @@ from conftest import FIXTURES
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 DISTOPT = ["megatron_distopt_dp4", "megatron_distopt_tp2_dp2", "megatron_distopt_moe", "megatron_distopt_pp2_dp2",
-           "megatron_distopt_vpp"]
+           "megatron_distopt_vpp", "megatron_distopt_instances", "megatron_distopt_fp16_tp2_pp2"]
 STATES = ("exp_avg", "exp_avg_sq", "fp32_param")
 
 
