@@ -48,6 +48,7 @@ CODES: dict[str, str] = {
     "digest-mismatch": "a file (or, with per-tensor digests, a tensor) whose sha256 differs from its integrity manifest's (--deep, manifest verify)",
     "size-mismatch": "a file whose size differs from the one its integrity manifest records",
     "unlisted-file": "a file of the checkpoint its integrity manifest does not name: added later, not protected by it (warning)",
+    "device-location": "tensors saved on a device (cuda:0, mps, meta): torch.load needs map_location='cpu' without it (warning)",
 }
 
 

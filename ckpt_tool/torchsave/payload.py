@@ -472,6 +472,11 @@ class PayloadArchive:
         """What is wrong with a tensor's claim on its storage member, judged from the
         central directory alone (no read): a missing member, a size other than the
         storage's, a view reaching past its end. None when the claim holds."""
+        if ref.load_problem is not None:
+            return ref.load_problem
+        problem = view_geometry_problem(ref)
+        if problem is not None:
+            return problem
         storage: StorageRef = ref.storage
         info = self._info(f"data/{storage.key}")
         if info is None:
@@ -549,6 +554,34 @@ class PayloadArchive:
     def value(self) -> Any:
         """The archive's object with every tensor read into a numpy array."""
         return safe_pickle.finalize(self.obj, self.where, lambda ref: self.read_tensor(self.locate(ref)))
+
+
+_INT64_LIMIT = 1 << 63
+
+
+def view_geometry_problem(ref: TensorRef) -> str | None:
+    """What torch's `Tensor.set_(storage, offset, size, stride)` refuses whatever the storage holds.
+
+    Its sizes, strides and offset are int64: 2**63 or more fails to unpack ("Overflow when
+    unpacking long long"); and it counts elements as a uint64 product of the sizes that fails
+    on any overflow along the way, even when a later size is 0 ("numel: integer
+    multiplication overflow"). The byte-size checks never see either on an empty or
+    one-element view (it touches no or one element).
+    """
+    for what, values in (("storage offset", (ref.storage_offset,)), ("size", ref.size), ("stride", ref.stride)):
+        for value in values:
+            if value >= _INT64_LIMIT:
+                return (f"{ref.dtype}{list(ref.size)} has a {what} of {value}, at least 2**63: torch.load fails "
+                        "(its sizes are 64-bit)")
+    product = 1
+    for n in ref.size:
+        product *= n
+        if product >= 1 << 64:
+            break
+    if product >= _INT64_LIMIT:
+        return (f"{ref.dtype}{list(ref.size)}: the product of its sizes overflows 64 bits: torch.load fails "
+                "(it counts elements in 64 bits, and an overflow counts even before a size of 0)")
+    return None
 
 
 def open_payload(data: bytes, where: str, allow: Allow = None) -> PayloadArchive:

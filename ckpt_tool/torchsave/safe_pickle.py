@@ -170,6 +170,47 @@ class StorageRef(_Frozen):
         return f"StorageRef(key={self.key!r}, dtype={self.dtype}, numel={self.numel})"
 
 
+# torch.serialization's deserializers, in the order default_restore_location tries them
+# (register_package priorities 10-26): "cpu" exactly; cuda, privateuse1 (named "privateuseone"
+# until a plugin renames it), hpu, xpu and mtia by `_deserialize`, which takes the name alone or
+# any string re.match-ing `name(:|[0-9]+)` and then parses it as a torch.device (so "cuda:abc"
+# and "cuda0" fail); mps: any string starting "mps"; "meta" exactly. Nothing else is restored.
+_DESERIALIZERS = (("cpu", None), ("cuda", "CUDA"), ("mps", "an Apple MPS device"), ("meta", None),
+                  ("privateuseone", "a privateuse1 backend plugin"), ("hpu", "HPU (Habana's torch plugin)"),
+                  ("xpu", "XPU"), ("mtia", "MTIA"))
+_DEVICE_INDEX = re.compile(r"(?::(0|[1-9][0-9]*))?")
+
+
+def restore_location(location: str) -> tuple[str, str] | None:
+    """What torch.load, without map_location, does with a storage saved at `location`.
+
+    None: it restores it on any machine ("cpu"). Otherwise (kind, why): "device": only
+    where that device is (map_location='cpu' loads it anywhere); "meta": it loads as meta
+    tensors, without their values; "invalid": no deserializer torch registers restores it
+    (only map_location loads the file).
+    """
+    for backend, device in _DESERIALIZERS:
+        if backend == "cpu":
+            if location == "cpu":
+                return None
+        elif backend == "mps":
+            if location.startswith("mps"):  # (storage.mps(): the rest of the string is not read)
+                return "device", "an Apple MPS device"
+        elif backend == "meta":
+            if location == "meta":
+                return "meta", "meta tensors, without their values"
+        elif location == backend or re.match(f"{backend}(:|[0-9]+)", location):
+            index = _DEVICE_INDEX.fullmatch(location, len(backend))
+            # the index as c10 parses it: an int (stoi), then an 8-bit DeviceIndex, where -1
+            # means "the current device" and any other negative value is refused
+            digits = index.group(1) if index else None
+            if index is None or (digits is not None and (
+                    len(digits) > 10 or int(digits) >= 1 << 31 or (int(digits) + 128) % 256 - 128 < -1)):
+                return "invalid", "not a device string torch parses"
+            return "device", str(device)
+    return "invalid", "a location none of torch's deserializers (cpu, cuda, mps, meta, hpu, xpu, mtia) restores"
+
+
 class UnsupportedTensorError(CkptError):
     """A tensor torch.save wrote in a form ckpt cannot reproduce (quantized,
     sparse, nested, a tensor subclass, an unknown view bit): refused by name
@@ -184,7 +225,8 @@ class TensorRef(_Frozen):
     values BEFORE conjugation / negation, which the reader must apply.
     """
 
-    __slots__ = ("storage", "dtype", "storage_offset", "size", "stride", "requires_grad", "conj", "neg")
+    __slots__ = ("storage", "dtype", "storage_offset", "size", "stride", "requires_grad", "conj", "neg",
+                 "load_problem")
 
     def __init__(
         self,
@@ -196,6 +238,7 @@ class TensorRef(_Frozen):
         requires_grad: bool,
         conj: bool = False,
         neg: bool = False,
+        load_problem: str | None = None,
     ) -> None:
         self.storage = storage
         self.dtype = dtype  # canonical dtype name
@@ -205,6 +248,17 @@ class TensorRef(_Frozen):
         self.requires_grad = requires_grad
         self.conj = conj
         self.neg = neg
+        # why torch.load would refuse the rebuild call itself (requires_grad, the attributes it sets),
+        # said by the archive's claim_problem with the tensor's name; the pickle still loads, so
+        # that validate names the tensor rather than failing the whole file
+        self.load_problem = load_problem
+
+    def with_problem(self, problem: str | None) -> TensorRef:
+        """This tensor with `problem` (the first one found is kept); itself when there is none."""
+        if problem is None or self.load_problem is not None:
+            return self
+        return TensorRef(self.storage, self.dtype, self.storage_offset, self.size, self.stride,
+                         self.requires_grad, self.conj, self.neg, problem)
 
     def __repr__(self) -> str:
         bits = "".join(f", {b}=True" for b in ("conj", "neg") if getattr(self, b))
@@ -260,7 +314,84 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
     conj, neg = _view_bits(metadata)
     if conj and not dtypes.get(dtype).name.startswith("complex"):
         raise UnsupportedTensorError(f"conjugate bit on a {dtype} tensor (torch sets it only on complex ones)")
-    return TensorRef(storage, dtype, storage_offset, shape, strides, bool(requires_grad), conj, neg)
+    return TensorRef(storage, dtype, storage_offset, shape, strides, requires_grad is True, conj, neg,
+                     _requires_grad_problem(requires_grad, dtype))
+
+
+def _requires_grad_problem(value: Any, dtype: str) -> str | None:
+    """What torch says setting `requires_grad = value` on a `dtype` tensor (None: it takes it).
+
+    torch's setter takes only a bool (`requires_grad must be a bool`; Parameter's
+    `_make_subclass` likewise), and only floating-point and complex tensors may require
+    gradients: the same rule decides every way a pickle can set it (the rebuild call,
+    Parameter, the attributes of `_rebuild_from_type_v2` / `_rebuild_parameter_with_state`).
+    """
+    if type(value) is not bool:
+        return f"requires_grad is {short_repr(value)}, not a bool: torch.load fails"
+    if value and not dtypes.get(dtype).is_float:  # (is_float: every floating and complex dtype)
+        article = "an" if dtype[0] in "aeiou" else "a"
+        return (f"requires_grad=True on {article} {dtype} tensor: torch.load fails (only floating-point and "
+                "complex tensors can require gradients)")
+    return None
+
+
+# The attributes of torch.Tensor and torch.nn.Parameter (torch 2.13) that are data descriptors:
+# assigning one runs torch's setter (or fails: a read-only property) instead of storing a plain
+# attribute. `[n for n in dir(torch.nn.Parameter) if hasattr(type(inspect.getattr_static(
+# torch.nn.Parameter, n)), "__set__")]`. Any other name is kept in the tensor's __dict__, whatever
+# its value (Megatron's `tensor_model_parallel`, DeepSpeed's `ds_*`), and says nothing about the data.
+_TENSOR_DESCRIPTORS = frozenset({
+    "H", "T", "__class__", "__cuda_array_interface__", "__dict__", "__weakref__", "_backward_hooks", "_base",
+    "_cdata", "_grad", "_grad_fn", "_has_symbolic_sizes_strides", "_post_accumulate_grad_hooks",
+    "_python_dispatch", "_version", "data", "device", "dtype", "grad", "grad_dtype", "grad_fn", "imag", "is_cpu",
+    "is_cuda", "is_ipu", "is_leaf", "is_maia", "is_meta", "is_mkldnn", "is_mps", "is_mtia", "is_nested",
+    "is_quantized", "is_sparse", "is_sparse_csr", "is_vulkan", "is_xla", "is_xpu", "itemsize", "layout", "mH",
+    "mT", "name", "nbytes", "ndim", "output_nr", "real", "requires_grad", "retains_grad", "shape", "volatile",
+})
+
+
+def _state_problem(tensor: TensorRef, state: Any) -> str | None:
+    """What torch._utils._set_obj_state(tensor, state) refuses (None: it sets plain attributes only).
+
+    torch takes a dict, or a 2-tuple (dict state, slots state), each falsy (skipped) or with
+    `.items()`; any other tuple is "Invalid serialized state". Each item is setattr on the tensor.
+    """
+    if isinstance(state, tuple):
+        if len(state) != 2:
+            return f"its state is a tuple of {len(state)}, not (dict, slots): torch.load fails"
+        parts = (("state", state[0]), ("slots state", state[1]))
+    else:
+        parts = (("state", state),)
+    for what, part in parts:
+        # (`if dict_state:`: a tensor there is refused although torch would skip a one-element
+        # zero; nothing writes one)
+        if not isinstance(part, TensorRef) and _falsy(part):
+            continue
+        if not isinstance(part, dict):
+            return f"its {what} is {_a_type(part)}, not a dict: torch.load fails"
+        for key, value in part.items():
+            if not isinstance(key, str):
+                return f"its {what}'s attribute name {short_repr(key)} is not a string: torch.load fails"
+            if key == "requires_grad":
+                problem = _requires_grad_problem(value, tensor.dtype)
+                if problem is not None:
+                    return f"its {what}: {problem}"
+            elif key in _TENSOR_DESCRIPTORS and not (key in ("grad", "_grad") and value is None):
+                return (f"its {what} sets torch.Tensor's own attribute {key!r} (to {short_repr(value)}), which "
+                        "torch.load either refuses or applies to the tensor; ckpt does not follow it")
+    return None
+
+
+def _falsy(value: Any) -> bool:
+    try:
+        return not value
+    except Exception:  # noqa: BLE001 - a stand-in without a truth value: not skipped
+        return False
+
+
+def _a_type(value: Any) -> str:
+    name = "tensor" if isinstance(value, TensorRef) else type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any,
@@ -282,12 +413,18 @@ def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any
                            dtypes.from_torch(dtype.name).name, metadata)
 
 
-def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None,
-                       state: Any = None) -> Any:
-    """torch._utils._rebuild_parameter(_with_state): a Parameter is its tensor."""
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> TensorRef:
+    """torch._utils._rebuild_parameter: a Parameter is its tensor (requires_grad checked as torch does)."""
     if not isinstance(data, TensorRef):
         raise TypeError("a Parameter must wrap a tensor")
-    return data
+    # (torch: `Parameter(data, requires_grad)`, whose _make_subclass takes only a bool)
+    return data.with_problem(_requires_grad_problem(requires_grad, data.dtype))
+
+
+def _rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks: Any, state: Any) -> TensorRef:
+    """torch._utils._rebuild_parameter_with_state: the Parameter, then its attributes set from `state`."""
+    param = _rebuild_parameter(data, requires_grad, backward_hooks)
+    return param.with_problem(_state_problem(param, state))
 
 
 class _TorchTensorClass(_Frozen):
@@ -303,8 +440,9 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     """torch._tensor._rebuild_from_type_v2: a plain tensor carrying Python attributes.
 
     Only plain `torch.Tensor` rebuilt by an allow-listed tensor function is
-    accepted; the attributes (`state`) are dropped. Tensor subclasses would
-    need their class imported, so they are refused.
+    accepted; the attributes (`state`) are checked as torch sets them
+    (_state_problem), then dropped: plain attributes say nothing about the data.
+    Tensor subclasses would need their class imported, so they are refused.
     """
     if new_type is not TORCH_TENSOR:
         raise TypeError("only plain torch.Tensor can be rebuilt (tensor subclasses are refused)")
@@ -312,7 +450,8 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
         raise TypeError("_rebuild_from_type_v2 must wrap an allow-listed tensor rebuild")
     if not isinstance(args, tuple):
         raise TypeError("_rebuild_from_type_v2 arguments must be a tuple")
-    return func(*args)
+    tensor = func(*args)
+    return tensor.with_problem(_state_problem(tensor, state))
 
 
 _LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
@@ -715,7 +854,7 @@ ALLOWED.update({
     ("torch._utils", "_rebuild_tensor_v2"): _Fn(_rebuild_tensor_v2),
     ("torch._utils", "_rebuild_tensor_v3"): _Fn(_rebuild_tensor_v3),
     ("torch._utils", "_rebuild_parameter"): _Fn(_rebuild_parameter),
-    ("torch._utils", "_rebuild_parameter_with_state"): _Fn(_rebuild_parameter),
+    ("torch._utils", "_rebuild_parameter_with_state"): _Fn(_rebuild_parameter_with_state),
     ("torch._tensor", "_rebuild_from_type_v2"): _Fn(_rebuild_from_type_v2),
     ("torch", "Tensor"): TORCH_TENSOR,
     ("torch._tensor", "Tensor"): TORCH_TENSOR,
@@ -1139,6 +1278,8 @@ class SafeUnpickler(pickle.Unpickler):
             raise CorruptMetadataError(f"invalid storage key {short_repr(key)}", self._where)
         if type(numel) is not int or numel < 0:
             raise CorruptMetadataError(f"invalid storage size {short_repr(numel)}", self._where)
+        if isinstance(location, bytes) and location.isascii():
+            location = location.decode("ascii")  # (torch's _maybe_decode_ascii: a Python 2 pickle's str)
         if not isinstance(location, str):
             raise CorruptMetadataError(f"invalid storage location {short_repr(location)}", self._where)
         ref = self.storages.get(key)
