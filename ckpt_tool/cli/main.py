@@ -155,11 +155,7 @@ def _run(argv: list[str] | None) -> int:
     """Run the command; the exit code, with every error turned into one line (and JSON with --json)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
-        from ..runs import recording
-
-        # the step of a run root a command opened (by default, or --step): one line on stderr as
-        # it is opened, before anything the command finds there
-        with recording(on_open=lambda o: click.echo(printable(f"ckpt: {o.line()}"), err=True)):
+        with _saying_opened_steps(args):
             cli.main(args=args, prog_name="ckpt", standalone_mode=False)
     except SystemExit as exc:  # commands that decide their own exit code (validate, diff)
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_PROBLEM)
@@ -207,6 +203,19 @@ def _run(argv: list[str] | None) -> int:
         _json_error(args, "internal", message)
         return EXIT_PROBLEM
     return EXIT_OK
+
+
+def _saying_opened_steps(args: list[str]) -> Any:
+    """The step of a run root a command opens (by default, or --step): one line on stderr as it is
+    opened, before anything the command finds there. Not for help texts: runs.py imports the storage
+    layer (numpy, tensorstore), which `ckpt --help` never loads."""
+    import contextlib
+
+    if not args or args[0] not in COMMANDS or "--help" in args or "-h" in args:
+        return contextlib.nullcontext()
+    from ..runs import recording
+
+    return recording(on_open=lambda o: click.echo(printable(f"ckpt: {o.line()}"), err=True))
 
 
 def _command_context(args: list[str]) -> click.Context:
