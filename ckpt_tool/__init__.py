@@ -34,10 +34,12 @@ def __getattr__(name: str) -> Any:
 
 
 def open(path: str, *, step: str | int | None = None) -> Checkpoint:  # noqa: A001 - mirrors io.open
-    """Open a checkpoint (Orbax or torch DCP) by path or URL; reads metadata only.
+    """Open the checkpoint at `path` (a directory, a one-file checkpoint, or a file://, gs://,
+    s3:// or memory:// URL) in any format ckpt reads, detected; reads metadata only. The formats
+    are those of the registry, ckpt_tool.formats.shown() (`ckpt --help` lists them).
 
-    `step` picks a step of an Orbax CheckpointManager root: an int, or
-    "latest" (the default: the newest committed step).
+    `step` picks a step of a run root (any framework `ckpt ls` lists): an int, a step's name, or
+    "latest" (the default: the newest step complete by its framework's rule).
     """
     from .formats import open_checkpoint
 

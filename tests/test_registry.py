@@ -79,10 +79,11 @@ def test_lookups():
 def test_help_and_convert_choices_come_from_the_registry():
     r = run_ckpt("--help")
     assert r.returncode == 0
+    shown = " ".join(r.stdout.split())  # (a line longer than 80 columns is wrapped)
     for info in formats.shown():
-        assert (info.reads or info.title) in r.stdout, info.name
+        assert (info.reads or info.title) in shown, info.name
     labels = formats.writable_labels()
-    assert f"Writes {formats.joined(labels)} (convert)" in " ".join(r.stdout.split())
+    assert f"Writes {formats.joined(labels)} (convert)" in shown
     r = run_ckpt("convert", "a", "b", "--to", "zip")
     assert r.returncode == 2
     for name in formats.writable():

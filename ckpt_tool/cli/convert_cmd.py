@@ -8,12 +8,17 @@ import click
 from .. import formats
 from ..casting import kept_phrase
 from ..engine import ConvertOptions, convert
+from .helptext import formats_read, formats_written
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options, weights_option
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
-@click.command("convert")
+# the formats it reads and writes come from the registry (helptext), so that the lists cannot go stale
+@click.command("convert", help=(
+    f"Convert the checkpoint at SRC (any format ckpt reads, detected: {formats_read()}) into DST in the format "
+    f"--to names ({formats_written()}), chunk by chunk. DST appears only when complete; SRC is never written. "
+    "Run the same command on every host to split the work."))
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(formats.writable()), required=True, help="Output format.")
@@ -44,9 +49,6 @@ def convert_command(
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
-    """Convert the checkpoint at SRC (any format ckpt reads, detected: `ckpt
-    --help` lists them) into DST in the format --to names, chunk by chunk. DST appears only when complete; SRC is never
-    written. Run the same command on every host to split the work."""
     from ..distributed import join
 
     opts = ConvertOptions(
@@ -62,7 +64,7 @@ def convert_command(
     with coord or nullcontext(), progress_for(out, "converting") as progress:
         result = convert(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
-        out.json(result.to_json())
+        out.json({"ok": True, **result.to_json()})  # the README's --json contract: "ok" as the exit status says
         return
     for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
         out.line(f"[yellow]{esc(line)}[/yellow]")

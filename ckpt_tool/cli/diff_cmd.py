@@ -17,12 +17,20 @@ from ..diff import diff_checkpoints
 from ..model import Checkpoint
 from ..runs import step_path
 from ..structure import is_inspect_json_file, load_structure
+from .helptext import formats_read
 from .options import memory_option, weights_option
 from .progress import progress_for
 from .render import Output, esc, plural
 
 
-@click.command("diff")
+# the formats it reads come from the registry (helptext), so that the list cannot go stale
+@click.command("diff", help=(
+    f"Compare checkpoints A and B (any formats ckpt reads, alike or not: {formats_read()}) by their keys: "
+    "leaves only in one, changed kind, shape or dtype, and with --values the max absolute and relative "
+    "difference per leaf. Exit 1 on any difference.\n\n"
+    "Two steps of one run: `ckpt diff ROOT --step-a N --step-b M` (any run root `ckpt ls` lists).\n\n"
+    "A or B may be a file written by `ckpt inspect CKPT --json` (the expected structure): then keys, kinds, "
+    "shapes and dtypes are checked against it, without a reference checkpoint."))
 @click.argument("a")
 @click.argument("b", required=False)
 @click.option("--values", is_flag=True, help="Also compare array data chunk by chunk (bounded memory) and decoded values (not with an inspect JSON side).")
@@ -44,15 +52,6 @@ def diff_command(
     layout: bool, step: str | None, step_a: str | None, step_b: str | None, as_json: bool, workers: int,
     memory: int, cast_ok: bool, weights: str | None,
 ) -> None:
-    """Compare checkpoints A and B (any formats ckpt reads, alike or not) by their keys: leaves only in
-    one, changed kind, shape or dtype, and with --values the max absolute and
-    relative difference per leaf. Exit 1 on any difference.
-
-    Two steps of one run: `ckpt diff ROOT --step-a N --step-b M` (any run root `ckpt ls` lists).
-
-    A or B may be a file written by `ckpt inspect CKPT --json` (the expected
-    structure): then keys, kinds, shapes and dtypes are checked against it,
-    without a reference checkpoint."""
     if step is not None and (step_a is not None or step_b is not None):
         raise click.UsageError("--step applies to both sides; give it or --step-a/--step-b, not both")
     if b is None:
@@ -74,7 +73,7 @@ def diff_command(
             steps=(step_a if step is None else step, step_b if step is None else step), progress=progress,
         )
     if as_json:
-        out.json(report.to_json())
+        out.json({"ok": report.same, **report.to_json()})  # "ok" as the exit status says: 0 when the same
     else:
         if report.dotted:
             first = report.dotted[0]
@@ -89,14 +88,16 @@ def diff_command(
         for c in report.casts:
             n = len(c.paths)
             how = "compared by value in float64" if values else "values not compared (add --values)"
-            out.line(f"[cyan]{'cast':8}[/cyan] {n} lea{'ves' if n != 1 else 'f'} {c.a} in A, {c.b} in B "
+            out.line(f"[cyan]{'cast':8}[/cyan] {plural(n, 'leaf', 'leaves')} {c.a} in A, {c.b} in B "
                      f"(--cast-ok): {how}")
+        # "1 leaf (...) matches", "3 leaves and values match": the count, its noun and the verb agree
+        one = report.compared == 1
         if values:
-            what = "leaves and values"
+            what = " and its values match" if one else " and values match"
         else:
-            what = "leaves (structure, shapes, dtypes" + (", chunks, shardings)" if layout else ")")
+            what = " (structure, shapes, dtypes" + (", chunks, shardings)" if layout else ")") + (" matches" if one else " match")
         if report.same:
-            out.line(f"[bold green]same[/bold green]: {report.compared} {what} match")
+            out.line(f"[bold green]same[/bold green]: {plural(report.compared, 'leaf', 'leaves')}{what}")
         else:
             out.line(f"[bold red]different[/bold red]: {plural(len(report.differences), 'difference')} in {plural(report.compared, 'common leaf', 'common leaves')}")
     sys.exit(0 if report.same else 1)

@@ -12,11 +12,16 @@ from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
 from ..runs import opened_steps
 from ..text import printable
+from .helptext import formats_read
 from .options import weights_option
-from .render import Node, Output, esc, human_bytes, human_count, plural
+from .render import Node, Output, count_and_exact, esc, human_bytes, plural
 
 
-@click.command("inspect")
+# the formats it reads come from the registry (helptext), so that the list cannot go stale
+@click.command("inspect", help=(
+    f"Show the tree of leaves in the checkpoint at PATH ({formats_read()}, detected; a directory or file, "
+    "or a file://, gs://, s3:// or memory:// URL): dtype, shape, size, chunking and the sharding recorded at "
+    "save time. Reads metadata only; needs neither jax nor torch."))
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the documented contract).")
 @click.option("--flat", is_flag=True, help="One line per leaf instead of a tree.")
@@ -29,16 +34,12 @@ def inspect_command(
     path: str, as_json: bool, flat: bool, pattern: str | None, depth: int | None, step: str | None, values: bool,
     weights: str | None,
 ) -> None:
-    """Show the tree of leaves in the checkpoint at PATH (Orbax, DCP,
-    safetensors, Flax or T5X msgpack, detected; a directory or file, or a
-    file://, gs://, s3:// or memory:// URL): dtype, shape, size, chunking and
-    the sharding recorded at save time. Reads metadata only; needs neither jax nor torch."""
     with formats.read_options(weights=weights):
         result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
     out = Output(json_mode=as_json)
     if as_json:
-        # "opened": the run root's step opened (runs.OpenedStep), as validate --json says it
-        out.json({**result.to_json(), "opened": _opened_json()})
+        # the README's --json contract: "ok" as the exit status says; "opened": the run root's step opened
+        out.json({"ok": True, **result.to_json(), "opened": _opened_json()})
         return
     out.header(_title(result), _header_rows(result))
     if flat:
@@ -99,10 +100,10 @@ def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
         "leaves",
         f"{s['leaves']:,} ({plural(s['arrays'], 'array')}, {plural(s['values'], 'value')})",
     ))
-    rows.append(("parameters", f"{human_count(s['parameters'])} ({s['parameters']:,})"))
+    rows.append(("parameters", count_and_exact(s['parameters'])))
     rows.append(("size", f"{human_bytes(s['bytes'])} ({s['bytes']:,} bytes) in {plural(s['chunks'], 'chunk')}"))
     for dtype, t in result.by_dtype.items():
-        rows.append((f"  {dtype}", f"{plural(t.leaves, 'array')}, {human_count(t.parameters)} params, {human_bytes(t.bytes)}"))
+        rows.append((f"  {dtype}", f"{plural(t.leaves, 'array')}, {plural(t.parameters, 'param', short=True)}, {human_bytes(t.bytes)}"))
     for note in ck.notes:
         rows.append(("note", f"[yellow]{esc(note)}[/yellow]"))
     return rows

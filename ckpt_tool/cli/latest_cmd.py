@@ -7,18 +7,20 @@ import click
 
 from ..runs import latest
 from ..text import printable
+from .helptext import run_roots
 from .render import Output
 
 
-@click.command("latest")
+# the run roots it knows come from their table (helptext), so that the list cannot go stale
+@click.command("latest", help=(
+    f"Print the path of the newest step of the run root ROOT ({run_roots()}) that is complete by its "
+    "writer's rule and passes validate (shallow; --deep decodes it too): what a training launcher resumes "
+    "from. Steps passed over (in progress, incomplete, failing validate, the pointer file's target included) "
+    "are named on stderr. Exit 1, with one line, when no step qualifies."))
 @click.argument("root")
 @click.option("--deep", is_flag=True, help="Also decode every chunk of the step (validate --deep) before naming it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def latest_command(root: str, deep: bool, as_json: bool) -> None:
-    """Print the path of the newest step of the run root ROOT that is complete by its writer's rule
-    and passes validate (shallow; --deep decodes it too): what a training launcher resumes from.
-    Steps passed over (in progress, incomplete, failing validate, the pointer file's target
-    included) are named on stderr. Exit 1, with one line, when no step qualifies."""
     found = latest(root, deep=deep)
     out = Output(json_mode=as_json)
     if not as_json and found.path is not None:

@@ -8,12 +8,18 @@ import click
 
 from ..runs import RunListing, StepRow, list_run
 from ..text import printable
+from .helptext import run_roots
 from .render import Output, esc, human_bytes, plural
 
 _COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
 
 
-@click.command("ls")
+# the run roots it knows come from their table (helptext), so that the list cannot go stale
+@click.command("ls", help=(
+    f"List the steps of the run root ROOT ({run_roots()}): step, format, status (committed, incomplete, "
+    "in-progress), size, file count, modification time, and whether the framework's pointer file (Megatron's "
+    "tracker, DeepSpeed's latest) agrees. From one listing; nothing is read unless --check. Exit 1 when --check "
+    "finds a committed step that fails."))
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--check", is_flag=True, help="Also run validate's shallow checks on every step (reads metadata).")
@@ -21,21 +27,16 @@ _COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
 @click.option("--sizes/--no-sizes", default=None,
               help="Sum each step's file sizes (default: on local roots; on S3/GCS each file's size is a request).")
 def ls_command(root: str, as_json: bool, check: bool, deep: bool, sizes: bool | None) -> None:
-    """List the steps of the run root ROOT (an Orbax CheckpointManager, Flax/T5X, torchtitan,
-    Hugging Face Trainer, Megatron-LM, NeMo 2, DeepSpeed or verl save directory): step, format,
-    status (committed, incomplete, in-progress), size, file count, modification time, and whether
-    the framework's pointer file (Megatron's tracker, DeepSpeed's latest) agrees. From one listing;
-    nothing is read unless --check. Exit 1 when --check finds a committed step that fails."""
     if deep and not check:
         raise click.UsageError("--deep applies to --check: add --check")
     listing = list_run(root, check=check, deep=deep, sizes=sizes)
-    out = Output(json_mode=as_json)
-    if as_json:
-        out.json(listing.to_json())
-    else:
-        _table(out, listing, check)
     # a save in progress failing is what it is; a committed step failing is the problem
     failed = check and any(s.check is not None and not s.check["ok"] and s.status == "committed" for s in listing.steps)
+    out = Output(json_mode=as_json)
+    if as_json:
+        out.json({"ok": not failed, **listing.to_json()})  # "ok" as the exit status says
+    else:
+        _table(out, listing, check)
     sys.exit(1 if failed else 0)
 
 

@@ -91,15 +91,19 @@ def cli() -> None:
 
 def _top_help() -> str:
     """`ckpt --help`'s text: the formats it reads and writes come from the registry."""
-    reads = [f"  {f.reads or f.title}" for f in formats.shown()]
-    writes = formats.joined(formats.writable_labels())
+    from .helptext import formats_written, verbatim
+
+    # a "\b" block, which click shows as it is: each line wrapped here to click's 80 columns
+    reads = [line for f in formats.shown() for line in verbatim(f.reads or f.title, "  ")]
+    writes = verbatim(f"Writes {formats_written()} (convert), {formats.reshard_format().label} for a new mesh "
+                      "(reshard).", "")
     return "\n".join([
         "Look inside, check, convert and re-lay ML checkpoints.",
         "",
         "\b",
         "Reads (detected, local or gs:// s3:// file:// memory:// URLs):",
         *reads,
-        f"Writes {writes} (convert), {formats.reshard_format().label} for a new mesh (reshard).",
+        *writes,
         "",
         "Exit codes: 0 ok, 1 the checkpoint has a problem (or a diff differs),",
         "2 usage error. `ckpt COMMAND --help` for each command.",

@@ -8,6 +8,7 @@ import click
 from ..manifest import verify, write
 from ..parallel import default_workers
 from ..validate import ValidationReport
+from .helptext import formats_read
 from .options import memory_option
 from .progress import progress_for
 from .render import Output, esc, human_bytes, human_rate, plural
@@ -17,14 +18,16 @@ _MANIFEST_HELP = ("The manifest file (a path or URL; default: integrity.json in 
                   "FILE.integrity.json beside a one-file checkpoint).")
 
 
-@click.group("manifest")
+# the formats come from the registry (helptext), so that the list cannot go stale
+@click.group("manifest", help=(
+    f"Write or verify the integrity manifest of a checkpoint ({formats_read()}): the sha256 of every "
+    "file, in Megatron-Core's integrity.json schema (with sizes, and per-tensor digests with --tensors). "
+    "`ckpt validate` checks it too when present (names and sizes; digests with --deep)."))
 def manifest_group() -> None:
-    """Write or verify a checkpoint's integrity manifest: the sha256 of every file, in
-    Megatron-Core's integrity.json schema (with sizes, and per-tensor digests with --tensors).
-    `ckpt validate` checks it too when present (names and sizes; digests with --deep)."""
+    """`ckpt manifest`: its subcommands do the work (the help text is the decorator's)."""
 
 
-@manifest_group.command("write")
+@manifest_group.command("write", short_help="Hash every file of a checkpoint and write its manifest.")
 @click.argument("ckpt")
 @click.option("--tensors", is_flag=True, help="Also record the sha256 of each array's values (names the tensor a "
               "changed byte is in; reads and decodes every chunk).")
@@ -53,7 +56,7 @@ def write_command(ckpt: str, tensors: bool, manifest_file: str | None, overwrite
              f"{replaced}")
 
 
-@manifest_group.command("verify")
+@manifest_group.command("verify", short_help="Check every file a manifest names: size and sha256.")
 @click.argument("ckpt")
 @click.option("--manifest", "manifest_file", metavar="FILE", help=_MANIFEST_HELP)
 @click.option("--strict", is_flag=True, help="Count warnings (files the manifest does not name) as errors.")

@@ -37,16 +37,28 @@ def human_bytes(n: int | float) -> str:
     return f"{n:.1f} PiB"
 
 
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """"1 array", "3 arrays", "1,024 leaves": a count and its noun, which agree (`many`: an irregular plural)."""
-    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+def plural(n: int, word: str, many: str | None = None, *, short: bool = False) -> str:
+    """"1 array", "3 arrays", "1,024 leaves": a count and its noun, which agree (`many`: an irregular plural).
+
+    Every count phrase a command shows is made here, so that none says "1 arrays". `short`: the
+    count as human_count gives it ("1.23M params", "1 param").
+    """
+    number = human_count(n) if short else f"{n:,}"
+    return f"{number} {word if n == 1 else (many or word + 's')}"
 
 
 def human_count(n: int) -> str:
+    """"975", "1.23M": a count in at most four digits and a unit (K, M, B, T)."""
     for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
+
+
+def count_and_exact(n: int) -> str:
+    """"1.23M (1,234,567)"; "975" alone where the short form is the exact count already."""
+    short = human_count(n)
+    return short if short == str(n) else f"{short} ({n:,})"
 
 
 def human_rate(nbytes: int, seconds: float) -> str:

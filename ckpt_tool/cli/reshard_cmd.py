@@ -8,12 +8,20 @@ from contextlib import nullcontext
 import click
 
 from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
+from .. import formats
+from .helptext import formats_read
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
-@click.command("reshard")
+# the formats it reads and writes come from the registry (helptext), so that the list cannot go stale
+@click.command("reshard", help=(
+    f"Write SRC (any format ckpt reads: {formats_read()}) into DST as an "
+    f"{formats.reshard_format().label} checkpoint laid out for a new device mesh: each array keeps its recorded "
+    "partition spec where it fits the new mesh (else that dimension is replicated) unless --rules or --fsdp say "
+    "otherwise. Every spec is checked before DST is created; SRC is never written. Run the same command on every "
+    "host to split the work."))
 @click.argument("src")
 @click.argument("dst")
 @click.option("--mesh", required=True, metavar="AXIS=SIZE,...", help="The new mesh's axes and sizes, e.g. data=2,model=4.")
@@ -41,11 +49,6 @@ def reshard_command(
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
     select: tuple[str, ...], exclude: tuple[str, ...],
 ) -> None:
-    """Write SRC (any format ckpt reads: Orbax, DCP, safetensors, Flax or T5X
-    msgpack) into DST as an Orbax checkpoint laid out for a new device mesh: each array keeps its recorded partition spec where it
-    fits the new mesh (else that dimension is replicated) unless --rules or
-    --fsdp say otherwise. Every spec is checked before DST is created; SRC is
-    never written. Run the same command on every host to split the work."""
     from ..distributed import TORCH, join, process_spec
 
     spec = process_spec(coordinator, num_processes, process_id)
@@ -76,7 +79,7 @@ def reshard_command(
         with progress_for(out, "resharding") as progress:
             result = reshard(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
-        out.json(result.to_json())
+        out.json({"ok": True, **result.to_json()})  # the README's --json contract: "ok" as the exit status says
         return
     plan = result.plan
     for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
@@ -143,7 +146,7 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
         out.line(
             f"{head}  {esc(format_spec(lp.old_spec) if lp.old_spec is not None else lp.old)} -> [cyan]{esc(format_spec(lp.new_spec))}[/cyan] "
             f"({esc(lp.origin)})  shard {_shape(lp.shard_shape)}  chunk {_shape(lp.chunk_shape)}{split}  "
-            f"{lp.chunks} chunk{'s' * (lp.chunks != 1)}"
+            f"{plural(lp.chunks, 'chunk')}"
         )
         for note in lp.notes:
             out.line(f"    [yellow]{esc(note)}[/yellow]")
@@ -152,15 +155,14 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
     out.line()
     for i, load in enumerate(plan.processes):
         out.line(f"process {i}: {plural(load.chunks, 'chunk')}, read {human_bytes(load.bytes_read)} "
-                 f"({load.source_chunks} source chunk{'s' * (load.source_chunks != 1)}, each decoded once), "
+                 f"({plural(load.source_chunks, 'source chunk')}, each decoded once), "
                  f"write {human_bytes(load.bytes_written)}")
     largest = max((lp.source_chunk_bytes for lp in plan.leaves), default=0)
     streamed = sum(lp.streamed_chunks for lp in plan.leaves)
     out.line(f"memory budget {human_bytes(plan.memory)} (--memory); largest source chunk {human_bytes(largest)} decoded"
-             + (f"; {streamed} source chunk{'s' * (streamed != 1)} larger than the budget allows decoded as a stream"
+             + (f"; {plural(streamed, 'source chunk')} larger than the budget allows decoded as a stream"
                 if streamed else ""))
     host = f"; host arrays {human_bytes(plan.host_bytes)}" if plan.host_bytes else ""
     out.line(f"per device after restore: {human_bytes(plan.device_bytes)}{host}")
     if plan.errors:
-        n = len(plan.errors)
-        out.line(f"[bold red]{n} leaf spec{'s' * (n != 1)} cannot be laid out[/bold red]; nothing would be written")
+        out.line(f"[bold red]{plural(len(plan.errors), 'leaf spec')} cannot be laid out[/bold red]; nothing would be written")

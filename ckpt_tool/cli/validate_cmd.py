@@ -11,13 +11,19 @@ from ..parallel import default_workers
 
 from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
+from .helptext import formats_read
 from .options import memory_option, weights_option
 from .progress import progress_for
 from ..text import printable
 from .render import Output, esc, human_bytes, plural
 
 
-@click.command("validate")
+# the formats it reads come from the registry (helptext), so that the list cannot go stale
+@click.command("validate", help=(
+    f"Check that the checkpoint at PATH ({formats_read()}, detected) is complete and consistent: commit "
+    "markers, metadata, every array and chunk present, files long enough, DCP chunks covering each tensor, "
+    "no unsafe pickle. Collects every finding.\n\n"
+    "Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."))
 @click.argument("path")
 @click.option("--deep", is_flag=True, help="Also read and decode every chunk; report NaN/Inf per float leaf.")
 @click.option("--step", help="Run root (any framework `ckpt ls` lists): a step number, a step's name, 'latest', or (Orbax, Flax/T5X, Megatron, DeepSpeed roots) 'all' (their default: every step).")
@@ -34,11 +40,6 @@ from .render import Output, esc, human_bytes, plural
 @weights_option
 def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_json: bool, fmt: str, workers: int,
                      memory: int, manifest_file: str | None, weights: str | None) -> None:
-    """Check that the checkpoint at PATH is complete and consistent: commit
-    markers, metadata, every array and chunk present, files long enough,
-    DCP chunks covering each tensor, no unsafe pickle. Collects every finding.
-
-    Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."""
     out = Output(json_mode=as_json)
     with progress_for(out, "reading chunks", show=deep) as progress, formats.read_options(weights=weights):
         report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
