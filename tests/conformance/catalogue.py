@@ -151,6 +151,7 @@ ENTRIES: list[Entry] = [
     Entry("megatron_distopt_vpp", "megatron", R.megatron_recorded),  # PP 2 x VPP 2 (interleaved), RMSNorm
     Entry("megatron_distopt_instances", "megatron", R.megatron_recorded),  # 2 distributed-optimizer instances
     Entry("megatron_distopt_fp16_tp2_pp2", "megatron", R.megatron_recorded),  # fp16, TP 2 x PP 2
+    Entry("megatron_distopt_moe_etp2", "megatron", R.megatron_recorded),  # experts EP 2 x ETP 2, dense TP 1
     Entry("megatron_run", "megatron", R.megatron_recorded),  # the tracker's step
     Entry("megatron_run", "megatron", R.megatron_recorded, step="10"),
     Entry("megatron_zarr_tp2", "megatron", R.megatron_recorded),  # 0.13's zarr backend (bfloat16 .zarray patch)
