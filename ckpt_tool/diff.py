@@ -176,7 +176,32 @@ def diff_checkpoints(
     leaves it matches on either side: NoMatchError when it matches none on
     both. `cast_ok`: a floating leaf whose dtype differs (a cast conversion)
     is no difference; its values are compared in float64 within atol/rtol.
-    `steps`: the step asked for each side, recorded in the report."""
+    `steps`: the step asked for each side, recorded in the report. Pickles
+    (values decoded for --values) are unpickled within `memory`."""
+    from .torchsave.pickle_budget import memory_budget  # (here: most checkpoints hold no pickle)
+
+    with memory_budget(memory):
+        return _diff_checkpoints(a, b, values=values, rtol=rtol, atol=atol, rename=rename, workers=workers,
+                                 progress=progress, layout=layout, pattern=pattern, memory=memory,
+                                 cast_ok=cast_ok, steps=steps)
+
+
+def _diff_checkpoints(
+    a: Checkpoint,
+    b: Checkpoint,
+    *,
+    values: bool,
+    rtol: float,
+    atol: float,
+    rename: list[str] | None,
+    workers: int,
+    progress: Progress,
+    layout: bool,
+    pattern: str | None,
+    memory: int,
+    cast_ok: bool,
+    steps: tuple[str | int | None, str | int | None],
+) -> DiffReport:
     structure = [ck.path for ck in (a, b) if isinstance(ck, RecordedStructure)]
     if values and structure:
         raise CkptError(f"{structure[0]} is an inspect JSON document: it holds no array data to compare values with")

@@ -701,7 +701,23 @@ def convert(
 
     `planned`: write that plan (made and checked by the caller, e.g. reshard)
     instead of planning a conversion; opts still give the output options.
+    Pickles are unpickled within opts.memory (as validate's).
     """
+    from .torchsave.pickle_budget import memory_budget  # (here: most commands never unpickle)
+
+    with memory_budget(opts.memory):
+        return _convert(source, destination, opts, progress=progress, coordinator=coordinator, planned=planned)
+
+
+def _convert(
+    source: str,
+    destination: str,
+    opts: ConvertOptions,
+    *,
+    progress: Progress,
+    coordinator: Coordinator | None,
+    planned: PlannedWrite | None,
+) -> ConvertResult:
     coord = coordinator or Coordinator()
     started = time.monotonic()
     if planned is None:

@@ -581,7 +581,21 @@ def plan_reshard(
 
     Reads metadata (and scalar/string values) only. Spec problems do not
     raise here: they are in `plan.errors`, so a dry run can list them all.
+    Pickles are unpickled within opts.memory (as validate's).
     """
+    from .torchsave.pickle_budget import memory_budget  # (here: most checkpoints hold no pickle)
+
+    with memory_budget(opts.memory):
+        return _plan_reshard(source, destination, opts, coordinator=coordinator)
+
+
+def _plan_reshard(
+    source: str | Checkpoint,
+    destination: str,
+    opts: ReshardOptions,
+    *,
+    coordinator: Coordinator | None,
+) -> ReshardPlan:
     coord = coordinator or Coordinator()
     process_count = max(coord.process_count, opts.process_count or 1)
     mesh = resolve_mesh(opts, process_count)

@@ -219,3 +219,35 @@ def test_convert_refuses_a_file_validate_calls_bad(tmp_path: Path, ckpt) -> None
     assert not (tmp_path / "out").exists()
     r = ckpt("inspect", path)
     assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+# --memory bounds the unpickler in every command, as in validate (pickle_budget.memory_budget)
+def test_convert_refuses_a_pickle_over_its_memory_as_validate_does(tmp_path: Path, ckpt) -> None:
+    from test_pickle_memory import _builders, _torch_save_with_pickle
+
+    from ckpt_tool.torchsave import pickle_budget
+
+    # 30 set() copies of a memoized 100,000-int list: ~550 MB charged as the stand-ins build them, over
+    # 4 MiB + the 512 MiB allowance, under the default 512 + 512 MiB (what convert used before)
+    path = tmp_path / "sets.pt"
+    _torch_save_with_pickle(path, _builders()["set_copies"](30))
+    assert pickle_budget.memory_limit() == 1024 << 20
+    refused = "unpickling it would take more than the 516 MiB of memory allowed"
+    r = ckpt("validate", "--memory", "4M", path)
+    assert r.returncode == 1 and refused in r.stdout + r.stderr, r.stdout + r.stderr
+    r = ckpt("convert", "--to", "safetensors", "--memory", "4M", path, tmp_path / "out")
+    assert r.returncode == 1 and refused in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+    r = ckpt("diff", "--memory", "4M", path, path)
+    assert r.returncode == 1 and refused in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_worker_threads_unpickle_within_the_commands_budget() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt_tool.torchsave import pickle_budget
+
+    with pickle_budget.memory_budget(1 << 20), ThreadPoolExecutor(1) as pool:
+        # a pool's thread starts with an empty context: it reads the process's budget
+        assert pool.submit(pickle_budget.memory_limit).result() == (1 << 20) + pickle_budget.PICKLE_ALLOWANCE
+    assert pickle_budget.memory_limit() == pickle_budget.DEFAULT_BUDGET + pickle_budget.PICKLE_ALLOWANCE

@@ -61,7 +61,10 @@ def diff_command(
     json_a, json_b = is_inspect_json_file(a), is_inspect_json_file(b)
     if step is not None and json_a and json_b:
         raise click.UsageError("--step: both A and B are inspect JSON documents; there is no checkpoint to pick a step of")
-    with formats.read_options(weights=weights):  # (both sides: each must take it)
+    from ..torchsave.pickle_budget import memory_budget
+
+    # (both sides: each must take it; their pickles are read here, within --memory as diff's values are)
+    with formats.read_options(weights=weights), memory_budget(memory):
         ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
         ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
     out = Output(json_mode=as_json)

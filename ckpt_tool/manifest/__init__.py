@@ -163,7 +163,17 @@ def write(
     memory: int = 512 << 20,
     progress: Progress = no_progress,
 ) -> WriteResult:
-    """Hash every file of the checkpoint at `path` and write its manifest (see the module docstring)."""
+    """Hash every file of the checkpoint at `path` and write its manifest (see the module docstring).
+    Pickles (--tensors opens the checkpoint) are unpickled within `memory`."""
+    from ..torchsave.pickle_budget import memory_budget
+
+    with memory_budget(memory):
+        return _write(path, manifest=manifest, tensors=tensors, overwrite=overwrite, workers=workers,
+                      memory=memory, progress=progress)
+
+
+def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, workers: int, memory: int,
+           progress: Progress) -> WriteResult:
     from .. import __version__, formats
 
     started = time.monotonic()
@@ -447,7 +457,15 @@ def verify(
 ) -> tuple[Location, Any, str | None]:
     """`ckpt manifest verify`: the manifest's checks alone, shallow and every digest; (where it is,
     the Findings, the checkpoint's format). No manifest, or one that cannot be read, is an error
-    (one line), not a finding: there is nothing to verify against."""
+    (one line), not a finding: there is nothing to verify against. Pickles are unpickled within `memory`."""
+    from ..torchsave.pickle_budget import memory_budget
+
+    with memory_budget(memory):
+        return _verify(path, manifest=manifest, workers=workers, memory=memory, progress=progress)
+
+
+def _verify(path: str, *, manifest: str | None, workers: int, memory: int,
+            progress: Progress) -> tuple[Location, Any, str | None]:
     from .. import formats
     from ..findings import Findings
 
