@@ -1196,9 +1196,16 @@ def _long_binget(i: int) -> bytes:
     return b"j" + struct.pack("<I", i)
 
 
-# memo slots the graph operators use: far above any torch.save pickle's own (BINPUT numbers
-# them from 0), so the original object's memo references stay as they were
-_GRAPH_MEMO = 1 << 20
+def _next_memo(pkl: bytes) -> int:
+    """The memo index a pickler would store next: torch's numbers its memo stores from 0 in
+    order, so the graph operators continue from there (the original's references unchanged)."""
+    top = -1
+    for op, arg, _s, _e in _ops(pkl):
+        if op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            top = max(top, int(arg))
+        elif op.name == "MEMOIZE":
+            top += 1
+    return top + 1
 # one-byte opcodes that each build a new object: an empty list, dict, set, or one memoised
 _CHEAP_OPS = {"empty_list": b"]", "empty_dict": b"}", "empty_set": b"\x8f", "none": b"N",
               "memoised_dict": b"}r"}  # + a new LONG_BINPUT index each time (torch's unpickler has no MEMOIZE)
@@ -1221,12 +1228,13 @@ def graph_mutation(rng: random.Random, pkl: bytes, variant: str | None = None) -
     if not pkl.endswith(b"."):
         return pickle_opcode_mutation(rng, pkl)
     body = pkl[:-1]  # the original object ends up on the stack
+    memo = _next_memo(pkl)
     kind = variant or rng.choice(["shared", "shared", "self", "cheap"])
     if kind == "shared":
         # (asked for by name, as the tests do, always deep enough that a tree walk never ends)
         depth = rng.choice([40, 64, 100] if variant else [8, 24, 40, 64, 100])
         on_original = rng.random() < 0.5
-        m = _GRAPH_MEMO
+        m = memo
         # (torch's unpickler has no POP: every level stays on the stack, and the extra object
         # is the tuple of all levels, the deepest last)
         if on_original:
@@ -1239,7 +1247,7 @@ def graph_mutation(rng: random.Random, pkl: bytes, variant: str | None = None) -
         leaf = "the original object" if on_original else "an int"
         return out, f"graph: (original, levels) with x = [x, x] nested {depth} levels over {leaf}"
     if kind == "self":
-        m = _GRAPH_MEMO
+        m = memo
         if rng.random() < 0.5:
             extra = b"}" + _long_binput(m) + _unicode_op("self") + _long_binget(m) + b"s"
             what = "a dict holding itself under 'self'"
@@ -1251,7 +1259,7 @@ def graph_mutation(rng: random.Random, pkl: bytes, variant: str | None = None) -
     op = _CHEAP_OPS[name]
     if name == "memoised_dict":
         n = rng.choice([1 << 16, 1 << 19, 1 << 21]) // 6
-        extra = b"](" + b"".join(op + struct.pack("<I", _GRAPH_MEMO + i) for i in range(n)) + b"e"
+        extra = b"](" + b"".join(op + struct.pack("<I", memo + i) for i in range(n)) + b"e"
     else:
         n = rng.choice([1 << 16, 1 << 19, 1 << 21]) // len(op)
         extra = b"](" + op * n + b"e"

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -120,13 +120,28 @@ def foreign_globals(data: bytes) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, _pairs: dict | None = None) -> bool:
+    """Structural equality of two values; object graphs (shared and self-referencing
+    containers, as torch.load gives them) are compared once per pair of objects, and a pair
+    met again while it is being compared counts as equal (both unfold the same way)."""
     import numpy as np
 
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    pairs = {} if _pairs is None else _pairs
+    if isinstance(a, (list, tuple, dict)) and isinstance(b, (list, tuple, dict)):
+        key = (id(a), id(b))
+        if key in pairs:
+            return pairs[key]
+        pairs[key] = True  # (in progress: a cycle back to this pair)
+        if isinstance(a, dict) or isinstance(b, dict):
+            ok = isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() \
+                and all(_same(a[k], b[k], pairs) for k in a)
+        else:
+            ok = len(a) == len(b) and all(_same(x, y, pairs) for x, y in zip(a, b))
+        pairs[key] = ok
+        return ok
+    if isinstance(a, Sampled) or isinstance(b, Sampled):
+        return isinstance(a, Sampled) and isinstance(b, Sampled) and a.shape == b.shape \
+            and a.dtype == b.dtype and _same(a.samples, b.samples, pairs)
     if isinstance(a, (str, bytes)) or isinstance(b, (str, bytes)):
         return type(a) is type(b) and a == b
     try:
@@ -147,6 +162,33 @@ def _same(a: Any, b: Any) -> bool:
         return bool(np.array_equal(x.astype("float64"), y.astype("float64"), equal_nan=True))
     except Exception:  # noqa: BLE001
         return False
+
+
+# a tensor whose logical size passes this (a stride-0 or overlapping view of a few stored
+# bytes can be terabytes logically) is compared by shape, dtype and a few regions
+SAMPLE_ABOVE_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A large tensor as its shape, dtype and the values of a few small regions."""
+
+    shape: tuple
+    dtype: str
+    samples: list
+
+
+def sample_regions(shape: tuple) -> list[tuple[slice, ...]]:
+    """The first and last few elements along every axis, and a middle block."""
+    regions = []
+    for pick in ("first", "last", "middle"):
+        region = []
+        for n in shape:
+            k = min(n, 4)
+            start = 0 if pick == "first" else n - k if pick == "last" else max(0, n // 2 - k // 2)
+            region.append(slice(start, start + k))
+        regions.append(tuple(region))
+    return regions
 
 
 def _describe(v: Any) -> str:
@@ -537,39 +579,111 @@ def _torch_load(file: str, ckpt_format: str = "torch") -> tuple[Any, str | None]
         raise first
 
 
-def _torch_has_tensor(value: Any, depth: int = 0) -> bool:
+_WALK_MAX_DEPTH = 100  # ckpt_tool.torchsave.object_tree.MAX_DEPTH
+
+
+def _torch_holders(obj: Any) -> set[int]:
+    """The ids of the containers (dicts by value, lists and tuples) from which a tensor can be
+    reached, each object visited once (torch.load's result is a graph: shared, cyclic)."""
     import numpy as np
     import torch
 
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return True
-    if depth > 64:
-        return False
-    if isinstance(value, dict):
-        return any(_torch_has_tensor(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_torch_has_tensor(v, depth + 1) for v in value)
-    return False
+    parents: dict[int, list[int]] = {}
+    holding: list[int] = []
+    seen = {id(obj)}
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        inner = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+        for child in inner:
+            if isinstance(child, (torch.Tensor, np.ndarray)):
+                holding.append(id(node))
+            elif isinstance(child, (dict, list, tuple)):
+                parents.setdefault(id(child), []).append(id(node))
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append(child)
+    found: set[int] = set()
+    while holding:
+        nid = holding.pop()
+        if nid not in found:
+            found.add(nid)
+            holding.extend(parents.get(nid, ()))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Same:
+    """A later path to a container shown at `first` (torch.load gives one object at both)."""
+
+    first: tuple
 
 
 def _torch_walk(obj: Any, keys: tuple, out: list) -> None:
-    """ckpt's tree of a torch.save object (formats/torch_save/reader.walk): dicts with str/int
-    keys by key, lists and tuples holding a tensor by index, anything else one leaf."""
-    if isinstance(obj, dict) and obj and all(type(k) in (str, int) for k in obj):
-        for k, v in obj.items():
-            _torch_walk(v, keys + (k,), out)
-    elif isinstance(obj, (list, tuple)) and obj and _torch_has_tensor(obj):
-        for i, v in enumerate(obj):
-            _torch_walk(v, keys + (i,), out)
-    else:
-        out.append((keys, obj))
+    """ckpt's tree of a torch.save object (torchsave/object_tree.walk): dicts with str/int
+    keys by key, lists and tuples holding a tensor by index, a container met again a
+    reference to its first path, anything else (or deeper than 100 levels) one leaf."""
+    holders = _torch_holders(obj)
+    first: dict[int, tuple] = {}
+    stack = [(keys, obj)]
+    while stack:
+        path, value = stack.pop()
+        sub = (isinstance(value, dict) and bool(value) and all(type(k) in (str, int) for k in value)) or \
+            (isinstance(value, (list, tuple)) and bool(value) and id(value) in holders)
+        if not (sub and len(path) - len(keys) <= _WALK_MAX_DEPTH):
+            out.append((path, value))
+            continue
+        if id(value) in first:
+            out.append((path, _Same(first[id(value)])))
+            continue
+        first[id(value)] = path
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        stack.extend((path + (k,), v) for k, v in reversed(items))
 
 
-def _torch_plain(value: Any, depth: int = 0) -> Any:
+def _graph_plain(value: Any, atom: Callable[[Any], Any], node: Callable[[Any], Any]) -> Any:
+    """A copy of a value graph with containers kept (sharing and cycles as they were: each
+    object converted once) and everything else given to `atom`; `node` may first turn an
+    object into a container (a dataclass into a dict of its fields)."""
+    memo: dict[int, Any] = {}
+    keep: list[Any] = []  # (the objects `node` made live as long as their ids are memo keys)
+
+    def conv(v: Any, depth: int) -> Any:
+        if depth > 1000:
+            raise RecursionError("value nested too deeply")
+        if id(v) in memo:
+            return memo[id(v)]
+        src = v
+        v = node(v)
+        if v is not src:
+            keep.append(v)
+        out: Any
+        if isinstance(v, dict):
+            out = memo[id(src)] = {}
+            for k, x in v.items():
+                out[conv(k, depth + 1)] = conv(x, depth + 1)
+            return out
+        if type(v) is list:
+            out = memo[id(src)] = []
+            out.extend(conv(x, depth + 1) for x in v)
+            return out
+        if isinstance(v, (list, tuple)):
+            out = tuple(conv(x, depth + 1) for x in v) if type(v) is not list else [conv(x, depth + 1) for x in v]
+        elif isinstance(v, (set, frozenset)):
+            out = type(v)(conv(x, depth + 1) for x in v)
+        else:
+            out = atom(v)
+        memo[id(src)] = out
+        return out
+
+    return conv(value, 0)
+
+
+def _torch_plain(value: Any) -> Any:
     """A value torch.load gave, in the terms ckpt's load() gives it: tensors as numpy arrays
-    (conj / neg views resolved), dtypes and layouts as 'torch.<name>', Size as a tuple, devices
-    and paths as str, a memory format by its name, dataclasses (DCP's metadata) as a dict of
-    their fields, namespaces as a dict."""
+    (conj / neg views resolved; a large view sampled), dtypes and layouts as 'torch.<name>',
+    Size as a tuple, devices and paths as str, a memory format by its name, dataclasses (DCP's
+    metadata) as a dict of their fields, namespaces as a dict; shared objects stay shared."""
     import argparse
     import pathlib
     import types
@@ -578,57 +692,69 @@ def _torch_plain(value: Any, depth: int = 0) -> Any:
 
     from library_reference import _tensor_to_numpy
 
-    if depth > 200:
-        raise RecursionError("value nested too deeply")
-    if isinstance(value, torch.Tensor):
-        return _tensor_to_numpy(value.resolve_conj().resolve_neg())
-    if isinstance(value, (torch.dtype, torch.device, torch.layout)):
-        return str(value)
-    if isinstance(value, torch.memory_format):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, pathlib.PurePath):
-        return str(value)
-    if isinstance(value, enum.Enum) and type(value).__name__ == "_MEM_FORMAT_ENCODING":
-        return value.name.removeprefix("TORCH_").lower()  # ckpt names the memory format
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _torch_plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
-    if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
-        return {k: _torch_plain(v, depth + 1) for k, v in vars(value).items()}
-    if isinstance(value, dict):
-        return {_torch_plain(k, depth + 1): _torch_plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_torch_plain(v, depth + 1) for v in value) if type(value) in (list, tuple) \
-            else tuple(_torch_plain(v, depth + 1) for v in value)
-    if isinstance(value, (set, frozenset)):
-        return type(value)(_torch_plain(v, depth + 1) for v in value)
-    return value
+    def tensor(t: Any) -> Any:
+        t = t.resolve_conj().resolve_neg()
+        if t.numel() * t.element_size() <= SAMPLE_ABOVE_BYTES:
+            return _tensor_to_numpy(t)
+        samples = [_tensor_to_numpy(t[r].contiguous()) for r in sample_regions(tuple(t.shape))]
+        return Sampled(tuple(t.shape), str(samples[0].dtype), samples)
+
+    def node(v: Any) -> Any:
+        if isinstance(v, _Same):
+            return {"same object as": ".".join(map(str, v.first))}
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+        if isinstance(v, (argparse.Namespace, types.SimpleNamespace)):
+            return dict(vars(v))
+        if isinstance(v, (list, tuple)) and type(v) not in (list, tuple) and not isinstance(v, torch.Size):
+            return tuple(v)
+        return v
+
+    def atom(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return tensor(v)
+        if isinstance(v, torch.Size):
+            return tuple(v)
+        if isinstance(v, (torch.dtype, torch.device, torch.layout)):
+            return str(v)
+        if isinstance(v, torch.memory_format):
+            return str(v).removeprefix("torch.")
+        if isinstance(v, pathlib.PurePath):
+            return str(v)
+        if isinstance(v, enum.Enum) and type(v).__name__ == "_MEM_FORMAT_ENCODING":
+            return v.name.removeprefix("TORCH_").lower()  # ckpt names the memory format
+        return v
+
+    return _graph_plain(value, atom, node)
 
 
-def _ckpt_plain(value: Any, depth: int = 0) -> Any:
+def _ckpt_plain(value: Any) -> Any:
     """A value ckpt's load() gave, in the same terms: a torch dtype by torch's name for it
     (`torch.float` is torch.float32), a stand-in record (DCP's metadata classes) as a dict of
-    its fields."""
+    its fields, a later path to a shared container as the path it names."""
     import torch
 
     from ckpt_tool.torchsave.safe_pickle import Record, TorchDType
+    from ckpt_tool.values import SameObject
 
-    if depth > 200:
-        raise RecursionError("value nested too deeply")
-    if isinstance(value, TorchDType):
-        real = getattr(torch, value.name, None)
-        return str(real) if isinstance(real, torch.dtype) else repr(value)
-    if isinstance(value, Record):
-        fields = {f: _ckpt_plain(getattr(value, f), depth + 1) for f in value.FIELDS}
-        fields.update({k: _ckpt_plain(v, depth + 1) for k, v in value.__dict__.get("unknown", {}).items()})
-        return fields
-    if isinstance(value, dict):
-        return {_ckpt_plain(k, depth + 1): _ckpt_plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_ckpt_plain(v, depth + 1) for v in value) if type(value) in (list, tuple) \
-            else tuple(_ckpt_plain(v, depth + 1) for v in value)
-    if isinstance(value, (set, frozenset)):
-        return type(value)(_ckpt_plain(v, depth + 1) for v in value)
-    return value
+    def node(v: Any) -> Any:
+        if isinstance(v, SameObject):
+            return {"same object as": v.name}
+        if isinstance(v, Record):
+            fields = {f: getattr(v, f) for f in v.FIELDS}
+            fields.update(v.__dict__.get("unknown", {}))
+            return fields
+        if isinstance(v, (list, tuple)) and type(v) not in (list, tuple):
+            return tuple(v)
+        return v
+
+    def atom(v: Any) -> Any:
+        if isinstance(v, TorchDType):
+            real = getattr(torch, v.name, None)
+            return str(real) if isinstance(real, torch.dtype) else repr(v)
+        return v
+
+    return _graph_plain(value, atom, node)
 
 
 def _by_name(pairs: list[tuple[str, Any]]) -> dict:
@@ -670,8 +796,17 @@ def torch_ckpt_values(path: str) -> dict:
 
     pairs = []
     for leaf in ckpt_tool.open(path).leaves:
-        pairs.append((leaf.name, leaf.read() if leaf.kind == "array" else _ckpt_plain(leaf.load())))
+        pairs.append((leaf.name, _ckpt_array(leaf) if leaf.kind == "array" else _ckpt_plain(leaf.load())))
     return _by_name(pairs)
+
+
+def _ckpt_array(leaf: Any) -> Any:
+    """A leaf's values; past SAMPLE_ABOVE_BYTES, its sampled regions (as _torch_plain samples)."""
+    shape = tuple(leaf.shape)
+    if leaf.nbytes <= SAMPLE_ABOVE_BYTES:
+        return leaf.read()
+    samples = [leaf.read(r) for r in sample_regions(shape)]
+    return Sampled(shape, str(samples[0].dtype), samples)
 
 
 LIBRARIES = {"dcp": dcp_library_values, "orbax": orbax_library_values, "safetensors": safetensors_library_values,

@@ -111,8 +111,7 @@ STRUCTURED_FILES = [("torch_state", "state.pt"), ("deepspeed_z2_bf16", "global_s
                     ("megatron_legacy", "iter_0000005/mp_rank_00/model_optim_rng.pt")]
 STRUCTURED = [(f, t, fam, var) for f, t in STRUCTURED_FILES
               for fam, variants in (("graph", F.GRAPH_VARIANTS), ("view", F.VIEW_VARIANTS)) for var in variants]
-KNOWN_STRUCTURED: dict[tuple, str] = {c: "issue 29: graph walks, unpickler memory and views not yet fixed"
-                                      for c in STRUCTURED}
+KNOWN_STRUCTURED: dict[tuple, str] = {}
 
 
 @pytest.mark.parametrize("case", _params(STRUCTURED, KNOWN_STRUCTURED, [f"{f}-{v}" for f, _t, _fam, v in STRUCTURED]))
