@@ -5,8 +5,10 @@ its writer's rule, from one LIST of the root (plus the framework's pointer
 file); `check=True` runs validate's shallow checks (`deep`: --deep) on each
 step. latest() picks what a launcher resumes from (`ckpt latest`): the
 newest step complete by its writer's rule that passes validate; a step the
-pointer names but that fails is reported, never returned. step_path()
-resolves `--step` on any run root (diff across steps).
+pointer names but that fails is reported, never returned. resolve_step()
+picks the step inspect, validate, diff and convert open on any run root
+(--step, else the one the framework resumes from) and records it for the
+CLI to say; every_step() lists the steps validate --step all checks one by one.
 
 Which framework a root belongs to, and each framework's rules, are the run
 layouts' table (formats/roots.py); nothing here names a framework or format.
@@ -29,7 +31,8 @@ from .formats.roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
 from .storage import Storage, check_url
 from .text import is_ascii_number
 
-__all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "resolve_step", "step_path", "recording", "opened_steps"]
+__all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "resolve_step", "step_path",
+           "recording", "opened_steps", "every_step", "step_checkpoint"]
 
 # stat requests in flight on object stores (each is a request there; local stats are cheap)
 _STAT_WORKERS = 32
@@ -221,10 +224,31 @@ def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any
         return validate_checkpoint(root_url, **by_root)
 
 
+def every_step(root: str) -> RunListing | None:
+    """The listing of `root` when it is a run root (validate --step all: where each step is a
+    checkpoint of its own, torchtitan, HF Trainer, NeMo 2, verl, validate checks them one by one;
+    elsewhere the format's reader checks every step, and the listing says which steps are torn);
+    None for any other path."""
+    try:
+        check_url(root)
+        if not _may_be_run_root(Storage.open(root)):
+            return None
+        opened = _open_root(root)
+    except CkptError:
+        return None
+    return list_run(root, sizes=False, _opened=opened)
+
+
+def step_checkpoint(run: RunListing, row: StepRow) -> str:
+    """The path of the checkpoint of step `row` (inside its directory where the layout says so)."""
+    return f"{row.url}/{run.layout.payload}" if run.layout.payload else row.url
+
+
 def _checked(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> dict[str, Any]:
     """validate's verdict on one step; a step no reader opens fails with that one line."""
     try:
-        return _verdict(_validate(root_url, layout, row, deep))
+        with _unrecorded():  # not the step a command opened
+            return _verdict(_validate(root_url, layout, row, deep))
     except UsageError:
         raise
     except CkptError as exc:
@@ -286,9 +310,15 @@ class OpenedStep:
     # in-progress, as `ckpt ls` says it), reason
     steps: list[dict[str, Any]] = field(default_factory=list)
     requested: str | None = None  # --step's value, when given
+    dirs: frozenset[str] = field(default=frozenset(), repr=False)  # the steps that are directories
 
     def line(self) -> str:
-        """`opened step-30 (the newest of 3 complete steps; step-40 is incomplete: no .metadata ...)`."""
+        """`opened step-30 of ROOT (the newest of 3 complete steps; step-40 is incomplete: no .metadata ...)`."""
+        return f"opened {self.name} of {self.root} ({self.why()})"
+
+    def why(self) -> str:
+        """Why this step, and the state of the newer ones passed over: `the newest of 3 complete
+        steps; step-40 is incomplete: no .metadata ...` (inspect's header says it after the name)."""
         this = next((s for s in self.steps if s["name"] == self.name), None)
         newer = [s for s in self.steps if s["name"] != self.name and s["status"] != COMMITTED and this is not None
                  and (s["step"] is None or this["step"] is None or s["step"] >= this["step"])]
@@ -307,7 +337,12 @@ class OpenedStep:
             shown = newer[-1]
             more = f" (and {len(newer) - 1} more not complete)" if len(newer) > 1 else ""
             parts.append(f"{shown['name']} is {shown['status']}: {shown['reason']}{more}")
-        return f"opened {self.name} of {self.root} ({'; '.join(parts)})"
+        return "; ".join(parts)
+
+    def others(self) -> list[dict[str, Any]]:
+        """The root's other steps that are not complete (name, step, status, reason), oldest first:
+        what validate of the root warns about besides the step it checks."""
+        return [s for s in self.steps if s["name"] != self.name and s["status"] != COMMITTED]
 
     def to_json(self) -> dict[str, Any]:
         return {"root": self.root, "name": self.name, "step": self.step, "status": self.status,
@@ -341,6 +376,17 @@ def opened_steps() -> list[OpenedStep]:
     """The steps opened so far within recording() (none outside it)."""
     current = _OPENED.get()
     return list(current[0]) if current is not None else []
+
+
+@contextlib.contextmanager
+def _unrecorded() -> Iterator[None]:
+    """Within it, steps opened are not recorded: `ckpt ls --check` and `ckpt latest` validate each
+    step through the root, and those are not the step a command opened."""
+    token = _OPENED.set(None)
+    try:
+        yield
+    finally:
+        _OPENED.reset(token)
 
 
 def _record(found: OpenedStep) -> None:
@@ -393,16 +439,23 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
     if step == "all":
         if layout.own_root:
             return root, step, None  # validate's every step: the format's reader checks them all
-        raise UsageError(f"--step all: validate checks one step of a {layout.title} root at a time; "
-                         "`ckpt ls ROOT --check` validates every step")
+        # (validate --step all on these roots checks each step's directory: validate.every_step)
+        raise UsageError("--step all: every step is validate's; give a step number, a step's name or 'latest'")
     run = list_run(root, sizes=False, _opened=opened)
     rows = run.steps
     states = [{"name": r.name, "step": r.step, "status": r.status, "reason": r.reason} for r in rows]
     complete = [r.name for r in rows if r.status == COMMITTED]
     text = None if step is None else str(step)
     chosen_by = "requested"
+    if text is not None and not text.strip():
+        # never a step's name: the command line's mistake (exit 2), not a step the root lacks
+        raise UsageError(f"--step {text!r}: empty; give a step number, a step's name or 'latest'")
     if text is None or text == "latest":
         if run.pointer_problem is not None and run.pointer_file is not None:
+            if layout.own_root:
+                # the format's reader reads the pointer file itself and says what is wrong with
+                # it in its own words (validate: a finding naming the file)
+                return root, step, None
             raise CorruptMetadataError(
                 f"{run.pointer_problem}; {layout.title} resumes from the step it names: "
                 "open a step with --step N (`ckpt ls` lists them)", f"{run.root}/{run.pointer_file}")
@@ -411,6 +464,10 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
             row, chosen_by = pointed, "pointer"
         else:
             done = [r for r in rows if r.status == COMMITTED]
+            if not done and layout.own_root:
+                # nothing complete: the format's reader says why in its own words (a DeepSpeed
+                # step refused by name, a Megatron rank directory missing), as without a run root
+                return root, step, None
             if not done:
                 newest = rows[-1] if rows else None
                 why = f" ({newest.name} is {newest.status}: {newest.reason})" if newest is not None else ""
@@ -426,7 +483,8 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
         matches.sort(key=lambda r: (r.status != COMMITTED, r.name))
         row = matches[0]
     found = OpenedStep(run.root, row.name, row.step, row.status, row.reason, chosen_by, layout.title,
-                       run.pointer_file, complete, states, requested=text)
+                       run.pointer_file, complete, states, requested=text,
+                       dirs=frozenset(r.name for r in rows if r.is_dir))
     _record(found)
     if layout.own_root:
         # the format's reader opens the root at that step (its own step rules and notes apply)

@@ -9,6 +9,7 @@ from .. import formats
 from ..casting import kept_phrase
 from ..engine import ConvertOptions, convert
 from .helptext import formats_read, formats_written
+from .opened import take as take_opened
 from .progress import progress_for
 from .options import memory_option, multihost_options, output_options, weights_option
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
@@ -63,9 +64,13 @@ def convert_command(
     out = Output(json_mode=as_json)
     with coord or nullcontext(), progress_for(out, "converting") as progress:
         result = convert(src, dst, opts, progress=progress, coordinator=coord)
+    opened = take_opened()  # the run root's step converted (--step, else the one its framework resumes from)
     if as_json:
-        out.json({"ok": True, **result.to_json()})  # the README's --json contract: "ok" as the exit status says
+        # the README's --json contract: "ok" as the exit status says
+        out.json({"ok": True, **result.to_json(), "opened": opened[0].to_json() if opened else None})
         return
+    for o in opened:
+        out.line(esc(o.line()))
     for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
         out.line(f"[yellow]{esc(line)}[/yellow]")
     for path, reason in result.skipped:

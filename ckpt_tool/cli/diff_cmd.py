@@ -15,9 +15,10 @@ from .. import formats
 from .. import open as open_checkpoint
 from ..diff import diff_checkpoints
 from ..model import Checkpoint
-from ..runs import step_path
+from ..runs import OpenedStep, resolve_step
 from ..structure import is_inspect_json_file, load_structure
 from .helptext import formats_read
+from .opened import take as take_opened
 from .options import memory_option, weights_option
 from .progress import progress_for
 from .render import Output, esc, plural
@@ -65,8 +66,10 @@ def diff_command(
 
     # (both sides: each must take it; their pickles are read here, within --memory as diff's values are)
     with formats.read_options(weights=weights), memory_budget(memory):
-        ck_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None, values=values)
-        ck_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None, values=values)
+        ck_a, opened_a = _open_side("A", a, json_a, step_a if step is None else step, explicit=step_a is not None,
+                                    values=values)
+        ck_b, opened_b = _open_side("B", b, json_b, step_b if step is None else step, explicit=step_b is not None,
+                                    values=values)
     out = Output(json_mode=as_json)
     # the bytes compared so far, on a terminal (never on a pipe or with --json)
     with progress_for(out, "comparing", show=values) as progress:
@@ -76,8 +79,14 @@ def diff_command(
             steps=(step_a if step is None else step, step_b if step is None else step), progress=progress,
         )
     if as_json:
-        out.json({"ok": report.same, **report.to_json()})  # "ok" as the exit status says: 0 when the same
+        take_opened()  # said here, per side (not again on stderr)
+        # "ok" as the exit status says: 0 when the same; "opened": each run root's step compared
+        out.json({"ok": report.same, **report.to_json(),
+                  "opened": {"a": opened_a.to_json() if opened_a else None,
+                             "b": opened_b.to_json() if opened_b else None}})
     else:
+        # (the step of a run root compared: one stderr line once the diff is done, cli/opened.py;
+        # stdout stays the differences and the verdict)
         if report.dotted:
             first = report.dotted[0]
             out.line(f"[cyan]{'dotted':8}[/cyan] matched {plural(len(report.dotted), 'leaf', 'leaves')} by dotted name "
@@ -106,14 +115,14 @@ def diff_command(
     sys.exit(0 if report.same else 1)
 
 
-def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explicit: bool, values: bool) -> Checkpoint:
-    """The checkpoint at `path`, or the structure the inspect JSON file there records."""
+def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explicit: bool,
+               values: bool) -> tuple[Checkpoint, OpenedStep | None]:
+    """The checkpoint at `path`, or the structure the inspect JSON file there records; and the step
+    of a run root opened (--step, else the one its framework resumes from; None: no run root)."""
     if not is_json:
-        if step is not None:
-            # a run root whose format reader has no step rules of its own (torchtitan, HF
-            # Trainer, NeMo 2, verl): the run layouts' table picks the step's directory
-            path, step = step_path(path, step)
-        return open_checkpoint(path, step=step)
+        # a run root of any framework: the run layouts' table picks the step
+        path, step, opened = resolve_step(path, step)
+        return open_checkpoint(path, step=step), opened
     # usage errors first: they are about the command line, whatever the file holds
     if values:
         raise click.UsageError(
@@ -125,4 +134,4 @@ def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explici
             f"--step-{side.lower()}: {side} ({path}) is an inspect JSON document, not a CheckpointManager root; "
             "it records one step already"
         )
-    return load_structure(path)
+    return load_structure(path), None

@@ -10,7 +10,7 @@ from .. import formats
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
-from ..runs import opened_steps
+from . import opened as opened_step
 from ..text import printable
 from .helptext import formats_read
 from .options import weights_option
@@ -39,7 +39,7 @@ def inspect_command(
     out = Output(json_mode=as_json)
     if as_json:
         # the README's --json contract: "ok" as the exit status says; "opened": the run root's step opened
-        out.json({"ok": True, **result.to_json(), "opened": _opened_json()})
+        out.json({"ok": True, **result.to_json(), "opened": opened_step.first_json()})
         return
     out.header(_title(result), _header_rows(result))
     if flat:
@@ -47,11 +47,6 @@ def inspect_command(
     else:
         out.line("")
         out.tree(_tree(result, depth))
-
-
-def _opened_json() -> dict[str, Any] | None:
-    opened = opened_steps()
-    return opened[0].to_json() if opened else None
 
 
 def _title(result: InspectResult) -> str:
@@ -69,14 +64,15 @@ def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
     ck = result.checkpoint
     s = result.summary
     rows = [("format", esc(_layout_text(ck)))]
-    opened = opened_steps()
+    opened = opened_step.take()
     if opened:  # a run root: its steps in the states `ckpt ls` names (runs.OpenedStep.steps)
         steps = ", ".join(
             (esc(st["name"]) if st["status"] == "committed" else f"[yellow]{esc(st['name'])} ({st['status']})[/yellow]")
             for st in opened[0].steps
         )
         rows.append(("steps", steps))
-        rows.append(("showing", esc(opened[0].name)))
+        # which step, and why that one (the newest complete, the pointer's, --step)
+        rows.append(("opened", f"{esc(opened[0].name)} ({esc(opened[0].why())})"))
     elif ck.steps:
         steps = ", ".join(
             (f"{st.step}" if st.committed else f"[yellow]{esc(st.name)} (incomplete)[/yellow]") for st in ck.steps

@@ -210,16 +210,17 @@ def _run(argv: list[str] | None) -> int:
 
 
 def _saying_opened_steps(args: list[str]) -> Any:
-    """The step of a run root a command opens (by default, or --step): one line on stderr as it is
-    opened, before anything the command finds there. Not for help texts: runs.py imports the storage
-    layer (numpy, tensorstore), which `ckpt --help` never loads."""
+    """The step of a run root a command opens (by default, or --step), said once: in the command's
+    own output (inspect, validate, diff, convert), else one stderr line when it has finished; never
+    beside an error line (cli/opened.py). Not for help texts: runs.py imports the storage layer
+    (numpy, tensorstore), which `ckpt --help` never loads."""
     import contextlib
 
     if not args or args[0] not in COMMANDS or "--help" in args or "-h" in args:
         return contextlib.nullcontext()
-    from ..runs import recording
+    from .opened import said_after
 
-    return recording(on_open=lambda o: click.echo(printable(f"ckpt: {o.line()}"), err=True))
+    return said_after()
 
 
 def _command_context(args: list[str]) -> click.Context:

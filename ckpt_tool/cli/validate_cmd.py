@@ -11,6 +11,7 @@ from ..parallel import default_workers
 
 from ..findings import ERROR
 from ..validate import ValidationReport, validate_checkpoint
+from . import opened as opened_step
 from .helptext import formats_read
 from .options import memory_option, weights_option
 from .progress import progress_for
@@ -26,7 +27,7 @@ from .render import Output, esc, human_bytes, plural
     "Exit 0 when there is no error (warnings allowed unless --strict), 1 otherwise."))
 @click.argument("path")
 @click.option("--deep", is_flag=True, help="Also read and decode every chunk; report NaN/Inf per float leaf.")
-@click.option("--step", help="Run root (any framework `ckpt ls` lists): a step number, a step's name, 'latest', or (Orbax, Flax/T5X, Megatron, DeepSpeed roots) 'all' (their default: every step).")
+@click.option("--step", help="Run root (any framework `ckpt ls` lists): a step number, a step's name, 'latest' (the default: the step the framework resumes from; the other steps' states are warnings), or 'all' (every step).")
 @click.option("--strict", is_flag=True, help="Count warnings as errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(
@@ -45,13 +46,15 @@ def validate_command(path: str, deep: bool, step: str | None, strict: bool, as_j
         report = validate_checkpoint(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
                                      manifest=manifest_file)
     if as_json:
-        from ..runs import opened_steps
-
-        opened = opened_steps()  # the run root's step validated, as inspect --json says it
-        out.json({**report.to_json(strict), "opened": opened[0].to_json() if opened else None})
+        # the run root's step validated, as inspect --json says it
+        out.json({**report.to_json(strict), "opened": opened_step.first_json()})
     elif fmt == "github":
+        for o in opened_step.take():  # which step of the run root was checked: a notice, not a finding
+            out.text_line(f"::notice title=ckpt validate::{o.line()}".replace("%", "%25"))
         _github(out, report)
     else:
+        for o in opened_step.take():  # the first line: which step of the run root was checked, and why
+            out.line(esc(o.line()))
         _human(out, report, strict)
     sys.exit(0 if report.ok(strict) else 1)
 

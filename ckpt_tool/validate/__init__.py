@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import dataclasses
+
 from ..errors import CkptError, PathEscapeError, UnsafePickleError, UsageError
-from ..findings import ERROR, CODES, Finding, Findings, Progress, no_progress
+from ..findings import ERROR, WARNING, CODES, Finding, Findings, Progress, no_progress
+from ..formats.roots import COMMITTED, IN_PROGRESS
 from ..storage import Storage, raise_if_unavailable
 
 __all__ = ["validate_checkpoint", "ValidationReport", "CODES"]
@@ -70,17 +73,130 @@ def _validate_checkpoint(
     memory: int | None,
     manifest: str | None,
 ) -> ValidationReport:
-    from .. import formats
-    from ..formats import TMP_MARKER, detect
     from ..storage import check_url
-    from . import integrity
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
-    from ..runs import resolve_step
+    from ..runs import every_step, resolve_step
 
+    if step == "all":
+        run = every_step(path)
+        if run is not None and not run.layout.own_root:
+            # a root whose steps are each a checkpoint (torchtitan, HF Trainer, NeMo 2, verl): each
+            # step's directory in turn
+            return _validate_every_step(run, deep=deep, workers=workers, progress=progress, memory=memory)
+        if run is not None:
+            # the format's reader checks every step it reads; a torn step it passes over (a tag
+            # directory without states files, a checkpoint_N/ without its tree) is named still
+            report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress,
+                                   memory=memory, manifest=manifest)
+            _name_torn_steps(report, run)
+            return report
     # a run root of any framework: the step asked for, else the one the framework resumes from
     # (the run layouts' table; the step opened is recorded for the CLI to say)
-    path, step, _ = resolve_step(path, step)
+    path, step, opened = resolve_step(path, step)
+    report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
+                           manifest=manifest)
+    if opened is not None and opened.chosen_by != "requested":
+        _warn_other_steps(report, opened)
+    return report
+
+
+def _warn_other_steps(report: ValidationReport, opened: Any) -> None:
+    """validate of a run root checks the step a resume opens; a torn step beside it (newer, or
+    older) is a warning, so that CI sees it without failing on it: `--step all` checks them all.
+    A step the format's own checks already named keeps their finding alone."""
+    # the findings' files are relative to the path checked: the root itself where the format's
+    # reader opens the root at a step, else the step's own directory (the others named whole)
+    base = "" if report.path.rstrip("/") == opened.root.rstrip("/") else opened.root.rstrip("/") + "/"
+    for other in opened.others():
+        name = other["name"]
+        if not base and _named(report, name):
+            continue
+        report.findings.append(Finding(
+            WARNING, "uncommitted-save",
+            f"{name} is {other['status']}: {other['reason']} (not checked: validate checks {opened.name}, "
+            "the step a resume opens; --step all checks every step)", None,
+            base + name + ("/" if name in opened.dirs else "")))
+
+
+def _named(report: ValidationReport, name: str) -> bool:
+    """Whether a finding of the report is about step `name` (its entry, or a file in it)."""
+    return any(f.file is not None and (f.file.rstrip("/") == name or f.file.startswith(name + "/"))
+               for f in report.findings)
+
+
+def _name_torn_steps(report: ValidationReport, run: Any) -> None:
+    """validate --step all through a format's reader: each step the run layouts' table finds torn
+    and the reader's findings do not name: an error where it is named as finished but is not
+    (incomplete), a warning where its writer is still at it (in-progress)."""
+    for row in run.steps:
+        if row.status == COMMITTED or _named(report, row.name):
+            continue
+        severity = WARNING if row.status == IN_PROGRESS else ERROR
+        report.findings.append(Finding(severity, "uncommitted-save", f"{row.name} is {row.status}: {row.reason}",
+                                       None, row.name + ("/" if row.is_dir else "")))
+
+
+def _validate_every_step(run: Any, *, deep: bool, workers: int, progress: Progress,
+                         memory: int | None) -> ValidationReport:
+    """validate --step all on a root whose steps are each a checkpoint: every step's findings,
+    named by the step's directory; a save still in progress is a warning (its writer has not
+    finished it), and one step no reader opens is that step's one error."""
+    from ..runs import step_checkpoint
+
+    findings = Findings()
+    formats_seen: list[str] = []
+    for row in run.steps:
+        findings.count("steps")
+        if row.status == IN_PROGRESS:
+            findings.warning("uncommitted-save", f"{row.status}: {row.reason} (not checked)", file=row.name + "/")
+            continue
+        url = step_checkpoint(run, row)
+        prefix = url[len(run.root.rstrip("/")) + 1:] + "/"
+        try:
+            report = _validate_one(url, step=None, deep=deep, workers=workers, progress=progress, memory=memory,
+                                   manifest=None)
+        except UsageError:
+            raise
+        except CkptError as exc:
+            code = "uncommitted-save" if row.status != COMMITTED else "bad-metadata"
+            findings.error(code, (f"{row.status}: {row.reason}; " if row.reason else "") + exc.message,
+                           file=row.name + "/")
+            continue
+        if report.format and report.format not in formats_seen:
+            formats_seen.append(report.format)
+        for f in report.findings:
+            f = dataclasses.replace(f, file=prefix + f.file if f.file not in (None, ".", "") else prefix)
+            (findings.error if f.severity == ERROR else findings.warning)(f.code, f.message, leaf=f.leaf, file=f.file)
+        for what, n in report.checked.items():
+            if what != "steps":
+                findings.count(what, n)
+        if row.status != COMMITTED and report.ok():
+            # complete as a checkpoint of its format, not by its framework's rule (an HF Trainer
+            # step without trainer_state.json, a verl step missing a rank's optimizer file):
+            # the framework does not resume from it
+            findings.error("uncommitted-save", f"{row.name} is {row.status}: {row.reason}", file=row.name + "/")
+    if not run.steps:
+        findings.error("no-steps", "no step in this run root", file=".")
+    return ValidationReport(run.root, ", ".join(formats_seen) or run.layout.fallback_format, findings.items,
+                            findings.checked, deep)
+
+
+def _validate_one(
+    path: str,
+    *,
+    step: str | int | None,
+    deep: bool,
+    workers: int,
+    progress: Progress,
+    memory: int | None,
+    manifest: str | None,
+) -> ValidationReport:
+    """The format's checks of the checkpoint at `path` (a run root's step already chosen)."""
+    from .. import formats
+    from ..formats import TMP_MARKER, detect
+    from . import integrity
+
     integrity_args = dict(manifest=manifest, deep=deep, workers=workers, memory=memory, progress=progress)
     if manifest is not None:
         integrity.require(path, manifest)  # one line when the file given is not there

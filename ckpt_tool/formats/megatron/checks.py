@@ -88,6 +88,13 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         if not s.committed:
             findings.warning("uncommitted-save", s.reason or "not complete", file=s.name)
     findings.count("steps", len(steps))
+    if step == "all":  # validate --step all: every complete step (a torn one is the warning above)
+        done = [s for s in steps if s.committed]
+        for s in done:
+            _check_save(storage.child(s.name), _Under(findings, s.name))  # type: ignore[arg-type]
+        if not done:
+            findings.error("no-steps", "no complete step directory", file=".")
+        return
     try:
         chosen = mg._chosen(storage, step, tracker if tracker in names else None, steps)
     except CkptError as exc:
