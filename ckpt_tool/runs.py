@@ -339,6 +339,17 @@ class OpenedStep:
             parts.append(f"{shown['name']} is {shown['status']}: {shown['reason']}{more}")
         return "; ".join(parts)
 
+    def fallback(self) -> str | None:
+        """What to say when the step opened by default does not open: `the newest complete step;
+        --step 20 reads the one before` (None: asked for by --step, or no complete step before it)."""
+        if self.chosen_by == "requested" or self.step is None:
+            return None
+        before = [s for s in self.steps if s["status"] == COMMITTED and s["step"] is not None and s["step"] < self.step]
+        if not before:
+            return None
+        which = "the newest complete step" if self.chosen_by == "newest-complete" else f"the step {self.pointer_file} names"
+        return f"{which}; --step {before[-1]['step']} reads the one before"
+
     def others(self) -> list[dict[str, Any]]:
         """The root's other steps that are not complete (name, step, status, reason), oldest first:
         what validate of the root warns about besides the step it checks."""
@@ -443,9 +454,11 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
         raise UsageError("--step all: every step is validate's; give a step number, a step's name or 'latest'")
     run = list_run(root, sizes=False, _opened=opened)
     rows = run.steps
+    text = None if step is None else str(step)
+    if layout.confirm is not None and text in (None, "latest"):
+        _confirm_newest(opened[1], layout, rows)
     states = [{"name": r.name, "step": r.step, "status": r.status, "reason": r.reason} for r in rows]
     complete = [r.name for r in rows if r.status == COMMITTED]
-    text = None if step is None else str(step)
     chosen_by = "requested"
     if text is not None and not text.strip():
         # never a step's name: the command line's mistake (exit 2), not a step the root lacks
@@ -491,6 +504,18 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
         return root, (row.step if row.step is not None else row.name), found
     chosen = row.url
     return (f"{chosen}/{layout.payload}" if layout.payload else chosen), None, found
+
+
+def _confirm_newest(listing: RootListing, layout: RunLayout, rows: list[StepRow]) -> None:
+    """Confirm the newest committed step by the writer's whole rule (layout.confirm: a small read),
+    and the next one down while one is not: a step the listing calls committed but its commit
+    record denies is marked incomplete (the reader passes over it, and so does the default)."""
+    assert layout.confirm is not None
+    for row in sorted((r for r in rows if r.status == COMMITTED), key=lambda r: (r.step or 0, r.name), reverse=True):
+        status = layout.confirm(listing, Entry(row.name, row.is_dir))
+        if status.status == COMMITTED:
+            return
+        row.status, row.reason = status.status, status.reason
 
 
 def _steps_text(rows: list[StepRow]) -> str:

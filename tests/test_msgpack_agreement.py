@@ -125,7 +125,10 @@ def test_damaged_older_flax_step_is_a_finding(tmp_path, ckpt):
     assert r.returncode == 0
     doc = json.loads(r.stdout)
     assert doc["step"] == 2 and [s["step"] for s in doc["steps"]] == [1, 2]
+    # validate of the root checks the step a resume opens (checkpoint_2); --step all every step
     r = ckpt("validate", root, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["opened"]["name"] == "checkpoint_2"
+    r = ckpt("validate", root, "--step", "all", "--json")
     assert r.returncode == 1
     assert [(f["code"], f["file"]) for f in _findings(r.stdout)] == [("bad-metadata", "checkpoint_1")]
 

@@ -249,7 +249,12 @@ def test_unreadable_step_metadata_is_reported_not_raised(family, copy_fixture):
     assert doc["step"] == 1
     assert [(s["step"], s["committed"]) for s in doc["steps"]] == [(1, True), (2, False)]
     assert "_CHECKPOINT_METADATA is unreadable" in doc["steps"][1]["reason"]
+    # validate of the root checks step 1 (what a resume opens) and warns about step 2; --step all
+    # checks step 2 too
     report = validate_checkpoint(str(root))
+    assert [(f.severity, f.code, f.file) for f in report.findings] == [("warning", "uncommitted-save", "2/")]
+    assert "_CHECKPOINT_METADATA is unreadable" in report.findings[0].message
+    report = validate_checkpoint(str(root), step="all")
     assert [(f.severity, f.code, f.file) for f in report.findings] == [("error", "bad-metadata", "2/_CHECKPOINT_METADATA")]
 
 
@@ -360,11 +365,13 @@ def test_gcs_copy_without_marker_is_committed_with_a_warning(gcs, family):
     """A 0.9 / 0.11 save copied to gs:// from a disk: committed by its timestamp; orbax needs the marker there."""
     env, upload = gcs
     url = upload(FIXTURES / family / "manager_plain")
-    code, out = _validate_gs(env, url, "--deep")
+    code, out = _validate_gs(env, url, "--deep", "--step", "all")  # every step's marker
     assert code == 0 and out["ok"] is True
     assert [(f["severity"], f["code"], f["file"]) for f in out["findings"]] == [
         ("warning", "no-commit-marker", "1/commit_success.txt"), ("warning", "no-commit-marker", "2/commit_success.txt"),
     ]
+    code, out = _validate_gs(env, url)  # the step a resume opens
+    assert code == 0 and [(f["code"], f["file"]) for f in out["findings"]] == [("no-commit-marker", "2/commit_success.txt")]
     r = run_ckpt("inspect", url, "--json", env=env)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

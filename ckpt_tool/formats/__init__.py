@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
-from ..errors import CkptError, UnknownFormatError, UsageError
+from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
 
 if TYPE_CHECKING:
     from ..model import Checkpoint
@@ -469,9 +469,25 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     (runs.resolve_step): `step` when given, else the step the framework resumes from (its pointer
     file's, or the newest complete one); the step opened is recorded for the CLI to say."""
     from ..runs import resolve_step
-    from ..storage import Storage, check_url
 
-    url, step, _ = resolve_step(url, step)
+    url, step, opened = resolve_step(url, step)
+    try:
+        return _open_resolved(url, step=step, log=log)
+    except (UsageError, StorageUnavailableError, NoSpaceError):
+        raise
+    except CkptError as exc:
+        # the step a run root opens by default does not open: the error says which step that was
+        # and the one before that does (the framework would fail there too; --step picks another)
+        hint = opened.fallback() if opened is not None else None
+        if hint is not None and "--step" not in exc.message:
+            exc.message = f"{exc.message} ({hint})"
+            exc.args = (f"{exc.where}: {exc.message}" if exc.where else exc.message,)
+        raise
+
+
+def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None) -> Checkpoint:
+    """open_checkpoint's reading, once a run root's step is chosen."""
+    from ..storage import Storage, check_url
 
     check_url(url)  # before a file's URL is cut to its directory: the error names the URL whole
     single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory

@@ -138,6 +138,10 @@ class RunLayout:
     own_root: bool = False
     # newer steps than the pointer are saves in progress (the writer moves the pointer last)
     pointer_is_commit: bool = False
+    # the writer's whole commit rule on one step, reading what a listing cannot show (orbax's
+    # _CHECKPOINT_METADATA: a damaged one is no commit); the step opened by default is confirmed
+    # with it, so that it is the one the format's reader (and the library) would pick
+    confirm: Callable[[RootListing, Entry], StepStatus] | None = None
     # names that may be its entries: a cheap first filter, so that a root of one framework does not
     # import every other framework's reader (step_of decides; this only rules names out)
     hint: str = ""
@@ -173,6 +177,17 @@ def _orbax_status(listing: RootListing, entry: Entry) -> StepStatus:
         return StepStatus(IN_PROGRESS, "temporary directory name: orbax renames it at commit")
     _, files = listing.top(entry.name)
     status = reader.listed_commit_status(listing.storage, entry.name, sorted(files))
+    return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
+
+
+def _orbax_confirm(listing: RootListing, entry: Entry) -> StepStatus:
+    from .orbax import reader
+
+    if reader.is_tmp_name(entry.name):
+        return _orbax_status(listing, entry)
+    _, files = listing.top(entry.name)
+    step = listing.storage.child(entry.name)
+    status = reader.commit_status(step, entry.name, sorted(files), reader.read_step_metadata(step, sorted(files)))
     return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
 
 
@@ -427,6 +442,7 @@ LAYOUTS: list[RunLayout] = [
                      "on gs:// the final name without `commit_success.txt` (the reader's commit rules per version)"),
         source="orbax-checkpoint atomicity.py / step.py (the Orbax reader's commit_status)",
         hint=r"\d", step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
+        confirm=_orbax_confirm,
     ),
     RunLayout(
         "flax", "Flax checkpoint_N",
