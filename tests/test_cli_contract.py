@@ -78,11 +78,9 @@ USAGE_ERRORS = [
     (["diff", ORBAX, ORBAX, "--rename", "noequals"], "--rename needs REGEX=REPL, got 'noequals'"),
     (["convert", ORBAX, "{dst}", "--to", "dcp", "--dtype", "float77"], None),
     (["convert", ORBAX, "{dst}", "--to", "dcp", "--dtype", "int8"], "--dtype must be a floating type, got int8"),
-    (["inspect", ROOT_DIR, "--step", "abc"], "--step must be an integer or 'latest', got 'abc'"),
-    (["validate", ROOT_DIR, "--step", "abc"], "--step must be an integer, 'latest' or 'all', got 'abc'"),
-    (["validate", FLAX_ROOT, "--step", "abc"], "--step must be a step number, 'latest' or an entry's name, got 'abc'"),
-    (["diff", ROOT_DIR, ROOT_DIR, "--step", "abc"], "--step must be an integer or 'latest', got 'abc'"),
-    (["convert", ROOT_DIR, "{dst}", "--to", "dcp", "--step", "abc"], "--step must be an integer or 'latest', got 'abc'"),
+    # a --step value that can never name a step (a step the root lacks is not-found, exit 1: below)
+    (["inspect", ROOT_DIR, "--step", ""], "--step '': empty; give a step number, a step's name or 'latest'"),
+    (["validate", FLAX_ROOT, "--step", " "], "--step ' ': empty; give a step number, a step's name or 'latest'"),
     (["inspect", ORBAX, "--step", "3"],
      f"{ORBAX}: --step 3 given, but this is a single step, not a CheckpointManager root"),
     (["convert", LLAMA, "{dst}", "--to", "safetensors", "--max-shard-size", "5XB"],
@@ -110,6 +108,33 @@ def test_exit_2_usage_error_in_one_style(tmp_path, args, message):
     else:
         assert lines == _usage_lines(args[0], message.replace("{tmp}", str(tmp_path))), lines
     assert r.stdout == "" and not dst.exists()
+
+
+# a step the run root does not have: not-found, exit 1, one line naming the root and its steps,
+# the same on every root and command (was a usage error on Orbax and Flax roots)
+STEP_NOT_FOUND = [
+    (["inspect", ROOT_DIR, "--step", "abc"], ROOT_DIR, "steps: 1, 2 committed; 3 in-progress"),
+    (["validate", ROOT_DIR, "--step", "abc"], ROOT_DIR, "steps: 1, 2 committed; 3 in-progress"),
+    (["validate", FLAX_ROOT, "--step", "abc"], FLAX_ROOT, "steps: 1, 2 committed"),
+    (["diff", ROOT_DIR, ROOT_DIR, "--step", "abc"], ROOT_DIR, "steps: 1, 2 committed; 3 in-progress"),
+    (["convert", ROOT_DIR, "{dst}", "--to", "dcp", "--step", "abc"], ROOT_DIR, "steps: 1, 2 committed; 3 in-progress"),
+    (["inspect", ROOT_DIR, "--step", "7", "--json"], ROOT_DIR, "steps: 1, 2 committed; 3 in-progress"),
+]
+
+
+@pytest.mark.parametrize("args, root, steps", STEP_NOT_FOUND, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in STEP_NOT_FOUND])
+def test_exit_1_a_step_the_root_does_not_have(tmp_path, args, root, steps):
+    dst = tmp_path / "out"
+    args = [a.replace("{dst}", str(dst)) for a in args]
+    r = run_ckpt(*args)
+    asked = args[args.index("--step") + 1]
+    line = f"ckpt: error: {root}: --step {asked}: no such step ({steps})"
+    assert (r.returncode, r.stderr) == (1, line + "\n") and not dst.exists()
+    if "--json" in args:
+        assert json.loads(r.stdout) == {"ok": False, "error": {"code": "not-found", "message": line[len("ckpt: error: "):],
+                                                                "path": root}}
+    else:
+        assert r.stdout == ""
 
 
 def test_unknown_dtype_names_the_floating_types():
