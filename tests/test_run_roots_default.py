@@ -203,6 +203,7 @@ def test_validate_step_all_checks_every_step_on_every_root(ckpt, torn_root, name
     complete = sum(s["status"] == "committed" for s in steps)
     assert doc["checked"].get("steps", doc["checked"].get("files")) >= complete, doc["checked"]
     assert any((f["file"] or "").startswith(torn) for f in doc["findings"]), doc["findings"]
+    assert not any(f["code"] == "no-steps" for f in doc["findings"]), doc["findings"]  # 'all' is understood
 
 
 @pytest.mark.parametrize("name,older", [("runs_torchtitan", "step-10/__0_0.distcp"),
