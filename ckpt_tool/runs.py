@@ -490,6 +490,10 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
             row, chosen_by = done[-1], "newest-complete"
     else:
         matches = [r for r in rows if r.name == text or (is_ascii_number(text) and r.step == int(text))]
+        if not matches and any(c.isnumeric() for c in text) and not is_ascii_number(text) \
+                and all(c.isnumeric() or c.isspace() for c in text):
+            # '²', '٣': digits Python would read, no writer names a step so: the value is wrong (exit 2)
+            raise UsageError(f"--step {text!r}: a step number is ASCII digits 0-9 (or give a step's name)")
         if not matches:
             raise NotFoundError(f"--step {text}: no such step ({_steps_text(rows)})", run.root)
         # a step named twice (NeMo's `-last` copy beside the step's own directory): the complete one first

@@ -49,7 +49,8 @@ def test_manager_root_matches_orbax():
 
 
 def test_manager_unknown_step_is_clear():
-    with pytest.raises(ckpt_tool.CkptError, match="no step 99; steps here: 1, 2, 3"):
+    # not-found, in the words every run root uses for a step it does not have
+    with pytest.raises(ckpt_tool.CkptError, match=r"--step 99: no such step \(steps: 1, 2 committed; 3 in-progress\)"):
         ckpt_tool.open(str(fixture_path("orbax_manager")), step=99)
 
 
