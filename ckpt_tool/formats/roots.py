@@ -145,14 +145,21 @@ class RunLayout:
     # names that may be its entries: a cheap first filter, so that a root of one framework does not
     # import every other framework's reader (step_of decides; this only rules names out)
     hint: str = ""
+    # whether the folder may be this framework's run root at all, from its top-level names (a
+    # Hugging Face model folder is one model even with a Trainer's checkpoint-N/ beside it)
+    claims_root: Callable[[RootListing], bool] = lambda listing: True
 
 
 # -- Orbax CheckpointManager ----------------------------------------------------------------------
 
 def _orbax_step(name: str, is_dir: bool) -> int | None:
+    if not is_dir:
+        # before the import: a DCP directory's `__0_0.distcp` files pass the digit hint, and they
+        # must not load the Orbax reader
+        return None
     from .orbax import reader
 
-    return reader._step_number(name) if is_dir else None
+    return reader._step_number(name)
 
 
 def _orbax_owns(listing: RootListing, entry: Entry) -> bool:
@@ -212,9 +219,11 @@ def _flax_status(listing: RootListing, entry: Entry) -> StepStatus:
 
 
 def _t5x_step(name: str, is_dir: bool) -> int | None:
+    if not (is_dir and name.startswith("checkpoint_")):
+        return None  # (before the import: no other name loads the msgpack reader)
     from .msgpack import reader
 
-    return reader._step_of(name) if is_dir and name.startswith("checkpoint_") else None
+    return reader._step_of(name)
 
 
 def _t5x_owns(listing: RootListing, entry: Entry) -> bool:
@@ -277,6 +286,17 @@ def _hf_owns(listing: RootListing, entry: Entry) -> bool:
     # not a Flax/T5X checkpoint_N (those use an underscore) nor anything without a model file
     return entry.name.startswith("tmp-") or HF_STATE in files or "config.json" in files or any(
         f.endswith((".safetensors", ".bin", ".safetensors.index.json")) for f in files)
+
+
+# the weight files transformers' from_pretrained(folder) looks for at the folder's top level
+_HF_TOP_WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".msgpack", ".h5")
+
+
+def _hf_claims_root(listing: RootListing) -> bool:
+    # config.json and weights at the top: from_pretrained(folder) loads that model and never looks
+    # into checkpoint-N/ (Trainer.save_model() writes the final model beside its checkpoints)
+    top = set(listing.files)
+    return not ("config.json" in top and any(f.endswith(_HF_TOP_WEIGHTS) for f in top))
 
 
 def _hf_status(listing: RootListing, entry: Entry) -> StepStatus:
@@ -476,6 +496,7 @@ LAYOUTS: list[RunLayout] = [
                      "scheduler and RNG state); `tmp-checkpoint-N/` (transformers 4.36's staged saves)"),
         source="transformers trainer.py (_save_checkpoint), trainer_utils.py (get_last_checkpoint)",
         hint=r"checkpoint-", step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
+        claims_root=_hf_claims_root,
     ),
     RunLayout(
         "megatron", "Megatron-LM",
@@ -544,6 +565,8 @@ def identify(listing: RootListing) -> tuple[RunLayout, list[tuple[Entry, int | N
     """The layout claiming most of the root's entries (ties: the table's order), or None."""
     best: tuple[float, int, RunLayout, list] | None = None
     for order, layout in enumerate(LAYOUTS):
+        if not layout.claims_root(listing):
+            continue
         found = entries_of(listing, layout)
         score = len(found) + (0.5 if layout.pointer and layout.pointer in listing.files else 0)
         if score and (best is None or score > best[0]):
