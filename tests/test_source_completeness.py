@@ -219,9 +219,26 @@ def _validate_json(*args: str) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout)
 
 
-@pytest.mark.parametrize("step", [None, "all"])
-def test_deep_reads_every_step_of_a_root(root_with_nan_in_an_older_step, step):
-    extra = ["--step", step] if step else []
+def test_deep_on_a_root_reads_the_step_a_resume_opens(root_with_nan_in_an_older_step):
+    """Without --step, validate ROOT checks the step CheckpointManager.latest_step() restores (the
+    newest committed one), and names the other steps: the NaN in older step 1 is not read."""
+    code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep")
+    assert code == 0 and doc["ok"], doc["findings"]
+    assert doc["checked"]["steps"] == 1 and doc["checked"]["steps_deep_read"] == 1
+    assert not [f for f in doc["findings"] if f["code"] == "non-finite"]
+    opened = doc["opened"]
+    assert (opened["name"], opened["chosen_by"]) == ("3", "newest-complete")
+    assert [(s["name"], s["status"]) for s in opened["steps"]] == [
+        ("1", "committed"), ("2", "committed"), ("3", "committed")]
+    r = run_ckpt("validate", str(root_with_nan_in_an_older_step), "--deep")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == (
+        f"opened 3 of {root_with_nan_in_an_older_step} (the newest of 3 complete steps)")
+    assert "1 step deep read" in r.stdout
+
+
+def test_deep_reads_every_step_of_a_root_with_step_all(root_with_nan_in_an_older_step):
+    extra = ["--step", "all"]
     code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", *extra)
     assert doc["checked"]["steps"] == 3 and doc["checked"]["steps_deep_read"] == 3
     nan = [(f["severity"], f["leaf"], f["file"]) for f in doc["findings"] if f["code"] == "non-finite"]
@@ -244,7 +261,7 @@ def test_deep_on_a_root_reports_progress_step_by_step_within_memory(root_with_na
     from ckpt_tool.validate import validate_checkpoint
 
     calls: list[str] = []
-    report = validate_checkpoint(str(root_with_nan_in_an_older_step), deep=True, memory=16 * 2**20,
+    report = validate_checkpoint(str(root_with_nan_in_an_older_step), step="all", deep=True, memory=16 * 2**20,
                                  progress=lambda what, done, total: calls.append(what))
     assert report.checked["steps_deep_read"] == 3
     # one step after another: each step's progress ends before the next begins
@@ -254,7 +271,7 @@ def test_deep_on_a_root_reports_progress_step_by_step_within_memory(root_with_na
 
 @pytest.mark.parametrize("name, steps", [("orbax_manager", 2), ("flax_msgpack", 2), ("orbax_v0_4_manager", 2)])
 def test_deep_on_the_fixture_roots_reads_each_committed_step(name, steps):
-    code, doc = _validate_json(str(fixture_path(name)), "--deep")
+    code, doc = _validate_json(str(fixture_path(name)), "--deep", "--step", "all")
     assert code == 0, doc["findings"]
     assert doc["checked"]["steps_deep_read"] == steps
 
@@ -273,7 +290,7 @@ def test_a_nan_in_an_older_flax_step_is_found(copy_fixture):
     assert raw.count(value) >= 1
     at = raw.index(value)
     (root / "checkpoint_1").write_bytes(raw[:at] + np.float32(np.nan).tobytes() + raw[at + 4:])
-    code, doc = _validate_json(str(root), "--deep")
+    code, doc = _validate_json(str(root), "--deep", "--step", "all")
     assert doc["checked"]["steps_deep_read"] == 2
     assert [f["file"] for f in doc["findings"] if f["code"] == "non-finite"] == ["checkpoint_1"]
 
