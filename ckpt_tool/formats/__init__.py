@@ -378,18 +378,28 @@ def _loose_beside_checkpoints(info: FormatInfo, storage: Storage) -> str | None:
 
 
 def detect(storage: Storage) -> FormatModule:
-    """The package of the first format (in detection order) whose detect() claims `storage`."""
+    """The package of the first format (in detection order) whose detect() claims `storage`: the
+    readers' own answer. Commands open a directory through detect_one, which also refuses loose
+    files beside checkpoints."""
     info = _claiming(storage)
     if info is not None:
-        several = _loose_beside_checkpoints(info, storage)
-        if several is not None:
-            raise UnknownFormatError(several, storage.url)
         _check_options(info)
         return info.module()  # type: ignore[return-value]
     from .unknown import describe
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
     raise UnknownFormatError(describe(storage, _formats(), format_module), storage.url)
+
+
+def detect_one(storage: Storage) -> FormatModule:
+    """detect, for a directory a command reads as one checkpoint: loose files a single-file format
+    claims beside sub-directories that are checkpoints are several checkpoints (UnknownFormatError
+    naming them), not the loose file's alone."""
+    module = detect(storage)
+    several = _loose_beside_checkpoints(get(module.NAME), storage)
+    if several is not None:
+        raise UnknownFormatError(several, storage.url)
+    return module
 
 
 @dataclass(frozen=True)
@@ -417,7 +427,7 @@ def contents(storage: Storage, names: list[str] | None = None) -> Contents:
     """
     from . import roots
 
-    info = get(detect(storage).NAME)
+    info = get(detect_one(storage).NAME)
     dirs, files = storage.listdir()
     steps: tuple[str, ...] = ()
     run = ""
@@ -498,7 +508,7 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None) -> 
 
     refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
     storage = Storage.open(url, log=log)
-    ckpt = detect(storage).read(storage, step=step, **_READ_OPTIONS.get())
+    ckpt = detect_one(storage).read(storage, step=step, **_READ_OPTIONS.get())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False

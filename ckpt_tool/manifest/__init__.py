@@ -179,7 +179,7 @@ def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, w
     started = time.monotonic()
     loc = locate(path, manifest, create=True)
     if loc.single is None:
-        formats.detect(loc.storage)  # a checkpoint ckpt reads, not any directory (one line otherwise)
+        formats.detect_one(loc.storage)  # a checkpoint ckpt reads, not any directory (one line otherwise)
     replaced = _replaceable(loc, overwrite)
     names = checkpoint_files(loc)
     hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
@@ -476,7 +476,7 @@ def _verify(path: str, *, manifest: str | None, workers: int, memory: int,
     read(loc)
     checks, fmt = None, None
     try:
-        info = formats.split_file(path)[0] if loc.single else formats.get(formats.detect(loc.storage).NAME)
+        info = formats.split_file(path)[0] if loc.single else formats.get(formats.detect_one(loc.storage).NAME)
         checks, fmt = info.checks(), info.name
     except CkptError:
         pass  # a manifest names files: they can be checked whatever the directory holds

@@ -194,7 +194,7 @@ def _validate_one(
 ) -> ValidationReport:
     """The format's checks of the checkpoint at `path` (a run root's step already chosen)."""
     from .. import formats
-    from ..formats import TMP_MARKER, detect
+    from ..formats import TMP_MARKER, detect_one
     from . import integrity
 
     integrity_args = dict(manifest=manifest, deep=deep, workers=workers, memory=memory, progress=progress)
@@ -220,7 +220,7 @@ def _validate_one(
     storage = Storage.open(single[0] if single else path)
     try:
         if single is None:
-            info = formats.get(detect(storage).NAME)
+            info = formats.get(detect_one(storage).NAME)
         assert info is not None
         fmt = info.name
         if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:

@@ -24,6 +24,8 @@ from . import reader as u
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
     dirs, files = storage.listdir()
+    if u.is_zero_listing(storage, dirs, files):
+        raise u.zero_folder_error(storage)
     if u.is_step_listing(dirs, files):
         if step not in (None, "latest", "all"):
             raise UsageError(f"--step {step} given, but this is one step directory", storage.url)

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....errors import CkptError, CorruptMetadataError, NotFoundError, UsageError, short_repr
+from ....errors import CkptError, CorruptMetadataError, NotFoundError, UnknownFormatError, UsageError, short_repr
 from ....model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, RegularGrid, StepInfo, ValueLeaf
 from ....storage import Storage
 from ....torchsave.safe_pickle import DSZeroStage, TensorRef
@@ -77,9 +77,30 @@ def is_step_listing(dirs: list[str], files: list[str]) -> bool:
     return ZERO in dirs and any(ds.MODEL_FILE.match(f) for f in files)
 
 
+def is_zero_listing(storage: Storage, dirs: list[str], files: list[str]) -> bool:
+    """ds_to_universal's `zero/` folder opened on its own: optimizer_state.pt (or nothing) beside
+    per-parameter folders holding fp32.pt (one folder listed). Its files are torch.save files, but
+    they are one universal checkpoint's parts, never one checkpoint each: detected here, so that
+    the torch.save reader does not read optimizer_state.pt alone, and refused by name (zero_folder_error)."""
+    if not dirs or any(f != OPTIMIZER_STATE for f in files):
+        return False
+    try:
+        return f"{FP32}.pt" in storage.child(sorted(dirs)[0]).listdir()[1]
+    except CkptError:
+        return False
+
+
+def zero_folder_error(storage: Storage) -> UnknownFormatError:
+    """What a command says of a `zero/` folder opened without its step directory."""
+    parent = storage.url.rstrip("/").rsplit("/", 1)[0]
+    return UnknownFormatError(
+        f"the {ZERO}/ folder of a DeepSpeed universal checkpoint, not a checkpoint on its own "
+        f"(its model-states file is in the step directory above it); open that: ckpt inspect {parent}", storage.url)
+
+
 def detect(storage: Storage) -> bool:
     dirs, files = storage.listdir()
-    if is_step_listing(dirs, files):
+    if is_step_listing(dirs, files) or is_zero_listing(storage, dirs, files):
         return True
     if ds.LATEST in files:
         return False  # a ZeRO root (its universal step beside the ZeRO ones is read by its path)
@@ -340,6 +361,8 @@ def _engine_leaves(step: UStep) -> list[Leaf]:
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     """A universal step directory, or a root's (`--step`, or `latest_universal`'s); no tensor data read."""
     dirs, files = storage.listdir()
+    if is_zero_listing(storage, dirs, files):
+        raise zero_folder_error(storage)
     steps: list[StepInfo] = []
     tag_dir = None
     step_storage = storage
