@@ -113,9 +113,9 @@ class Latest:
         }
 
 
-def _open_root(root: str) -> tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]]:
+def _open_root(root: str, storage: Storage | None = None) -> tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]]:
     check_url(root)
-    storage = Storage.open(root)
+    storage = storage or Storage.open(root)
     listing = RootListing.of(storage)
     found = roots.identify(listing)
     if found is None:
@@ -428,7 +428,8 @@ def _may_be_run_root(storage: Storage) -> bool:
     return False
 
 
-def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | None, OpenedStep | None]:
+def resolve_step(root: str, step: str | int | None,
+                 storage: Storage | None = None) -> tuple[str, str | int | None, OpenedStep | None]:
     """(path to open, step for the format's reader, the step opened) for `root` and --step `step`.
 
     On a run root of any framework (roots.LAYOUTS): without --step (or --step latest) the step the
@@ -441,9 +442,11 @@ def resolve_step(root: str, step: str | int | None) -> tuple[str, str | int | No
     DeepSpeed) get the root and the chosen step; the others the step's own directory."""
     try:
         check_url(root)
-        if not _may_be_run_root(Storage.open(root)):
+        # `storage`: the caller's, for `root`, so that its one listing serves the reader too
+        storage = storage or Storage.open(root)
+        if not _may_be_run_root(storage):
             return root, step, None
-        opened = _open_root(root)
+        opened = _open_root(root, storage)
     except CkptError:
         return root, step, None  # not a run root (one checkpoint, a file): the reader says what --step means there
     layout = opened[2]

@@ -479,10 +479,17 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     (runs.resolve_step): `step` when given, else the step the framework resumes from (its pointer
     file's, or the newest complete one); the step opened is recorded for the CLI to say."""
     from ..runs import resolve_step
+    from ..storage import Storage, check_url
 
-    url, step, opened = resolve_step(url, step)
     try:
-        return _open_resolved(url, step=step, log=log)
+        check_url(url)
+        # one Storage (and so one LIST of the root) for the run-root look and the reader
+        storage: Storage | None = Storage.open(url, log=log)
+    except CkptError:
+        storage = None  # _open_resolved says what is wrong with the URL
+    resolved, step, opened = resolve_step(url, step, storage)
+    try:
+        return _open_resolved(resolved, step=step, log=log, storage=storage if resolved == url else None)
     except (UsageError, StorageUnavailableError, NoSpaceError):
         raise
     except CkptError as exc:
@@ -495,7 +502,8 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
         raise
 
 
-def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None) -> Checkpoint:
+def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
+                   storage: Storage | None = None) -> Checkpoint:
     """open_checkpoint's reading, once a run root's step is chosen."""
     from ..storage import Storage, check_url
 
@@ -507,7 +515,7 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None) -> 
     from .unknown import refuse_file
 
     refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
-    storage = Storage.open(url, log=log)
+    storage = storage or Storage.open(url, log=log)
     ckpt = detect_one(storage).read(storage, step=step, **_READ_OPTIONS.get())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
