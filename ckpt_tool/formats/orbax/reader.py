@@ -21,7 +21,9 @@ import tensorstore as ts
 
 from ... import dtypes
 from . import schema
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
+from ...errors import (
+    CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, StorageUnavailableError, UsageError,
+)
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
 from ...storage import PendingReads, Storage, ts_error_text
 
@@ -221,6 +223,8 @@ def read_step_metadata(storage: Storage, files: list[str]) -> Any:
         # the fields orbax validates (types, timestamp range): a bad one is unreadable metadata
         schema.parse_step_metadata(doc, f"{storage.url}/{CHECKPOINT_METADATA}")
         return doc
+    except StorageUnavailableError:
+        raise  # the store did not answer: nothing is known of the step (never "uncommitted")
     except CkptError as exc:
         return exc
 
@@ -321,6 +325,8 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
                 notes += [f"{item_name}: {n}" for n in item.notes]
                 for k, v in item.layout.items():
                     layout.setdefault(k, v)
+    except StorageUnavailableError:
+        raise  # an unanswered read is no torn save: never a partial tree reported as one
     except CkptError:
         unstamped = isinstance(step_meta, dict) and step_meta.get("commit_timestamp_nsecs") is None
         if committed and not unstamped:
