@@ -21,6 +21,7 @@ import pytest
 
 import ckpt_tool
 from conftest import FIXTURES
+from test_error_messages import _without_read_override as without_read_override
 
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
 
@@ -29,20 +30,6 @@ def ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if k != "CKPT_DEBUG"}
     return subprocess.run([*prefix, sys.executable, "-m", "ckpt_tool", *args], capture_output=True, text=True,
                           env=env, cwd=CODE_ROOT, timeout=300)
-
-
-def without_read_override() -> tuple[str, ...]:
-    """A command prefix under which a mode-000 file cannot be read (root reads it otherwise):
-    root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, where the mode bits decide."""
-    if os.geteuid() != 0:
-        return ()
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("running as root without setpriv: cannot make a file unreadable")
-    prefix = (setpriv, "--bounding-set=-dac_override,-dac_read_search")
-    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
-        pytest.skip("setpriv cannot drop capabilities here (no CAP_SETPCAP)")
-    return prefix
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -238,13 +238,20 @@ def deep_check(
     wants = [Want([(leaf, region)], check(leaf, region)) for leaf in leaves for _, region, _ in chunk_blocks(leaf, block)]
     scheduler = Scheduler(wants, memory=memory, workers=workers)
 
+    def file_fault(exc: CkptError, paths: Iterable[str]) -> bool:
+        """A failure that is its file's fault (missing, unreadable, cut short) joins the one
+        finding for that file, for each leaf path given; False when it is the item's own."""
+        cause = file_cause(exc)
+        if cause is None:
+            return False
+        for path in paths:
+            findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".", leaf=path)
+        return True
+
     def failed(leaf: ArrayLeaf, index: int, exc: CkptError) -> None:
         with lock:
             stats[id(leaf)].failed = True
-        cause = file_cause(exc)
-        if cause is not None:  # the file's fault, not this chunk's: one finding for the file
-            for view, _ in views_of[id(leaf)]:
-                findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".", leaf=view.path)
+        if file_fault(exc, (view.path for view, _ in views_of[id(leaf)])):
             return
         region = stored_chunks(leaf.shape, leaf.layout)[index].region
         where = ", ".join(f"{r.start}:{r.stop}" for r in region)
@@ -270,12 +277,8 @@ def deep_check(
         try:
             leaf.verifier(index)  # type: ignore[misc]
         except CkptError as exc:
-            cause = file_cause(exc)
-            for view, _ in views_of[id(leaf)]:
-                if cause is not None:
-                    findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".",
-                                          leaf=view.path)
-                else:
+            if not file_fault(exc, (view.path for view, _ in views_of[id(leaf)])):
+                for view, _ in views_of[id(leaf)]:
                     findings.error("bad-chunk", f"chunk {index}: {exc.message}", leaf=view.path,
                                    file=_relative(exc.where, ckpt.path) or step_file)
         return 0
@@ -303,11 +306,7 @@ def deep_check(
             try:
                 leaf.load()
             except CkptError as exc:
-                cause = file_cause(exc)
-                if cause is not None:
-                    findings.file_problem(cause[0], cause[1], file=_relative(exc.where, ckpt.path) or ".",
-                                          leaf=leaf.path)
-                else:
+                if not file_fault(exc, (leaf.path,)):
                     findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
                                    file=_relative(exc.where, ckpt.path) or step_file)
         if values:
