@@ -32,7 +32,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
                    "'/'-joined keys, the first match wins. "
                    'JSON: [["kernel$", [null, "model"]], [".*", []]]; '
                    'TOML: rules = [["kernel$", ["", "model"]], [".*", []]] ("" for null). '
-                   "README: ckpt reshard.")
+                   "More: docs/commands/reshard.md.")
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
 @click.option("--select", multiple=True, metavar="GLOB",
               help="Keep only leaves whose '/'-joined keys or dotted names match, as for convert (repeatable).")
