@@ -99,7 +99,7 @@ def test_not_a_run_root_one_line(ckpt):
 
 
 def test_launcher_script(tmp_path):
-    """The README's shell recipe: resume from what `ckpt latest` prints, start fresh when it exits 1."""
+    """docs/commands/latest.md's shell recipe: resume from what `ckpt latest` prints, start fresh when it exits 1."""
     import subprocess
     import sys
 
