@@ -66,7 +66,7 @@ def convert_command(
         result = convert(src, dst, opts, progress=progress, coordinator=coord)
     opened = take_opened()  # the run root's step converted (--step, else the one its framework resumes from)
     if as_json:
-        # the README's --json contract: "ok" as the exit status says
+        # the --json contract (docs/commands/): "ok" as the exit status says
         out.json({"ok": True, **result.to_json(), "opened": opened[0].to_json() if opened else None})
         return
     for o in opened:

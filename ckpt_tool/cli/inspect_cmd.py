@@ -38,7 +38,7 @@ def inspect_command(
         result = inspect_checkpoint(path, step=step, pattern=pattern, values=values)
     out = Output(json_mode=as_json)
     if as_json:
-        # the README's --json contract: "ok" as the exit status says; "opened": the run root's step opened
+        # the --json contract (docs/commands/): "ok" as the exit status says; "opened": the run root's step opened
         out.json({"ok": True, **result.to_json(), "opened": opened_step.first_json()})
         return
     out.header(_title(result), _header_rows(result))

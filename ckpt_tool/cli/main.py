@@ -1,6 +1,6 @@
 """The `ckpt` command group and the one place errors become messages and exit codes.
 
-Exit codes (the README's table): 0 ok; 1 the checkpoint has a problem (or a
+Exit codes (docs/exit-codes.md's table): 0 ok; 1 the checkpoint has a problem (or a
 finding, or a diff that differs); 2 a usage error: an option value, a rules
 file, flags that conflict. A usage error prints as click prints its own
 (usage line, "Try 'ckpt X --help'", "Error: ..."); a CkptError prints one

@@ -79,7 +79,7 @@ def reshard_command(
         with progress_for(out, "resharding") as progress:
             result = reshard(src, dst, opts, progress=progress, coordinator=coord)
     if as_json:
-        out.json({"ok": True, **result.to_json()})  # the README's --json contract: "ok" as the exit status says
+        out.json({"ok": True, **result.to_json()})  # the --json contract (docs/commands/): "ok" as the exit status says
         return
     plan = result.plan
     for line in result.cleanup:  # temporary outputs of killed runs beside DST: removed, or left and why
