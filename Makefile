@@ -61,38 +61,11 @@ JOBS ?= 2
 fuzz: compile
 	$(PY) fuzz/run_fuzz.py --mutants $(MUTANTS) --seed $(SEED) --jobs $(JOBS) --out build/fuzz
 
-# Regenerate the committed fixtures with real orbax-checkpoint and torch.
+# Regenerate the committed fixtures with the real writers: fixtures/generate_all.py runs every
+# generator (fixtures/generate.py, fixtures/gen_*.py) as the `# fixtures-...` lines at its top say
+# (which python, the venv it needs made first, its environment, the generators it must follow)
 fixtures: $(STAMP)
-	$(PY) fixtures/generate.py
-	$(PY) fixtures/gen_fsdp2.py
-	$(PY) fixtures/gen_dcp_variants.py
-	$(PY) fixtures/gen_safetensors.py
-	$(MAKE) $(TRANSFORMERS4_STAMP)
-	$(PY) fixtures/gen_torch_save.py
-	$(PY) fixtures/gen_runs.py
-	$(PYTHON) fixtures/gen_orbax_versions.py
-	$(PYTHON) fixtures/gen_legacy_jax.py
-	$(MAKE) $(DEEPSPEED_STAMP)
-	DS_ACCELERATOR=cpu $(DEEPSPEED_VENV)/bin/python fixtures/gen_deepspeed.py
-	DS_ACCELERATOR=cpu $(DEEPSPEED_VENV)/bin/python fixtures/gen_deepspeed_pipe_moe.py
-
-# transformers 5 writes safetensors only: the .bin fixtures come from 4.57 (same torch) in its own venv
-TRANSFORMERS4_VENV := build/venv-transformers-4.57
-TRANSFORMERS4_STAMP := $(TRANSFORMERS4_VENV)/.installed
-$(TRANSFORMERS4_STAMP):
-	$(PYTHON) -m venv $(TRANSFORMERS4_VENV)
-	$(TRANSFORMERS4_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'transformers==4.57.*' numpy
-	touch $@
-
-# DeepSpeed ZeRO fixtures: deepspeed 0.19 (no compiled ops: DS_BUILD_OPS=0) on torch 2.13's CPU build, in its own venv;
-# run with DS_ACCELERATOR=cpu (gloo ranks on 127.0.0.1); safetensors and huggingface_hub for zero_to_fp32 --safe_serialization (the bench);
-# transformers (the test venv's 5.24) for the Llama trained under ZeRO-3 (deepspeed_z3_hf_llama)
-DEEPSPEED_VENV := build/venv-deepspeed-0.19
-DEEPSPEED_STAMP := $(DEEPSPEED_VENV)/.installed
-$(DEEPSPEED_STAMP):
-	$(PYTHON) -m venv $(DEEPSPEED_VENV)
-	DS_BUILD_OPS=0 $(DEEPSPEED_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 'deepspeed==0.19.*' numpy 'safetensors==0.8.*' 'huggingface_hub==2.4.*' 'transformers==5.24.*'
-	touch $@
+	$(PYTHON) fixtures/generate_all.py --test-python $(PY)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info

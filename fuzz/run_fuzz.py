@@ -2,8 +2,8 @@
 
     .venv/bin/python fuzz/run_fuzz.py --mutants 5000 --seed 1 --jobs 2 --out build/fuzz
 
-Builds N mutants of the committed fixtures (Orbax and DCP first; also the
-torch.save, safetensors, msgpack, Megatron and DeepSpeed readers; --formats torch for one), runs `ckpt inspect --json`, `ckpt validate`
+Builds N mutants of the committed fixtures (each format's fixtures and share of the run: the FUZZ
+rows and FUZZ_WEIGHT of its catalogue file, tests/conformance/formats/; --formats torch for one), runs `ckpt inspect --json`, `ckpt validate`
 and `ckpt validate --deep` on each as whole processes, checks the contract
 (tests/fuzz_lib.py) and the library oracle (tests/fuzz_oracle.py), plus every
 explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once.
@@ -227,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "fuzz")
-    ap.add_argument("--formats", default="orbax,dcp,torch,safetensors,msgpack,megatron,deepspeed",
-                    help="comma-separated formats to mutate")
+    ap.add_argument("--formats", default=None,
+                    help="comma-separated formats to mutate (default: every format whose catalogue file, "
+                         "tests/conformance/formats/, has FUZZ rows)")
     ap.add_argument("--no-explicit", action="store_true", help="skip the explicit cases")
     ap.add_argument("--no-oracle", action="store_true", help="contract only, no library loads")
     ap.add_argument("--time-budget", type=float, default=None,
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first mutant index (to replay: --start I --mutants 1)")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
-    formats = args.formats.split(",")
+    formats = args.formats.split(",") if args.formats else list(F.format_weights())
 
     def _term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

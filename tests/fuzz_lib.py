@@ -51,7 +51,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from rows import FixtureSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -73,55 +76,55 @@ COMMANDS = {
 }
 
 
-@dataclass(frozen=True)
-class FixtureSpec:
-    name: str
-    format: str  # the registry's name: "orbax" | "dcp" | "safetensors" | "msgpack" | "torch" | "megatron" | ...
-    oracle: str | None  # the oracle worker's format, None when no library reader is available
-    mode: str = ""  # oracle mode ("numpy": orbax restore as host arrays)
-    entry: str = ""  # the file inside the fixture given to ckpt (default: the fixture directory)
+CONFORMANCE = ROOT / "tests" / "conformance"
 
 
-FIXTURE_SPECS = [
-    FixtureSpec("orbax_plain_zarr2", "orbax", "orbax"),
-    FixtureSpec("orbax_ocdbt_zarr2", "orbax", "orbax"),
-    FixtureSpec("orbax_ocdbt_zarr3", "orbax", "orbax"),
-    # device ids 0-3 and 2048-2051 (two processes): one process restores it only as numpy
-    FixtureSpec("orbax_two_process", "orbax", "orbax", "numpy"),
-    FixtureSpec("dcp_single", "dcp", "dcp"),
-    FixtureSpec("dcp_multirank", "dcp", "dcp"),
-    FixtureSpec("dcp_fsdp2_adam", "dcp", "dcp"),
-    FixtureSpec("dcp_zstd", "dcp", "dcp"),
-    FixtureSpec("safetensors_numpy", "safetensors", "safetensors"),
-    FixtureSpec("safetensors_llama_sharded", "safetensors", "safetensors"),
-    # flax is not installed: orbax's msgpack_utils.msgpack_restore (flax's loader) is the oracle
-    FixtureSpec("flax_msgpack", "msgpack", "msgpack"),
-    # torch.save: torch.load(weights_only=True) of each file is the oracle (fuzz_oracle.py)
-    FixtureSpec("torch_hf_bin_sharded", "torch", "torch"),
-    FixtureSpec("torch_hf_bin_single", "torch", "torch"),
-    FixtureSpec("torch_state", "torch", "torch"),
-    FixtureSpec("torch_dcp_to_torch_save", "torch", "torch", entry="full.pt"),  # one file, by its path
-    # Megatron-Core and DeepSpeed: their libraries are not in the test venv (the conformance suite compares
-    # with their recorded loads); here the contract alone: no internal error, hang, signal or unbounded memory.
-    # Their files take the kinds above by name (.metadata, .distcp, top-level .pt), a step directory's files
-    # byte-level damage
-    FixtureSpec("megatron_torch_dist_tp2", "megatron", None),
-    FixtureSpec("megatron_torch_dist_fully_sharded", "megatron", None),
-    FixtureSpec("megatron_run", "megatron", None),
-    FixtureSpec("megatron_legacy", "megatron", None),
-    FixtureSpec("deepspeed_z3_fp32", "deepspeed", None),
-    FixtureSpec("deepspeed_z2_bf16", "deepspeed", None),
-    # the layouts issue 21 added: fp16 (a loss scaler in the optimizer state), pipeline stages with their
-    # layer files and tied module, MoE experts over two expert-parallel ranks
-    FixtureSpec("deepspeed_z2_fp16", "deepspeed", None),
-    FixtureSpec("deepspeed_pp2_z1", "deepspeed", None),
-    FixtureSpec("deepspeed_moe_ep2_z2", "deepspeed", None),
-]
-SPECS = {s.name: s for s in FIXTURE_SPECS}
+def _catalogue() -> Any:
+    """The conformance catalogue (tests/conformance/catalogue.py): each format's file there lists
+    the fixtures fuzzed (FUZZ) and its share of a long run (FUZZ_WEIGHT); nothing here names one.
+    Imported on first use, so that the zygote (this file run as a script) never loads it."""
+    if str(CONFORMANCE) not in sys.path:
+        sys.path.insert(0, str(CONFORMANCE))
+    import catalogue
 
-# share of mutants per format in a long run ("both formats" first)
-FORMAT_WEIGHTS = {"orbax": 0.36, "dcp": 0.36, "torch": 0.10, "safetensors": 0.06, "msgpack": 0.03, "megatron": 0.05,
-                  "deepspeed": 0.04}
+    return catalogue
+
+
+def fixture_specs() -> list[FixtureSpec]:
+    """Every fixture the fuzzing suite mutates (the catalogue files' FUZZ rows)."""
+    return _catalogue().CATALOGUE.fuzz
+
+
+def format_weights() -> dict[str, float]:
+    """{format: share of mutants in a long run}, in the order lists shown to people name the formats
+    (rng.choices draws by position: the order is part of what a seed reproduces)."""
+    from ckpt_tool import formats
+
+    weights = _catalogue().CATALOGUE.fuzz_weights
+    return {f.name: weights[f.name] for f in formats.shown() if f.name in weights}
+
+
+def spec_of(fixture: str) -> FixtureSpec:
+    """The FUZZ row of a fixture; for another catalogued fixture, one without an oracle."""
+    found = next((s for s in fixture_specs() if s.name == fixture), None)
+    if found is not None:
+        return found
+    cat = _catalogue()
+    return cat.FixtureSpec(fixture, next(e.format for e in cat.ENTRIES if e.path == fixture), None)
+
+
+def __getattr__(name: str) -> Any:
+    # FIXTURE_SPECS, SPECS (by fixture name) and FORMAT_WEIGHTS, read from the catalogue on first use
+    if name == "FIXTURE_SPECS":
+        return fixture_specs()
+    if name == "SPECS":
+        return {s.name: s for s in fixture_specs()}
+    if name == "FORMAT_WEIGHTS":
+        return format_weights()
+    if name == "FixtureSpec":
+        return _catalogue().FixtureSpec
+    raise AttributeError(name)
+
 
 # kinds whose damage shallow validate claims to catch (metadata); damage to
 # the others (array data) is --deep's job
@@ -1675,9 +1678,9 @@ def structured_torch_mutant(rng: random.Random, spec: FixtureSpec, target: str, 
 
 
 def pick_spec(rng: random.Random, formats: list[str] | None = None) -> FixtureSpec:
-    weights = {f: w for f, w in FORMAT_WEIGHTS.items() if formats is None or f in formats}
+    weights = {f: w for f, w in format_weights().items() if formats is None or f in formats}
     fmt = rng.choices(list(weights), weights=list(weights.values()))[0]
-    return rng.choice([s for s in FIXTURE_SPECS if s.format == fmt])
+    return rng.choice([s for s in fixture_specs() if s.format == fmt])
 
 
 # --------------------------------------------------------------------------
@@ -1951,9 +1954,10 @@ class Oracle:
     """A client of one long-lived tests/fuzz_oracle.py worker (restarted when it
     dies or hangs)."""
 
-    def __init__(self, formats: tuple[str, ...] = ("dcp", "orbax", "safetensors", "msgpack", "torch"),
-                 timeout: float = 120.0) -> None:
-        self.formats = formats
+    def __init__(self, formats: tuple[str, ...] | None = None, timeout: float = 120.0) -> None:
+        # default: every oracle a catalogue FUZZ row names
+        self.formats = formats if formats is not None else tuple(dict.fromkeys(s.oracle for s in fixture_specs()
+                                                                                if s.oracle))
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.calls = 0
@@ -2120,7 +2124,7 @@ def explicit_cases() -> dict[str, Callable[[Path], Mutant]]:
     reject_validate = {"validate": 1, "deep": 1}
 
     def mk(fixture: str, kind: str, target: str, desc: str, expect: dict, dst: Path, canary: Path | None = None):
-        spec = SPECS.get(fixture) or FixtureSpec(fixture, "dcp" if fixture.startswith("dcp") else "orbax", None)
+        spec = spec_of(fixture)
         return Mutant(dst, fixture, spec.format, kind, target, desc, spec.oracle, spec.mode, expect, canary,
                       check_oracle=False)
 
@@ -2411,7 +2415,7 @@ def save_corpus_case(m: Mutant, name: str, note: str, dest: Path = CORPUS) -> Pa
 
 def load_corpus_case(case_dir: Path, workdir: Path) -> Mutant:
     info = json.loads((case_dir / "case.json").read_text())
-    spec = SPECS[info["fixture"]]
+    spec = spec_of(info["fixture"])
     dst = copy_fixture(spec.name, workdir / spec.name)
     for rel in info["deleted"]:
         (dst / rel).unlink()
@@ -2443,9 +2447,9 @@ def zygote_main() -> None:
         __import__(mod)
     import ckpt_tool.formats as formats_pkg
 
-    for name in ("dcp", "orbax", "safetensors", "msgpack", "torch_save"):
+    for info in formats_pkg.registered():  # every format's package, loaded once here, not per child
         with contextlib.suppress(Exception):
-            __import__(f"{formats_pkg.__name__}.{name}")
+            __import__(info.package)
     out = sys.stdout
     out.write('{"ready": true}\n')
     out.flush()

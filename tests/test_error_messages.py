@@ -22,12 +22,28 @@ import numpy as np
 import pytest
 
 import ckpt_tool
+from ckpt_tool import formats
 from conftest import FIXTURES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))  # each format's rows: the catalogue
+import catalogue as C  # noqa: E402
 
 # the ckpt_tool this test imports is the one the CLI runs (python -m from its own tree)
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
-READS = ("Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X msgpack, torch.save, Megatron-Core, "
-         "DeepSpeed ZeRO and DeepSpeed universal checkpoints")
+# every format's title, in the registry's order for people: "Orbax, ..., safetensors, ... and DeepSpeed universal"
+TITLES = [f.title for f in formats.shown()]
+
+
+def _titles(conjunction: str) -> str:
+    return ", ".join(TITLES[:-1]) + f" {conjunction} " + TITLES[-1]
+
+
+def _a(text: str) -> str:
+    """The text with its article ("an Orbax", "a safetensors")."""
+    return f"{'an' if text[0] in 'AEIOU' else 'a'} {text}"
+
+
+READS = f"{_titles('and')} checkpoints"
 
 
 def ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -98,15 +114,8 @@ def test_unreadable_distcp_only_that_file(tmp_path):
 
 # -- a file inside a checkpoint --------------------------------------------------------
 
-INSIDE = [
-    ("dcp_multirank/.metadata", "a torch.distributed.checkpoint (DCP)", "dcp_multirank"),
-    ("dcp_multirank/__0_0.distcp", "a torch.distributed.checkpoint (DCP)", "dcp_multirank"),
-    ("orbax_ocdbt_zarr2/_CHECKPOINT_METADATA", "an Orbax", "orbax_ocdbt_zarr2"),
-    ("orbax_ocdbt_zarr2/_METADATA", "an Orbax", "orbax_ocdbt_zarr2"),
-    ("orbax_ocdbt_zarr2/ocdbt.process_0/manifest.ocdbt", "an Orbax", "orbax_ocdbt_zarr2"),
-    ("orbax_manager/1/_CHECKPOINT_METADATA", "an Orbax", "orbax_manager/1"),
-    ("safetensors_llama_sharded/model.safetensors.index.json", "a safetensors", "safetensors_llama_sharded"),
-]
+# each format's files inside its fixtures (its catalogue file's INSIDE rows)
+INSIDE = [(i.path, _a(formats.get(i.format).title), i.directory) for i in C.CATALOGUE.inside]
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate"])
@@ -193,8 +202,7 @@ def test_plain_file_is_still_a_file(tmp_path):
 def test_unknown_directory_lists_every_format_read(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     assert one_line(ckpt("inspect", str(tmp_path))) == (
-        f"ckpt: error: {tmp_path}: not an Orbax, torch.distributed.checkpoint (DCP), safetensors, Flax / T5X "
-        "msgpack, torch.save, Megatron-Core, DeepSpeed ZeRO or DeepSpeed universal checkpoint (found readme.txt)"
+        f"ckpt: error: {tmp_path}: not {_a(_titles('or'))} checkpoint (found readme.txt)"
     )
 
 

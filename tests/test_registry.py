@@ -1,5 +1,5 @@
-"""The format registry (issue 19): every format is one package plus one registry line, and
-nothing above formats/ names a format except through the registry."""
+"""The format registry (issue 19): every format is one package, which declares itself in its
+registration.py (issue 31), and nothing above formats/ names a format except through the registry."""
 from __future__ import annotations
 
 import ast
@@ -62,6 +62,23 @@ def test_each_package_has_the_registry_interface(info):
     else:
         with pytest.raises(formats.UsageError):
             info.writer_module()
+
+
+def test_the_registry_is_what_the_packages_declare(tmp_path):
+    """REGISTRY is discovered: each package's registration.py, in detection order; a directory
+    without one is no format, and a name declared twice is refused."""
+    assert formats.discover(list(formats.__path__)) == formats.REGISTRY
+    order = [f.detection for f in formats.registered()]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    for info in formats.registered():
+        directory = info.package[len(formats.__name__) + 1:].split(".")[0]
+        assert (PACKAGE / "formats" / directory / formats.REGISTRATION).is_file(), info.name
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "again").mkdir()
+    source = (PACKAGE / "formats" / "dcp" / formats.REGISTRATION).read_text()
+    (tmp_path / "again" / formats.REGISTRATION).write_text(source)
+    with pytest.raises(RuntimeError, match="formats registered twice: dcp"):
+        formats.discover([*formats.__path__, str(tmp_path)])
 
 
 def test_lookups():

@@ -20,8 +20,8 @@ from ckpt_tool.errors import CkptError, UnknownFormatError
 from ckpt_tool.storage import Storage
 
 # packages whose reader an Orbax or DCP inspect must not import (their light detection modules and
-# package __init__ it may: the registry asks them)
-OTHER_FORMATS = ("megatron", "msgpack", "deepspeed", "safetensors", "torch_save")
+# package __init__ it may: the registry asks them): every format's package but those two
+OTHER_FORMATS = tuple(sorted({f.package.split(".")[2] for f in formats.registered()} - {"orbax", "dcp"}))
 LIGHT = ("detection",)
 
 

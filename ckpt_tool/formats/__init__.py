@@ -8,8 +8,9 @@ package's __init__: `write.py` (make_writer, target_layout, plan_value, ...:
 see writers.py) where the format has a writer, and `checks.py`
 (check_path(storage, findings, step=..., only=...)) for validate.
 
-Adding a format means one package and one line in REGISTRY below; nothing
-above formats/ changes: the engine, validate and the CLI ask this module.
+Adding a format means one package, which declares itself in its
+`registration.py` (FORMATS: its FormatInfo; see discover below); nothing above
+formats/ changes: the engine, validate and the CLI ask this module.
 This module imports nothing heavy (no numpy, tensorstore or format package):
 `ckpt --help` lists the formats from REGISTRY, and a format's package is
 imported only when it is asked something (`ckpt inspect` on a DCP checkpoint
@@ -21,6 +22,8 @@ import contextlib
 import contextvars
 import fnmatch
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
@@ -72,7 +75,10 @@ class FormatInfo:
     file_suffixes: tuple[str, ...] = ()  # name endings of its one-file checkpoints (".safetensors")
     can_reshard: bool = False  # `ckpt reshard` writes it (laid out for a device mesh)
     families: tuple[str, ...] = ()  # other names its reader gives Checkpoint.format ("flax", "t5x")
-    listed: int = 0  # its place in lists shown to people (help, messages); REGISTRY's order is detection's
+    listed: int = 0  # its place in lists shown to people (help, messages)
+    # its place in detection order (REGISTRY's): the first format, lowest here, whose detect() claims a
+    # directory reads it; a format whose checkpoints hold another's files is asked before that one
+    detection: int = 0
     install: str = ""  # extra package(s) its reader or writer needs, for a message when missing
     options: tuple[str, ...] = ()  # convert's writer options that apply to it ("zarr3", "max_shard_size")
     # the formats whose checkpoints its writer takes (empty: any); convert refuses any other source
@@ -126,8 +132,6 @@ class FormatInfo:
         return self.claimed(name) or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.parts)
 
 
-_ALL = frozenset({"array", "scalar", "string", "object"})
-
 # the files of a Hugging Face model directory beside its weights (transformers' and tokenizers'
 # names, the model card): part of a safetensors / pytorch_model.bin checkpoint directory, and copied
 # with it by convert (hf_export.COMPANIONS is this list)
@@ -140,81 +144,39 @@ HF_MODEL_FILES = (
 # what the Hugging Face Trainer saves beside the model in a checkpoint-N/ directory
 HF_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "trainer_state.json", "training_args.bin")
 # per-array zarr directories (v2 and v3): an Orbax array, a T5X array, a Megatron zarr-backend key
-_ZARR_ARRAY_FILES = (".zarray", "zarr.json")
+ZARR_ARRAY_FILES = (".zarray", "zarr.json")
+
+# the module a format package declares itself in (FORMATS: a list of FormatInfo)
+REGISTRATION = "registration.py"
+
+
+def _registration(directory: str, package: str) -> list[FormatInfo]:
+    """The FORMATS a package's registration.py declares, read without importing the package: it is
+    executed as a module of its own (relative imports reach this module), kept in no sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"{package}.registration", os.path.join(directory, REGISTRATION))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.FORMATS)
+
+
+def discover(paths: list[str], prefix: str = __name__) -> dict[str, FormatInfo]:
+    """Every format the packages under `paths` declare (each sub-directory with a registration.py,
+    as package `prefix.<directory>`), in detection order."""
+    found: list[FormatInfo] = []
+    for path in paths:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if entry.is_dir() and os.path.isfile(os.path.join(entry.path, REGISTRATION)):
+                found.extend(_registration(entry.path, f"{prefix}.{entry.name}"))
+    names = [f.name for f in found]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RuntimeError(f"formats registered twice: {', '.join(twice)}")
+    return {f.name: f for f in sorted(found, key=lambda f: (f.detection, f.name))}
+
 
 # In detection order: the first format whose detect() claims a directory reads it.
-# msgpack first: an orbax <= 0.4 save has OCDBT files but no _METADATA.
-REGISTRY: dict[str, FormatInfo] = {
-    # first: a Megatron save is a DCP checkpoint (or zarr arrays) plus metadata.json and common.pt
-    "megatron": FormatInfo(
-        "megatron", "Megatron-Core", f"{__name__}.megatron", can_write=False, value_kinds=_ALL,
-        claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"), claims_flat=True,
-        reads="Megatron-Core / NeMo 2 saves (torch_dist, zarr) and Megatron-LM run roots (also legacy mp_rank_*)",
-        listed=5,
-        # the DCP files of torch_dist, integrity.json, NeMo 2's weights/ + context/, a run's steps
-        parts=(".metadata", "*.distcp", "integrity.json", "weights", "context", "iter_*", "release", "mp_rank_*"),
-        part_dirs=(*_ZARR_ARRAY_FILES, "shard_*.pt"),  # the zarr backend: a directory per key
-    ),
-    "msgpack": FormatInfo(
-        "msgpack", "Flax / T5X msgpack", f"{__name__}.msgpack", can_write=False, value_kinds=_ALL,
-        claims=("checkpoint", "checkpoint_*"), reads="Flax msgpack and T5X checkpoints",
-        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".msgpack",), families=("flax", "t5x"), listed=3,
-        # a Flax state file by its suffix; orbax <= 0.4 beside its `checkpoint` file: _sharding and the
-        # OCDBT database (or zarr arrays)
-        parts=("*.msgpack", "_sharding", "manifest.ocdbt", "d", "ocdbt.process_*"), part_dirs=_ZARR_ARRAY_FILES,
-    ),
-    "orbax": FormatInfo(
-        "orbax", "Orbax", f"{__name__}.orbax", can_write=True, value_kinds=_ALL,
-        claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
-        reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
-        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True, compresses=True,
-        # (orbax's file names: OCDBT data and per-process databases, items, a manager's metadata,
-        # saves in progress and TensorStore's locks, 0.5's msgpack tree `checkpoint`)
-        parts=("d", "ocdbt.process_*", "array_metadatas", "_strings.json", "_ROOT_METADATA", "descriptor",
-               "metadata", "metrics", "orbax.checkpoint", "*.orbax-checkpoint-tmp*", "*.__lock", "checkpoint"),
-        # an array's zarr directory; an item of another handler (JsonCheckpointHandler's `metadata`)
-        part_dirs=(*_ZARR_ARRAY_FILES, "metadata", "commit_success.txt"),
-    ),
-    "dcp": FormatInfo(
-        "dcp", "torch.distributed.checkpoint (DCP)", f"{__name__}.dcp", can_write=True, value_kinds=_ALL,
-        claims=(".metadata", "*.distcp"), short="DCP", listed=1, claims_flat=True,
-    ),
-    "safetensors": FormatInfo(
-        "safetensors", "safetensors", f"{__name__}.safetensors", can_write=True,
-        value_kinds=frozenset({"array", "scalar"}), claims=("*.safetensors.index.json", "*.safetensors"),
-        reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
-        options=("max_shard_size", "like"), claims_flat=True,
-        parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES), model_marks=("*.safetensors.index.json", "config.json"),
-    ),
-    # before deepspeed and torch: a universal step directory holds model-states .pt files beside zero/
-    "deepspeed-universal": FormatInfo(
-        "deepspeed-universal", "DeepSpeed universal", f"{__name__}.deepspeed.universal", can_write=True,
-        value_kinds=_ALL, claims=("latest_universal", "zero"),
-        reads="DeepSpeed universal checkpoints (ds_to_universal's zero/<param>/*.pt, a root with latest_universal)",
-        listed=7, writes_from=("deepspeed",),
-        parts=("*_model_states.pt", "latest", "zero_to_*.py"),
-    ),
-    # before torch: a global_stepN directory holds .pt files, which are one ZeRO checkpoint, not loose torch.save files
-    "deepspeed": FormatInfo(
-        "deepspeed", "DeepSpeed ZeRO", f"{__name__}.deepspeed", can_write=False, value_kinds=_ALL,
-        claims=("*_model_states.pt", "*_optim_states.pt"), short="DeepSpeed",
-        reads="DeepSpeed ZeRO checkpoints (stages 1-3: a global_stepN directory, or a root with latest)", listed=6,
-        read_options=("weights",),
-        # pipeline stages' layer_NN-model_states.pt, the root's tag pointer, the scripts DeepSpeed copies
-        # there (zero_to_fp32.py, zero_to_torch.py), an HF Trainer's model files beside them
-        parts=("*-model_states.pt", "latest", "zero_to_*.py", *HF_MODEL_FILES),
-    ),
-    # last: a Hugging Face directory holding both model.safetensors and pytorch_model.bin reads as safetensors
-    "torch": FormatInfo(
-        "torch", "torch.save", f"{__name__}.torch_save", can_write=False, value_kinds=_ALL,
-        claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
-        reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
-        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
-        claims_flat=True, model_marks=("*.bin.index.json", "config.json"),
-        # a verl actor's FSDP config and Hugging Face export beside its rank files
-        parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES, "fsdp_config.json", "huggingface"),
-    ),
-}
+REGISTRY: dict[str, FormatInfo] = discover(list(__path__))
 
 
 def registered() -> list[FormatInfo]:

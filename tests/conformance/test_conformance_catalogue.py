@@ -41,8 +41,8 @@ def test_every_format_has_damage_cases():
 
 
 def test_writable_formats_have_a_library_loader():
-    missing = [fmt for fmt in C.writable() if fmt not in R.LOADERS]
-    assert not missing, f"formats that write but have no library loader in references.LOADERS: {missing}"
+    missing = [fmt for fmt in C.writable() if fmt not in C.LIBRARIES]
+    assert not missing, f"formats that write but have no LIBRARY loader in their catalogue file: {missing}"
 
 
 # --- a throwaway format ------------------------------------------------------------------------

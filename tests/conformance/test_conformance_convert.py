@@ -106,13 +106,14 @@ def library_reads_what_ckpt_reads(fmt: str, path) -> int:  # noqa: ANN001
     """The target library's values of `path` == ckpt's; the number of leaves compared."""
     import ckpt_tool
 
-    got = R.values(fmt, path)
+    lib = C.library(fmt)
+    got = lib.load(path)
     ours = {}
     for leaf in ckpt_tool.open(str(path)).leaves:
-        key = R.by_name(leaf.name) if fmt in R.NAMED else tuple(leaf.keys)
+        key = R.by_name(leaf.name) if lib.named else tuple(leaf.keys)
         ours[key] = leaf.read() if leaf.kind == "array" else leaf.load()
-        if fmt == "orbax" and R.empty_subtree(ours[key]):
-            del ours[key]  # jax's tree flattening has no leaf for None, [], {}, (): orbax restores none
+        if lib.drops_empty and R.empty_subtree(ours[key]):
+            del ours[key]  # a library that restores no leaf for None, [], {}, () (jax's tree flattening)
     assert sorted(got, key=repr) == sorted(ours, key=repr)
     for key, want in ours.items():
         value = got[key]
