@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tensorstore as ts
@@ -186,6 +187,17 @@ class BackendTests:
                 assert child.read(key[len(d) + 1 :]) == value
         assert st.child("") is st
 
+    def test_kvstore_spec_opens_the_same_values(self, populated: Populated) -> None:
+        # what readers hand tensorstore to open arrays under a sub-directory themselves
+        st, d = populated.storage, self.nested_dir(populated)
+        for store, prefix in ((st, ""), (st.child(d), d + "/")):
+            kv = store.wait(ts.KvStore.open(store.kvstore_spec(""), context=store.context), "open", store.url)
+            for key, value in populated.contents.items():
+                if key.startswith(prefix):
+                    assert bytes(kv.read(key[len(prefix):]).result().value) == value, key
+        sub = st.wait(ts.KvStore.open(st.kvstore_spec(d + "/"), context=st.context), "open", st.url)
+        assert sorted(k.decode() for k in sub.list().result()) == st.child(d).list()
+
     def test_error_names_the_key_url(self, populated: Populated) -> None:
         st = populated.storage
         with pytest.raises(NotFoundError) as info:
@@ -302,7 +314,8 @@ class BackendTests:
         assert st.endpoint is not None
         monkeypatch.setattr(remote, "IO_TIMEOUT", 0.2)
         monkeypatch.setattr(remote, "_FAILURES", [])  # this test's failure stays its own
-        _promise, never = ts.Promise.new()  # a request the endpoint never answers
+        pair: tuple[Any, Any] = ts.Promise.new()  # (promise, future): a request the endpoint never answers
+        never = pair[1]
         with pytest.raises(StorageUnavailableError, match=rf"storage endpoint {st.endpoint} gave no answer within 0.2 s"):
             st.wait(never, "cannot read", st.url + "/x")
         # the rest of the run fails at once with the same line, without another request

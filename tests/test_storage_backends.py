@@ -72,8 +72,8 @@ def s3_server() -> Iterator[dict[str, str]]:
 class TestS3(BackendTests):
     @pytest.fixture
     def populated(self, s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Populated:
-        for name, value in s3_server.items():
-            monkeypatch.setenv(name, value)
+        for name, setting in s3_server.items():
+            monkeypatch.setenv(name, setting)
         prefix = f"suite-{uuid.uuid4().hex}"  # each test its own root: writes stay its own
         s3 = s3_client(s3_server["AWS_ENDPOINT_URL"])
         for key, value in TREE.items():
@@ -97,9 +97,9 @@ class TestGcs(BackendTests):
     @pytest.fixture
     def populated(self, gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> Populated:
         # GOOGLE_AUTH_TOKEN_FOR_TESTING: tensorstore skips its credentials search (no metadata server)
-        for name, value in {"TENSORSTORE_GCS_HTTP_URL": gcs_server, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+        for name, setting in {"TENSORSTORE_GCS_HTTP_URL": gcs_server, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
                             "GCE_METADATA_ROOT": "127.0.0.1:9", "CKPT_DEBUG": "1"}.items():
-            monkeypatch.setenv(name, value)
+            monkeypatch.setenv(name, setting)
         # a bucket per test: the emulator lists by prefix only, ignoring the key range asked for
         bucket = f"suite-{uuid.uuid4().hex[:16]}"
         _gcs_post(gcs_server, "/storage/v1/b?project=test", json.dumps({"name": bucket}).encode(), "application/json")
@@ -146,8 +146,8 @@ class TestOrbaxOcdbtViewOnS3(BackendTests):
 
     @pytest.fixture
     def populated(self, s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Populated:
-        for name, value in s3_server.items():
-            monkeypatch.setenv(name, value)
+        for name, setting in s3_server.items():
+            monkeypatch.setenv(name, setting)
         root = fixture_path("orbax_ocdbt_zarr2")
         prefix = f"suite-{uuid.uuid4().hex}"
         s3 = s3_client(s3_server["AWS_ENDPOINT_URL"])
