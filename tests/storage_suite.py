@@ -236,8 +236,9 @@ class BackendTests:
             st.read_range_into("link_out", 0, bytearray(1))
         with pytest.raises(PathEscapeError):
             st.child("dir_out")
-        with pytest.raises(PathEscapeError, match="not a regular file"):
-            st.read("fifo")  # refused, never blocking on the FIFO
+        for read_fifo in (lambda: st.read("fifo"), lambda: st.read_range_into("fifo", 0, bytearray(1))):
+            with pytest.raises(PathEscapeError, match="not a regular file"):
+                read_fifo()  # refused, never blocking on the FIFO
         assert st.read("link_in") == populated.contents[inside]
         # what tensorstore opens itself is scanned first (guard), and validate lists every problem
         with pytest.raises(PathEscapeError):
@@ -257,6 +258,11 @@ class BackendTests:
     # -- writing ---------------------------------------------------------------------------
     def test_write_read_back_and_delete(self, populated: Populated) -> None:
         st = populated.storage
+        if not st.capabilities.writable:
+            for attempt in (lambda: st.write("new", b"x"), lambda: st.delete(self.largest(populated)), st.delete_all):
+                with pytest.raises(CkptError, match="read-only"):
+                    attempt()
+            assert st.list() == sorted(populated.contents)  # nothing was touched
         needs(st, "writable")
         before = st.list()  # remembered: a write must forget it
         st.write("new/x.bin", b"abc")
