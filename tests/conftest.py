@@ -132,6 +132,24 @@ def moto_s3_serving(bucket: str, names: list[str]) -> Iterator[dict[str, str]]:
         server.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def gcs_emulator_serving() -> Iterator[str]:
+    """A real GCS JSON-API server (gcp-storage-emulator, in memory) on 127.0.0.1; yields its endpoint
+    (point tensorstore at it with TENSORSTORE_GCS_HTTP_URL)."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(server, f"{endpoint}/storage/v1/b", "GCS emulator")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def run_two_processes(argv: list[str], env: dict, timeout: float = 240) -> list[tuple[str, str]]:
     """Run `argv` + --coordinator/--num-processes 2/--process-id i as two processes;
     both must exit 0. Their (stdout, stderr), in process order."""

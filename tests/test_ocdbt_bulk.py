@@ -33,7 +33,7 @@ def _write_db(path: str, n: int, node_bytes: int) -> dict[str, bytes]:
 def _point_reads(view: Storage, keys: list[str]) -> dict[str, bytes | None]:
     out = {}
     for key in keys:
-        r = view._kv.read(key).result()
+        r = view.backend.kvstore.read(key).result()
         out[key] = bytes(r.value) if r.state == "value" else None
     return out
 
@@ -61,7 +61,7 @@ def test_storage_bulk_reads_equal_point_reads(tmp_path, monkeypatch):
     keys = sorted(values)[::3] + ["layer0/nothing/.zarray"]
     monkeypatch.setattr(ocdbt_bulk, "BULK_MIN_KEYS", 1)
     pending = view.start_reads(keys)
-    assert isinstance(pending, __import__("ckpt_tool.storage.core", fromlist=["x"]).OcdbtBulkReads)
+    assert isinstance(pending, __import__("ckpt_tool.storage.ocdbt_view", fromlist=["x"]).OcdbtBulkReads)
     assert pending.result() == _point_reads(view, keys)
     # a view one directory down the database: keys relative to it
     sub = view.child("layer1")

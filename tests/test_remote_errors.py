@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool
-from conftest import FIXTURES, free_port, moto_s3_serving, wait_until_serving
+from conftest import FIXTURES, gcs_emulator_serving, moto_s3_serving
 
 # the ckpt_tool this test imports is the one the CLI runs (python -m from its own tree)
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
@@ -65,20 +65,13 @@ def s3():
 @pytest.fixture(scope="module")
 def gcs():
     """A GCS JSON-API server (gcp-storage-emulator) on 127.0.0.1 holding fixtures/dcp_multirank at gs://BUCKET/ckpt."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
+    with gcs_emulator_serving() as endpoint:
 
-    def post(path: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-        req = urllib.request.Request(f"{endpoint}{path}", data=data, method="POST", headers={"Content-Type": content_type})
-        with urllib.request.urlopen(req, timeout=10):
-            pass
+        def post(path: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+            req = urllib.request.Request(f"{endpoint}{path}", data=data, method="POST", headers={"Content-Type": content_type})
+            with urllib.request.urlopen(req, timeout=10):
+                pass
 
-    try:
-        wait_until_serving(server, f"{endpoint}/storage/v1/b", "GCS emulator")
         post("/storage/v1/b?project=test", json.dumps({"name": BUCKET}).encode(), "application/json")
         src = FIXTURES / "dcp_multirank"
         for p in sorted(src.rglob("*")):
@@ -86,9 +79,6 @@ def gcs():
                 query = urllib.parse.urlencode({"uploadType": "media", "name": f"ckpt/{p.relative_to(src)}"})
                 post(f"/upload/storage/v1/b/{BUCKET}/o?{query}", p.read_bytes())
         yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 # -- a host name that does not resolve ------------------------------------------------

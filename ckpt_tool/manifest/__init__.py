@@ -116,7 +116,7 @@ def read(loc: Location) -> Manifest:
 
     try:
         size = loc.home.size(loc.name)
-    except FileNotFoundError:
+    except NotFoundError:
         raise NotFoundError("no integrity manifest here", loc.url) from None
     if size > MAX_BYTES:
         from ..errors import CorruptMetadataError

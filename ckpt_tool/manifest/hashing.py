@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..errors import CkptError, PathEscapeError
+from ..errors import CkptError, NotFoundError, PathEscapeError
 from ..findings import Progress, no_progress
 from ..storage import Storage
 
@@ -111,7 +111,7 @@ def _size(storage: Storage, name: str) -> int:
     """The file's size; -1 when it is missing."""
     try:
         return storage.size(name)
-    except FileNotFoundError:
+    except NotFoundError:
         return -1
     except PathEscapeError:
         raise

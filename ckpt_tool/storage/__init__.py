@@ -10,20 +10,28 @@ other non-files) is enforced here, once.
 key space inside `manifest.ocdbt` + data files), so readers handle OCDBT and
 plain directories alike.
 
-The package is cut where a local root and a remote one differ; each part
-knows nothing of the others' cases, and Storage picks the part a key needs:
+Storage checks keys, remembers listings and logs reads for every kind of
+root alike; behind it sits one backend per kind (the interface and what
+the kinds share: backend.py), and the suite in tests/storage_suite.py is
+what every backend passes:
 
-  core.py         Storage (with ReadLog, PendingReads and the tensorstore contexts)
-  containment.py  local roots: keys, symlinks and special files that would leave the root
-  local.py        local files read by pread/preadv, written by pwritev (LocalFileWriter), fsynced
-  remote.py       paths and URLs as kvstore specs; remote stores' retries, deadlines, fail-fast and
-                  preflight checks; tensorstore's errors worded as one line
-  nativelog.py    the C++ libraries' log lines dropped from stderr once a remote store is opened
+  core.py             Storage (with ReadLog): one interface over a root, whatever its kind
+  backend.py          the Backend ABC, Capabilities, the shared tensorstore contexts, deadlines and point reads
+  local_backend.py    a local directory: pread reads, containment, local files for bulk writes
+  kvstore_backend.py  s3://, gs://, memory://: tensorstore kvstore requests, sizes by probe
+  ocdbt_view.py       an OCDBT database read as a directory, many keys by one walk of its B+tree
+  containment.py      local roots: keys, symlinks and special files that would leave the root
+  local.py            local files read by pread/preadv, written by pwritev (LocalFileWriter), fsynced
+  remote.py           paths and URLs as kvstore specs; remote stores' retries, deadlines, fail-fast and
+                      preflight checks; tensorstore's errors worded as one line
+  nativelog.py        the C++ libraries' log lines dropped from stderr once a remote store is opened
+  ocdbt_bulk.py, ocdbt_node.py  the B+tree walk behind an OCDBT view's bulk reads
 """
 from __future__ import annotations
 
 from .containment import check_local_path
-from .core import _CONTEXT, PendingReads, ReadLog, Storage
+from .backend import Backend, Capabilities, PendingReads, Reads
+from .core import _CONTEXT, ReadLog, Storage
 from .local import LocalFileWriter
 from .nativelog import _forward_stderr, quiet_native_logs
 from .remote import (
@@ -38,7 +46,7 @@ from .remote import (
 )
 
 __all__ = [
-    "IO_RETRIES", "IO_TIMEOUT", "LocalFileWriter", "PendingReads", "ReadLog", "Storage", "check_local_path",
+    "Backend", "Capabilities", "Reads", "IO_RETRIES", "IO_TIMEOUT", "LocalFileWriter", "PendingReads", "ReadLog", "Storage", "check_local_path",
     "check_url", "local_path", "ocdbt_truncated_message", "quiet_native_logs", "raise_if_unavailable",
     "ts_error_text",
 ]

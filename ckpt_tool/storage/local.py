@@ -49,7 +49,7 @@ def open_for_read(path: str, where: str) -> Iterator[int]:
 
 def read_all(fd: int) -> bytes:
     """The whole file behind `fd`, read to its end."""
-    parts = []
+    parts: list[bytes] = []
     want = max(os.fstat(fd).st_size, 1 << 16)
     while True:
         part = os.read(fd, want)

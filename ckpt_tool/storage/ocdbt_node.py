@@ -239,7 +239,7 @@ class LeafNode:
             raise OcdbtNodeError(
                 f"leaf node holds {len(buf) - pos} bytes of inline values, its entries need {total_inline}")
         # entry i's inline value starts here (cumulative over the inline entries before it)
-        self._inline_start = pos + np.concatenate(([0], np.cumsum(inline_len)[:-1])).astype(np.int64) if n else None
+        self._inline_start = pos + np.concatenate(([0], np.cumsum(inline_len)[:-1])).astype(np.int64) if n else np.zeros(0, np.int64)
         # entry i -> its row in the out-of-line columns
         self._indirect_index = np.cumsum(self._kind.astype(np.int64)) - 1
         self._buf = buf
@@ -291,7 +291,7 @@ class LeafNode:
         kind = self._kind.tolist()
         length = self._value_len.tolist()
         start = self._inline_start.tolist()
-        body = memoryview(self._buf)
+        body = self._buf.data  # (a uint8 array: a memoryview of its bytes)
         out: dict[bytes, bytes | IndirectValue] = {}
         for key, i in hits:
             if kind[i] == 0:

@@ -262,7 +262,7 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
         size = int(m.group(5))
         err = TruncatedFileError(ocdbt_truncated_message(size, int(m.group(4))), _object_url(m.group(2), where),
                                  size=size, cause=ocdbt_truncated_cause(size))
-        err.ocdbt_value = (m.group(2), m.group(1))  # type: ignore[attr-defined] (database, key: Storage names the file)
+        err.ocdbt_value = (m.group(2), m.group(1))  # type: ignore[attr-defined]  # (database, key): Storage names the file
         return err
     denied = _denied(text, where) if endpoint is not None else None
     if denied is not None:
@@ -415,8 +415,12 @@ _OS_ERROR = re.compile(r"\"([^\"]+)\"[^\"]*\[os_error_code='?(\d+)'?\]")
 _DENIED = re.compile(r"\b(PERMISSION_DENIED|UNAUTHENTICATED)\b")
 _HTTP_CODE = re.compile(r"\[http_response_code='?(\d+)'?\]")
 _TRAILERS = re.compile(r"\s*\[[A-Za-z0-9_.-]+='[^']*'\]")
-# what a kvstore says of a value's size when a byte range misses it
-_SIZE_IN_ERROR = re.compile(r"value of size (\d+)")
+# what a kvstore says of a value's size when a byte range misses it: the file and memory drivers
+# ("value of size N"), a range past the end ("... and total size N"), S3's refusal of a range that
+# starts past the end (ActualObjectSize), a server answering such a range anyway (Content-Range)
+_SIZE_IN_ERROR = re.compile(
+    r"(?:value of size |and total size |<ActualObjectSize>|Content-Range header received: \"bytes \d+-\d+/)(\d+)"
+)
 
 
 def ocdbt_truncated_cause(size: int) -> str:

@@ -25,7 +25,7 @@ from ...errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, StorageUnavailableError, UsageError,
 )
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, Sharding, StepInfo, ValueLeaf
-from ...storage import PendingReads, Storage, ts_error_text
+from ...storage import Reads, Storage, ts_error_text
 
 NAME = "orbax"
 
@@ -671,7 +671,7 @@ class _ArraySource:
 
 
 def _read_zarr_metadata(
-    sources: list[_ArraySource], names: list[str], meta_key: str, first_reads: PendingReads
+    sources: list[_ArraySource], names: list[str], meta_key: str, first_reads: Reads
 ) -> dict[str, tuple[dict[str, Any], _ArraySource]]:
     """Each array's zarr metadata, read concurrently, with the source holding it.
 
@@ -1040,7 +1040,7 @@ def _read_json(storage: Storage, key: str) -> Any:
     if storage.local_root:  # a stat is free here: refuse a huge file before reading it
         try:
             size = storage.size(key)
-        except FileNotFoundError:
+        except NotFoundError:
             size = 0  # the read below says it is missing
         if size > schema.MAX_JSON_BYTES:
             raise CorruptMetadataError(f"{size:,} bytes, more than the {schema.MAX_JSON_BYTES:,} a metadata file may have", where)

@@ -1,0 +1,162 @@
+"""A local directory as a storage root: values read by pread/preadv, every read contained.
+
+Reads go through the file system (local.py), not through tensorstore's file kvstore: a byte range
+goes straight into the caller's buffer. Listing, whole-value writes and deletes go through the file
+kvstore (which fsyncs what it writes). Every key read is checked against the root's links and
+special files (containment.py); roots opened for reading also scan a directory once before
+tensorstore opens anything under it (guard).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Any
+
+from .. import directio
+from ..errors import CkptError, NotFoundError, PathEscapeError
+from ..pagecache import DirectoryDropper
+from . import local as localfs
+from .backend import Backend, Capabilities, missing, open_kvstore
+from .containment import _Containment, check_local_path
+from .local import LocalFileWriter, _os_error
+
+_CAPABILITIES = Capabilities(writable=True, local_files=True, symlinks=True, deadlines=False, bulk_reads=False)
+
+
+class LocalBackend(Backend):
+    """A local directory (a path or file:// URL)."""
+
+    def __init__(self, kvstore: Any, url: str, spec: dict[str, Any], root: str, *,
+                 containment: _Containment | None = None, contain_base: str = "") -> None:
+        super().__init__(kvstore, url, spec)
+        self.root = root
+        # roots opened for reading: the scan behind guard(), and where this root sits in it
+        self._containment = containment
+        self._contain_base = contain_base
+
+    @classmethod
+    def open(cls, spec: dict[str, Any], url: str, root: str) -> LocalBackend:
+        """The existing directory `root` (named `url`), for reading: its containment scan starts empty."""
+        try:
+            st = os.stat(root)
+        except FileNotFoundError:
+            raise NotFoundError("no such directory", url) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PathEscapeError("symlink loop (Too many levels of symbolic links)", url) from None
+            raise CkptError(f"cannot open: {exc.strerror or exc}", url) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotFoundError("is a file, not a checkpoint directory", url)
+        return cls(open_kvstore(spec, url), url, spec, root, containment=_Containment(root))
+
+    @classmethod
+    def create(cls, spec: dict[str, Any], url: str, root: str) -> LocalBackend:
+        """The directory `root` (named `url`) as a destination, made if needed."""
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise _os_error(exc, "cannot create", url) from None
+        return cls(open_kvstore(spec, url), url, spec, root)
+
+    @property
+    def kind(self) -> str:
+        return "local"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return _CAPABILITIES
+
+    @property
+    def local_root(self) -> str | None:
+        return self.root
+
+    def child(self, rel: str) -> LocalBackend:
+        # (Storage.child has checked `rel` is a directory inside the root)
+        return LocalBackend(self.kvstore / (rel + "/"), f"{self.url}/{rel}", self.spec_for(rel + "/"),
+                            os.path.join(self.root, rel), containment=self._containment,
+                            contain_base=self._contained(rel))
+
+    # -- containment -----------------------------------------------------------------------
+    def check_key(self, rel: str, *, want_dir: bool) -> None:
+        check_local_path(self.root, rel, self.url, self.where(rel), want_dir=want_dir)
+
+    def guard(self, rel: str) -> None:
+        if self._containment is None:
+            return  # a destination: what is there is ours
+        problems = self._containment.check(self._contained(rel))
+        if problems:
+            path, message, _loop = problems[0]
+            root = self._containment.root
+            raise PathEscapeError(message, os.path.join(root, path) if path else root)
+
+    def containment_problems(self) -> list[tuple[str, str]]:
+        if self._containment is None:
+            return []
+        base = self._contain_base
+        out = []
+        for path, message, _loop in self._containment.check(base):
+            if base and path.startswith(base + "/"):
+                path = path[len(base) + 1 :]
+            elif base and path != base:
+                continue  # above this root (a link it is reached through): reported by its own path
+            out.append((path, message))
+        return out
+
+    def _contained(self, rel: str) -> str:
+        """`rel` (relative to this root) as a path relative to the scanned root."""
+        if not self._contain_base:
+            return rel
+        return f"{self._contain_base}/{rel}" if rel else self._contain_base
+
+    # -- reading ---------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return os.path.lexists(os.path.join(self.root, rel))
+
+    def read(self, rel: str, byte_range: slice | None) -> bytes:
+        # by pread, through the checked, non-blocking open (see read_into for why)
+        with localfs.open_for_read(os.path.join(self.root, rel), self.where(rel)) as fd:
+            if byte_range is None:
+                return localfs.read_all(fd)
+            return localfs.pread(fd, byte_range.start, byte_range.stop, self.where(rel))
+
+    def read_into(self, rel: str, start: int, view: memoryview) -> None:
+        """The bulk path for tensor data: the file is read straight into the caller's buffer with
+        preadv (one copy, by the kernel). Through the file kvstore the same 2 GiB of DCP chunks took
+        3.3 s instead of 0.3 s: tensorstore reads into fresh buffers of its own and hands them over
+        as bytes, a copy or two more per chunk."""
+        with localfs.open_for_read(os.path.join(self.root, rel), self.where(rel)) as fd:
+            localfs.pread_into(fd, view, start, self.where(rel))
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return os.stat(os.path.join(self.root, rel)).st_size
+        except FileNotFoundError:
+            raise missing(self.where(rel)) from None
+        except OSError as exc:
+            raise _os_error(exc, "cannot stat", self.where(rel)) from None
+
+    def stat(self, rel: str) -> tuple[int, float | None]:
+        """The entry itself (lstat: a symlink is not followed, so nothing outside the root is
+        touched), without the containment walk a read needs (a realpath per key: `ckpt ls` on a root
+        of 2,200 files spent 1.1 s there)."""
+        try:
+            st = os.lstat(os.path.join(self.root, rel))
+        except OSError as exc:
+            raise _os_error(exc, "cannot stat", self.where(rel)) from None
+        return st.st_size, st.st_mtime
+
+    # -- writing ---------------------------------------------------------------------------
+    def create_local_file(self, rel: str) -> LocalFileWriter | None:
+        """The bulk path for DCP data files: archives go from the caller's arrays to the file with
+        pwritev, where a kvstore write first copies the whole file into a buffer of its own."""
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.check_key(rel, want_dir=False)
+        return LocalFileWriter(path, self.where(rel), direct=directio.supported(os.path.dirname(path)))
+
+    def page_cache_dropper(self, rel: str) -> DirectoryDropper | None:
+        return DirectoryDropper(os.path.join(self.root, rel))
+
+    def fsync_tree(self, rel: str) -> None:
+        localfs.fsync_tree(os.path.join(self.root, rel), self.where(rel))
