@@ -186,8 +186,7 @@ def mesh_from_jax(axes: Sequence[tuple[str, int]]) -> DeviceMesh:
     try:
         import jax
     except ImportError:
-        raise CkptError("laying out for this machine's devices needs jax (pip install jax); "
-                        "or pass --devices N to lay out for N devices") from None
+        raise CkptError(f"laying out for this machine's devices needs jax (pip install jax); or {_OTHER_LAYOUT}") from None
     names, shape = tuple(a for a, _ in axes), tuple(s for _, s in axes)
     try:
         devices = jax.devices()
