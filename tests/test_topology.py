@@ -198,8 +198,11 @@ def test_reshard_on_a_tpu_host_needs_no_jax(tmp_path):
     """The issue's host: a reshard learns its one chip from /dev and the environment; jax is never imported."""
     env = clean_env(**V5E_HOST, **{DEV_ROOT_VARIABLE: fake_dev(tmp_path, vfio=1)})
     probe = ("import sys, time; t = time.perf_counter(); from ckpt_tool.cli.main import _run; "
+             "from ckpt_tool.reshard import ReshardOptions, resolve_mesh; "
+             "d = time.perf_counter(); resolve_mesh(ReshardOptions(mesh='data=1,model=1'), 1); "
+             "d = time.perf_counter() - d; "
              f"code = _run(['reshard', {SRC!r}, sys.argv[1], '--mesh', 'data=1,model=1', '--json']); "
-             "print(round(time.perf_counter() - t, 3), file=sys.stderr); "
+             "print(round(d, 3), round(time.perf_counter() - t, 3), file=sys.stderr); "
              "assert 'jax' not in sys.modules, 'jax was imported'; sys.exit(code)")
     r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "out")], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=120)
@@ -207,8 +210,11 @@ def test_reshard_on_a_tpu_host_needs_no_jax(tmp_path):
     summary = json.loads(r.stdout)
     assert summary["mesh"]["origin"] == "host" and summary["mesh"]["platform"] == "tpu"
     assert summary["mesh"]["source"] == "1 TPU v5e chip (from /dev/vfio; the environment describes a v5litepod-4)"
-    seconds = float(r.stderr.strip().splitlines()[-1])
-    assert seconds < 3.0, f"reshard took {seconds} s to do a 3 KiB job"  # the issue: 17 s opening the chip
+    # the issue: 17 s of a 20 s reshard went on opening the chip; the files and variables take milliseconds
+    # (bounds loose enough for a loaded 2-core CI machine)
+    discovery, whole = map(float, r.stderr.strip().splitlines()[-1].split())
+    assert discovery < 1.0, f"learning the devices took {discovery} s"
+    assert whole < 10.0, f"a 3 KiB reshard took {whole} s"
     # the plain output says where the device came from
     r = run_ckpt("reshard", SRC, str(tmp_path / "out2"), "--mesh", "data=1,model=1", env=env)
     assert r.returncode == 0, r.stderr
