@@ -19,9 +19,12 @@ only when one write exceeds the OCDBT target data file size (2 GiB; 400 MiB
 on gs://). We compute the same shapes, and give each chunk to the process
 that owns the device orbax would have had write it.
 
-jax is imported only to learn this job's devices (the default layout) and,
-through distributed.py, for multi-host barriers; `--devices N` plans for N
-devices that need not exist.
+The devices laid out for: `--devices N` (ids 0..N-1, none need exist),
+`--topology NAME` (a named TPU slice, in jax's mesh order), else this
+host's accelerators as topology.py learns them without opening them (a
+held TPU stays untouched), else jax's own devices, which on a CPU-only
+machine open in milliseconds. jax is otherwise imported only through
+distributed.py, for multi-host barriers.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
 from .text import is_ascii_number
+from .topology import Topology, host_topology, named_topology
 from .writers import TargetArray, WritePlan
 
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
@@ -60,6 +64,7 @@ Spec = tuple[tuple[str, ...], ...]
 class ReshardOptions:
     mesh: str  # "data=2,model=4"
     devices: int | None = None  # plan for N devices (ids 0..N-1) instead of this job's
+    topology: str | None = None  # plan for a named TPU slice (v5e:2x4, v5litepod-8) instead of this job's
     rules: str | list[Any] | None = None  # a TOML/JSON file, or the parsed list of [regex, spec]
     fsdp: str | None = None  # shard each array's largest divisible free dimension over this axis
     zarr3: bool = False
@@ -86,8 +91,9 @@ class DeviceMesh:
     shape: tuple[int, ...]
     device_ids: tuple[int, ...]
     processes: tuple[int, ...]  # the process owning each device, same order
-    origin: str  # "jax" (this job's devices) or "--devices"
+    origin: str  # "jax" (this job's devices), "host" (this host's, seen without jax), "--devices" or "--topology"
     platform: str | None = None
+    source: str | None = None  # where the devices were learned and what was assumed (topology.Topology.describe)
 
     @property
     def size(self) -> int:
@@ -107,7 +113,7 @@ class DeviceMesh:
         return {
             "axis_names": list(self.axis_names), "shape": list(self.shape), "devices": self.size,
             "device_ids": list(self.device_ids), "processes": self.process_count,
-            "origin": self.origin, "platform": self.platform,
+            "origin": self.origin, "platform": self.platform, "source": self.source,
         }
 
 
@@ -139,15 +145,53 @@ def mesh_for_devices(axes: Sequence[tuple[str, int]], devices: int, process_coun
     return DeviceMesh(names, shape, tuple(range(devices)), tuple(i // per for i in range(devices)), "--devices")
 
 
+# what to say wherever this machine's devices cannot be learned
+_OTHER_LAYOUT = "pass --devices N (ids 0..N-1) or --topology NAME (a TPU slice, e.g. v5e:2x4) to lay out without them"
+
+
+def mesh_for_topology(axes: Sequence[tuple[str, int]], topo: Topology, process_count: int = 1) -> DeviceMesh:
+    """A mesh over `topo`'s devices in jax's mesh order; each device's writer is its host's
+    process when this run has one process per host, else the devices are split process-major."""
+    names, shape = tuple(a for a, _ in axes), tuple(s for _, s in axes)
+    size, ids, hosts = topo.size, topo.device_ids, topo.processes
+    if topo.platform == "gpu" and process_count > 1:
+        # every process of a GPU job sees its own GPUs; jax numbers them process by process
+        size *= process_count
+        ids, hosts = tuple(range(size)), tuple(i // topo.size for i in range(size))
+    want = math.prod(shape)
+    if want != size:
+        what = f"{size} device{'s' * (size != 1)}" if size != topo.size else topo.describe()
+        raise UsageError(f"--mesh {_fmt_axes(axes)} needs {want} devices but this job has {what}; "
+                         f"pass --devices {want} or --topology NAME to lay out for another topology")
+    order = topo.mesh_order(shape) if size == topo.size else list(range(size))
+    if process_count == max(hosts) + 1:
+        processes = tuple(hosts[i] for i in order)
+    else:
+        if size % process_count:
+            raise UsageError(f"{size} devices cannot be split evenly over {process_count} processes")
+        per = size // process_count
+        processes = tuple(i // per for i in range(size))
+    origin = "--topology" if topo.source.startswith("--topology") else "host"
+    return DeviceMesh(names, shape, tuple(ids[i] for i in order), processes, origin, topo.platform, topo.describe())
+
+
+def _backend_failure(exc: BaseException) -> str:
+    """The backend's complaint, one line, without its advice to delete a lock another job holds."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r'\s*Run "\$ sudo rm [^"]*"\.?', "", text).strip()
+
+
 def mesh_from_jax(axes: Sequence[tuple[str, int]]) -> DeviceMesh:
     """A mesh over this job's jax devices (all processes' devices in a multi-host run)."""
     try:
         import jax
     except ImportError:
-        raise CkptError("laying out for this machine's devices needs jax (pip install jax); "
-                        "or pass --devices N to lay out for N devices") from None
+        raise CkptError(f"laying out for this machine's devices needs jax (pip install jax); or {_OTHER_LAYOUT}") from None
     names, shape = tuple(a for a, _ in axes), tuple(s for _, s in axes)
-    devices = jax.devices()
+    try:
+        devices = jax.devices()
+    except Exception as exc:  # noqa: BLE001 - jax raises RuntimeError/JaxRuntimeError for a held or absent chip
+        raise CkptError(f"jax cannot open this machine's devices ({_backend_failure(exc)}); {_OTHER_LAYOUT}") from None
     want = math.prod(shape)
     if want != len(devices):
         platform = devices[0].platform if devices else "none"
@@ -560,7 +604,13 @@ def _owners(lp: LeafPlan, target: TargetArray, mesh: DeviceMesh) -> list[int]:
 def resolve_mesh(opts: ReshardOptions, process_count: int) -> DeviceMesh:
     axes = parse_mesh(opts.mesh)
     if opts.devices is not None:
+        if opts.topology is not None:
+            raise UsageError("--devices and --topology both say which devices to lay out for; pass one")
         return mesh_for_devices(axes, opts.devices, process_count)
+    # a named slice, else this host's accelerators seen without opening them (a held chip stays untouched)
+    topo = named_topology(opts.topology) if opts.topology is not None else host_topology()
+    if topo is not None:
+        return mesh_for_topology(axes, topo, process_count)
     mesh = mesh_from_jax(axes)
     if mesh.process_count > process_count:
         raise CkptError(

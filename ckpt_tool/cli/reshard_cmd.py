@@ -26,7 +26,10 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.argument("dst")
 @click.option("--mesh", required=True, metavar="AXIS=SIZE,...", help="The new mesh's axes and sizes, e.g. data=2,model=4.")
 @click.option("--devices", type=click.IntRange(min=1), metavar="N",
-              help="Lay out for N devices (ids 0..N-1) instead of this machine's jax devices; needs no device.")
+              help="Lay out for N devices (ids 0..N-1) instead of this machine's devices; needs no device.")
+@click.option("--topology", metavar="NAME",
+              help="Lay out for a TPU slice (v5e:2x4, v5e:16x16, v5litepod-8, v6e-256), its chips in the order jax "
+                   "lays a mesh over them, instead of this machine's devices; needs no device.")
 @click.option("--rules", "rules", metavar="FILE",
               help="A JSON or TOML file of [regex, partition spec] rules; each regex is searched in the "
                    "'/'-joined keys, the first match wins. "
@@ -44,7 +47,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @multihost_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the plan with --dry-run, else a summary).")
 def reshard_command(
-    src: str, dst: str, mesh: str, devices: int | None, rules: str | None, fsdp: str | None, dry_run: bool,
+    src: str, dst: str, mesh: str, devices: int | None, topology: str | None, rules: str | None, fsdp: str | None, dry_run: bool,
     zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
     select: tuple[str, ...], exclude: tuple[str, ...],
@@ -53,12 +56,12 @@ def reshard_command(
 
     spec = process_spec(coordinator, num_processes, process_id)
     opts = ReshardOptions(
-        mesh=mesh, devices=devices, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
+        mesh=mesh, devices=devices, topology=topology, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, skip_unsupported=skip_unsupported, memory=memory,
         select=list(select), exclude=list(exclude),
     )
-    if dry_run and devices is not None:
-        # a plan for N hypothetical devices needs neither devices nor the other hosts
+    if dry_run and (devices is not None or topology is not None):
+        # a plan for hypothetical devices needs neither devices nor the other hosts
         opts.process_count = spec.num_processes
         plan = plan_reshard(src, dst, opts)
         _show_plan(Output(json_mode=as_json), plan, as_json)
@@ -68,7 +71,7 @@ def reshard_command(
     # after the coordinator, which moves sys.stdout away from fd 1 (gloo's chatter)
     out = Output(json_mode=as_json)
     with coord or nullcontext():
-        if coord is not None and coord.kind == TORCH and devices is None:
+        if coord is not None and coord.kind == TORCH and devices is None and topology is None:
             # without jax.distributed there are no global jax devices: the mesh's devices are
             # ids 0..N-1, each process owning an equal run of them, as with --devices N
             opts.devices = _mesh_devices(mesh, coord.process_count)
@@ -94,6 +97,8 @@ def reshard_command(
         out.line(f"[yellow]{esc(note)}[/yellow]: {esc(', '.join(paths[:3]))}{more}")
     for path, reason in plan.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    if plan.mesh.source:  # learned without jax: say from where, and what was assumed
+        out.line(f"devices: {esc(plan.mesh.source)}")
     where = process_note(result.process_index, result.process_count)
     out.line(
         f"[bold green]resharded[/bold green] {esc(src)} ({plan.source_format}) -> {esc(dst)} for mesh "
@@ -125,9 +130,11 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
     m = plan.mesh
     ids = m.device_ids
     id_text = f"{ids[0]}..{ids[-1]}" if list(ids) == list(range(ids[0], ids[0] + len(ids))) else ", ".join(map(str, ids))
-    origin = "--devices" if m.origin == "--devices" else f"this job's {m.platform} devices"
+    origin = {"--devices": "--devices", "--topology": "--topology", "host": f"this host's {m.platform} devices"}.get(
+        m.origin, f"this job's {m.platform} devices")
     out.header(f"reshard plan: {esc(plan.source)} ({plan.source_format}) -> {esc(plan.destination)}", [
         ("mesh", f"{esc(m.describe())}: {plural(m.size, 'device')} ({origin}, ids {esc(id_text)})"),
+        *([("devices", esc(m.source))] if m.source else []),  # learned without jax: from where, what was assumed
         ("processes", str(plan.process_count)),
         ("leaves", f"{plural(sum(lp.placement == 'mesh' for lp in plan.leaves), 'array')} on the mesh, "
                    f"{plural(sum(lp.placement == 'host' for lp in plan.leaves), 'host array')}, {plural(len(plan.values), 'value')}"),

@@ -1,0 +1,474 @@
+"""The TPU-host bench (issue 32): ckpt on a TPU VM, against the disk and orbax's own route.
+
+Run through bench/tpu_host.sh, which installs ckpt for the host's python
+first. Steps, each timed, into one table (OUT/table.txt, OUT/results.json):
+
+- write a checkpoint from the chip with the host's orbax (a CheckpointManager
+  save of a 158-leaf bf16/f32 tree on a (data, model) mesh; ~2.3 GiB, or a
+  few MiB with SIZE=small);
+- ckpt inspect, validate --deep; reshard for this host (no --devices), a
+  v5e-8 and a v5e-256 (--topology); convert to DCP and to safetensors;
+- restore every output with orbax onto the chip and compare its bytes with
+  the source's (safetensors: read with an independent 10-line parser; DCP:
+  converted back to Orbax by ckpt, then restored by orbax). Any difference:
+  exit 1;
+- the floors: `cp -r && sync` of the source; reshard with 1, 2, 8, 13 and the
+  default workers; orbax itself (restore onto the chip with the new
+  shardings, then save, in the process that already holds the chip);
+- reshard without --devices while another process holds the chip, and its
+  start-up time.
+
+Only child processes open the chip (one program at a time can hold it): the
+driver never imports jax, so that the held-chip step can hand it to a holder.
+
+TPU_HOST_BENCH_PLATFORM=cpu SIZE=small runs it all on 8 CPU devices (for
+debugging before a TPU run, and tests/test_tpu_host_bench.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PLATFORM = os.environ.get("TPU_HOST_BENCH_PLATFORM", "tpu")
+SIZE = os.environ.get("SIZE", "full")
+# the tree: 12 layers of 13 leaves, an embedding and a final norm = 158 leaves
+LAYERS = 12
+DIMS = {"full": dict(d=2048, f=5632, vocab=50304), "small": dict(d=256, f=512, vocab=1024)}
+HOLD_READY = "holding the chip"
+
+
+# -- child processes: the only ones that open the chip ------------------------------------------
+
+
+def _jax_env() -> None:
+    if PLATFORM == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+
+def _source_mesh():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    model = 4 if len(devices) % 4 == 0 else 1
+    return Mesh(np.array(devices).reshape(len(devices) // model, model), ("data", "model"))
+
+
+def _tree_specs() -> dict[str, tuple[tuple[int, ...], str, tuple]]:
+    """leaf path -> (shape, dtype, partition spec)."""
+    dims = DIMS[SIZE]
+    d, f, vocab = dims["d"], dims["f"], dims["vocab"]
+    specs: dict[str, tuple[tuple[int, ...], str, tuple]] = {
+        "params/embed/embedding": ((vocab, d), "float32", ("model", None)),
+        "params/final_norm/scale": ((d,), "float32", ()),
+    }
+    for i in range(LAYERS):
+        p = f"params/layer_{i}"
+        for w in ("q", "k", "v"):
+            specs[f"{p}/attn/{w}/kernel"] = ((d, d), "bfloat16", ("data", "model"))
+            specs[f"{p}/attn/{w}/bias"] = ((d,), "float32", ("model",))
+        specs[f"{p}/attn/o/kernel"] = ((d, d), "bfloat16", ("model", "data"))
+        specs[f"{p}/attn/o/bias"] = ((d,), "float32", ())
+        specs[f"{p}/mlp/wi_0/kernel"] = ((d, f), "float32", (None, "model"))
+        specs[f"{p}/mlp/wi_1/kernel"] = ((d, f), "float32", (None, "model"))
+        specs[f"{p}/mlp/wo/kernel"] = ((f, d), "float32", ("model", None))
+        specs[f"{p}/ln_1/scale"] = ((d,), "float32", ())
+        specs[f"{p}/ln_2/scale"] = ((d,), "float32", ())
+    return specs
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, last = path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return tree
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def child_write(root: str) -> dict[str, Any]:
+    """Save the source with a CheckpointManager, from the chip."""
+    _jax_env()
+    t0 = time.perf_counter()
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = _source_mesh()
+    opened = time.perf_counter() - t0
+    flat = {}
+    makers: dict[tuple, Any] = {}  # one compiled generator per (shape, dtype, spec): 8 kinds, not 158 compiles
+    for n, (path, (shape, dtype, spec)) in enumerate(_tree_specs().items()):
+        make = makers.get((shape, dtype, spec))
+        if make is None:
+            make = makers[shape, dtype, spec] = jax.jit(
+                lambda key, shape=shape, dtype=dtype: jax.random.normal(key, shape, jnp.float32).astype(dtype),
+                out_shardings=NamedSharding(mesh, P(*spec)))
+        flat[path] = make(jax.random.key(n))
+    tree = _nest(flat)
+    jax.block_until_ready(tree)
+    t1 = time.perf_counter()
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(0, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+    nbytes = sum(int(a.nbytes) for a in flat.values())
+    return {"seconds": time.perf_counter() - t1, "open_seconds": opened, "bytes": nbytes, "leaves": len(flat),
+            "mesh": dict(mesh.shape), "devices": len(jax.devices()), "platform": jax.devices()[0].platform,
+            "orbax": getattr(ocp, "__version__", "?"), "jax": jax.__version__}
+
+
+def _restore_args(path: str, sharding):
+    import jax
+    import orbax.checkpoint as ocp
+
+    meta = ocp.PyTreeCheckpointer().metadata(path)
+    tree = getattr(meta, "item_metadata", None)
+    tree = getattr(tree, "tree", tree) if tree is not None else meta
+    tree = getattr(tree, "tree", tree)
+    return jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(m.shape), dtype=m.dtype), tree)
+
+
+def _restore(path: str, sharding) -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
+    args = ocp.args.PyTreeRestore(restore_args=_restore_args(path, sharding))
+    return ocp.PyTreeCheckpointer().restore(path, args=args)
+
+
+def _host_bytes(tree: Any) -> dict[str, bytes]:
+    import jax
+    import numpy as np
+
+    return {k: np.asarray(jax.device_get(v)).tobytes() for k, v in _flatten(tree).items()}
+
+
+def _safetensors(path: str) -> dict[str, bytes]:
+    """name -> raw bytes, by the format's definition (8-byte header length, JSON header, data)."""
+    out: dict[str, bytes] = {}
+    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
+    for file in files:
+        data = file.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, stop = info["data_offsets"]
+                out[name] = data[8 + n + start:8 + n + stop]
+    return out
+
+
+def child_verify(plan: dict[str, Any]) -> dict[str, Any]:
+    """Restore every output onto this host's devices with orbax, compare bytes; then orbax's own reshard route."""
+    _jax_env()
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    t0 = time.perf_counter()
+    devices = jax.devices()
+    one = NamedSharding(Mesh(devices[:1], ("x",)), P())  # each leaf whole on the first device: any layout restores
+    source = _host_bytes(_restore(plan["source"], one))
+    results: dict[str, Any] = {"source_restore_seconds": time.perf_counter() - t0, "compared": {}}
+    for name, path in plan["orbax_outputs"].items():
+        t = time.perf_counter()
+        got = _host_bytes(_restore(path, one))
+        results["compared"][name] = _compare(source, got, time.perf_counter() - t)
+    for name, path in plan["safetensors_outputs"].items():
+        t = time.perf_counter()
+        raw = _safetensors(path)
+        got = {k: raw.get(k, raw.get(k.replace("/", "."))) for k in source}
+        results["compared"][name] = _compare(source, got, time.perf_counter() - t)
+
+    # orbax's own route for this host's layout: restore with the new shardings (the chip already open), save
+    mesh = _host_mesh(plan["host_mesh"])
+    shardings = plan["host_specs"]
+    t = time.perf_counter()
+    restore_args = _restore_args(plan["source"], None)
+    flat_args = _flatten(restore_args)
+    for k, a in flat_args.items():
+        a.sharding = NamedSharding(mesh, P(*[tuple(e) if isinstance(e, list) else e for e in shardings.get(k, [])]))
+    tree = ocp.PyTreeCheckpointer().restore(plan["source"], args=ocp.args.PyTreeRestore(restore_args=_nest(flat_args)))
+    jax.block_until_ready(tree)
+    restored = time.perf_counter() - t
+    t = time.perf_counter()
+    ocp.PyTreeCheckpointer().save(plan["orbax_route_out"], args=ocp.args.PyTreeSave(tree))
+    results["orbax_route"] = {"restore_seconds": restored, "save_seconds": time.perf_counter() - t,
+                              "seconds": time.perf_counter() - t + restored}
+    del tree
+    t = time.perf_counter()
+    got = _host_bytes(_restore(plan["orbax_route_out"], one))
+    results["compared"]["orbax route (restore+save)"] = _compare(source, got, time.perf_counter() - t)
+    return results
+
+
+def _host_mesh(mesh: dict[str, int]):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    n = int(np.prod(list(mesh.values())))
+    return Mesh(np.array(jax.devices()[:n]).reshape(tuple(mesh.values())), tuple(mesh))
+
+
+def _compare(source: dict[str, bytes], got: dict[str, bytes | None], seconds: float) -> dict[str, Any]:
+    bad = [k for k in source if got.get(k) != source[k]]
+    return {"ok": not bad, "leaves": len(source), "differ": bad[:5], "differ_count": len(bad), "seconds": seconds}
+
+
+def child_hold() -> None:
+    """Open the chip and keep it until stdin closes (the held-chip step)."""
+    _jax_env()
+    import jax
+
+    x = jax.numpy.ones((1024, 1024))
+    x.block_until_ready()
+    print(HOLD_READY, jax.devices()[0].platform, flush=True)
+    sys.stdin.read()
+
+
+# -- the driver (no jax) ---------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, out: Path, work: Path, python: list[str]) -> None:
+        self.out, self.work, self.python = out, work, python
+        self.rows: list[dict[str, Any]] = []
+        self.failed: list[str] = []
+
+    def child(self, what: str, *args: str) -> dict[str, Any]:
+        r = subprocess.run([*self.python, __file__, what, *args], capture_output=True, text=True, cwd=self.work)
+        if r.returncode != 0:
+            raise RuntimeError(f"{what} failed:\n{r.stderr[-4000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def ckpt(self, step: str, *args: str, nbytes: int | None = None, env: dict[str, str] | None = None,
+             expect: int = 0) -> dict[str, Any]:
+        t = time.perf_counter()
+        # from the scratch folder: `-m` puts the working folder first on sys.path, and a checkout there would
+        # shadow the ckpt tpu_host.sh installed
+        r = subprocess.run([*self.python, "-m", "ckpt_tool", *args], capture_output=True, text=True,
+                           env={**os.environ, **(env or {})}, cwd=self.work)
+        seconds = time.perf_counter() - t
+        row = self.row(step, seconds, nbytes, ok=r.returncode == expect,
+                       note="" if r.returncode == expect else f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
+        row["stdout"] = r.stdout
+        return row
+
+    def row(self, step: str, seconds: float, nbytes: int | None = None, ok: bool = True, note: str = "") -> dict[str, Any]:
+        row = {"step": step, "seconds": round(seconds, 3), "bytes": nbytes, "ok": ok, "note": note}
+        if nbytes and seconds > 0:
+            row["GiB/s"] = round(nbytes / seconds / 2**30, 3)
+        self.rows.append(row)
+        if not ok:
+            self.failed.append(step)
+        print(f"{step:<72} {seconds:8.2f} s  {'ok' if ok else 'FAILED'}  {note}", file=sys.stderr, flush=True)
+        return row
+
+    def table(self) -> str:
+        lines = [f"{'step':<72} {'seconds':>9} {'GiB':>7} {'GiB/s':>7}  result"]
+        for r in self.rows:
+            gib = f"{r['bytes'] / 2**30:.2f}" if r["bytes"] else "-"
+            rate = f"{r['GiB/s']:.2f}" if "GiB/s" in r else "-"
+            lines.append(f"{r['step']:<72} {r['seconds']:>9.2f} {gib:>7} {rate:>7}  "
+                         f"{'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}")
+        return "\n".join(lines)
+
+
+def _disk_floor(src: Path, dst: Path) -> float:
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t
+
+
+def held_chip_reshard(bench: Bench, src: str, dst: str, mesh: str) -> None:
+    """`ckpt reshard` without --devices while another process holds the chip."""
+    holder = subprocess.Popen([*bench.python, __file__, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=bench.work)
+    try:
+        line = holder.stdout.readline()
+        if HOLD_READY not in line:
+            bench.row("reshard while another process holds the chip", 0.0, ok=False,
+                      note=f"the holder did not start: {holder.stderr.read()[-300:]}")
+            return
+        t = time.perf_counter()
+        probe = ("import sys, time, runpy; sys.argv = ['ckpt'] + sys.argv[1:]; t = time.perf_counter(); "
+                 "from ckpt_tool.reshard import ReshardOptions, resolve_mesh; "
+                 "m = resolve_mesh(ReshardOptions(mesh=sys.argv[-1]), 1); "
+                 "print(round(time.perf_counter() - t, 3), m.source, flush=True)")
+        r = subprocess.run([*bench.python, "-c", probe, mesh], capture_output=True, text=True, cwd=bench.work)
+        start = r.stdout.strip()
+        row = bench.ckpt("reshard while another process holds the chip", "reshard", src, dst, "--mesh", mesh)
+        row["note"] = (row["note"] + f" devices learned in {start.split(' ', 1)[0]} s "
+                       f"(process start {time.perf_counter() - t - row['seconds']:.2f} s): {start.partition(' ')[2]}").strip()
+        row["devices_seconds"] = float(start.split(" ", 1)[0]) if r.returncode == 0 else None
+        if r.returncode != 0 or row["devices_seconds"] > 3.0:
+            row["ok"] = False
+            bench.failed.append("held-chip start")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def main(out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    _jax_env()  # for the children, ckpt's included (the driver itself never imports jax)
+    work = Path(os.environ.get("WORK") or out / "work")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    python = [sys.executable]
+    bench = Bench(out, work, python)
+    root = work / "manager"
+    try:
+        written = bench.child("write", str(root))
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    nbytes = written["bytes"]
+    bench.row(f"orbax CheckpointManager save ({written['leaves']} leaves, {written['platform']})", written["seconds"], nbytes,
+              note=f"mesh {written['mesh']}; jax {written['jax']}, orbax {written['orbax']}; devices opened in "
+                   f"{written['open_seconds']:.1f} s")
+    src = str(root / "0" / "default")
+    host = {"data": 1, "model": 1} if written["devices"] == 1 else {"data": 2, "model": written["devices"] // 2}
+    host_mesh = ",".join(f"{k}={v}" for k, v in host.items())
+
+    bench.ckpt("ckpt inspect", "inspect", src, "--json")
+    bench.ckpt("ckpt validate --deep", "validate", src, "--deep", nbytes=nbytes)
+    layouts = {
+        f"this host: --mesh {host_mesh} (no --devices)": ["--mesh", host_mesh],
+        "v5e-8: --mesh data=2,model=4 --topology v5e:2x4": ["--mesh", "data=2,model=4", "--topology", "v5e:2x4"],
+        "v5e-256: --mesh data=16,model=16 --fsdp data --topology v5e:16x16":
+            ["--mesh", "data=16,model=16", "--fsdp", "data", "--topology", "v5e:16x16"],
+    }
+    orbax_outputs: dict[str, str] = {}
+    for i, (name, args) in enumerate(layouts.items()):
+        dst = str(work / f"reshard_{i}")
+        row = bench.ckpt(f"reshard {name}", "reshard", src, dst, *args, "--json", nbytes=nbytes)
+        if row["ok"]:
+            row["note"] = json.loads(row["stdout"])["mesh"].get("source") or "jax's devices"
+            orbax_outputs[f"reshard {name}"] = dst
+    host_specs = _host_specs(bench, src, host_mesh)
+
+    dcp = str(work / "dcp")
+    if bench.ckpt("convert orbax -> DCP", "convert", src, dcp, "--to", "dcp", nbytes=nbytes)["ok"]:
+        back = str(work / "dcp_back")
+        if bench.ckpt("convert DCP -> orbax (to restore with orbax)", "convert", dcp, back, "--to", "orbax",
+                      nbytes=nbytes)["ok"]:
+            orbax_outputs["convert orbax -> DCP (-> orbax)"] = back
+    st = str(work / "safetensors")
+    st_ok = bench.ckpt("convert orbax -> safetensors", "convert", src, st, "--to", "safetensors", nbytes=nbytes)["ok"]
+
+    bench.row("disk floor: cp -r && sync", _disk_floor(Path(src), work / "copy"), nbytes)
+    shutil.rmtree(work / "copy")
+    for workers in (1, 2, 8, 13, None):
+        dst = str(work / f"workers_{workers}")
+        extra = ["--workers", str(workers)] if workers else []
+        bench.ckpt(f"reshard this host, --workers {workers or 'default'}", "reshard", src, dst, "--mesh", host_mesh,
+                   *extra, nbytes=nbytes)
+        shutil.rmtree(dst, ignore_errors=True)
+
+    held_chip_reshard(bench, src, str(work / "held"), host_mesh)
+
+    plan = {"source": src, "orbax_outputs": orbax_outputs, "safetensors_outputs": {"convert orbax -> safetensors": st} if st_ok else {},
+            "host_mesh": host, "host_specs": host_specs, "orbax_route_out": str(work / "orbax_route")}
+    try:
+        verified = bench.child("verify", json.dumps(plan))
+    except RuntimeError as exc:
+        bench.row("restore with orbax and compare", 0.0, ok=False, note=str(exc)[-300:])
+        verified = {"compared": {}}
+    for name, c in verified["compared"].items():
+        bench.row(f"bytes equal: {name}", c["seconds"], ok=c["ok"],
+                  note=f"{c['leaves']} leaves" + (f"; {c['differ_count']} differ: {c['differ']}" if not c["ok"] else ""))
+    if "orbax_route" in verified:
+        o = verified["orbax_route"]
+        bench.row("orbax route: restore with new shardings + save", o["seconds"], nbytes,
+                  note=f"restore {o['restore_seconds']:.2f} s, save {o['save_seconds']:.2f} s (chip already open)")
+
+    text = bench.table()
+    (out / "table.txt").write_text(text + "\n")
+    for r in bench.rows:
+        r.pop("stdout", None)
+    (out / "results.json").write_text(json.dumps({"written": written, "rows": bench.rows, "verify": verified,
+                                                  "failed": bench.failed}, indent=1) + "\n")
+    print(text)
+    if bench.failed:
+        print(f"FAILED: {', '.join(bench.failed)}", file=sys.stderr)
+        return 1
+    if os.environ.get("KEEP_WORK") != "1":
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _host_specs(bench: Bench, src: str, host_mesh: str) -> dict[str, list]:
+    """The specs ckpt's plan gives each leaf for this host's mesh (orbax's route uses the same)."""
+    r = subprocess.run([*bench.python, "-m", "ckpt_tool", "reshard", src, str(bench.work / "unused"), "--mesh", host_mesh,
+                        "--dry-run", "--json"], capture_output=True, text=True, cwd=bench.work)
+    if r.returncode != 0:
+        return {}
+    return {lp["leaf"]: lp["new_spec"] or [] for lp in json.loads(r.stdout)["leaves"]}
+
+
+def missing(names: list[str]) -> list[str]:
+    """The requirements of `names` (and theirs, recursively) that no distribution on sys.path provides.
+
+    Any installed version counts: the host's jax, numpy, ... are what the bench measures,
+    and pip's resolver would replace them in the --target folder."""
+    from importlib import metadata
+
+    from pip._vendor.packaging.requirements import Requirement  # (pip is how tpu_host.sh installs anyway)
+    from pip._vendor.packaging.utils import canonicalize_name
+
+    installed = {canonicalize_name(d.metadata["Name"]): d for d in metadata.distributions() if d.metadata["Name"]}
+    wanted: dict[str, str] = {}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [Requirement(n) for n in names]
+    while todo:
+        req = todo.pop()
+        key, extras = canonicalize_name(req.name), frozenset(req.extras)
+        if (key, extras) in seen:
+            continue
+        seen.add((key, extras))
+        dist = installed.get(key)
+        if dist is None:
+            wanted.setdefault(key, req.name + (f"[{','.join(sorted(extras))}]" if extras else "") + str(req.specifier))
+            continue
+        for text in dist.requires or []:
+            dep = Requirement(text)
+            # a dependency counts if unconditional, or gated by an extra that was asked for
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                todo.append(dep)
+    return sorted(wanted.values())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "missing":
+        print(" ".join(missing(sys.argv[2:])))
+    elif len(sys.argv) > 1 and sys.argv[1] == "write":
+        print(json.dumps(child_write(sys.argv[2])))
+    elif len(sys.argv) > 1 and sys.argv[1] == "verify":
+        print(json.dumps(child_verify(json.loads(sys.argv[2]))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "hold":
+        child_hold()
+    else:
+        sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "tpu_host_bench"))))

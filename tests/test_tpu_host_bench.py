@@ -1,0 +1,44 @@
+"""bench/tpu_host.sh in its CPU mode: the TPU-host bench debugged before it spends device time.
+
+8 CPU devices stand in for the chip and a few MiB for the 2.3 GiB checkpoint; every step
+runs as on the TPU VM (write with orbax, inspect, validate, reshard for this host, a
+v5e-8 and a v5e-256, convert, restore every output with orbax and compare bytes, the
+floors, a reshard while another process holds the devices).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("orbax.checkpoint")
+
+
+@pytest.mark.slow
+def test_tpu_host_bench_small_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_", "XLA_"))}
+    env.update(TPU_HOST_BENCH_PLATFORM="cpu", SIZE="small", INSTALL="0", PYTHON=sys.executable,
+               PYTHONPATH=str(ROOT))
+    r = subprocess.run(["bash", str(ROOT / "bench" / "tpu_host.sh"), str(out)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=1200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed"] == [] and results["written"]["leaves"] == 158 and results["written"]["devices"] == 8
+    steps = {row["step"]: row for row in results["rows"]}
+    compared = [s for s in steps if s.startswith("bytes equal: ")]
+    # three reshards, the DCP round trip, safetensors, and orbax's own route: each restored and compared
+    assert len(compared) == 6 and all(steps[s]["ok"] for s in compared)
+    assert all(results["verify"]["compared"][s.removeprefix("bytes equal: ")]["leaves"] == 158 for s in compared)
+    assert steps["reshard v5e-256: --mesh data=16,model=16 --fsdp data --topology v5e:16x16"]["note"] == \
+        "256 TPU v5e chips of a v5e:16x16 (from --topology v5e:16x16)"
+    assert {f"reshard this host, --workers {w}" for w in (1, 2, 8, 13, "default")} <= set(steps)
+    assert "reshard while another process holds the chip" in steps
+    table = (out / "table.txt").read_text()
+    assert table.splitlines()[0].split()[:2] == ["step", "seconds"] and len(table.splitlines()) == len(steps) + 1
+    assert not (out / "work").exists()  # scratch removed after a clean run
