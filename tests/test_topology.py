@@ -290,3 +290,19 @@ def test_cpu_machines_still_ask_jax(tmp_path):
     assert r.returncode == 0, r.stderr
     mesh = json.loads(r.stdout)["mesh"]
     assert mesh["origin"] == "jax" and mesh["platform"] == "cpu" and mesh["source"] is None
+
+
+def test_named_slices_agree_with_jax_on_a_tpu_host():
+    """ids, coordinates and jax.make_mesh's order as jax 0.10.2 gave them on a v5e host (recorded
+    there by the lead's device probe; tests/data/jax_v5e_topologies.json says how)."""
+    recorded = json.loads((Path(__file__).parent / "data" / "jax_v5e_topologies.json").read_text())["slices"]
+    meshes = 0
+    for name, jax_slice in recorded.items():
+        topo = named_topology(name)
+        assert list(topo.device_ids) == jax_slice["ids"], name
+        assert [list(c) for c in topo.coords] == jax_slice["coords"], name
+        for shape_text, jax_ids in jax_slice["make_mesh"].items():
+            shape = tuple(int(s) for s in shape_text.strip("()").split(",") if s.strip())
+            assert [topo.device_ids[i] for i in topo.mesh_order(shape)] == jax_ids, (name, shape)
+            meshes += 1
+    assert len(recorded) == 7 and meshes >= 20
