@@ -578,6 +578,7 @@ def _refusal(
         message = message if len(message) <= 300 else message[:297] + "..."
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     option = f" --step {step}" if step not in (None, "latest") else ""
+    kind: type[CkptError]
     if first.code in _LOST_DATA:
         kind, what = IncompleteCheckpointError, "the source is incomplete"
     elif first.code == "path-escape":

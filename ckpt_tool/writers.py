@@ -123,7 +123,7 @@ def byte_runs(shape: tuple[int, ...], region: Region, itemsize: int) -> Iterator
     length = sizes[k] * strides[k]
     outer = [range(r.start, r.stop) for r in region[:k]]
 
-    def walk(d: int, base: int):  # noqa: ANN202
+    def walk(d: int, base: int) -> Iterator[tuple[int, int]]:
         if d == k:
             yield base + region[k].start * strides[k], length
             return

@@ -138,7 +138,7 @@ class Executor:
             ]
             st.bufs = [None] * len(st.bufs)
             try:
-                deliver(wi, arrays)  # type: ignore[arg-type]
+                deliver(wi, arrays)
             finally:
                 if st.charged:
                     self.budget.give(st.charged)

@@ -221,8 +221,8 @@ def _group(spans: list[tuple[int, int, int, Any]], limit: int) -> list[list[tupl
                     load[b] += nbytes
                 break
         else:
-            load: Counter = Counter()
+            opened: Counter = Counter()
             for b in range(first, last + 1):
-                load[b] += nbytes
-            passes.append(([span], load))
+                opened[b] += nbytes
+            passes.append(([span], opened))
     return [members for members, _ in passes]

@@ -8,6 +8,7 @@ package docstring.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import os
@@ -101,7 +102,7 @@ class OcdbtBulkReads:
         # values stored out of line: read from their data files where the walk found them
         refs = {k: v for k, v in located.items() if isinstance(v, ocdbt_bulk.IndirectValue)}
         read = read_indirect(self._storage, refs) if refs else {}
-        return {k: read[k] if k in read else located.get(k) for k in self._keys}  # type: ignore[misc] (inline: bytes)
+        return {k: read[k] if k in read else located.get(k) for k in self._keys}  # type: ignore[misc]  # (inline: bytes)
 
 
 def read_indirect(view: "Storage", refs: dict[str, ocdbt_bulk.IndirectValue]) -> dict[str, bytes]:
@@ -315,7 +316,7 @@ class Storage:
             return list(keys)
         return keys
 
-    def _list_uncached(self, rel: str) -> list[str]:
+    def _list_uncached(self, rel: str) -> builtins.list[str]:
         try:
             if rel:
                 rng = ts.KvStore.KeyRange(inclusive_min=rel, exclusive_max=rel[:-1] + chr(ord("/") + 1))
@@ -327,12 +328,12 @@ class Storage:
         keys = self.wait(fut, "cannot list keys", self.url)
         return sorted(k.decode("utf-8", "surrogateescape") for k in keys)
 
-    def listdir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+    def listdir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
         """Immediate sub-directories and files under `prefix`."""
         rel = _check_relative(prefix, self.url) if prefix else ""
         start = len(rel) + 1 if rel else 0
         dirs: set[str] = set()
-        files: list[str] = []
+        files: builtins.list[str] = []
         for key in self.list(rel):
             rest = key[start:]
             if "/" in rest:
@@ -415,7 +416,7 @@ class Storage:
             futures[key] = self._kv.read(rel)
         return PendingReads(self, futures)
 
-    def locate_values(self, keys: list[str]) -> dict[str, "bytes | ocdbt_bulk.IndirectValue"]:
+    def locate_values(self, keys: builtins.list[str]) -> dict[str, "bytes | ocdbt_bulk.IndirectValue"]:
         """For an OCDBT view: each present key's value if stored in line, else where it lies
         (read it with read_located), by one walk of the B+tree; absent keys are left out.
 

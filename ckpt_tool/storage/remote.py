@@ -262,7 +262,7 @@ def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) 
         size = int(m.group(5))
         err = TruncatedFileError(ocdbt_truncated_message(size, int(m.group(4))), _object_url(m.group(2), where),
                                  size=size, cause=ocdbt_truncated_cause(size))
-        err.ocdbt_value = (m.group(2), m.group(1))  # type: ignore[attr-defined] (database, key: Storage names the file)
+        err.ocdbt_value = (m.group(2), m.group(1))  # type: ignore[attr-defined]  # (database, key: Storage names the file)
         return err
     denied = _denied(text, where) if endpoint is not None else None
     if denied is not None:
