@@ -25,10 +25,20 @@ the scheduler, validate and the CLI reach it only through the interfaces here:
 
 The wrappers are the only place a hook is looked up by name: a hook a package
 does not define takes the default written beside its declaration, and callers
-type against these classes. tests/test_registry.py checks every registered
-package against `missing_members`; the conformance suite
+type against these classes. Conformance is declared and checked three ways:
+readers and writers subclass the ABCs; each package's __init__ assigns itself,
+its checks.py and write.py to FormatModule, FormatChecksModule and
+FormatWriteModule under TYPE_CHECKING, so that mypy (`make typecheck`) checks
+their signatures; tests/test_registry.py checks every registered package
+against `missing_members`, and the conformance suite
 (tests/conformance/test_conformance_catalogue.py) drops in a throwaway format
-and runs it through read, validate, convert and damage.
+and runs it through read, validate, convert, damage and fuzzing.
+
+Adding a format: the package (NAME, detect, read; an ArrayReader per array
+kind it reads; checks.py; write.py and a CheckpointWriter if it writes), the
+TYPE_CHECKING declaration at the end of its __init__ (as every package has),
+one FormatInfo in formats.REGISTRY, and its fixtures and catalogue rows
+(tests/conformance/catalogue.py).
 
 This module imports nothing heavy and names no format: `ckpt --help` imports
 the registry, and the registry imports this.
@@ -65,7 +75,7 @@ class FormatModule(Protocol):
         never raise for a directory of another format."""
         ...
 
-    def read(self, storage: Storage, *, step: str | int | None = None, **options: str) -> Checkpoint:
+    def read(self, storage: Storage, *, step: str | int | None = None) -> Checkpoint:
         """The checkpoint in `storage`, from its metadata alone (array data is read on request
         through each ArrayLeaf's reader). `step` picks a step of a run root; the format's
         FormatInfo.read_options arrive as keyword arguments too."""
@@ -268,6 +278,22 @@ class CheckpointWriter(ABC):
         return n % count == rank
 
 
+class FormatWriteModule(Protocol):
+    """What a format's write.py defines (a format with FormatInfo.can_write); WriterModule documents
+    each member and gives the optional ones their defaults."""
+
+    TUPLES_AS_VALUES: bool
+
+    def make_writer(self, storage: Storage, *, zarr3: bool, max_shard_size: int | None,
+                    memory: int) -> CheckpointWriter: ...
+
+    def keeps_source_chunks(self, leaf: ArrayLeaf) -> bool: ...
+
+    def target_layout(self, leaf: ArrayLeaf, itemsize: int, cap: int | None, cap_bytes: int) -> ChunkLayout: ...
+
+    def plan_value(self, ctx: PlanContext, keys: tuple[Key, ...], name: str, value: Any, source_path: str) -> None: ...
+
+
 class WriterModule:
     """A format's write module (formats/<name>/write.py) seen through the contract: what the engine
     asks while it plans and starts a conversion (FormatInfo.writer_module())."""
@@ -326,6 +352,13 @@ class WriterModule:
 
 
 # -- validate's checks ---------------------------------------------------------------------------
+
+
+class FormatChecksModule(Protocol):
+    """What a format's checks.py defines; ChecksModule documents it and defaults the optional hooks."""
+
+    def check_path(self, storage: Storage, findings: Findings, *, step: str | int | None = None,
+                   only: str | None = None) -> str | None: ...
 
 
 class ChecksModule:
