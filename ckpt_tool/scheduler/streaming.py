@@ -46,12 +46,13 @@ class _Streamer:
         leaf = lc.leaf
         self.zarr = None
         self.stored_shape: tuple[int, ...] = tuple(chunk.sizes)
-        # a zarr chunk (its reader says where it is) is decoded as a stream
-        stored = reader_of(leaf).stored_chunk(lc.grid_index(index)) if isinstance(leaf.layout, RegularGrid) else None
-        if stored is not None and isinstance(leaf.layout, RegularGrid):
-            self.zarr = stored
-            # zarr stores edge chunks padded to the whole chunk shape
-            self.stored_shape = tuple(leaf.layout.chunk_shape)
+        if isinstance(leaf.layout, RegularGrid):
+            # a zarr chunk (its reader says where it is) is decoded as a stream
+            stored = reader_of(leaf).stored_chunk(lc.grid_index(index))
+            if stored is not None:
+                self.zarr = stored
+                # zarr stores edge chunks padded to the whole chunk shape
+                self.stored_shape = tuple(leaf.layout.chunk_shape)
         self.bands = _bands(self.stored_shape, lc.itemsize, band)
 
     def decoder_bytes(self) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CkptError, NotFoundError, TruncatedFileError, UnreadableFileError
 from ..findings import Findings, Progress
-from ..formats.contract import array_reader
+from ..formats.contract import reader_of
 from ..parallel import run_bounded
 from ..model import ArrayLeaf, Checkpoint, Region, ValueLeaf, split_to_cap, stored_chunks
 from ..scheduler import DEFAULT_MEMORY, Scheduler, Want
@@ -328,4 +328,4 @@ def deep_check(
 def _stored_values(leaf: ArrayLeaf) -> tuple[ArrayLeaf, int | None] | None:
     """(the leaf of the values a view draws from, how many times it repeats each; None: unevenly)
     for a leaf whose reader says it repeats stored elements (`stored_values`); None for any other."""
-    return array_reader(leaf.reader).stored_values() if leaf.reader is not None else None
+    return reader_of(leaf).stored_values()
