@@ -44,7 +44,8 @@ from .output import OutputDir, begin_output, discard_output, finalize_output, pr
 from .storage import Storage
 from .text import is_unicode_text
 from .values import SameObject
-from .writers import CheckpointWriter, Target, TargetArray, TargetValue, WritePlan
+from .formats.contract import CheckpointWriter, WriterModule
+from .writers import Target, TargetArray, TargetValue, WritePlan
 
 # Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
 # at this size unless --chunk-mb says otherwise: zarr chunks are encoded and
@@ -141,7 +142,7 @@ def output_chunk_limit(memory: int) -> int:
     return max(2**20, memory // 8)
 
 
-def _target_layout(leaf: ArrayLeaf, write: Any, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
+def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
     """The output chunks of `leaf` in the format whose write module is `write`."""
     if cap is None:
         # chunks that the memory budget could not hold whole are split (a big stored chunk is
@@ -200,7 +201,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
     gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
     # a writer that stores names and strings as Python str (DCP's pickle) keeps any; the others
     # write them as UTF-8 (a JSON header or metadata, zarr paths, file names), which a lone surrogate is not
-    keeps_any_str = getattr(write, "KEEPS_ANY_STR", False)
+    keeps_any_str = write.KEEPS_ANY_STR
 
     def claim(keys: tuple[Key, ...], source_path: str) -> tuple[str, str]:
         name = ".".join(str(k) for k in keys)
@@ -317,11 +318,10 @@ def _not_text(name: str, target: str) -> str:
 def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
     """The tuples a source records (orbax's rich-types metadata: its format says), else none."""
     info = formats.for_checkpoint(src.format)
-    recorded = getattr(info.module(), "recorded_tuples", None) if info is not None else None
-    return recorded(src) if recorded is not None else set()
+    return info.reader_module().recorded_tuples(src) if info is not None else set()
 
 
-def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]], write: Any) -> Any:
+def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]], write: WriterModule) -> Any:
     """The value of the tuple at `outer` from its element leaves (arrays read whole, as torch holds them)."""
     where = "/".join(str(k) for k in outer)
     root: dict[Key, Any] = {}
@@ -400,7 +400,7 @@ def stream(
                 total += math.prod(r.stop - r.start for r in region) * itemsize
             n += 1
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
-    reserve = int(getattr(writer, "pending_bytes_limit", 0) or 0)
+    reserve = int(writer.pending_bytes_limit)
     scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve)
     progress("write", 0, total)
     done = scheduler.run(on_done=lambda n: progress("write", n, total))
@@ -466,6 +466,15 @@ def _terminate_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _chunk_owner(writer: CheckpointWriter, planned: PlannedWrite | None, rank: int, size: int) -> Callable[[int], bool]:
+    """Whether this process (`rank` of `size`) writes the n-th chunk: a plan made elsewhere (reshard)
+    says its own split, or round robin; else the writer says (safetensors: the owner of its file)."""
+    if planned is not None:
+        chosen = planned.owns
+        return (lambda n: chosen(n, rank)) if chosen is not None else (lambda n: n % size == rank)
+    return lambda n: writer.owns(n, rank, size)
 
 
 def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_size: int | None = None,
@@ -569,6 +578,7 @@ def _refusal(
         message = message if len(message) <= 300 else message[:297] + "..."
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     option = f" --step {step}" if step not in (None, "latest") else ""
+    kind: type[CkptError]
     if first.code in _LOST_DATA:
         kind, what = IncompleteCheckpointError, "the source is incomplete"
     elif first.code == "path-escape":
@@ -771,10 +781,9 @@ def _convert(
             writer.begin(plan)
             rank, size = coord.process_index, coord.process_count
             # a writer whose files each belong to one process (safetensors) says who writes what
-            chosen = planned.owns if planned is not None else getattr(writer, "owns", None)
+            owns = _chunk_owner(writer, planned, rank, size)
             result.chunks, result.bytes = stream(
-                plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory,
-                owns=(lambda n: chosen(n, rank)) if chosen else (lambda n: n % size == rank),
+                plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory, owns=owns,
             )
             if primary:
                 for value in plan.values():

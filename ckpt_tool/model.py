@@ -256,6 +256,8 @@ def normalize_region(index: Any, shape: Sequence[int]) -> Region:
     return tuple(region)
 
 
+# what ArrayLeaf.reader holds: a format's ArrayReader (formats/contract.py, with the hooks the
+# scheduler uses) or a plain function of the region (contract.array_reader gives it the defaults)
 RegionReader = Callable[[Region], np.ndarray]
 
 

@@ -418,6 +418,8 @@ def _nd_torus_splitting_axes(physical: np.ndarray, shape: tuple[int, ...]) -> np
         for candidate in _feasible_assignments(pshape, assignment, size):
             if best is None or _prefer_first(candidate, best, pshape, assignment):
                 best = candidate
+        if best is None:  # as jax: no way to give this logical axis its size over the physical ones
+            raise ValueError(f"no assignment of physical axes {pshape} to mesh axis {axis} of size {size}")
         assignment[:, axis] = best
     physical_idx = np.broadcast_to(np.arange(len(pshape))[:, None], assignment.shape).reshape(-1)
     logical_idx = np.broadcast_to(np.arange(len(shape))[None, :], assignment.shape).reshape(-1)

@@ -1,10 +1,12 @@
-"""What a format writer receives, and the interface every writer implements.
+"""What a format writer receives: the plan of targets, and the engine's planning context.
 
 The streaming engine (engine.py) turns a source Checkpoint into a WritePlan:
 target leaves with their final shape, dtype and chunk layout. A writer
 creates the output from the plan, accepts regions in any order from several
 threads, and finishes by writing the format's metadata and commit markers
-last. Writers never print; they write through a Storage.
+last. Writers never print; they write through a Storage. The interface every
+writer and write module implements is formats/contract.py's (CheckpointWriter,
+WriterModule).
 """
 from __future__ import annotations
 
@@ -72,35 +74,6 @@ class WritePlan:
         return [t for t in self.targets if isinstance(t, TargetValue)]
 
 
-class CheckpointWriter(Protocol):
-    """Writes one checkpoint into a directory that does not exist yet (or is empty).
-
-    Call order: begin(plan) once; write_array(target, chunk_index, region,
-    data) for every chunk of every array this process owns, from any thread;
-    write_value(target) for every value this process owns; then
-    finish_process() on every process; and finally, on the primary only and
-    after every process has finished (a barrier), commit(). abort() drops
-    in-flight state after a failure (the caller removes the temporary
-    directory).
-
-    write_array takes the chunk's array over: the caller must not modify it
-    afterwards, so that a writer may hold on to it until its write is
-    committed instead of copying it (the Orbax writer does).
-    """
-
-    def begin(self, plan: WritePlan) -> None: ...
-
-    def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None: ...
-
-    def write_value(self, target: TargetValue) -> None: ...
-
-    def finish_process(self) -> None: ...
-
-    def commit(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
 class PlanContext(Protocol):
     """What a format's `plan_value` gets from the engine while it plans a conversion.
 
@@ -128,20 +101,6 @@ class PlanContext(Protocol):
         ...
 
 
-# A format's write module (formats/<format>/write.py) provides, for the engine:
-#   make_writer(storage, *, zarr3, max_shard_size, memory) -> CheckpointWriter
-#   keeps_source_chunks(leaf) -> bool: whether it keeps a source's chunks as they are (so a
-#       chunk too big for the memory budget is split to the budget, not to the default size)
-#   target_layout(leaf, itemsize, cap, cap_bytes) -> ChunkLayout: the output chunks of an array
-#       (cap: --chunk-mb or the memory budget's limit in bytes, None when neither applies;
-#       cap_bytes: the cap, or the default chunk size)
-#   plan_value(ctx: PlanContext, keys, name, value, source_path) -> None: a loaded value leaf
-#   TUPLES_AS_VALUES: a tuple of the source is one value there (DCP's bytes item), gathered
-#       from the source's element leaves by gathered_value(value, where) -> value
-#   KEEPS_ANY_STR (optional, default False): it stores any str as a name or string value, lone
-#       surrogates too (DCP's pickle); else one that is not Unicode text is refused (written as UTF-8)
-
-
 def byte_runs(shape: tuple[int, ...], region: Region, itemsize: int) -> Iterator[tuple[int, int]]:
     """(byte offset in the tensor, length) of the contiguous runs of `region`, in C order.
 
@@ -164,7 +123,7 @@ def byte_runs(shape: tuple[int, ...], region: Region, itemsize: int) -> Iterator
     length = sizes[k] * strides[k]
     outer = [range(r.start, r.stop) for r in region[:k]]
 
-    def walk(d: int, base: int):  # noqa: ANN202
+    def walk(d: int, base: int) -> Iterator[tuple[int, int]]:
         if d == k:
             yield base + region[k].start * strides[k], length
             return

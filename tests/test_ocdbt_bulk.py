@@ -186,7 +186,7 @@ def test_small_chunks_from_the_walk_equal_tensorstore_reads(name):
     ck = ckpt_tool.open(os.path.join(FIXTURES, name))
     small = 0
     for leaf in ck.leaves:
-        reader = getattr(getattr(leaf, "reader", None), "__self__", None)
+        reader = getattr(leaf, "reader", None)
         if reader is None or not hasattr(reader, "small_key") or reader.small_key() is None:
             continue
         small += 1

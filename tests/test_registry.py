@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, run_ckpt
 
 from ckpt_tool import formats
+from ckpt_tool.formats import contract
 
 PACKAGE = ROOT / "ckpt_tool"
 
@@ -51,14 +52,21 @@ def test_each_package_has_the_registry_interface(info):
     assert info.claims and info.title
     if info.single_file:
         assert callable(module.split_file) and callable(module.read_file)
-    assert callable(info.checks().check_path)
-    if info.can_write:
-        write = info.writer_module()
-        for name in ("make_writer", "target_layout", "keeps_source_chunks", "plan_value"):
-            assert callable(getattr(write, name)), name
-        assert isinstance(write.TUPLES_AS_VALUES, bool)
+    # the members formats/contract.py requires of the package, its write.py and its checks.py
+    write = info.writer_module() if info.can_write else None
+    assert not contract.missing_members(info.reader_module().module, write.module if write else None,
+                                        info.checks().module)
+    assert callable(info.checks().module.check_path)
+    if write is not None:
+        for name in contract.WriterModule.REQUIRED[:-1]:
+            assert callable(getattr(write.module, name)), name
+        assert isinstance(write.module.TUPLES_AS_VALUES, bool)
         if write.TUPLES_AS_VALUES:
-            assert callable(write.gathered_value)
+            assert callable(write.module.gathered_value)
+        # its writer is one: the engine calls the contract's hooks on it, defaulted or its own
+        writers = [v for v in vars(write.module).values()
+                   if isinstance(v, type) and v.__module__ == write.module.__name__ and issubclass(v, contract.CheckpointWriter)]
+        assert writers, f"{write.module.__name__}: no CheckpointWriter subclass"
     else:
         with pytest.raises(formats.UsageError):
             info.writer_module()

@@ -1,12 +1,9 @@
 """The format registry: what each format can do, and which package does it.
 
 Each format is one package under formats/ (reader, writer, schema, shallow
-checks) with the same module-level interface: NAME, detect(storage),
-read(storage, step=...), and for formats whose checkpoint may be one file
-given by its path, split_file(url) and read_file(storage, name). Beside the
-package's __init__: `write.py` (make_writer, target_layout, plan_value, ...:
-see writers.py) where the format has a writer, and `checks.py`
-(check_path(storage, findings, step=..., only=...)) for validate.
+checks) with the same interface, declared in one place: formats/contract.py
+(the package's NAME, detect, read and optional hooks; its array readers; its
+`write.py` where the format has a writer; its `checks.py` for validate).
 
 Adding a format means one package, which declares itself in its
 `registration.py` (FORMATS: its FormatInfo; see discover below); nothing above
@@ -26,21 +23,15 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
 
 if TYPE_CHECKING:
+    # (at run time the contract is imported when a package is asked something: `ckpt --help` never is)
+    from .contract import ChecksModule, FormatModule, ReaderModule, WriterModule
     from ..model import Checkpoint
     from ..storage import ReadLog, Storage
-
-
-class FormatModule(Protocol):
-    NAME: str
-
-    def detect(self, storage: Storage) -> bool: ...
-
-    def read(self, storage: Storage, *, step: str | int | None = None) -> Checkpoint: ...
 
 
 # sub-directories looked into when a directory's contents are judged (as unknown.describe does)
@@ -105,23 +96,33 @@ class FormatInfo:
     def label(self) -> str:
         return self.short or self.title
 
-    def module(self) -> ModuleType:
+    def module(self) -> FormatModule:
         """The format's package (imported on first use)."""
-        return importlib.import_module(self.package)
+        return cast("FormatModule", importlib.import_module(self.package))
+
+    def reader_module(self) -> ReaderModule:
+        """The format's package through the contract: its optional hooks defaulted."""
+        from .contract import ReaderModule
+
+        return ReaderModule(importlib.import_module(self.package))
 
     def submodule(self, name: str) -> ModuleType:
         """One module of the package: "write", "checks", ..."""
         return importlib.import_module(f"{self.package}.{name}")
 
-    def checks(self) -> ModuleType:
-        """validate's shallow checks: check_path(storage, findings, step=..., only=...)."""
-        return self.submodule("checks")
+    def checks(self) -> ChecksModule:
+        """validate's checks (checks.py): check_path(storage, findings, step=..., only=...), ..."""
+        from .contract import ChecksModule
 
-    def writer_module(self) -> ModuleType:
+        return ChecksModule(self.submodule("checks"))
+
+    def writer_module(self) -> WriterModule:
         """The writer's module (write.py): make_writer, target_layout, plan_value, ..."""
         if not self.can_write:
             raise UsageError(f"ckpt does not write {self.title} checkpoints (it writes {joined(writable_labels())})")
-        return self.submodule("write")
+        from .contract import WriterModule
+
+        return WriterModule(self.submodule("write"))
 
     def claimed(self, name: str) -> bool:
         """Whether a top-level file or directory `name` is one this format's checkpoints hold."""
@@ -282,7 +283,7 @@ def _formats() -> tuple[str, ...]:
 
 
 def format_module(name: str) -> FormatModule:
-    return get(name).module()  # type: ignore[return-value]
+    return get(name).module()
 
 
 def _claiming(storage: Storage) -> FormatInfo | None:
@@ -346,7 +347,7 @@ def detect(storage: Storage) -> FormatModule:
     info = _claiming(storage)
     if info is not None:
         _check_options(info)
-        return info.module()  # type: ignore[return-value]
+        return info.module()
     from .unknown import describe
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
@@ -427,7 +428,7 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
     name = url.rstrip("/").rsplit("/", 1)[-1]
     for info in shown():
         if info.single_file == "any" or (info.single_file == "claimed" and info.claimed(name)):
-            parts = info.module().split_file(url)
+            parts = info.reader_module().split_file(url)
             if parts is not None:
                 _check_options(info)
                 return info, parts
@@ -473,7 +474,7 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory
     if single is not None:
         info, (directory, name) = single
-        return info.module().read_file(Storage.open(directory, log=log), name)
+        return info.reader_module().read_file(Storage.open(directory, log=log), name)
     from .unknown import refuse_file
 
     refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
@@ -486,11 +487,10 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     return ckpt
 
 
-def layout_text(ckpt: Any) -> str:
+def layout_text(ckpt: Checkpoint) -> str:
     """One line saying what the checkpoint's format and layout are (inspect's "format" row)."""
     info = for_checkpoint(ckpt.format)
-    describe = getattr(info.module(), "layout_text", None) if info is not None else None
-    return describe(ckpt) if describe is not None else ckpt.format
+    return info.reader_module().layout_text(ckpt) if info is not None else ckpt.format
 
 
 # temporary output directories of convert/reshard carry this in their name

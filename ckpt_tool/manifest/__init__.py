@@ -481,7 +481,7 @@ def _verify(path: str, *, manifest: str | None, workers: int, memory: int,
     except CkptError:
         pass  # a manifest names files: they can be checked whatever the directory holds
     findings = Findings()
-    check_shallow(loc, findings, covers=getattr(checks, "manifest_covers", None), workers=workers)
+    check_shallow(loc, findings, covers=checks.manifest_covers if checks is not None else None, workers=workers)
     check_digests(loc, findings, workers=workers, memory=memory, progress=progress,
                   checkpoint=path if fmt is not None else None)
     return loc, findings, fmt

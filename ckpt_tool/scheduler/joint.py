@@ -88,8 +88,8 @@ class _PassBuilder:
                 steps_at[(m, b)] = n + len(new_steps)
                 new_steps.append((m, b))
                 ptr[m] = b + 1
-        where = [self.step_of.get(k, steps_at.get(k)) for m, bands, _ in needs for k in ((m, b) for b in bands)]
-        where = [s for s in where if s is not None]
+        found = [self.step_of.get(k, steps_at.get(k)) for m, bands, _ in needs for k in ((m, b) for b in bands)]
+        where = [s for s in found if s is not None]
         if not where:
             return True  # nothing to read (an empty piece)
         opened, closed = min(where), max(where)

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from .. import dtypes
 from ..errors import CkptError
+from ..formats.contract import reader_of
 from ..model import ArrayLeaf, Region, RegularGrid
 from .admission import MiB, MemoryBudget, decoded_cost
 from .regions import _intersect, _LeafChunks, _size
@@ -55,7 +56,7 @@ def streams(leaf: ArrayLeaf, memory: int) -> bool:
 
 def _starts_reads(leaf: ArrayLeaf) -> bool:
     """Whether the leaf's reader can start a read and wait for it later (tensorstore-backed readers)."""
-    return callable(getattr(getattr(leaf.reader, "__self__", None), "start_read", None))
+    return reader_of(leaf).starts_reads
 
 
 @dataclass

@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Sequence
 
+from ..formats.contract import reader_of
 from ..model import ArrayLeaf, Region, RegularGrid
 from .admission import MiB
 from .regions import _intersect, _LeafChunks
@@ -45,12 +46,13 @@ class _Streamer:
         leaf = lc.leaf
         self.zarr = None
         self.stored_shape: tuple[int, ...] = tuple(chunk.sizes)
-        owner = getattr(leaf.reader, "__self__", None)
-        if isinstance(leaf.layout, RegularGrid) and hasattr(owner, "stored_chunk"):
-            storage, key, zmeta, zarr3 = owner.stored_chunk(lc.grid_index(index))
-            self.zarr = (storage, key, zmeta, zarr3)
-            # zarr stores edge chunks padded to the whole chunk shape
-            self.stored_shape = tuple(leaf.layout.chunk_shape)
+        if isinstance(leaf.layout, RegularGrid):
+            # a zarr chunk (its reader says where it is) is decoded as a stream
+            stored = reader_of(leaf).stored_chunk(lc.grid_index(index))
+            if stored is not None:
+                self.zarr = stored
+                # zarr stores edge chunks padded to the whole chunk shape
+                self.stored_shape = tuple(leaf.layout.chunk_shape)
         self.bands = _bands(self.stored_shape, lc.itemsize, band)
 
     def decoder_bytes(self) -> int:
@@ -117,7 +119,7 @@ class _Streamer:
 
 def _reads_byte_ranges(leaf: ArrayLeaf) -> bool:
     """A reader that reads any part of a stored chunk by byte ranges of its raw bytes (it says so)."""
-    return bool(getattr(leaf.reader, "reads_byte_ranges", False))
+    return reader_of(leaf).reads_byte_ranges
 
 
 def _band_index(streamer: "_Streamer") -> Callable[[Region], tuple[int, int]]:
@@ -220,8 +222,8 @@ def _group(spans: list[tuple[int, int, int, Any]], limit: int) -> list[list[tupl
                     load[b] += nbytes
                 break
         else:
-            load: Counter = Counter()
+            opened: Counter = Counter()
             for b in range(first, last + 1):
-                load[b] += nbytes
-            passes.append(([span], load))
+                opened[b] += nbytes
+            passes.append(([span], opened))
     return [members for members, _ in passes]

@@ -24,7 +24,7 @@ import pickle
 import posixpath
 import re
 import threading
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -570,6 +570,10 @@ class Record:
     # mapping on the class, so that the class needs no __getattr__ (which would slow every
     # attribute read of the 10^5 records of a large .metadata: it defeats Python's attribute cache)
     unknown: Mapping[str, Any] = MappingProxyType({})
+
+    if TYPE_CHECKING:
+        # for the type checker only: a record's fields are its subclass's FIELDS, set per instance
+        def __getattr__(self, name: str) -> Any: ...
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS)

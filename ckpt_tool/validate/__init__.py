@@ -206,7 +206,7 @@ def _validate_one(
     info = None
     if split is not None:
         info, single = split
-        whole = getattr(info.checks(), "validate_file", None)
+        whole = info.checks().validate_file
         if whole is not None:  # the format validates such a file its own way
             report = whole(path, single, deep=deep, workers=workers, progress=progress)
             return integrity.add_to(report, path, checks=info.checks(), **integrity_args)

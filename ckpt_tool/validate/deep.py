@@ -19,6 +19,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CkptError, NotFoundError, TruncatedFileError, UnreadableFileError
 from ..findings import Findings, Progress
+from ..formats.contract import reader_of
 from ..parallel import run_bounded
 from ..model import ArrayLeaf, Checkpoint, Region, ValueLeaf, split_to_cap, stored_chunks
 from ..scheduler import DEFAULT_MEMORY, Scheduler, Want
@@ -291,7 +292,7 @@ def deep_check(
     info = for_checkpoint(fmt)
     # a format's own checks of stored data beyond the chunks (DCP: every non-tensor item
     # decoded; copies of replicated duplicates that .metadata does not point at)
-    check_deep = getattr(info.checks(), "check_deep", None) if info is not None else None
+    check_deep = info.checks().check_deep if info is not None else None
     if check_deep is not None:
         from ..formats import split_file
         from ..storage import Storage
@@ -327,5 +328,4 @@ def deep_check(
 def _stored_values(leaf: ArrayLeaf) -> tuple[ArrayLeaf, int | None] | None:
     """(the leaf of the values a view draws from, how many times it repeats each; None: unevenly)
     for a leaf whose reader says it repeats stored elements (`stored_values`); None for any other."""
-    stored_values = getattr(leaf.reader, "stored_values", None)
-    return stored_values() if callable(stored_values) else None
+    return reader_of(leaf).stored_values()

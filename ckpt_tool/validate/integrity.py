@@ -7,10 +7,13 @@ exactly as before: no finding, nothing read.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NotFoundError
 from ..findings import Findings, Progress
+
+if TYPE_CHECKING:
+    from ..formats.contract import ChecksModule
 
 
 def check(
@@ -22,10 +25,10 @@ def check(
     workers: int,
     memory: int | None,
     progress: Progress,
-    checks: Any = None,
+    checks: ChecksModule | None = None,
 ) -> None:
     """The manifest's findings added to `findings` (`checks`: the format's checks module, whose
-    `manifest_covers(name)`, where it has one, says which unnamed files of another writer's
+    `manifest_covers(name)` says which unnamed files of another writer's
     manifest are worth a warning)."""
     from .. import manifest as core
 
@@ -34,7 +37,7 @@ def check(
         if loc.explicit:
             raise NotFoundError("--manifest: no such file", loc.url)
         return
-    core.check_shallow(loc, findings, covers=getattr(checks, "manifest_covers", None), workers=workers)
+    core.check_shallow(loc, findings, covers=checks.manifest_covers if checks is not None else None, workers=workers)
     if deep:
         core.check_digests(loc, findings, workers=workers, progress=progress, checkpoint=path,
                            **({"memory": memory} if memory is not None else {}))

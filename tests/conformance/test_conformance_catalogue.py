@@ -51,7 +51,8 @@ TOY = "toyst"
 
 
 def _toy_package(where: Path) -> Path:
-    """ckpt_tool/formats/safetensors copied as formats/toyst: its files are `*.toyst`."""
+    """ckpt_tool/formats/safetensors (reader, writer, checks) copied as formats/toyst: its files are
+    `*.toyst`; it implements the format contract (ckpt_tool/formats/contract.py) as safetensors does."""
     src = Path(importlib.import_module("ckpt_tool.formats.safetensors").__file__).parent
     dst = where / TOY
     dst.mkdir(parents=True)
@@ -61,6 +62,8 @@ def _toy_package(where: Path) -> Path:
         text = text.replace('SUFFIX = ".safetensors"', f'SUFFIX = ".{TOY}"')
         text = text.replace('SINGLE_FILE = "model.safetensors"', f'SINGLE_FILE = "model.{TOY}"')
         text = text.replace('INDEX_FILE = "model.safetensors.index.json"', f'INDEX_FILE = "model.{TOY}.index.json"')
+        # the shards' names (the reader's patterns, the writer's names)
+        text = text.replace(r'\.safetensors$")', rf'\.{TOY}$")').replace('-of-{count:05d}.safetensors"', f'-of-{{count:05d}}.{TOY}"')
         (dst / f.name).write_text(text)
     return dst
 
@@ -91,6 +94,19 @@ def _toy_values(path: Path, step=None) -> dict:  # noqa: ANN001
     return out
 
 
+def _toy_library_values(path: Path) -> dict:
+    """The library loader of the toy as a target format (references.LOADERS): safe_open over its
+    files, through torch as the safetensors loader (numpy holds no bfloat16)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in [path] if Path(path).is_file() else sorted(Path(path).glob(f"*.{TOY}")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[R.by_name(k)] = R._torch_to_numpy(h.get_tensor(k))
+    return out
+
+
 def _toy_reference(path: Path, step=None) -> dict:  # noqa: ANN001
     return {k: R.Ref("array", tuple(a.shape), a.dtype.name) for k, a in _toy_values(path).items()}
 
@@ -104,12 +120,15 @@ def toy_registered(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(pkg.parent)])
     safetensors = formats.REGISTRY["safetensors"]
     changes = {"name": TOY, "title": "Toy (safetensors bytes in .toyst files)", "short": "Toy",
-               "reads": "Toy files", "package": f"{formats.__name__}.{TOY}", "can_write": False,
+               "reads": "Toy files", "package": f"{formats.__name__}.{TOY}", "can_write": True,
                "claims": (f"*.{TOY}",), "file_suffixes": (f".{TOY}",), "options": (), "can_reshard": False,
                "listed": len(formats.REGISTRY)}
     fields = {f.name for f in dataclasses.fields(safetensors)}
     info = dataclasses.replace(safetensors, **{k: v for k, v in changes.items() if k in fields})
     monkeypatch.setattr(formats, "REGISTRY", {TOY: info, **formats.REGISTRY})
+    # its writer's output is read back by the library that reads its files
+    monkeypatch.setitem(R.LOADERS, TOY, _toy_library_values)
+    monkeypatch.setattr(R, "NAMED", {*R.NAMED, TOY})
     yield info
     for name in [m for m in sys.modules if m.startswith(f"{formats.__name__}.{TOY}")]:
         del sys.modules[name]
@@ -123,6 +142,14 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
 
     infos = C.registered()
     assert TOY in [f.name for f in infos]
+    # it implements the format contract: the package, its write.py and checks.py have every
+    # required member, and its writer and readers are the contract's
+    from ckpt_tool.formats import contract
+
+    write, checks = toy_registered.writer_module().module, toy_registered.checks().module
+    assert not contract.missing_members(toy_registered.reader_module().module, write, checks)
+    assert issubclass(write.SafetensorsWriter, contract.CheckpointWriter)
+    assert TOY in C.writable() and TOY in R.LOADERS
     # registered without fixtures: flagged
     assert C.formats_without_fixtures(infos) == [TOY]
     # its fixture dropped into fixtures/ without a catalogue line: flagged
@@ -162,6 +189,15 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     for i, d in enumerate(C.damage_cases([toy_registered], damage)):
         DMG.damage_is_reported(d, _mk(tmp_path / f"damage{i}"), root)
     assert not FZ.smoke(TOY, _mk(tmp_path / "fuzz"), 20, entries, root)
+    # the write side: other formats' checkpoints converted to it say the same, and the library
+    # that reads its files reads what ckpt reads
+    for source in ("orbax_ocdbt_zarr2", "dcp_single"):
+        [e] = [e for e in C.ENTRIES if e.id == source]
+        summary, dst = conversions.get(e, TOY)
+        assert sorted(p.name for p in dst.iterdir()) == [f"model.{TOY}"]
+        CONV.diff_says_same(e.full(), dst, summary, e)
+        assert CONV.library_reads_what_ckpt_reads(TOY, dst) > 0
+        READ.validate_passes(C.Entry(dst.name, TOY, _toy_reference), True, dst.parent)
 
 
 def _mk(p: Path) -> Path:

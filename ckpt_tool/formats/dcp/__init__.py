@@ -24,3 +24,16 @@ def layout_text(ck: Any) -> str:
     if lay.get("ranks"):
         text += f", {lay['ranks']} rank{'s' if lay['ranks'] != 1 else ''}"
     return text
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from .. import contract as _contract
+    from . import checks as _checks
+    from . import write as _write
+    from .. import dcp as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks
+    _write_conforms: _contract.FormatWriteModule = _write

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, overload
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
@@ -821,7 +822,7 @@ def _transforms_module():  # noqa: ANN202
 _ARCHIVE_SLACK = 16 << 20
 
 
-class _TensorReader:
+class _TensorReader(ArrayReader):
     """Reads a region of one DCP tensor from the chunks that overlap it."""
 
     # any part of a chunk is read by byte ranges of its archive: the scheduler streams big chunks

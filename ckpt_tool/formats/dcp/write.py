@@ -47,6 +47,7 @@ from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
 from ...model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
 from ...storage import LocalFileWriter, Storage
+from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
 from ...torchsave.archive import _CENTRAL, _U32, _archive, _hash_combine, _names_hash, _tensor_reduce, tensor_pickle
 from ...torchsave.pickle_writer import Global, Obj, PickleWriteError, Reduce, dumps
@@ -428,7 +429,7 @@ class _OpenFile:
     pending_at: int = 0
 
 
-class DcpWriter:
+class DcpWriter(CheckpointWriter):
     """Writes a torch.distributed.checkpoint directory through a Storage (see writers.CheckpointWriter)."""
 
     def __init__(

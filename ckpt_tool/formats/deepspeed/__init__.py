@@ -17,3 +17,14 @@ NAME, detect, read, layout_text.
 from .reader import NAME, detect, layout_text, read
 
 __all__ = ["NAME", "detect", "layout_text", "read"]
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from .. import contract as _contract
+    from . import checks as _checks
+    from .. import deepspeed as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks

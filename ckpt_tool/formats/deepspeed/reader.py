@@ -90,6 +90,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError, short_repr
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, Region, RegularGrid, StepInfo, ValueLeaf
@@ -361,7 +362,7 @@ class CrcBook:
             return self._tiles.setdefault(key, tiles)
 
 
-class FlatReader:
+class FlatReader(ArrayReader):
     """Reads a region of a parameter assembled from runs of flat 1-d tensors in several archives.
 
     For a region, the span of the parameter's elements from its first to its last element (C
@@ -445,7 +446,7 @@ class FlatReader:
         return sorted({s.file for s in self._sources})
 
 
-class CastReader:
+class CastReader(ArrayReader):
     """A tensor of one archive read by byte range (TensorReader), cast as zero_to_fp32 casts it."""
 
     reads_byte_ranges = True

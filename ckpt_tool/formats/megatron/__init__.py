@@ -30,3 +30,14 @@ def layout_text(ck: Any) -> str:
     from .reader import layout_text as layout_text_
 
     return layout_text_(ck)
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from .. import contract as _contract
+    from . import checks as _checks
+    from .. import megatron as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ... import dtypes
 from ...errors import CorruptMetadataError
 from ...model import ArrayLeaf, ChunkList, Key, Region, RegularGrid
@@ -46,7 +47,7 @@ def grid_and_block(stored: tuple[int, ...], orig: tuple[int, ...], where: str) -
     return grid, block
 
 
-class ReformulatedReader:
+class ReformulatedReader(ArrayReader):
     """Regions of the logical tensor, read as flat ranges of the stored (DCP) rows."""
 
     reads_byte_ranges = True

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ...errors import CorruptMetadataError
 from ...model import ArrayLeaf, Chunk, ChunkList, Key, Leaf, Region
 
@@ -103,7 +104,7 @@ def pieces(kind: str, shape: tuple[int, ...], ranks: int) -> tuple[tuple[int, ..
     return merged, gate + up
 
 
-class MergedReader:
+class MergedReader(ArrayReader):
     """Reads a region of a merged tensor from the ranks' tensors, each overlapping piece by its own
     region read (the torch.save reader reads it by byte ranges): nothing whole is held."""
 

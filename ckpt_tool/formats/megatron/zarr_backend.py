@@ -101,7 +101,7 @@ def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLea
     shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, False, where)
     reader = _ZarrRegionReader(source, name, False, zmeta)
     return ArrayLeaf(keys=split_name(name), name=name, shape=shape, dtype=dtype, layout=RegularGrid(chunk_shape),
-                     reader=reader.read, extra={"stored": "zarr v2 array directory", **info})
+                     reader=reader, extra={"stored": "zarr v2 array directory", **info})
 
 
 def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str, Any]]:

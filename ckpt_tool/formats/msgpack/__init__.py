@@ -43,3 +43,14 @@ def layout_text(ck: Any) -> str:
         text = "T5X" + (f" v{lay['t5x_version']}" if lay.get("t5x_version") is not None else "")
         return text + (f", zarr{lay['zarr']} array directories" if lay.get("zarr") else "")
     return str(ck.format)
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from .. import contract as _contract
+    from . import checks as _checks
+    from .. import msgpack as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks

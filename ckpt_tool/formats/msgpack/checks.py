@@ -19,7 +19,7 @@ from ...storage import Storage
 from ..orbax import checks as oc
 
 
-def check_path(storage: Storage, findings: Findings, *, step: str | int | None, only: str | None = None) -> str:
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> str:
     """Validate a file, an item / step directory, or every step of a root; the family found."""
     if only is not None:
         return _check_file(storage, only, findings, where="")

@@ -606,7 +606,7 @@ class _Builder:
         reader = _ZarrRegionReader(source, path, False, zmeta)
         extra = {"stored": stored, **info}
         return ArrayLeaf(keys=keys, name=".".join(str(k) for k in keys), shape=shape, dtype=dtype,
-                         layout=RegularGrid(chunk_shape), sharding=sharding, reader=reader.read, extra=extra)
+                         layout=RegularGrid(chunk_shape), sharding=sharding, reader=reader, extra=extra)
 
 
 def spec_path(spec: dict[str, Any], where: str) -> str:

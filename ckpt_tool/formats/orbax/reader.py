@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorstore as ts
 
+from ..contract import ArrayReader
 from ... import dtypes
 from . import schema
 from ...errors import (
@@ -581,7 +582,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
             leaves.append(ArrayLeaf(
                 keys=full_keys, name=name, shape=shape, dtype=dtype,
                 layout=RegularGrid(chunk_shape), sharding=shardings.get(name),
-                reader=reader.read, extra=extra,
+                reader=reader, extra=extra,
             ))
         elif value_type == "string":
             if strings is None:
@@ -710,11 +711,13 @@ def _parse_zarr_metadata(
 _OPEN_LOCKS = tuple(threading.Lock() for _ in range(64))
 
 
-class _ZarrRegionReader:
+class _ZarrRegionReader(ArrayReader):
     """Reads regions of one zarr array through tensorstore, opening it on first use."""
 
     # one per array, 10^4-10^5 of them: no per-instance __dict__
     __slots__ = ("_source", "_name", "_zarr3", "_zmeta", "_store", "_opening", "_lock", "_small")
+
+    starts_reads = True  # tensorstore reads run together: start_read, start_read_into, start_open
 
     def __init__(self, source: _ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
                  shape: tuple[int, ...] | None = None, chunk_shape: tuple[int, ...] | None = None) -> None:
@@ -813,6 +816,8 @@ class _ZarrRegionReader:
     def read(self, region: Region) -> np.ndarray:
         return self.start_read(region)()
 
+    __call__ = read
+
     def start_read(self, region: Region) -> Callable[[], np.ndarray]:
         """Start reading a region; the returned call waits for it. Many small reads
         started at once let tensorstore run them together (3,000 small leaves:
@@ -884,7 +889,7 @@ def chunk_keys(name: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], 
             yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
 
 
-class _UnmergedRegionReader:
+class _UnmergedRegionReader(ArrayReader):
     """Reads an array whose chunks are spread over per-process OCDBT databases.
 
     Each database is opened with the primary's zarr metadata assumed (only
@@ -954,6 +959,8 @@ class _UnmergedRegionReader:
                 raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
             out[dst] = self._sources[owner[key]].storage.wait(fut, "cannot read data", self._name, nbytes=out[dst].nbytes)
         return out
+
+    __call__ = read
 
     def scalar(self) -> Any:
         value = self.read(())

@@ -42,6 +42,7 @@ from ...values import SharedValueError
 from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
 from ...pagecache import DirectoryDropper
 from ...storage import Storage, ts_error_text
+from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
 from . import reader as ob
 
@@ -280,7 +281,7 @@ def _tree_order(keys: tuple[Key, ...]) -> tuple[tuple[int, Any], ...]:
     return tuple((0, k) if isinstance(k, int) else (1, k) for k in keys)
 
 
-class OrbaxWriter:
+class OrbaxWriter(CheckpointWriter):
     """A CheckpointWriter producing an Orbax step (OCDBT, zarr v2 or v3) in `storage`.
 
     Thread-safe for write_array / write_value; begin, finish_process, commit

@@ -9,3 +9,16 @@ from .reader import NAME, detect, read, read_file
 from .reader import split_file_url as split_file
 
 __all__ = ["NAME", "detect", "read", "read_file", "split_file"]
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from .. import contract as _contract
+    from . import checks as _checks
+    from . import write as _write
+    from .. import safetensors as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks
+    _write_conforms: _contract.FormatWriteModule = _write

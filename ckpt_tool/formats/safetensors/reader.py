@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, NotFoundError
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
@@ -671,7 +672,7 @@ def _array_leaf(storage: Storage, info: TensorInfo, keys: tuple[Key, ...], dcp: 
 # ---------------------------------------------------------------------------
 # Reading regions
 # ---------------------------------------------------------------------------
-class _RegionReader:
+class _RegionReader(ArrayReader):
     """Reads a region of one tensor as byte ranges of the pieces it overlaps."""
 
     # any part of a tensor is read by byte ranges of its file: the scheduler streams a tensor

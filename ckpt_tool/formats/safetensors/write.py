@@ -55,6 +55,7 @@ from ... import sizes
 from ...errors import CkptError, IncompleteCheckpointError, a_type
 from ...model import Key, Region, default_grid, stored_chunks
 from ...storage import LocalFileWriter, Storage
+from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
 from ...model import RegularGrid
 from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
@@ -163,7 +164,7 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...], int, int]], meta
     return len(body).to_bytes(8, "little") + body
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(CheckpointWriter):
     """Writes a Hugging Face safetensors checkpoint through a Storage (see writers.CheckpointWriter)."""
 
     def __init__(self, storage: Storage, *, max_shard_size: int | None = None) -> None:
@@ -252,7 +253,7 @@ class SafetensorsWriter:
         for i in self._mine:
             self._open(self._files[i])
 
-    def owns(self, n: int, rank: int) -> bool:
+    def owns(self, n: int, rank: int, count: int) -> bool:
         """Whether process `rank` writes the n-th chunk of the plan: the owner of its file."""
         return self._owner_by_chunk[n] == rank
 

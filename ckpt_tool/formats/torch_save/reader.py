@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..contract import ArrayReader
 from ... import dtypes
 from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError
@@ -299,7 +300,7 @@ class Archive:
             return self._distinct.setdefault(geometry, leaf)
 
 
-class TensorReader:
+class TensorReader(ArrayReader):
     """Reads a region of one tensor of an archive by byte ranges (the scheduler streams big ones).
 
     A view's values come from its storage: the bytes from the region's first

@@ -9,3 +9,16 @@ is the registry's: NAME, detect, read, layout_text.
 from .reader import NAME, detect, layout_text, read
 
 __all__ = ["NAME", "detect", "layout_text", "read"]
+
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
+    from ... import contract as _contract
+    from . import checks as _checks
+    from . import write as _write
+    from .. import universal as _package
+
+    _conforms: _contract.FormatModule = _package
+    _checks_conform: _contract.FormatChecksModule = _checks
+    _write_conforms: _contract.FormatWriteModule = _write

@@ -65,6 +65,7 @@ from ....torchsave import resave
 from ....torchsave.archive import StreamedArchive, tensor_reduce
 from ....torchsave.pickle_writer import dumps
 from ....torchsave.safe_pickle import TensorRef
+from ...contract import CheckpointWriter
 from ....writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
 from ...torch_save import reader as ts
 from .. import reader as ds
@@ -355,7 +356,7 @@ def _add_optimizer_state(plan: _Plan, step: ds.Step) -> None:
 # ---------------------------------------------------------------------------
 # the writer
 # ---------------------------------------------------------------------------
-class UniversalWriter:
+class UniversalWriter(CheckpointWriter):
     """Writes a DeepSpeed universal checkpoint (see the module docstring; writers.CheckpointWriter)."""
 
     def __init__(self, storage: Storage) -> None:
