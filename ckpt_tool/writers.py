@@ -83,6 +83,10 @@ class CheckpointWriter(Protocol):
     in-flight state after a failure (the caller removes the temporary
     directory).
 
+    The region of write_array is one output chunk, or, for a format whose
+    FormatInfo says writes_chunk_blocks, possibly a block of whole chunks of
+    its RegularGrid (chunk_index: the block's first chunk; blocks.py).
+
     write_array takes the chunk's array over: the caller must not modify it
     afterwards, so that a writer may hold on to it until its write is
     committed instead of copying it (the Orbax writer does).

@@ -94,6 +94,10 @@ class FormatInfo:
     # its writer compresses what it writes (Orbax: zstd): the output's size is not known before
     # writing, so convert's free-space check before writing leaves it to the write itself
     compresses: bool = False
+    # its writer takes a block of whole chunks of a regular output grid as one region and cuts it
+    # into its chunks itself, each stored as if written alone (Orbax: tensorstore): the engine
+    # then hands it blocks, not chunk after chunk (ckpt_tool/blocks.py)
+    writes_chunk_blocks: bool = False
 
     @property
     def label(self) -> str:
@@ -167,7 +171,7 @@ REGISTRY: dict[str, FormatInfo] = {
         "orbax", "Orbax", f"{__name__}.orbax", can_write=True, value_kinds=_ALL,
         claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
         reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
-        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True, compresses=True,
+        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True, compresses=True, writes_chunk_blocks=True,
         # (orbax's file names: OCDBT data and per-process databases, items, a manager's metadata,
         # saves in progress and TensorStore's locks, 0.5's msgpack tree `checkpoint`)
         parts=("d", "ocdbt.process_*", "array_metadatas", "_strings.json", "_ROOT_METADATA", "descriptor",
