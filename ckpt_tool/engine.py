@@ -34,7 +34,7 @@ from .errors import (
 from .filters import Selection
 from .findings import Progress, no_progress
 from .blocks import block_shape, blocks
-from .parallel import default_workers
+from .parallel import copy_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .model import (
     ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf,
@@ -68,7 +68,7 @@ class ConvertOptions:
     skip_unsupported: bool = False
     zarr3: bool = False
     max_shard_size: int | None = None  # safetensors: bytes per file (None: the writer's 5GB default)
-    workers: int = field(default_factory=default_workers)
+    workers: int = field(default_factory=copy_workers)
     overwrite: bool = False
     step: str | int | None = None
     memory: int = DEFAULT_MEMORY  # --memory: bytes of decoded data, assembly and write-behind in flight
