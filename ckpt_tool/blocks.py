@@ -10,11 +10,13 @@ that cuts a region into its chunks itself (Orbax: tensorstore encodes each
 zarr chunk of a write exactly as if it had been written alone) can take a
 block of whole chunks in one write instead.
 
-A block is the output chunks that fall in one SOURCE chunk (the output grid
-divides the source grid along a dimension: a finer layout), so each block is
-fed by one decoded source chunk, as each of its chunks was; no block is
-larger than that chunk, nor than BLOCK_BYTES (a source chunk too large to
-decode whole is streamed in bands: a block then stays small).
+Along each dimension where the output grid divides the source grid (a finer
+layout), a block holds the output chunks inside one source chunk, so it is
+fed by the same decoded source chunks as each of its chunks was. Only chunks
+smaller than SMALL_CHUNK_BYTES are blocked (from there on the fixed cost is
+small beside the bytes), and no block is larger than BLOCK_BYTES nor a 32nd
+of the memory budget (a source chunk too large to decode whole is streamed
+in bands: a block then stays small).
 """
 from __future__ import annotations
 
@@ -26,18 +28,23 @@ from .model import ArrayLeaf, ChunkLayout, Region, RegularGrid, as_regular_grid
 
 # a block's largest size, decoded; at most a 32nd of the memory budget (many are in flight)
 BLOCK_BYTES = 16 * 2**20
+# output chunks from this size up are written one by one
+SMALL_CHUNK_BYTES = 2**20
 
 
 def block_shape(shape: tuple[int, ...], layout: ChunkLayout, source: ArrayLeaf, itemsize: int,
                 memory: int) -> tuple[int, ...] | None:
     """Chunks per block along each dimension, or None where each chunk is its own write (no
-    regular output grid, no regular source grid of the same rank, or no grid finer than the source's)."""
+    regular output grid, no regular source grid of the same rank, chunks of SMALL_CHUNK_BYTES or
+    more, or no grid finer than the source's)."""
     if not isinstance(layout, RegularGrid) or not shape or tuple(source.shape) != tuple(shape):
         return None
     src = as_regular_grid(source.layout, tuple(source.shape))
     if src is None or len(src) != len(shape):
         return None
     out = layout.chunk_shape
+    if math.prod(min(c, n) for c, n in zip(out, shape)) * itemsize >= SMALL_CHUNK_BYTES:
+        return None
     per = [s // c if c and s > c and s % c == 0 else 1 for s, c in zip(src, out)]
     cap = max(1, min(BLOCK_BYTES, memory // 32))
     for d in range(len(per)):  # shrink from the leading dimensions, keeping the source's alignment

@@ -38,6 +38,12 @@ def test_no_regular_grid_no_blocks():
     assert block_shape((), RegularGrid(()), _leaf((), ()), 4, 512 * 2**20) is None
 
 
+def test_chunks_of_a_mebibyte_are_written_one_by_one():
+    src = _leaf((4096, 4096), (4096, 4096))
+    assert block_shape((4096, 4096), RegularGrid((512, 512)), src, 4, 512 * 2**20) is None  # 1 MiB chunks
+    assert block_shape((4096, 4096), RegularGrid((512, 256)), src, 4, 512 * 2**20) == (2, 16)  # 16 MiB
+
+
 def test_blocks_stay_within_the_cap_and_keep_the_alignment():
     src = _leaf((8192, 8192), (8192, 8192))  # one 256 MiB chunk (float32)
     per = block_shape((8192, 8192), RegularGrid((64, 64)), src, 4, 512 * 2**20)
