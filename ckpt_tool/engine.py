@@ -394,22 +394,23 @@ def stream(
     total = 0
     chunks = 0
 
-    def want(target: TargetArray, leaf: ArrayLeaf, index: int, region: Region) -> None:
+    def want(target: TargetArray, leaf: ArrayLeaf, itemsize: int, index: int, region: Region) -> None:
         nonlocal total
         # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
         stored, stored_region = unstack.base_region(leaf, region)
         wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
-        total += math.prod(r.stop - r.start for r in region) * dtypes.get(target.dtype).itemsize
+        total += math.prod(r.stop - r.start for r in region) * itemsize
 
     for target in plan.arrays():
         leaf = sources[target.path]
+        itemsize = dtypes.get(target.dtype).itemsize
         per = None
         if chunk_blocks and isinstance(target.layout, RegularGrid):
-            per = block_shape(target.shape, target.layout, leaf, dtypes.get(target.dtype).itemsize, memory)
+            per = block_shape(target.shape, target.layout, leaf, itemsize, memory)
         if per is None:
             for index, region in chunk_regions(target):
                 if owns(n):
-                    want(target, leaf, index, region)
+                    want(target, leaf, itemsize, index, region)
                     chunks += 1
                 n += 1
             continue
@@ -417,10 +418,10 @@ def stream(
         for members, region in blocks(target.shape, target.layout.chunk_shape, per):
             mine = [i for i in members if owns(n + i)]
             if len(mine) == len(members):
-                want(target, leaf, members[0], region)
+                want(target, leaf, itemsize, members[0], region)
             else:  # chunks of other processes inside: this one writes its own, one by one
                 for i in mine:
-                    want(target, leaf, i, grid[i].region)
+                    want(target, leaf, itemsize, i, grid[i].region)
             chunks += len(mine)
         n += len(grid)
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
