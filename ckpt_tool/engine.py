@@ -33,10 +33,11 @@ from .errors import (
 )
 from .filters import Selection
 from .findings import Progress, no_progress
-from .parallel import default_workers
+from .blocks import block_shape, blocks
+from .parallel import copy_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .model import (
-    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, ValueLeaf,
+    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf,
     flatten_value, memory_leaf, parse_rename_rules, stored_chunks,
 )
 from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
@@ -68,7 +69,7 @@ class ConvertOptions:
     skip_unsupported: bool = False
     zarr3: bool = False
     max_shard_size: int | None = None  # safetensors: bytes per file (None: the writer's 5GB default)
-    workers: int = field(default_factory=default_workers)
+    workers: int = field(default_factory=copy_workers)
     overwrite: bool = False
     step: str | int | None = None
     memory: int = DEFAULT_MEMORY  # --memory: bytes of decoded data, assembly and write-behind in flight
@@ -379,32 +380,56 @@ def stream(
     progress: Progress = no_progress,
     owns: Callable[[int], bool] = lambda n: True,
     memory: int = DEFAULT_MEMORY,
+    chunk_blocks: bool = False,
 ) -> tuple[int, int]:
     """Copy every chunk this process owns; returns (chunks, bytes) written.
 
     The read scheduler decodes each source chunk once and assembles the
     output chunks from it, within `memory` (less what the writer keeps
-    pending: its write-behind window).
+    pending: its write-behind window). `chunk_blocks`: the writer takes a
+    block of whole chunks of a regular grid as one region (blocks.py).
     """
     wants: list[Want] = []
     n = 0
     total = 0
+    chunks = 0
+
+    def want(target: TargetArray, leaf: ArrayLeaf, itemsize: int, index: int, region: Region) -> None:
+        nonlocal total
+        # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
+        stored, stored_region = unstack.base_region(leaf, region)
+        wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
+        total += math.prod(r.stop - r.start for r in region) * itemsize
+
     for target in plan.arrays():
         leaf = sources[target.path]
         itemsize = dtypes.get(target.dtype).itemsize
-        for index, region in chunk_regions(target):
-            if owns(n):
-                # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
-                stored, stored_region = unstack.base_region(leaf, region)
-                wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
-                total += math.prod(r.stop - r.start for r in region) * itemsize
-            n += 1
+        per = None
+        if chunk_blocks and isinstance(target.layout, RegularGrid):
+            per = block_shape(target.shape, target.layout, leaf, itemsize, memory)
+        if per is None:
+            for index, region in chunk_regions(target):
+                if owns(n):
+                    want(target, leaf, itemsize, index, region)
+                    chunks += 1
+                n += 1
+            continue
+        grid = stored_chunks(target.shape, target.layout)
+        for members, region in blocks(target.shape, target.layout.chunk_shape, per):
+            mine = [i for i in members if owns(n + i)]
+            if len(mine) == len(members):
+                want(target, leaf, itemsize, members[0], region)
+            else:  # chunks of other processes inside: this one writes its own, one by one
+                for i in mine:
+                    want(target, leaf, itemsize, i, grid[i].region)
+            chunks += len(mine)
+        n += len(grid)
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
     reserve = int(writer.pending_bytes_limit)
     scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve)
     progress("write", 0, total)
     done = scheduler.run(on_done=lambda n: progress("write", n, total))
-    return len(wants), done
+    return chunks, done
 
 
 def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region) -> Callable[[list[np.ndarray]], int]:
@@ -784,6 +809,7 @@ def _convert(
             owns = _chunk_owner(writer, planned, rank, size)
             result.chunks, result.bytes = stream(
                 plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory, owns=owns,
+                chunk_blocks=formats.REGISTRY[opts.to].writes_chunk_blocks,
             )
             if primary:
                 for value in plan.values():

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import dtypes, formats
-from .parallel import default_workers
+from .parallel import copy_workers
 from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
     plan_conversion,
@@ -68,7 +68,7 @@ class ReshardOptions:
     rules: str | list[Any] | None = None  # a TOML/JSON file, or the parsed list of [regex, spec]
     fsdp: str | None = None  # shard each array's largest divisible free dimension over this axis
     zarr3: bool = False
-    workers: int = field(default_factory=default_workers)
+    workers: int = field(default_factory=copy_workers)
     overwrite: bool = False
     step: str | int | None = None
     skip_unsupported: bool = False

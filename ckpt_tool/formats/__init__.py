@@ -91,6 +91,10 @@ class FormatInfo:
     # its writer compresses what it writes (Orbax: zstd): the output's size is not known before
     # writing, so convert's free-space check before writing leaves it to the write itself
     compresses: bool = False
+    # its writer takes a block of whole chunks of a regular output grid as one region and cuts it
+    # into its chunks itself, each stored as if written alone (Orbax: tensorstore): the engine
+    # then hands it blocks, not chunk after chunk (ckpt_tool/blocks.py)
+    writes_chunk_blocks: bool = False
 
     @property
     def label(self) -> str:

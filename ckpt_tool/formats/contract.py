@@ -236,6 +236,10 @@ class CheckpointWriter(ABC):
     markers last. abort() drops in-flight state after a failure (the caller removes the temporary
     directory).
 
+    The region of write_array is one output chunk, or, for a format whose FormatInfo says
+    writes_chunk_blocks, possibly a block of whole chunks of its RegularGrid (chunk_index: the
+    block's first chunk; blocks.py): one write for many small chunks costs tensorstore far less.
+
     write_array takes the chunk's array over: the caller must not modify it afterwards, so that a
     writer may hold on to it until its write is committed instead of copying it (the Orbax writer
     does).
@@ -247,7 +251,8 @@ class CheckpointWriter(ABC):
 
     @abstractmethod
     def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
-        """Write output chunk `chunk_index` of `target` (its `region`, `data` of that shape)."""
+        """Write output chunk `chunk_index` of `target` (its `region`, `data` of that shape), or the
+        block of whole chunks starting there (writes_chunk_blocks)."""
 
     @abstractmethod
     def write_value(self, target: TargetValue) -> None:

@@ -11,7 +11,7 @@ FORMATS = [
         "orbax", "Orbax", PACKAGE, can_write=True, value_kinds=VALUE_KINDS,
         claims=("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding", "commit_success.txt"),
         reads="Orbax / JAX (OCDBT or per-array, zarr v2 or v3, CheckpointManager roots)",
-        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True, compresses=True, detection=30,
+        can_reshard=True, listed=0, options=("zarr3",), claims_flat=True, compresses=True, writes_chunk_blocks=True, detection=30,
         # (orbax's file names: OCDBT data and per-process databases, items, a manager's metadata,
         # saves in progress and TensorStore's locks, 0.5's msgpack tree `checkpoint`)
         parts=("d", "ocdbt.process_*", "array_metadatas", "_strings.json", "_ROOT_METADATA", "descriptor",
