@@ -285,7 +285,9 @@ def test_topology_mistakes(tmp_path):
 
 def test_cpu_machines_still_ask_jax(tmp_path):
     """No accelerator to see: jax's CPU devices, which open at once and take nothing (XLA_FLAGS honoured)."""
-    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", **{DEV_ROOT_VARIABLE: fake_dev(tmp_path)})
+    # JAX_PLATFORMS=cpu: on a TPU VM (the lead's device run) jax would otherwise open the chip
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+                    **{DEV_ROOT_VARIABLE: fake_dev(tmp_path)})
     r = run_ckpt("reshard", SRC, str(tmp_path / "out"), "--mesh", "data=2,model=2", "--json", env=env)
     assert r.returncode == 0, r.stderr
     mesh = json.loads(r.stdout)["mesh"]
