@@ -1,0 +1,154 @@
+"""ckpt_tool's modules import in layers: each layer uses only the layers below it.
+
+    cli/, __main__                    the `ckpt` command: parses, calls one core function, renders
+    ckpt_tool (the package)           the library's face: ckpt_tool.open, ckpt_tool.latest
+    runs, engine, diff, reshard       operations over checkpoints and run roots
+    validate/, manifest/, inspect,    what is asked of one opened checkpoint
+      structure, output, hf_export
+    formats (the registry),           which format a path holds, opening it, a run root's steps;
+      formats.roots, formats.unknown    format packages are loaded by name (importlib), never imported
+    formats/<name>/                   one package per format: never imports another format
+    torchsave/, zarrarrays/, distcp/  machinery several formats share (torch.save archives,
+                                        zarr / TensorStore arrays, DCP's files)
+    model, scheduler/, codecs, ...    the checkpoint model, reading plans, chunk codecs
+    storage/                          bytes from files and object stores
+    errors, text, dtypes, ...         the base: no ckpt_tool imports above it
+
+Checked from the source (tests/import_graph.py, nothing is imported), counting imports inside
+functions as well as at module level (`if TYPE_CHECKING:` imports never run and are not counted):
+no module imports one in a higher layer, no import cycle exists (so a function-level import is
+only ever a lazy import downward, for start-up time, never a way around a cycle), and no format
+package imports another one.
+
+CKPT_LAYERS_TREE=/path/to/checkout runs the checks on another checkout (its ckpt_tool/).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
+
+# lowest first; a module is in the layer of the longest prefix listed
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "parallel", "findings",
+              "dtypes", "values", "filters", "distributed", "version")),
+    ("storage", ("storage",)),
+    ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers")),
+    ("machinery", ("torchsave", "zarrarrays", "distcp")),
+    ("format", ("formats.*",)),  # each format package: formats/<name>/
+    ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps")),
+    ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "hf_export")),
+    ("operations", ("runs", "engine", "diff", "reshard")),
+    ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
+    ("cli", ("cli", "__main__")),
+]
+_RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
+
+
+def format_package(module: str) -> str | None:
+    """The format package a module belongs to ("ckpt_tool.formats.orbax"), None for any other.
+
+    DeepSpeed's universal checkpoints (formats/deepspeed/universal/) are part of the deepspeed
+    package: they share its reader by design."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "formats" and parts[2] not in ("roots", "unknown", "steps"):
+        return ".".join(parts[:3])
+    return None
+
+
+def layer_of(module: str) -> str:
+    inner = module.removeprefix(PACKAGE).removeprefix(".")
+    if format_package(module) is not None:
+        return "format"
+    best, best_len = None, -1
+    for layer, prefixes in LAYERS:
+        for prefix in prefixes:
+            if prefix == "formats.*":
+                continue
+            if inner == prefix or (prefix and inner.startswith(prefix + ".")) or (prefix == "" and inner == ""):
+                if len(prefix) > best_len:
+                    best, best_len = layer, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+    return best
+
+
+def violations(graph: list[Edge], known: dict[str, Path]) -> dict[str, list[str]]:
+    """What breaks the layering: imports up the layers, imports between format packages, the
+    function-level imports among them, and the modules of each cycle."""
+    upward = [e for e in graph if _RANK[layer_of(e.importer)] < _RANK[layer_of(e.imported)]]
+    across = [e for e in graph if format_package(e.importer) and format_package(e.imported)
+              and format_package(e.importer) != format_package(e.imported)]
+    in_cycles = {m for c in cycles(graph) for m in c}
+    lazy_in_cycles = [e for e in graph if e.lazy and e.importer in in_cycles and e.imported in in_cycles]
+    return {
+        "imports up the layers": [str(e) for e in upward],
+        "imports of another format package": [str(e) for e in across],
+        "function-level imports inside a cycle": [str(e) for e in lazy_in_cycles],
+    }
+
+
+@pytest.fixture(scope="module")
+def tree() -> Path:
+    return Path(os.environ.get("CKPT_LAYERS_TREE") or Path(__file__).parent.parent).resolve()
+
+
+@pytest.fixture(scope="module")
+def graph(tree: Path) -> list[Edge]:
+    return edges(tree)
+
+
+def test_every_module_has_a_layer(tree: Path) -> None:
+    for module in modules(tree):
+        layer_of(module)
+
+
+def test_the_graph_sees_function_level_and_relative_imports(tree: Path, graph: list[Edge]) -> None:
+    # the checks below mean something only if the graph holds what the source says
+    found = {(e.importer, e.imported, e.lazy) for e in graph}
+    assert (f"{PACKAGE}.cli.main", f"{PACKAGE}.errors", False) in found or any(
+        e.importer.startswith(f"{PACKAGE}.cli") and not e.lazy for e in graph)
+    assert any(e.lazy for e in graph), "no function-level import found: the graph misses them"
+    assert (PACKAGE, f"{PACKAGE}.formats", True) in found  # ckpt_tool.open's lazy `from .formats import ...`
+
+
+def test_no_import_cycles(graph: list[Edge]) -> None:
+    found = cycles(graph)
+    assert not found, "import cycles (function-level imports counted):\n" + "\n".join(
+        ", ".join(m.removeprefix(PACKAGE + ".") for m in c) for c in found)
+
+
+def test_no_import_runs_up_the_layers(tree: Path, graph: list[Edge]) -> None:
+    upward = violations(graph, modules(tree))["imports up the layers"]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_no_format_package_imports_another(tree: Path, graph: list[Edge]) -> None:
+    across = violations(graph, modules(tree))["imports of another format package"]
+    assert not across, "format packages importing each other:\n" + "\n".join(across)
+
+
+def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: Path) -> None:
+    # a tree made to break each rule once: the checks above would see it
+    pkg = tmp_path / PACKAGE
+    for rel, text in {
+        "__init__.py": "",
+        "errors.py": "def f():\n    from . import runs\n",  # base -> operations, in a function
+        "runs.py": "from .errors import f\n",
+        "formats/__init__.py": "",
+        "formats/a/__init__.py": "from ..b import reader\n",
+        "formats/b/__init__.py": "",
+        "formats/b/reader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
+    }.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    graph = edges(tmp_path)
+    assert cycles(graph) == [[f"{PACKAGE}.errors", f"{PACKAGE}.runs"]]  # the TYPE_CHECKING import is no edge
+    found = violations(graph, modules(tmp_path))
+    assert found["imports up the layers"] == ["errors -> runs (in a function, line 2)"]
+    assert found["imports of another format package"] == ["formats.a -> formats.b.reader (line 1)"]
