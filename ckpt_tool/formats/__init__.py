@@ -476,9 +476,9 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     """Open the checkpoint at `url`, detecting its format; reads metadata only.
 
     On a run root of any framework `ckpt ls` lists, the run layouts' table picks the step
-    (runs.resolve_step): `step` when given, else the step the framework resumes from (its pointer
+    (steps.resolve_step): `step` when given, else the step the framework resumes from (its pointer
     file's, or the newest complete one); the step opened is recorded for the CLI to say."""
-    from ..runs import resolve_step
+    from .steps import resolve_step
     from ..storage import Storage, check_url
 
     try:

@@ -174,7 +174,8 @@ def write(
 
 def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, workers: int, memory: int,
            progress: Progress) -> WriteResult:
-    from .. import __version__, formats
+    from .. import formats
+    from ..version import __version__
 
     started = time.monotonic()
     loc = locate(path, manifest, create=True)

@@ -76,7 +76,7 @@ def _validate_checkpoint(
     from ..storage import check_url
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
-    from ..runs import every_step, resolve_step
+    from ..formats.steps import every_step, resolve_step
 
     if step == "all":
         run = every_step(path)
@@ -142,7 +142,7 @@ def _validate_every_step(run: Any, *, deep: bool, workers: int, progress: Progre
     """validate --step all on a root whose steps are each a checkpoint: every step's findings,
     named by the step's directory; a save still in progress is a warning (its writer has not
     finished it), and one step no reader opens is that step's one error."""
-    from ..runs import step_checkpoint
+    from ..formats.steps import step_checkpoint
 
     findings = Findings()
     formats_seen: list[str] = []
