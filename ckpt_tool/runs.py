@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 from .errors import CkptError, UnknownFormatError, UsageError
 from .findings import ERROR
-from .formats import steps
+from .formats import registered, steps
 from .formats.roots import COMMITTED, RunLayout
-from .formats.steps import (OpenedStep, RunListing, StepRow, every_step, opened_steps, recording, resolve_step,
-                            step_checkpoint, step_path)
+from .formats.steps import OpenedStep, RunListing, StepRow, opened_steps, recording, step_checkpoint
+from .storage import Storage
 
 __all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "resolve_step", "step_path",
            "recording", "opened_steps", "every_step", "step_checkpoint"]
@@ -63,7 +63,7 @@ def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool 
 
     `sizes`: add each step's bytes (default: on local roots; on object stores each file's size
     is a request, so only when asked). `check`: run validate on each step (`deep`: --deep)."""
-    result = steps.list_run(root, sizes=sizes)
+    result = steps.list_run(root, formats=registered(), sizes=sizes)
     if check:
         rows = result.steps
         for i, row in enumerate(rows):
@@ -73,6 +73,24 @@ def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool 
         if progress is not None:
             progress("checking steps", len(rows), len(rows))
     return result
+
+
+def resolve_step(root: str, step: str | int | None,
+                 storage: Storage | None = None) -> tuple[str, str | int | None, OpenedStep | None]:
+    """(path to open, step for the format's reader, the step opened) for `root` and --step `step`
+    (steps.resolve_step, with the registry's formats)."""
+    return steps.resolve_step(root, step, registered(), storage)
+
+
+def step_path(root: str, step: str | int) -> tuple[str, str | int | None]:
+    """(path, step for the format's reader) of step `step` of the run root at `root`: a number,
+    an entry's name or 'latest' (resolve_step, without what it says about the step)."""
+    return steps.step_path(root, step, registered())
+
+
+def every_step(root: str) -> RunListing | None:
+    """The listing of `root` when it is a run root, None for any other path (steps.every_step)."""
+    return steps.every_step(root, registered())
 
 
 def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any:

@@ -97,6 +97,8 @@ def edges(tree: Path, *, typing: bool = False) -> list[Edge]:
             else:
                 if node.level:
                     base_parts = package.split(".")
+                    if node.level > len(base_parts):
+                        raise ImportError(f"{path}:{node.lineno}: relative import beyond the package")
                     base_parts = base_parts[:len(base_parts) - (node.level - 1)]
                     base = ".".join(base_parts + ([node.module] if node.module else []))
                 else:

@@ -8,8 +8,8 @@
     formats (the registry),           which format a path holds, opening it, a run root's steps;
       formats.roots, formats.unknown    format packages are loaded by name (importlib), never imported
     formats/<name>/                   one package per format: never imports another format
-    torchsave/, zarrarrays/, distcp/  machinery several formats share (torch.save archives,
-                                        zarr / TensorStore arrays, DCP's files)
+    torchsave/, arrays/, distcp/,     machinery several formats share (torch.save archives,
+      integrity/                        zarr / TensorStore arrays, DCP's files, integrity manifests)
     model, scheduler/, codecs, ...    the checkpoint model, reading plans, chunk codecs
     storage/                          bytes from files and object stores
     errors, text, dtypes, ...         the base: no ckpt_tool imports above it
@@ -36,10 +36,10 @@ from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
 # lowest first; a module is in the layer of the longest prefix listed
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "parallel", "findings",
-              "dtypes", "values", "filters", "distributed", "version")),
+              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json")),
     ("storage", ("storage",)),
     ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers")),
-    ("machinery", ("torchsave", "zarrarrays", "distcp")),
+    ("machinery", ("torchsave", "arrays", "distcp", "integrity")),
     ("format", ("formats.*",)),  # each format package: formats/<name>/
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps")),
     ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "hf_export")),

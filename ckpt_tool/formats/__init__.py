@@ -26,6 +26,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
+from ..names import TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
+from ..text import joined
 
 if TYPE_CHECKING:
     from ..model import Checkpoint
@@ -67,7 +69,9 @@ class FormatInfo:
     # package (a flat DCP directory never loads the Orbax reader to hear "no")
     claims_flat: bool = False
     # one file given by its path may be a checkpoint (split_file / read_file): "claimed" when
-    # `claims` match its name, "any" for any local file (its reader looks at the first bytes)
+    # `claims` match its name, "any" for any local file (its reader looks at the first bytes),
+    # "unclaimed" for any file no other format claims by name (a DCP `.distcp` starts with a
+    # torch.save archive too, and is DCP's)
     single_file: str = ""
     file_suffixes: tuple[str, ...] = ()  # name endings of its one-file checkpoints (".safetensors")
     can_reshard: bool = False  # `ckpt reshard` writes it (laid out for a device mesh)
@@ -209,7 +213,7 @@ REGISTRY: dict[str, FormatInfo] = {
         "torch", "torch.save", f"{__name__}.torch_save", can_write=False, value_kinds=_ALL,
         claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
         reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
-        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
+        claims_mark_checkpoint=False, single_file="unclaimed", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
         claims_flat=True, model_marks=("*.bin.index.json", "config.json"),
         # a verl actor's FSDP config and Hugging Face export beside its rank files
         parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES, "fsdp_config.json", "huggingface"),
@@ -307,13 +311,6 @@ def titles_joined(conjunction: str = "or") -> str:
     return joined([f.title for f in shown()], conjunction)
 
 
-def joined(names: list[str], conjunction: str = "or") -> str:
-    """"a, b or c"."""
-    if len(names) <= 1:
-        return "".join(names)
-    return ", ".join(names[:-1]) + f" {conjunction} " + names[-1]
-
-
 # kept for callers of the flat-module days: format names in detection order
 def _formats() -> tuple[str, ...]:
     return tuple(REGISTRY)
@@ -385,10 +382,10 @@ def detect(storage: Storage) -> FormatModule:
     if info is not None:
         _check_options(info)
         return info.module()  # type: ignore[return-value]
-    from .unknown import describe
+    from . import unknown  # (lazily, as below: roots, steps and unknown import the storage layer)
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
-    raise UnknownFormatError(describe(storage, _formats(), format_module), storage.url)
+    raise UnknownFormatError(unknown.describe(storage, registered()), storage.url)
 
 
 def detect_one(storage: Storage) -> FormatModule:
@@ -464,7 +461,9 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
     """(format, (directory, file name)) when `url` names one file that a format reads as a checkpoint."""
     name = url.rstrip("/").rsplit("/", 1)[-1]
     for info in shown():
-        if info.single_file == "any" or (info.single_file == "claimed" and info.claimed(name)):
+        if info.single_file == "unclaimed" and any(o is not info and o.claimed(name) for o in REGISTRY.values()):
+            continue
+        if info.single_file in ("any", "unclaimed") or (info.single_file == "claimed" and info.claimed(name)):
             parts = info.module().split_file(url)
             if parts is not None:
                 _check_options(info)
@@ -478,8 +477,8 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     On a run root of any framework `ckpt ls` lists, the run layouts' table picks the step
     (steps.resolve_step): `step` when given, else the step the framework resumes from (its pointer
     file's, or the newest complete one); the step opened is recorded for the CLI to say."""
-    from .steps import resolve_step
     from ..storage import Storage, check_url
+    from . import steps
 
     try:
         check_url(url)
@@ -487,7 +486,7 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
         storage: Storage | None = Storage.open(url, log=log)
     except CkptError:
         storage = None  # _open_resolved says what is wrong with the URL
-    resolved, step, opened = resolve_step(url, step, storage)
+    resolved, step, opened = steps.resolve_step(url, step, registered(), storage)
     try:
         return _open_resolved(resolved, step=step, log=log, storage=storage if resolved == url else None)
     except (UsageError, StorageUnavailableError, NoSpaceError):
@@ -512,9 +511,9 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     if single is not None:
         info, (directory, name) = single
         return info.module().read_file(Storage.open(directory, log=log), name)
-    from .unknown import refuse_file
+    from . import unknown
 
-    refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
+    unknown.refuse_file(url, registered())  # any other file: the checkpoint it sits in, or what it is
     storage = storage or Storage.open(url, log=log)
     ckpt = detect_one(storage).read(storage, step=step, **_READ_OPTIONS.get())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
@@ -531,8 +530,6 @@ def layout_text(ckpt: Any) -> str:
     return describe(ckpt) if describe is not None else ckpt.format
 
 
-# temporary output directories of convert/reshard carry this in their name
-TMP_MARKER = ".ckpt-tmp"
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,9 @@ open_checkpoint (the registry) asks it, so it sits below validate and runs.py:
 `ckpt ls --check` and `ckpt latest` (runs.py) validate the steps listed here.
 
 Which framework a root belongs to, and each framework's rules, are the run
-layouts' table (roots.py); nothing here names a framework or format.
+layouts' table (roots.py); nothing here names a framework or format: the
+registry's table (`formats`, in detection order) is handed in by the caller,
+for the format of each step.
 Nothing here prints: the commands render what these return.
 """
 from __future__ import annotations
@@ -19,13 +21,16 @@ import contextvars
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ..storage import Storage, check_url
 from ..text import is_ascii_number
 from . import roots
 from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
+
+if TYPE_CHECKING:
+    from . import FormatInfo
 
 __all__ = ["StepRow", "RunListing", "OpenedStep", "list_run", "resolve_step", "step_path", "recording",
            "opened_steps", "unrecorded", "every_step", "step_checkpoint"]
@@ -102,7 +107,7 @@ def _stats(storage: Storage, keys: list[str], want_sizes: bool) -> dict[str, tup
         return dict(zip(keys, pool.map(storage.stat, keys)))
 
 
-def list_run(root: str, *, sizes: bool | None = None,
+def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = None,
              _opened: tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]] | None = None,
              ) -> RunListing:
     """The steps of the run root at `root`, sorted by step, from its listing (runs.list_run
@@ -128,7 +133,7 @@ def list_run(root: str, *, sizes: bool | None = None,
         status = layout.status_of(listing, entry)
         known = [stats[k] for k in own if k in stats]
         rows.append(StepRow(
-            entry.name, step, roots.format_of(listing, layout, entry), status.status, status.reason,
+            entry.name, step, roots.format_of(listing, layout, entry, formats), status.status, status.reason,
             files=len(own), size=sum(s for s, _ in known) if want_sizes else None,
             mtime=max((t for _, t in known if t is not None), default=None),
             url=f"{storage.url}/{entry.name}", is_dir=entry.is_dir,
@@ -164,7 +169,7 @@ def _apply_pointer(rows: list[StepRow], layout: RunLayout, target: str | None) -
                         "this save may not have finished")
 
 
-def every_step(root: str) -> RunListing | None:
+def every_step(root: str, formats: Sequence[FormatInfo]) -> RunListing | None:
     """The listing of `root` when it is a run root (validate --step all: where each step is a
     checkpoint of its own, torchtitan, HF Trainer, NeMo 2, verl, validate checks them one by one;
     elsewhere the format's reader checks every step, and the listing says which steps are torn);
@@ -176,7 +181,7 @@ def every_step(root: str) -> RunListing | None:
         opened = _open_root(root)
     except CkptError:
         return None
-    return list_run(root, sizes=False, _opened=opened)
+    return list_run(root, formats=formats, sizes=False, _opened=opened)
 
 
 def step_checkpoint(run: RunListing, row: StepRow) -> str:
@@ -322,7 +327,7 @@ def _may_be_run_root(storage: Storage) -> bool:
     return False
 
 
-def resolve_step(root: str, step: str | int | None,
+def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo],
                  storage: Storage | None = None) -> tuple[str, str | int | None, OpenedStep | None]:
     """(path to open, step for the format's reader, the step opened) for `root` and --step `step`.
 
@@ -349,7 +354,7 @@ def resolve_step(root: str, step: str | int | None,
             return root, step, None  # validate's every step: the format's reader checks them all
         # (validate --step all on these roots checks each step's directory: validate.every_step)
         raise UsageError("--step all: every step is validate's; give a step number, a step's name or 'latest'")
-    run = list_run(root, sizes=False, _opened=opened)
+    run = list_run(root, formats=formats, sizes=False, _opened=opened)
     rows = run.steps
     text = None if step is None else str(step)
     if layout.confirm is not None and text in (None, "latest"):
@@ -430,8 +435,8 @@ def _steps_text(rows: list[StepRow]) -> str:
     return "steps: " + "; ".join(parts) if parts else "no steps"
 
 
-def step_path(root: str, step: str | int) -> tuple[str, str | int | None]:
+def step_path(root: str, step: str | int, formats: Sequence[FormatInfo]) -> tuple[str, str | int | None]:
     """(path, step for the format's reader) of step `step` of the run root at `root`: a number,
     an entry's name or 'latest' (resolve_step, without what it says about the step)."""
-    path, for_reader, _ = resolve_step(root, step)
+    path, for_reader, _ = resolve_step(root, step, formats)
     return path, for_reader

@@ -27,8 +27,8 @@ from ...model import ArrayLeaf, ValueLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
 from .. import given_read_options
-from ..torch_save import checks as tsc
-from ..torch_save import reader as ts
+from ...torchsave import checks as tsc
+from ...torchsave import reading as ts
 from . import moe
 from . import reader as ds
 
@@ -149,9 +149,9 @@ def _open(storage: Storage, name: str, findings: Findings, prefix: str) -> ts.Ar
         findings.error("bad-metadata", exc.message, file=prefix + name)
         return None
     except CkptError as exc:
-        size = tsc._size(storage, name)
+        size = tsc.file_size(storage, name)
         code = "empty-file" if size == 0 else (
-            "truncated-file" if any(part in exc.message for part in tsc._CUT_SHORT) else "bad-metadata")
+            "truncated-file" if any(part in exc.message for part in tsc.CUT_SHORT) else "bad-metadata")
         findings.error(code, exc.message, file=prefix + name)
         return None
     findings.count("files")

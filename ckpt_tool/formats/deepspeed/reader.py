@@ -97,7 +97,7 @@ from ...storage import Storage
 from ...torchsave import safe_pickle
 from ...torchsave.safe_pickle import DSLossScaler, Size, TensorRef
 from ...text import is_ascii_number
-from ..torch_save import reader as ts
+from ...torchsave import reading as ts
 from . import layout as L
 from . import moe
 
@@ -1011,8 +1011,8 @@ def _state_ref(o: RankOptim, g: int, key: str) -> TensorRef | None:
 
 
 def _value(keys: tuple[Key, ...], name: str, value: Any, archive: ts.Archive) -> ValueLeaf:
-    return ValueLeaf(keys=keys, name=name, value_type=ts._value_type(value), dtype=ts._SCALAR_DTYPES.get(type(value)),
-                     loader=ts._value_loader(archive, value), extra={"file": archive.name})
+    return ValueLeaf(keys=keys, name=name, value_type=ts.value_type(value), dtype=ts.SCALAR_DTYPES.get(type(value)),
+                     loader=ts.value_loader(archive, value), extra={"file": archive.name})
 
 
 def _engine_leaves(step: Step) -> list[Leaf]:

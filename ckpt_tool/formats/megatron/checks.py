@@ -146,7 +146,7 @@ def _check_save(storage: Storage, findings: Findings) -> None:
 
 
 def _check_common(storage: Storage, findings: Findings) -> None:
-    from ..torch_save import checks as ts_checks
+    from ...torchsave import checks as ts_checks
 
     if not storage.exists(mg.COMMON_FILE):
         findings.error("missing-file", "rank 0 writes it with every save; Megatron's load needs it", file=mg.COMMON_FILE)

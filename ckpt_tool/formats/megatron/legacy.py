@@ -171,7 +171,7 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
     Python attributes; this second pass over the same `data.pkl` (only when it names that
     rebuild) records them. A pickle the first pass accepted; any failure here only loses notes."""
     from ...torchsave import safe_pickle
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     try:
         data = archive.zip._member_bytes("data.pkl")
@@ -209,7 +209,7 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
 def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[list[Leaf], Any]:
     """One rank file's leaves under `prefix`, Megatron's stand-ins as plain data; (leaves, its args)."""
     from ...torchsave.safe_pickle import TensorRef
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     archive = ts.Archive(storage, name, pickled.ALLOW)
     obj = _with_plain_keys(archive.obj)
@@ -364,7 +364,7 @@ def check(storage: Storage, findings: Findings) -> None:
     """Every rank directory the grid needs (missing-file), each rank's model_optim_rng.pt (and
     distrib_optim.pt: required when the run's args say --use-distributed-optimizer) as torch
     would load it, with Megatron's data classes admitted."""
-    from ..torch_save import checks as ts_checks
+    from ...torchsave import checks as ts_checks
 
     present = ranks(storage)
     sizes = None

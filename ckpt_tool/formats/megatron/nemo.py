@@ -155,7 +155,7 @@ def check(storage: Storage, findings: Any, check_save: Callable[[Storage, Any], 
     """weights/ checked as a Megatron save (its files named under weights/); context/: io.json there and
     JSON (NeMo's load_context reads it: `missing-file`, `bad-metadata`), model.yaml PyYAML's safe_load reads
     (`bad-metadata`; absent: a `missing-file` warning, as NeMo's restore does not need it, its exporters do)."""
-    from ..orbax import schema
+    from ...arrays import schema
 
     check_save(storage.child(WEIGHTS), under(findings, WEIGHTS))
     files = context_files(storage)

@@ -40,7 +40,7 @@ from ...text import is_ascii_number
 from . import pickled, reformulated
 
 # detection (detection.py, which the registry imports without this module) and the names it looks for
-from .detection import COMMON_FILE, CONFIG_FILE, LEGACY_RANK_DIR, NAME, STEP_DIR, TRACKER_FILE, detect  # noqa: F401
+from .detection import COMMON_FILE, CONFIG_FILE, LEGACY_RANK_DIR, NAME, STEP_DIR, TRACKER_FILE  # noqa: F401
 
 RELEASE_DIR = "release"
 BACKENDS = ("torch_dist", "zarr")
@@ -66,6 +66,28 @@ def read_config(storage: Storage) -> dict[str, Any]:
     if not isinstance(doc, dict) or not isinstance(doc.get("sharded_backend"), str):
         raise CorruptMetadataError("no sharded_backend: not a Megatron dist_checkpointing metadata.json", where)
     return doc
+
+
+def detect(storage: Storage) -> bool:
+    """A save (metadata.json naming a sharded backend), or a run root (the tracker, or iter_N/ directories)."""
+    dirs, files = storage.listdir()
+    if CONFIG_FILE in files:
+        if COMMON_FILE in files:
+            return True  # (a damaged metadata.json beside common.pt is still a Megatron save, reported as such)
+        if backend_of(storage, quiet=True) is not None:
+            return True
+    if COMMON_FILE in files and ".metadata" in files:
+        return True  # a save whose metadata.json was never written: interrupted
+    if TRACKER_FILE in files:
+        return True
+    if any(LEGACY_RANK_DIR.match(d) for d in dirs):
+        return True  # a legacy (--ckpt-format torch) step directory
+    if "weights" in dirs and "context" in dirs:
+        from . import nemo
+
+        if nemo.is_nemo(storage, dirs):
+            return True  # a NeMo 2 checkpoint
+    return any(STEP_DIR.match(d) for d in dirs)
 
 
 def backend_of(storage: Storage, *, quiet: bool = False) -> str | None:
@@ -208,7 +230,7 @@ def _common_leaves(storage: Storage, taken: set[tuple[Key, ...]]) -> list[Leaf]:
     """common.pt's leaves at the top of the tree (under `common/` only where a key is taken)."""
     if not storage.exists(COMMON_FILE):
         raise IncompleteCheckpointError(f"no {COMMON_FILE} (rank 0 writes it with every save)", storage.url)
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     tree = ts.file_tree(ts.Archive(storage, COMMON_FILE, pickled.ALLOW))
     if tree.paths == [()] and tree.values[0] in ({}, None):

@@ -66,7 +66,7 @@ from ....torchsave.archive import StreamedArchive, tensor_reduce
 from ....torchsave.pickle_writer import dumps
 from ....torchsave.safe_pickle import TensorRef
 from ....writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
-from ...torch_save import reader as ts
+from ....torchsave import reading as ts
 from .. import reader as ds
 from . import reader as u
 
@@ -151,7 +151,7 @@ def _safe_name(name: str, where: str) -> str:
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    return ts._contiguous(shape, stride)
+    return ts.contiguous(shape, stride)
 
 
 def _dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
