@@ -36,7 +36,7 @@ from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
 # lowest first; a module is in the layer of the longest prefix listed
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "parallel", "findings",
-              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json")),
+              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options")),
     ("storage", ("storage",)),
     ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers")),
     ("machinery", ("torchsave", "arrays", "distcp", "integrity")),

@@ -17,16 +17,16 @@ never loads the Orbax reader).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import fnmatch
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
 from ..names import TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
+# (formats.read_options: the CLI sets the reader options around its call into the core)
+from ..read_options import given_read_options, read_options  # noqa: F401
 from ..text import joined
 
 if TYPE_CHECKING:
@@ -271,30 +271,9 @@ def reading(option: str) -> list[str]:
     return [f.label for f in shown() if option in f.read_options]
 
 
-# The reader options of the command being run ({"weights": "module"}), set by the CLI around its
-# call into the core (read_options) and passed by open_checkpoint to the format's read(); a format
-# that does not take one refuses it when it is detected.
-_READ_OPTIONS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("read_options", default={})
-
-
-@contextlib.contextmanager
-def read_options(**options: str | None) -> Iterator[None]:
-    """Within it, checkpoints are opened with these reader options (None: not given)."""
-    token = _READ_OPTIONS.set({k: v for k, v in options.items() if v is not None})
-    try:
-        yield
-    finally:
-        _READ_OPTIONS.reset(token)
-
-
-def given_read_options() -> dict[str, str]:
-    """The reader options in force (a format's shallow checks read what its reader would)."""
-    return dict(_READ_OPTIONS.get())
-
-
 def _check_options(info: FormatInfo) -> dict[str, str]:
     """The reader options given, refused by name when the format does not take them."""
-    given = _READ_OPTIONS.get()
+    given = given_read_options()
     for option in given:
         if option not in info.read_options:
             raise UsageError(f"--{option} applies to {joined(reading(option))} checkpoints; this is a {info.title} one")
@@ -515,7 +494,7 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
 
     unknown.refuse_file(url, registered())  # any other file: the checkpoint it sits in, or what it is
     storage = storage or Storage.open(url, log=log)
-    ckpt = detect_one(storage).read(storage, step=step, **_READ_OPTIONS.get())
+    ckpt = detect_one(storage).read(storage, step=step, **given_read_options())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False

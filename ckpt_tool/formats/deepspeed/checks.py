@@ -26,10 +26,10 @@ from ...findings import Findings
 from ...model import ArrayLeaf, ValueLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
-from .. import given_read_options
+from ...read_options import given_read_options
 from ...torchsave import checks as tsc
 from ...torchsave import reading as ts
-from . import moe
+from . import moe, opening
 from . import reader as ds
 
 
@@ -84,7 +84,7 @@ def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
         return  # the structure is checked over files that open
     try:
         # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
-        step, leaves, _ = ds.open_leaves(storage, given_read_options().get("weights", "fp32"))
+        step, leaves, _ = opening.open_leaves(storage, given_read_options().get("weights", "fp32"))
     except (PathEscapeError, UsageError):
         raise
     except NotFoundError as exc:  # a pipeline stage's (or the) model-states file

@@ -182,7 +182,6 @@ def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
     """--weights module: each expert file's tensors as stored (the training dtype), by their names
     (the module state dict of mp_rank_00 holds no expert: DeepSpeed saves them apart)."""
     from ...torchsave import reading as ts
-    from . import reader as ds
 
     out = []
     for _, fname in sorted(step.files.experts.items()):
@@ -190,7 +189,7 @@ def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
         obj = archive.obj if isinstance(archive.obj, dict) else {}
         for name, ref in obj.items():
             if isinstance(name, str) and isinstance(ref, TensorRef):
-                out.append((name, ds._array((), name, tuple(ref.size), ref.dtype, ts.TensorReader(archive, ref, name),
+                out.append((name, L.array_leaf((), name, tuple(ref.size), ref.dtype, ts.TensorReader(archive, ref, name),
                                             {"file": fname, "kind": "module"}, archive.zip.claim_problem(ref))))
     return out
 
