@@ -24,6 +24,7 @@ from ...model import keys_path
 from ...storage import Storage
 from . import pickled
 from . import reader as mg
+from .common import split_name
 
 
 class _Under:
@@ -58,7 +59,7 @@ def manifest_covers(name: str) -> bool:
 
 
 def leaf_path(fqn: str) -> str:
-    return keys_path(mg.split_name(fqn))
+    return keys_path(split_name(fqn))
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:

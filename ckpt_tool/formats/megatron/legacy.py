@@ -36,6 +36,8 @@ from ...findings import Findings
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
 from ...storage import Storage
 from . import pickled
+from .common import split_name
+from .detection import NAME
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 BACKEND = "torch"  # the Checkpoint's layout["backend"]: Megatron-LM's --ckpt-format name
@@ -236,8 +238,6 @@ def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[l
 
 def _split(key: str) -> tuple[str, ...]:
     """A dotted key split at its dots outside parentheses."""
-    from .reader import split_name
-
     return split_name(key) if "(" in key else tuple(key.split("."))
 
 
@@ -247,8 +247,6 @@ def _plain(load: Callable[[], Any]) -> Callable[[], Any]:
 
 def read(storage: Storage) -> Checkpoint:
     """A step directory of rank directories: every rank's files, each under its rank's name."""
-    from .reader import NAME
-
     present = ranks(storage)
     leaves: list[Leaf] = []
     sizes = None

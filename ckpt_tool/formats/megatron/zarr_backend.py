@@ -18,7 +18,7 @@ What `dist_checkpointing.save(..., sharded_strategy=('zarr', 1))` writes
     52-58; not wrapped in a list as torch_dist's bytes items are): read through the
     torch.save package with Megatron's data classes admitted (pickled.ALLOW), one value
     under its unique key `<key>/shard_<offset>_<shape>`, as megatron's load returns it;
-  * `common.pt` as in torch_dist (reader._common_leaves).
+  * `common.pt` as in torch_dist (common.common_leaves).
 
 A key is any sub-directory holding `.zarray` (megatron's loader: zarr.py:330-332); a
 sub-directory of `shard_*.pt` files is a ShardedObject key; `<key>.sync` directories are
@@ -35,6 +35,8 @@ from ...findings import Findings
 from ...model import ArrayLeaf, Checkpoint, Leaf, RegularGrid, ValueLeaf
 from ...storage import Storage
 from . import pickled
+from .common import common_leaves, split_name
+from .detection import NAME
 
 ZARRAY = ".zarray"
 SYNC_SUFFIX = ".sync"
@@ -95,8 +97,6 @@ def object_loader(storage: Storage, path: str) -> Callable[[], Any]:
 def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLeaf:
     """One key's zarr array, opened by tensorstore on first read (the Orbax package's reader)."""
     from ...arrays.reading import ZarrRegionReader, parse_zarr_metadata
-    from .reader import split_name
-
     where = f"{storage.url}/{name}/{ZARRAY}"
     shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, where)
     reader = ZarrRegionReader(source, name, False, zmeta)
@@ -108,8 +108,6 @@ def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str,
     """The tensors (every `.zarray` read at once) and the ShardedObjects; (leaves, zmeta by key)."""
     from ...arrays import schema
     from ...arrays.reading import ArraySource
-    from .reader import split_name
-
     source = ArraySource(storage, None)
     names = sorted(found.arrays)
     raw = storage.start_reads(f"{n}/{ZARRAY}" for n in names).result()
@@ -132,11 +130,10 @@ def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str,
 
 def read(storage: Storage) -> Checkpoint:
     """One zarr-backend save directory (metadata.json already read: the caller's)."""
-    from .reader import NAME, _common_leaves
 
     found = listing(storage)
     leaves, _ = read_arrays(storage, found)
-    common = _common_leaves(storage, {leaf.keys for leaf in leaves})
+    common = common_leaves(storage, {leaf.keys for leaf in leaves})
     notes = []
     if any(leaf.name.startswith("decoder.layers.") and isinstance(leaf, ArrayLeaf) for leaf in leaves):
         notes.append("layers are stacked: decoder.layers.* hold every layer on axis 0 "
