@@ -20,11 +20,15 @@ no module imports one in a higher layer, no import cycle exists (so a function-l
 only ever a lazy import downward, for start-up time, never a way around a cycle), and no format
 package imports another one.
 
+At run time too: opening a checkpoint (ckpt_tool.open) of every format, and a step of run roots,
+loads no module above the registry (runs, validate, manifest, ...).
+
 CKPT_LAYERS_TREE=/path/to/checkout runs the checks on another checkout (its ckpt_tool/).
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -152,3 +156,25 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: P
     found = violations(graph, modules(tmp_path))
     assert found["imports up the layers"] == ["errors -> runs (in a function, line 2)"]
     assert found["imports of another format package"] == ["formats.a -> formats.b.reader (line 1)"]
+
+
+# one checkpoint of every format and family, and run roots whose step the registry picks
+OPENED = ["orbax_manager", "orbax_v0_4_plain", "dcp_single", "safetensors_llama_sharded", "flax_msgpack", "t5x",
+          "torch_hf_bin_sharded", "megatron_run", "megatron_nemo2", "megatron_zarr_tp2", "megatron_legacy",
+          "deepspeed_z2_fp32", "deepspeed_pp2_z1", "deepspeed_universal_z1_fp32", "runs_torchtitan", "runs_hf_trainer"]
+
+
+def test_opening_checkpoints_loads_nothing_above_the_registry(tree: Path) -> None:
+    fixtures = tree / "fixtures"
+    code = ("import sys, ckpt_tool\n"
+            "for path in sys.argv[1:]:\n"
+            "    ckpt_tool.open(path)\n"
+            "print('\\n'.join(sorted(sys.modules)))\n")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    r = subprocess.run([sys.executable, "-c", code, *(str(fixtures / f) for f in OPENED)], capture_output=True,
+                       text=True, timeout=600, cwd=tree, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = [m for m in r.stdout.split() if m.startswith(PACKAGE + ".")]
+    assert any(m.startswith(f"{PACKAGE}.formats.megatron.") for m in loaded)  # (the opens above were real)
+    above = [m for m in loaded if _RANK[layer_of(m)] > _RANK["registry"]]
+    assert not above, f"ckpt_tool.open loaded modules above the registry: {above}"

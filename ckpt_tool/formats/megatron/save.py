@@ -99,9 +99,9 @@ def read_save(storage: Storage) -> Checkpoint:
 
 
 def _torch_dist(storage: Storage) -> Checkpoint:
-    from ..dcp import reader as dcp
+    from ...distcp import reader as dcp
 
-    ck, md = dcp.read_with_metadata(storage, allow=pickled.ALLOW)
+    ck, md = dcp.read_with_metadata(storage, fmt=NAME, allow=pickled.ALLOW)
     mcore = getattr(md, "mcore_data", None) or md.unknown.get("mcore_data") or {}
     if not isinstance(mcore, dict):
         raise CorruptMetadataError("mcore_data is not a mapping", f"{storage.url}/.metadata")
