@@ -182,7 +182,7 @@ def report(tree: Path) -> str:
     for kind, items in found.items():
         lines.append(f"{kind}: {len(items)}")
         lines.extend(f"  {item}" for item in items)
-    layers = Counter(layer_of(m) for m in known)
+    layers = Counter(layer_of(m, known) for m in known)
     lines.append("modules per layer: " + ", ".join(f"{k}={v}" for k, v in layers.items()))
     return "\n".join(lines)
 

@@ -28,6 +28,7 @@ CKPT_LAYERS_TREE=/path/to/checkout runs the checks on another checkout (its ckpt
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 import sys
@@ -38,15 +39,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
 
-# lowest first; a module is in the layer of the longest prefix listed
+# lowest first. A module is in the layer of a pattern naming it (fnmatch), else in "format" when it
+# is part of a format package (a directory formats/<name>/), else in the layer of the longest prefix
+# listed. The format contract (formats/contract.py: base classes and protocols, imported by the
+# format packages and the scheduler) sits with the model; a format package's registration.py (its
+# registry entries, read by the registry by file path) is the registry's.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "parallel", "findings",
-              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options")),
+              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options",
+              "topology")),
     ("storage", ("storage",)),
-    ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers")),
+    ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers", "blocks", "formats.contract")),
     ("machinery", ("torchsave", "arrays", "distcp", "integrity")),
-    ("format", ("formats.*",)),  # each format package: formats/<name>/
-    ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps")),
+    ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
+    ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
     ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "hf_export")),
     ("operations", ("runs", "engine", "diff", "reshard")),
     ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
@@ -55,27 +61,33 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 _RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 
-def format_package(module: str) -> str | None:
-    """The format package a module belongs to ("ckpt_tool.formats.orbax"), None for any other.
+def format_package(module: str, known: dict[str, Path]) -> str | None:
+    """The format package a module belongs to ("ckpt_tool.formats.orbax": a directory under
+    formats/), None for any other (formats/roots.py, formats/contract.py, ...). `known`: the tree's
+    modules (import_graph.modules).
 
     DeepSpeed's universal checkpoints (formats/deepspeed/universal/) are part of the deepspeed
     package: they share its reader by design."""
     parts = module.split(".")
-    if len(parts) >= 3 and parts[1] == "formats" and parts[2] not in ("roots", "unknown", "steps"):
-        return ".".join(parts[:3])
-    return None
+    if len(parts) < 3 or parts[1] != "formats":
+        return None
+    top = ".".join(parts[:3])
+    path = known.get(top)
+    return top if path is not None and path.name == "__init__.py" else None
 
 
-def layer_of(module: str) -> str:
+def layer_of(module: str, known: dict[str, Path]) -> str:
     inner = module.removeprefix(PACKAGE).removeprefix(".")
-    if format_package(module) is not None:
+    for layer, patterns in LAYERS:
+        if any("*" in p and fnmatch.fnmatchcase(inner, p) for p in patterns):
+            return layer
+    if format_package(module, known) is not None:
         return "format"
     best, best_len = None, -1
     for layer, prefixes in LAYERS:
         for prefix in prefixes:
-            if prefix == "formats.*":
-                continue
-            if inner == prefix or (prefix and inner.startswith(prefix + ".")) or (prefix == "" and inner == ""):
+            # ("": the package's own __init__ only: a module no prefix names has no layer)
+            if "*" not in prefix and (inner == prefix or (prefix and inner.startswith(prefix + "."))):
                 if len(prefix) > best_len:
                     best, best_len = layer, len(prefix)
     if best is None:
@@ -86,9 +98,10 @@ def layer_of(module: str) -> str:
 def violations(graph: list[Edge], known: dict[str, Path]) -> dict[str, list[str]]:
     """What breaks the layering: imports up the layers, imports between format packages, the
     function-level imports among them, and the modules of each cycle."""
-    upward = [e for e in graph if _RANK[layer_of(e.importer)] < _RANK[layer_of(e.imported)]]
-    across = [e for e in graph if format_package(e.importer) and format_package(e.imported)
-              and format_package(e.importer) != format_package(e.imported)]
+    rank = {m: _RANK[layer_of(m, known)] for m in known}
+    upward = [e for e in graph if rank[e.importer] < rank[e.imported]]
+    package = {m: format_package(m, known) for m in known}
+    across = [e for e in graph if package[e.importer] and package[e.imported] and package[e.importer] != package[e.imported]]
     in_cycles = {m for c in cycles(graph) for m in c}
     lazy_in_cycles = [e for e in graph if e.lazy and e.importer in in_cycles and e.imported in in_cycles]
     return {
@@ -109,8 +122,9 @@ def graph(tree: Path) -> list[Edge]:
 
 
 def test_every_module_has_a_layer(tree: Path) -> None:
-    for module in modules(tree):
-        layer_of(module)
+    known = modules(tree)
+    for module in known:
+        layer_of(module, known)
 
 
 def test_the_graph_sees_function_level_and_relative_imports(tree: Path, graph: list[Edge]) -> None:
@@ -144,8 +158,10 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: P
         "errors.py": "def f():\n    from . import runs\n",  # base -> operations, in a function
         "runs.py": "from .errors import f\n",
         "formats/__init__.py": "",
-        "formats/a/__init__.py": "from ..b import reader\n",
+        "formats/contract.py": "",  # a module beside the packages, not a format package
+        "formats/a/__init__.py": "from ..b import reader\nfrom ..contract import Base\n",
         "formats/b/__init__.py": "",
+        "formats/b/registration.py": "from .. import FormatInfo\n",  # the registry's entry: may use it
         "formats/b/reader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
     }.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -175,5 +191,6 @@ def test_opening_checkpoints_loads_nothing_above_the_registry(tree: Path) -> Non
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = [m for m in r.stdout.split() if m.startswith(PACKAGE + ".")]
     assert any(m.startswith(f"{PACKAGE}.formats.megatron.") for m in loaded)  # (the opens above were real)
-    above = [m for m in loaded if _RANK[layer_of(m)] > _RANK["registry"]]
+    known = modules(tree)
+    above = [m for m in loaded if m in known and _RANK[layer_of(m, known)] > _RANK["registry"]]
     assert not above, f"ckpt_tool.open loaded modules above the registry: {above}"
