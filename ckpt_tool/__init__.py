@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import CkptError
+from .version import __version__
 
 if TYPE_CHECKING:
     from .model import ArrayLeaf, Checkpoint, ValueLeaf
     from .runs import Latest
 
-__version__ = "0.1.0"
 __all__ = ["open", "latest", "Checkpoint", "ArrayLeaf", "ValueLeaf", "CkptError", "__version__"]
 
 # the model (and with it numpy) loads on first use, so that the `ckpt`

@@ -47,3 +47,10 @@ def is_unicode_text(text: str) -> bool:
     """Whether `text` is Unicode text any UTF-8 file can hold: no lone surrogates (a name a pickle
     stored with surrogatepass, or a non-UTF-8 file name Python decoded with surrogateescape)."""
     return _SURROGATE.search(text) is None
+
+
+def joined(names: list[str], conjunction: str = "or") -> str:
+    """"a, b or c"."""
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + f" {conjunction} " + names[-1]

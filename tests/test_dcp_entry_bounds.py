@@ -332,7 +332,7 @@ def test_a_long_zstd_frame_is_walked_to_its_end(big_zstd, tmp_path):
 
 
 def test_a_frame_too_long_for_the_read_budget_is_counted_not_refused(big_zstd, monkeypatch):
-    from ckpt_tool.formats.dcp import checks as dcp_checks
+    from ckpt_tool.distcp import checks as dcp_checks
 
     monkeypatch.setattr(dcp_checks, "_ENTRY_READS_LOCAL", 2)
     report = validate_checkpoint(str(big_zstd))

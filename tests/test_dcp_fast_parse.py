@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.errors import CkptError
-from ckpt_tool.formats.dcp import checks as dcp_checks
-from ckpt_tool.formats.dcp import reader as dcp_reader
+from ckpt_tool.distcp import checks as dcp_checks
+from ckpt_tool.distcp import reader as dcp_reader
 from ckpt_tool.storage import Storage
 from ckpt_tool.torchsave import safe_pickle
 from ckpt_tool.torchsave.safe_pickle import Size
@@ -137,7 +137,7 @@ def test_open_then_validate_unpickles_metadata_once(monkeypatch):
     monkeypatch.setattr(safe_pickle, "load_metadata", counting)
     dcp_reader._LAST_PARSED = None
     path = str(fixture_path("dcp_multirank"))
-    dcp_reader.read(Storage.open(path))
+    dcp_reader.read(Storage.open(path), fmt="dcp")
     report = validate_checkpoint(path)
     assert len(calls) == 1 and report.ok()
     # other bytes are parsed afresh

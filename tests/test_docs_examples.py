@@ -282,6 +282,8 @@ def formats_table() -> str:
         single = ", ".join(f"`{s}`" for s in f.file_suffixes) if f.single_file else "no"
         if f.single_file == "any":
             single += " (or any local file, by its bytes)"
+        elif f.single_file == "unclaimed":
+            single += " (or any local file no other format names, by its bytes)"
         rows.append(f"| [{f.title}](docs/formats/{f.name}.md) | {f.reads or f.title} | "
                     f"{'`' + f.name + '`' if f.can_write else 'no'} | {'yes' if f.can_reshard else 'no'} | {single} |")
     return "\n".join(rows)

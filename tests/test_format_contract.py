@@ -61,7 +61,7 @@ def test_a_package_with_only_the_required_members():
     assert package.layout_text(ckpt) == "minimal"  # type: ignore[arg-type]
     assert package.recorded_tuples(ckpt) == set()  # type: ignore[arg-type]
     checks = contract.ChecksModule(types.ModuleType("minimal.checks"))
-    assert checks.manifest_covers("anything") and checks.validate_file is None and checks.check_deep is None
+    assert checks.manifest_covers("anything") and checks.check_single_file is None and checks.check_deep is None
     assert contract.WriterModule(types.ModuleType("minimal.write")).KEEPS_ANY_STR is False
 
 

@@ -287,7 +287,7 @@ def test_tensors_refused_on_a_run_root(tmp_path, ckpt):
 
 
 def test_memory_budget_bounds_the_buffers(tmp_path, ckpt):
-    from ckpt_tool.manifest.hashing import block_bytes
+    from ckpt_tool.integrity.hashing import block_bytes
     from ckpt_tool.storage import Storage
 
     assert block_bytes(Storage.open(str(fixture_path("dcp_single"))), 4 << 20, 4) == 1 << 20

@@ -172,7 +172,7 @@ def test_a_node_claiming_a_huge_body_is_refused_before_decompressing_it(tmp_path
         ocdbt_node.LeafNode(raw, where, max_decoded=2**20)
 
 
-# -- small one-chunk arrays read from the walk (formats/orbax/reader.py _ArraySource.small_chunk) ------
+# -- small one-chunk arrays read from the walk (arrays/reading.py ArraySource.small_chunk) ------
 
 OCDBT_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_4_ocdbt", "orbax_two_process", "flax_orbax"]
 

@@ -30,7 +30,7 @@ import tensorstore as ts
 import ckpt_tool
 from ckpt_tool.errors import CkptError
 from ckpt_tool.findings import MAX_PER_LEAF, Findings
-from ckpt_tool.formats.orbax import schema
+from ckpt_tool.arrays import schema
 from ckpt_tool.validate import validate_checkpoint
 from conftest import FIXTURES
 

@@ -212,10 +212,10 @@ _TRUNCATING_CONVERT = textwrap.dedent("""
     from pathlib import Path
     src, dst, to, pattern, reader = sys.argv[1:6]
     import ckpt_tool.formats.orbax.reader as ob
-    import ckpt_tool.formats.dcp.reader as dcp
+    import ckpt_tool.distcp.reader as dcp
     # dcp: the first range read of an archive (a small tensor's data comes from the archive read whole to
     # locate its payload: no read_range_into is left to hook for the fixtures' small tensors)
-    cls, attr = {"orbax": (ob._ZarrRegionReader, "read"), "dcp": (dcp.Storage, "read_range")}[reader]
+    cls, attr = {"orbax": (ob.ZarrRegionReader, "read"), "dcp": (dcp.Storage, "read_range")}[reader]
     real = getattr(cls, attr)
     done = threading.Event()
     lock = threading.Lock()

@@ -28,7 +28,7 @@ from ckpt_tool.model import Chunk
 from ckpt_tool.storage import Storage
 import ckpt_tool
 from ckpt_tool.validate import validate_checkpoint
-from ckpt_tool.formats.dcp.checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
+from ckpt_tool.distcp.checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
 
 from conftest import DCP_FIXTURES, fixture_path, mutate_bytes
 

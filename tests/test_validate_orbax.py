@@ -212,12 +212,12 @@ def test_stored_bytes_count_the_values_a_merged_root_keeps_in_process_databases(
 
     from ckpt_tool.findings import Findings
     from ckpt_tool.storage import Storage
-    from ckpt_tool.formats.orbax.checks import _check_ocdbt
+    from ckpt_tool.arrays.checks import check_ocdbt
 
     path = tmp_path / "save"
     with ocp.StandardCheckpointer() as ckptr:  # a 64 KiB chunk: stored out of line, in the process database
         ckptr.save(str(path), {"w": np.random.default_rng(0).random((128, 128), dtype=np.float32)})
     stored = [0]
-    _check_ocdbt(Storage.open(str(path)), "", Findings(), where="", stored=stored)
+    check_ocdbt(Storage.open(str(path)), "", Findings(), where="", stored=stored)
     assert stored[0] >= 128 * 128 * 4 // 2, stored[0]  # random floats hardly compress
     assert validate_checkpoint(str(path), deep=True).ok(True)

@@ -15,17 +15,19 @@ never loads the Orbax reader).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import fnmatch
 import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
+from ..names import TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
+# (formats.read_options: the CLI sets the reader options around its call into the core)
+from ..read_options import given_read_options, read_options  # noqa: F401
+from ..text import joined
 
 if TYPE_CHECKING:
     # (at run time the contract is imported when a package is asked something: `ckpt --help` never is)
@@ -61,7 +63,9 @@ class FormatInfo:
     # package (a flat DCP directory never loads the Orbax reader to hear "no")
     claims_flat: bool = False
     # one file given by its path may be a checkpoint (split_file / read_file): "claimed" when
-    # `claims` match its name, "any" for any local file (its reader looks at the first bytes)
+    # `claims` match its name, "any" for any local file (its reader looks at the first bytes),
+    # "unclaimed" for any file no other format claims by name (a DCP `.distcp` starts with a
+    # torch.save archive too, and is DCP's)
     single_file: str = ""
     file_suffixes: tuple[str, ...] = ()  # name endings of its one-file checkpoints (".safetensors")
     can_reshard: bool = False  # `ckpt reshard` writes it (laid out for a device mesh)
@@ -234,30 +238,9 @@ def reading(option: str) -> list[str]:
     return [f.label for f in shown() if option in f.read_options]
 
 
-# The reader options of the command being run ({"weights": "module"}), set by the CLI around its
-# call into the core (read_options) and passed by open_checkpoint to the format's read(); a format
-# that does not take one refuses it when it is detected.
-_READ_OPTIONS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("read_options", default={})
-
-
-@contextlib.contextmanager
-def read_options(**options: str | None) -> Iterator[None]:
-    """Within it, checkpoints are opened with these reader options (None: not given)."""
-    token = _READ_OPTIONS.set({k: v for k, v in options.items() if v is not None})
-    try:
-        yield
-    finally:
-        _READ_OPTIONS.reset(token)
-
-
-def given_read_options() -> dict[str, str]:
-    """The reader options in force (a format's shallow checks read what its reader would)."""
-    return dict(_READ_OPTIONS.get())
-
-
 def _check_options(info: FormatInfo) -> dict[str, str]:
     """The reader options given, refused by name when the format does not take them."""
-    given = _READ_OPTIONS.get()
+    given = given_read_options()
     for option in given:
         if option not in info.read_options:
             raise UsageError(f"--{option} applies to {joined(reading(option))} checkpoints; this is a {info.title} one")
@@ -272,13 +255,6 @@ def reshard_format() -> FormatInfo:
 def titles_joined(conjunction: str = "or") -> str:
     """"Orbax, torch.distributed.checkpoint (DCP), safetensors or Flax / T5X msgpack"."""
     return joined([f.title for f in shown()], conjunction)
-
-
-def joined(names: list[str], conjunction: str = "or") -> str:
-    """"a, b or c"."""
-    if len(names) <= 1:
-        return "".join(names)
-    return ", ".join(names[:-1]) + f" {conjunction} " + names[-1]
 
 
 # kept for callers of the flat-module days: format names in detection order
@@ -352,10 +328,10 @@ def detect(storage: Storage) -> FormatModule:
     if info is not None:
         _check_options(info)
         return info.module()
-    from .unknown import describe
+    from . import unknown  # (lazily, as below: roots, steps and unknown import the storage layer)
 
     # say what is there: checkpoints one level down (and how to pick one), or the files found
-    raise UnknownFormatError(describe(storage, _formats(), format_module), storage.url)
+    raise UnknownFormatError(unknown.describe(storage, registered()), storage.url)
 
 
 def detect_one(storage: Storage) -> FormatModule:
@@ -431,7 +407,9 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
     """(format, (directory, file name)) when `url` names one file that a format reads as a checkpoint."""
     name = url.rstrip("/").rsplit("/", 1)[-1]
     for info in shown():
-        if info.single_file == "any" or (info.single_file == "claimed" and info.claimed(name)):
+        if info.single_file == "unclaimed" and any(o is not info and o.claimed(name) for o in REGISTRY.values()):
+            continue
+        if info.single_file in ("any", "unclaimed") or (info.single_file == "claimed" and info.claimed(name)):
             parts = info.reader_module().split_file(url)
             if parts is not None:
                 _check_options(info)
@@ -443,10 +421,10 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
     """Open the checkpoint at `url`, detecting its format; reads metadata only.
 
     On a run root of any framework `ckpt ls` lists, the run layouts' table picks the step
-    (runs.resolve_step): `step` when given, else the step the framework resumes from (its pointer
+    (steps.resolve_step): `step` when given, else the step the framework resumes from (its pointer
     file's, or the newest complete one); the step opened is recorded for the CLI to say."""
-    from ..runs import resolve_step
     from ..storage import Storage, check_url
+    from . import steps
 
     try:
         check_url(url)
@@ -454,7 +432,7 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
         storage: Storage | None = Storage.open(url, log=log)
     except CkptError:
         storage = None  # _open_resolved says what is wrong with the URL
-    resolved, step, opened = resolve_step(url, step, storage)
+    resolved, step, opened = steps.resolve_step(url, step, registered(), storage)
     try:
         return _open_resolved(resolved, step=step, log=log, storage=storage if resolved == url else None)
     except (UsageError, StorageUnavailableError, NoSpaceError):
@@ -479,11 +457,11 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     if single is not None:
         info, (directory, name) = single
         return info.reader_module().read_file(Storage.open(directory, log=log), name)
-    from .unknown import refuse_file
+    from . import unknown
 
-    refuse_file(url)  # any other file: the checkpoint it sits in, or what it is
+    unknown.refuse_file(url, registered())  # any other file: the checkpoint it sits in, or what it is
     storage = storage or Storage.open(url, log=log)
-    ckpt = detect_one(storage).read(storage, step=step, **_READ_OPTIONS.get())
+    ckpt = detect_one(storage).read(storage, step=step, **given_read_options())
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False
@@ -497,8 +475,6 @@ def layout_text(ckpt: Checkpoint) -> str:
     return info.reader_module().layout_text(ckpt) if info is not None else ckpt.format
 
 
-# temporary output directories of convert/reshard carry this in their name
-TMP_MARKER = ".ckpt-tmp"
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ the scheduler, validate and the CLI reach it only through the interfaces here:
   write_array, write_value, finish_process, commit, abort; optional
   pending_bytes_limit and owns).
 * validate's checks (``formats/<name>/checks.py``): ChecksModule wraps it
-  (check_path; optional manifest_covers, validate_file, check_deep).
+  (check_path; optional manifest_covers, check_single_file, check_deep).
 
 The wrappers are the only place a hook is looked up by name: a hook a package
 does not define takes the default written beside its declaration, and callers
@@ -394,11 +394,12 @@ class ChecksModule:
         return bool(hook(name)) if hook is not None else True
 
     @property
-    def validate_file(self) -> Callable[..., Any] | None:
-        """validate of a checkpoint that is one file, the format's own way:
-        validate_file(path, (directory, name), *, deep, workers, progress) -> findings.
-        Default: None (the shallow checks with `only`, then the deep read)."""
-        return getattr(self.module, "validate_file", None)
+    def check_single_file(self) -> Callable[[Storage, str, Findings], str] | None:
+        """validate of a checkpoint that is one file, checked the format's own way (a Flax msgpack
+        file): check_single_file(storage, name, findings) -> the family found; validate builds the
+        report and --deep reads what these checks found readable. Default: None (the shallow
+        checks with `only`, then the deep read)."""
+        return getattr(self.module, "check_single_file", None)
 
     @property
     def check_deep(self) -> Callable[[Storage, Checkpoint, Findings, set[str]], None] | None:

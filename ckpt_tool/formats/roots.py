@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import CkptError, CorruptMetadataError
 from ..text import is_ascii_number
 
 if TYPE_CHECKING:
     from ..storage import Storage
+    from . import FormatInfo
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -159,7 +160,7 @@ def _orbax_step(name: str, is_dir: bool) -> int | None:
         return None
     from .orbax import reader
 
-    return reader._step_number(name)
+    return reader.step_number(name)
 
 
 def _orbax_owns(listing: RootListing, entry: Entry) -> bool:
@@ -201,19 +202,19 @@ def _orbax_confirm(listing: RootListing, entry: Entry) -> StepStatus:
 # -- Flax checkpoint_N files, T5X checkpoint_N/ directories ---------------------------------------
 
 def _flax_step(name: str, is_dir: bool) -> int | None:
-    from .msgpack import reader
+    from .msgpack import detection
 
     if is_dir or not name.startswith("checkpoint"):
         return None
-    if reader._FLAX_TMP.match(name):
+    if detection.FLAX_TMP.match(name):
         return -1  # flax's `checkpoint_tmp`: a save in progress, of no step yet
-    return reader._step_of(name) if name.startswith("checkpoint_") else None
+    return detection.step_of(name) if name.startswith("checkpoint_") else None
 
 
 def _flax_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .msgpack import reader
+    from .msgpack import detection
 
-    if reader._FLAX_TMP.match(entry.name):
+    if detection.FLAX_TMP.match(entry.name):
         return StepStatus(IN_PROGRESS, "flax's temporary file: renamed to checkpoint_N when written")
     return StepStatus(COMMITTED)
 
@@ -221,31 +222,31 @@ def _flax_status(listing: RootListing, entry: Entry) -> StepStatus:
 def _t5x_step(name: str, is_dir: bool) -> int | None:
     if not (is_dir and name.startswith("checkpoint_")):
         return None  # (before the import: no other name loads the msgpack reader)
-    from .msgpack import reader
+    from .msgpack import detection
 
-    return reader._step_of(name)
+    return detection.step_of(name)
 
 
 def _t5x_owns(listing: RootListing, entry: Entry) -> bool:
-    from .msgpack import reader
+    from .msgpack import detection
 
-    if reader._is_tmp(entry.name):
+    if detection.is_tmp(entry.name):
         return True
     dirs, files = listing.top(entry.name)
-    if reader.TREE_METADATA in files:
+    if detection.ORBAX_TREE_METADATA in files:
         return False  # orbax >= 0.5's
     # the tree file, or (a save torn before it) t5x's per-array directories, named after the tree's keys
-    return reader.TREE_FILE in files or any(d.startswith(("target.", "state.")) for d in dirs)
+    return detection.TREE_FILE in files or any(d.startswith(("target.", "state.")) for d in dirs)
 
 
 def _t5x_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .msgpack import reader
+    from .msgpack import detection
 
-    if reader._is_tmp(entry.name):
+    if detection.is_tmp(entry.name):
         return StepStatus(IN_PROGRESS, "temporary directory name: t5x renames checkpoint_N.tmp-<time> when written")
     _, files = listing.top(entry.name)
-    if reader.TREE_FILE not in files:
-        return StepStatus(INCOMPLETE, f"no {reader.TREE_FILE} file (the tree, written last)")
+    if detection.TREE_FILE not in files:
+        return StepStatus(INCOMPLETE, f"no {detection.TREE_FILE} file (the tree, written last)")
     return StepStatus(COMMITTED)
 
 
@@ -574,21 +575,19 @@ def identify(listing: RootListing) -> tuple[RunLayout, list[tuple[Entry, int | N
     return (best[2], best[3]) if best else None
 
 
-def format_of(listing: RootListing, layout: RunLayout, entry: Entry) -> str:
-    """The registry format of a step, from the names in it (a listing): the first format (in
-    detection order) claiming one of its top-level names, else the layout's fallback."""
+def format_of(listing: RootListing, layout: RunLayout, entry: Entry, formats: Sequence[FormatInfo]) -> str:
+    """The registry format of a step, from the names in it (a listing): the first of `formats` (the
+    registry's, in detection order) claiming one of its top-level names, else the layout's fallback."""
     if not entry.is_dir:
         return layout.fallback_format
-    from . import registered
-
     dirs, files = listing.top(entry.name, layout.payload)
     names = sorted(files) + sorted(dirs)
-    if not any(info.claimed(n) for info in registered() for n in names):
+    if not any(info.claimed(n) for info in formats for n in names):
         # a step of named items (orbax <= 0.4's <item>/checkpoint): what the items hold
         below = f"{layout.payload}/" if layout.payload else ""
         names = sorted({k.rsplit("/", 1)[-1] for k in listing.under.get(entry.name, ())
                         if k.startswith(below) and k[len(below):].count("/") == 1})
-    for info in registered():
+    for info in formats:
         if any(info.claimed(n) for n in names):
             # a format of several families (msgpack: flax, t5x) says the layout's family
             return layout.fallback_format if layout.fallback_format in info.families else info.name

@@ -7,15 +7,22 @@ their first bytes), or just the first few names. A local path naming one
 file gets the same care (refuse_file): a file inside a checkpoint names the
 directory to open, any other file says what it is (a torch.save archive,
 a gzip file, ...).
+
+The registry (formats/__init__) asks this module and hands it its table (the
+formats in detection order): nothing here imports the registry or a format.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import CkptError, UnknownFormatError
 from ..storage import Storage
+from ..text import joined
+
+if TYPE_CHECKING:
+    from . import FormatInfo
 
 _MAX_SUBDIRS = 64
 _STEPISH = re.compile(r"^(?:.*\D)?(\d+)$")
@@ -31,15 +38,16 @@ _OTHER_FORMATS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
-def describe(storage: Storage, formats: Iterable[str], module: Callable[[str], Any]) -> str:
+def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
+    """The one line for a directory no format claims (`formats`: the registry's, in detection order)."""
     dirs, files = storage.listdir()
     found = []
     for d in dirs[:_MAX_SUBDIRS]:
         try:
             sub = storage.child(d)
-            for name in formats:
-                if module(name).detect(sub):
-                    found.append((d, name))
+            for info in formats:
+                if info.module().detect(sub):
+                    found.append((d, info.name))
                     break
         except CkptError:
             continue
@@ -61,10 +69,13 @@ def describe(storage: Storage, formats: Iterable[str], module: Callable[[str], A
         found_kinds = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
         return f"not a checkpoint format ckpt reads: found {found_kinds} ({names})"
     seen = ", ".join(sorted(files)[:5]) or ("only directories: " + ", ".join(dirs[:5]) if dirs else "nothing")
-    from . import titles_joined
-
-    read = titles_joined("or")
+    read = _titles(formats, "or")
     return f"not {_article(read)} {read} checkpoint (found {seen})"
+
+
+def _titles(formats: Sequence[FormatInfo], conjunction: str) -> str:
+    """"Orbax, ... or Flax / T5X msgpack": the formats' titles in the order lists show them."""
+    return joined([f.title for f in sorted(formats, key=lambda f: f.listed)], conjunction)
 
 
 def _article(text: str) -> str:
@@ -89,12 +100,10 @@ def _sniffed_kinds(storage: Storage, files: list[str]) -> set[str]:
 
 # -- one file given where a checkpoint directory was expected ----------------------
 
-def _marks_checkpoint(name: str) -> bool:
+def _marks_checkpoint(name: str, formats: Sequence[FormatInfo]) -> bool:
     """Whether a top-level name makes its directory a checkpoint of some format (the registry's
     claims): a file given beside one is looked for there (a listing of the directory, never a walk)."""
-    from . import registered
-
-    return any(info.claims_mark_checkpoint and info.claimed(name) for info in registered())
+    return any(info.claims_mark_checkpoint and info.claimed(name) for info in formats)
 
 
 # what to do with a file of a kind that holds a checkpoint some other way
@@ -188,10 +197,8 @@ def sniff_local(path: str) -> tuple[str, str] | None:
     return kind
 
 
-def _checkpoint_around(path: str) -> tuple[str, str] | None:
+def _checkpoint_around(path: str, formats: Sequence[FormatInfo]) -> tuple[str, FormatInfo] | None:
     """(directory, format) of the checkpoint a local file sits in, up to _PARENTS levels up, or None."""
-    from . import registered
-
     shown = os.path.dirname(os.path.normpath(path))
     for _ in range(_PARENTS):
         directory = shown or "."
@@ -201,12 +208,12 @@ def _checkpoint_around(path: str) -> tuple[str, str] | None:
         except OSError:
             return None
         # a process's own OCDBT database is part of the checkpoint above it, not one to open
-        if any(_marks_checkpoint(n) for n in names) and not _PROCESS_DB.match(os.path.basename(os.path.abspath(directory))):
+        if any(_marks_checkpoint(n, formats) for n in names) and not _PROCESS_DB.match(os.path.basename(os.path.abspath(directory))):
             try:
                 storage = Storage.open(directory)
-                for info in registered():
+                for info in formats:
                     if info.module().detect(storage):
-                        return directory, info.name
+                        return directory, info
             except CkptError:
                 pass
         parent = os.path.dirname(directory)
@@ -216,8 +223,9 @@ def _checkpoint_around(path: str) -> tuple[str, str] | None:
     return None
 
 
-def refuse_file(url: str, command: str = "inspect") -> None:
-    """Raise the one line for a local path naming a file that no reader opens as a checkpoint.
+def refuse_file(url: str, formats: Sequence[FormatInfo], command: str = "inspect") -> None:
+    """Raise the one line for a local path naming a file that no reader opens as a checkpoint
+    (`formats`: the registry's, in detection order).
 
     A file inside a checkpoint (`.metadata`, `_CHECKPOINT_METADATA`, an index,
     a data file) names the directory to open; any other file says what it is
@@ -236,18 +244,14 @@ def refuse_file(url: str, command: str = "inspect") -> None:
 
         raise errno_error(exc.errno, exc.strerror or str(exc), "cannot read", url) from None
     shown = url[len("file://"):] if url.startswith("file://") else url
-    around = _checkpoint_around(shown if not url.startswith("file://") else path)
+    around = _checkpoint_around(shown if not url.startswith("file://") else path, formats)
     if around is not None:
-        directory, fmt = around
-        from . import get
-
-        label = get(fmt).title
+        directory, info = around
+        label = info.title
         raise UnknownFormatError(
             f"is a file inside {_article(label)} {label} checkpoint; open its directory: ckpt {command} {directory}", url,
         )
     kind = sniff_local(path)
     if kind is not None:
         hint = _HINTS.get(kind[1], "")
-        from . import titles_joined
-
-        raise UnknownFormatError(f"is {kind[0]}: not a format ckpt reads (it reads {titles_joined('and')} checkpoints){hint}", url)
+        raise UnknownFormatError(f"is {kind[0]}: not a format ckpt reads (it reads {_titles(formats, 'and')} checkpoints){hint}", url)

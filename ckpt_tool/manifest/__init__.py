@@ -24,52 +24,22 @@ import os
 import secrets
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import CkptError, DestinationExistsError, NotFoundError, PathEscapeError, UsageError
 from ..findings import Progress, no_progress
 from ..storage import Storage
 from ..text import is_ascii_number
-from .hashing import hash_files
-from .schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, parse, render
+from ..integrity import files
+from ..integrity.files import TMP_PREFIX, Location, at, check_shallow, checkpoint_files, read
+from ..integrity.hashing import hash_files
+from ..integrity.schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, render
 
 __all__ = [
     "ALGORITHM", "FILE", "Location", "Manifest", "TensorDigest", "WriteResult", "at", "check_digests",
     "check_shallow", "locate", "read", "write",
 ]
-
-_TMP_PREFIX = ".integrity-tmp-"  # our own temporary while writing (never a file of the checkpoint)
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a checkpoint's manifest is, and what it covers."""
-
-    storage: Storage  # the checkpoint's directory: the manifest's names are relative to it
-    single: str | None  # the checkpoint's one file, when it is one file
-    home: Storage  # the directory the manifest file is in
-    name: str  # the manifest's file name in `home`
-    inside: str | None  # its key in `storage` when it sits inside the checkpoint (never one of its files)
-    explicit: bool = False  # given with --manifest
-
-    @property
-    def url(self) -> str:
-        return f"{self.home.url.rstrip('/')}/{self.name}"
-
-    @property
-    def label(self) -> str:
-        """How findings name it: relative to the checkpoint when inside it."""
-        return self.inside or self.url
-
-    def present(self) -> bool:
-        return self.home.exists(self.name)
-
-
-def at(storage: Storage, name: str = FILE) -> Location:
-    """The manifest `name` inside a checkpoint directory already open (validate's, Megatron's saves)."""
-    return Location(storage, None, storage, name, name)
 
 
 def locate(path: str, manifest: str | None = None, *, create: bool = False) -> Location:
@@ -110,21 +80,6 @@ def _split(url: str) -> tuple[str, str]:
     return head, name
 
 
-def read(loc: Location) -> Manifest:
-    """The manifest, checked (CorruptMetadataError naming it; NotFoundError when absent)."""
-    from .schema import MAX_BYTES
-
-    try:
-        size = loc.home.size(loc.name)
-    except NotFoundError:
-        raise NotFoundError("no integrity manifest here", loc.url) from None
-    if size > MAX_BYTES:
-        from ..errors import CorruptMetadataError
-
-        raise CorruptMetadataError(f"{size:,} bytes: not an integrity manifest", loc.label)
-    return parse(loc.home.read(loc.name), loc.label)
-
-
 # -- writing ------------------------------------------------------------------------------------
 
 
@@ -136,21 +91,6 @@ class WriteResult:
     tensors: int | None  # leaves digested (None: no --tensors)
     seconds: float
     replaced: str | None = None  # what was there before ("ckpt's manifest", "another writer's manifest")
-
-
-def checkpoint_files(loc: Location) -> list[str]:
-    """The files a tree manifest covers: every file under the checkpoint directory but the
-    manifest itself and ckpt's own temporaries (a convert's `.ckpt-tmp` output, a manifest being
-    written)."""
-    from ..formats import TMP_MARKER
-
-    if loc.single is not None:
-        return [loc.single]
-    return [k for k in loc.storage.list() if k != loc.inside and not _temporary(k, TMP_MARKER)]
-
-
-def _temporary(key: str, marker: str) -> bool:
-    return any(marker in part or part.startswith(_TMP_PREFIX) for part in key.split("/"))
 
 
 def write(
@@ -174,7 +114,8 @@ def write(
 
 def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, workers: int, memory: int,
            progress: Progress) -> WriteResult:
-    from .. import __version__, formats
+    from .. import formats
+    from ..version import __version__
 
     started = time.monotonic()
     loc = locate(path, manifest, create=True)
@@ -243,7 +184,7 @@ def _write_atomic(home: Storage, name: str, data: bytes) -> None:
         return
     final = os.path.join(home.local_root, name)
     _remove_dead_temporaries(home.local_root)
-    tmp = os.path.join(home.local_root, f"{_TMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = os.path.join(home.local_root, f"{TMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -272,7 +213,7 @@ def _host() -> str:
 def _remove_dead_temporaries(directory: str) -> None:
     """Temporaries of manifest writes on this host whose process is gone (killed between the write
     and the rename): ckpt's own output, so removed; another host's are left alone."""
-    prefix = f"{_TMP_PREFIX}{_host()}-"
+    prefix = f"{TMP_PREFIX}{_host()}-"
     try:
         names = [n for n in os.listdir(directory) if n.startswith(prefix)]
     except OSError:
@@ -303,71 +244,6 @@ class _quiet:
 # -- checking -----------------------------------------------------------------------------------
 
 
-def check_shallow(loc: Location, findings: Any, *, covers: Callable[[str], bool] | None = None,
-                  workers: int = 4) -> Manifest | None:
-    """No data read: the manifest readable (`bad-metadata`), every file it names present
-    (`missing-file`) with its recorded size (`size-mismatch`, when sizes are recorded), and the
-    checkpoint's files it does not name (`unlisted-file`, a warning). `covers(name)`: which
-    top-level files another writer's manifest (Megatron's: its save's files) is meant to name."""
-    try:
-        manifest = read(loc)
-    except PathEscapeError:
-        raise
-    except CkptError as exc:
-        findings.error("bad-metadata", exc.message, file=loc.label)
-        return None
-    findings.count("manifest_files", len(manifest.files))
-    listing = set(loc.storage.list()) if loc.single is None else set()
-    present = []
-    for name in manifest.files:
-        if name in listing:
-            present.append(name)
-            continue
-        try:
-            there = loc.storage.exists(name)
-        except PathEscapeError as exc:
-            findings.error("path-escape", f"{loc.label} names it: {exc.message}", file=name)
-            continue
-        if there:
-            present.append(name)
-        else:
-            findings.error("missing-file", f"named by {loc.label}, which records its sha256", file=name)
-    if manifest.sizes:
-        recorded = [n for n in present if n in manifest.sizes]
-        for name, size in zip(recorded, _sizes(loc.storage, recorded, workers)):
-            if size is not None and size != manifest.sizes[name]:
-                findings.error("size-mismatch", f"{size:,} bytes where {loc.label} records {manifest.sizes[name]:,}: "
-                               "not the file the manifest was written from", file=name)
-    for name in _unlisted(loc, manifest, listing, covers):
-        findings.warning("unlisted-file", f"not named by {loc.label}: added after the manifest was written, so "
-                         "not protected by it", file=name)
-    return manifest
-
-
-def _sizes(storage: Storage, names: list[str], workers: int) -> list[int | None]:
-    def one(name: str) -> int | None:
-        try:
-            return storage.size(name)
-        except PathEscapeError:
-            raise
-        except (CkptError, OSError):
-            return None  # gone since the listing: the digest check says so
-    if storage.local_root is not None or len(names) < 2:
-        return [one(n) for n in names]
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-stat") as pool:
-        return list(pool.map(one, names))
-
-
-def _unlisted(loc: Location, manifest: Manifest, listing: set[str], covers: Callable[[str], bool] | None) -> list[str]:
-    if loc.single is not None or manifest.scope == SINGLE:
-        return []  # a one-file checkpoint: the directory's other files are not its own
-    if manifest.ours:  # every file under the directory when it was written
-        return [k for k in checkpoint_files(loc) if k not in manifest.files]
-    # another writer's (Megatron's): the files directly in the directory
-    top = sorted(loc.storage.listdir()[1])
-    return [k for k in top if k not in manifest.files and k != loc.inside and (covers is None or covers(k))]
-
-
 def check_digests(
     loc: Location,
     findings: Any,
@@ -381,34 +257,10 @@ def check_digests(
     file differs and the manifest records per-tensor digests, the leaves of `checkpoint` (its
     path) are digested too, and each that differs is named (`digest-mismatch` with the leaf).
     An unreadable manifest or a missing file was reported by check_shallow."""
-    try:
-        manifest = read(loc)
-    except CkptError:
+    checked = files.check_digests(loc, findings, workers=workers, memory=memory, progress=progress)
+    if checked is None:
         return
-    listing = set(loc.storage.list()) if loc.single is None else set()  # one LIST, not a request per file
-    names = []
-    for name in sorted(manifest.files):
-        try:
-            if name in listing or loc.storage.exists(name):
-                names.append(name)
-        except PathEscapeError:
-            continue  # reported by the shallow check
-    hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
-    verified = 0
-    differs = []
-    for h in hashed:
-        if h.error is not None:
-            findings.error("digest-mismatch", f"cannot be read whole to verify its sha256: {h.error.message}",
-                           file=h.name)
-            differs.append(h.name)
-        elif h.digest != manifest.files[h.name]:
-            findings.error("digest-mismatch", f"sha256 {h.digest[:16]}... differs from {loc.label}'s "
-                           f"{manifest.files[h.name][:16]}...: not the bytes the manifest was written from",
-                           file=h.name)
-            differs.append(h.name)
-        else:
-            verified += 1
-    findings.count("sha256_verified", verified)
+    manifest, differs = checked
     if differs and manifest.tensors and checkpoint is not None:
         _check_tensors(checkpoint, manifest, loc, findings, workers=workers, memory=memory, progress=progress)
 
@@ -444,7 +296,6 @@ def _check_tensors(path: str, manifest: Manifest, loc: Location, findings: Any, 
         else:
             same += 1
     findings.count("tensor_digests_verified", same)
-
 
 
 def verify(

@@ -23,7 +23,7 @@ from ..errors import CkptError
 from ..findings import Progress, no_progress
 from ..model import ArrayLeaf, Checkpoint, Chunk, split_to_cap
 from ..scheduler import Scheduler, Want
-from .schema import TensorDigest
+from ..integrity.schema import TensorDigest
 
 BLOCK_BYTES = 16 << 20
 

@@ -8,7 +8,7 @@ decides the exit code and rendering.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import dataclasses
 
@@ -76,10 +76,11 @@ def _validate_checkpoint(
     from ..storage import check_url
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
-    from ..runs import every_step, resolve_step
+    from .. import formats
+    from ..formats.steps import every_step, resolve_step
 
     if step == "all":
-        run = every_step(path)
+        run = every_step(path, formats.registered())
         if run is not None and not run.layout.own_root:
             # a root whose steps are each a checkpoint (torchtitan, HF Trainer, NeMo 2, verl): each
             # step's directory in turn
@@ -93,7 +94,7 @@ def _validate_checkpoint(
             return report
     # a run root of any framework: the step asked for, else the one the framework resumes from
     # (the run layouts' table; the step opened is recorded for the CLI to say)
-    path, step, opened = resolve_step(path, step)
+    path, step, opened = resolve_step(path, step, formats.registered())
     report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
                            manifest=manifest)
     if opened is not None and opened.chosen_by != "requested":
@@ -142,7 +143,7 @@ def _validate_every_step(run: Any, *, deep: bool, workers: int, progress: Progre
     """validate --step all on a root whose steps are each a checkpoint: every step's findings,
     named by the step's directory; a save still in progress is a warning (its writer has not
     finished it), and one step no reader opens is that step's one error."""
-    from ..runs import step_checkpoint
+    from ..formats.steps import step_checkpoint
 
     findings = Findings()
     formats_seen: list[str] = []
@@ -182,6 +183,21 @@ def _validate_every_step(run: Any, *, deep: bool, workers: int, progress: Progre
                             findings.checked, deep)
 
 
+def _validate_single_file(path: str, parts: tuple[str, str], check_file: Callable[[Storage, str, Findings], str], *, deep: bool, workers: int,
+                          progress: Progress) -> ValidationReport:
+    """`ckpt validate FILE` where the format checks one file its own way (check_single_file:
+    a Flax msgpack file), `parts` its directory and name; --deep skips the leaves found broken."""
+    from .deep import deep_check
+
+    storage = Storage.open(parts[0])
+    findings = Findings()
+    family = check_file(storage, parts[1], findings)
+    if deep:
+        broken = {f.leaf for f in findings.errors if f.leaf}
+        deep_check(path, family, findings, workers=workers, progress=progress, skip_leaves=broken)
+    return ValidationReport(f"{storage.url}/{parts[1]}", family, findings.items, findings.checked, deep)
+
+
 def _validate_one(
     path: str,
     *,
@@ -206,9 +222,9 @@ def _validate_one(
     info = None
     if split is not None:
         info, single = split
-        whole = info.checks().validate_file
-        if whole is not None:  # the format validates such a file its own way
-            report = whole(path, single, deep=deep, workers=workers, progress=progress)
+        check_file = info.checks().check_single_file
+        if check_file is not None:  # the format checks such a file its own way
+            report = _validate_single_file(path, single, check_file, deep=deep, workers=workers, progress=progress)
             return integrity.add_to(report, path, checks=info.checks(), **integrity_args)
 
     findings = Findings()
@@ -216,7 +232,7 @@ def _validate_one(
     if single is None:
         from ..formats.unknown import refuse_file
 
-        refuse_file(path, command="validate")  # a file inside a checkpoint, or one ckpt does not read
+        refuse_file(path, formats.registered(), command="validate")  # a file inside a checkpoint, or one ckpt does not read
     storage = Storage.open(single[0] if single else path)
     try:
         if single is None:

@@ -1,18 +1,27 @@
 """torch.distributed.checkpoint (DCP) directories: `.metadata` and `__<rank>_<n>.distcp` files.
 
-reader.py reads them without torch (the allow-list unpickler of ckpt_tool.torchsave
-for `.metadata`, byte-range reads of each chunk's torch.save archive);
-transforms.py decodes entries saved through `_extensions` (zstd);
-write.py writes them (convert); checks.py is validate's shallow and deep
-checks. The package's interface is the registry's: NAME, detect, read.
+ckpt_tool/distcp/ reads and checks them without torch (the shared DCP machinery:
+Megatron's torch_dist saves are DCP files too); write.py writes them (convert);
+checks.py is validate's (distcp's checks). The package's interface is the
+registry's: NAME, detect, read.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .reader import NAME, detect, read
+from ...distcp import reader
+from ...distcp.reader import detect
+from ...model import Checkpoint
+from ...storage import Storage
+
+NAME = "dcp"
 
 __all__ = ["NAME", "detect", "read", "layout_text"]
+
+
+def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
+    """Open a DCP checkpoint: reads `.metadata` and nothing else."""
+    return reader.read(storage, fmt=NAME, step=step)
 
 
 def layout_text(ck: Any) -> str:

@@ -9,12 +9,14 @@ master weights assembled from every rank's flat partition by byte range), the op
 per parameter and the engine's other recorded state; layout.py is where each parameter's
 elements lie in the partitions; checks.py is validate's shallow checks and --deep's CRC-32s;
 pipeline.py reads pipeline-parallel steps stage by stage (layer files), moe.py lays out MoE expert
-groups (experts renumbered globally) and checks the expert files.
+groups (experts renumbered globally) and checks the expert files; opening.py opens a step with
+whichever applies (read).
 ckpt does not write ZeRO checkpoints; universal/ (a registry entry of its own) reads DeepSpeed
 universal checkpoints and writes them from ZeRO ones. The package's interface is the registry's:
 NAME, detect, read, layout_text.
 """
-from .reader import NAME, detect, layout_text, read
+from .opening import read
+from .reader import NAME, detect, layout_text
 
 __all__ = ["NAME", "detect", "layout_text", "read"]
 

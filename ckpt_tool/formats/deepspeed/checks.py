@@ -26,10 +26,10 @@ from ...findings import Findings
 from ...model import ArrayLeaf, ValueLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
-from .. import given_read_options
-from ..torch_save import checks as tsc
-from ..torch_save import reader as ts
-from . import moe
+from ...read_options import given_read_options
+from ...torchsave import checks as tsc
+from ...torchsave import reading as ts
+from . import moe, opening
 from . import reader as ds
 
 
@@ -84,7 +84,7 @@ def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
         return  # the structure is checked over files that open
     try:
         # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
-        step, leaves, _ = ds.open_leaves(storage, given_read_options().get("weights", "fp32"))
+        step, leaves, _ = opening.open_leaves(storage, given_read_options().get("weights", "fp32"))
     except (PathEscapeError, UsageError):
         raise
     except NotFoundError as exc:  # a pipeline stage's (or the) model-states file
@@ -149,9 +149,9 @@ def _open(storage: Storage, name: str, findings: Findings, prefix: str) -> ts.Ar
         findings.error("bad-metadata", exc.message, file=prefix + name)
         return None
     except CkptError as exc:
-        size = tsc._size(storage, name)
+        size = tsc.file_size(storage, name)
         code = "empty-file" if size == 0 else (
-            "truncated-file" if any(part in exc.message for part in tsc._CUT_SHORT) else "bad-metadata")
+            "truncated-file" if any(part in exc.message for part in tsc.CUT_SHORT) else "bad-metadata")
         findings.error(code, exc.message, file=prefix + name)
         return None
     findings.count("files")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from ...model import ArrayLeaf, Key, RegularGrid
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,10 @@ def frozen3(numel: int, lengths: list[int]) -> tuple[list[Piece], str | None]:
         pieces.append(Piece(r, 0, 0, take, at))
         at += take
     return pieces, None if at == numel else f"its partitions hold {at} of its {numel} elements"
+
+
+def array_leaf(keys: tuple[Key, ...], name: str, shape: tuple[int, ...], dtype: str, reader: Any,
+           extra: dict[str, Any], unreadable: str | None = None) -> ArrayLeaf:
+    """An array leaf of a DeepSpeed file (one tensor, or one assembled from flat partitions)."""
+    return ArrayLeaf(keys=keys, name=name, shape=shape, dtype=dtype, layout=RegularGrid(shape), reader=reader,
+                     verifier=getattr(reader, "verify", None), extra=extra, unreadable=unreadable)

@@ -181,8 +181,7 @@ def expected_files(step: Any) -> dict[tuple[int, int], str]:
 def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
     """--weights module: each expert file's tensors as stored (the training dtype), by their names
     (the module state dict of mp_rank_00 holds no expert: DeepSpeed saves them apart)."""
-    from ..torch_save import reader as ts
-    from . import reader as ds
+    from ...torchsave import reading as ts
 
     out = []
     for _, fname in sorted(step.files.experts.items()):
@@ -190,7 +189,7 @@ def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
         obj = archive.obj if isinstance(archive.obj, dict) else {}
         for name, ref in obj.items():
             if isinstance(name, str) and isinstance(ref, TensorRef):
-                out.append((name, ds._array((), name, tuple(ref.size), ref.dtype, ts.TensorReader(archive, ref, name),
+                out.append((name, L.array_leaf((), name, tuple(ref.size), ref.dtype, ts.TensorReader(archive, ref, name),
                                             {"file": fname, "kind": "module"}, archive.zip.claim_problem(ref))))
     return out
 
@@ -203,7 +202,7 @@ def missing_files(step: Any) -> list[str]:
 def check_expert_files(step: Any, leaves: list, findings: Findings, prefix: str) -> None:
     """Each expert file's tensors: names of that expert's parameters, of their recorded shapes
     (DeepSpeed's load_state_dict takes them by name into the module)."""
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     shapes = {name: shape for group in step.shapes for name, shape in group}
     for (layer, expert), fname in sorted(step.files.experts.items()):

@@ -45,7 +45,7 @@ from ...errors import CorruptMetadataError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Leaf, ValueLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import TensorRef
-from ..torch_save import reader as ts
+from ...torchsave import reading as ts
 from . import layout as L
 from . import reader as ds
 

@@ -74,7 +74,7 @@ weights, whole); stage 3 saves 0-element placeholders there and is refused. A pi
 module is its layer files (pipeline.py), an MoE step's experts are in the expert files (moe.py).
 
 Pipeline-parallel steps (`layer_XX-...-model_states.pt` files, one mp_rank per stage) are opened
-stage by stage by pipeline.py (open_leaves dispatches); MoE expert groups (`"moe": True` in the
+stage by stage by pipeline.py (opening.open_leaves dispatches); MoE expert groups (`"moe": True` in the
 param groups, partitioned over the expert data-parallel ranks) are laid out by moe.py (open_step
 calls it). Not read yet (refused by name): several tensor-parallel ranks (mp_rank_01... without
 layer files, layer_XX-model_01-...), MoE without ZeRO (expp_rank_X_... optimizer files), stage-3
@@ -93,14 +93,15 @@ import numpy as np
 from ..contract import ArrayReader
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError, short_repr
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, Region, RegularGrid, StepInfo, ValueLeaf
+from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, StepInfo, ValueLeaf
 from ...storage import Storage
 from ...torchsave import safe_pickle
-from ...torchsave.safe_pickle import DSLossScaler, Size, TensorRef
+from ...torchsave.safe_pickle import Size, TensorRef
 from ...text import is_ascii_number
-from ..torch_save import reader as ts
+from ...torchsave import reading as ts
 from . import layout as L
 from . import moe
+from .layout import array_leaf as _array
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -742,12 +743,6 @@ def _flat_length(step: Step, g: int) -> int:
     return n
 
 
-def _array(keys: tuple[Key, ...], name: str, shape: tuple[int, ...], dtype: str, reader: Any,
-           extra: dict[str, Any], unreadable: str | None = None) -> ArrayLeaf:
-    return ArrayLeaf(keys=keys, name=name, shape=shape, dtype=dtype, layout=RegularGrid(shape), reader=reader,
-                     verifier=getattr(reader, "verify", None), extra=extra, unreadable=unreadable)
-
-
 def _split(name: str) -> tuple[Key, ...]:
     return tuple(name.split("."))
 
@@ -775,27 +770,6 @@ def _module_leaves(step: Step) -> list[tuple[str, ArrayLeaf]]:
             out.append((name, _array((), name, tuple(ref.size), ref.dtype, reader,
                                      {"file": archive0.name, "kind": "module"}, archive0.zip.claim_problem(ref))))
     return out + moe.expert_module_leaves(step)  # MoE: the experts' weights are in the expert files
-
-
-def open_leaves(storage: Storage, weights: str = "fp32") -> tuple[Step, list[Leaf], list[str]]:
-    """A step directory opened and its tree (`weights` as step_leaves takes it): a pipeline-parallel
-    one (layer files) stage by stage (pipeline.py), any other as one Step."""
-    files = scan_step(storage)
-    if files.layers:
-        from . import pipeline
-
-        return pipeline.open_leaves(storage, files, weights)
-    step = open_step(storage, files=files)
-    leaves, notes = step_leaves(step, weights)
-    # the expert files hold the experts' module weights (the fp32 master weights are in the
-    # partitions): opened, so a damaged one is found; a missing one leaves the checkpoint incomplete
-    # for DeepSpeed's load_checkpoint
-    for name in step.files.experts.values():
-        ts.Archive(storage, name)
-    step.missing_files.extend(moe.missing_files(step))
-    if weights == "module" and step.files.experts:
-        notes.append("the experts' weights: from the expert files (layer_L_expert_E_...)")
-    return step, leaves, notes
 
 
 def step_leaves(step: Step, weights: str = "fp32") -> tuple[list[Leaf], list[str]]:
@@ -1012,8 +986,8 @@ def _state_ref(o: RankOptim, g: int, key: str) -> TensorRef | None:
 
 
 def _value(keys: tuple[Key, ...], name: str, value: Any, archive: ts.Archive) -> ValueLeaf:
-    return ValueLeaf(keys=keys, name=name, value_type=ts._value_type(value), dtype=ts._SCALAR_DTYPES.get(type(value)),
-                     loader=ts._value_loader(archive, value), extra={"file": archive.name})
+    return ValueLeaf(keys=keys, name=name, value_type=ts.value_type(value), dtype=ts.SCALAR_DTYPES.get(type(value)),
+                     loader=ts.value_loader(archive, value), extra={"file": archive.name})
 
 
 def _engine_leaves(step: Step) -> list[Leaf]:
@@ -1085,61 +1059,6 @@ def choose_step(storage: Storage, step: str | int | None, steps: list[StepInfo],
             return name
     raise UsageError(f"--step {step}: no step directory {wanted[0]!r} here"
                      + (f" (there are: {', '.join(names[-6:])})" if names else ""), storage.url)
-
-
-def read(storage: Storage, *, step: str | int | None = None, weights: str | None = None) -> Checkpoint:
-    """A step directory, or a root's step (`--step N`, a tag, or `latest`'s); no tensor data is read.
-    `weights` (--weights): "fp32" (default) the consolidated fp32 master weights, "module" the
-    module's weights the model-states file holds (stages 1/2)."""
-    _, files = storage.listdir()
-    steps: list[StepInfo] = []
-    tag_dir = None
-    step_storage = storage
-    if not is_step_listing(files):
-        tag_dir, steps, _ = pick_step(storage, step)
-        step_storage = storage.child(tag_dir)
-    elif step not in (None, "latest"):
-        raise UsageError(f"--step {step} given, but this is one step directory", storage.url)
-    s, leaves, notes = open_leaves(step_storage, weights or "fp32")
-    missing = []
-    for name in s.missing_files:
-        held = [leaf.name for leaf in leaves if isinstance(leaf, ArrayLeaf) and name in leaf.extra.get("files", [])]
-        missing.append(MissingData(f"{tag_dir}/{name}" if tag_dir else name, "does not exist", held))
-    if s.mapping.problems:
-        notes.extend(f"partitions: {p}" for p in s.mapping.problems[:4])
-    o0 = s.optims[min(s.optims)]
-    if isinstance(o0.loss_scaler, DSLossScaler):
-        notes.append(f"loss scale {o0.loss_scaler.cur_scale} ({'dynamic' if o0.loss_scaler.dynamic else 'static'})")
-    if s.files.other:
-        notes.append(f"other files (not read): {', '.join(s.files.other[:6])}")
-    precision = "bf16" if s.files.bf16_prefix else _precision(s)
-    number = STEP_DIR.match(tag_dir or step_storage.url.rstrip("/").rsplit("/", 1)[-1])
-    return Checkpoint(
-        path=storage.url, format=NAME,
-        layout={"stage": s.stage, "dp": s.world, "mp": 1, "precision": precision,
-                "pp": max(1, len(s.files.stages)) if s.files.layers else 1, "experts": moe.expert_count(s),
-                "tag": tag_dir or step_storage.url.rstrip("/").rsplit("/", 1)[-1], "step_dir": tag_dir,
-                "groups": len(s.shapes), "files": len(s.optims) + len(s.model_archives), "weights": weights or "fp32",
-                "optimizer_files": sorted(o.archive.name for o in s.optims.values())},
-        leaves=leaves, committed=True, saved_at=None, steps=steps,
-        step=int(number.group(1)) if number else None, notes=notes, missing=missing,
-    )
-
-
-def _precision(step: Step) -> str:
-    """The training dtype: the module's floating parameters' (stage 3 keeps empty placeholders of it)."""
-    module = step.states.get("module")
-    if isinstance(module, dict):
-        for ref in module.values():
-            if isinstance(ref, TensorRef) and ref.dtype in ("float16", "bfloat16", "float32"):
-                return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[ref.dtype]
-    config = step.states.get("ds_config")  # a pipeline's model states hold no module: its config says
-    if isinstance(config, dict):
-        for key, name in (("bf16", "bf16"), ("fp16", "fp16")):
-            section = config.get(key)
-            if isinstance(section, dict) and section.get("enabled") is True:
-                return name
-    return "fp32"
 
 
 def layout_text(ck: Checkpoint) -> str:

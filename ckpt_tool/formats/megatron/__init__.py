@@ -3,21 +3,35 @@
 reader.py reads a save through the DCP and torch.save packages (torch_dist's `.metadata` and
 items, `common.pt`) with Megatron's pickled classes admitted by name as data (pickled.py), the
 distributed optimizer's flattened ranges shown as their logical tensors (reformulated.py);
-detection.py tells a Megatron directory from its listing; checks.py is validate's. ckpt does not
-write Megatron checkpoints. The package's interface is the registry's: NAME, detect, read,
+detection.py names what tells a Megatron directory from its listing (detect, here, asks it
+first); checks.py is validate's. ckpt does not write Megatron checkpoints. The package's interface is the registry's: NAME, detect, read,
 layout_text.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .detection import NAME, detect
+from .detection import NAME, may_hold
+
+if TYPE_CHECKING:
+    from ...storage import Storage
 
 __all__ = ["NAME", "detect", "layout_text", "read"]
 
 # The reader (and the DCP / torch.save machinery behind it) is imported when a Megatron
 # checkpoint is asked something: the registry asks Megatron first whether a directory is its
 # own, and `ckpt inspect` of an Orbax or DCP checkpoint should not pay for this package.
+
+
+def detect(storage: Storage) -> bool:
+    """A save (metadata.json naming a sharded backend), or a run root (the tracker, or iter_N/
+    directories): the reader decides where the listing names anything Megatron writes."""
+    dirs, files = storage.listdir()
+    if not may_hold(dirs, files):
+        return False  # the reader stays unimported
+    from .reader import detect as detect_
+
+    return detect_(storage)
 
 
 def read(storage: Any, **kwargs: Any) -> Any:

@@ -2,7 +2,7 @@
 
 A save: metadata.json present (a save without it is interrupted: `uncommitted-save`), valid and
 naming a backend megatron writes (`bad-metadata`); the torch_dist part gets every check DCP
-gets (ckpt_tool/formats/dcp/checks.py: `.metadata`, each rank's `.distcp` there and long enough,
+gets (ckpt_tool/distcp/checks.py: `.metadata`, each rank's `.distcp` there and long enough,
 chunks tiling their tensors, ...) with Megatron's pickled plan classes admitted by name, and
 findings naming the leaves as `ckpt inspect` does; `common.pt` gets the torch.save checks (a
 file torch could not load: `bad-metadata`, `truncated-file`; a global outside Megatron's data
@@ -24,6 +24,7 @@ from ...model import keys_path
 from ...storage import Storage
 from . import pickled
 from . import reader as mg
+from .common import split_name
 
 
 class _Under:
@@ -58,7 +59,7 @@ def manifest_covers(name: str) -> bool:
 
 
 def leaf_path(fqn: str) -> str:
-    return keys_path(mg.split_name(fqn))
+    return keys_path(split_name(fqn))
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
@@ -139,14 +140,14 @@ def _check_save(storage: Storage, findings: Findings) -> None:
         findings.error("bad-metadata", f"sharded_backend {backend!r}: not a backend Megatron-Core writes",
                        file=mg.CONFIG_FILE)
         return
-    from ..dcp import checks as dcp_checks
+    from ...distcp import checks as dcp_checks
 
     dcp_checks.check_path(storage, findings, allow=pickled.ALLOW, leaf_path=leaf_path)
     _check_common(storage, findings)
 
 
 def _check_common(storage: Storage, findings: Findings) -> None:
-    from ..torch_save import checks as ts_checks
+    from ...torchsave import checks as ts_checks
 
     if not storage.exists(mg.COMMON_FILE):
         findings.error("missing-file", "rank 0 writes it with every save; Megatron's load needs it", file=mg.COMMON_FILE)
@@ -157,7 +158,7 @@ def _check_common(storage: Storage, findings: Findings) -> None:
 def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep beyond the tensors: DCP's (every bytes item, replicated duplicates) on the step read,
     and every common.pt value decoded."""
-    from ..dcp import checks as dcp_checks
+    from ...distcp import checks as dcp_checks
 
     save = storage
     dirs, files = storage.listdir()

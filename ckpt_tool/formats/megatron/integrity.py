@@ -1,5 +1,5 @@
 """`integrity.json`: the sha256 manifest megatron-core >= 0.18 writes in a save, checked by the
-shared manifest core (ckpt_tool/manifest/), which reads it as Megatron's verifier does.
+shared manifest core (ckpt_tool/integrity/), which reads it as Megatron's verifier does.
 
 `dist_checkpointing.save(..., verify_integrity=True)` (Megatron-LM `--verify-integrity`) hashes,
 after metadata.json is written, every FILE directly in the save directory except the manifest
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import manifest as core
+from ...integrity import files as core
 from ...errors import CkptError, PathEscapeError
 from ...storage import Storage
 

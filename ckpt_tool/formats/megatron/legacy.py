@@ -36,6 +36,8 @@ from ...findings import Findings
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
 from ...storage import Storage
 from . import pickled
+from .common import split_name
+from .detection import NAME
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 BACKEND = "torch"  # the Checkpoint's layout["backend"]: Megatron-LM's --ckpt-format name
@@ -171,7 +173,7 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
     Python attributes; this second pass over the same `data.pkl` (only when it names that
     rebuild) records them. A pickle the first pass accepted; any failure here only loses notes."""
     from ...torchsave import safe_pickle
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     try:
         data = archive.zip._member_bytes("data.pkl")
@@ -209,7 +211,7 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
 def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[list[Leaf], Any]:
     """One rank file's leaves under `prefix`, Megatron's stand-ins as plain data; (leaves, its args)."""
     from ...torchsave.safe_pickle import TensorRef
-    from ..torch_save import reader as ts
+    from ...torchsave import reading as ts
 
     archive = ts.Archive(storage, name, pickled.ALLOW)
     obj = _with_plain_keys(archive.obj)
@@ -236,8 +238,6 @@ def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[l
 
 def _split(key: str) -> tuple[str, ...]:
     """A dotted key split at its dots outside parentheses."""
-    from .reader import split_name
-
     return split_name(key) if "(" in key else tuple(key.split("."))
 
 
@@ -247,8 +247,6 @@ def _plain(load: Callable[[], Any]) -> Callable[[], Any]:
 
 def read(storage: Storage) -> Checkpoint:
     """A step directory of rank directories: every rank's files, each under its rank's name."""
-    from .reader import NAME
-
     present = ranks(storage)
     leaves: list[Leaf] = []
     sizes = None
@@ -364,7 +362,7 @@ def check(storage: Storage, findings: Findings) -> None:
     """Every rank directory the grid needs (missing-file), each rank's model_optim_rng.pt (and
     distrib_optim.pt: required when the run's args say --use-distributed-optimizer) as torch
     would load it, with Megatron's data classes admitted."""
-    from ..torch_save import checks as ts_checks
+    from ...torchsave import checks as ts_checks
 
     present = ranks(storage)
     sizes = None

@@ -4,7 +4,7 @@ NeMo 2's ModelCheckpoint writes a checkpoint directory holding (NVIDIA/NeMo, nem
 
   * `weights/`: MegatronCheckpointIO.save_checkpoint calls `dist_checkpointing.save(checkpoint,
     ckpt_to_weights_subdir(path))` (io/pl.py; WEIGHTS_PATH = "weights", ckpt_utils.py): an
-    ordinary Megatron-Core save, read by reader.read_save;
+    ordinary Megatron-Core save, read by save.read_save;
   * `context/`: TrainerContext.io_dump(<ckpt>/context, yaml_attrs=["model"]) (io/mixin.py):
     `io.json`, fiddle's JSON serialization of the trainer context's config, which NeMo's
     `load_context` turns back into objects by importing every class it names; `model.yaml`,
@@ -127,9 +127,9 @@ def context_files(storage: Storage) -> list[str]:
 
 def read(storage: Storage) -> Checkpoint:
     """A NeMo 2 checkpoint: its weights save, then model.yaml's values under context/model."""
-    from . import reader as mg
+    from .save import read_save  # (lazily: is_nemo, which detection asks, needs none of it)
 
-    ck = mg.read_save(storage.child(WEIGHTS))
+    ck = read_save(storage.child(WEIGHTS))
     ck.path = storage.url
     files = context_files(storage)
     taken = {leaf.keys[0] for leaf in ck.leaves if leaf.keys}
@@ -155,7 +155,7 @@ def check(storage: Storage, findings: Any, check_save: Callable[[Storage, Any], 
     """weights/ checked as a Megatron save (its files named under weights/); context/: io.json there and
     JSON (NeMo's load_context reads it: `missing-file`, `bad-metadata`), model.yaml PyYAML's safe_load reads
     (`bad-metadata`; absent: a `missing-file` warning, as NeMo's restore does not need it, its exporters do)."""
-    from ..orbax import schema
+    from ...arrays import schema
 
     check_save(storage.child(WEIGHTS), under(findings, WEIGHTS))
     files = context_files(storage)

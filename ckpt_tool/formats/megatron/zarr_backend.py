@@ -12,13 +12,13 @@ What `dist_checkpointing.save(..., sharded_strategy=('zarr', 1))` writes
     then rewrites `.zarray` replacing `"<V2"` by `"bfloat16"` (zarr.py:185-188). That is
     tensorstore's zarr driver's own name for bfloat16, so the array opens there as it is:
     the arrays are read through the Orbax package's zarr machinery (tensorstore, the
-    same `_ZarrRegionReader` T5X's arrays use);
+    same `ZarrRegionReader` T5X's arrays use);
   * ShardedObjects: the zarr strategy cannot save them, so the common strategy writes each
     as `<save>/<key>/shard_<offset>_<shape>.pt`, `torch.save` of the bare object (common.py
     52-58; not wrapped in a list as torch_dist's bytes items are): read through the
     torch.save package with Megatron's data classes admitted (pickled.ALLOW), one value
     under its unique key `<key>/shard_<offset>_<shape>`, as megatron's load returns it;
-  * `common.pt` as in torch_dist (reader._common_leaves).
+  * `common.pt` as in torch_dist (common.common_leaves).
 
 A key is any sub-directory holding `.zarray` (megatron's loader: zarr.py:330-332); a
 sub-directory of `shard_*.pt` files is a ShardedObject key; `<key>.sync` directories are
@@ -35,6 +35,8 @@ from ...findings import Findings
 from ...model import ArrayLeaf, Checkpoint, Leaf, RegularGrid, ValueLeaf
 from ...storage import Storage
 from . import pickled
+from .common import common_leaves, split_name
+from .detection import NAME
 
 ZARRAY = ".zarray"
 SYNC_SUFFIX = ".sync"
@@ -84,33 +86,29 @@ def object_loader(storage: Storage, path: str) -> Callable[[], Any]:
     """The object a `shard_*.pt` file holds (its tensors read as arrays), Megatron's stand-ins as plain data."""
 
     def load() -> Any:
-        from ..torch_save import reader as ts
+        from ...torchsave import reading as ts
 
         archive = ts.Archive(storage, path, pickled.ALLOW)
-        return pickled.plain(ts._value_loader(archive, archive.obj)())
+        return pickled.plain(ts.value_loader(archive, archive.obj)())
 
     return load
 
 
 def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLeaf:
     """One key's zarr array, opened by tensorstore on first read (the Orbax package's reader)."""
-    from ..orbax.reader import _parse_zarr_metadata, _ZarrRegionReader
-    from .reader import split_name
-
+    from ...arrays.reading import ZarrRegionReader, parse_zarr_metadata
     where = f"{storage.url}/{name}/{ZARRAY}"
-    shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, False, where)
-    reader = _ZarrRegionReader(source, name, False, zmeta)
+    shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, where)
+    reader = ZarrRegionReader(source, name, False, zmeta)
     return ArrayLeaf(keys=split_name(name), name=name, shape=shape, dtype=dtype, layout=RegularGrid(chunk_shape),
                      reader=reader, extra={"stored": "zarr v2 array directory", **info})
 
 
 def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str, Any]]:
     """The tensors (every `.zarray` read at once) and the ShardedObjects; (leaves, zmeta by key)."""
-    from ..orbax import schema
-    from ..orbax.reader import _ArraySource
-    from .reader import split_name
-
-    source = _ArraySource(storage, None)
+    from ...arrays import schema
+    from ...arrays.reading import ArraySource
+    source = ArraySource(storage, None)
     names = sorted(found.arrays)
     raw = storage.start_reads(f"{n}/{ZARRAY}" for n in names).result()
     leaves: list[Leaf] = []
@@ -132,11 +130,10 @@ def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str,
 
 def read(storage: Storage) -> Checkpoint:
     """One zarr-backend save directory (metadata.json already read: the caller's)."""
-    from .reader import NAME, _common_leaves
 
     found = listing(storage)
     leaves, _ = read_arrays(storage, found)
-    common = _common_leaves(storage, {leaf.keys for leaf in leaves})
+    common = common_leaves(storage, {leaf.keys for leaf in leaves})
     notes = []
     if any(leaf.name.startswith("decoder.layers.") and isinstance(leaf, ArrayLeaf) for leaf in leaves):
         notes.append("layers are stacked: decoder.layers.* hold every layer on axis 0 "
@@ -161,10 +158,10 @@ def check(storage: Storage, findings: Findings, leaf_path: Callable[[str], str])
     """Every array: a `.zarray` tensorstore opens (bad-array-metadata), every chunk of its grid stored
     (missing-chunk), each uncompressed chunk file exactly one chunk long (empty-chunk, bad-chunk);
     every ShardedObject file a torch.save archive torch would load (the torch.save checks)."""
-    from ..orbax import checks as oc
-    from ..orbax import schema
-    from ..orbax.reader import _parse_zarr_metadata
-    from ..torch_save import checks as ts_checks
+    from ...arrays import checks as ac
+    from ...arrays import schema
+    from ...arrays.reading import parse_zarr_metadata
+    from ...torchsave import checks as ts_checks
     from ... import dtypes
 
     found = listing(storage)
@@ -179,20 +176,20 @@ def check(storage: Storage, findings: Findings, leaf_path: Callable[[str], str])
             if data is None:
                 raise CkptError(f"{ZARRAY} listed but unreadable")
             zmeta = schema.load_json(data, file)
-            shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, False, file)
+            shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, file)
         except CkptError as exc:
             findings.error("bad-array-metadata", f"unreadable {ZARRAY}: {getattr(exc, 'message', exc)}",
                            leaf=leaf, file=file)
             continue
         keys = found.arrays[name]
         # megatron writes fill_value null and every chunk (write_empty_chunks=True): a lost chunk is damage
-        oc._check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, False, findings, "")
+        ac.check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, False, findings, "")
         raw_size = None
         if info.get("compressor") is None and not zmeta.get("filters"):
             import math
 
             raw_size = math.prod(chunk_shape) * dtypes.get(dtype).itemsize
-        oc._check_empty_chunk_files(storage, name, leaf, keys, ZARRAY, findings, "", raw_size=raw_size)
+        ac.check_empty_chunk_files(storage, name, leaf, keys, ZARRAY, findings, "", raw_size=raw_size)
     for path in found.objects:
         findings.count("objects")
         ts_checks.check_file(storage, path, findings, allow=pickled.ALLOW)

@@ -9,16 +9,27 @@ and read_file.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .detection import NAME, detect
+from .detection import NAME, may_hold
 from .detection import split_local_file as split_file
+
+if TYPE_CHECKING:
+    from ...storage import Storage
 
 __all__ = ["NAME", "detect", "read", "layout_text", "read_file", "split_file"]
 
 # The reader (numpy, and the Orbax reader's zarr plumbing it shares) is imported when a msgpack
 # checkpoint is asked something: the registry asks this package about every directory and
 # every file given, and `ckpt inspect` of another format's checkpoint should not pay for it.
+
+
+def detect(storage: Storage) -> bool:
+    if not may_hold(storage):
+        return False  # nothing here the reader would look at: it stays unimported
+    from .reader import detect as detect_
+
+    return detect_(storage)
 
 
 def read(storage: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ from ...findings import Findings
 from . import scan as ms
 from . import reader as mt
 from ...storage import Storage
-from ..orbax import checks as oc
+from ...arrays import checks as ac
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> str:
@@ -113,7 +113,7 @@ def _check_file(storage: Storage, key: str, findings: Findings, *, where: str) -
 
 def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) -> str:
     findings.count("steps")
-    if mt._is_tmp(name):
+    if mt.is_tmp(name):
         findings.error("uncommitted-save", "temporary directory name: the save never finished", file=where or name)
     tree = _scan(storage, mt.TREE_FILE, findings, where)
     if tree is None:
@@ -135,9 +135,9 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
         _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
     if builder.placeholders:
         use_ocdbt = mt.ROOT_MANIFEST in files
-        keys = oc._check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
+        keys = ac.check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
         try:
-            shardings = mt._read_shardings(storage, files)
+            shardings = mt.read_shardings(storage, files)
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + mt.SHARDING)
             shardings = {}
@@ -152,7 +152,7 @@ def _check_arrays(
 ) -> None:
     """Each external array: stored, readable zarr metadata agreeing with the tree, every chunk present."""
     present = [name for _, name, _ in arrays if f"{name}/.zarray" in keys]
-    texts = oc._read_array_metadata(storage, use_ocdbt, files, [], present, ".zarray")
+    texts = ac.read_array_metadata(storage, use_ocdbt, files, [], present, ".zarray")
     for leaf, name, spec in arrays:
         findings.count("arrays")
         if f"{name}/.zarray" not in keys:
@@ -166,7 +166,7 @@ def _check_arrays(
             if text is None:
                 raise CkptError(".zarray listed but unreadable")
             zmeta = json.loads(text)
-            shape, dtype, chunk_shape, _ = mt._parse_zarr_metadata(zmeta, False, f"{where}{name}/.zarray")
+            shape, dtype, chunk_shape, _ = mt.parse_zarr_metadata(zmeta, False, f"{where}{name}/.zarray")
         except (ValueError, CkptError) as exc:
             findings.error("bad-array-metadata", f"unreadable .zarray: {getattr(exc, 'message', exc)}", leaf=leaf, file=f"{where}{name}/.zarray")
             continue
@@ -177,30 +177,21 @@ def _check_arrays(
             if spec.get("dtype") not in (None, dtype):
                 findings.error("bad-array-metadata", f"the spec's dtype {spec.get('dtype')!r} disagrees with .zarray ({dtype})", leaf=leaf, file=f"{where}{name}/.zarray")
         if name in shardings:
-            oc._check_sharding(shardings[name], shape, findings, leaf, where + mt.SHARDING)
+            ac.check_sharding(shardings[name], shape, findings, leaf, where + mt.SHARDING)
         # no store_array_data_equal_to_fill_value in these versions: a lost chunk restores as zeros
-        oc._check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, True, findings, where)
+        ac.check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, True, findings, where)
         if not use_ocdbt:
-            oc._check_empty_chunk_files(storage, name, leaf, keys, ".zarray", findings, where)
+            ac.check_empty_chunk_files(storage, name, leaf, keys, ".zarray", findings, where)
     referenced = {name for _, name, _ in arrays}
     stored = {k.split("/", 1)[0] for k in keys if k.endswith("/.zarray")}
     for name in sorted(stored - referenced):
         findings.warning("leaf-missing", f"array stored but not in '{mt.TREE_FILE}': the library will ignore it", file=f"{where}{name}/")
 
 
-def validate_file(path: str, parts: tuple[str, str], *, deep: bool, workers: int, progress: Any) -> Any:
-    """`ckpt validate FILE` for one Flax msgpack file (`parts`: its directory and name)."""
-    from ...validate import ValidationReport
-    from ...validate.deep import deep_check
-
-    storage = Storage.open(parts[0])
-    findings = Findings()
-    if parts[1] == mt.TREE_FILE and mt._is_item(storage, storage.listdir()[1]):
+def check_single_file(storage: Storage, name: str, findings: Findings) -> str:
+    """`ckpt validate FILE` for one Flax msgpack file `name` in `storage`: the family found (validate
+    reports it, and --deep reads what these checks found readable)."""
+    if name == mt.TREE_FILE and mt._is_item(storage, storage.listdir()[1]):
         # the `checkpoint` file of an orbax <= 0.4 item or a T5X step: checked with the arrays beside it
-        family = _check_item(storage, storage.url.rstrip("/").rsplit("/", 1)[-1], findings, where="")
-    else:
-        family = _check_file(storage, parts[1], findings, where="")
-    if deep:
-        broken = {f.leaf for f in findings.errors if f.leaf}
-        deep_check(path, family, findings, workers=workers, progress=progress, skip_leaves=broken)
-    return ValidationReport(f"{storage.url}/{parts[1]}", family, findings.items, findings.checked, deep)
+        return _check_item(storage, storage.url.rstrip("/").rsplit("/", 1)[-1], findings, where="")
+    return _check_file(storage, name, findings, where="")

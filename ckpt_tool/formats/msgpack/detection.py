@@ -3,9 +3,10 @@ be a msgpack checkpoint, and whether a local file is one. Imports nothing heavy:
 of an Orbax or DCP directory asks this package first and must not load its reader (nor the
 Orbax zarr plumbing the reader shares) to hear "no".
 
-The cheap test here only answers "no" when the reader's own detect would look at nothing: no
-`checkpoint` file, no step-named sub-directory and no file it would sniff. Anything else goes to
-reader.detect, which decides.
+The cheap test here (may_hold) only answers "no" when the reader's own detect would look at
+nothing: no `checkpoint` file, no step-named sub-directory and no file it would sniff. Anything
+else goes to reader.detect, which decides (the package's detect asks both: this module never
+imports the reader, which imports it).
 """
 from __future__ import annotations
 
@@ -27,16 +28,22 @@ TREE_SUFFIXES = (".msgpack", ".mpk", ".flax")
 # a step entry: `checkpoint_12` (flax, t5x; any prefix), or `12`
 _STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
 # unfinished saves: flax's `checkpoint_tmp` file, t5x's `checkpoint_12.tmp-<time>`, orbax's tmp suffixes
-_FLAX_TMP = re.compile(r"^(?:.*_)?tmp$")
-_T5X_TMP = re.compile(r"\.tmp-\d+$")
+FLAX_TMP = re.compile(r"^(?:.*_)?tmp$")
+T5X_TMP = re.compile(r"\.tmp-\d+$")
 _ORBAX_TMP = re.compile(r"\.orbax-checkpoint-tmp(-\d+)?$")
 
 
 def _untmp(name: str) -> str:
-    return _T5X_TMP.sub("", _ORBAX_TMP.sub("", name))
+    return T5X_TMP.sub("", _ORBAX_TMP.sub("", name))
 
 
-def _step_of(name: str) -> int | None:
+def is_tmp(name: str) -> bool:
+    """Whether a step entry's name is that of a save still being written (flax, t5x, orbax)."""
+    return bool(_ORBAX_TMP.search(name)) or bool(T5X_TMP.search(name)) or bool(FLAX_TMP.match(name))
+
+
+def step_of(name: str) -> int | None:
+    """The step number in a step entry's name (`checkpoint_12`, `12`, unfinished ones too), or None."""
     m = _STEP_NAME.match(_untmp(name))
     return int(m.group(1)) if m else None
 
@@ -45,20 +52,16 @@ def sniffed_file(name: str) -> bool:
     """Whether the reader looks at a top-level file's first bytes (reader._entries' rule)."""
     if name.startswith((".", "_")):
         return False
-    stepish = _step_of(name) is not None or _FLAX_TMP.match(name)
+    stepish = step_of(name) is not None or FLAX_TMP.match(name)
     return bool(stepish) or "." not in name or name.endswith(TREE_SUFFIXES)
 
 
-def detect(storage: Storage) -> bool:
+def may_hold(storage: Storage) -> bool:
+    """False when the reader's detect would look at nothing in the directory (see above)."""
     dirs, files = storage.listdir()
     if ORBAX_TREE_METADATA in files:
         return False
-    if TREE_FILE not in files and not any(_step_of(d) is not None for d in dirs) \
-            and not any(sniffed_file(f) for f in files):
-        return False  # nothing here the reader would look at
-    from .reader import detect as detect_
-
-    return detect_(storage)
+    return TREE_FILE in files or any(step_of(d) is not None for d in dirs) or any(sniffed_file(f) for f in files)
 
 
 def split_local_file(url: str) -> tuple[str, str] | None:

@@ -38,15 +38,15 @@ from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepInfo, ValueLeaf
 from ...storage import Storage
 from . import scan as ms
-# the zarr array plumbing of the Orbax reader: the same arrays, opened the same way
+# the zarr array machinery the Orbax reader uses too: the same arrays, opened the same way
 # (TREE_METADATA: orbax >= 0.5 writes it, and then the Orbax reader reads the step)
-from ..orbax.reader import (
-    ROOT_MANIFEST, SHARDING, TREE_METADATA, _ArraySource, _parse_zarr_metadata, _ZarrRegionReader, is_tmp_name,
-    parse_sharding,
+from ...arrays.reading import (
+    ROOT_MANIFEST, SHARDING, TREE_METADATA, ArraySource, ZarrRegionReader, json_leaves, parse_sharding,
+    parse_zarr_metadata,
 )
 
 # detection's names and rules (detection.py: what the registry imports without this module)
-from .detection import _FLAX_TMP, _T5X_TMP, NAME, TREE_FILE, TREE_SUFFIXES, _step_of, _untmp, split_local_file  # noqa: F401
+from .detection import FLAX_TMP, NAME, TREE_FILE, TREE_SUFFIXES, _untmp, is_tmp, split_local_file, step_of  # noqa: F401
 
 PLACEHOLDER = "PLACEHOLDER://"
 CHUNKED = "__msgpack_chunked_array__"
@@ -73,10 +73,6 @@ def _is_item(storage: Storage, files: list[str]) -> bool:
 def _prefix(name: str) -> str:
     """A step entry's name without its number: `checkpoint_` for `checkpoint_12`."""
     return _untmp(name).rstrip("0123456789")
-
-
-def _is_tmp(name: str) -> bool:
-    return is_tmp_name(name) or bool(_T5X_TMP.search(name)) or bool(_FLAX_TMP.match(name))
 
 
 @dataclass
@@ -137,10 +133,10 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
     # root is ours (flax's latest_checkpoint goes by the name alone, then fails on the file)
     unsniffed: list[tuple[str, int, bool]] = []
     for d in dirs:
-        number = _step_of(d)
+        number = step_of(d)
         if number is None or d not in layout:
             continue
-        if _is_tmp(d):
+        if is_tmp(d):
             # an unfinished save: shown, never read as a step
             if TREE_FILE in layout[d] and not layout[d].get(TREE_METADATA):
                 steps.append(_Entry(d, number, True, False, "uncommitted save (temporary directory name)"))
@@ -153,16 +149,16 @@ def _entries(storage: Storage, dirs: list[str], files: list[str]) -> tuple[list[
     for f in files:
         if f.startswith((".", "_")) or sniffed >= _MAX_SNIFFED:
             continue
-        number = _step_of(f)
-        stepish = number is not None or _FLAX_TMP.match(f)
+        number = step_of(f)
+        stepish = number is not None or FLAX_TMP.match(f)
         if not stepish and "." in f and not f.endswith(TREE_SUFFIXES):  # (detection.sniffed_file's rule)
             continue
         sniffed += 1
         if not is_tree_file(storage, f):
-            if number is not None and not _FLAX_TMP.match(f):
+            if number is not None and not FLAX_TMP.match(f):
                 unsniffed.append((f, number, False))
             continue
-        if _FLAX_TMP.match(f):
+        if FLAX_TMP.match(f):
             steps.append(_Entry(f, None, False, False, "uncommitted save (flax's temporary file)"))
         elif number is not None:
             steps.append(_Entry(f, number, False, True))
@@ -204,7 +200,7 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     if isinstance(step, str) and step in files and is_tree_file(storage, step):
         # a path naming one file (or --step with an entry's name)
         ckpt = read_file(storage, step)
-        return _with_steps(ckpt, storage, steps, _step_of(step), step)
+        return _with_steps(ckpt, storage, steps, step_of(step), step)
     if not steps:
         if len(loose) == 1 and step in (None, "latest"):
             return read_file(storage, loose[0])
@@ -264,8 +260,6 @@ def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
     """A step directory: one item, or several (named items; `default/` alone is unnamed, as orbax shows it)."""
     if entry.items == ("",):
         return _read_item(storage.child(entry.name), entry.name)
-    from ..orbax.reader import _read_json_item
-
     unnamed = entry.items == ("default",) and not entry.json_items
     leaves: list[Leaf] = []
     notes: list[str] = []
@@ -279,7 +273,8 @@ def _read_step_dir(storage: Storage, entry: _Entry) -> Checkpoint:
         for k, v in ckpt.layout.items():
             layout.setdefault(k, v)
     for item in entry.json_items:
-        leaves += _read_json_item(storage.child(f"{entry.name}/{item}"), (item,))
+        # orbax <= 0.4's JsonCheckpointHandler item: its file `metadata`
+        leaves += json_leaves(storage.child(f"{entry.name}/{item}"), "metadata", (item,), item)
     return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=leaves, notes=notes)
 
 
@@ -311,7 +306,7 @@ def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Che
     notes: list[str] = []
     builder = _Builder(storage, TREE_FILE)
     builder.walk(tree, prefix)
-    committed = not _is_tmp(name)
+    committed = not is_tmp(name)
     layout: dict[str, Any]
     if t5x_version is not None or builder.specs:
         layout = {"storage": "directories", "zarr": 2, "t5x_version": t5x_version}
@@ -326,7 +321,7 @@ def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Che
         layout.update(storage="ocdbt" if use_ocdbt else "directories", zarr=2, processes=1)
         if use_ocdbt:
             layout["ocdbt"] = "merged"
-        builder.resolve_placeholders(use_ocdbt, _read_shardings(storage, files), _sharding_names(storage, files))
+        builder.resolve_placeholders(use_ocdbt, read_shardings(storage, files), _sharding_names(storage, files))
     if not committed:
         notes.insert(0, "uncommitted save (temporary directory name)")
     leaves = builder.leaves
@@ -360,11 +355,11 @@ def _sharding_names(storage: Storage, files: list[str]) -> set[str] | None:
     try:
         raw = json.loads(storage.read(SHARDING))
     except (ValueError, CkptError):
-        return None  # _read_shardings reports it
+        return None  # read_shardings reports it
     return set(raw) if isinstance(raw, dict) else None
 
 
-def _read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
+def read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
     """orbax 0.4's `_sharding`: {param name: JSON text of the sharding, or '' for host arrays}."""
     if SHARDING not in files:
         return {}
@@ -554,7 +549,7 @@ class _Builder:
         restores into the saved tree as target), so it stays a number in every
         output (a DCP bytes item holding 7, not tensor(7)); other 0-d arrays (an
         np.int32 optimizer count) stay arrays of their dtype."""
-        source = _ArraySource(self.storage, "" if use_ocdbt else None)
+        source = ArraySource(self.storage, "" if use_ocdbt else None)
         names = [n for _, _, n in self.placeholders]
         raw = source.view.start_reads(f"{n}/.zarray" for n in names).result()
         for index, keys, pname in self.placeholders:
@@ -576,7 +571,7 @@ class _Builder:
                 self.leaves[index] = leaf
 
     def resolve_specs(self) -> None:
-        source = _ArraySource(self.storage, None)
+        source = ArraySource(self.storage, None)
         paths = []
         for _, keys, spec in self.specs:
             paths.append(spec_path(spec, ".".join(str(k) for k in keys)))
@@ -595,15 +590,15 @@ class _Builder:
                 )
             self.leaves[index] = leaf
 
-    def _zarr_leaf(self, source: _ArraySource, keys: tuple[Key, ...], path: str, data: bytes,
+    def _zarr_leaf(self, source: ArraySource, keys: tuple[Key, ...], path: str, data: bytes,
                    sharding: Any, stored: str) -> ArrayLeaf:
         where = f"{self.storage.url}/{path}/.zarray"
         try:
             zmeta = json.loads(data)
         except ValueError as exc:
             raise CorruptMetadataError(f"invalid JSON: {exc}", where) from None
-        shape, dtype, chunk_shape, info = _parse_zarr_metadata(zmeta, False, where)
-        reader = _ZarrRegionReader(source, path, False, zmeta)
+        shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, where)
+        reader = ZarrRegionReader(source, path, False, zmeta)
         extra = {"stored": stored, **info}
         return ArrayLeaf(keys=keys, name=".".join(str(k) for k in keys), shape=shape, dtype=dtype,
                          layout=RegularGrid(chunk_shape), sharding=sharding, reader=reader, extra=extra)

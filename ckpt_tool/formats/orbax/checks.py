@@ -8,19 +8,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import tensorstore as ts
-
 from ... import dtypes
 from ...errors import CkptError, UsageError
 from ...findings import Findings
 from . import reader as ob
-from . import schema
-from ...storage import Storage, ocdbt_bulk
-from ...storage.ocdbt_node import OcdbtNodeError, parse_location
+from ...arrays import checks as ac
+from ...arrays import schema
+from ...storage import Storage
 
 ROOT_METADATA = "_ROOT_METADATA"
-# more chunks than this per array are not enumerated key by key; the count is compared instead
-_MAX_ENUMERATED_CHUNKS = 1_000_000
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
@@ -30,11 +26,11 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         name = storage.url.rstrip("/").rsplit("/", 1)[-1]
         check_step(storage, name, dirs, files, findings, where="")
         return
-    steps = [d for d in dirs if ob._step_number(d) is not None]
+    steps = [d for d in dirs if ob.step_number(d) is not None]
     if "metadata" in dirs and storage.exists(f"metadata/{ROOT_METADATA}"):
         # CheckpointManager's own record of the root (orbax reads it for metadata())
         try:
-            schema.parse_root_metadata(ob._read_json(storage, f"metadata/{ROOT_METADATA}"), f"metadata/{ROOT_METADATA}")
+            schema.parse_root_metadata(ob.read_json(storage, f"metadata/{ROOT_METADATA}"), f"metadata/{ROOT_METADATA}")
         except CkptError as exc:
             findings.error("bad-metadata", f"unreadable: {exc.message}", file=f"metadata/{ROOT_METADATA}")
     if step not in (None, "all"):
@@ -47,12 +43,12 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
                 want = int(step)
             except (TypeError, ValueError):
                 raise UsageError(f"--step must be an integer, 'latest' or 'all', got {step!r}") from None
-            steps = [d for d in steps if ob._step_number(d) == want]
+            steps = [d for d in steps if ob.step_number(d) == want]
         if not steps:
             findings.error("no-steps", f"no step {step} in this CheckpointManager root", file=".")
             return
     committed_any = False
-    for d in sorted(steps, key=lambda d: (ob._step_number(d) or -1, d)):
+    for d in sorted(steps, key=lambda d: (ob.step_number(d) or -1, d)):
         sub = storage.child(d)
         sub_dirs, sub_files = sub.listdir()
         if ob.is_tmp_name(d):
@@ -124,7 +120,7 @@ def _check_json_item(storage: Storage, item: ob.StepItem, findings: Findings, *,
         )
         return
     try:
-        ob._read_json(storage, item.file)
+        ob.read_json(storage, item.file)
     except CkptError as exc:
         findings.error("bad-metadata", f"JSON item unreadable: {exc.message}", file=where + item.file)
 
@@ -136,7 +132,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         findings.error("missing-metadata", f"no {ob.TREE_METADATA}: orbax cannot restore this item", file=where + ob.TREE_METADATA)
         return
     try:
-        tree = ob.parse_tree(ob._read_json(storage, ob.TREE_METADATA), where + ob.TREE_METADATA)
+        tree = ob.parse_tree(ob.read_json(storage, ob.TREE_METADATA), where + ob.TREE_METADATA)
     except CkptError as exc:
         findings.error("bad-metadata", f"unreadable tree metadata: {exc.message}", file=where + ob.TREE_METADATA)
         return
@@ -168,11 +164,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             findings.error("lost-process-data", f"OCDBT item without {ob.ROOT_MANIFEST} or ocdbt.process_N/", file=where or ".")
             return
         for db in databases:
-            keys |= _check_ocdbt(storage, db, findings, where=where, stored=stored)
+            keys |= ac.check_ocdbt(storage, db, findings, where=where, stored=stored)
         if databases == [""]:
             # per-process databases beside the merged root must be intact too
             for db in process_dbs:
-                _check_ocdbt(storage, db, findings, where=where, list_keys=False)
+                ac.check_ocdbt(storage, db, findings, where=where, list_keys=False)
     else:
         keys = set(storage.list())
 
@@ -184,8 +180,8 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     if ob.SHARDING in files:
         bad: list[tuple[str, schema.SchemaError]] = []
         try:
-            infos = schema.parse_sharding_file(ob._read_json(storage, ob.SHARDING), where + ob.SHARDING, bad)
-            shardings = {n: ob._sharding_model(i) for n, i in infos.items()}
+            infos = schema.parse_sharding_file(ob.read_json(storage, ob.SHARDING), where + ob.SHARDING, bad)
+            shardings = {n: ob.sharding_model(i) for n, i in infos.items()}
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
             files = [f for f in files if f != ob.SHARDING]  # reported once, not once per array
@@ -208,7 +204,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         ob._param_name(k) for k, v in entries
         if v.value_type in ob.ZARR_TYPES and f"{ob._param_name(k)}/{meta_key}" in keys
     ]
-    zarr_texts = _read_array_metadata(storage, use_ocdbt, files, process_dbs, wanted, meta_key)
+    zarr_texts = ac.read_array_metadata(storage, use_ocdbt, files, process_dbs, wanted, meta_key)
     parsed: dict[bytes, Any] = {}
     array_names = set()
     strings_leaves: list[tuple[str, str]] = []
@@ -236,7 +232,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             if text not in parsed:  # arrays of one shape and dtype share their metadata text
                 # the file named in a message is the first array's; the text is the same
                 zmeta_ = schema.load_json(text, f"{where}{name}/{meta_key}")
-                parsed[text] = (zmeta_, ob._parse_zarr_metadata(zmeta_, zarr3, f"{where}{name}/{meta_key}"))
+                parsed[text] = (zmeta_, ob.parse_zarr_metadata(zmeta_, zarr3, f"{where}{name}/{meta_key}"))
             zmeta, (shape, _dtype, chunk_shape, _info) = parsed[text]
         except CkptError as exc:
             message = exc.message if isinstance(exc, schema.SchemaError) else f"unreadable {meta_key}: {exc.message}"
@@ -283,7 +279,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
                     leaf=leaf_path, file=f"{where}{name}/{meta_key}",
                 )
         if name in shardings:
-            _check_sharding(shardings[name], shape, findings, leaf_path, where + ob.SHARDING)
+            ac.check_sharding(shardings[name], shape, findings, leaf_path, where + ob.SHARDING)
         elif ob.SHARDING in files and vt == "jax.Array" and name not in bad_shardings:
             # orbax reads each jax.Array's sharding from this file (a JSON pointer to its entry)
             findings.error("bad-sharding", f"no entry in {ob.SHARDING}: orbax cannot restore this array without a target sharding",
@@ -296,10 +292,10 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             raw = (not zarr3 and isinstance(zmeta, dict) and zmeta.get("compressor") is None
                    and not zmeta.get("filters") and _dtype is not None)
             raw_size = math.prod(chunk_shape) * dtypes.get(_dtype).itemsize if raw else None
-            have = _check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where, raw_size=raw_size)
-        if not _size_plausible(shape, _dtype, have, findings, leaf_path, f"{where}{name}/{meta_key}"):
+            have = ac.check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where, raw_size=raw_size)
+        if not ac.size_plausible(shape, _dtype, have, findings, leaf_path, f"{where}{name}/{meta_key}"):
             continue
-        _check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
+        ac.check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
 
     if strings_leaves:
         _check_strings(storage, files, strings_leaves, findings, where)
@@ -312,172 +308,13 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         findings.warning("bad-sharding", f"{ob.SHARDING} names an array that is not in the tree", leaf=name, file=where + ob.SHARDING)
 
 
-def _read_array_metadata(
-    storage: Storage, use_ocdbt: bool, files: list[str], process_dbs: list[str], names: list[str], meta_key: str
-) -> dict[str, bytes]:
-    """`<name>/<meta_key>` for every name, from wherever the item keeps its arrays."""
-    if not use_ocdbt:
-        views = [storage]
-    elif ob.ROOT_MANIFEST in files:
-        views = [storage.ocdbt("")]
-    else:
-        views = [storage.ocdbt(d) for d in process_dbs]
-    out: dict[str, bytes] = {}
-    remaining = list(names)
-    for view in views:
-        if not remaining:
-            break
-        try:
-            got = view.read_many(f"{n}/{meta_key}" for n in remaining)
-        except CkptError:
-            # one unreadable value (e.g. a FIFO or a lost data file) should not hide the others
-            got = {}
-            for n in remaining:
-                try:
-                    got[f"{n}/{meta_key}"] = view.read(f"{n}/{meta_key}")
-                except CkptError:
-                    got[f"{n}/{meta_key}"] = None
-        for n in remaining:
-            data = got.get(f"{n}/{meta_key}")
-            if data is not None:
-                out[n] = data
-        remaining = [n for n in remaining if n not in out]
-    return out
-
-
-def _check_ocdbt(
-    storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True, stored: list[int] | None = None
-) -> set[str]:
-    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough."""
-    base_where = f"{where}{db + '/' if db else ''}"
-    manifest_key = f"{db}/{ob.ROOT_MANIFEST}" if db else ob.ROOT_MANIFEST
-    if not storage.exists(manifest_key):
-        findings.error("lost-process-data", f"{ob.ROOT_MANIFEST} missing", file=base_where + ob.ROOT_MANIFEST)
-        return set()
-    # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
-    base_kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context),
-                           "cannot open the OCDBT database", base_where or ".")
-    needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
-
-    def need(location: str) -> tuple[str, int, int] | None:
-        # the base path is relative to the database directory: empty for its own files,
-        # "ocdbt.process_0/" for a merged root's values that stay in a process database
-        try:
-            where = parse_location(location)
-        except OcdbtNodeError:
-            return None
-        needed[where.path] = max(needed.get(where.path, 0), where.offset + where.length)
-        return where.path, where.offset, where.length
-
-    lost_files: set[str] = set()
-    try:
-        manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
-    except CkptError as exc:  # tensorstore raises ValueError with a status text
-        findings.error("lost-process-data", exc.message, file=base_where + ob.ROOT_MANIFEST)
-        return set()
-    versions = manifest.get("versions", [])
-    roots = [v.get("root", {}).get("location") for v in versions]
-    roots += [n.get("location") for n in manifest.get("version_tree_nodes", []) if isinstance(n, dict)]
-    root_height = versions[-1].get("root_height") if versions else None
-    # (location, the node's height when known): the latest version is what a reader sees
-    stack: list[tuple[str, int | None]] = [
-        (r, root_height if versions and r == roots[len(versions) - 1] else None) for r in roots[-1:] if r]
-    limit = ocdbt_bulk.decoded_limit(manifest.get("config"))
-    seen = 0
-    while stack:
-        loc, height = stack.pop()
-        ref = need(loc)
-        if ref is None:
-            continue
-        file = ref[0]
-        if file in lost_files:
-            continue
-        if not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files):
-            continue
-        if not list_keys:
-            # a per-process database beside a merged root: readers go through
-            # the root, whose walk covers the values; here the manifest's own
-            # node files are enough (walking every leaf again doubles the cost)
-            continue
-        if height == 0 and loc.startswith("btreenode:"):
-            # a leaf node: decoded column by column (storage/ocdbt_node.py), not as one Python object per
-            # entry (350 MB for orbax's 200,000-entry node of a 100k-leaf save)
-            try:
-                leaf = ocdbt_bulk.read_leaf(
-                    base_kv, loc, lambda f: storage.wait(f, f"unreadable B-tree node {loc}", base_where), limit)
-            except CkptError as exc:
-                findings.error("lost-process-data", exc.message, file=base_where + file)
-                continue
-            except OcdbtNodeError as exc:
-                findings.error("lost-process-data", f"unreadable B-tree node {loc}: {exc}", file=base_where + file)
-                continue
-            seen += 1
-            for path, end in leaf.indirect_extents().items():
-                needed[path] = max(needed.get(path, 0), end)
-            continue
-        try:
-            node = storage.wait(ts.ocdbt.dump(base_kv, loc, context=storage.context), f"unreadable B-tree node {loc}", base_where)
-        except CkptError as exc:
-            findings.error("lost-process-data", exc.message, file=base_where + file)
-            continue
-        seen += 1
-        child_height = node["height"] - 1 if isinstance(node.get("height"), int) and node["height"] > 0 else None
-        for entry in node.get("entries", []):
-            if "inline_value" in entry:
-                continue  # stored inside the node itself: nothing else to find
-            for field in ("node", "location", "indirect_value"):
-                value = entry.get(field)
-                if isinstance(value, str):
-                    if value.startswith("btreenode:"):
-                        stack.append((value, child_height))
-                    elif value.startswith("value:"):
-                        need(value)
-    for file, end in sorted(needed.items()):
-        if file not in lost_files:
-            _file_long_enough(storage, db, file, end, findings, base_where, lost_files)
-    findings.count("ocdbt_files", len(needed))
-    if stored is not None:
-        stored[0] += sum(needed.values())
-    if not list_keys or lost_files:
-        # a lost node makes the listing fail; report what is lost rather than a listing error
-        if lost_files and list_keys:
-            try:
-                return set(storage.ocdbt(db).list())
-            except CkptError:
-                return set()
-        return set()
-    try:
-        return set(storage.ocdbt(db).list())
-    except CkptError as exc:
-        findings.error("lost-process-data", f"cannot list the database: {exc.message}", file=base_where + ob.ROOT_MANIFEST)
-        return set()
-
-
-def _file_long_enough(storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: set[str]) -> bool:
-    key = f"{db}/{file}" if db else file
-    try:
-        size = storage.size(key)
-    except (CkptError, FileNotFoundError, OSError):
-        lost.add(file)
-        findings.error("lost-process-data", "OCDBT data file missing: the arrays stored in it cannot be read", file=where + file)
-        return False
-    if size < end:
-        lost.add(file)
-        # (the root database and a process's name the same data file: said once)
-        if not any(f.code == "lost-process-data" and f.file == where + file for f in findings.errors):
-            findings.error("lost-process-data", f"OCDBT data file has {size} bytes but the database needs {end}",
-                           file=where + file)
-        return False
-    return True
-
-
 def _array_metadatas(storage: Storage, files: list[str], dirs: list[str], findings: Findings, where: str) -> dict[str, tuple[Any, Any]]:
     out: dict[str, tuple[Any, Any]] = {}
     if "array_metadatas" not in dirs:
         return out
     for key in storage.list("array_metadatas"):
         try:
-            out.update(schema.parse_array_metadatas(ob._read_json(storage, key), where + key))
+            out.update(schema.parse_array_metadatas(ob.read_json(storage, key), where + key))
         except CkptError as exc:
             findings.error("bad-metadata", f"unreadable array metadata: {exc.message}", file=where + key)
     return out
@@ -491,7 +328,7 @@ def _check_strings(storage: Storage, files: list[str], leaves: list[tuple[str, s
             findings.error("leaf-missing", f"a string leaf, but there is no {ob.STRINGS}", leaf=leaf, file=file)
         return
     try:
-        values = schema.parse_strings(ob._read_json(storage, ob.STRINGS), file)
+        values = schema.parse_strings(ob.read_json(storage, ob.STRINGS), file)
     except CkptError as exc:
         findings.error("bad-metadata", exc.message, file=file)
         return
@@ -500,122 +337,3 @@ def _check_strings(storage: Storage, files: list[str], leaves: list[tuple[str, s
             findings.error("leaf-missing", f"string leaf not in {ob.STRINGS}", leaf=leaf, file=file)
 
 
-def _check_sharding(sharding: Any, shape: tuple[int, ...], findings: Findings, leaf: str, file: str) -> None:
-    if sharding.kind != "named":
-        return
-    sizes = dict(zip(sharding.axis_names or (), sharding.mesh_shape or ()))
-    if sharding.device_ids is not None and len(sharding.device_ids) != math.prod(sharding.mesh_shape or ()):
-        findings.error(
-            "bad-sharding",
-            f"mesh shape {list(sharding.mesh_shape)} needs {math.prod(sharding.mesh_shape)} devices but lists {len(sharding.device_ids)}",
-            leaf=leaf, file=file,
-        )
-    if sharding.device_ids is not None and len(set(sharding.device_ids)) != len(sharding.device_ids):
-        findings.error("bad-sharding", "a device id appears twice in the mesh", leaf=leaf, file=file)
-    # Ids outside 0..N-1 are no finding: real saves have them (jax's CPU
-    # devices of process 1 start at 2048; a sub-mesh of a bigger job), and
-    # every restore without target shardings needs the saving topology anyway.
-    spec = list(sharding.partition_spec or ())
-    if len(spec) > len(shape):
-        findings.error("bad-sharding", f"partition spec has {len(spec)} entries for a rank-{len(shape)} array", leaf=leaf, file=file)
-        return
-    used: list[str] = []
-    for dim, entry in enumerate(spec):
-        axes = entry if isinstance(entry, (tuple, list)) else (entry,) if entry is not None else ()
-        for axis in axes:
-            if axis not in sizes:
-                findings.error("bad-sharding", f"axis {axis!r} is not in the mesh {list(sizes)}", leaf=leaf, file=file)
-                return
-            if axis in used:
-                findings.error("bad-sharding", f"axis {axis!r} is used twice", leaf=leaf, file=file)
-            used.append(axis)
-        div = math.prod(sizes[a] for a in axes) if axes else 1
-        if shape[dim] % div:
-            findings.error(
-                "bad-sharding",
-                f"dimension {dim} (size {shape[dim]}) is not divisible by {'x'.join(axes)}={div}",
-                leaf=leaf, file=file,
-            )
-
-
-def _check_empty_chunk_files(
-    storage: Storage, name: str, leaf: str, keys: set[str], meta_key: str, findings: Findings, where: str,
-    *, raw_size: int | None = None,
-) -> int:
-    """Per-array directories: a zero-byte chunk file is a write that never happened. The bytes stored.
-
-    `raw_size`: the size every chunk file has when the array is stored
-    uncompressed (zarr v2 with no compressor): another size cannot decode.
-    """
-    total = 0
-    for key in sorted(k for k in keys if k.startswith(name + "/") and not k.endswith("/" + meta_key)):
-        try:
-            size = storage.size(key)
-        except (CkptError, OSError):
-            continue
-        total += size
-        if size == 0:
-            findings.error("empty-chunk", "chunk file has no bytes", leaf=leaf, file=where + key)
-        elif raw_size is not None and size != raw_size:
-            findings.error(
-                "bad-chunk", f"{meta_key} says uncompressed, so each chunk holds {raw_size} bytes, but this one has {size}",
-                leaf=leaf, file=where + key,
-            )
-    return total
-
-
-# The most a stored byte can decode to: zstd packs a run of one byte at about
-# 1:32,768 (an RLE block of 128 KiB in a few bytes), far beyond gzip's 1:1,032
-# or blosc's. An array claiming more than that of its stored bytes (and more
-# than a small floor, for arrays of fill values) cannot be what was saved;
-# refusing it here also keeps --deep from decoding a claimed size.
-MAX_DECODE_RATIO = 2**15
-_SIZE_FLOOR = 2**30
-
-
-def _size_plausible(
-    shape: tuple[int, ...], dtype: str, stored: int, findings: Findings, leaf: str, file: str,
-) -> bool:
-    from ... import dtypes
-
-    itemsize = dtypes.get(dtype).itemsize
-    claimed = math.prod(shape) * itemsize
-    limit = max(_SIZE_FLOOR, stored * MAX_DECODE_RATIO)
-    if claimed > limit:
-        findings.error(
-            "bad-array-metadata",
-            f"shape {list(shape)} claims {claimed:,} bytes, but only {stored:,} bytes are stored "
-            f"(at most {limit:,} bytes can decode from them)",
-            leaf=leaf, file=file,
-        )
-        return False
-    return True
-
-
-def _check_chunks(
-    name: str, leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool,
-    zmeta: dict[str, Any], keys: set[str], fills_zeros: bool, findings: Findings, where: str,
-) -> None:
-    total = math.prod(-(-s // c) if c else 0 for s, c in zip(shape, chunk_shape)) if shape else 1
-    findings.count("chunks", total)
-    if total > _MAX_ENUMERATED_CHUNKS:
-        stored = sum(1 for k in keys if k.startswith(name + "/") and not k.endswith((".zarray", "zarr.json")))
-        if stored < total:
-            findings.error("missing-chunk", f"{total - stored} of {total} chunks are not stored", leaf=leaf, file=f"{where}{name}/")
-        return
-    missing = [(idx, key) for idx, key in ob.chunk_keys(name, shape, chunk_shape, zarr3, zmeta) if key not in keys]
-    if not missing:
-        return
-    consequence = (
-        "this checkpoint predates store_array_data_equal_to_fill_value, so orbax restores the region as zeros without an error"
-        if fills_zeros else "restore will fail or return fill values there"
-    )
-    for idx, key in missing[:20]:
-        region = ", ".join(f"{i * c}:{min((i + 1) * c, s)}" for i, c, s in zip(idx, chunk_shape, shape))
-        findings.error(
-            "missing-chunk",
-            f"chunk {list(idx)} (region [{region}]) is not stored; {consequence}",
-            leaf=leaf, file=f"{where}{key}",
-        )
-    if len(missing) > 20:
-        findings.error("missing-chunk", f"... and {len(missing) - 20} more chunks missing ({len(missing)} of {total})", leaf=leaf, file=f"{where}{name}/")

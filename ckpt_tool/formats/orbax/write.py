@@ -773,7 +773,7 @@ def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
     for place, prefix in places:
         if not place.exists(ob.TREE_METADATA):
             continue
-        meta = ob._read_json(place, ob.TREE_METADATA)
+        meta = ob.read_json(place, ob.TREE_METADATA)
         text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
         if not isinstance(text, str):
             continue

@@ -34,7 +34,6 @@ A region is read as byte ranges of the files through the storage layer
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -49,6 +48,7 @@ from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, NotFoundError
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ...storage import Storage
+from ...strict_json import parse_json  # (also the torch.save format's, for its index)
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -139,33 +139,6 @@ class HeaderError(CorruptMetadataError):
     def __init__(self, code: str, message: str, where: str | None = None) -> None:
         self.code = code
         super().__init__(message, where)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_json(raw: bytes, what: str) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, bounded nesting."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-    except ValueError as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
 
 
 def _is_u64(v: Any) -> bool:

@@ -17,18 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, PathEscapeError, UnreadableFileError, UnsafePickleError
+from ...errors import CkptError, PathEscapeError
 from ...findings import Findings
 from ...model import ValueLeaf
 from ...storage import Storage
-from ...errors import short_repr
-from ...torchsave.safe_pickle import TensorRef, UnsupportedTensorError, restore_location
+from ...torchsave.checks import check_file  # one file's checks: the shared torch.save machinery's
 from . import reader as ts
-
-# damaged-zip messages that mean the file ends too soon (its end records, or a member, cut off)
-_CUT_SHORT = ("no end-of-central-directory record", "outside the archive", "runs past the archive",
-              "too short for an end-of-central-directory", "central directory outside")
-
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
     """`only`: check just that file of `storage` (not listed: its directory may hold anything); no steps."""
@@ -81,83 +75,6 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
                 elif want != fname:
                     findings.error("chunk-overlap", f"{layout.index_file} places it in {want}, but {fname} holds it",
                                    leaf=tname, file=fname)
-
-
-def check_file(storage: Storage, name: str, findings: Findings, allow: Any = None, *,
-               restore_locations: bool = False) -> ts.FileTree | None:
-    """One archive: its zip, records and pickle, and every tensor's claim on its storage.
-
-    `allow`: a framework's stand-ins for the classes it pickles (Megatron's common.pt).
-    `restore_locations`: also judge each storage's saved location as torch.load without
-    map_location does (a plain torch.save file; Megatron and DeepSpeed load theirs with
-    map_location='cpu', where the location does not matter)."""
-    try:
-        archive = ts.Archive(storage, name, allow)
-    except PathEscapeError:
-        raise
-    except UnsafePickleError as exc:
-        findings.error("unsafe-pickle", f"refers to {exc.module}.{exc.name}: refused, nothing was executed", file=name)
-        return None
-    except UnsupportedTensorError as exc:
-        findings.error("bad-metadata", exc.message, file=name)
-        return None
-    except UnreadableFileError as exc:
-        findings.error("unreadable-file", exc.message, file=name)
-        return None
-    except CkptError as exc:
-        size = _size(storage, name)
-        code = "empty-file" if size == 0 else (
-            "truncated-file" if any(part in exc.message for part in _CUT_SHORT) else "bad-metadata")
-        findings.error(code, exc.message, file=name)
-        return None
-    findings.count("files")
-    tree = ts.file_tree(archive)
-    tensors = 0
-    locations: dict[str, list[str]] = {}  # a location torch.load does not simply restore -> its tensors
-    # a leaf is named by its path (keys joined by '/'), as --deep's list of leaves to skip has it:
-    # a claim found wrong here is never read (a size of 2**63 would be split into blocks forever)
-    for leaf, value in zip(ts.leaves_of(tree), tree.values):
-        if not isinstance(value, TensorRef):
-            continue
-        tensors += 1
-        problem = archive.zip.claim_problem(value)
-        if problem is not None:
-            code = "missing-chunk" if "missing from the archive" in problem else "bad-metadata"
-            findings.error(code, problem, leaf=leaf.path, file=name)
-        if restore_locations and value.storage.location != "cpu":
-            locations.setdefault(value.storage.location, []).append(leaf.path)
-    findings.count("tensors", tensors)
-    for location, leaves in locations.items():
-        _check_location(location, leaves, name, findings)
-    return tree
-
-
-def _check_location(location: str, leaves: list[str], name: str, findings: Findings) -> None:
-    """One finding per saved location torch.load (without map_location) does not simply restore,
-    on the first tensor saved there: an error where it restores it nowhere, a warning where it
-    needs a device or gives no values."""
-    verdict = restore_location(location)
-    if verdict is None:
-        return
-    kind, why = verdict
-    more = len(leaves) - 1
-    where = f"saved on {short_repr(location)}" + (f" (and {more} more tensor{'s' if more > 1 else ''})" if more else "")
-    if kind == "invalid":
-        findings.error("bad-metadata", f"{where}, {why}: torch.load cannot restore it (only "
-                       "torch.load(..., map_location='cpu') loads this file)", leaf=leaves[0], file=name)
-    elif kind == "meta":
-        findings.warning("device-location", f"{where}: torch.load gives {why} unless map_location='cpu'",
-                         leaf=leaves[0], file=name)
-    else:
-        findings.warning("device-location", f"{where}: torch.load needs map_location='cpu' on a machine without "
-                         f"{why}", leaf=leaves[0], file=name)
-
-
-def _size(storage: Storage, name: str) -> int | None:
-    try:
-        return storage.size(name)
-    except CkptError:
-        return None
 
 
 def _file_of(storage: Storage, where: str | None) -> str | None:

@@ -12,7 +12,7 @@ FORMATS = [
         "torch", "torch.save", PACKAGE, can_write=False, value_kinds=VALUE_KINDS,
         claims=("*.bin.index.json", "*.bin", "*.pt", "*.pth"), short="torch.save",
         reads="torch.save files (.pt / .bin, a Hugging Face sharded pytorch_model.bin set)",
-        claims_mark_checkpoint=False, single_file="any", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
+        claims_mark_checkpoint=False, single_file="unclaimed", file_suffixes=(".pt", ".pth", ".bin"), listed=4,
         claims_flat=True, model_marks=("*.bin.index.json", "config.json"), detection=80,
         # a verl actor's FSDP config and Hugging Face export beside its rank files
         parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES, "fsdp_config.json", "huggingface"),

@@ -50,7 +50,7 @@ from ....model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, RegularGrid
 from ....storage import Storage
 from ....torchsave.safe_pickle import DSZeroStage, TensorRef
 from ....text import is_ascii_number
-from ...torch_save import reader as ts
+from ....torchsave import reading as ts
 from .. import layout as L
 from .. import reader as ds
 
@@ -336,8 +336,8 @@ def _leaf(pf: ParamFile, keys: tuple[Key, ...], name: str, shape: tuple[int, ...
     archive, value = pf.archive, pf.value
     extra: dict[str, Any] = {"file": archive.name, **pf.facts}
     if not isinstance(value, TensorRef):
-        return ValueLeaf(keys=keys, name=name, value_type=ts._value_type(value), dtype=ts._SCALAR_DTYPES.get(type(value)),
-                         loader=ts._value_loader(archive, value), extra=extra)
+        return ValueLeaf(keys=keys, name=name, value_type=ts.value_type(value), dtype=ts.SCALAR_DTYPES.get(type(value)),
+                         loader=ts.value_loader(archive, value), extra=extra)
     if shape is not None and len(value.size) == 1 and tuple(value.size) != shape and math.prod(shape) == value.size[0] \
             and (value.stride == (1,) or value.size[0] <= 1):
         # a stage-3 file's flat tensor, given the parameter's shape (the same elements in C order)
@@ -346,7 +346,7 @@ def _leaf(pf: ParamFile, keys: tuple[Key, ...], name: str, shape: tuple[int, ...
         extra["stored_shape"] = list(value.size)
         return ArrayLeaf(keys=keys, name=name, shape=shape, dtype=value.dtype, layout=RegularGrid(shape), reader=reader,
                          verifier=reader.verify, extra=extra, unreadable=archive.zip.claim_problem(value))
-    leaf = ts._array_leaf(archive, value, keys, name, [])
+    leaf = ts.array_leaf(archive, value, keys, name, [])
     leaf.extra.update(pf.facts)
     return leaf
 

@@ -67,7 +67,7 @@ from ....torchsave.pickle_writer import dumps
 from ....torchsave.safe_pickle import TensorRef
 from ...contract import CheckpointWriter
 from ....writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
-from ...torch_save import reader as ts
+from ....torchsave import reading as ts
 from .. import reader as ds
 from . import reader as u
 
@@ -152,7 +152,7 @@ def _safe_name(name: str, where: str) -> str:
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    return ts._contiguous(shape, stride)
+    return ts.contiguous(shape, stride)
 
 
 def _dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:

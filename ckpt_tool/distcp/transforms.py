@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence
 
-from ...errors import CkptError, CorruptMetadataError
+from ..errors import CkptError, CorruptMetadataError
 
 Fetch = Callable[[int, int], bytes]
 

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, overload
 
 import numpy as np
 
-from ..contract import ArrayReader
-from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
-from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
-from ...storage import Storage
-from ...torchsave import safe_pickle
-from ...torchsave.safe_pickle import (
+from .. import dtypes
+from ..formats.contract import ArrayReader
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
+from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
+from ..storage import Storage
+from ..torchsave import safe_pickle
+from ..torchsave.safe_pickle import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -47,17 +47,16 @@ from ...torchsave.safe_pickle import (
 )
 
 if TYPE_CHECKING:
-    from ...torchsave.payload import Allow, Fetch, TensorPayload
+    from ..torchsave.payload import Allow, Fetch, TensorPayload
 
 
 def _payload_module():  # noqa: ANN202
     # torch.save archives need zipfile & co.: loaded when data is read, not
     # when `ckpt inspect` only looks at .metadata
-    from ...torchsave import payload as torch_payload
+    from ..torchsave import payload as torch_payload
 
     return torch_payload
 
-NAME = "dcp"
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -73,21 +72,23 @@ def detect(storage: Storage) -> bool:
     return any(f.endswith(DATA_SUFFIX) for f in files)
 
 
-def read(storage: Storage, *, step: str | int | None = None, allow: Allow = None) -> Checkpoint:
-    """Open a DCP checkpoint: reads `.metadata` and nothing else.
+def read(storage: Storage, *, fmt: str, step: str | int | None = None, allow: Allow = None) -> Checkpoint:
+    """Open a DCP checkpoint: reads `.metadata` and nothing else. `fmt`: the registry name the
+    Checkpoint carries (the format reading it: DCP, or a framework saving through DCP).
 
     `allow`: stand-ins for the classes a framework writing through DCP pickles into
     `.metadata` and its items (Megatron-Core's plans), beside the allow-list."""
-    return _read(storage, step=step, allow=allow, want_metadata=False)[0]
+    return _read(storage, fmt=fmt, step=step, allow=allow, want_metadata=False)[0]
 
 
-def read_with_metadata(storage: Storage, *, step: str | int | None = None,
+def read_with_metadata(storage: Storage, *, fmt: str, step: str | int | None = None,
                        allow: Allow = None) -> tuple[Checkpoint, Any]:
     """read(), and the unpickled `.metadata` object (for a framework's own fields on it)."""
-    return _read(storage, step=step, allow=allow, want_metadata=True)
+    return _read(storage, fmt=fmt, step=step, allow=allow, want_metadata=True)
 
 
-def _read(storage: Storage, *, step: str | int | None, allow: Allow, want_metadata: bool) -> tuple[Checkpoint, Any]:
+def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
+          want_metadata: bool) -> tuple[Checkpoint, Any]:
     if step is not None:
         raise CkptError(
             "a torch.distributed.checkpoint directory has no steps; open the step's own directory", storage.url
@@ -182,7 +183,7 @@ def _read(storage: Storage, *, step: str | int | None, allow: Allow, want_metada
     }
     return Checkpoint(
         path=storage.url,
-        format=NAME,
+        format=fmt,
         layout=layout,
         leaves=leaves,
         committed=True,
@@ -920,7 +921,7 @@ class _TensorReader(ArrayReader):
                     self._crc_tiles = {}
                 tiles = self._crc_tiles.get(i)
                 if tiles is None:
-                    from ...checksum import CrcTiling  # (zlib-ng: only once data is read)
+                    from ..checksum import CrcTiling  # (zlib-ng: only once data is read)
 
                     tiles = self._crc_tiles[i] = CrcTiling(payload.data_offset, payload.data_offset + payload.data_length)
                 whole = tiles.add(start, end, crc)

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, short_repr
+from .. import dtypes
+from ..errors import CkptError, CorruptMetadataError, short_repr
 
 # a metadata file larger than this is not read into memory
 MAX_JSON_BYTES = 256 * 2**20

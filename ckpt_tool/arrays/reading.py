@@ -1,0 +1,499 @@
+"""Zarr arrays as TensorStore writes them for Orbax (and as Megatron's zarr backend and orbax <= 0.4
+saves hold them): each array's `.zarray` / `zarr.json`, read concurrently and checked
+(schema.py), and region readers over tensorstore, in plain per-array directories or an OCDBT
+database (merged, or still one per process). Shared machinery: the Orbax, msgpack (orbax <= 0.4,
+T5X) and Megatron packages read their arrays here; nothing here names a format.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import tensorstore as ts
+
+from .. import dtypes
+from ..formats.contract import ArrayReader
+from ..errors import CkptError, CorruptMetadataError, NotFoundError
+from ..model import Key, Leaf, Region, Sharding, ValueLeaf
+from ..storage import Reads, Storage, ts_error_text
+from . import schema
+
+# the files beside the arrays that this machinery reads (Orbax's names)
+TREE_METADATA = "_METADATA"
+SHARDING = "_sharding"
+STRINGS = "_strings.json"
+ROOT_MANIFEST = "manifest.ocdbt"
+
+# one-chunk arrays whose chunk decodes to at most this many bytes are read from an OCDBT walk (below)
+SMALL_CHUNK_BYTES = 1 << 20
+# chunks located per walk of the B+tree; the last two batches are kept
+SMALL_CHUNK_BATCH = 8192
+
+
+@dataclass
+class ArraySource:
+    """Where arrays live: an OCDBT database (subdir '' = root) or plain directories (None).
+
+    Small one-chunk arrays in an OCDBT database are read without tensorstore's
+    point reads, whose cost grows with the B+tree node holding the key (orbax's
+    100k-leaf save: one node of 200,000 entries, 0.2-0.5 ms per read, so
+    `validate --deep` was quadratic in the leaf count). Their chunk keys are
+    registered in leaf order; the first read of one locates its whole batch
+    by one walk of the tree (storage/ocdbt_bulk.py), and the chunk is decoded
+    from those bytes by the streaming decoders (codecs.py).
+    """
+
+    storage: Storage
+    ocdbt_dir: str | None
+    _view: Storage | None = None
+    # the arrays that may be read from a walk, in leaf order (whether each can is decided at its batch's
+    # first read: `ckpt inspect` reads no data and pays nothing per array for this)
+    small_readers: list["ZarrRegionReader"] = field(default_factory=list)
+    _batches: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def register_small(self, reader: "ZarrRegionReader") -> int:
+        self.small_readers.append(reader)
+        return len(self.small_readers) - 1
+
+    def small_chunk(self, index: int, key: str) -> bytes | None:
+        """The stored bytes of the chunk `key` of registered array `index`, or None when the database
+        does not hold it (the caller then reads through tensorstore, which says how it is missing)."""
+        batch = index // SMALL_CHUNK_BATCH
+        with self._lock:
+            located = self._batches.get(batch)
+            if located is None:
+                members = self.small_readers[batch * SMALL_CHUNK_BATCH:(batch + 1) * SMALL_CHUNK_BATCH]
+                keys = [k for k in (r.small_key() for r in members) if k is not None]
+                located = self.view.locate_values(keys)
+                if len(self._batches) >= 2:
+                    del self._batches[next(iter(self._batches))]
+                self._batches[batch] = located
+        value = located.get(key)
+        if value is None:
+            return None
+        self.view.log.record(key)
+        return value if isinstance(value, bytes) else self.view.read_located(key, value)
+
+    @property
+    def view(self) -> Storage:
+        if self._view is None:
+            self._view = self.storage.ocdbt(self.ocdbt_dir) if self.ocdbt_dir is not None else self.storage
+        return self._view
+
+    def array_kvstore(self, name: str) -> dict[str, Any]:
+        if self.ocdbt_dir is None:
+            return self.storage.kvstore_spec(name + "/")
+        base = self.storage.kvstore_spec(self.ocdbt_dir + "/" if self.ocdbt_dir else "")
+        return {"driver": "ocdbt", "base": base, "path": name + "/"}
+
+
+def read_zarr_metadata(
+    sources: list[ArraySource], names: list[str], meta_key: str, first_reads: Reads
+) -> dict[str, tuple[dict[str, Any], ArraySource]]:
+    """Each array's zarr metadata, read concurrently, with the source holding it.
+
+    `first_reads` are the reads of every name from the first source, already
+    started; names it lacks are looked for in the next sources in turn.
+    """
+    found: dict[str, tuple[dict[str, Any], ArraySource]] = {}
+    remaining = list(names)
+    for i, source in enumerate(sources):
+        if not remaining:
+            break
+        pending = first_reads if i == 0 else source.view.start_reads(f"{n}/{meta_key}" for n in remaining)
+        raw = pending.result()
+        still = []
+        parsed: dict[bytes, Any] = {}  # arrays of one shape and dtype share their metadata text
+        for n in remaining:
+            data = raw[f"{n}/{meta_key}"]
+            if data is None:
+                still.append(n)
+                continue
+            if data not in parsed:
+                parsed[data] = schema.load_json(data, f"{source.view.url}/{n}/{meta_key}")
+            found[n] = (parsed[data], source)
+        remaining = still
+    return found
+
+
+def parse_zarr_metadata(
+    zmeta: Any, zarr3: bool, where: str
+) -> tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]:
+    """shape, dtype, stored chunk shape and codec facts from .zarray / zarr.json (schema-checked)."""
+    z = schema.parse_zarr_metadata(zmeta, zarr3, where)
+    return z.shape, z.dtype, z.chunk_shape, z.info
+
+
+_OPEN_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+class ZarrRegionReader(ArrayReader):
+    """Reads regions of one zarr array through tensorstore, opening it on first use."""
+
+    # one per array, 10^4-10^5 of them: no per-instance __dict__
+    __slots__ = ("_source", "_name", "_zarr3", "_zmeta", "_store", "_opening", "_lock", "_small")
+
+    starts_reads = True  # tensorstore reads run together: start_read, start_read_into, start_open
+
+    def __init__(self, source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
+                 shape: tuple[int, ...] | None = None, chunk_shape: tuple[int, ...] | None = None) -> None:
+        self._source = source
+        self._name = name
+        self._zarr3 = zarr3
+        self._zmeta = zmeta
+        self._store: ts.TensorStore | None = None
+        self._opening: Any = None  # the open future, once started
+        # a lock per array was 84 bytes each (8 MiB at 100k leaves): opens share a few, by name
+        self._lock = _OPEN_LOCKS[hash(name) % len(_OPEN_LOCKS)]
+        # an array of an OCDBT database: (its index among the source's small readers, shape, chunk shape,
+        # then its chunk key once known to be one small chunk the decoders handle, or "" when it is not)
+        self._small: tuple[Any, ...] | None = None
+        if source.ocdbt_dir is not None and shape is not None and chunk_shape is not None:
+            self._small = (source.register_small(self), shape, chunk_shape)
+
+    def small_key(self) -> str | None:
+        """The chunk key, when this array is one small chunk read from a walk of its database."""
+        small = self._small
+        if small is None:
+            return None
+        if len(small) == 3:
+            small = self._small = small + (self._small_chunk_key(small[1], small[2]),)
+        return small[3] or None
+
+    def _small_chunk_key(self, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> str:
+        from .. import codecs
+
+        if len(chunk_shape) != len(shape) or any(c < n for c, n in zip(chunk_shape, shape)) or 0 in chunk_shape:
+            return ""
+        problem = codecs.zarr3_stream_problem(self._zmeta) if self._zarr3 else codecs.zarr2_stream_problem(self._zmeta)
+        if problem is not None:
+            return ""
+        try:
+            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(self._zmeta, self._zarr3)
+        except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
+            return ""
+        if nbytes > SMALL_CHUNK_BYTES:
+            return ""
+        return chunk_key(self._name, (0,) * len(shape), self._zarr3, self._zmeta)
+
+    def _small_read(self, region: Region) -> np.ndarray | None:
+        """The region from the chunk an OCDBT walk found, when the array is one small chunk; else None."""
+        key = self.small_key()
+        if key is None:
+            return None
+        index, shape, chunk_shape, _ = self._small  # type: ignore[misc]
+        if region and any((r.start or 0) != 0 or (r.stop if r.stop is not None else n) != n or r.step not in (None, 1)
+                          for r, n in zip(region, shape)):
+            return None
+        data = self._source.small_chunk(index, key)
+        if data is None:
+            return None
+        from .. import codecs
+
+        chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, chunk_shape, f"{self._source.view.url}/{key}")
+        if chunk_shape != shape:  # an edge chunk larger than the array it holds
+            chunk = chunk[tuple(slice(0, n) for n in shape)]
+        return chunk
+
+    def start_open(self) -> None:
+        """Start opening the array without waiting (opens of many small arrays then overlap).
+        Not for an array read from an OCDBT walk: it is opened only if its chunk is not found there."""
+        if self.small_key() is None and self._store is None and self._opening is None:
+            with self._lock:
+                if self._store is None and self._opening is None:
+                    self._opening = self._open_future()
+
+    def _open_future(self) -> Any:
+        spec = {
+            "driver": "zarr3" if self._zarr3 else "zarr",
+            "kvstore": self._source.array_kvstore(self._name),
+            # a lost chunk must fail the read, not come back as zeros
+            "fill_missing_data_reads": False,
+            "recheck_cached_data": False,
+            # the metadata read and schema-checked with every other array's (one batch at open):
+            # tensorstore need not read it again per array (10,000 small arrays: one point read each)
+            "metadata": self._zmeta,
+        }
+        try:
+            return ts.open(spec, open=True, read=True, assume_metadata=True, context=self._source.storage.read_context)
+        except Exception as exc:
+            raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
+
+    def _open(self) -> ts.TensorStore:
+        if self._store is not None:  # opened already: no lock on every chunk read
+            return self._store
+        with self._lock:
+            if self._store is None:
+                fut = self._opening if self._opening is not None else self._open_future()
+                # the storage layer's deadline: a remote store that stops answering fails, never hangs
+                self._store = self._source.storage.wait(fut, "cannot open array", self._name)
+            return self._store
+
+    def read(self, region: Region) -> np.ndarray:
+        return self.start_read(region)()
+
+    __call__ = read
+
+    def start_read(self, region: Region) -> Callable[[], np.ndarray]:
+        """Start reading a region; the returned call waits for it. Many small reads
+        started at once let tensorstore run them together (3,000 small leaves:
+        0.5 s, against 1.3 s read one by one from four threads)."""
+        small = self._small_read(region)
+        if small is not None:
+            return lambda: small
+        store = self._open()
+        try:
+            view = store[tuple(region)] if region else store
+            fut = view.read()
+        except Exception as exc:
+            raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+        nbytes = view.size * view.dtype.numpy_dtype.itemsize
+        return lambda: np.asarray(self._source.storage.wait(fut, "cannot read data", self._name, nbytes=nbytes))
+
+    def start_read_into(self, region: Region, out: np.ndarray) -> Callable[[], None]:
+        """Start reading a region straight into `out` (of the region's shape); the returned call waits."""
+        small = self._small_read(region)
+        if small is not None:
+            out[...] = small
+            return lambda: None
+        store = self._open()
+        try:
+            target = ts.array(out, copy=False)
+            fut = target.write(store[tuple(region)].translate_to[(0,) * len(region)])
+        except Exception as exc:
+            raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+        return lambda: self._source.storage.wait(fut, "cannot read data", self._name, nbytes=out.nbytes)
+
+    def scalar(self) -> Any:
+        value = self.read(())
+        return value.item() if value.shape == () else value
+
+    def stored_chunk(self, index: tuple[int, ...]) -> tuple[Storage, str, dict[str, Any], bool]:
+        """Where the stored chunk at grid position `index` lives: (storage, key, zarr metadata, zarr3),
+        for decoding its bytes as a stream (ckpt_tool/codecs.py) when it is too large to decode whole."""
+        return self._source.view, chunk_key(self._name, index, self._zarr3, self._zmeta), self._zmeta, self._zarr3
+
+
+def chunk_key(name: str, index: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]) -> str:
+    """The key of one chunk of an array's regular grid (as chunk_keys names them)."""
+    if zarr3:
+        enc = zmeta.get("chunk_key_encoding") or {}
+        default = enc.get("name", "default") == "default"
+        sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
+        if default:
+            return f"{name}/c" + "".join(sep + str(i) for i in index)
+        return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
+    sep = zmeta.get("dimension_separator") or "."
+    return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
+
+
+def chunk_keys(name: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]):
+    """Every chunk key of an array's regular chunk grid, with its grid index."""
+    grid = [range(-(-s // c)) if c else range(0) for s, c in zip(shape, chunk_shape)]
+    if zarr3:
+        enc = zmeta.get("chunk_key_encoding") or {}
+        default = enc.get("name", "default") == "default"
+        sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
+        for idx in itertools.product(*grid):
+            if default:
+                yield idx, f"{name}/c" + "".join(sep + str(i) for i in idx)
+            else:
+                yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
+    else:
+        sep = zmeta.get("dimension_separator") or "."
+        for idx in itertools.product(*grid):
+            yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
+
+
+class UnmergedRegionReader(ArrayReader):
+    """Reads an array whose chunks are spread over per-process OCDBT databases.
+
+    Each database is opened with the primary's zarr metadata assumed (only
+    process 0 writes it); each chunk is read from the database that lists it.
+    """
+
+    def __init__(self, sources: list[ArraySource], name: str, zarr3: bool, zmeta: dict[str, Any],
+                 shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> None:
+        self._sources = sources
+        self._name = name
+        self._zarr3 = zarr3
+        self._zmeta = zmeta
+        self._shape = shape
+        self._chunk_shape = chunk_shape
+        self._owner: dict[str, int] | None = None
+        self._stores: dict[int, ts.TensorStore] = {}
+        self._lock = threading.Lock()
+
+    def _owner_of(self) -> dict[str, int]:
+        with self._lock:
+            if self._owner is None:
+                owner: dict[str, int] = {}
+                for i, src in enumerate(self._sources):
+                    for key in src.view.list(self._name):
+                        owner.setdefault(key, i)
+                self._owner = owner
+            return self._owner
+
+    def _store(self, i: int) -> ts.TensorStore:
+        with self._lock:
+            if i not in self._stores:
+                spec = {
+                    "driver": "zarr3" if self._zarr3 else "zarr",
+                    "kvstore": self._sources[i].array_kvstore(self._name),
+                    "metadata": self._zmeta,
+                    "fill_missing_data_reads": False,
+                }
+                storage = self._sources[i].storage
+                try:
+                    # only the primary wrote .zarray: assume it for the other databases
+                    fut = ts.open(spec, open=True, read=True, assume_metadata=True, context=storage.read_context)
+                except Exception as exc:
+                    raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
+                self._stores[i] = storage.wait(fut, "cannot open array", self._name)
+            return self._stores[i]
+
+    def read(self, region: Region) -> np.ndarray:
+        region = region or tuple(slice(0, s) for s in self._shape)
+        want = tuple(r.stop - r.start for r in region)
+        out = np.empty(want, dtype=dtypes.numpy_dtype(zarr_dtype(self._zmeta, self._zarr3)))
+        owner = self._owner_of()
+        for idx, key in chunk_keys(self._name, self._shape, self._chunk_shape, self._zarr3, self._zmeta):
+            lo = [i * c for i, c in zip(idx, self._chunk_shape)]
+            hi = [min((i + 1) * c, s) for i, c, s in zip(idx, self._chunk_shape, self._shape)]
+            inter = [(max(l, r.start), min(h, r.stop)) for l, h, r in zip(lo, hi, region)]
+            if any(a >= b for a, b in inter):
+                continue
+            if key not in owner:
+                raise CkptError(f"chunk {list(idx)} is in no per-process database", f"{self._name}/{key}")
+            src = tuple(slice(a, b) for a, b in inter)
+            dst = tuple(slice(a - r.start, b - r.start) for (a, b), r in zip(inter, region))
+            try:
+                fut = self._store(owner[key])[src].read()
+            except CkptError:
+                raise
+            except Exception as exc:
+                raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
+            out[dst] = self._sources[owner[key]].storage.wait(fut, "cannot read data", self._name, nbytes=out[dst].nbytes)
+        return out
+
+    __call__ = read
+
+    def scalar(self) -> Any:
+        value = self.read(())
+        return value.item() if value.shape == () else value
+
+
+def zarr_dtype(zmeta: dict[str, Any], zarr3: bool) -> str:
+    return (dtypes.from_zarr3(zmeta["data_type"]) if zarr3 else dtypes.from_zarr2(zmeta["dtype"])).name
+
+
+# -- sharding and strings ------------------------------------------------------
+
+
+def read_shardings(storage: Storage, files: list[str]) -> dict[str, Sharding]:
+    if SHARDING not in files:
+        return {}
+    where = f"{storage.url}/{SHARDING}"
+    infos = schema.parse_sharding_file(read_json(storage, SHARDING), where)
+    return {name: sharding_model(info) for name, info in infos.items()}
+
+
+def sharding_model(info: schema.ShardingInfo) -> Sharding:
+    if info.kind == "single_device":
+        return Sharding("single_device", device=info.device)
+    return Sharding(
+        "named", mesh_shape=info.mesh_shape, axis_names=info.axis_names,
+        partition_spec=info.partition_spec, device_ids=info.device_ids,
+    )
+
+
+def parse_sharding(info: dict[str, Any], where: str) -> Sharding:
+    """A Sharding from one `_sharding` entry as orbax writes it."""
+    kind = str(info.get("sharding_type", "unknown"))
+    if kind == "NamedSharding":
+        try:
+            mesh_shape = tuple(int(x) for x in info["shape"])
+            axis_names = tuple(str(x) for x in info["axis_names"])
+            spec = tuple(
+                tuple(p) if isinstance(p, list) else p for p in info.get("partition_spec", [])
+            )
+            device_ids: tuple[int, ...] | None = None
+            mesh = (info.get("device_mesh") or {}).get("mesh")
+            if mesh is not None:
+                flat: list[int] = []
+
+                def walk(node: Any) -> None:
+                    if isinstance(node, list):
+                        for n in node:
+                            walk(n)
+                    elif isinstance(node, dict):
+                        flat.append(int(node["id"]))
+
+                walk(mesh)
+                device_ids = tuple(flat)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptMetadataError(f"bad NamedSharding entry: {exc}", where) from None
+        return Sharding("named", mesh_shape=mesh_shape, axis_names=axis_names, partition_spec=spec, device_ids=device_ids)
+    if kind == "SingleDeviceSharding":
+        return Sharding("single_device", device=info.get("device_str"))
+    return Sharding(kind)
+
+
+class StringsFile:
+    """`_strings.json` (or, in OCDBT saves, the same key inside the database), read once."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._values: dict[str, Any] | None = None
+
+    def get(self, name: str) -> Any:
+        if self._values is None:
+            self._values = (
+                schema.parse_strings(read_json(self._storage, STRINGS), f"{self._storage.url}/{STRINGS}")
+                if self._storage.exists(STRINGS) else {}
+            )
+        if name not in self._values:
+            raise NotFoundError(f"string {name!r} missing from {STRINGS}", self._storage.url)
+        return self._values[name]
+
+
+def read_json(storage: Storage, key: str) -> Any:
+    """A JSON metadata file, parsed with the schema layer's size and nesting bounds."""
+    where = f"{storage.url}/{key}"
+    if storage.local_root:  # a stat is free here: refuse a huge file before reading it
+        try:
+            size = storage.size(key)
+        except NotFoundError:
+            size = 0  # the read below says it is missing
+        if size > schema.MAX_JSON_BYTES:
+            raise CorruptMetadataError(f"{size:,} bytes, more than the {schema.MAX_JSON_BYTES:,} a metadata file may have", where)
+    return schema.load_json(storage.read(key), where)
+
+
+def json_leaves(storage: Storage, file: str, prefix: tuple[Key, ...], name: str) -> list[Leaf]:
+    """The leaves of a JSON item's file (Orbax's JSON handlers; orbax <= 0.4's `metadata` file),
+    named under `prefix`: the value as orbax's load returns it, flattened as every nested value is."""
+    data = read_json(storage, file)
+    leaves: list[Leaf] = []
+
+    def walk(value: Any, keys: tuple[Key, ...]) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, keys + (str(k),))
+        elif isinstance(value, list) and value:
+            for i, v in enumerate(value):
+                walk(v, keys + (i,))
+        else:
+            leaves.append(ValueLeaf(
+                keys=keys, name=".".join(str(k) for k in keys), value_type="json",
+                loader=lambda v=value: v, extra={"json_type": type(value).__name__},
+            ))
+
+    # a JSON item holding one scalar is one leaf named after the item, even as the unnamed `default`
+    walk(data, prefix or ((name,) if not isinstance(data, (dict, list)) or not data else ()))
+    return leaves
