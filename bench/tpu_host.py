@@ -14,7 +14,10 @@ first. Steps, each timed, into one table (OUT/table.txt, OUT/results.json):
   exit 1;
 - the floors: `cp -r && sync` of the source; reshard with 1, 2, 8, 13 and the
   default workers; orbax itself (restore onto the chip with the new
-  shardings, then save, in the process that already holds the chip);
+  shardings, then save and sync, in the process that already holds the chip);
+  every timed step starts after a `sync` (untimed) and ends durable (ckpt
+  fsyncs its output; cp and orbax's save are followed by `sync`), and the
+  table ends with issue 32's three ratios beside their targets;
 - reshard without --devices while another process holds the chip, and its
   start-up time.
 
@@ -210,10 +213,13 @@ def child_verify(plan: dict[str, Any]) -> dict[str, Any]:
     tree = ocp.PyTreeCheckpointer().restore(plan["source"], args=ocp.args.PyTreeRestore(restore_args=_nest(flat_args)))
     jax.block_until_ready(tree)
     restored = time.perf_counter() - t
+    os.sync()  # (untimed) nothing earlier left for the sync below
     t = time.perf_counter()
     ocp.PyTreeCheckpointer().save(plan["orbax_route_out"], args=ocp.args.PyTreeSave(tree))
-    results["orbax_route"] = {"restore_seconds": restored, "save_seconds": time.perf_counter() - t,
-                              "seconds": time.perf_counter() - t + restored}
+    # durable, as ckpt's outputs (fsynced before commit) and the cp -r && sync floor are
+    os.sync()
+    saved = time.perf_counter() - t
+    results["orbax_route"] = {"restore_seconds": restored, "save_seconds": saved, "seconds": saved + restored}
     del tree
     t = time.perf_counter()
     got = _host_bytes(_restore(plan["orbax_route_out"], one))
@@ -263,6 +269,7 @@ class Bench:
 
     def ckpt(self, step: str, *args: str, nbytes: int | None = None, env: dict[str, str] | None = None,
              expect: int = 0) -> dict[str, Any]:
+        os.sync()  # (untimed) the steps before leave no dirty pages for this one to flush
         t = time.perf_counter()
         # from the scratch folder: `-m` puts the working folder first on sys.path, and a checkout there would
         # shadow the ckpt tpu_host.sh installed
@@ -294,7 +301,27 @@ class Bench:
         return "\n".join(lines)
 
 
+def ratios(rows: list[dict[str, Any]]) -> str:
+    """Issue 32's three ratios from the table's rows, beside their targets."""
+    by = {r["step"]: r["seconds"] for r in rows if r["ok"]}
+
+    def find(prefix: str) -> float | None:
+        return next((s for step, s in by.items() if step.startswith(prefix)), None)
+
+    host, v8, v256 = find("reshard this host: "), find("reshard v5e-8"), find("reshard v5e-256")
+    dcp, floor, route = find("convert orbax -> DCP"), find("disk floor"), find("orbax route: ")
+    lines = ["ratio                                              measured  target"]
+    if v8 and v256:
+        lines.append(f"{'v5e-256 layout / v5e-8 layout (time)':<50} {v256 / v8:8.2f}x  <= 1.5x")
+    if dcp and floor:
+        lines.append(f"{'convert orbax -> DCP / cp -r && sync (time)':<50} {dcp / floor:8.2f}x  <= 1.5x")
+    if route and host:
+        lines.append(f"{'orbax route / ckpt reshard this host (time)':<50} {route / host:8.2f}x  >= 3x")
+    return "\n".join(lines)
+
+
 def _disk_floor(src: Path, dst: Path) -> float:
+    os.sync()  # (untimed) flush what the steps before wrote: `sync` below then waits for the copy alone
     t = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     subprocess.run(["sync"], check=True)
@@ -405,7 +432,7 @@ def main(out: Path) -> int:
         bench.row("orbax route: restore with new shardings + save", o["seconds"], nbytes,
                   note=f"restore {o['restore_seconds']:.2f} s, save {o['save_seconds']:.2f} s (chip already open)")
 
-    text = bench.table()
+    text = bench.table() + "\n\n" + ratios(bench.rows)
     (out / "table.txt").write_text(text + "\n")
     for r in bench.rows:
         r.pop("stdout", None)

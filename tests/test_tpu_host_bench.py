@@ -40,5 +40,8 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     assert {f"reshard this host, --workers {w}" for w in (1, 2, 8, 13, "default")} <= set(steps)
     assert "reshard while another process holds the chip" in steps
     table = (out / "table.txt").read_text()
-    assert table.splitlines()[0].split()[:2] == ["step", "seconds"] and len(table.splitlines()) == len(steps) + 1
+    rows, ratios = table.split("\n\n")
+    assert rows.splitlines()[0].split()[:2] == ["step", "seconds"] and len(rows.splitlines()) == len(steps) + 1
+    # issue 32's three ratios, each beside its target
+    assert [line.split()[-1] for line in ratios.splitlines()[1:]] == ["1.5x", "1.5x", "3x"]
     assert not (out / "work").exists()  # scratch removed after a clean run
