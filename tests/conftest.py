@@ -23,6 +23,27 @@ DCP_FIXTURES = [f["name"] for f in MANIFEST if f["format"] == "dcp"]
 ALL_FIXTURES = [f["name"] for f in MANIFEST]
 
 
+_SHARED_SCOPES = ("module", "package", "session")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's --dist loadgroup, the tests that use a module-, package- or
+    session-scoped fixture of their own module run on one worker: built once, not once per
+    worker that happens to receive one of them. Other tests, and those of a module marked
+    `spread` (its shared fixtures are per-worker services, cheap beside its tests), are
+    handed out one by one."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("spread"):
+            continue
+        module = item.module.__name__
+        if any(d.scope in _SHARED_SCOPES and d.func.__module__ == module
+               for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 def fixture_info(name: str) -> dict:
     return next(f for f in MANIFEST if f["name"] == name)
 
