@@ -28,19 +28,20 @@ _SHARED_SCOPES = ("module", "package", "session")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's --dist loadgroup, the tests that use a module-, package- or
-    session-scoped fixture of their own module run on one worker: built once, not once per
-    worker that happens to receive one of them. Other tests, and those of a module marked
-    `spread` (its shared fixtures are per-worker services, cheap beside its tests), are
-    handed out one by one."""
+    """Under pytest-xdist's --dist loadgroup, a module whose tests use a module-, package- or
+    session-scoped fixture of its own runs on one worker, which builds the fixture once (not
+    once per worker that receives one of its tests; a fixture reached through
+    request.getfixturevalue is not in any test's closure, hence the whole module). Other
+    modules' tests, and those of a module marked `spread` (its shared fixtures are per-worker
+    services, cheap beside its tests), are handed out one by one."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    for item in items:
-        if not isinstance(item, pytest.Function) or item.get_closest_marker("spread"):
-            continue
-        module = item.module.__name__
-        if any(d.scope in _SHARED_SCOPES and d.func.__module__ == module
-               for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds):
+    tests = [item for item in items if isinstance(item, pytest.Function) and not item.get_closest_marker("spread")]
+    shared = {item.module for item in tests
+              if any(d.scope in _SHARED_SCOPES and d.func.__module__ == item.module.__name__
+                     for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds)}
+    for item in tests:
+        if item.module in shared:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
