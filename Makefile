@@ -42,9 +42,9 @@ demo: $(DEMO_STAMP)
 	@bash fixtures/demo.sh $(CURDIR)/$(DEMO_VENV)/bin/ckpt
 
 # The test lanes spread the tests over TEST_JOBS pytest-xdist workers (auto: one per core).
-# --dist loadgroup: the tests of a module that share a module- or session-scoped fixture
-# run on one worker, which builds it once (tests/conftest.py groups them); other tests
-# are handed out one by one. Markers (pyproject.toml):
+# --dist loadfile: a test file runs whole on one worker, which builds its module-scoped
+# fixtures once; tests/conftest.py spreads the files listed in SPREAD_FILES test by test.
+# Markers (pyproject.toml):
 #   serial  a bound that other work on the machine moves (wall time, peak RSS, page-cache
 #           residency): left out of the parallel pass and run alone after it
 #   slow    seconds or more each (whole ckpt processes, servers, large inputs)
@@ -54,7 +54,7 @@ demo: $(DEMO_STAMP)
 # nor serial tests, in parallel. Extra pytest arguments: make check PYTEST_ARGS='-k dcp -x'
 TEST_JOBS ?= auto
 PYTEST_ARGS ?=
-XDIST := -n $(TEST_JOBS) --dist loadgroup
+XDIST := -n $(TEST_JOBS) --dist loadfile
 test: compile
 	@status=0; \
 	$(PY) -m pytest -q $(XDIST) -m "not serial" $(PYTEST_ARGS) || status=$$?; \

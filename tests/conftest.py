@@ -23,26 +23,27 @@ DCP_FIXTURES = [f["name"] for f in MANIFEST if f["format"] == "dcp"]
 ALL_FIXTURES = [f["name"] for f in MANIFEST]
 
 
-_SHARED_SCOPES = ("module", "package", "session")
+# test files whose tests xdist hands out one by one: their module-scoped fixtures are
+# per-worker services (test_fuzz's zygote and oracle process), cheap beside the tests
+SPREAD_FILES = {"tests/test_fuzz.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's --dist loadgroup, a module whose tests use a module-, package- or
-    session-scoped fixture of its own runs on one worker, which builds the fixture once (not
-    once per worker that receives one of its tests; a fixture reached through
-    request.getfixturevalue is not in any test's closure, hence the whole module). Other
-    modules' tests, and those of a module marked `spread` (its shared fixtures are per-worker
-    services, cheap beside its tests), are handed out one by one."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    tests = [item for item in items if isinstance(item, pytest.Function) and not item.get_closest_marker("spread")]
-    shared = {item.module for item in tests
-              if any(d.scope in _SHARED_SCOPES and d.func.__module__ == item.module.__name__
-                     for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds)}
-    for item in tests:
-        if item.module in shared:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - an xdist scheduler
+    """--dist loadfile, refined: each test file runs whole on one worker, which builds its
+    module-scoped fixtures once (whether a test names them or reaches them through
+    request.getfixturevalue), except the SPREAD_FILES, whose tests are spread one by one.
+    (xdist_group marks cannot do this: pytest 9 derives nodeid from Node._id, and xdist
+    3.8's --dist loadgroup still appends the group to Node._nodeid, so every group is lost.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD_FILES else path
+
+    return FileScheduling(config, log)
 
 
 def fixture_info(name: str) -> dict:
