@@ -28,6 +28,7 @@ ALL_FIXTURES = [f["name"] for f in MANIFEST]
 SPREAD_FILES = {"tests/test_fuzz.py"}
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - an xdist scheduler
     """--dist loadfile, refined: each test file runs whole on one worker, which builds its
     module-scoped fixtures once (whether a test names them or reaches them through
