@@ -10,7 +10,7 @@ DEMO_VENV := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install compile demo typecheck test bench fixtures fuzz clean
+.PHONY: install compile demo typecheck test check bench fixtures fuzz clean
 
 # compat mode puts the source on sys.path through a .pth file instead of an
 # import hook that costs every `ckpt` start ~20 ms; setuptools warns that the
@@ -46,8 +46,28 @@ demo: $(DEMO_STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# The test lanes spread the tests over TEST_JOBS pytest-xdist workers (auto: one per core).
+# --dist loadfile: a test file runs whole on one worker, which builds its module-scoped
+# fixtures once; tests/conftest.py spreads the files listed in SPREAD_FILES test by test.
+# Markers (pyproject.toml):
+#   serial  a bound that other work on the machine moves (wall time, peak RSS, page-cache
+#           residency): left out of the parallel pass and run alone after it
+#   slow    seconds or more each (whole ckpt processes, servers, large inputs)
+# `make test` (CI) runs every test: the parallel pass, then the serial one; both run
+# and either failing fails the target (a PYTEST_ARGS -k that selects no serial test is no failure).
+# `make check` is the edit loop's lane (under 2 minutes on 2 quiet cores): neither slow
+# nor serial tests, in parallel. Extra pytest arguments: make check PYTEST_ARGS='-k dcp -x'
+TEST_JOBS ?= auto
+PYTEST_ARGS ?=
+XDIST := -n $(TEST_JOBS) --dist loadfile
 test: compile typecheck
-	$(PY) -m pytest -q
+	@status=0; \
+	$(PY) -m pytest -q $(XDIST) -m "not serial" $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	exit $$status
+
+check: compile typecheck
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS)
 
 # matplotlib draws the scale bench's plots (bench/scale_bench.py): installed for `make bench` only, not for CI
 BENCH_STAMP := $(VENV)/.bench-installed

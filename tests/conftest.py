@@ -23,6 +23,30 @@ DCP_FIXTURES = [f["name"] for f in MANIFEST if f["format"] == "dcp"]
 ALL_FIXTURES = [f["name"] for f in MANIFEST]
 
 
+# test files whose tests xdist hands out one by one: their module-scoped fixtures are
+# per-worker services (test_fuzz's zygote and oracle process), cheap beside the tests
+SPREAD_FILES = {"tests/test_fuzz.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - an xdist scheduler
+    """--dist loadfile, refined: each test file runs whole on one worker, which builds its
+    module-scoped fixtures once (whether a test names them or reaches them through
+    request.getfixturevalue), except the SPREAD_FILES, whose tests are spread one by one.
+    (xdist_group marks cannot do this: pytest 9 derives nodeid from Node._id, and xdist
+    3.8's --dist loadgroup still appends the group to Node._nodeid, so every group is lost.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD_FILES else path
+
+    return FileScheduling(config, log)
+
+
 def fixture_info(name: str) -> dict:
     return next(f for f in MANIFEST if f["name"] == name)
 

@@ -37,6 +37,7 @@ def _usage_lines(command: str, message: str) -> list[str]:
 # -- exit code 0: ok ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_exit_0_ok():
     for args in (["inspect", ORBAX], ["validate", DCP], ["diff", ORBAX, ORBAX], ["--help"], ["--version"]):
         r = run_ckpt(*args)
@@ -47,6 +48,7 @@ def test_exit_0_ok():
 # -- exit code 1: the checkpoint has a problem, or a diff differs -------------------
 
 
+@pytest.mark.slow
 def test_exit_1_checkpoint_problem_one_line(tmp_path):
     r = run_ckpt("inspect", str(tmp_path / "nope"))
     assert r.returncode == 1 and r.stderr.splitlines() == [f"ckpt: error: {tmp_path / 'nope'}: no such directory"]
@@ -57,6 +59,7 @@ def test_exit_1_checkpoint_problem_one_line(tmp_path):
     assert r.returncode == 1 and "FAILED" in r.stdout and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_exit_1_diff_differs():
     r = run_ckpt("diff", ORBAX, DCP)
     assert r.returncode == 1 and r.stdout.rstrip().splitlines()[-1].startswith("different: ")
@@ -95,6 +98,7 @@ USAGE_ERRORS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", USAGE_ERRORS, ids=[" ".join(a[i] for i in (0, -2, -1)) for a, _ in USAGE_ERRORS])
 def test_exit_2_usage_error_in_one_style(tmp_path, args, message):
     (tmp_path / "bad.toml").write_text("rules = [[\"kernel$\", [1]]]\n")
@@ -122,6 +126,7 @@ STEP_NOT_FOUND = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, root, steps", STEP_NOT_FOUND, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in STEP_NOT_FOUND])
 def test_exit_1_a_step_the_root_does_not_have(tmp_path, args, root, steps):
     dst = tmp_path / "out"
@@ -137,6 +142,7 @@ def test_exit_1_a_step_the_root_does_not_have(tmp_path, args, root, steps):
         assert r.stdout == ""
 
 
+@pytest.mark.slow
 def test_unknown_dtype_names_the_floating_types():
     r = run_ckpt("convert", ORBAX, "/nonexistent/out", "--to", "dcp", "--dtype", "float77")
     assert r.returncode == 2
@@ -173,6 +179,7 @@ def _json_error(r: subprocess.CompletedProcess) -> dict:
     return doc["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["inspect", "validate", "diff", "convert", "reshard"])
 def test_json_error_not_a_checkpoint(tmp_path, command):
     nothing = tmp_path / "nothing"
@@ -189,6 +196,7 @@ def test_json_error_not_a_checkpoint(tmp_path, command):
     assert error["code"] == "unknown-format" and error["path"] == str(nothing), error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["convert", "reshard"])
 def test_json_error_destination_exists(tmp_path, command):
     dst = tmp_path / "out"
@@ -200,6 +208,7 @@ def test_json_error_destination_exists(tmp_path, command):
     assert (dst / "notes.txt").read_text() == "my notes"
 
 
+@pytest.mark.slow
 def test_json_error_missing_path_and_usage(tmp_path):
     error = _json_error(run_ckpt("inspect", str(tmp_path / "nope"), "--json"))
     assert error == {"code": "not-found", "message": f"{tmp_path / 'nope'}: no such directory", "path": str(tmp_path / "nope")}
@@ -210,6 +219,7 @@ def test_json_error_missing_path_and_usage(tmp_path):
         "code": "usage", "message": "Invalid value for '--depth': 'x' is not a valid integer range.", "path": None}
 
 
+@pytest.mark.slow
 def test_json_error_only_when_json_is_the_flag(tmp_path):
     # here --json is the value of --filter, not the flag: stdout stays empty
     r = run_ckpt("inspect", "--filter", "--json", str(tmp_path / "nope"))
@@ -251,6 +261,7 @@ def test_reshard_help_is_true_and_explains_rules():
     assert "TOML: rules = [[" in text and "docs/commands/reshard.md" in text
 
 
+@pytest.mark.slow
 def test_reshard_reads_what_its_help_says(tmp_path):
     for src in (LLAMA, str(fixture_path("flax_msgpack")), str(fixture_path("t5x"))):
         r = run_ckpt("reshard", src, str(tmp_path / os.path.basename(src)), "--mesh", "data=1", "--devices", "1")
@@ -270,6 +281,7 @@ def test_top_help_imports_neither_numpy_nor_tensorstore():
 # -- plurals, units, plain output ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plurals_agree_with_their_counts():
     r = run_ckpt("validate", str(fixture_path("t5x")))
     assert "checked 1 step," in r.stdout and "1 steps" not in r.stdout
@@ -281,6 +293,7 @@ def test_plurals_agree_with_their_counts():
     assert r.stdout.splitlines()[-1] == "ckpt validate dcp_single: 0 errors, 0 warnings".replace("dcp_single", DCP)
 
 
+@pytest.mark.slow
 def test_plural_reshard_summary(tmp_path):
     r = run_ckpt("reshard", str(fixture_path("t5x")), str(tmp_path / "out"), "--mesh", "data=1", "--devices", "1")
     assert r.returncode == 0 and "(1 device)" in r.stdout and "1 devices" not in r.stdout
@@ -307,6 +320,7 @@ def test_progress_bar_in_binary_units():
     assert "1.0 GiB / 3.0 GiB" in text and " GB" not in text
 
 
+@pytest.mark.slow
 def test_demo_output_plain_when_piped(tmp_path):
     # the demo script's own headers, with `echo` standing in for ckpt
     r = subprocess.run(["bash", str(ROOT / "fixtures" / "demo.sh"), "echo"], capture_output=True, text=True, timeout=60)

@@ -79,6 +79,7 @@ def test_manager_steps_listed():
     assert doc1["step"] == 1
 
 
+@pytest.mark.slow
 def test_missing_path_one_line_exit_1(tmp_path):
     r = run_ckpt("inspect", str(tmp_path / "nope"))
     assert r.returncode == 1
@@ -86,6 +87,7 @@ def test_missing_path_one_line_exit_1(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_unknown_layout(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     r = run_ckpt("inspect", str(tmp_path))
@@ -97,11 +99,13 @@ def test_unknown_layout(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_debug_shows_traceback(tmp_path):
     r = run_ckpt("inspect", str(tmp_path / "nope"), env={"CKPT_DEBUG": "1"})
     assert r.returncode == 1 and "Traceback" in r.stderr
 
 
+@pytest.mark.slow
 def test_usage_error_exit_2():
     r = run_ckpt("inspect")
     assert r.returncode == 2

@@ -39,6 +39,7 @@ def _json(*args: str) -> tuple[int, dict]:
 # -- count phrases --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_param_is_singular_in_the_dtype_rows():
     code, doc = _json("inspect", RUN_ROOT)
     assert code == 0
@@ -50,6 +51,7 @@ def test_one_param_is_singular_in_the_dtype_rows():
     assert not _ONE_PLURAL.search(r.stdout), _ONE_PLURAL.search(r.stdout)
 
 
+@pytest.mark.slow
 def test_diff_of_one_leaf_agrees_in_number():
     code, doc = _json("inspect", ORBAX)
     leaf = next(l for l in doc["leaves"] if l["kind"] == "array")
@@ -65,6 +67,7 @@ def test_diff_of_one_leaf_agrees_in_number():
     assert r.stdout.strip() == f"same: {len(doc['leaves'])} leaves (structure, shapes, dtypes) match"
 
 
+@pytest.mark.slow
 def test_no_one_plural_in_the_text_of_any_command(tmp_path):
     outputs = [
         run_ckpt("inspect", RUN_ROOT), run_ckpt("inspect", T5X), run_ckpt("validate", T5X),
@@ -82,6 +85,7 @@ def test_no_one_plural_in_the_text_of_any_command(tmp_path):
 # -- exact counts ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_parameters_show_the_exact_count_only_when_the_short_form_differs():
     code, doc = _json("inspect", ORBAX)
     n = doc["summary"]["parameters"]
@@ -98,6 +102,7 @@ def test_parameters_show_the_exact_count_only_when_the_short_form_differs():
 # -- --json: "ok" as the exit status says ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_commands_json_says_ok_on_success(tmp_path):
     runs = {
         "inspect": ("inspect", ORBAX),
@@ -117,6 +122,7 @@ def test_every_commands_json_says_ok_on_success(tmp_path):
         assert doc.get("ok") is True, (what, sorted(doc))
 
 
+@pytest.mark.slow
 def test_json_ok_is_false_where_the_exit_status_is_1(tmp_path):
     code, doc = _json("diff", ORBAX, T5X)
     assert code == 1 and doc["ok"] is False and doc["same"] is False
@@ -149,6 +155,7 @@ def _squeezed(text: str) -> str:
     return "".join(text.split())
 
 
+@pytest.mark.slow
 def test_every_help_renders_whole_at_80_columns(helps):
     for name, text in helps.items():
         for line in text.splitlines():
@@ -160,6 +167,7 @@ def test_every_help_renders_whole_at_80_columns(helps):
                 assert line.rstrip().endswith("."), (name, line)
 
 
+@pytest.mark.slow
 def test_every_help_names_every_format_it_reads_or_writes(helps):
     from ckpt_tool import formats
     from ckpt_tool.formats.roots import LAYOUTS

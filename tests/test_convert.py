@@ -179,6 +179,7 @@ def test_chunk_mb_caps_chunks(tmp_path):
     assert split > sum(l.chunk_count for l in ckpt_tool.open(str(fixture_path("orbax_ocdbt_zarr2"))).arrays())
 
 
+@pytest.mark.slow
 def test_existing_destination_refused_and_overwrite(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
@@ -189,6 +190,7 @@ def test_existing_destination_refused_and_overwrite(tmp_path):
     assert validate_checkpoint(str(dst)).ok()
 
 
+@pytest.mark.slow
 def test_unsupported_value_is_clear_error_and_no_dst(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
@@ -206,6 +208,7 @@ def test_unsupported_value_is_clear_error_and_no_dst(tmp_path):
     assert not [p for p in tmp_path.iterdir()]  # no temporary directory left behind
 
 
+@pytest.mark.slow
 def test_destination_inside_source_refused(tmp_path, copy_fixture):
     src = copy_fixture("orbax_ocdbt_zarr2")
     r = run_ckpt("convert", str(src), str(src / "inner"), "--to", "dcp")
@@ -237,6 +240,7 @@ ck = ocp.StandardCheckpointer(); ck.save({str(out)!r}, tree); ck.wait_until_fini
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["dcp", "orbax"])
 def test_sigkill_leaves_no_complete_output_and_source_untouched(big_orbax, tmp_path, to):
     before = _tree_hash(big_orbax)
@@ -272,6 +276,7 @@ def test_sigkill_leaves_no_complete_output_and_source_untouched(big_orbax, tmp_p
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to,name", [("dcp", "orbax_two_process"), ("orbax", "dcp_multirank")])
 def test_two_process_convert(tmp_path, to, name):
     dst = tmp_path / "out"
@@ -306,6 +311,7 @@ def test_two_process_convert(tmp_path, to, name):
             assert _equal(np.asarray(got[key]) if isinstance(want, np.ndarray) else got[key], want), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["orbax", "dcp"])
 def test_damaged_source_fails_in_one_line_and_leaves_nothing(tmp_path, copy_fixture, to):
     """A read failure midway (a truncated data file) aborts the writer and removes its output."""

@@ -67,6 +67,7 @@ def _at(tree: dict, path: str):  # noqa: ANN202 - a torch tensor
 # -- a Hugging Face model directory ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["dtype", "torch_dtype"])
 def test_a_cast_hf_export_loads_in_the_new_dtype(ckpt, tmp_path, field):
     import torch
@@ -101,6 +102,7 @@ def test_a_cast_hf_export_loads_in_the_new_dtype(ckpt, tmp_path, field):
     assert f"set config.json {field} to bfloat16 (was float32)" in lines
 
 
+@pytest.mark.slow
 def test_the_json_summary_names_the_config_fields(ckpt, tmp_path):
     src = tmp_path / "hf"
     _tiny_llama().save_pretrained(src)
@@ -127,6 +129,7 @@ def test_a_config_that_is_not_json_is_refused_before_anything_is_written(ckpt, t
 # -- training states -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torch_save_training_state_keeps_steps_and_integer_leaves(ckpt, tmp_path):
     """torch.save of a model, its Adam state after 10000 steps and leaves of every kind, to DCP."""
     import torch

@@ -407,6 +407,7 @@ def _corpus(rng: random.Random) -> list[tuple[str, str, Callable[[Path], None]]]
     return corpus
 
 
+@pytest.mark.slow
 def test_archive_mutants_validate_only_what_torch_loads(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     corpus = _corpus(rng)
@@ -425,6 +426,7 @@ def test_archive_mutants_validate_only_what_torch_loads(tmp_path: Path) -> None:
     assert outcomes.get("pass", 0) >= 1, outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dcp_single", "dcp_multirank"])
 def test_metadata_mutants_validate_only_what_torch_loads(tmp_path: Path, name: str) -> None:
     failed = 0
@@ -479,6 +481,7 @@ def ckpt_cli(*args: str) -> tuple[int, str, str, int]:
         return proc.returncode, out.read().decode(), err.read().decode(), peak_kb // 1024
 
 
+@pytest.mark.slow
 def test_metadata_of_none_is_an_error_in_every_output_format(tmp_path: Path) -> None:
     root = _mutated(tmp_path, "metadata is None")
     code, out, err, _ = ckpt_cli("validate", os.fspath(root))
@@ -502,6 +505,7 @@ def test_zero_length_entry_fails_shallow_validate(tmp_path: Path, kind: str) -> 
         torch_values(root)
 
 
+@pytest.mark.serial
 def test_memo_bomb_is_refused_before_allocating(tmp_path: Path) -> None:
     root = copy_fixture("dcp_single", tmp_path, "bomb")
     bomb = b"\x80\x04N" + b"r" + (1 << 28).to_bytes(4, "little") + b"."  # LONG_BINPUT 2**28
@@ -548,6 +552,7 @@ def test_pickle_vm_limits_leave_real_metadata_alone() -> None:
         assert isinstance(safe_pickle.load_metadata(data, name), safe_pickle.Metadata)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("label", ["tensor shape 2**62 x 2**62", "tensor claiming 8 TB"])
 def test_shapes_claiming_more_than_is_stored(tmp_path: Path, label: str) -> None:
     import ckpt_tool

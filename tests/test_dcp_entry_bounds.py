@@ -178,6 +178,7 @@ def test_an_offset_moved_onto_another_item_of_another_size_is_refused(tmp_path):
     assert not oracle_check("dcp", str(root))["library_ok"]
 
 
+@pytest.mark.slow
 def test_the_cli_exits_1_with_one_line_naming_item_and_file(tmp_path):
     root = F.copy_fixture("dcp_multirank", tmp_path / "dcp_multirank")
     fqn = _first_of_each_kind("dcp_multirank")[0]
@@ -284,6 +285,7 @@ def test_ckpt_writer_output_with_aligned_gaps_passes_strict(tmp_path):
 # ---------------------------------------------------------------------------
 # remote storage: the same checks through S3 (reads issued concurrently)
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_over_s3_a_cut_entry_is_refused_and_good_ones_pass(tmp_path):
     pytest.importorskip("moto")
     bad_zip = F.copy_fixture("dcp_multirank", tmp_path / "bad_zip")

@@ -198,6 +198,7 @@ def _open(path: Path):
 
 
 # -- metadata ------------------------------------------------------------------
+@pytest.mark.slow
 def test_detected_and_opened_through_the_registry(ckpt_path):
     storage = Storage.open(str(ckpt_path))
     assert formats.detect(storage) is dcp_reader
@@ -628,6 +629,7 @@ def fuzz_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6))
 def test_fuzz_mutated_metadata_through_the_reader(fuzz_dir, edits):

@@ -533,6 +533,7 @@ def _set_transforms(path: Path, descriptors: list[str]) -> None:
         pickle.dump(md, f, protocol=4)
 
 
+@pytest.mark.slow
 def test_unknown_transform_is_a_clear_error_everywhere(copy_fixture, tmp_path):
     path = copy_fixture("dcp_zstd")
     _set_transforms(path, ["stream.rot13/1"])

@@ -140,6 +140,7 @@ def test_bf16_training_gives_fp32_master_weights_and_zero_to_fp32s_dtypes(name):
     assert ck["scale"].dtype == "float32" and ck["scale"].read().dtype == np.float32
 
 
+@pytest.mark.slow
 def test_dtype_bfloat16_export_is_torchs_cast_of_zero_to_fp32(tmp_path):
     """zero_to_fp32's `convert_zero_checkpoint_to_state_dict(dtype=torch.bfloat16)` casts each floating
     tensor with `.to(torch.bfloat16)` and keeps integer buffers: the same values, read by safe_open."""
@@ -440,6 +441,7 @@ def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
     assert_read_without_torch_or_deepspeed(FIXTURES / "deepspeed_z2_bf16", FIXTURES / "deepspeed_z3_fp32" / "global_step2")
 
 
+@pytest.mark.serial
 def test_a_parameter_larger_than_memory_streams_in_bands(tmp_path):
     """A 48 MiB parameter of an (imitated) stage-3 checkpoint, its elements split over 2 ranks'
     partitions: converted and deep-validated under --memory 16MiB, the peak stays far below it

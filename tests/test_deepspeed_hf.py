@@ -18,7 +18,7 @@ import pytest
 from conftest import FIXTURES, run_ckpt
 
 NAME = "deepspeed_z3_hf_llama"
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
 
 def zero_to_fp32() -> dict[str, np.ndarray]:

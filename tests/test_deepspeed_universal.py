@@ -45,6 +45,7 @@ def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STAGES))
 def test_every_file_is_what_ds_to_universal_wrote(tmp_path, name):
     out = tmp_path / "uc"
@@ -58,6 +59,7 @@ def test_every_file_is_what_ds_to_universal_wrote(tmp_path, name):
     assert got["latest_universal"] == b"global_step2_universal"
 
 
+@pytest.mark.slow
 def test_a_step_directory_converts_the_same_and_the_tag_is_its_name(tmp_path):
     out = tmp_path / "uc"
     assert run("convert", FIXTURES / "deepspeed_z2_bf16" / "global_step2", out, "--to", "deepspeed-universal").returncode == 0
@@ -113,6 +115,7 @@ def test_deepspeed_loads_ckpts_output_as_ds_to_universals(tmp_path, name):
 # refusals: one line, nothing written
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, args, part", [
     ("safetensors_numpy", [], "written from DeepSpeed ZeRO checkpoints only"),
     ("deepspeed_universal_z2_fp32", [], "written from DeepSpeed ZeRO checkpoints only"),
@@ -127,6 +130,7 @@ def test_what_a_universal_checkpoint_cannot_be_made_from_is_refused(tmp_path, so
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_merge_rules_the_writer_does_not_apply_are_refused_by_name(tmp_path):
     """A model-states file recording tensor-parallel merge patterns (Megatron-DeepSpeed's): ds_to_universal
     applies them (vocabulary padding stripped, ...); ckpt refuses rather than write other files."""
@@ -149,6 +153,7 @@ def test_merge_rules_the_writer_does_not_apply_are_refused_by_name(tmp_path):
 # streamed: a parameter larger than --memory goes into its file in bands
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.serial
 def test_a_parameter_larger_than_memory_is_streamed_into_its_file(tmp_path):
     """A 48 MiB parameter of an imitated stage-3 checkpoint (tests/test_deepspeed.py's imitate: the
     layout DeepSpeed's state_dict writes), converted under --memory 16MiB: the peak stays far below
@@ -189,6 +194,7 @@ def test_inspect_and_validate_import_neither_torch_nor_deepspeed():
                                            FIXTURES / "deepspeed_universal_z3_fp32" / "global_step2_universal")
 
 
+@pytest.mark.slow
 def test_the_tree_and_header(tmp_path):
     r = run("inspect", "--json", FIXTURES / "deepspeed_universal_z3_bf16")
     doc = json.loads(r.stdout)
@@ -202,6 +208,7 @@ def test_the_tree_and_header(tmp_path):
     assert "DeepSpeed universal (global_step2_universal, from ZeRO-3 on 2 data-parallel ranks)" in text
 
 
+@pytest.mark.slow
 def test_a_zero_root_holding_latest_universal_reads_as_the_zero_checkpoint(tmp_path):
     root = tmp_path / "run"
     shutil.copytree(FIXTURES / "deepspeed_z2_fp32", root)
@@ -212,6 +219,7 @@ def test_a_zero_root_holding_latest_universal_reads_as_the_zero_checkpoint(tmp_p
     assert doc["format"] == "deepspeed-universal"
 
 
+@pytest.mark.slow
 def test_a_trained_parameters_missing_state_is_named(tmp_path):
     root = tmp_path / "uc"
     shutil.copytree(FIXTURES / "deepspeed_universal_z1_fp32", root)
@@ -258,6 +266,7 @@ def test_zero3_sub_groups_read_their_own_adam_state_as_deepspeed_gathers_it():
     assert [g["params"] for g in groups["optimizer.param_groups"].load()] == [g["params"] for g in ref["param_groups"]]
 
 
+@pytest.mark.slow
 def test_validate_counts_each_file_once():
     """validate's "checked N files": the step's model-states, optimizer_state.pt and parameter files, once each."""
     step = FIXTURES / "deepspeed_universal_z3_bf16_uneven" / "global_step2_universal"
@@ -266,6 +275,7 @@ def test_validate_counts_each_file_once():
     assert json.loads(r.stdout)["checked"]["files"] == len([p for p in step.rglob("*") if p.is_file()]) == 92
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_group", [False, True])
 def test_zero3_sub_groups_partitioned_over_other_ranks_are_refused(tmp_path, expert_group):
     """AutoEP's ZeRO-3 layout records per sub-group the ranks it is partitioned over

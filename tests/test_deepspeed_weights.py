@@ -75,6 +75,7 @@ def test_fp32_is_the_default(name):
     assert {leaf.dtype for leaf in fp32 if leaf.extra.get("kind") == "parameter"} == {"float32"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STAGE3)
 def test_stage3_module_weights_are_refused_in_one_line(name):
     """DeepSpeed's stage-3 model states hold 0-element placeholders of every parameter (the
@@ -90,6 +91,7 @@ def test_stage3_module_weights_are_refused_in_one_line(name):
         assert "placeholders" in r.stderr and "--weights fp32" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_convert_module_weights_to_safetensors(tmp_path):
     from safetensors.torch import load_file
 
@@ -107,6 +109,7 @@ def test_convert_module_weights_to_safetensors(tmp_path):
         assert tensor.numpy().tobytes() == recorded(t).tobytes(), t["name"]
 
 
+@pytest.mark.slow
 def test_validate_and_diff_take_it():
     path = str(FIXTURES / "deepspeed_z1_bf16_dp4")
     r = run_ckpt("validate", path, "--weights", "module", "--deep", "--strict")
@@ -128,6 +131,7 @@ def test_other_formats_refuse_it_by_name(command, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_universal_output_refuses_module_weights(tmp_path):
     r = run_ckpt("convert", str(FIXTURES / "deepspeed_z1_bf16"), str(tmp_path / "uc"), "--to", "deepspeed-universal",
                  "--weights", "module")

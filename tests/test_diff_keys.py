@@ -65,6 +65,7 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_the_readers_split_the_fqns_differently(saves):
     # the premise: were the keys alike, there would be nothing to match
     a = {tuple(l["keys"]) for l in json.loads(run("inspect", saves / "full.pt", "--json").stdout)["leaves"]}
@@ -72,6 +73,7 @@ def test_the_readers_split_the_fqns_differently(saves):
     assert ("model", "0", "weight") in a and ("model", "0.weight") in b
 
 
+@pytest.mark.slow
 def test_torch_save_and_dcp_of_one_state_dict_diff_the_same(saves):
     r = run("diff", saves / "full.pt", saves / "dcp", "--values")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -107,11 +109,13 @@ def test_filter_matches_either_sides_spelling(saves, pattern):
     assert report["same"] and report["compared"] in (2, 3) and not report["differences"]
 
 
+@pytest.mark.slow
 def test_a_filter_matching_nothing_is_still_an_error(saves):
     r = run("diff", saves / "full.pt", saves / "dcp", "--filter", "model/9/**")
     assert r.returncode == 1 and "matches none" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_bin_and_its_save_pretrained_safetensors_diff_the_same(tmp_path):
     """transformers' .bin keeps the tied lm_head.weight (one storage with the embedding);
     save_pretrained's safetensors stores it once."""
@@ -135,6 +139,7 @@ def test_a_bin_and_its_save_pretrained_safetensors_diff_the_same(tmp_path):
     assert [d["path"] for d in json.loads(r.stdout)["differences"]] == ["model/embed_tokens/weight"]
 
 
+@pytest.mark.slow
 def test_an_untied_leaf_only_on_one_side_is_still_a_difference(saves, tmp_path):
     sd = torch.load(saves / "full.pt")
     sd["model"]["extra"] = sd["model"]["0.weight"].clone()  # its own storage: not the same tensor
@@ -168,6 +173,7 @@ def _on_a_terminal(args: list[str]) -> str:
     return out.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_diff_values_shows_progress_on_a_terminal(saves):
     raw = _on_a_terminal(["diff", str(saves / "full.pt"), str(saves / "dcp"), "--values"])
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)  # the terminal's colours and cursor moves

@@ -22,6 +22,9 @@ import pytest
 import ckpt_tool
 from conftest import FIXTURES
 
+# real tmpfs mounts and a wall-time bound: alone, in make test's serial pass
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
 
 

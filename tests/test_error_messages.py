@@ -118,6 +118,7 @@ def test_unreadable_distcp_only_that_file(tmp_path):
 INSIDE = [(i.path, _a(formats.get(i.format).title), i.directory) for i in C.CATALOGUE.inside]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["inspect", "validate"])
 @pytest.mark.parametrize("rel, kind, directory", INSIDE, ids=[i[0] for i in INSIDE])
 def test_file_inside_a_checkpoint_names_its_directory(command, rel, kind, directory):
@@ -131,6 +132,7 @@ def test_file_inside_a_checkpoint_names_its_directory(command, rel, kind, direct
     assert ckpt(command, str(FIXTURES / directory)).returncode == 0
 
 
+@pytest.mark.slow
 def test_file_inside_a_checkpoint_relative_path():
     r = ckpt("inspect", "fixtures/dcp_multirank/.metadata")
     assert one_line(r) == (
@@ -174,6 +176,7 @@ def other_files(tmp_path_factory):
 
 
 # (torch.save files, zip or legacy, are the torch.save format's: tests/test_torch_save.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["array", "arrays", "compressed", "archive", "pickled"])
 @pytest.mark.parametrize("command", ["inspect", "validate"])
 def test_other_format_file_says_what_it_is(other_files, name, command):
@@ -222,6 +225,7 @@ def test_https_url_is_shown_whole(tmp_path, args):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_https_url_of_a_bucket_suggests_its_scheme():
     url = "https://storage.googleapis.com/my-bucket/runs/7/model.safetensors"
     assert one_line(ckpt("inspect", url)).endswith("; for this bucket use gs://my-bucket/runs/7/model.safetensors")
@@ -250,6 +254,7 @@ def truncated_ocdbt(tmp_path):
     return root, data, need
 
 
+@pytest.mark.slow
 def test_truncated_ocdbt_data_file_is_worded_as_validate_words_it(truncated_ocdbt):
     root, data, need = truncated_ocdbt
     wording = f"OCDBT data file has 100 bytes but the database needs {need}"

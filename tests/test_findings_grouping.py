@@ -74,6 +74,7 @@ def _errors(findings: list[dict]) -> list[dict]:
     return [f for f in findings if f["severity"] == "error"]
 
 
+@pytest.mark.slow
 def test_truncated_orbax_data_file_is_one_finding_with_its_leaves(orbax_sharded, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(orbax_sharded, ckpt_dir)
@@ -98,6 +99,7 @@ def test_truncated_orbax_data_file_is_one_finding_with_its_leaves(orbax_sharded,
     assert f"({len(hurt)} leaves affected: " in lines[0] and lines[0].endswith(rel)
 
 
+@pytest.mark.slow
 def test_unreadable_orbax_data_file_is_one_unreadable_file_finding(orbax_sharded, tmp_path):
     prefix = without_read_override()
     ckpt_dir = tmp_path / "ckpt"
@@ -126,6 +128,7 @@ def _leaves_in(ckpt_dir: Path, file: str) -> set[str]:
     return {index.fqn for index, info in meta.storage_data.items() if info.relative_path == file}
 
 
+@pytest.mark.slow
 def test_unreadable_distcp_is_one_unreadable_file_finding_with_every_leaf(tmp_path):
     prefix = without_read_override()
     ckpt_dir = tmp_path / "dcp"

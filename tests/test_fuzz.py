@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import fuzz_lib as F
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"), pytest.mark.slow]
 
 # (fixture, kind) groups: every metadata and data file kind of every fuzzed fixture
 GROUPS = [(s.name, k) for s in F.FIXTURE_SPECS for k in sorted(F.fixture_targets(F.FIXTURES / s.name))]

@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_a_model_directory_brings_its_files(tmp_path):
     r = run("convert", BIN_SET, tmp_path / "out", "--to", "safetensors", "--json")
     assert r.returncode == 0, r.stderr
@@ -51,6 +52,7 @@ def test_a_model_directory_brings_its_files(tmp_path):
     assert r.returncode == 0 and "config.json" not in os.listdir(tmp_path / "dcp")
 
 
+@pytest.mark.slow
 def test_like_a_tied_reference_drops_the_stored_output_embedding_and_loads(reference, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -77,6 +79,7 @@ def test_like_a_tied_reference_drops_the_stored_output_embedding_and_loads(refer
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.slow
 def test_every_difference_is_listed_and_nothing_written(reference, tmp_path):
     r = run("convert", BIN_SET, tmp_path / "out", "--to", "safetensors", "--like", reference,
             "--rename", r"model/norm/=model/final_norm/", "--dtype", "bfloat16")
@@ -99,6 +102,7 @@ def test_every_difference_is_listed_and_nothing_written(reference, tmp_path):
     assert r.returncode == 0 and "differs from --like model.final_norm.weight" in r.stdout
 
 
+@pytest.mark.slow
 def test_like_is_for_a_hugging_face_target(reference, tmp_path):
     r = run("convert", BIN_SET, tmp_path / "out", "--to", "dcp", "--like", reference)
     assert r.returncode == 2 and "--like makes a Hugging Face model directory: use it with --to safetensors" in r.stderr
@@ -111,6 +115,7 @@ def test_like_is_for_a_hugging_face_target(reference, tmp_path):
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_unstack_rename_and_like_make_an_export_from_stacked_layers(reference, tmp_path):
     """A Megatron-shaped stack of the reference's own tensors (layers stacked on axis 0, other names),
     unstacked and renamed into the reference's names: --like passes and the values are the layers'."""

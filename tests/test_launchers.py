@@ -220,6 +220,7 @@ def check_reshard(dst: Path, runs: list[dict]) -> None:
 # -- torchrun ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to,n", [("orbax", 2), ("dcp", 4)])
 def test_torchrun_convert_without_jax(tmp_path, child_env, to, n):
     env, record = child_env("jax,jaxlib,orbax")
@@ -229,6 +230,7 @@ def test_torchrun_convert_without_jax(tmp_path, child_env, to, n):
     assert_route(record, n, "torch")
 
 
+@pytest.mark.slow
 def test_torchrun_reshard_without_jax(tmp_path, child_env):
     env, record = child_env("jax,jaxlib,orbax")
     dst = tmp_path / "out"
@@ -240,6 +242,7 @@ def test_torchrun_reshard_without_jax(tmp_path, child_env):
 # -- Slurm ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to,n,nodelist", [("orbax", 4, "127.0.0.[1-4]"), ("dcp", 2, "localhost")])
 def test_slurm_convert_without_jax(tmp_path, child_env, to, n, nodelist):
     env, record = child_env("jax,jaxlib,orbax")
@@ -249,6 +252,7 @@ def test_slurm_convert_without_jax(tmp_path, child_env, to, n, nodelist):
     assert_route(record, n, "torch")
 
 
+@pytest.mark.slow
 def test_slurm_reshard_four_tasks(tmp_path, child_env):
     env, record = child_env("jax,jaxlib,orbax")
     dst = tmp_path / "out"
@@ -257,6 +261,7 @@ def test_slurm_reshard_four_tasks(tmp_path, child_env):
     assert_route(record, 4, "torch")
 
 
+@pytest.mark.slow
 def test_slurm_without_torch_coordinates_through_jax(tmp_path, child_env):
     """No torch importable: the same step meets through jax.distributed; the DCP output still loads in torch."""
     env, record = child_env("torch")
@@ -311,6 +316,7 @@ def test_half_set_environment_is_one_line(tmp_path, ckpt, monkeypatch):
         assert not dst.exists()
 
 
+@pytest.mark.serial
 def test_unreachable_coordinator_is_one_line_within_the_deadline(tmp_path):
     dst = tmp_path / "out"
     port = free_port()  # nothing listens there
@@ -350,6 +356,7 @@ def torchrun_env(rank: int, world: int, port: int, **extra: str) -> dict[str, st
                         "MASTER_PORT": str(port), "CKPT_JOIN_TIMEOUT": "60", **extra})
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_fails_on_every_process(tmp_path):
     port = free_port()
     args = ["-m", "ckpt_tool", *convert_args("dcp", tmp_path / "out")]
@@ -362,6 +369,7 @@ def test_world_size_mismatch_fails_on_every_process(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_others_with_its_message(tmp_path):
     """Process 0 cannot open its SRC: process 1 stops at its next barrier, naming why, instead of waiting."""
     port = free_port()
@@ -388,6 +396,7 @@ except LaunchError as exc:
 '''
 
 
+@pytest.mark.slow
 def test_barriers_out_of_step_fail_instead_of_pairing_up():
     port = free_port()
     results = spawn([["-c", BARRIER_SCRIPT, "written"], ["-c", BARRIER_SCRIPT, "done"]],

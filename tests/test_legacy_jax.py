@@ -469,6 +469,7 @@ def fuzz_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzz")
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     which=st.sampled_from(["flax_to_bytes/state.msgpack", "flax_chunked/state.msgpack", "t5x/checkpoint_1/checkpoint"]),

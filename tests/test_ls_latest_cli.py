@@ -98,6 +98,7 @@ def test_not_a_run_root_one_line(ckpt):
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "not-found"
 
 
+@pytest.mark.slow
 def test_launcher_script(tmp_path):
     """docs/commands/latest.md's shell recipe: resume from what `ckpt latest` prints, start fresh when it exits 1."""
     import subprocess
@@ -130,6 +131,7 @@ def s3_env():
         yield env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", S3_ROOTS)
 def test_ls_and_latest_on_s3_equal_local(s3_env, name):
     url = f"s3://{BUCKET}/run/{name}"
@@ -147,6 +149,7 @@ def test_ls_and_latest_on_s3_equal_local(s3_env, name):
     assert r.returncode == 0 and r.stdout == f"{url}/{want}", r.stderr
 
 
+@pytest.mark.slow
 def test_diff_across_steps_on_s3(s3_env):
     url = f"s3://{BUCKET}/run/runs_torchtitan"
     r = run_ckpt("diff", url, "--step-a", "30", "--step-b", "latest", "--values", env=s3_env)
@@ -158,6 +161,7 @@ def test_diff_across_steps_on_s3(s3_env):
 from test_orbax_versions import gcs  # noqa: E402,F401 - the GCS emulator fixture (module scope)
 
 
+@pytest.mark.slow
 def test_orbax_root_on_gcs_follows_the_gs_commit_rule(gcs):  # noqa: F811
     env, upload = gcs
     src = fixture_path("orbax_v0_9") / "manager_plain"  # orbax 0.9: commit timestamps, no commit_success.txt

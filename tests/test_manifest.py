@@ -410,6 +410,7 @@ def test_megatron_reads_ckpts_manifest_keys(tmp_path, ckpt):
 # S3: the manifest written to and verified on a real S3-compatible server
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_manifest_on_s3(tmp_path):
     bucket = "ckpt-manifest"
     with moto_s3_serving(bucket, ["dcp_single", "orbax_plain_zarr2"]) as env:
@@ -476,6 +477,7 @@ def test_bench_summary_rows():
     assert verify["met"] is None and verify["ratio"] is None and "manifest verify said" in verify["error"]
 
 
+@pytest.mark.slow
 def test_json_errors_of_the_subcommands(tmp_path):
     """With --json, a hard error is also one JSON object on stdout, as for every command."""
     r = run_ckpt("manifest", "verify", str(fixture_path("dcp_single")), "--json")

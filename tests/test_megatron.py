@@ -410,6 +410,7 @@ def test_nemo_weights_and_context_values():
     assert not any(leaf.keys[:2] == ("context", "io") for leaf in ck.leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("yaml_text, says", [
     ("!!python/object/apply:os.system ['touch {canary}']\n", "safe_load"),
     ("a: &a [1, 2]\n" + "".join(f"l{i}: &l{i} [*{'a' if i == 0 else f'l{i - 1}'}, *{'a' if i == 0 else f'l{i - 1}'}]\n"

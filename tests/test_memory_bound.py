@@ -27,6 +27,9 @@ from ckpt_tool.cli.main import cli
 
 from conftest import ROOT
 
+# peak RSS within the budget and a 16 MiB slack: alone, in make test's serial pass
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
 MIB = 2**20
 MEMORY = 16 * MIB
 # what a command may hold beyond the budget, over an inspect of the same checkpoint

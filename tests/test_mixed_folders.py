@@ -74,6 +74,7 @@ def _loose_bin(root: Path) -> str:
     return "pytorch_model.bin"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loose", [_loose_pt, _loose_safetensors, _loose_bin], ids=["pt", "safetensors", "bin"])
 def test_a_loose_file_beside_checkpoint_folders_is_one_of_several(tmp_path, loose):
     root = _checkpoint_folders(tmp_path / "checkpoints")

@@ -75,6 +75,7 @@ def _ckpt_json(args: list[str], env: dict[str, str]) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_two_process", "orbax_v0_4_ocdbt",
                                   "orbax_v0_11/standard", "orbax_v0_11/manager", "orbax_manager"])
 def test_fixtures_read_the_same_through_the_walk(name):

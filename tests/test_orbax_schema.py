@@ -211,6 +211,7 @@ def _restorable_on_8_devices(path) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_mutants_never_internal_error_and_ok_means_orbax_restores(tmp_path):
     mutants = corpus(tmp_path, KINDS)
     passed = []
@@ -233,6 +234,7 @@ def test_mutants_never_internal_error_and_ok_means_orbax_restores(tmp_path):
     assert not bad, f"{len(bad)} of {len(passed)} mutants validate OK but orbax or ckpt disagree:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_validate_only_mutants_never_internal_error(tmp_path):
     for path, what in corpus(tmp_path, VALIDATE_ONLY):
         validate_checkpoint(str(path), deep=True)  # no exception: findings only

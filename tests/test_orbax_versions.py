@@ -360,6 +360,7 @@ def _validate_gs(env: dict, url: str, *extra: str) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", WITH_STEP_METADATA)
 def test_gcs_copy_without_marker_is_committed_with_a_warning(gcs, family):
     """A 0.9 / 0.11 save copied to gs:// from a disk: committed by its timestamp; orbax needs the marker there."""
@@ -381,6 +382,7 @@ def test_gcs_copy_without_marker_is_committed_with_a_warning(gcs, family):
     assert doc["leaves"] == local["leaves"] and local["notes"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gcs_save_with_marker_passes_strict(gcs, family):
     """Written on gs:// by its version: every version puts commit_success.txt there."""
@@ -390,6 +392,7 @@ def test_gcs_save_with_marker_passes_strict(gcs, family):
     assert code == 0 and out["findings"] == [], out
 
 
+@pytest.mark.slow
 def test_gcs_rules_for_unfinished_saves(gcs):
     env, upload = gcs
     # orbax 0.5 on gs://: no step metadata, so the marker is the only commit record

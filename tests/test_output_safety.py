@@ -77,6 +77,7 @@ def _temps(parent: Path) -> list[Path]:
 # -- --overwrite replaces only a checkpoint or an empty directory ---------------------
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_a_directory_of_notes_and_a_script(tmp_path):
     dst = _project(tmp_path / "work")
     before = _snapshot(dst)
@@ -90,6 +91,7 @@ def test_overwrite_refuses_a_directory_of_notes_and_a_script(tmp_path):
     assert _temps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_a_regular_file(tmp_path):
     dst = tmp_path / "train.py"
     dst.write_text("import torch\nprint('my training script')\n")
@@ -100,6 +102,7 @@ def test_overwrite_refuses_a_regular_file(tmp_path):
     assert _temps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_the_working_directory(tmp_path):
     project = _project(tmp_path / "project")
     before = _snapshot(project)
@@ -112,6 +115,7 @@ def test_overwrite_refuses_the_working_directory(tmp_path):
     assert _snapshot(project) == before
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_the_home_directory(tmp_path):
     home = _project(tmp_path / "home")
     (home / ".bashrc").write_text("export PATH=$PATH\n")
@@ -123,6 +127,7 @@ def test_overwrite_refuses_the_home_directory(tmp_path):
     assert _snapshot(home) == before
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_an_ancestor_of_the_source(tmp_path):
     project = _project(tmp_path / "project")
     shutil.copytree(SRC, project / "ckpt")
@@ -144,6 +149,7 @@ def test_overwrite_refuses_a_version_controlled_checkpoint_directory(tmp_path):
     assert _snapshot(clone) == before
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_checkpoint_ckpt_wrote(tmp_path):
     dst = tmp_path / "out"
     assert run_ckpt("convert", SRC, str(dst), "--to", "orbax").returncode == 0
@@ -157,6 +163,7 @@ def test_overwrite_replaces_a_checkpoint_ckpt_wrote(tmp_path):
     assert not (dst / OWNER).exists()
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_an_empty_directory(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
@@ -219,6 +226,7 @@ def _killed_convert(src: Path, dst: Path) -> tuple[Path, int]:
     return temp, proc.pid
 
 
+@pytest.mark.slow
 def test_sigkilled_convert_is_listed_by_validate_and_removed_by_the_next_run(tmp_path, big_safetensors):
     run = tmp_path / "run"
     assert run_ckpt("convert", SRC, str(run / "5"), "--to", "orbax").returncode == 0  # a run root of steps
@@ -266,6 +274,7 @@ def _owner(pid: int, pid_start: int | None, host: str | None = None, started: fl
             "pid_start": pid_start, "boot_id": boot, "machine_id": machine, "started": started or time.time()}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_temporary_whose_owner_runs_makes_the_run_refuse(tmp_path):
     me = os.getpid()
@@ -281,6 +290,7 @@ def test_a_temporary_whose_owner_runs_makes_the_run_refuse(tmp_path):
     assert not [f for f in report.findings if f.code == "stale-temporary"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_reused_pid_is_not_the_owner(tmp_path):
     """The owner's pid runs again, but started at another time: another process; its temporary goes."""
@@ -293,6 +303,7 @@ def test_a_reused_pid_is_not_the_owner(tmp_path):
     assert not temp.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_reshard_removes_a_temporary_whose_owner_is_gone_and_says_so(tmp_path):
     me = os.getpid()
@@ -305,6 +316,7 @@ def test_reshard_removes_a_temporary_whose_owner_is_gone_and_says_so(tmp_path):
     assert not temp.exists() and validate_checkpoint(str(tmp_path / "out")).ok()
 
 
+@pytest.mark.slow
 def test_only_ckpt_temporaries_with_an_owner_record_are_removed(tmp_path):
     # no record (an older ckpt): left, and said; one from another host, recent: left, and said
     unowned = _fake_temp(tmp_path, "out", None, "-11111111")
@@ -326,6 +338,7 @@ def test_only_ckpt_temporaries_with_an_owner_record_are_removed(tmp_path):
     assert {p.name: _snapshot(p) for p in (unowned, elsewhere, lookalike_dir, lookalike_file, other)} == before
 
 
+@pytest.mark.slow
 def test_an_abandoned_temporary_of_another_host_is_removed(tmp_path):
     old = time.time() - 3 * 24 * 3600
     temp = _fake_temp(tmp_path, "out", _owner(4242, 1, host="another-host.example", started=old))
@@ -389,6 +402,7 @@ def test_a_failed_write_names_the_destination(tmp_path, big_safetensors):
 # -- object stores: the same rule for a prefix ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_overwrite_on_s3_replaces_only_a_checkpoint_or_an_empty_prefix():
     bucket = "ckpt-output-safety"
     with moto_s3_serving(bucket, ["dcp_single"]) as env:

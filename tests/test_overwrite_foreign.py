@@ -74,6 +74,7 @@ def _temporaries(parent: Path) -> list[str]:
 # -- a checkpoint beside a user's files ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["dcp_single", "orbax_ocdbt_zarr2", "safetensors_llama_bf16"])
 def test_overwrite_refuses_a_checkpoint_beside_a_users_files_and_names_them(tmp_path, fixture):
     dst = _checkpoint(tmp_path, fixture)
@@ -139,6 +140,7 @@ def test_a_file_written_into_the_checkpoint_during_the_run_is_kept(tmp_path):
 # -- what is never replaced, whatever it holds -----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, what", [
     ("orbax_manager", "a run root of 3 checkpoints (Orbax CheckpointManager: 1/, 2/, 3.orbax-checkpoint-tmp/)"),
     ("megatron_run", "a run root of 2 checkpoints (Megatron-LM: iter_0000010/, iter_0000020/)"),
@@ -152,6 +154,7 @@ def test_a_run_root_of_several_steps_is_not_replaced(tmp_path, fixture, what):
     assert _snapshot(dst) == before and _temporaries(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_symlink_to_a_checkpoint_is_not_replaced(tmp_path):
     target = _checkpoint(tmp_path, "dcp_single", "real")
     link = tmp_path / "latest"
@@ -162,6 +165,7 @@ def test_a_symlink_to_a_checkpoint_is_not_replaced(tmp_path):
     assert link.is_symlink() and _snapshot(target) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["same", "inside"])
 def test_the_source_or_a_folder_inside_it_is_never_the_destination(tmp_path, where):
     src = _checkpoint(tmp_path, "dcp_single", "src")
@@ -175,6 +179,7 @@ def test_the_source_or_a_folder_inside_it_is_never_the_destination(tmp_path, whe
 # -- what is replaced, and the summary saying so ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_overwrite_says_what_it_replaced(tmp_path):
     dst = _checkpoint(tmp_path, "dcp_single")
     r = run_ckpt("convert", SRC, str(dst), "--to", "orbax", "--overwrite", "--json")
@@ -198,6 +203,7 @@ def test_overwrite_says_what_it_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, args", [
     ("safetensors_numpy", ("--to", "orbax")),
     ("safetensors_numpy", ("--to", "orbax", "--zarr3")),
@@ -222,6 +228,7 @@ def test_ckpts_own_output_is_replaced_whole(tmp_path, source, args):
 # -- object stores: the same rule for a prefix ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_overwrite_on_s3_refuses_a_checkpoint_beside_other_objects():
     bucket = "ckpt-overwrite-foreign"
     with moto_s3_serving(bucket, ["dcp_single"]) as env:

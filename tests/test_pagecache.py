@@ -18,6 +18,9 @@ from ckpt_tool.engine import ConvertOptions, convert
 from ckpt_tool.pagecache import DirectoryDropper
 from ckpt_tool.storage import Storage
 
+# page-cache residency is the machine's: alone, in make test's serial pass
+pytestmark = pytest.mark.serial
+
 MiB = 2**20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent

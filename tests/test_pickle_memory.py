@@ -147,6 +147,7 @@ _OPCODE_PATTERNS = ["empty_sets", "empty_dicts", "empty_lists", "memoized_sets",
                     "nested_tuples", "dict_items", "ints", "ucs4_strings"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _OPCODE_PATTERNS)
 def test_opcode_patterns_at_the_limit_stay_within_it(name):
     build = _builders()[name]
@@ -198,6 +199,7 @@ def _torch_save_with_pickle(path: Path, data_pkl: bytes) -> None:
             dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
 
 
+@pytest.mark.slow
 def test_validate_refuses_a_torch_save_whose_pickle_is_over_the_limit(tmp_path):
     # 8 MB of EMPTY_SET: ~2 GB to unpickle, over the default 512 MiB + 512 MiB
     path = tmp_path / "sets.pt"

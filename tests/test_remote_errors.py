@@ -137,6 +137,7 @@ def test_host_that_does_not_resolve_fails_within_two_seconds(monkeypatch, scheme
 # -- credentials ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_s3_without_credentials_is_one_line_and_fast(tmp_path, s3):
     env = _clean_env(tmp_path, AWS_ENDPOINT_URL=s3, AWS_REGION="us-east-1")
     _, baseline = _run(env, "inspect", str(FIXTURES / "dcp_multirank"))  # the interpreter's start, on this machine now
@@ -150,6 +151,7 @@ def test_s3_without_credentials_is_one_line_and_fast(tmp_path, s3):
     assert took - baseline < 2.0, (took, baseline)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
 def test_s3_validate_without_credentials_is_the_runs_one_error(tmp_path, s3, deep):
     """Not a finding per file on stdout: every request is refused alike."""
@@ -182,6 +184,7 @@ def test_aws_credentials_variable_naming_a_missing_file(tmp_path, s3, variable):
     )
 
 
+@pytest.mark.slow
 def test_google_application_credentials_naming_a_missing_file(tmp_path, gcs):
     missing = tmp_path / "key.json"
     env = _clean_env(tmp_path, TENSORSTORE_GCS_HTTP_URL=gcs, GOOGLE_APPLICATION_CREDENTIALS=str(missing))
@@ -200,6 +203,7 @@ def test_google_application_credentials_naming_a_directory(tmp_path, gcs):
     assert "GOOGLE_APPLICATION_CREDENTIALS names" in _one_line(r) and "is a directory" in r.stderr
 
 
+@pytest.mark.slow
 def test_gcs_anonymous_read_prints_nothing(tmp_path, gcs):
     """No gcloud credentials: tensorstore logs that it found none, then reads anonymously (a public bucket)."""
     env = _clean_env(tmp_path, TENSORSTORE_GCS_HTTP_URL=gcs)
@@ -237,6 +241,7 @@ def test_native_log_filter_keeps_everything_else():
     assert got == b"terminate called after throwing an instance of 'x'\nprogress 50%\rFatal Python error: Segmentation fault\n"
 
 
+@pytest.mark.slow
 def test_truncated_ocdbt_data_file_on_s3_is_worded_as_validate_words_it(tmp_path, s3):
     """The object store's own words for a short object (`... and total size 100`) become validate's."""
     from conftest import s3_client

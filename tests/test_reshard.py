@@ -184,6 +184,7 @@ def restored(resharded) -> list[dict]:
     return _restore(cases)
 
 
+@pytest.mark.slow
 def test_orbax_restores_every_output_bit_for_bit(resharded, restored):
     done = {(r["dst"], r["mode"]) for r in restored}
     assert done == {(str(dst), m) for dst, _ in resharded.values() for m in ("plain", "target")}
@@ -368,6 +369,7 @@ def test_subchunking_matches_orbax():
         assert subchunk_shape(glob, write, dtype.itemsize, target) == theirs, (glob, write, target)
 
 
+@pytest.mark.slow
 def test_this_machines_devices_or_a_clear_error(tmp_path):
     src = str(fixture_path("orbax_ocdbt_zarr2"))
     one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -383,6 +385,7 @@ def test_this_machines_devices_or_a_clear_error(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_two_process_reshard_restores_in_two_and_one_process_jobs(tmp_path):
     src = fixture_path("orbax_ocdbt_zarr2")
     dst = tmp_path / "out"

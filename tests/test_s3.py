@@ -29,6 +29,7 @@ def s3_env():
         yield env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", S3_FIXTURES)
 def test_inspect_s3_equals_local(s3_env, name):
     remote = run_ckpt("inspect", f"s3://{BUCKET}/run/{name}", "--json", "--values", env=s3_env)
@@ -39,6 +40,7 @@ def test_inspect_s3_equals_local(s3_env, name):
     assert a["leaves"] == b["leaves"] and a["summary"] == b["summary"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", S3_FIXTURES)
 def test_validate_deep_and_diff_over_s3(s3_env, name):
     r = run_ckpt("validate", f"s3://{BUCKET}/run/{name}", "--deep", "--json", env=s3_env)
@@ -48,12 +50,14 @@ def test_validate_deep_and_diff_over_s3(s3_env, name):
     assert d.returncode == 0, d.stdout + d.stderr
 
 
+@pytest.mark.slow
 def test_missing_s3_prefix_is_one_line(s3_env):
     r = run_ckpt("inspect", f"s3://{BUCKET}/nothing/here", env=s3_env)
     assert r.returncode == 1
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_convert_between_s3_and_local(s3_env, tmp_path):
     src = f"s3://{BUCKET}/run/orbax_ocdbt_zarr2"
     dst = f"s3://{BUCKET}/out/dcp_from_orbax"
@@ -200,6 +204,7 @@ def _no_temp_output(dst: Path) -> None:
 # requests: inspect makes 7 GETs; validate --deep about 20 for the shallow checks
 # and 10-15 more for --deep (30-35 in all, varying with how tensorstore batches); diff --values 7 for
 # the metadata and 2-4 for chunks (both sides through the scheduler: each stored chunk read once)
+@pytest.mark.slow
 @pytest.mark.parametrize("args, after", [
     (["inspect", "{src}", "--json"], 3),
     (["validate", "{src}", "--deep"], 24),
@@ -218,6 +223,7 @@ def test_server_killed_mid_read(moto, args, after):
 
 # orbax -> dcp: 7 GETs of metadata, then fewer than 7 for chunks (small leaves are read together); dcp -> orbax:
 # 6 of metadata, then 36 for chunks
+@pytest.mark.slow
 @pytest.mark.parametrize("name, to, after", [("orbax_ocdbt_zarr2", "dcp", 9), ("dcp_multirank", "orbax", 15)])
 def test_server_killed_mid_convert_from_s3(moto, tmp_path, name, to, after):
     src = moto.upload(name)
@@ -319,6 +325,7 @@ class CuttingProxy:
 
 
 # orbax -> dcp writes the data file, then .metadata (cut at .metadata); dcp -> orbax ~15 PUTs
+@pytest.mark.slow
 @pytest.mark.parametrize("name, to, limit", [("orbax_ocdbt_zarr2", "dcp", 1), ("dcp_multirank", "orbax", 4)])
 def test_server_killed_mid_write(moto, name, to, limit):
     proxy = CuttingProxy(moto, limit)
@@ -332,6 +339,7 @@ def test_server_killed_mid_write(moto, name, to, limit):
     assert "cannot write" in r.stderr or "cannot create" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, command", [
     ("dcp_multirank", ["convert", "{src}", "{dst}", "--to", "orbax"]),
     ("orbax_ocdbt_zarr2", ["convert", "{src}", "{dst}", "--to", "dcp"]),
@@ -353,6 +361,7 @@ def test_hung_server_hits_the_deadline(moto, tmp_path, name, command):
 
 # the Orbax writer's ~15 PUTs leave room to go silent between them (the DCP
 # writer's two do not: the freeze, read off the server's log, comes too late)
+@pytest.mark.slow
 @pytest.mark.parametrize("name, to", [("dcp_multirank", "orbax")])
 def test_server_silent_mid_write_hits_the_deadline(moto, name, to):
     """The server stops answering (never dies) after a few uploads: every writer wait has the deadline."""
@@ -373,6 +382,7 @@ def test_server_silent_mid_write_hits_the_deadline(moto, name, to):
     assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     ["inspect", f"s3://{BUCKET}/run/x"],
     ["validate", f"s3://{BUCKET}/run/x", "--deep"],

@@ -486,6 +486,7 @@ def test_fast_proof_is_taken_for_real_pickles():
     assert not _proved(_archive_pickles(archive)[0])  # protocol 2 (BINPUT, BINUNICODE): walked
 
 
+@pytest.mark.slow
 def test_fast_proof_and_walk_agree_on_every_corpus_pickle(monkeypatch):
     corpus = _corpus_pickles()
     assert len(corpus) > 100

@@ -180,6 +180,7 @@ def test_dcp_hf_rank0(tmp_path):
         assert run_ckpt("validate", str(path)).returncode == 0
 
 
+@pytest.mark.slow
 def test_dcp_hf_distributed_written_now(tmp_path):
     """The same through a fresh HuggingFaceStorageWriter run (the writer in this venv)."""
     out = tmp_path / "dist"
@@ -226,6 +227,7 @@ def test_float8_e8m0_as_safe_open_reads_it(tmp_path):
     assert _bits(leaf.read()) == _torch_bits(ref) == arr.tobytes()
 
 
+@pytest.mark.serial
 def test_a_tensor_larger_than_memory_streams_in_bands(tmp_path):
     """A 48 MiB tensor under --memory 16MiB: validate --deep, diff --values and convert read it in bands
     by byte range (before, --deep reported it as a chunk that 'does not decode', a false alarm), and

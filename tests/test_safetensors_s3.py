@@ -10,6 +10,8 @@ import pytest
 
 from conftest import FIXTURES, moto_s3_serving, run_ckpt
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("moto")
 BUCKET = "ckpt-st"
 NAMES = ["safetensors_llama_sharded", "safetensors_dcp_distributed", "safetensors_numpy"]

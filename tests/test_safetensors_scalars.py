@@ -94,6 +94,7 @@ def test_numpy_scalars_stay_0d_arrays_of_their_dtype(tmp_path):
     assert ck["step"].load() == 30 and type(ck["step"].load()) is int
 
 
+@pytest.mark.slow
 def test_ckpt_reads_python_numbers_back_as_such(orbax_state, tmp_path):
     dst = tmp_path / "st"
     _convert(orbax_state, dst, "--to", "safetensors")
@@ -153,6 +154,7 @@ def test_no_record_without_numbers(tmp_path):
         assert "ckpt.python_scalars" not in (f.metadata() or {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sharded_output_numbers_in_their_files(orbax_state, tmp_path, processes):
     """Numbers land in the file their position puts them in, written by the process owning that file."""

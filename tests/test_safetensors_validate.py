@@ -288,6 +288,7 @@ def test_dcp_pieces_gap(tmp_path):
     assert res.returncode == 1 and "cover" in res.stderr
 
 
+@pytest.mark.slow
 def test_validate_cli_json_and_exit(tmp_path):
     d = tmp_path / "ck"
     d.mkdir()

@@ -171,6 +171,7 @@ def test_dcp_reads_our_output_with_torch_hf_reader(tmp_path):
         assert _bits(sd[leaf.name]) == _bits(leaf.read())
 
 
+@pytest.mark.slow
 def test_reshard_accepts_safetensors(tmp_path):
     dst = tmp_path / "resharded"
     res = run_ckpt("reshard", str(LLAMA), str(dst), "--mesh", "data=2", "--devices", "2", "--fsdp", "data")
@@ -214,6 +215,7 @@ def test_rename_gives_the_names(tmp_path):
     assert "model.dense.kernel" in got and not any(k.startswith("params.") for k in got)
 
 
+@pytest.mark.slow
 def test_two_processes_write_their_own_files(tmp_path):
     dst = tmp_path / "out"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")

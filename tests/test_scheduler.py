@@ -98,6 +98,7 @@ def _regions(shape, rows, cols=None):
 # -- the scheduler itself -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ocdbt", "plain"])
 def test_each_stored_chunk_fetched_once(ckpts, layout):
     log = ReadLog()
@@ -145,6 +146,7 @@ def _stored_size(path: Path, layout: str) -> int:
     return len(kv.read("big/0.0").result().value)
 
 
+@pytest.mark.slow
 def test_passes_when_the_regions_of_a_streamed_chunk_do_not_fit(ckpts):
     """Columns of a chunk streamed by rows each need every row: they are served in passes."""
     ck = ckpt_tool.open(str(ckpts / "ocdbt"))
@@ -176,6 +178,7 @@ def test_parse_memory():
 # -- the commands ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ocdbt", "plain"])
 def test_convert_to_dcp_exact(ckpts, tmp_path, layout):
     dst = tmp_path / "out"
@@ -261,6 +264,7 @@ def test_dcp_chunk_served_in_passes_is_read_once(ckpts, tmp_path, monkeypatch):
     _same(orbax_values(dst), dcp_values(ckpts / "dcp"))
 
 
+@pytest.mark.slow
 def test_reshard_exact(ckpts, tmp_path):
     from test_reshard import _restore
 
@@ -299,6 +303,7 @@ def test_diff_values(ckpts):
     assert d["path"] == "big" and d["mismatched"] == 1 and d["max_abs"] == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_unstreamable_codec_names_the_memory_needed(ckpts, tmp_path):
     """A chunk too large for the budget whose codec has no streaming decoder (blosc): one line, exit 1."""
     import tensorstore as ts
@@ -331,6 +336,7 @@ def _peak_rss_kib(*args: str) -> int:
     return usage.ru_maxrss
 
 
+@pytest.mark.serial
 def test_streamed_convert_memory_is_bounded(ckpts, tmp_path):
     """A 96 MiB stored chunk with --memory 16MiB: RSS grows by far less than one whole decode (192 MiB)."""
     base = _peak_rss_kib("inspect", str(ckpts / "huge"))
@@ -338,6 +344,7 @@ def test_streamed_convert_memory_is_bounded(ckpts, tmp_path):
     assert (peak - base) * 1024 < 64 * 2**20, (peak, base)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("command", ["validate", "reshard", "convert"])
 def test_several_streamed_chunks_stay_within_the_budget(ckpts, tmp_path, command):
     """Four 48 MiB stored chunks with --memory 16MiB, streamed by 4 workers at once: what each

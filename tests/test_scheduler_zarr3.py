@@ -49,6 +49,7 @@ def z3(tmp_path_factory) -> Path:
     return out / "z3"
 
 
+@pytest.mark.slow
 def test_orbax_zarr3_chunk_is_a_one_chunk_shard(z3):
     """What the stream relies on: orbax's zarr v3 layout (so a change in orbax shows here first)."""
     kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": str(z3) + "/"}}).result()
@@ -78,6 +79,7 @@ def test_streamed_zarr3_chunk_reads_exactly_once(z3):
         assert arr.tobytes() == reference[r : r + 100].tobytes(), r
 
 
+@pytest.mark.slow
 def test_convert_deep_validate_and_diff_of_a_streamed_zarr3_chunk(z3, tmp_path):
     out = tmp_path / "dcp"
     r = run_ckpt("convert", str(z3), str(out), "--to", "dcp", "--memory", "8MiB")

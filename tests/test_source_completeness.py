@@ -237,6 +237,7 @@ def test_deep_on_a_root_reads_the_step_a_resume_opens(root_with_nan_in_an_older_
     assert "1 step deep read" in r.stdout
 
 
+@pytest.mark.slow
 def test_deep_reads_every_step_of_a_root_with_step_all(root_with_nan_in_an_older_step):
     extra = ["--step", "all"]
     code, doc = _validate_json(str(root_with_nan_in_an_older_step), "--deep", *extra)
@@ -326,6 +327,7 @@ def _folder_of_checkpoints(orbax_saves: Path, tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_folder_of_checkpoints_is_refused_listing_them(orbax_saves, tmp_path):
     folder = _folder_of_checkpoints(orbax_saves, tmp_path)
     for argv in (["inspect", str(folder)], ["validate", str(folder)],
@@ -358,6 +360,7 @@ def test_an_items_only_step_beside_a_safetensors_dir_is_refused(copy_fixture, tm
     assert "model/ (safetensors)" in r.stderr and "state/ (orbax)" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_multi_item_step_still_reads_as_one_checkpoint(orbax_saves):
     import orbax.checkpoint as ocp
 
@@ -382,6 +385,7 @@ def test_the_manager_fixtures_still_read(name):
     assert json.loads(r.stdout)["layout"]["items"]
 
 
+@pytest.mark.slow
 def test_a_root_is_checked_at_the_step_being_copied(root_with_nan_in_an_older_step, tmp_path):
     """Damage in an older step does not stop a copy of the latest; a copy of that step is refused."""
     import shutil

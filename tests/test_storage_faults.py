@@ -311,6 +311,7 @@ def test_destination_appearing_at_the_rename_is_one_clean_line(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the loser's temporary output is gone
 
 
+@pytest.mark.slow
 def test_two_converts_racing_into_one_destination(tmp_path):
     """Whole processes: one wins; the other says so in one line; nothing temporary stays."""
     dst = tmp_path / "out"

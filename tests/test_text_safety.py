@@ -90,6 +90,7 @@ def test_inspect_json_keeps_names_exact(named):
     assert names == sorted([*CONTROL_KEYS, "plain"]) == sorted(torch.load(named))
 
 
+@pytest.mark.slow
 def test_validate_diff_and_convert_lines_escape_names(named, tmp_path):
     r = _clean(_run("validate", named))
     assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("OK")
@@ -107,6 +108,7 @@ def test_validate_diff_and_convert_lines_escape_names(named, tmp_path):
         assert sorted(f.keys()) == sorted(torch.load(named))
 
 
+@pytest.mark.slow
 def test_paths_and_step_names_are_escaped(tmp_path):
     """A run root under a directory name holding ESC and a newline, and a step directory named with
     ESC (Orbax takes `<prefix>_N`): ls, latest, validate (human and github), inspect show escapes."""
@@ -131,6 +133,7 @@ def test_paths_and_step_names_are_escaped(tmp_path):
 # -- a lone surrogate ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_surrogate_name_is_shown_escaped(surrogate):
     r = _clean(_run("inspect", surrogate))
     assert r.returncode == 0 and "  \\udc80abc  float32[3]  12 B" in r.stdout.splitlines()
@@ -146,6 +149,7 @@ def test_surrogate_name_round_trips_in_json(surrogate):
     assert [leaf["name"] for leaf in json.loads(r.stdout)["leaves"]] == list(torch.load(surrogate))
 
 
+@pytest.mark.slow
 def test_surrogate_name_converts_to_dcp_as_it_is(surrogate, tmp_path):
     """DCP pickles its names: torch's own load gives back the lone-surrogate key and its data."""
     import torch.distributed.checkpoint as dcp
@@ -159,6 +163,7 @@ def test_surrogate_name_converts_to_dcp_as_it_is(surrogate, tmp_path):
     assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["safetensors", "orbax"])
 def test_surrogate_name_is_refused_where_utf8_cannot_hold_it(surrogate, tmp_path, to):
     """safetensors' header and Orbax's metadata and paths are UTF-8: the libraries fail on the name
@@ -186,6 +191,7 @@ def test_surrogate_name_is_refused_where_utf8_cannot_hold_it(surrogate, tmp_path
         assert list(ocp.PyTreeCheckpointer().restore(str(out))) == ["ok"]
 
 
+@pytest.mark.slow
 def test_surrogate_string_value_refused_by_orbax_kept_by_dcp(tmp_path):
     src = tmp_path / "values.pt"
     torch.save({"w": torch.ones(2), "s": "bad\udc80text"}, src)
@@ -214,6 +220,7 @@ def megatron_root(tmp_path):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("digits", UNICODE_DIGITS)
 def test_megatron_tracker_of_unicode_digits_is_a_bad_tracker(megatron_root, digits):
     tracker = megatron_root / "latest_checkpointed_iteration.txt"
@@ -230,6 +237,7 @@ def test_megatron_tracker_of_unicode_digits_is_a_bad_tracker(megatron_root, digi
     assert f"ckpt: latest: latest_checkpointed_iteration.txt: {says}" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("digits", UNICODE_DIGITS)
 def test_verl_tracker_of_unicode_digits_is_a_bad_tracker(tmp_path, digits):
     root = tmp_path / "runs_verl"
@@ -257,6 +265,7 @@ def test_options_of_unicode_digits_are_usage_errors(args, code):
     assert "\u00b2" in r.stderr
 
 
+@pytest.mark.slow
 def test_file_name_not_utf8_with_escape_in_manifest_and_findings(tmp_path):
     """A file name that is not UTF-8 and holds ESC (Python lists it as 'extra\\udc80\\x1b[31m'):
     the manifest records it (JSON escapes), and verify and validate's findings show it escaped."""

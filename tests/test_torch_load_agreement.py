@@ -222,6 +222,7 @@ def test_convert_refuses_a_file_validate_calls_bad(tmp_path: Path, ckpt) -> None
 
 
 # --memory bounds the unpickler in every command, as in validate (pickle_budget.memory_budget)
+@pytest.mark.slow
 def test_convert_refuses_a_pickle_over_its_memory_as_validate_does(tmp_path: Path, ckpt) -> None:
     from test_pickle_memory import _builders, _torch_save_with_pickle
 

@@ -37,6 +37,7 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_legacy_format_is_refused_by_name(tmp_path):
     import torch
 
@@ -71,6 +72,7 @@ def test_a_hostile_pickle_is_refused_naming_the_global_and_runs_nothing(tmp_path
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_file_without_suffix_is_known_by_its_bytes_and_other_zips_are_not(tmp_path):
     import torch
 
@@ -180,6 +182,7 @@ def _set_copy(tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_a_set_with_a_shard_missing_is_incomplete_and_not_converted(tmp_path):
     d = _set_copy(tmp_path)
     (d / "pytorch_model-00003-of-00003.bin").unlink()
@@ -222,6 +225,7 @@ def _flip_in_member(path: Path, member_suffix: str, at: int = 0) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_deep_finds_a_flipped_bit_in_bytes_no_view_reads(tmp_path):
     """`rows`, `col` and `transposed` are views of one storage; a bit flipped in a part of it that
     no view reads is still found by --deep (the member's CRC-32), and only there."""
@@ -239,6 +243,7 @@ def test_deep_finds_a_flipped_bit_in_bytes_no_view_reads(tmp_path):
     assert finding["code"] == "bad-chunk" and "CRC-32" in finding["message"]
 
 
+@pytest.mark.serial
 def test_a_tensor_larger_than_memory_streams_in_bands(tmp_path):
     """A 48 MiB tensor converted and deep-validated under --memory 16MiB: the peak stays far below
     the tensor (the scheduler reads it in bands by byte range)."""

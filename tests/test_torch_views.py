@@ -203,6 +203,7 @@ def test_non_finite_counts_of_views_are_torch_counts(tmp_path):
     assert found["o"] == "1 NaN and 0 Inf among the 5 stored values it spans"
 
 
+@pytest.mark.slow
 def test_convert_of_an_expanded_tensor_equals_torch_values(tmp_path):
     import torch
     from safetensors.numpy import load_file

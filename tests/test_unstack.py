@@ -73,6 +73,7 @@ def _numpy(t):  # noqa: ANN001, ANN202
 SPECS = ["--unstack", "decoder/layers/{i}/**", "--unstack", "decoder/layers/*/mlp/experts/{i}/**"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["safetensors", "dcp", "orbax"])
 def test_unstacked_leaves_are_what_torch_unbind_gives(stacked, to, tmp_path):
     import ckpt_tool
@@ -105,6 +106,7 @@ def test_axis_and_rename_after_unstacking(stacked, tmp_path):
     np.testing.assert_array_equal(leaves["decoder.layers.mlp.experts_1.weight1"].read(), t[:, 1].numpy())
 
 
+@pytest.mark.slow
 def test_each_stored_chunk_is_read_once(tmp_path, monkeypatch):
     """An Orbax array of 8 layers in ONE compressed zarr chunk, unstacked into 8 leaves: the chunk is
     decoded once (the engine asks the stored leaf for each layer's region; the scheduler groups them)."""
@@ -151,6 +153,7 @@ def test_spec_mistakes_are_refused_in_one_line(stacked, spec, message, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_value_matched_is_refused_or_skipped(tmp_path):
     import torch
 

@@ -85,6 +85,7 @@ def diff_says_same(src, dst, summary: dict, e: C.Entry) -> None:  # noqa: ANN001
         assert sorted((d["path"], d["kind"]) for d in doc["differences"]) == [(s, "only_a") for s in skipped]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", TARGETS)
 @pytest.mark.parametrize("entry", CASES, ids=[f"{e.format}-{e.id}" for e in CASES])
 def test_converted_says_same_and_validates(entry, to, conversions, tmp_path):
@@ -123,6 +124,7 @@ def library_reads_what_ckpt_reads(fmt: str, path) -> int:  # noqa: ANN001
     return len(ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry, to", PAIRS, ids=[f"{e.format}-{e.id}-{to}" for e, to in PAIRS])
 def test_target_library_loads_the_same_values(entry, to, conversions):
     _, dst = conversions.get(entry, to)

@@ -70,6 +70,7 @@ def smoke(fmt: str, work: Path, n: int, entries=None, root: Path = C.FIXTURES) -
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [f.name for f in C.registered()])
 def test_fuzz_smoke_in_process(fmt, tmp_path):
     bad = smoke(fmt, tmp_path, MUTANTS_PER_FORMAT)
@@ -83,6 +84,7 @@ def zygote():
     z.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [f.name for f in C.registered()])
 def test_fuzz_smoke_whole_processes(fmt, zygote, tmp_path):
     specs = specs_for(fmt)
