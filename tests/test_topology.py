@@ -19,7 +19,7 @@ import pytest
 from ckpt_tool.topology import (
     DEV_ROOT_VARIABLE, GENERATIONS, create_device_mesh, host_topology, known_topologies, named_topology,
 )
-from conftest import ROOT, fixture_path, run_ckpt
+from conftest import ROOT, fixture_path
 
 SRC = str(fixture_path("orbax_ocdbt_zarr2"))
 
@@ -42,6 +42,16 @@ def fake_dev(tmp_path, vfio: int = 0, accel: int = 0, nvidia: int = 0) -> str:
         (root / f"nvidia{i}").touch()
     (root / "nvidiactl").touch()
     return str(root)
+
+
+def run_ckpt(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m ckpt_tool ARGS` as conftest's run_ckpt, but with `env` as the WHOLE environment:
+    clean_env's removals must hold (an xdist worker's os.environ may carry the JAX_PLATFORMS or
+    XLA_FLAGS another test file set)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "CKPT_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "ckpt_tool", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ import pytest
 
 import catalogue as C
 import references as R
+from rows import Library
 
 
 def test_every_registered_format_has_fixtures():
@@ -95,7 +96,7 @@ def _toy_values(path: Path, step=None) -> dict:  # noqa: ANN001
 
 
 def _toy_library_values(path: Path) -> dict:
-    """The library loader of the toy as a target format (references.LOADERS): safe_open over its
+    """The library loader of the toy as a target format (its catalogue LIBRARY row): safe_open over its
     files, through torch as the safetensors loader (numpy holds no bfloat16)."""
     from safetensors import safe_open
 
@@ -103,7 +104,7 @@ def _toy_library_values(path: Path) -> dict:
     for f in [path] if Path(path).is_file() else sorted(Path(path).glob(f"*.{TOY}")):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
-                out[R.by_name(k)] = R._torch_to_numpy(h.get_tensor(k))
+                out[R.by_name(k)] = R.torch_to_numpy(h.get_tensor(k))
     return out
 
 
@@ -127,8 +128,7 @@ def toy_registered(tmp_path, monkeypatch):
     info = dataclasses.replace(safetensors, **{k: v for k, v in changes.items() if k in fields})
     monkeypatch.setattr(formats, "REGISTRY", {TOY: info, **formats.REGISTRY})
     # its writer's output is read back by the library that reads its files
-    monkeypatch.setitem(R.LOADERS, TOY, _toy_library_values)
-    monkeypatch.setattr(R, "NAMED", {*R.NAMED, TOY})
+    monkeypatch.setitem(C.LIBRARIES, TOY, Library(_toy_library_values, named=True))
     yield info
     for name in [m for m in sys.modules if m.startswith(f"{formats.__name__}.{TOY}")]:
         del sys.modules[name]
@@ -149,7 +149,7 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     write, checks = toy_registered.writer_module().module, toy_registered.checks().module
     assert not contract.missing_members(toy_registered.reader_module().module, write, checks)
     assert issubclass(write.SafetensorsWriter, contract.CheckpointWriter)
-    assert TOY in C.writable() and TOY in R.LOADERS
+    assert TOY in C.writable() and TOY in C.LIBRARIES
     # registered without fixtures: flagged
     assert C.formats_without_fixtures(infos) == [TOY]
     # its fixture dropped into fixtures/ without a catalogue line: flagged
