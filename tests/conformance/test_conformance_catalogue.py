@@ -129,6 +129,12 @@ def toy_registered(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "REGISTRY", {TOY: info, **formats.REGISTRY})
     # its writer's output is read back by the library that reads its files
     monkeypatch.setitem(C.LIBRARIES, TOY, Library(_toy_library_values, named=True))
+    # `convert --to`'s choices were read from the registry when the CLI was imported, which an
+    # earlier test in this process may have done before the toy existed
+    from ckpt_tool.cli import convert_cmd
+
+    [to] = [p for p in convert_cmd.convert_command.params if p.name == "to"]
+    monkeypatch.setattr(to.type, "choices", (*to.type.choices, TOY))
     yield info
     for name in [m for m in sys.modules if m.startswith(f"{formats.__name__}.{TOY}")]:
         del sys.modules[name]
