@@ -33,10 +33,19 @@ def ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def orbax_sharded(tmp_path_factory) -> Path:
-    """Real orbax: three 256x256 float32 arrays, each sharded over 8 devices (24 chunks), OCDBT."""
-    out = tmp_path_factory.mktemp("orbax") / "ckpt"
-    code = f"""
+def orbax_sharded(tmp_path_factory) -> tuple[Path, str]:
+    """Real orbax: three 256x256 float32 arrays, each sharded over 8 devices (24 chunks), OCDBT; and
+    the name of a data file that holds chunks of at least two of them.
+
+    Which data files orbax's concurrent writes fill depends on timing: on a loaded machine one save
+    put each array in a file of its own. The property tested (one damaged file shared by several
+    leaves is one finding naming them) needs a shared file, so the save is repeated until it has one.
+    Which leaves a file holds is found by tensorstore failing to read them once it is cut short.
+    """
+    base = tmp_path_factory.mktemp("orbax")
+    for attempt in range(6):
+        out = base / f"ckpt{attempt}"
+        code = f"""
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import numpy as np, jax, orbax.checkpoint as ocp
@@ -47,12 +56,25 @@ tree = {{"layers": {{str(i): jax.device_put(rng.standard_normal((256, 256), dtyp
                                            NamedSharding(mesh, P("x"))) for i in range(3)}}}}
 ck = ocp.StandardCheckpointer(); ck.save({str(out)!r}, tree); ck.wait_until_finished()
 """
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-    return out
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+        name, hurt = _most_shared_data_file(out, base / f"trials{attempt}")
+        if hurt >= 2:
+            return out, name
+    pytest.fail("six orbax saves each put every array in a data file of its own")
 
 
-def _largest_data_file(ckpt_dir: Path) -> Path:
-    return max((ckpt_dir / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+def _most_shared_data_file(ckpt_dir: Path, scratch: Path) -> tuple[str, int]:
+    """The data file whose truncation leaves the most arrays unreadable to tensorstore, and how many."""
+    best, most = "", 0
+    for data in sorted((ckpt_dir / "ocdbt.process_0" / "d").iterdir()):
+        trial = scratch / data.name
+        shutil.copytree(ckpt_dir, trial)
+        os.truncate(trial / "ocdbt.process_0" / "d" / data.name, 1000)
+        hurt = len(_unreadable_in_tensorstore(trial))
+        shutil.rmtree(trial)
+        if hurt > most:
+            best, most = data.name, hurt
+    return best, most
 
 
 def _unreadable_in_tensorstore(ckpt_dir: Path) -> set[str]:
@@ -76,9 +98,10 @@ def _errors(findings: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_truncated_orbax_data_file_is_one_finding_with_its_leaves(orbax_sharded, tmp_path):
+    source, shared = orbax_sharded
     ckpt_dir = tmp_path / "ckpt"
-    shutil.copytree(orbax_sharded, ckpt_dir)
-    data = _largest_data_file(ckpt_dir)
+    shutil.copytree(source, ckpt_dir)
+    data = ckpt_dir / "ocdbt.process_0" / "d" / shared
     os.truncate(data, 1000)
     hurt = _unreadable_in_tensorstore(ckpt_dir)
     assert hurt  # the damage is real: tensorstore cannot read those arrays
@@ -102,9 +125,10 @@ def test_truncated_orbax_data_file_is_one_finding_with_its_leaves(orbax_sharded,
 @pytest.mark.slow
 def test_unreadable_orbax_data_file_is_one_unreadable_file_finding(orbax_sharded, tmp_path):
     prefix = without_read_override()
+    source, shared = orbax_sharded
     ckpt_dir = tmp_path / "ckpt"
-    shutil.copytree(orbax_sharded, ckpt_dir)
-    data = _largest_data_file(ckpt_dir)
+    shutil.copytree(source, ckpt_dir)
+    data = ckpt_dir / "ocdbt.process_0" / "d" / shared
     data.chmod(0)
     try:
         r = ckpt("validate", "--deep", "--json", str(ckpt_dir), prefix=prefix)
