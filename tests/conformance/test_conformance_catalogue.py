@@ -5,8 +5,6 @@ these checks and passes the suite's properties."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import catalogue as C
 import references as R
 from rows import Library
+from toy import TOY, passes_the_suite, safetensors_as_toy
 
 
 def test_every_registered_format_has_fixtures():
@@ -48,25 +47,6 @@ def test_writable_formats_have_a_library_loader():
 
 # --- a throwaway format ------------------------------------------------------------------------
 
-TOY = "toyst"
-
-
-def _toy_package(where: Path) -> Path:
-    """ckpt_tool/formats/safetensors (reader, writer, checks) copied as formats/toyst: its files are
-    `*.toyst`; it implements the format contract (ckpt_tool/formats/contract.py) as safetensors does."""
-    src = Path(importlib.import_module("ckpt_tool.formats.safetensors").__file__).parent
-    dst = where / TOY
-    dst.mkdir(parents=True)
-    for f in src.glob("*.py"):
-        text = f.read_text()
-        text = re.sub(r'^NAME = "safetensors"', f'NAME = "{TOY}"', text, flags=re.M)
-        text = text.replace('SUFFIX = ".safetensors"', f'SUFFIX = ".{TOY}"')
-        text = text.replace('SINGLE_FILE = "model.safetensors"', f'SINGLE_FILE = "model.{TOY}"')
-        text = text.replace('INDEX_FILE = "model.safetensors.index.json"', f'INDEX_FILE = "model.{TOY}.index.json"')
-        # the shards' names (the reader's patterns, the writer's names)
-        text = text.replace(r'\.safetensors$")', rf'\.{TOY}$")').replace('-of-{count:05d}.safetensors"', f'-of-{{count:05d}}.{TOY}"')
-        (dst / f.name).write_text(text)
-    return dst
 
 
 def _toy_fixtures(root: Path) -> None:
@@ -117,7 +97,7 @@ def toy_registered(tmp_path, monkeypatch):
     """The throwaway format in the registry (first, so that it is asked before the others)."""
     from ckpt_tool import formats
 
-    pkg = _toy_package(tmp_path / "pkg")
+    pkg = safetensors_as_toy(tmp_path / "pkg")
     monkeypatch.setattr(formats, "__path__", [*formats.__path__, str(pkg.parent)])
     safetensors = formats.REGISTRY["safetensors"]
     changes = {"name": TOY, "title": "Toy (safetensors bytes in .toyst files)", "short": "Toy",
@@ -142,8 +122,6 @@ def toy_registered(tmp_path, monkeypatch):
 
 def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     import test_conformance_convert as CONV
-    import test_conformance_damage as DMG
-    import test_conformance_fuzz as FZ
     import test_conformance_read as READ
 
     infos = C.registered()
@@ -176,25 +154,7 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     assert C.unregistered_entries(infos, entries) == []
     [toy] = [e for e in C.cases(infos, entries) if e.format == TOY]
     # ... and it passes the suite's properties, read through its own package
-    import ckpt_tool
-
-    assert C.detected(toy.full(root)) == TOY
-    ck = ckpt_tool.open(str(toy.full(root)))
-    assert ck.format == TOY
-    READ.inspect_agrees(toy, root)
-    READ.validate_passes(toy, False, root)
-    READ.validate_passes(toy, True, root)
-    READ.values_agree(toy, root)
-    conversions = CONV.Conversions(_mk(tmp_path / "convert"))
-    for to in C.writable():
-        if to in C.refusals(toy):  # a writer that takes other formats only (DeepSpeed universal)
-            continue
-        summary, dst = conversions.get(toy, to, root)
-        CONV.diff_says_same(toy.full(root), dst, summary, toy)
-        assert CONV.library_reads_what_ckpt_reads(to, dst) > 0
-    for i, d in enumerate(C.damage_cases([toy_registered], damage)):
-        DMG.damage_is_reported(d, _mk(tmp_path / f"damage{i}"), root)
-    assert not FZ.smoke(TOY, _mk(tmp_path / "fuzz"), 20, entries, root)
+    conversions = passes_the_suite(toy, root, tmp_path, C.damage_cases([toy_registered], damage), entries)
     # the write side: other formats' checkpoints converted to it say the same, and the library
     # that reads its files reads what ckpt reads
     for source in ("orbax_ocdbt_zarr2", "dcp_single"):
@@ -206,6 +166,3 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
         READ.validate_passes(C.Entry(dst.name, TOY, _toy_reference), True, dst.parent)
 
 
-def _mk(p: Path) -> Path:
-    p.mkdir(parents=True)
-    return p

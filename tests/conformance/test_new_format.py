@@ -12,7 +12,6 @@ should be asked.
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import subprocess
 import sys
@@ -21,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import catalogue as C
+from toy import TOY, passes_the_suite, safetensors_as_toy
 from conftest import ROOT
 
-TOY = "toyst"
 
 REGISTRATION = f'''"""The throwaway format's entry in the registry."""
 from __future__ import annotations
@@ -90,18 +89,8 @@ NOT_APPLICABLE = {{"{TOY}": {{"missing-file": "one file: without it the director
 
 
 def _package(where: Path) -> Path:
-    """ckpt_tool/formats/safetensors's modules as formats/toyst (its files are `*.toyst`), and the
-    toy's own registration.py."""
-    src = Path(importlib.import_module("ckpt_tool.formats.safetensors").__file__).parent
-    dst = where / TOY
-    dst.mkdir(parents=True)
-    for f in src.glob("*.py"):
-        text = f.read_text()
-        text = re.sub(r'^NAME = "safetensors"', f'NAME = "{TOY}"', text, flags=re.M)
-        text = text.replace('SUFFIX = ".safetensors"', f'SUFFIX = ".{TOY}"')
-        text = text.replace('SINGLE_FILE = "model.safetensors"', f'SINGLE_FILE = "model.{TOY}"')
-        text = text.replace('INDEX_FILE = "model.safetensors.index.json"', f'INDEX_FILE = "model.{TOY}.index.json"')
-        (dst / f.name).write_text(text)
+    """The toy's package (safetensors' modules renamed) and its own registration.py."""
+    dst = safetensors_as_toy(where)
     (dst / "registration.py").write_text(REGISTRATION)
     return dst
 
@@ -145,12 +134,6 @@ def toy(tmp_path, monkeypatch):
 
 
 def test_a_new_format_is_its_package_generator_and_catalogue_file(toy, tmp_path):
-    import test_conformance_convert as CONV
-    import test_conformance_damage as DMG
-    import test_conformance_fuzz as FZ
-    import test_conformance_read as READ
-
-    import ckpt_tool
     from ckpt_tool import formats
 
     cat, root = toy
@@ -169,29 +152,9 @@ def test_a_new_format_is_its_package_generator_and_catalogue_file(toy, tmp_path)
     assert not set(C.DAMAGE_CLASSES) - have - set(cat.not_applicable.get(TOY, {}))
     # ... and it passes the suite's properties, read through its own package
     [entry] = [e for e in C.cases(infos, cat.entries) if e.format == TOY]
-    assert C.detected(entry.full(root)) == TOY
-    assert ckpt_tool.open(str(entry.full(root))).format == TOY
-    READ.inspect_agrees(entry, root)
-    READ.validate_passes(entry, False, root)
-    READ.validate_passes(entry, True, root)
-    READ.values_agree(entry, root)
-    conversions = CONV.Conversions(_mk(tmp_path / "convert"))
-    for to in C.writable():
-        if to in C.refusals(entry):  # a writer that takes other formats only (DeepSpeed universal)
-            continue
-        summary, dst = conversions.get(entry, to, root)
-        CONV.diff_says_same(entry.full(root), dst, summary, entry)
-        assert CONV.library_reads_what_ckpt_reads(to, dst) > 0
     damage = C.damage_cases([formats.get(TOY)], cat.damage)
     assert len(damage) == 4
-    for i, d in enumerate(damage):
-        DMG.damage_is_reported(d, _mk(tmp_path / f"damage{i}"), root)
-    assert not FZ.smoke(TOY, _mk(tmp_path / "fuzz"), 20, cat.entries, root)
-
-
-def _mk(p: Path) -> Path:
-    p.mkdir(parents=True)
-    return p
+    passes_the_suite(entry, root, tmp_path, damage, cat.entries)
 
 
 # --- lint: nothing outside a format's own places names it --------------------------------------
@@ -208,8 +171,7 @@ ALLOWED = {
     "tests/test_startup_imports.py": "which reader an Orbax or DCP inspect imports",
     "tests/test_storage_faults.py": "storage faults reaching the Orbax and DCP readers",
     "tests/test_deepspeed_pipe_moe.py": "DeepSpeed's files are torch.save archives, read by torch_save's code",
-    "tests/conformance/test_conformance_catalogue.py": "its throwaway format is safetensors' modules renamed",
-    "tests/conformance/test_new_format.py": "its throwaway format is safetensors' modules renamed",
+    "tests/conformance/toy.py": "the throwaway format both throwaway tests use is safetensors' modules renamed",
     "pyproject.toml": "a dependency's comment says which reader needs it",
     "ckpt_tool/distcp/__init__.py": "its docstring says which format packages read DCP files through it",
     "tests/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
