@@ -447,6 +447,63 @@ def main(out: Path) -> int:
     return 0
 
 
+def profile(out: Path) -> int:
+    """MODE=profile: where the time of the slow steps goes on this host, instead of the table.
+
+    Writes the source as main() does, then runs bench/host_io_probe.py (the file
+    system's primitives) and each of reshard (this host, v5e-256), convert to DCP
+    and to safetensors and validate --deep under bench/sampler.py, with ckpt's
+    page-cache hints on and off (CKPT_PAGECACHE). Reports land in OUT/profile/.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    _jax_env()
+    work = Path(os.environ.get("WORK") or out / "work")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    prof = out / "profile"
+    prof.mkdir(exist_ok=True)
+    bench = Bench(out, work, [sys.executable])
+    written = bench.child("write", str(work / "manager"))
+    nbytes = written["bytes"]
+    src = str(work / "manager" / "0" / "default")
+    here = Path(__file__).resolve().parent
+    r = subprocess.run([sys.executable, str(here / "host_io_probe.py"), str(work / "probe"), "--gib", "1"],
+                       capture_output=True, text=True)
+    (prof / "host_io_probe.json").write_text(r.stdout + r.stderr)
+    print(r.stdout + r.stderr[-2000:], file=sys.stderr, flush=True)
+    host = "data=1,model=1" if written["devices"] == 1 else f"data=2,model={written['devices'] // 2}"
+    steps = {
+        "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
+        "convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
+        "convert_safetensors": ["convert", src, "{dst}", "--to", "safetensors"],
+        "reshard_v5e256": ["reshard", src, "{dst}", "--mesh", "data=16,model=16", "--fsdp", "data", "--topology", "v5e:16x16"],
+        "validate_deep": ["validate", src, "--deep"],
+    }
+    variants = [v for v in os.environ.get("VARIANTS", "pc1:CKPT_PAGECACHE=1,pc0:CKPT_PAGECACHE=0").split(",") if v]
+    for name, args in steps.items():
+        for variant in variants:
+            tag, _, assign = variant.partition(":")
+            env = dict(a.split("=", 1) for a in assign.split("+") if a)
+            dst = work / f"{name}_{tag}"
+            report = prof / f"{name}_{tag}.txt"
+            argv = [a.replace("{dst}", str(dst)) for a in args]
+            os.sync()
+            t = time.perf_counter()
+            r = subprocess.run([sys.executable, str(here / "sampler.py"), "--out", str(report), "-m", "ckpt_tool", *argv],
+                               capture_output=True, text=True, env={**os.environ, **env}, cwd=work)
+            bench.row(f"{name} [{tag}]", time.perf_counter() - t, nbytes, ok=r.returncode == 0,
+                      note="" if r.returncode == 0 else r.stderr.strip()[-300:])
+            shutil.rmtree(dst, ignore_errors=True)
+            if name == "validate_deep":
+                break
+    bench.row("disk floor: cp -r && sync", _disk_floor(Path(src), work / "copy"), nbytes)
+    text = bench.table()
+    (out / "table.txt").write_text(text + "\n")
+    print(text)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def _host_specs(bench: Bench, src: str, host_mesh: str) -> dict[str, list]:
     """The specs ckpt's plan gives each leaf for this host's mesh (orbax's route uses the same)."""
     r = subprocess.run([*bench.python, "-m", "ckpt_tool", "reshard", src, str(bench.work / "unused"), "--mesh", host_mesh,
@@ -497,5 +554,7 @@ if __name__ == "__main__":
         print(json.dumps(child_verify(json.loads(sys.argv[2]))))
     elif len(sys.argv) > 1 and sys.argv[1] == "hold":
         child_hold()
+    elif os.environ.get("MODE") == "profile":
+        sys.exit(profile(Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "tpu_host_bench"))))
     else:
         sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "tpu_host_bench"))))

@@ -53,7 +53,8 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _fadvise = getattr(os, "posix_fadvise", None)
-ENABLED = _fadvise is not None
+# CKPT_PAGECACHE=0 turns the hints off (bench/tpu_host.py's profile compares both)
+ENABLED = _fadvise is not None and os.environ.get("CKPT_PAGECACHE", "1") != "0"
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -78,7 +79,7 @@ def _write_and_drop(fd: int, offset: int, length: int) -> None:
     `length` 0 means to the end of the file. Clean pages only are dropped, so
     a range still being written elsewhere simply stays cached.
     """
-    if _fadvise is None:
+    if not ENABLED:
         return
     sync_file_range = _sync_file_range()
     try:
