@@ -43,6 +43,10 @@ class Sampler:
         self.idle: Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._me = 0
+        self._t0 = time.perf_counter()
+        # the main thread's phases: (seconds since start, its innermost ckpt_tool frame)
+        self.timeline: list[tuple[float, str]] = []
+        self._main = threading.main_thread().ident
 
     def _run(self) -> None:
         self._me = threading.get_ident()
@@ -53,6 +57,8 @@ class Sampler:
             for ident, frame in sys._current_frames().items():
                 if ident == self._me:
                     continue
+                if ident == self._main:
+                    self._phase(frame)
                 name = names.get(ident, str(ident)).split("_")[0].rstrip("-0123456789")
                 self.threads[name] += 1
                 leaf = _frame_name(frame)
@@ -69,13 +75,23 @@ class Sampler:
                         self.inclusive[key] += 1
                     f = f.f_back
 
+    def _phase(self, frame: Any) -> None:
+        f, where = frame, "?"
+        while f is not None:
+            if "ckpt_tool" in f.f_code.co_filename:
+                where = f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}"
+                break
+            f = f.f_back
+        if not self.timeline or self.timeline[-1][1] != where:
+            self.timeline.append((time.perf_counter() - self._t0, where))
+
     def start(self) -> None:
         threading.Thread(target=self._run, name="sampler", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def report(self, wall: float, top: int = 30) -> str:
+    def report(self, wall: float, top: int = 45) -> str:
         n = max(self.samples, 1)
         lines = [f"wall {wall:.2f} s, {self.samples} samples every {self.interval * 1000:.0f} ms"]
         lines.append("threads (samples as thread-seconds; idle = waiting for work):")
@@ -84,9 +100,16 @@ class Sampler:
         lines.append("self (innermost frame), thread-seconds:")
         for (file, func, line), count in self.leaf.most_common(top):
             lines.append(f"  {count * wall / n:7.2f} s  {file}:{line} {func}")
-        lines.append("inclusive, thread-seconds:")
-        for (file, func), count in self.inclusive.most_common(top):
+        lines.append("inclusive, thread-seconds (thread plumbing left out):")
+        plumbing = {"threading.py", "thread.py", "<frozen runpy>", "sampler.py"}
+        for (file, func), count in [kv for kv in self.inclusive.most_common() if kv[0][0] not in plumbing][:top]:
             lines.append(f"  {count * wall / n:7.2f} s  {file} {func}")
+        lines.append("main thread's phases (from second: innermost ckpt_tool frame; runs under 50 ms left out):")
+        spans = [(t, (self.timeline[i + 1][0] if i + 1 < len(self.timeline) else wall) - t, w)
+                 for i, (t, w) in enumerate(self.timeline)]
+        for t, d, w in spans:
+            if d >= 0.05:
+                lines.append(f"  {t:6.2f} +{d:5.2f} s  {w}")
         return "\n".join(lines)
 
 

@@ -471,6 +471,10 @@ def profile(out: Path) -> int:
                        capture_output=True, text=True)
     (prof / "host_io_probe.json").write_text(r.stdout + r.stderr)
     print(r.stdout + r.stderr[-2000:], file=sys.stderr, flush=True)
+    os.sync()
+    r = subprocess.run([sys.executable, str(here / "read_probe.py"), src, str(work / "probe")], capture_output=True, text=True)
+    (prof / "read_probe.json").write_text(r.stdout + r.stderr[-3000:])
+    shutil.rmtree(work / "probe", ignore_errors=True)
     host = "data=1,model=1" if written["devices"] == 1 else f"data=2,model={written['devices'] // 2}"
     steps = {
         "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
@@ -480,6 +484,8 @@ def profile(out: Path) -> int:
         "validate_deep": ["validate", src, "--deep"],
     }
     variants = [v for v in os.environ.get("VARIANTS", "pc1:CKPT_PAGECACHE=1,pc0:CKPT_PAGECACHE=0").split(",") if v]
+    only = [s for s in os.environ.get("STEPS", "").split(",") if s]
+    steps = {k: v for k, v in steps.items() if not only or k in only}
     for name, args in steps.items():
         for variant in variants:
             tag, _, assign = variant.partition(":")
@@ -499,6 +505,7 @@ def profile(out: Path) -> int:
     bench.row("disk floor: cp -r && sync", _disk_floor(Path(src), work / "copy"), nbytes)
     text = bench.table()
     (out / "table.txt").write_text(text + "\n")
+    subprocess.run(["tar", "czf", str(out / "profile.tgz"), "-C", str(out), "profile", "table.txt"], check=False)
     print(text)
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -345,7 +345,7 @@ def decode_chunk(data: bytes, zmeta: dict[str, Any], zarr3: bool, chunk_shape: t
     """A whole stored chunk held in memory, decoded (native byte order, the chunk's full shape) by the
     same decoders and checks as a chunk streamed from storage (ChunkStream)."""
     nbytes = int(np.prod(chunk_shape, dtype=np.int64)) * stored_itemsize(zmeta, zarr3)
-    if not zarr3:
+    if not zarr3 and nbytes <= _WHOLE_BYTES:
         fast = _zarr2_whole(data, zmeta, nbytes)
         if fast is not None:
             out = np.frombuffer(fast, dtype=_zarr2_numpy_dtype(zmeta)).reshape(chunk_shape)
@@ -361,6 +361,9 @@ def decode_chunk(data: bytes, zmeta: dict[str, Any], zarr3: bool, chunk_shape: t
 
 
 _THREAD = threading.local()
+# chunks up to this size are decoded in one call (then copied into a writable array); larger ones
+# are decoded by ChunkStream straight into their array, with no second copy
+_WHOLE_BYTES = 1 << 20
 
 
 def _zarr2_whole(data: bytes, zmeta: dict[str, Any], nbytes: int) -> bytes | None:

@@ -89,12 +89,16 @@ def test_writer_defaults():
 
 
 def test_the_real_readers_declare_their_hooks():
-    """The scheduler's fast paths stay on: tensorstore reads start together, zarr chunks stream,
-    byte-range readers read bands."""
+    """The scheduler's fast paths stay on: tensorstore reads start together (plain zarr), an OCDBT
+    database's chunks are read by pread and decoded by ckpt, zarr chunks stream, byte-range readers
+    read bands."""
     import ckpt_tool
+    from ckpt_tool.arrays.reading import LocatedZarrRegionReader
 
+    plain = [leaf for leaf in ckpt_tool.open(str(FIXTURES / "orbax_plain_zarr2")).leaves if leaf.kind == "array"]
+    assert plain and all(contract.reader_of(leaf).starts_reads for leaf in plain)
     orbax = [leaf for leaf in ckpt_tool.open(str(FIXTURES / "orbax_ocdbt_zarr2")).leaves if leaf.kind == "array"]
-    assert orbax and all(contract.reader_of(leaf).starts_reads for leaf in orbax)
+    assert orbax and all(isinstance(contract.reader_of(leaf), LocatedZarrRegionReader) for leaf in orbax)
     grid = orbax[0].layout
     assert contract.reader_of(orbax[0]).stored_chunk((0,) * len(grid.chunk_shape)) is not None
     dcp = [leaf for leaf in ckpt_tool.open(str(FIXTURES / "dcp_single")).leaves if leaf.kind == "array"]

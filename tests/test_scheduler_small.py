@@ -67,7 +67,10 @@ def test_one_want_per_stored_chunk_decodes_each_chunk_once(name):
     total = sum(len(stored_chunks(leaf.shape, leaf.layout)) for leaf in _arrays(ckpt))
     assert sum(sched.stats.decodes.values()) == total == len(sched.stats.decodes) == sched.planned_chunks
     kinds = _kinds(sched)
-    assert kinds["batch"] > 0 and kinds["group"] > 0, kinds  # the new paths are the ones taken
+    assert kinds["batch"] > 0, kinds  # the new paths are the ones taken
+    # small reads are started together where the reader starts them (tensorstore); the chunks of an
+    # OCDBT database are read by pread and decoded by ckpt (LocatedZarrRegionReader), each at once
+    assert (kinds["group"] > 0) == all(leaf.reader.starts_reads for leaf in _arrays(ckpt)), kinds
     assert len(sched.units) < total / 4, (len(sched.units), total)
     for leaf in _arrays(ckpt):
         want = np.asarray(reference[tuple(leaf.keys)])
@@ -168,11 +171,34 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
     check()
 
 
-def _half_chunk_wants() -> tuple[list, list[Want], Callable[[], None]]:
-    """Reshard's shape on orbax_ocdbt_zarr2: each 2-d leaf whose chunks are an even number (>= 2) of
+def test_located_chunk_feeding_several_regions_is_decoded_once(monkeypatch):
+    """The same shape on an OCDBT database: ckpt decodes each chunk itself, once, whole, and the
+    scheduler cuts both regions from it."""
+    from ckpt_tool import codecs
+    from ckpt_tool.arrays.reading import LocatedZarrRegionReader
+    from ckpt_tool.scheduler import planning
+
+    decoded = []
+    real = codecs.decode_chunk
+    monkeypatch.setattr(codecs, "decode_chunk", lambda data, zmeta, zarr3, shape, where: (decoded.append(where), real(data, zmeta, zarr3, shape, where))[1])
+    monkeypatch.setattr(planning, "BATCH_BYTES", 0)
+    monkeypatch.setattr(planning, "GROUP_BYTES", 0)
+    monkeypatch.setattr(planning, "CLUSTER_BYTES", 0)
+    leaves, wants, check = _half_chunk_wants("orbax_ocdbt_zarr2")
+    assert all(isinstance(leaf.reader, LocatedZarrRegionReader) for leaf in leaves)
+    sched = Scheduler(wants, workers=2)
+    sched.run()
+    assert set(sched.stats.decodes.values()) == {1}
+    assert len(decoded) == len(set(decoded)) == sum(len(stored_chunks(leaf.shape, leaf.layout)) for leaf in leaves)
+    check()
+
+
+def _half_chunk_wants(name: str = "orbax_plain_zarr2") -> tuple[list, list[Want], Callable[[], None]]:
+    """Reshard's shape on orbax_plain_zarr2: each 2-d leaf whose chunks are an even number (>= 2) of
     columns wide, read as regions of half a chunk's columns and all rows, so each chunk feeds two
-    regions. (leaves, wants, check): check() compares what the wants got with orbax's restore."""
-    name = "orbax_ocdbt_zarr2"
+    regions. (leaves, wants, check): check() compares what the wants got with orbax's restore.
+    (Plain zarr: tensorstore reads it, and these are its paths; an OCDBT database's chunks are
+    read by LocatedZarrRegionReader, which the scheduler reads whole: test below.)"""
     ckpt = open_checkpoint(str(fixture_path(name)))
     reference = orbax_values(fixture_path(name))
     got: dict = {}

@@ -6,8 +6,10 @@ T5X) and Megatron packages read their arrays here; nothing here names a format.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,56 +30,78 @@ SHARDING = "_sharding"
 STRINGS = "_strings.json"
 ROOT_MANIFEST = "manifest.ocdbt"
 
-# one-chunk arrays whose chunk decodes to at most this many bytes are read from an OCDBT walk (below)
-SMALL_CHUNK_BYTES = 1 << 20
-# chunks located per walk of the B+tree; the last two batches are kept
-SMALL_CHUNK_BATCH = 8192
+# the chunks of an array in an OCDBT database whose codecs codecs.py decodes are read by pread and
+# decoded here up to this decoded size (LocatedZarrRegionReader); a larger chunk goes to tensorstore
+LOCATED_CHUNK_BYTES = 256 << 20
+# chunk keys located per walk of the B+tree (whole arrays: a batch may hold more)
+LOCATED_BATCH_KEYS = 8192
+# batches kept at once (copy threads may be reading arrays of neighbouring batches)
+LOCATED_BATCHES_KEPT = 4
+# CKPT_LOCATED_READS=0: every chunk through tensorstore (bench/tpu_host.py's profile compares both)
+LOCATED_READS = os.environ.get("CKPT_LOCATED_READS", "1") != "0"
 
 
 @dataclass
 class ArraySource:
     """Where arrays live: an OCDBT database (subdir '' = root) or plain directories (None).
 
-    Small one-chunk arrays in an OCDBT database are read without tensorstore's
+    The chunks of arrays in an OCDBT database are located without tensorstore's
     point reads, whose cost grows with the B+tree node holding the key (orbax's
     100k-leaf save: one node of 200,000 entries, 0.2-0.5 ms per read, so
-    `validate --deep` was quadratic in the leaf count). Their chunk keys are
-    registered in leaf order; the first read of one locates its whole batch
-    by one walk of the tree (storage/ocdbt_bulk.py), and the chunk is decoded
-    from those bytes by the streaming decoders (codecs.py).
+    `validate --deep` was quadratic in the leaf count). The readers register in
+    leaf order; the first read of a chunk locates the chunks of its whole batch
+    of arrays by one walk of the tree (storage/ocdbt_bulk.py), and the reader
+    reads and decodes the chunk's bytes itself (LocatedZarrRegionReader).
     """
 
     storage: Storage
     ocdbt_dir: str | None
     _view: Storage | None = None
-    # the arrays that may be read from a walk, in leaf order (whether each can is decided at its batch's
-    # first read: `ckpt inspect` reads no data and pays nothing per array for this)
-    small_readers: list["ZarrRegionReader"] = field(default_factory=list)
-    _batches: dict[int, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # the arrays whose chunks are located by a walk, in leaf order; their chunk keys are located
+    # LOCATED_BATCH_KEYS at a time, the batches cut at array boundaries (`ckpt inspect` reads no
+    # data and pays nothing per array for this)
+    located_readers: list["LocatedZarrRegionReader"] = field(default_factory=list)
+    _located_starts: list[int] = field(default_factory=list)  # each batch's first reader
+    _located_batches: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _located_cut_for: int = 0  # how many readers the batches were cut for
 
-    def register_small(self, reader: "ZarrRegionReader") -> int:
-        self.small_readers.append(reader)
-        return len(self.small_readers) - 1
+    def register_located(self, reader: "LocatedZarrRegionReader") -> int:
+        self.located_readers.append(reader)
+        return len(self.located_readers) - 1
 
-    def small_chunk(self, index: int, key: str) -> bytes | None:
-        """The stored bytes of the chunk `key` of registered array `index`, or None when the database
-        does not hold it (the caller then reads through tensorstore, which says how it is missing)."""
-        batch = index // SMALL_CHUNK_BATCH
+    def located_chunk(self, index: int, key: str) -> bytes | None:
+        """The stored bytes of chunk `key` of located reader `index`, or None when the database does
+        not hold it (the caller then reads through tensorstore, which says how it is missing)."""
         with self._lock:
-            located = self._batches.get(batch)
+            if self._located_cut_for != len(self.located_readers):
+                self._cut_located_batches()
+            batch = bisect.bisect_right(self._located_starts, index) - 1
+            located = self._located_batches.get(batch)
             if located is None:
-                members = self.small_readers[batch * SMALL_CHUNK_BATCH:(batch + 1) * SMALL_CHUNK_BATCH]
-                keys = [k for k in (r.small_key() for r in members) if k is not None]
+                end = self._located_starts[batch + 1] if batch + 1 < len(self._located_starts) else len(self.located_readers)
+                keys = [k for r in self.located_readers[self._located_starts[batch]:end] for k in r.chunk_keys()]
                 located = self.view.locate_values(keys)
-                if len(self._batches) >= 2:
-                    del self._batches[next(iter(self._batches))]
-                self._batches[batch] = located
+                while len(self._located_batches) >= LOCATED_BATCHES_KEPT:
+                    del self._located_batches[next(iter(self._located_batches))]
+                self._located_batches[batch] = located
         value = located.get(key)
         if value is None:
             return None
         self.view.log.record(key)
         return value if isinstance(value, bytes) else self.view.read_located(key, value)
+
+    def _cut_located_batches(self) -> None:
+        """Group the located readers into batches of about LOCATED_BATCH_KEYS chunk keys (lock held)."""
+        starts, keys = [], LOCATED_BATCH_KEYS
+        for i, reader in enumerate(self.located_readers):
+            if keys >= LOCATED_BATCH_KEYS:
+                starts.append(i)
+                keys = 0
+            keys += reader.chunk_count
+        self._located_starts = starts
+        self._located_batches.clear()
+        self._located_cut_for = len(self.located_readers)
 
     @property
     def view(self) -> Storage:
@@ -136,12 +160,11 @@ class ZarrRegionReader(ArrayReader):
     """Reads regions of one zarr array through tensorstore, opening it on first use."""
 
     # one per array, 10^4-10^5 of them: no per-instance __dict__
-    __slots__ = ("_source", "_name", "_zarr3", "_zmeta", "_store", "_opening", "_lock", "_small")
+    __slots__ = ("_source", "_name", "_zarr3", "_zmeta", "_store", "_opening", "_lock")
 
     starts_reads = True  # tensorstore reads run together: start_read, start_read_into, start_open
 
-    def __init__(self, source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
-                 shape: tuple[int, ...] | None = None, chunk_shape: tuple[int, ...] | None = None) -> None:
+    def __init__(self, source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any]) -> None:
         self._source = source
         self._name = name
         self._zarr3 = zarr3
@@ -150,60 +173,10 @@ class ZarrRegionReader(ArrayReader):
         self._opening: Any = None  # the open future, once started
         # a lock per array was 84 bytes each (8 MiB at 100k leaves): opens share a few, by name
         self._lock = _OPEN_LOCKS[hash(name) % len(_OPEN_LOCKS)]
-        # an array of an OCDBT database: (its index among the source's small readers, shape, chunk shape,
-        # then its chunk key once known to be one small chunk the decoders handle, or "" when it is not)
-        self._small: tuple[Any, ...] | None = None
-        if source.ocdbt_dir is not None and shape is not None and chunk_shape is not None:
-            self._small = (source.register_small(self), shape, chunk_shape)
-
-    def small_key(self) -> str | None:
-        """The chunk key, when this array is one small chunk read from a walk of its database."""
-        small = self._small
-        if small is None:
-            return None
-        if len(small) == 3:
-            small = self._small = small + (self._small_chunk_key(small[1], small[2]),)
-        return small[3] or None
-
-    def _small_chunk_key(self, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> str:
-        from .. import codecs
-
-        if len(chunk_shape) != len(shape) or any(c < n for c, n in zip(chunk_shape, shape)) or 0 in chunk_shape:
-            return ""
-        problem = codecs.zarr3_stream_problem(self._zmeta) if self._zarr3 else codecs.zarr2_stream_problem(self._zmeta)
-        if problem is not None:
-            return ""
-        try:
-            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(self._zmeta, self._zarr3)
-        except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
-            return ""
-        if nbytes > SMALL_CHUNK_BYTES:
-            return ""
-        return chunk_key(self._name, (0,) * len(shape), self._zarr3, self._zmeta)
-
-    def _small_read(self, region: Region) -> np.ndarray | None:
-        """The region from the chunk an OCDBT walk found, when the array is one small chunk; else None."""
-        key = self.small_key()
-        if key is None:
-            return None
-        index, shape, chunk_shape, _ = self._small  # type: ignore[misc]
-        if region and any((r.start or 0) != 0 or (r.stop if r.stop is not None else n) != n or r.step not in (None, 1)
-                          for r, n in zip(region, shape)):
-            return None
-        data = self._source.small_chunk(index, key)
-        if data is None:
-            return None
-        from .. import codecs
-
-        chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, chunk_shape, f"{self._source.view.url}/{key}")
-        if chunk_shape != shape:  # an edge chunk larger than the array it holds
-            chunk = chunk[tuple(slice(0, n) for n in shape)]
-        return chunk
 
     def start_open(self) -> None:
-        """Start opening the array without waiting (opens of many small arrays then overlap).
-        Not for an array read from an OCDBT walk: it is opened only if its chunk is not found there."""
-        if self.small_key() is None and self._store is None and self._opening is None:
+        """Start opening the array without waiting (opens of many small arrays then overlap)."""
+        if self._store is None and self._opening is None:
             with self._lock:
                 if self._store is None and self._opening is None:
                     self._opening = self._open_future()
@@ -243,9 +216,6 @@ class ZarrRegionReader(ArrayReader):
         """Start reading a region; the returned call waits for it. Many small reads
         started at once let tensorstore run them together (3,000 small leaves:
         0.5 s, against 1.3 s read one by one from four threads)."""
-        small = self._small_read(region)
-        if small is not None:
-            return lambda: small
         store = self._open()
         try:
             view = store[tuple(region)] if region else store
@@ -257,10 +227,6 @@ class ZarrRegionReader(ArrayReader):
 
     def start_read_into(self, region: Region, out: np.ndarray) -> Callable[[], None]:
         """Start reading a region straight into `out` (of the region's shape); the returned call waits."""
-        small = self._small_read(region)
-        if small is not None:
-            out[...] = small
-            return lambda: None
         store = self._open()
         try:
             target = ts.array(out, copy=False)
@@ -277,6 +243,124 @@ class ZarrRegionReader(ArrayReader):
         """Where the stored chunk at grid position `index` lives: (storage, key, zarr metadata, zarr3),
         for decoding its bytes as a stream (ckpt_tool/codecs.py) when it is too large to decode whole."""
         return self._source.view, chunk_key(self._name, index, self._zarr3, self._zmeta), self._zmeta, self._zarr3
+
+
+class LocatedZarrRegionReader(ZarrRegionReader):
+    """A zarr array of an OCDBT database whose whole chunks are read by pread and decoded here.
+
+    Through tensorstore's zarr driver, reading 2.3 GiB of orbax chunks (zstd) took 4.6 s and 8.9
+    CPU-seconds on two cores here, where a pread of the data files takes 0.25 s and zstandard
+    decodes them in 2.0 CPU-seconds; on a TPU VM's sandboxed kernel (gVisor) the driver's file
+    reads cost more still. So a walk of the B+tree locates the chunks of a batch of arrays at a
+    time (ArraySource.located_chunk), one pread reads a chunk's bytes and codecs.py decodes them
+    in the calling thread (zstandard releases the GIL: the copy threads decode in parallel).
+
+    A region that is not one whole chunk, and a chunk the walk does not find, are read through
+    tensorstore as before (which then says how the chunk is missing). starts_reads is False: the
+    scheduler reads a chunk that feeds several regions once, whole, and cuts the pieces from it,
+    so each chunk is still decoded once.
+    """
+
+    __slots__ = ("_located", "_shape", "_chunk_shape")
+
+    starts_reads = False
+
+    def __init__(self, source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
+                 shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> None:
+        super().__init__(source, name, zarr3, zmeta)
+        self._shape = shape
+        self._chunk_shape = chunk_shape
+        self._located = source.register_located(self)
+
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(-(-n // c) for n, c in zip(self._shape, self._chunk_shape))
+
+    def chunk_keys(self) -> list[str]:
+        return [key for _, key in chunk_keys(self._name, self._shape, self._chunk_shape, self._zarr3, self._zmeta)]
+
+    def start_read(self, region: Region) -> Callable[[], np.ndarray]:
+        if not region and self._shape:
+            region = tuple(slice(0, n) for n in self._shape)
+        if len(region) != len(self._shape) or any(r.step not in (None, 1) for r in region) or 0 in self._shape:
+            return super().start_read(region)
+        return lambda: self._read_region(region)
+
+    def start_read_into(self, region: Region, out: np.ndarray) -> Callable[[], None]:
+        out[...] = self.start_read(region)()
+        return lambda: None
+
+    def _whole_chunk(self, region: Region) -> tuple[int, ...] | None:
+        """The grid index of the chunk `region` is exactly (clipped to the array), or None."""
+        index = []
+        for r, n, c in zip(region, self._shape, self._chunk_shape):
+            start = r.start or 0
+            stop = n if r.stop is None else r.stop
+            if start % c or stop != min(start + c, n):
+                return None
+            index.append(start // c)
+        return tuple(index)
+
+    def _read_region(self, region: Region) -> np.ndarray:
+        """The region assembled from the chunks it overlaps, each read and decoded once; through
+        tensorstore if the walk does not find one of them."""
+        index = self._whole_chunk(region)
+        if index is not None:  # the common case: one stored chunk, returned as decoded
+            chunk = self._chunk(index)
+            if chunk is None:
+                return ZarrRegionReader.start_read(self, region)()
+            return chunk
+        bounds = [(r.start or 0, n if r.stop is None else r.stop) for r, n in zip(region, self._shape)]
+        out: np.ndarray | None = None
+        grid = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, self._chunk_shape)]
+        for index in itertools.product(*grid):
+            chunk = self._chunk(index)
+            if chunk is None:
+                return ZarrRegionReader.start_read(self, region)()
+            if out is None:
+                out = np.empty(tuple(hi - lo for lo, hi in bounds), dtype=chunk.dtype)
+            # the part of this chunk inside the region, in the chunk and in the output
+            src, dst = [], []
+            for i, c, (lo, hi) in zip(index, self._chunk_shape, bounds):
+                a, b = max(lo, i * c), min(hi, (i + 1) * c)
+                src.append(slice(a - i * c, b - i * c))
+                dst.append(slice(a - lo, b - lo))
+            out[tuple(dst)] = chunk[tuple(src)]
+        if out is None:  # (an empty region)
+            return ZarrRegionReader.start_read(self, region)()
+        return out
+
+    def _chunk(self, index: tuple[int, ...]) -> np.ndarray | None:
+        """The stored chunk at grid `index`, decoded and clipped to the array; None if the walk
+        does not find it."""
+        from .. import codecs
+
+        key = chunk_key(self._name, index, self._zarr3, self._zmeta)
+        data = self._source.located_chunk(self._located, key)
+        if data is None:
+            return None
+        chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, self._chunk_shape, f"{self._source.view.url}/{key}")
+        del data
+        if any((i + 1) * c > n for i, c, n in zip(index, self._chunk_shape, self._shape)):  # an edge chunk
+            chunk = chunk[tuple(slice(0, min(c, n - i * c)) for i, c, n in zip(index, self._chunk_shape, self._shape))]
+        return chunk
+
+
+def region_reader(source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
+                  shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> ZarrRegionReader:
+    """The reader of one array: a LocatedZarrRegionReader where its chunks can be read without
+    tensorstore (an OCDBT database, codecs codecs.py decodes, chunks up to LOCATED_CHUNK_BYTES)."""
+    from .. import codecs
+
+    if LOCATED_READS and source.ocdbt_dir is not None and len(chunk_shape) == len(shape) and 0 not in chunk_shape:
+        problem = codecs.zarr3_stream_problem(zmeta) if zarr3 else codecs.zarr2_stream_problem(zmeta)
+        try:
+            nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(zmeta, zarr3)
+        except Exception:  # noqa: BLE001 - a dtype the decoders do not know: tensorstore reads it
+            problem = "its dtype"
+        if problem is None and nbytes <= LOCATED_CHUNK_BYTES:
+            return LocatedZarrRegionReader(source, name, zarr3, zmeta, shape, chunk_shape)
+    return ZarrRegionReader(source, name, zarr3, zmeta)
 
 
 def chunk_key(name: str, index: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]) -> str:

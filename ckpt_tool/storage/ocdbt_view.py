@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import CkptError, TruncatedFileError
+from ..errors import CkptError, NotFoundError, TruncatedFileError
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
 from .kvstore_backend import KvstoreBackend
@@ -75,21 +75,38 @@ class OcdbtBackend(KvstoreBackend):
         """Out-of-line values, read concurrently by byte range from the data files (relative to the
         database root) the B+tree walk found them in."""
         base_url = self.url[: -len(_OCDBT_SUFFIX)] if self.url.endswith(_OCDBT_SUFFIX) else self.url
+        out: dict[str, bytes] = {}
+        if self.base.capabilities.local_files and len(refs) == 1:
+            # one value of a local database (a chunk a reader asked for): by pread. Through the file
+            # kvstore, which opens the file per read and hands its buffer over as a copy, 2 GiB of
+            # chunks cost 2.9 CPU-seconds here, and far more on a sandboxed kernel (gVisor)
+            (key, ref), = refs.items()
+            try:
+                out[key] = self.base.read(ref.path, slice(ref.offset, ref.offset + ref.length))
+            except TruncatedFileError as exc:  # said in the same words as below
+                self._check_length(key, ref, max(0, exc.size - ref.offset), f"{base_url}/{ref.path}")
+            except NotFoundError:  # (the file kvstore reads a missing file as empty)
+                self._check_length(key, ref, 0, f"{base_url}/{ref.path}")
+            return out
         futures = {key: self.base.kvstore.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length))
                    for key, ref in refs.items()}
-        out: dict[str, bytes] = {}
         for key, fut in futures.items():
             ref = refs[key]
             where = f"{base_url}/{ref.path}"  # the data file, as validate names it
             res = self.wait(fut, "cannot read", where, nbytes=ref.length)
             data = bytes(res.value) if res.state == "value" else b""
-            if len(data) != ref.length:
-                # (a read that ends short ends at the end of the file)
-                raise TruncatedFileError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
-                                         f"the data file holds {len(data)} of them", where,
-                                         size=ref.offset + len(data), cause=ocdbt_truncated_cause(ref.offset + len(data)))
+            self._check_length(key, ref, len(data), where)
             out[key] = data
         return out
+
+    @staticmethod
+    def _check_length(key: str, ref: ocdbt_bulk.IndirectValue, got: int, where: str) -> None:
+        """An error unless `got` (the bytes read) is the value's length."""
+        if got != ref.length:
+            # (a read that ends short ends at the end of the file)
+            raise TruncatedFileError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
+                                     f"the data file holds {got} of them", where,
+                                     size=ref.offset + got, cause=ocdbt_truncated_cause(ref.offset + got))
 
 
 class OcdbtBulkReads:

@@ -37,6 +37,7 @@ import struct
 import sys
 import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
@@ -60,6 +61,8 @@ DEFAULT_FILE_MB = 32  # files buffered at once: the one filling plus those being
 # below directio.MIN_DIRECT_BYTES, so they are placed back to back, unaligned
 COALESCE_BELOW = 64 * 1024
 COALESCE_BYTES = 1 << 20
+# data files fsynced at once, behind the copy threads (see _flush)
+CLOSE_THREADS = 4
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
 
 Buffer = Union[bytes, memoryview]
@@ -464,6 +467,8 @@ class DcpWriter(CheckpointWriter):
         self._next_file = 0
         self._state = "new"  # new -> writing -> finished -> committed | aborted
         self._save_id = ""
+        self._closer: ThreadPoolExecutor | None = None  # closes (fsyncs) sealed local files
+        self._closing: list[Future[None]] = []
 
     # -- protocol ----------------------------------------------------------------
     def begin(self, plan: WritePlan) -> None:
@@ -553,6 +558,7 @@ class DcpWriter(CheckpointWriter):
             raise DcpWriteError(f"data file {unfinished[0]} still has writes in progress")
         for f in ready:
             self._flush(f)
+        self._wait_closed()
         if plan.process_count > 1 and plan.process_index != 0:
             self._storage.write(f"{SIDECAR_PREFIX}{plan.process_index}", self._sidecar())
         self._state = "finished"
@@ -602,6 +608,10 @@ class DcpWriter(CheckpointWriter):
             self._current = None
             self._entries.clear()
             files, self._files = self._files, []
+        try:
+            self._wait_closed()
+        except Exception:  # noqa: BLE001 - the output is being thrown away: its close errors with it
+            pass
         for f in files:
             if f.local is not None:
                 f.done = True
@@ -736,6 +746,18 @@ class DcpWriter(CheckpointWriter):
         for f in ready:
             self._flush(f)
 
+    def _wait_closed(self) -> None:
+        """Wait for every file handed to the closer threads; the first close's error is raised."""
+        with self._lock:
+            closing, self._closing = self._closing, []
+            closer, self._closer = self._closer, None
+        try:
+            for fut in closing:
+                fut.result()
+        finally:
+            if closer is not None:
+                closer.shutdown(wait=True)
+
     @staticmethod
     def _take_pending(f: _OpenFile) -> tuple[int, list[Buffer], bool]:
         """The small archives waiting in `f`, as one write, never direct (lock held)."""
@@ -763,7 +785,13 @@ class DcpWriter(CheckpointWriter):
 
     def _flush(self, f: _OpenFile) -> None:
         if f.local is not None:
-            f.local.close()
+            # closed (fsynced) by the closer threads: a copy thread that waited for the disk here
+            # held its next chunk back (on a TPU VM's gVisor kernel, where the data reaches the
+            # disk only at fsync, 4 of 30 busy thread-seconds of a 2.3 GiB convert)
+            with self._lock:
+                if self._closer is None:
+                    self._closer = ThreadPoolExecutor(CLOSE_THREADS, thread_name_prefix="ckpt-dcp-close")
+                self._closing.append(self._closer.submit(f.local.close))
             return
         # the kvstore takes the bytearray as it is: no extra copy of the file here
         data, f.data = f.data, bytearray()

@@ -18,7 +18,7 @@ from ...arrays import schema
 from ...arrays.reading import (  # noqa: F401
     ROOT_MANIFEST, SHARDING, STRINGS, TREE_METADATA, ArraySource, json_leaves, StringsFile, UnmergedRegionReader, ZarrRegionReader,
     chunk_key, chunk_keys, parse_sharding, parse_zarr_metadata, read_json, read_shardings, read_zarr_metadata,
-    sharding_model,
+    region_reader, sharding_model,
 )
 from ...errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, StorageUnavailableError, UsageError,
@@ -556,7 +556,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 # unmerged OCDBT: each process holds its own chunks of the array
                 reader = UnmergedRegionReader(sources, name, use_zarr3, zmeta, shape, chunk_shape)
             else:
-                reader = ZarrRegionReader(source, name, use_zarr3, zmeta, shape, chunk_shape)
+                reader = region_reader(source, name, use_zarr3, zmeta, shape, chunk_shape)
             if value_type == "scalar":
                 leaves.append(ValueLeaf(
                     keys=full_keys, name=name, value_type="scalar", dtype=dtype,
