@@ -45,7 +45,7 @@ from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
 # format packages and the scheduler) sits with the model; a format package's registration.py (its
 # registry entries, read by the registry by file path) is the registry's.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "parallel", "findings",
+    ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "bufferpool", "parallel", "findings",
               "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options",
               "topology")),
     ("storage", ("storage",)),

@@ -70,7 +70,7 @@ class ArraySource:
         self.located_readers.append(reader)
         return len(self.located_readers) - 1
 
-    def located_chunk(self, index: int, key: str) -> bytes | None:
+    def located_chunk(self, index: int, key: str) -> bytes | memoryview | None:
         """The stored bytes of chunk `key` of located reader `index`, or None when the database does
         not hold it (the caller then reads through tensorstore, which says how it is missing)."""
         with self._lock:
@@ -89,7 +89,7 @@ class ArraySource:
         if value is None:
             return None
         self.view.log.record(key)
-        return value if isinstance(value, bytes) else self.view.read_located(key, value)
+        return value if isinstance(value, bytes) else self.view.read_located(key, value, pooled=True)
 
     def _cut_located_batches(self) -> None:
         """Group the located readers into batches of about LOCATED_BATCH_KEYS chunk keys (lock held)."""

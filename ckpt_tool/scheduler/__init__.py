@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 from ..errors import CkptError
 from ..model import ArrayLeaf
+from ..bufferpool import POOL
 from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, parse_memory
 from .execution import Executor
 from .planning import Plan, _Unit, streams
@@ -60,6 +61,8 @@ class Scheduler:
                  reserve: int = 0) -> None:
         self.memory = memory
         self.workers = max(1, workers)
+        # the decoders' idle buffers kept for the next chunks (bufferpool.py): a share of the budget
+        POOL.limit = memory // 4
         self.stats = ReadStats(budget=memory)
         self.admission = MemoryBudget(memory, reserve, self.stats)
         self.budget = self.admission.limit

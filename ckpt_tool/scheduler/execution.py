@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .. import dtypes
+from ..bufferpool import POOL
 from ..errors import CkptError
 from ..formats.contract import reader_of
 from ..model import ArrayLeaf, Region
@@ -30,6 +31,13 @@ from .planning import Plan, _Unit
 from .regions import _intersect, _local, _size
 from .streaming import StreamPlan
 from .wants import ReadStats, Want
+
+
+def _copy(src: np.ndarray) -> np.ndarray:
+    """`src` copied into a buffer of its own (from bufferpool.POOL: a reused one where it can)."""
+    out = POOL.empty(src.shape, src.dtype)
+    out[...] = src
+    return out
 
 
 def _reads_into(leaf: ArrayLeaf) -> bool:
@@ -107,7 +115,7 @@ class Executor:
                 if whole_part and st.bufs[pi] is None:
                     # the block holds the whole part: no assembly
                     own = (want.keeps or len(want.parts) > 1) and src.nbytes != block.nbytes
-                    st.bufs[pi] = np.array(src) if own else src
+                    st.bufs[pi] = _copy(src) if own else src
                     copy = False
                 else:
                     if st.bufs[pi] is None:
@@ -115,8 +123,8 @@ class Executor:
                         if lazy_charge and not st.charged:
                             self.budget.take(need)
                             st.charged = need
-                        st.bufs[pi] = np.empty(tuple(r.stop - r.start for r in part_region),
-                                               dtype=dtypes.numpy_dtype(want.parts[pi][0].dtype))
+                        st.bufs[pi] = POOL.empty(tuple(r.stop - r.start for r in part_region),
+                                                 dtypes.numpy_dtype(want.parts[pi][0].dtype))
                     copy = True
             if copy:
                 st.bufs[pi][_local(sub, part_region)] = src  # type: ignore[index]
@@ -191,8 +199,8 @@ class Executor:
                     if not st.charged:
                         self.budget.take(want.nbytes)
                         st.charged = want.nbytes
-                    st.bufs[pi] = np.empty(tuple(r.stop - r.start for r in part_region),
-                                           dtype=dtypes.numpy_dtype(want.parts[pi][0].dtype))
+                    st.bufs[pi] = POOL.empty(tuple(r.stop - r.start for r in part_region),
+                                             dtypes.numpy_dtype(want.parts[pi][0].dtype))
                 dest = st.bufs[pi][_local(inter, part_region)]  # type: ignore[index]
             started.append((st, wi, pi, _size(inter), start_into(inter, dest)))
         for *_, finish in started:

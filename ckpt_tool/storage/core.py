@@ -241,9 +241,11 @@ class Storage:
         Nothing is logged as read: a caller that uses a value records it (log.record)."""
         return self._ocdbt_view().locate_values([self._checked(k) for k in keys])
 
-    def read_located(self, key: str, ref: ocdbt_bulk.IndirectValue) -> bytes:
-        """An out-of-line value of this OCDBT view where locate_values found it."""
-        return self._ocdbt_view().read_located({key: ref})[key]
+    def read_located(self, key: str, ref: ocdbt_bulk.IndirectValue, *, pooled: bool = False) -> bytes | memoryview:
+        """An out-of-line value of this OCDBT view where locate_values found it. pooled: a local
+        value is read into a buffer of bufferpool.POOL (a memoryview), for a caller that lets go
+        of it once decoded."""
+        return self._ocdbt_view().read_located({key: ref}, pooled=pooled)[key]
 
     def _ocdbt_view(self) -> OcdbtBackend:
         if not isinstance(self.backend, OcdbtBackend):

@@ -11,6 +11,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from ..bufferpool import POOL
 from ..errors import CkptError, NotFoundError, TruncatedFileError
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
@@ -71,18 +72,24 @@ class OcdbtBackend(KvstoreBackend):
         out.update((k[cut:], v) for k, v in indirect.items())
         return out
 
-    def read_located(self, refs: dict[str, ocdbt_bulk.IndirectValue]) -> dict[str, bytes]:
+    def read_located(self, refs: dict[str, ocdbt_bulk.IndirectValue], *,
+                     pooled: bool = False) -> dict[str, bytes | memoryview]:
         """Out-of-line values, read concurrently by byte range from the data files (relative to the
         database root) the B+tree walk found them in."""
         base_url = self.url[: -len(_OCDBT_SUFFIX)] if self.url.endswith(_OCDBT_SUFFIX) else self.url
-        out: dict[str, bytes] = {}
+        out: dict[str, bytes | memoryview] = {}
         if self.base.capabilities.local_files and len(refs) == 1:
             # one value of a local database (a chunk a reader asked for): by pread. Through the file
             # kvstore, which opens the file per read and hands its buffer over as a copy, 2 GiB of
             # chunks cost 2.9 CPU-seconds here, and far more on a sandboxed kernel (gVisor)
             (key, ref), = refs.items()
             try:
-                out[key] = self.base.read(ref.path, slice(ref.offset, ref.offset + ref.length))
+                if pooled:  # into a reused buffer (bufferpool.py): fresh memory faults on every page
+                    buf = POOL.bytes(ref.length)
+                    self.base.read_into(ref.path, ref.offset, buf)
+                    out[key] = buf
+                else:
+                    out[key] = self.base.read(ref.path, slice(ref.offset, ref.offset + ref.length))
             except TruncatedFileError as exc:  # said in the same words as below
                 self._check_length(key, ref, max(0, exc.size - ref.offset), f"{base_url}/{ref.path}")
             except NotFoundError:  # (the file kvstore reads a missing file as empty)
