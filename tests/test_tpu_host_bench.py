@@ -39,6 +39,9 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
         "256 TPU v5e chips of a v5e:16x16 (from --topology v5e:16x16)"
     assert {f"reshard this host, --workers {w}" for w in (1, 2, 8, 13, "default")} <= set(steps)
     assert "reshard while another process holds the chip" in steps
+    # the ratios' steps ran three times each (the ratios are between medians)
+    for step in ("disk floor: cp -r && sync", "convert orbax -> DCP", "orbax route: restore with new shardings + save"):
+        assert {f"{step} (round {k})" for k in (2, 3)} <= set(steps), step
     table = (out / "table.txt").read_text()
     rows, ratios = table.split("\n\n")
     assert rows.splitlines()[0].split()[:2] == ["step", "seconds"] and len(rows.splitlines()) == len(steps) + 1
