@@ -31,7 +31,7 @@ def output_options(command: Callable) -> Callable:
         click.option("--overwrite", is_flag=True,
                      help="Replace an existing DST if it is a checkpoint or an empty directory (nothing else is ever replaced)."),
         click.option("--step", metavar="STEP", help="Source run root (any framework `ckpt ls` lists): a step number, a step's name or 'latest'."),
-        click.option("--workers", type=click.IntRange(min=1), default=copy_workers, show_default="min(8, 2 x cores)", help="Parallel chunk copies."),
+        click.option("--workers", type=click.IntRange(min=1), default=copy_workers, show_default="2 x cores up to 8, then cores, at most 16", help="Parallel chunk copies."),
     ]):
         command = option(command)
     return command
