@@ -442,6 +442,11 @@ def compute_targets(results: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get(_GENERATOR_ENV) == "1" and len(argv) == 2 and argv[0] == "--generate":
+        # internal, in the megatron venv: convert_bench (and its parser) is not imported there
+        _generate(argv[1])
+        return 0
     ap = cb.bench_parser(__doc__, "rebuild the cached Megatron save in bench/out/", settle_default=None,
                          settle_help="sync, then pause S seconds before every timed run (default: convert_bench's)")
     args = ap.parse_args(argv)
