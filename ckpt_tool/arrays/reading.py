@@ -18,6 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from .. import dtypes
+from ..bufferpool import POOL
 from ..formats.contract import ArrayReader
 from ..errors import CkptError, CorruptMetadataError, NotFoundError
 from ..model import Key, Leaf, Region, Sharding, ValueLeaf
@@ -255,10 +256,10 @@ class LocatedZarrRegionReader(ZarrRegionReader):
     time (ArraySource.located_chunk), one pread reads a chunk's bytes and codecs.py decodes them
     in the calling thread (zstandard releases the GIL: the copy threads decode in parallel).
 
-    A region that is not one whole chunk, and a chunk the walk does not find, are read through
-    tensorstore as before (which then says how the chunk is missing). starts_reads is False: the
-    scheduler reads a chunk that feeds several regions once, whole, and cuts the pieces from it,
-    so each chunk is still decoded once.
+    A region of several chunks (a small leaf read whole) is assembled from them; a region with a
+    chunk the walk does not find is read through tensorstore as before (which then says how the
+    chunk is missing). starts_reads is False: the scheduler reads a chunk that feeds several
+    regions once, whole, and cuts the pieces from it, so each chunk is still decoded once.
     """
 
     __slots__ = ("_located", "_shape", "_chunk_shape")
@@ -318,7 +319,7 @@ class LocatedZarrRegionReader(ZarrRegionReader):
             if chunk is None:
                 return ZarrRegionReader.start_read(self, region)()
             if out is None:
-                out = np.empty(tuple(hi - lo for lo, hi in bounds), dtype=chunk.dtype)
+                out = POOL.empty(tuple(hi - lo for lo, hi in bounds), chunk.dtype)
             # the part of this chunk inside the region, in the chunk and in the output
             src, dst = [], []
             for i, c, (lo, hi) in zip(index, self._chunk_shape, bounds):
