@@ -191,3 +191,25 @@ def test_a_forked_child_gets_its_own_background_thread(tmp_path):
         pytest.fail("the child hung waiting for background jobs")
     assert os.waitstatus_to_exitcode(status) == 0
     assert (tmp_path / "child").stat().st_size == 4 * MiB
+
+
+@pytest.mark.parametrize("setting, gvisor, enabled", [
+    ("", False, True), ("", True, False),  # off by default on gVisor, where the hints only sync
+    ("0", False, False), ("1", True, True),  # CKPT_PAGECACHE forces them off / on
+])
+def test_the_hints_are_off_on_gvisor_unless_forced(tmp_path, setting, gvisor, enabled):
+    import subprocess
+    import sys
+
+    # gVisor is told by the kernel version it reports: a stand-in /proc/version through builtins.open
+    version = "Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016\n" if gvisor else "Linux version 6.1.0\n"
+    probe = (
+        "import builtins, io, os\n"
+        "real = builtins.open\n"
+        f"builtins.open = lambda p, *a, **k: io.StringIO({version!r}) if p == '/proc/version' else real(p, *a, **k)\n"
+        "from ckpt_tool import pagecache\n"
+        "print(pagecache.ENABLED)\n"
+    )
+    env = {**os.environ, "CKPT_PAGECACHE": setting}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == str(enabled)
