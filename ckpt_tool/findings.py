@@ -79,7 +79,7 @@ class Finding:
             raise ValueError(f"unknown finding code {self.code!r}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "severity": self.severity, "code": self.code, "leaf": self.leaf,
             "file": self.file, "message": self.message,
         }

@@ -281,7 +281,7 @@ class TensorReader(ArrayReader):
 def repeating_view_notes(paths: list[tuple[Key, ...]], values: list[Any], shown: int = 4) -> list[str]:
     """inspect's notes on views whose logical size is far above their stored bytes (an expand: stride 0;
     overlapping strides): "w: a view of 4 stored bytes (stride 0), 1,099,511,627,776 bytes logically"."""
-    notes = []
+    notes: list[str] = []
     for path, value in zip(paths, values):
         if not isinstance(value, TensorRef):
             continue
