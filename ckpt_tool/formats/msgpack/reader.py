@@ -242,7 +242,7 @@ def _choose(storage: Storage, steps: list[_Entry], step: str | int | None) -> _E
             )
         return committed[-1]
     try:
-        want = int(step)  # type: ignore[arg-type]
+        want = int(step)
     except (TypeError, ValueError):
         named = [s for s in steps if s.name == step]
         if named:
@@ -513,7 +513,7 @@ class _Builder:
             raise bad
         dims = dict(shape_node.items)
         try:
-            shape = tuple(int(dims[str(i)].value) for i in range(len(dims)))  # type: ignore[union-attr]
+            shape = tuple(int(dims[str(i)].value) for i in range(len(dims)))
         except (KeyError, AttributeError, TypeError, ValueError):
             raise bad from None
         pieces = dict(chunks_node.items)
