@@ -796,7 +796,7 @@ class DcpWriter(CheckpointWriter):
             return
         # the kvstore takes the bytearray as it is: no extra copy of the file here
         data, f.data = f.data, bytearray()
-        self._storage.write(f.name, data)  # type: ignore[arg-type]
+        self._storage.write(f.name, data)
 
     def _sidecar(self) -> bytes:
         plan = self._require_plan()
