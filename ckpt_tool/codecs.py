@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -165,7 +165,7 @@ def zarr2_stream_problem(zmeta: dict[str, Any]) -> str | None:
     return None
 
 
-def _zarr3_codecs(zmeta: dict[str, Any]) -> tuple[str | None, str, bool] | str:
+def _zarr3_codecs(zmeta: dict[str, Any]) -> tuple[str | None, Literal["<", ">"], bool] | str:
     """A zarr v3 array's chunk codecs as (compressor or None, endian, sharded), or why they cannot stream.
 
     Streamable: `bytes` then optionally `zstd` or `gzip`; or, as orbax writes
@@ -215,7 +215,10 @@ class ChunkStream:
         size = storage.size(key)
         start = 0
         if zarr3:
-            cid, endian, sharded = _zarr3_codecs(zmeta)  # type: ignore[misc]
+            codecs = _zarr3_codecs(zmeta)
+            if isinstance(codecs, str):  # (not after zarr3_stream_problem above: the types only)
+                raise CkptError(f"cannot decode as a stream: {codecs}", key)
+            cid, endian, sharded = codecs
             if sharded:
                 start, size = _one_chunk_shard(storage, key, size)
             self._np_dtype = _zarr3_numpy_dtype(zmeta, endian)
@@ -243,7 +246,7 @@ class ChunkStream:
         """The next band of decoded elements, as a native-order array of `shape`."""
         out = POOL.empty(shape, self._np_dtype)
         want = out.nbytes
-        view = memoryview(out.reshape(-1).view(np.uint8)) if want else memoryview(b"")
+        view = out.reshape(-1).view(np.uint8).data if want else memoryview(b"")
         got = 0
         try:
             while got < want:
@@ -297,7 +300,7 @@ def _one_chunk_shard(storage: Storage, key: str, size: int) -> tuple[int, int]:
     return offset, offset + nbytes
 
 
-def _zarr3_numpy_dtype(zmeta: dict[str, Any], endian: str) -> np.dtype:
+def _zarr3_numpy_dtype(zmeta: dict[str, Any], endian: Literal["<", ">"]) -> np.dtype:
     native = dtypes.numpy_dtype(dtypes.from_zarr3(zmeta["data_type"]).name)
     return native.newbyteorder(endian) if native.itemsize > 1 else native
 
@@ -307,7 +310,7 @@ def _zarr2_numpy_dtype(zmeta: dict[str, Any]) -> np.dtype:
     native = dtypes.numpy_dtype(dtypes.from_zarr2(zmeta["dtype"]).name)
     text = zmeta["dtype"]
     if isinstance(text, str) and text[:1] in "<>" and native.itemsize > 1:
-        return native.newbyteorder(text[0])
+        return native.newbyteorder("<" if text[0] == "<" else ">")
     return native
 
 

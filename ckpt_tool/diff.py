@@ -27,7 +27,7 @@ from . import dtypes, values
 from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
 from .filters import Glob
-from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, parse_rename_rules
+from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, constant_loader, parse_rename_rules
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .structure import RecordedStructure
 from .validate.deep import chunk_regions
@@ -150,7 +150,7 @@ def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, L
             if isinstance(sub, np.ndarray):
                 out[sub_path] = _memory_leaf(keys, ".".join(map(str, keys)), sub)
             else:
-                out[sub_path] = ValueLeaf(keys, leaf.name, leaf.value_type, loader=lambda v=sub: v)
+                out[sub_path] = ValueLeaf(keys, leaf.name, leaf.value_type, loader=constant_loader(sub))
     return out
 
 
@@ -255,9 +255,11 @@ def _diff_checkpoints(
         la, lb = left[path], right[path]
         report.compared += 1
         meta = _metadata_difference(path, la, lb)
-        if meta and cast_ok and meta.kind == "dtype" and _castable(la.dtype, lb.dtype):  # type: ignore[union-attr]
+        # (a dtype difference is between two arrays: the isinstance checks only say so to the types)
+        if (meta and cast_ok and meta.kind == "dtype" and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf)
+                and _castable(la.dtype, lb.dtype)):
             # a cast conversion: the dtype change is reported once per pair of dtypes, not per leaf
-            pair = (la.dtype, lb.dtype)  # type: ignore[union-attr]
+            pair = (la.dtype, lb.dtype)
             casts.setdefault(pair, DtypeCast(*pair)).paths.append(path)
             meta = None
         if meta:

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from .text import is_unicode_text
 from .values import SameObject
 from .formats.contract import CheckpointWriter, WriterModule
 from .writers import Target, TargetArray, TargetValue, WritePlan
+
+if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
+    from . import distributed
 
 # Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
 # at this size unless --chunk-mb says otherwise: zarr chunks are encoded and
@@ -714,7 +717,7 @@ class PlannedWrite:
 
 
 class Coordinator:
-    """Barriers between the processes of a multi-host run (one process: no-ops)."""
+    """A single-process run's coordinator (distributed.Coordinator: the interface): its barriers are no-ops."""
 
     process_index = 0
     process_count = 1
@@ -729,7 +732,7 @@ def convert(
     opts: ConvertOptions,
     *,
     progress: Progress = no_progress,
-    coordinator: Coordinator | None = None,
+    coordinator: distributed.Coordinator | None = None,
     planned: PlannedWrite | None = None,
 ) -> ConvertResult:
     """Convert `source` into `destination` in format opts.to; all or nothing.
@@ -750,7 +753,7 @@ def _convert(
     opts: ConvertOptions,
     *,
     progress: Progress,
-    coordinator: Coordinator | None,
+    coordinator: distributed.Coordinator | None,
     planned: PlannedWrite | None,
 ) -> ConvertResult:
     coord = coordinator or Coordinator()

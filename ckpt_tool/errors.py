@@ -170,7 +170,8 @@ def short_repr(value: Any, limit: int = 60) -> str:
                 put("[...]" if t is list else "{...}" if t is dict else "(...)")
                 return
             on_path.add(id(v))
-            opening, closing = {list: ("[", "]"), tuple: ("(", ")"), dict: ("{", "}")}.get(t, ("{", "}"))
+            brackets: dict[type, tuple[str, str]] = {list: ("[", "]"), tuple: ("(", ")"), dict: ("{", "}")}
+            opening, closing = brackets.get(t, ("{", "}"))
             if t is frozenset:
                 opening, closing = "frozenset({", "})"
             put(opening)

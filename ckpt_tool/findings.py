@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 ERROR = "error"
 WARNING = "warning"
@@ -79,7 +79,7 @@ class Finding:
             raise ValueError(f"unknown finding code {self.code!r}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "severity": self.severity, "code": self.code, "leaf": self.leaf,
             "file": self.file, "message": self.message,
         }
@@ -92,6 +92,16 @@ class Finding:
 # findings of one severity and code for one leaf past this many are counted,
 # not listed: a tensor claiming 2^62 chunks must not print 2^62 lines
 MAX_PER_LEAF = 50
+
+
+class FindingSink(Protocol):
+    """What a check reports into: Findings, or a wrapper of it (Megatron's per-rank leaf names)."""
+
+    def error(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None: ...
+
+    def warning(self, code: str, message: str, *, leaf: str | None = None, file: str | None = None) -> None: ...
+
+    def count(self, what: str, n: int = 1) -> None: ...
 
 
 @dataclass

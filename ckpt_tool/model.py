@@ -383,6 +383,11 @@ class ValueLeaf:
         return f"ValueLeaf({self.path!r}, {self.value_type})"
 
 
+def constant_loader(value: Any) -> Callable[[], Any]:
+    """A ValueLeaf loader of a value already decoded (a closure over it: each call site's own value)."""
+    return lambda: value
+
+
 Leaf = Union[ArrayLeaf, ValueLeaf]
 
 

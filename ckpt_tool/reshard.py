@@ -33,7 +33,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -49,7 +49,10 @@ from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Shardi
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
 from .text import is_ascii_number
 from .topology import Topology, host_topology, named_topology
-from .writers import TargetArray, WritePlan
+from .writers import Target, TargetArray, WritePlan
+
+if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
+    from . import distributed
 
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
 _TARGET_DATA_FILE_SIZE = 2**31
@@ -625,7 +628,7 @@ def plan_reshard(
     destination: str,
     opts: ReshardOptions,
     *,
-    coordinator: Coordinator | None = None,
+    coordinator: distributed.Coordinator | None = None,
 ) -> ReshardPlan:
     """The new layout of every leaf, checked, with the chunk grid and the writer of each chunk.
 
@@ -644,7 +647,7 @@ def _plan_reshard(
     destination: str,
     opts: ReshardOptions,
     *,
-    coordinator: Coordinator | None,
+    coordinator: distributed.Coordinator | None,
 ) -> ReshardPlan:
     coord = coordinator or Coordinator()
     process_count = max(coord.process_count, opts.process_count or 1)
@@ -670,7 +673,7 @@ def _plan_reshard(
     target_file_size = _GCS_TARGET_DATA_FILE_SIZE if destination.startswith("gs://") else _TARGET_DATA_FILE_SIZE
 
     leaves: list[LeafPlan] = []
-    targets = []
+    targets: list[Target] = []
     for target in base.targets:
         if not isinstance(target, TargetArray):
             targets.append(target)
@@ -793,7 +796,7 @@ def reshard(
     opts: ReshardOptions,
     *,
     progress: Progress = no_progress,
-    coordinator: Coordinator | None = None,
+    coordinator: distributed.Coordinator | None = None,
 ) -> ReshardResult:
     """Write `source` laid out for the new mesh into `destination` (Orbax); all or nothing.
 

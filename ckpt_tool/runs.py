@@ -97,11 +97,11 @@ def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any
     """validate's report on one step (shallow, or deep)."""
     from .validate import validate_checkpoint  # (lazily: `ckpt ls` without --check never loads it)
 
-    by_root = {"step": row.step if row.step is not None else row.name, "deep": deep}
+    step: str | int = row.step if row.step is not None else row.name  # (through the root)
     if not row.is_dir:
         # a file step (Flax checkpoint_N): through the root, by the format's own step rules, so that
         # object stores work too
-        return validate_checkpoint(root_url, **by_root)
+        return validate_checkpoint(root_url, step=step, deep=deep)
     url = f"{row.url}/{layout.payload}" if layout.payload else row.url
     try:
         # the step alone (through the root, orbax's reader would read every step's metadata first)
@@ -110,7 +110,7 @@ def _validate(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> Any
         if not layout.own_root:
             raise
         # a step that is not a checkpoint on its own (orbax <= 0.4's named items): through the root
-        return validate_checkpoint(root_url, **by_root)
+        return validate_checkpoint(root_url, step=step, deep=deep)
 
 
 def _checked(root_url: str, layout: RunLayout, row: StepRow, deep: bool) -> dict[str, Any]:

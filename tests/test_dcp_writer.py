@@ -412,6 +412,16 @@ def test_memory_storage() -> None:
     assert ck["cfg"].load() == VALUES["cfg"][1]
 
 
+def test_memory_storage_archives_over_file_mb() -> None:
+    # each archive at least file_mb: a file of its own, assembled in memory from the archive's
+    # parts (a filled template's include a bytearray)
+    url = "memory://dcp-writer-test/own-files"
+    write(url, file_mb=1 / 2**20)
+    ck = ckpt_tool.open(url)
+    for name, data in _data().items():
+        np.testing.assert_array_equal(as_bytes(ck[name].read()), as_bytes(data))
+
+
 # ---------------------------------------------------------------------------
 # Several processes, file rollover
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from .. import dtypes
 from ..bufferpool import POOL
 from ..formats.contract import ArrayReader
 from ..errors import CkptError, CorruptMetadataError, NotFoundError
-from ..model import Key, Leaf, Region, Sharding, ValueLeaf
+from ..model import Key, Leaf, Region, Sharding, ValueLeaf, constant_loader
 from ..storage import Reads, Storage, ts_error_text
 from . import schema
 
@@ -576,7 +576,7 @@ def json_leaves(storage: Storage, file: str, prefix: tuple[Key, ...], name: str)
         else:
             leaves.append(ValueLeaf(
                 keys=keys, name=".".join(str(k) for k in keys), value_type="json",
-                loader=lambda v=value: v, extra={"json_type": type(value).__name__},
+                loader=constant_loader(value), extra={"json_type": type(value).__name__},
             ))
 
     # a JSON item holding one scalar is one leaf named after the item, even as the unnamed `default`

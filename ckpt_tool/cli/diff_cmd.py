@@ -121,8 +121,8 @@ def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explici
     of a run root opened (--step, else the one its framework resumes from; None: no run root)."""
     if not is_json:
         # a run root of any framework: the run layouts' table picks the step
-        path, step, opened = resolve_step(path, step)
-        return open_checkpoint(path, step=step), opened
+        path, reader_step, opened = resolve_step(path, step)
+        return open_checkpoint(path, step=reader_step), opened
     # usage errors first: they are about the command line, whatever the file holds
     if values:
         raise click.UsageError(

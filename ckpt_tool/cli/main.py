@@ -227,8 +227,9 @@ def _command_context(args: list[str]) -> click.Context:
     """A context naming the command in `args` (for its usage line), else the group's."""
     group = click.Context(cli, info_name="ckpt")
     name = args[0] if args else None
-    if name in COMMANDS:
-        return click.Context(cli.get_command(group, name), info_name=name, parent=group)
+    command = cli.get_command(group, name) if name in COMMANDS else None
+    if command is not None:
+        return click.Context(command, info_name=name, parent=group)
     return group
 
 
@@ -245,6 +246,8 @@ def _json_requested(args: list[str]) -> bool:
     try:
         group = click.Context(cli, info_name="ckpt", resilient_parsing=True)
         command = cli.get_command(group, name)
+        if command is None:
+            return False
         rest = list(args[1:])
         if isinstance(command, click.Group) and rest and rest[0] in command.commands:
             # a command group (`ckpt manifest verify ... --json`): its subcommand's own options

@@ -393,13 +393,13 @@ def _walk(md: Any, parsed: dcp._ParsedMetadata | None, findings: Findings,
     # name the same leaf as `ckpt inspect` and --deep do
     naming = dcp._ParsedMetadata(items={}, storage={}, planner_data=md.planner_data, version=None)
 
-    def leaf_of(fqn: str) -> str:  # noqa: F811 - (one of the two branches' namings)
+    def named_leaf(fqn: str) -> str:
         return leaf_path(fqn) if leaf_path is not None else keys_path(naming.keys_for(fqn))
 
-    entries, malformed = _storage_entries(md.storage_data, leaf_of, findings)
-    tensors, bytes_fqns = _items(md.state_dict_metadata, leaf_of, findings,
+    entries, malformed = _storage_entries(md.storage_data, named_leaf, findings)
+    tensors, bytes_fqns = _items(md.state_dict_metadata, named_leaf, findings,
                                  md.planner_data if report_metadata else None)
-    return leaf_of, entries, malformed, tensors, bytes_fqns
+    return named_leaf, entries, malformed, tensors, bytes_fqns
 
 
 def _parsed_items(
@@ -1451,7 +1451,8 @@ def _compare_copy(
         return storage.read_range(name, start + a, start + b)
 
     try:
-        fetch, length = fetch_raw, end - start
+        fetch: Callable[[int, int], bytes] = fetch_raw
+        length = end - start
         if kind == "zstd":
             decoded = dcp_transforms.DecodedEntry(
                 fetch_raw, end - start, [dcp_transforms.KNOWN[0]], where,

@@ -128,7 +128,7 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
     duplicates = 0
     for fqn, item in parsed.items.items():
         keys = keys_of[fqn] if keys_of is not None else parsed.keys_for(fqn)
-        if type(item) is _TensorItem:
+        if isinstance(item, _TensorItem):
             leaves.append(array_leaf(fqn, keys, item))
             duplicates += item.duplicates
         else:
@@ -596,10 +596,10 @@ def _parse_careful(md: Any, where: str) -> _ParsedMetadata:
         if isinstance(item, TensorStorageMetadata):
             items[fqn] = _tensor_item(fqn, item, storage, item_where)
         elif isinstance(item, BytesStorageMetadata):
-            entry = storage.get((fqn, None))
-            if entry is None:
+            bytes_entry = storage.get((fqn, None))
+            if bytes_entry is None:
                 raise CorruptMetadataError("no storage_data entry for this non-tensor item", item_where)
-            items[fqn] = _BytesItem(entry)
+            items[fqn] = _BytesItem(bytes_entry)
         else:
             raise CorruptMetadataError(f"unknown storage metadata {type(item).__name__}", item_where)
     return _ParsedMetadata(items, storage, md.planner_data, version)

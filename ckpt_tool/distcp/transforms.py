@@ -208,24 +208,19 @@ class DecodedEntry:
                 lock.release()
 
     def _decode_into(self, start: int, view: memoryview) -> None:
-        cursor: _Cursor | None = self._take_cursor(start)
-        try:
-            while cursor.pos < start:  # skip forward (decoded and dropped block by block)
-                if not cursor.read(min(_BLOCK, start - cursor.pos), self.where):
-                    raise CorruptMetadataError("zstd stream ended early", self.where)
-            out = view
-            filled = 0
-            while filled < len(out):
-                n = cursor.read_into(out[filled : filled + _BLOCK], self.where)
-                if not n:
-                    raise CorruptMetadataError("zstd stream ended early", self.where)
-                filled += n
-        except BaseException:
-            cursor = None  # a failed cursor is not reused
-            raise
-        finally:
-            if cursor is not None:
-                self._give_cursor(cursor)
+        cursor = self._take_cursor(start)
+        while cursor.pos < start:  # skip forward (decoded and dropped block by block)
+            if not cursor.read(min(_BLOCK, start - cursor.pos), self.where):
+                raise CorruptMetadataError("zstd stream ended early", self.where)
+        out = view
+        filled = 0
+        while filled < len(out):
+            n = cursor.read_into(out[filled : filled + _BLOCK], self.where)
+            if not n:
+                raise CorruptMetadataError("zstd stream ended early", self.where)
+            filled += n
+        # back to the pool after a whole read only: a failed cursor is not reused
+        self._give_cursor(cursor)
 
     def read_all(self) -> bytes:
         """The whole decoded item (for small bytes items), at most max_decoded bytes."""

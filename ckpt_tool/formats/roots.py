@@ -545,7 +545,7 @@ def layout_named(name: str) -> RunLayout:
 
 def entries_of(listing: RootListing, layout: RunLayout) -> list[tuple[Entry, int | None]]:
     """The root's entries this layout claims, with their step numbers (None: flax's checkpoint_tmp)."""
-    out = []
+    out: list[tuple[Entry, int | None]] = []
     hint = re.compile(layout.hint) if layout.hint else None
     for name in listing.dirs:
         if hint is not None and not hint.search(name):

@@ -150,13 +150,12 @@ def _apply_pointer(rows: list[StepRow], layout: RunLayout, target: str | None) -
     save in progress whatever its files say."""
     if target is None:
         return
-    done = [r for r in rows if r.status == COMMITTED and r.step is not None]
-    newest = max(done, key=lambda r: r.step) if done else None  # type: ignore[arg-type,return-value]
+    newest = max((r.step for r in rows if r.status == COMMITTED and r.step is not None), default=None)
     hit = next((r for r in rows if r.name == target), None)
     if hit is None:
         return
     hit.pointer = True
-    hit.pointer_agrees = hit.status == COMMITTED and (newest is None or hit.step is None or newest.step <= hit.step)
+    hit.pointer_agrees = hit.status == COMMITTED and (newest is None or hit.step is None or newest <= hit.step)
     if hit.step is None:
         return
     for r in rows:

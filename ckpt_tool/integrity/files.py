@@ -171,7 +171,8 @@ def check_digests(
                            file=h.name)
             differs.append(h.name)
         elif h.digest != manifest.files[h.name]:
-            findings.error("digest-mismatch", f"sha256 {h.digest[:16]}... differs from {loc.label}'s "
+            # (a file hashed without error always has its digest: the `or` only satisfies the type)
+            findings.error("digest-mismatch", f"sha256 {(h.digest or '')[:16]}... differs from {loc.label}'s "
                            f"{manifest.files[h.name][:16]}...: not the bytes the manifest was written from",
                            file=h.name)
             differs.append(h.name)

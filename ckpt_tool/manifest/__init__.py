@@ -327,7 +327,9 @@ def _verify(path: str, *, manifest: str | None, workers: int, memory: int,
     read(loc)
     checks, fmt = None, None
     try:
-        info = formats.split_file(path)[0] if loc.single else formats.get(formats.detect_one(loc.storage).NAME)
+        # locate() set loc.single from this same split
+        single = formats.split_file(path) if loc.single else None
+        info = single[0] if single is not None else formats.get(formats.detect_one(loc.storage).NAME)
         checks, fmt = info.checks(), info.name
     except CkptError:
         pass  # a manifest names files: they can be checked whatever the directory holds

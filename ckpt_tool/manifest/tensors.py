@@ -45,7 +45,7 @@ class _Ordered:
                 # the scheduler reuses its buffers after deliver: a copy
                 self.waiting[index] = _little_endian(data).tobytes()
                 return
-            self.hash.update(_little_endian(data))
+            self.hash.update(_little_endian(data).data)
             self.next += 1
             while self.next in self.waiting:
                 self.hash.update(self.waiting.pop(self.next))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CkptError, PathEscapeError, UnreadableFileError, UnsafePickleError, short_repr
-from ..findings import Findings
+from ..findings import FindingSink
 from ..storage import Storage
 from .reading import Archive, FileTree, file_tree, leaves_of
 from .safe_pickle import TensorRef, UnsupportedTensorError, restore_location
@@ -18,7 +18,7 @@ CUT_SHORT = ("no end-of-central-directory record", "outside the archive", "runs 
               "too short for an end-of-central-directory", "central directory outside")
 
 
-def check_file(storage: Storage, name: str, findings: Findings, allow: Any = None, *,
+def check_file(storage: Storage, name: str, findings: FindingSink, allow: Any = None, *,
                restore_locations: bool = False) -> FileTree | None:
     """One archive: its zip, records and pickle, and every tensor's claim on its storage.
 
@@ -67,7 +67,7 @@ def check_file(storage: Storage, name: str, findings: Findings, allow: Any = Non
     return tree
 
 
-def _check_location(location: str, leaves: list[str], name: str, findings: Findings) -> None:
+def _check_location(location: str, leaves: list[str], name: str, findings: FindingSink) -> None:
     """One finding per saved location torch.load (without map_location) does not simply restore,
     on the first tensor saved there: an error where it restores it nowhere, a warning where it
     needs a device or gives no values."""

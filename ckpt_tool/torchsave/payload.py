@@ -42,6 +42,9 @@ from . import safe_pickle
 from .safe_pickle import StorageRef, TensorRef
 
 Fetch = Callable[[int, int], bytes]  # bytes [start, end) of the archive
+# read_region also takes a view of bytes already held (a member kept in memory): it only measures,
+# checksums and wraps what it fetches
+RegionFetch = Callable[[int, int], bytes | memoryview]
 FetchInto = Callable[[int, Any], None]  # fill a writable buffer with the archive's bytes from a position
 Region = tuple[slice, ...]
 # a format's own stand-ins for the classes its writer pickles, beside the allow-list
@@ -604,7 +607,7 @@ def load_value(data: bytes, where: str, allow: Allow = None) -> Any:
 def read_region(
     payload: TensorPayload,
     region: Region | None,
-    fetch: Fetch,
+    fetch: RegionFetch,
     where: str,
     fetch_into: FetchInto | None = None,
     on_span: Callable[[int, int, int], None] | None = None,

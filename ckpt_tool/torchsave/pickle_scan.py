@@ -140,12 +140,13 @@ def within_limits(data: bytes, max_stack_depth: int, max_objects: int) -> bool:
             return False  # the walk names it
         frames.append(pos)
         pos = end
+    scanned: bytes | bytearray = data
     if frames:
         copy = bytearray(data)
         for pos in frames:
             copy[pos] = _FRAME_STAND_IN
-        data = copy
+        scanned = copy
     pattern = _PATTERNS.get(max_stack_depth)
     if pattern is None:
         pattern = _PATTERNS[max_stack_depth] = _compile(max_stack_depth)
-    return pattern.match(data) is not None
+    return pattern.match(scanned) is not None

@@ -37,7 +37,7 @@ from .. import dtypes
 from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError
 from ..formats.contract import ArrayReader
-from ..model import ArrayLeaf, Key, Leaf, Region, RegularGrid, ValueLeaf, memory_leaf
+from ..model import ArrayLeaf, Key, Leaf, Region, RegularGrid, ValueLeaf, constant_loader, memory_leaf
 from ..storage import Storage
 from ..values import SameObject
 from . import object_tree
@@ -281,7 +281,7 @@ class TensorReader(ArrayReader):
 def repeating_view_notes(paths: list[tuple[Key, ...]], values: list[Any], shown: int = 4) -> list[str]:
     """inspect's notes on views whose logical size is far above their stored bytes (an expand: stride 0;
     overlapping strides): "w: a view of 4 stored bytes (stride 0), 1,099,511,627,776 bytes logically"."""
-    notes = []
+    notes: list[str] = []
     for path, value in zip(paths, values):
         if not isinstance(value, TensorRef):
             continue
@@ -423,7 +423,7 @@ def leaves_of(tree: FileTree, prefix: tuple[Key, ...] = ()) -> list[Leaf]:
         elif isinstance(value, object_tree.Reference):
             first = dotted(prefix + value.first)
             leaves.append(ValueLeaf(
-                keys=keys, name=name, value_type="reference", loader=_constant(SameObject(first)),
+                keys=keys, name=name, value_type="reference", loader=constant_loader(SameObject(first)),
                 extra={"file": archive.name, "same_as": first},
             ))
         else:
@@ -432,10 +432,6 @@ def leaves_of(tree: FileTree, prefix: tuple[Key, ...] = ()) -> list[Leaf]:
                 loader=decoder.loader(value), extra={"file": archive.name},
             ))
     return leaves
-
-
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
 
 
 def value_loader(archive: Archive, value: Any) -> Callable[[], Any]:

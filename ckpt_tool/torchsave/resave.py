@@ -28,6 +28,7 @@ edited) graph into the pickle and the list of storages in their new key order.
 """
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import sys
@@ -232,12 +233,12 @@ def _allowed() -> dict[tuple[str, str], Callable[[], Any]]:
     for module, name in (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
                          ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
                          ("deepspeed.utils.tensor_fragment", "fragment_address")):
-        table[(module, name)] = (lambda m=module, n=name: _object_class(m, n))
+        table[(module, name)] = functools.partial(_object_class, module, name)
     for name in dtypes.TORCH_DTYPE_NAMES:
-        table[("torch", name)] = (lambda n=name: Global("torch", n))
+        table[("torch", name)] = functools.partial(Global, "torch", name)
     for name in dtypes.TORCH_STORAGE_NAMES:
         dt = dtypes.from_torch_storage(name).name
-        table[("torch", name)] = (lambda d=dt: _StorageClass(d, True))
+        table[("torch", name)] = functools.partial(_StorageClass, dt, True)
     table[("torch.storage", "UntypedStorage")] = lambda: _StorageClass("uint8", False)
     table[("torch", "UntypedStorage")] = lambda: _StorageClass("uint8", False)
     return table

@@ -24,7 +24,7 @@ import pickle
 import posixpath
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -359,7 +359,7 @@ def _state_problem(tensor: TensorRef, state: Any) -> str | None:
     if isinstance(state, tuple):
         if len(state) != 2:
             return f"its state is a tuple of {len(state)}, not (dict, slots): torch.load fails"
-        parts = (("state", state[0]), ("slots state", state[1]))
+        parts: tuple[tuple[str, Any], ...] = (("state", state[0]), ("slots state", state[1]))
     else:
         parts = (("state", state),)
     for what, part in parts:
@@ -581,7 +581,7 @@ class Record:
 
 
 class Metadata(Record):
-    FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    FIELDS: ClassVar[tuple[str, ...]] = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
 
 
 class TensorStorageMetadata(Record):
@@ -764,7 +764,7 @@ class NumpyDType:
         if not isinstance(code, str) or not _NUMPY_TYPE_CODE.match(code):
             raise TypeError(f"numpy dtype {code!r} is not a plain numeric type")
         self.code = code
-        self.byteorder = "="
+        self.byteorder: Literal["<", ">", "=", "|"] = "="  # __setstate__ admits these only
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, tuple) or len(state) < 2 or state[1] not in ("<", ">", "=", "|"):

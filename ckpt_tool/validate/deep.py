@@ -147,9 +147,14 @@ def deep_check_steps(
                 continue
         label = f"step {number} ({i + 1} of {len(numbers)})"
         deep_check(path, fmt, findings, step=number, workers=workers, memory=memory,
-                   progress=lambda what, done, total, label=label: progress(label, done, total),
+                   progress=_labelled(progress, label),
                    skip_leaves=_broken(findings, ckpt), ckpt=ckpt)
         findings.count("steps_deep_read")
+
+
+def _labelled(progress: Progress, label: str) -> Progress:
+    """`progress` with each report's `what` replaced by `label` (a step's place among the steps)."""
+    return lambda what, done, total: progress(label, done, total)
 
 
 def _step_prefix(ckpt: Checkpoint) -> str:
@@ -275,8 +280,11 @@ def deep_check(
     ]
 
     def run_verifier(leaf: ArrayLeaf, index: int) -> int:
+        verifier = leaf.verifier
+        if verifier is None:  # (`verify` holds leaves with a verifier only)
+            return 0
         try:
-            leaf.verifier(index)  # type: ignore[misc]
+            verifier(index)
         except CkptError as exc:
             if not file_fault(exc, (view.path for view, _ in views_of[id(leaf)])):
                 for view, _ in views_of[id(leaf)]:
@@ -303,12 +311,12 @@ def deep_check(
         # scalars, strings and JSON items are stored data too (an Orbax scalar is
         # a 0-d zarr chunk): decode each, as a restore would
         values = [leaf for leaf in ckpt.leaves if isinstance(leaf, ValueLeaf) and leaf.path not in skip]
-        for leaf in values:
+        for value in values:
             try:
-                leaf.load()
+                value.load()
             except CkptError as exc:
-                if not file_fault(exc, (leaf.path,)):
-                    findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
+                if not file_fault(exc, (value.path,)):
+                    findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=value.path,
                                    file=_relative(exc.where, ckpt.path) or step_file)
         if values:
             findings.count("values_read", len(values))

@@ -65,7 +65,7 @@ COALESCE_BYTES = 1 << 20
 CLOSE_THREADS = 4
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
 
-Buffer = Union[bytes, memoryview]
+Buffer = Union[bytes, bytearray, memoryview]
 
 
 class DcpWriteError(CkptError):
@@ -118,7 +118,7 @@ def _tensor_value(arr: np.ndarray, where: str, storages: list[tuple[memoryview, 
     # torch saves little-endian, C-contiguous storage bytes
     # (np.require, not ascontiguousarray: that one makes a 0-d array 1-d)
     arr = np.require(arr.astype(arr.dtype.newbyteorder("<"), copy=False), requirements="C")
-    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    raw = arr.reshape(-1).view(np.uint8).data
     storages.append((raw, crc32(raw)))
     return _tensor_reduce(dt, tuple(int(n) for n in arr.shape), str(len(storages) - 1))
 
@@ -137,7 +137,7 @@ def value_archive(value: Any, where: str) -> tuple[list[Buffer], int]:
 
 def tensor_archive(dtype: dtypes.DType, data: np.ndarray) -> tuple[list[Buffer], int]:
     """torch.save of a tensor holding `data` (C-contiguous, little-endian, of `dtype`)."""
-    raw = memoryview(data.reshape(-1).view(np.uint8))
+    raw = data.reshape(-1).view(np.uint8).data
     crc = crc32(raw)
     if not raw.nbytes or raw.nbytes >= _U32:  # no data descriptor, or zip64 records: built in full
         return _archive(tensor_pickle(dtype, tuple(data.shape)), (raw, crc))
@@ -181,7 +181,7 @@ class _ArchiveTemplate:
 @functools.lru_cache(maxsize=1024)
 def _archive_template(dtype: dtypes.DType, shape: tuple[int, ...]) -> _ArchiveTemplate:
     size = math.prod(shape) * dtype.itemsize
-    parts, _ = _archive(tensor_pickle(dtype, shape), (memoryview(np.broadcast_to(np.zeros(1, np.uint8), (size,))), 0))
+    parts, _ = _archive(tensor_pickle(dtype, shape), (np.broadcast_to(np.zeros(1, np.uint8), (size,)).data, 0))
     # the data is the one memoryview among the parts (see _ZipBuilder.add)
     idx = next(i for i, p in enumerate(parts) if isinstance(p, memoryview))
     joined = [b"" if i == idx else bytes(p) for i, p in enumerate(parts)]
@@ -586,11 +586,11 @@ class DcpWriter(CheckpointWriter):
                 if group is None or next(iter(group.members)) == t.name:
                     targets.append(item)
         missing: list[tuple[str, int | None]] = []
-        for item in targets:
-            if isinstance(item, TargetValue):
-                keys: list[tuple[str, int | None]] = [(item.name, None)]
+        for written in targets:
+            if isinstance(written, TargetValue):
+                keys: list[tuple[str, int | None]] = [(written.name, None)]
             else:
-                keys = [(item[0].name, i) for i in range(len(item[1]))]
+                keys = [(written[0].name, i) for i in range(len(written[1]))]
             missing.extend(k for k in keys if k not in entries)
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -725,7 +725,8 @@ class DcpWriter(CheckpointWriter):
                 pos = 0
                 with memoryview(cur.data) as view:
                     for part in parts:
-                        n = len(part) if isinstance(part, bytes) else part.nbytes
+                        # (a filled template's central directory is a bytearray)
+                        n = len(part) if isinstance(part, (bytes, bytearray)) else part.nbytes
                         view[pos : pos + n] = part
                         pos += n
             else:
@@ -795,7 +796,7 @@ class DcpWriter(CheckpointWriter):
             return
         # the kvstore takes the bytearray as it is: no extra copy of the file here
         data, f.data = f.data, bytearray()
-        self._storage.write(f.name, data)  # type: ignore[arg-type]
+        self._storage.write(f.name, data)
 
     def _sidecar(self) -> bytes:
         plan = self._require_plan()

@@ -161,9 +161,9 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
         for name in buffers if isinstance(buffers, list) else []:
             if not isinstance(name, str) or name in given:
                 continue
-            leaf = _layer_leaf(name, layer_archives, files, missing_layers, "buffer", cast=True)
-            if leaf is not None:
-                model.append((name, leaf))
+            buffer = _layer_leaf(name, layer_archives, files, missing_layers, "buffer", cast=True)
+            if buffer is not None:
+                model.append((name, buffer))
                 given[name] = st.index
     optimizer: dict[str, list[Leaf]] = {}
     groups: list[ValueLeaf] = []
@@ -172,11 +172,11 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
     trained: list[str] = []
     for st in stages:
         if st.step is None:
-            leaves = _missing_stage_leaves(st, where0)
+            stage_leaves = _missing_stage_leaves(st, where0)
         else:
-            leaves, stage_notes = ds.step_leaves(st.step)
+            stage_leaves, stage_notes = ds.step_leaves(st.step)
             notes.extend(f"stage {st.index}: {n}" for n in stage_notes if not n.startswith("in the module state"))
-        for leaf in leaves:
+        for leaf in stage_leaves:
             head = leaf.keys[0] if leaf.keys else None
             if head == ds.OPTIMIZER_KEY:
                 if leaf.keys[1:2] == ("param_groups",):
@@ -215,8 +215,8 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
     for i, archive in layer_archives.items():
         obj = archive.obj if isinstance(archive.obj, dict) else {}
         if i not in referenced:
-            keys = [str(k) for k in obj][:4]
-            notes.append(f"{files.layers[i]} holds {', '.join(keys)}{' ...' if len(obj) > 4 else ''} under no "
+            held = [str(k) for k in obj][:4]
+            notes.append(f"{files.layers[i]} holds {', '.join(held)}{' ...' if len(obj) > 4 else ''} under no "
                          "name the stages record: a TiedLayerSpec's module (its values are given as tied_modules.*)"
                          if obj else f"{files.layers[i]}: an empty state_dict")
             continue
@@ -224,9 +224,9 @@ def open_leaves(storage: Storage, files: ds.StepFiles, weights: str = "fp32") ->
             name = f"{i}.{key}"
             if name in given or not isinstance(ref, TensorRef):
                 continue
-            leaf = _layer_leaf(name, layer_archives, files, missing_layers, "frozen", cast=False)
-            if leaf is not None:
-                model.append((name, leaf))
+            frozen = _layer_leaf(name, layer_archives, files, missing_layers, "frozen", cast=False)
+            if frozen is not None:
+                model.append((name, frozen))
                 given[name] = -1
                 notes.append(f"{name}: in {files.layers[i]} but held by no optimizer (frozen): as stored")
 

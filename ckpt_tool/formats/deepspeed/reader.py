@@ -83,6 +83,7 @@ groups, `ds_zero_partition_groups`). zero_to_fp32 reads none of these either.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -659,9 +660,10 @@ def _lengths(optims: dict[int, RankOptim], world: int, stage: int,
     """Each rank's flat partition lengths (a missing rank's as DeepSpeed would have written them,
     from the present ranks: its pieces are then named, and reported missing) and group paddings."""
     present = {r: [t.size[0] for t in o.flats] for r, o in optims.items()}
-    pads = {r: o.group_paddings for r, o in optims.items()}
-    have_pads = all(p is not None and len(p) == len(present[r]) for r, p in pads.items())
-    lengths, paddings = [], []
+    pads = {r: p for r, o in optims.items() if (p := o.group_paddings) is not None and len(p) == len(present[r])}
+    have_pads = len(pads) == len(optims)  # every rank's paddings, one per group
+    lengths: list[list[int]] = []
+    paddings: list[list[int]] = []
     some = next(iter(present))
     for r in range(world):
         if r in present:
@@ -820,9 +822,9 @@ def step_leaves(step: Step, weights: str = "fp32") -> tuple[list[Leaf], list[str
             pieces = step.mapping.pieces.get(name, [])
             flat_dtype = _flat_dtype(step, g)
             srcs = _sources(step, pieces, lambda o, gg: o.flats[gg] if gg < len(o.flats) else None)
-            reader = FlatReader(name, shape, flat_dtype, srcs, step.book)
-            extra = {"kind": "parameter", "group": g, "files": reader.files, "pieces": len(pieces)}
-            model.append((name, _array((), name, shape, flat_dtype, reader, extra, _pieces_problem(step, name))))
+            flat = FlatReader(name, shape, flat_dtype, srcs, step.book)
+            extra = {"kind": "parameter", "group": g, "files": flat.files, "pieces": len(pieces)}
+            model.append((name, _array((), name, shape, flat_dtype, flat, extra, _pieces_problem(step, name))))
             trained.append(name)
 
     # tied names: another leaf on the same data (zero_to_fp32: `if pair[1] in state_dict`)
@@ -920,8 +922,8 @@ def _frozen_leaf(step: Step, name: str, shape: tuple[int, ...], fragments: dict)
     srcs = [Source(step.model_archives.get(p.rank), refs.get(p.rank), p,
                    step.model_archives[p.rank].name if p.rank in step.model_archives else _model_name(p.rank, step.files.mp))
             for p in pieces]
-    reader = FlatReader(name, shape, dtype, srcs, step.book)
-    return _array((), name, shape, dtype, reader, {"kind": "frozen", "files": reader.files}, problem)
+    flat = FlatReader(name, shape, dtype, srcs, step.book)
+    return _array((), name, shape, dtype, flat, {"kind": "frozen", "files": flat.files}, problem)
 
 
 def _optimizer_leaves(step: Step, trained: list[str]) -> list[Leaf]:
@@ -942,12 +944,12 @@ def _optimizer_leaves(step: Step, trained: list[str]) -> list[Leaf]:
             lname = f"{OPTIMIZER_KEY}.state.{name}.{key}"
             if isinstance(value, TensorRef) and len(value.size) == 1 and value.size[0] == flat_len:
                 # per-element state, laid out as the partition: each rank's own tensor of this key
-                srcs = _sources(step, pieces, lambda o, gg, key=key: _state_ref(o, gg, key))
-                reader = FlatReader(lname, shape, value.dtype, srcs, step.book)
+                srcs = _sources(step, pieces, functools.partial(_state_ref, key=key))
+                flat = FlatReader(lname, shape, value.dtype, srcs, step.book)
                 problem = next((f"rank {s.piece.rank} has no {key} for group {g}" for s in srcs
                                 if s.archive is not None and s.ref is None), None)
-                out.append(_array(keys, lname, shape, value.dtype, reader,
-                                  {"kind": "optimizer state", "group": g, "files": reader.files}, problem))
+                out.append(_array(keys, lname, shape, value.dtype, flat,
+                                  {"kind": "optimizer state", "group": g, "files": flat.files}, problem))
             elif isinstance(value, TensorRef):
                 reader = ts.TensorReader(o0.archive, value, lname)
                 out.append(_array(keys, lname, tuple(value.size), value.dtype, reader,

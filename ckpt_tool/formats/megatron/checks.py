@@ -110,7 +110,7 @@ def _check_save(storage: Storage, findings: Findings) -> None:
     if mg.CONFIG_FILE not in files and mg.COMMON_FILE not in files and any(mg.LEGACY_RANK_DIR.match(d) for d in dirs):
         from . import legacy
 
-        legacy.check(storage, findings)  # type: ignore[arg-type]
+        legacy.check(storage, findings)
         return
     if mg.CONFIG_FILE not in files:
         findings.error("uncommitted-save", "no metadata.json: an interrupted Megatron save (rank 0 writes it last)",

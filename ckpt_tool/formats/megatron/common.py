@@ -22,7 +22,9 @@ def split_name(name: str) -> tuple[Key, ...]:
     `dtype_(torch.bfloat16, torch.float32)` stays one key), a ShardedObject's shard suffix one key."""
     m = SHARD_SUFFIX.match(name)
     head, tail = (m.group("key"), (m.group("shard"),)) if m else (name, ())
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in head:
         if ch == "(":
             depth += 1

@@ -236,7 +236,7 @@ def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[l
     return leaves, args
 
 
-def _split(key: str) -> tuple[str, ...]:
+def _split(key: str) -> tuple[Key, ...]:
     """A dotted key split at its dots outside parentheses."""
     return split_name(key) if "(" in key else tuple(key.split("."))
 
@@ -395,8 +395,9 @@ def check(storage: Storage, findings: Findings) -> None:
     if odd:
         findings.error("bad-metadata", odd, file=".")
     axes = axes_of(len(present[0].coords), sizes) if present else ()
-    for rank in present if sizes and not odd else ():
-        beyond = [f"{a} {c} of {sizes[a]}" for a, c in zip(axes, rank.coords) if a in sizes and c >= sizes[a]]
+    known = sizes if sizes and not odd else {}
+    for rank in present if known else ():
+        beyond = [f"{a} {c} of {known[a]}" for a, c in zip(axes, rank.coords) if a in known and c >= known[a]]
         if beyond:
             findings.warning("stray-file", f"beyond the run's parallel sizes ({', '.join(beyond)}): "
                              "Megatron's load never reads it", file=f"{rank.name}/")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...errors import CkptError, CorruptMetadataError, PathEscapeError
-from ...model import Checkpoint, Key, Leaf, ValueLeaf
+from ...model import Checkpoint, Key, Leaf, ValueLeaf, constant_loader
 from ...storage import Storage
 
 WEIGHTS = "weights"
@@ -110,14 +110,10 @@ def _leaves(doc: Any, prefix: tuple[Key, ...], file: str) -> list[Leaf]:
                 walk(x, keys + (k,))
             return
         out.append(ValueLeaf(keys=keys, name=".".join(str(k) for k in keys), value_type=_value_type(v),
-                             dtype=_SCALAR_DTYPES.get(type(v)), loader=_constant(v), extra={"file": file}))
+                             dtype=_SCALAR_DTYPES.get(type(v)), loader=constant_loader(v), extra={"file": file}))
 
     walk(doc, prefix)
     return out
-
-
-def _constant(v: Any) -> Callable[[], Any]:
-    return lambda: v
 
 
 def context_files(storage: Storage) -> list[str]:

@@ -21,7 +21,7 @@ dict, an enum into "Name(value)", a torch dtype into "torch.bfloat16") for inspe
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from ... import values
 from ...torchsave.safe_pickle import Metadata, Record, TorchDType, _Fn, _Frozen
@@ -33,7 +33,7 @@ _MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
 class SavePlan(Record):
     """torch.distributed.checkpoint.planner.SavePlan (a rank's plan, in Megatron's all_local_plans)."""
 
-    FIELDS = ("items", "storage_data", "planner_data", "usable")
+    FIELDS: ClassVar[tuple[str, ...]] = ("items", "storage_data", "planner_data", "usable")  # (extended below)
 
 
 class MCoreSavePlan(SavePlan):

@@ -94,8 +94,7 @@ class ReformulatedReader(ArrayReader):
 
     def verify(self, index: int) -> None:
         """validate --deep: the CRC-32s of the stored chunks inside logical block `index` (C order)."""
-        g = np.unravel_index(index, self._grid) if self._grid else ()
-        g = tuple(int(x) for x in g)
+        g = tuple(int(x) for x in (np.unravel_index(index, self._grid) if self._grid else ()))
         layout = self._stored.layout
         if self._stored.verifier is None or not isinstance(layout, ChunkList):
             return

@@ -157,9 +157,9 @@ def merge(by_rank: list[dict[tuple[Key, ...], ArrayLeaf]], gated: bool | None) -
     merged: list[Leaf] = []
     unknown: list[str] = []
     for r, leaves in enumerate(by_rank[1:], 1):
-        extra = next((k for k in leaves if k not in by_rank[0]), None)
-        if extra is not None:
-            raise CorruptMetadataError(f"model tensor {'.'.join(str(k) for k in extra)} is in mp_rank_{r:02d} but "
+        stray = next((k for k in leaves if k not in by_rank[0]), None)
+        if stray is not None:
+            raise CorruptMetadataError(f"model tensor {'.'.join(str(k) for k in stray)} is in mp_rank_{r:02d} but "
                                        "not in mp_rank_00 (each rank's model has the same tensors)", None)
     for keys, first in by_rank[0].items():
         name = ".".join(str(k) for k in keys)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...errors import CkptError, UsageError
 from ...findings import Findings
+from ...model import ValueLeaf
 from . import scan as ms
 from . import reader as mt
 from ...storage import Storage
@@ -90,7 +91,7 @@ def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where:
         error = leaf.extra.get("payload_error")
         if error:
             findings.error("bad-chunk", error + "; flax cannot restore it", leaf=leaf.path, file=where + key)
-        if leaf.kind == "value" and leaf.value_type.startswith("msgpack-ext-"):
+        if isinstance(leaf, ValueLeaf) and leaf.value_type.startswith("msgpack-ext-"):
             # not one of flax's ext types (ndarray, native complex, numpy scalar) nor orbax's
             # tuple: orbax's msgpack_restore refuses the file, flax's gives an opaque
             # msgpack.ExtType in the array's place, and ckpt cannot read or convert it
@@ -124,6 +125,7 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
         return "orbax" if version is None else "t5x"
     dirs, files = storage.listdir()
     family = "t5x" if version is not None or builder.specs else "orbax"
+    arrays: list[tuple[str, str, dict[str, Any] | None]]  # (leaf, array directory, tensorstore spec)
     if builder.specs:
         arrays = []
         for _, keys, spec in builder.specs:
@@ -135,14 +137,14 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
         _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
     if builder.placeholders:
         use_ocdbt = mt.ROOT_MANIFEST in files
-        keys = ac.check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
+        stored = ac.check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
         try:
             shardings = mt.read_shardings(storage, files)
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + mt.SHARDING)
             shardings = {}
         arrays = [("/".join(str(k) for k in keys_), pname, None) for _, keys_, pname in builder.placeholders]
-        _check_arrays(storage, arrays, keys, use_ocdbt, files, shardings, findings, where)
+        _check_arrays(storage, arrays, stored, use_ocdbt, files, shardings, findings, where)
     return family
 
 
@@ -171,7 +173,8 @@ def _check_arrays(
             findings.error("bad-array-metadata", f"unreadable .zarray: {getattr(exc, 'message', exc)}", leaf=leaf, file=f"{where}{name}/.zarray")
             continue
         if spec is not None:
-            declared = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
+            spec_metadata = spec.get("metadata")
+            declared = spec_metadata if isinstance(spec_metadata, dict) else {}
             if "shape" in declared and list(declared["shape"]) != list(shape):
                 findings.error("bad-array-metadata", f"the spec's shape {declared['shape']} disagrees with .zarray {list(shape)}", leaf=leaf, file=f"{where}{name}/.zarray")
             if spec.get("dtype") not in (None, dtype):

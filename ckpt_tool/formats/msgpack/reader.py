@@ -29,13 +29,13 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegularGrid, StepInfo, ValueLeaf
+from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegionReader, RegularGrid, StepInfo, ValueLeaf, constant_loader
 from ...storage import Storage
 from . import scan as ms
 # the zarr array machinery the Orbax reader uses too: the same arrays, opened the same way
@@ -242,7 +242,7 @@ def _choose(storage: Storage, steps: list[_Entry], step: str | int | None) -> _E
             )
         return committed[-1]
     try:
-        want = int(step)  # type: ignore[arg-type]
+        want = int(step)
     except (TypeError, ValueError):
         named = [s for s in steps if s.name == step]
         if named:
@@ -331,8 +331,9 @@ def _read_item(storage: Storage, name: str, prefix: tuple[Key, ...] = ()) -> Che
         if any(tuple(leaf.keys[: len(keys)]) == keys for leaf in leaves):
             notes.append(f"T5X version {t5x_version} not shown: the state has its own 'version'")
         else:
-            leaves = [ValueLeaf(keys=keys, name=".".join(str(k) for k in keys), value_type="scalar", dtype="int64",
-                                loader=lambda v=t5x_version: v, extra={"stored": "t5x checkpoint version"})] + leaves
+            version: Leaf = ValueLeaf(keys=keys, name=".".join(str(k) for k in keys), value_type="scalar", dtype="int64",
+                                      loader=constant_loader(t5x_version), extra={"stored": "t5x checkpoint version"})
+            leaves = [version] + leaves
     return Checkpoint(path=storage.url, format=fmt, layout=layout, leaves=leaves, committed=committed, notes=notes)
 
 
@@ -401,6 +402,11 @@ def _plain(node: ms.Node, where: str) -> Any:
 
 # the dtypes np.asarray gives a Python int, float and bool
 _PYTHON_NUMBER_DTYPES = frozenset({"int64", "float64", "bool"})
+
+
+def _python_number(reader: RegionReader) -> Callable[[], Any]:
+    """The loader of a 0-d array saved from a Python number: that number (numpy's .item())."""
+    return lambda: reader(()).item()
 
 
 class _Builder:
@@ -507,7 +513,7 @@ class _Builder:
             raise bad
         dims = dict(shape_node.items)
         try:
-            shape = tuple(int(dims[str(i)].value) for i in range(len(dims)))  # type: ignore[union-attr]
+            shape = tuple(int(dims[str(i)].value) for i in range(len(dims)))
         except (KeyError, AttributeError, TypeError, ValueError):
             raise bad from None
         pieces = dict(chunks_node.items)
@@ -562,10 +568,10 @@ class _Builder:
                 )
             leaf = self._zarr_leaf(source, keys, pname, data, shardings.get(pname), "orbax placeholder")
             if jax_arrays is not None and pname not in jax_arrays and leaf.shape == () \
-                    and leaf.dtype in _PYTHON_NUMBER_DTYPES:
+                    and leaf.dtype in _PYTHON_NUMBER_DTYPES and leaf.reader is not None:
                 self.leaves[index] = ValueLeaf(
                     keys=keys, name=leaf.name, value_type="scalar", dtype=leaf.dtype,
-                    loader=lambda r=leaf.reader: r(()).item(), extra={**leaf.extra, "python_scalar": True},
+                    loader=_python_number(leaf.reader), extra={**leaf.extra, "python_scalar": True},
                 )
             else:
                 self.leaves[index] = leaf

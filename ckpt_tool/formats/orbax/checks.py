@@ -187,9 +187,9 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             files = [f for f in files if f != ob.SHARDING]  # reported once, not once per array
         bad_shardings = {name for name, _ in bad}
         leaf_of = {ob._param_name(ks): "/".join(str(k) for k in ks) for ks, _ in entries} if bad else {}
-        for name, exc in bad:
+        for name, error in bad:
             # orbax's restore fails on this entry (its from_serialized_string raises)
-            findings.error("bad-sharding", exc.message, leaf=leaf_of.get(name, name), file=where + ob.SHARDING)
+            findings.error("bad-sharding", error.message, leaf=leaf_of.get(name, name), file=where + ob.SHARDING)
     elif any(v.value_type == "jax.Array" for _, v in entries):
         # orbax's restore without a target takes each jax.Array's sharding from this file
         n = sum(v.value_type == "jax.Array" for _, v in entries)
@@ -301,8 +301,8 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         _check_strings(storage, files, strings_leaves, findings, where)
 
     # 3. stored arrays nobody declared
-    stored = {k.split("/", 1)[0] for k in keys if k.endswith("/" + meta_key)}
-    for name in sorted(stored - array_names):
+    stored_arrays = {k.split("/", 1)[0] for k in keys if k.endswith("/" + meta_key)}
+    for name in sorted(stored_arrays - array_names):
         findings.warning("leaf-missing", f"array stored but not in {ob.TREE_METADATA}: orbax will ignore it", file=f"{where}{name}/")
     for name in sorted(set(shardings) - array_names):
         findings.warning("bad-sharding", f"{ob.SHARDING} names an array that is not in the tree", leaf=name, file=where + ob.SHARDING)

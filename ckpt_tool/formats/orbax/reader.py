@@ -9,6 +9,7 @@ array data is read on request through tensorstore.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -552,6 +553,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 # orbax would restore another shape than the one stored, or fail
                 raise CorruptMetadataError(f"{meta_key} shape {list(shape)} disagrees with {TREE_METADATA}: {why}", f"{storage.url}/{name}")
             extra.update(info)
+            reader: UnmergedRegionReader | ZarrRegionReader
             if len(sources) > 1:
                 # unmerged OCDBT: each process holds its own chunks of the array
                 reader = UnmergedRegionReader(sources, name, use_zarr3, zmeta, shape, chunk_shape)
@@ -575,13 +577,13 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 strings = StringsFile(storage)
             leaves.append(ValueLeaf(
                 keys=full_keys, name=name, value_type="string", dtype="string",
-                loader=lambda n=name, s=strings: s.get(n), extra=extra,
+                loader=functools.partial(strings.get, name), extra=extra,
             ))
         else:
             # empty containers and None ("Dict", "List", "None") and anything newer
             leaves.append(ValueLeaf(
                 keys=full_keys, name=name, value_type=value_type,
-                loader=lambda t=value_type: _empty_value(t), extra=extra,
+                loader=functools.partial(_empty_value, value_type), extra=extra,
             ))
     return _Item(leaves, layout, notes)
 

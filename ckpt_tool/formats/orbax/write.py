@@ -469,7 +469,7 @@ class OrbaxWriter(CheckpointWriter):
         data = np.asarray(data)
         if tuple(data.shape) != tuple(sizes):
             raise CkptError(f"data of shape {list(data.shape)} for region {_fmt_region(region)}", where)
-        want = dtypes.numpy_dtype(leaf.dtype)  # type: ignore[arg-type]
+        want = dtypes.numpy_dtype(leaf.dtype)
         if data.dtype != want:
             raise CkptError(f"data of dtype {data.dtype} for an array of dtype {leaf.dtype}", where)
         if data.size == 0:

@@ -418,10 +418,12 @@ def _tensor_info(
     layout: Layout, name: str, where: list[tuple[str, TensorEntry]],
     offsets_by_file: dict[str, dict[str, tuple[int, ...]] | None], problems: list[Problem],
 ) -> TensorInfo | None:
-    dts = {t.dtype for _, t in where}
+    dts: set[str] = set()
+    for _, t in where:
+        if t.dtype is None:
+            return None  # unknown dtype: reported by the header check
+        dts.add(t.dtype)
     ranks = {len(t.shape) for _, t in where}
-    if None in dts:
-        return None  # unknown dtype: reported by the header check
     if len(dts) > 1 or len(ranks) > 1:
         problems.append(Problem("bad-metadata", f"pieces disagree on dtype or rank: {sorted(map(str, dts))}", name))
         return None

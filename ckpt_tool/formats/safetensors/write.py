@@ -231,9 +231,9 @@ class SafetensorsWriter(CheckpointWriter):
             entries = []
             cursor = 0
             for name in group:
-                t = self._tensors[name]
-                entries.append((name, t.dt.safetensors, tuple(t.target.shape), cursor, cursor + t.nbytes))
-                cursor += t.nbytes
+                tensor = self._tensors[name]
+                entries.append((name, tensor.dt.safetensors, tuple(tensor.target.shape), cursor, cursor + tensor.nbytes))
+                cursor += tensor.nbytes
             header = build_header(entries, meta)  # type: ignore[arg-type]
             for name, _, _, begin, _ in entries:
                 self._tensors[name].file = i

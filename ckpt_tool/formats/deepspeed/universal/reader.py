@@ -242,7 +242,8 @@ def open_step(storage: Storage) -> UStep:
     problems = []
     if optimizer is None:
         problems.append(f"{ZERO}/{OPTIMIZER_STATE}")
-    module = states.get("module") if isinstance(states.get("module"), dict) else {}
+    stored_module = states.get("module")
+    module = stored_module if isinstance(stored_module, dict) else {}
     order = list(shapes) + [n for n in module if n not in shapes] + sorted(n for n in params if n not in shapes
                                                                          and n not in module)
     names = [n for n in order if n in params]
@@ -264,7 +265,7 @@ def _stage(optimizer: ts.Archive | None, models: dict[int, str]) -> tuple[int | 
     count = obj.get("partition_count") if isinstance(obj, dict) else None
     world = count if type(count) is int else max(count) if isinstance(count, list) and count and all(
         type(c) is int for c in count) else None
-    if type(stage) in (int, DSZeroStage) and 0 <= int(stage) <= 3:
+    if stage is not None and type(stage) in (int, DSZeroStage) and 0 <= int(stage) <= 3:
         return int(stage), world
     return (3 if -1 not in models else None), world
 
@@ -311,8 +312,8 @@ def step_leaves(step: UStep) -> tuple[list[Leaf], list[str]]:
     names = [n for n, _ in model]
     split = ts.split_keys([(n,) for n in names] + [(ds.OPTIMIZER_KEY, "x"), (ds.ENGINE_KEY, "x")])
     leaves: list[Leaf] = []
-    for (name, leaf), keys in zip(model, split[: len(model)] if split is not None else [(n,) for n in names]):
-        leaf.keys = keys
+    for (name, leaf), leaf_keys in zip(model, split[: len(model)] if split is not None else [(n,) for n in names]):
+        leaf.keys = leaf_keys
         leaves.append(leaf)
     if split is None:
         notes.append("parameter names kept whole as keys (split at their dots they would collide)")

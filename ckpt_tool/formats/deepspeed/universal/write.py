@@ -483,7 +483,7 @@ class UniversalWriter(CheckpointWriter):
             f.local.write_span(offset, view)
         else:
             assert f.data is not None
-            mv = memoryview(view).cast("B")
+            mv = (view.data if isinstance(view, np.ndarray) else memoryview(view)).cast("B")
             f.data[offset: offset + mv.nbytes] = mv
 
     def _finish_file(self, f: _File) -> None:
@@ -496,8 +496,8 @@ class UniversalWriter(CheckpointWriter):
         if f.local is not None:
             f.local.close()
         elif f.data is not None:
-            data, f.data = f.data, None
-            self._storage.write(f.path, data)
+            whole, f.data = f.data, None
+            self._storage.write(f.path, whole)
 
     def _copy_source(self, f: _File, index: int, s: Source) -> int:
         """Write a storage that comes from the source's files; its CRC-32."""
