@@ -67,9 +67,17 @@ def _gvisor() -> bool:
 
 
 _fadvise = getattr(os, "posix_fadvise", None)
-# CKPT_PAGECACHE=0 / =1 turns the hints off / on whatever the kernel (bench/tpu_host.py's profile compares both)
-_SETTING = os.environ.get("CKPT_PAGECACHE", "")
-ENABLED = _fadvise is not None and _SETTING != "0" and (_SETTING == "1" or not _gvisor())
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether the hints are given: where fadvise exists and the kernel is not gVisor.
+
+    CKPT_PAGECACHE=0 / =1 turns them off / on whatever the kernel (bench/tpu_host.py's profile
+    compares both). Decided on the first write, not at import: inspect and validate import this
+    module through storage/ and never write."""
+    setting = os.environ.get("CKPT_PAGECACHE", "")
+    return _fadvise is not None and setting != "0" and (setting == "1" or not _gvisor())
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -94,7 +102,7 @@ def _write_and_drop(fd: int, offset: int, length: int) -> None:
     `length` 0 means to the end of the file. Clean pages only are dropped, so
     a range still being written elsewhere simply stays cached.
     """
-    if not ENABLED:
+    if not enabled():
         return
     sync_file_range = _sync_file_range()
     try:
@@ -198,7 +206,7 @@ class WriteBehind:
         self._span: tuple[int, int] | None = None
 
     def written(self, offset: int, length: int) -> None:
-        if not ENABLED or length <= 0:
+        if not enabled() or length <= 0:
             return
         begin: tuple[int, int] | None = None
         with self._lock:
@@ -222,7 +230,7 @@ class WriteBehind:
     def finish(self) -> None:
         """Drop whatever is still cached (call after fsync: nothing is left to wait for)."""
         self.close()
-        if ENABLED:
+        if enabled():
             _write_and_drop(self._fd, 0, 0)
 
     def wait(self) -> None:
@@ -260,7 +268,7 @@ class DirectoryDropper:
         self._jobs = _Jobs()
 
     def written(self, nbytes: int) -> None:
-        if not ENABLED:
+        if not enabled():
             return
         with self._lock:
             self._unswept += nbytes
@@ -277,7 +285,7 @@ class DirectoryDropper:
     def finish(self) -> None:
         """Drop every file once more, after the last write is committed (a
         file taken for finished too early is caught here)."""
-        if ENABLED:
+        if enabled():
             self._jobs.wait()
             self._sweep(every_file=True)
 

@@ -50,7 +50,7 @@ def cached_fraction(path: Path) -> float:
 @pytest.fixture
 def droppable(tmp_path):
     """Skip where the file system under tmp_path cannot drop clean pages (tmpfs) or pagecache is off."""
-    if not pagecache.ENABLED:
+    if not pagecache.enabled():
         pytest.skip("no posix_fadvise on this platform")
     probe = tmp_path / "probe"
     with open(probe, "wb") as f:
@@ -208,7 +208,7 @@ def test_the_hints_are_off_on_gvisor_unless_forced(tmp_path, setting, gvisor, en
         "real = builtins.open\n"
         f"builtins.open = lambda p, *a, **k: io.StringIO({version!r}) if p == '/proc/version' else real(p, *a, **k)\n"
         "from ckpt_tool import pagecache\n"
-        "print(pagecache.ENABLED)\n"
+        "print(pagecache.enabled())\n"
     )
     env = {**os.environ, "CKPT_PAGECACHE": setting}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
