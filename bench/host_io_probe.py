@@ -56,7 +56,8 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _read_file(path: str, buf: bytearray) -> int:
+def read_file(path: str, buf: bytearray) -> int:
+    """Read the whole file through `buf` (preadv, reused for every block); the bytes read."""
     fd = os.open(path, os.O_RDONLY)
     total = 0
     try:
@@ -126,7 +127,7 @@ def probe(root: str, gib: float) -> dict[str, Any]:
     # page-cache reads of what was just written
     big = bytearray(per)
     ps = paths("write_8_threads")
-    out["read_1_thread_s"] = _timed(lambda: [_read_file(p, big) for p in ps])
+    out["read_1_thread_s"] = _timed(lambda: [read_file(p, big) for p in ps])
     bufs = [bytearray(per) for _ in range(8)]
     lock = threading.Lock()
     free = list(bufs)
@@ -135,7 +136,7 @@ def probe(root: str, gib: float) -> dict[str, Any]:
         with lock:
             b = free.pop()
         try:
-            return _read_file(p, b)
+            return read_file(p, b)
         finally:
             with lock:
                 free.append(b)

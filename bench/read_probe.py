@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from host_io_probe import read_file  # (this folder: scripts run from bench/)
+
 
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -43,18 +45,7 @@ def _measure(out: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def _pread_all(path: str, bufsize: int = 8 << 20) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    buf = bytearray(bufsize)
-    view = memoryview(buf)
-    total = 0
-    try:
-        while True:
-            n = os.preadv(fd, [view], total)
-            if n <= 0:
-                return total
-            total += n
-    finally:
-        os.close(fd)
+    return read_file(path, bytearray(bufsize))
 
 
 def main(src: str, scratch: str) -> dict[str, Any]:
