@@ -15,7 +15,7 @@ nothing but the pool refers to it: every array, view or memoryview made
 from it holds a reference to it, so a buffer still in use anywhere is never
 handed out twice. At most `limit` bytes of free buffers are kept (the
 oldest dropped first); in-flight buffers are the memory the scheduler's
-budget already counts. The engine sets the limit from --memory for a copy;
+budget already counts. The scheduler sets the limit from --memory (a quarter);
 small buffers (under MIN_BYTES) come from numpy as before.
 """
 from __future__ import annotations

@@ -178,15 +178,21 @@ def test_a_node_claiming_a_huge_body_is_refused_before_decompressing_it(tmp_path
 OCDBT_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_4_ocdbt", "orbax_two_process", "flax_orbax"]
 
 
+@pytest.mark.parametrize("batch_keys", [8192, 3])  # 3: walks of a few keys, cut inside arrays and across them
 @pytest.mark.parametrize("name", OCDBT_FIXTURES)
-def test_located_chunks_equal_tensorstore_reads(name):
+def test_located_chunks_equal_tensorstore_reads(name, batch_keys, monkeypatch):
     import itertools
 
     import numpy as np
 
     import ckpt_tool
-    from ckpt_tool.arrays.reading import LocatedZarrRegionReader, ZarrRegionReader
+    from ckpt_tool.arrays import reading
+    from ckpt_tool.arrays.reading import LocatedZarrRegionReader, ZarrRegionReader, chunk_keys
 
+    monkeypatch.setattr(reading, "LOCATED_BATCH_KEYS", batch_keys)
+    walked_keys = []
+    real_locate = Storage.locate_values
+    monkeypatch.setattr(Storage, "locate_values", lambda self, keys: (walked_keys.append(len(keys)), real_locate(self, keys))[1])
     ck = ckpt_tool.open(os.path.join(FIXTURES, name))
     located = chunks = 0
     for leaf in ck.leaves:
@@ -195,6 +201,11 @@ def test_located_chunks_equal_tensorstore_reads(name):
             continue
         located += 1
         shape, chunk = reader._shape, reader._chunk_shape
+        # the reader's numbering of its chunks is the grid order chunk_keys gives
+        grid_keys = [key for _, key in chunk_keys(reader._name, shape, chunk, reader._zarr3, reader._zmeta)]
+        assert reader.chunk_keys(0, reader.chunk_count) == grid_keys
+        if len(grid_keys) >= 3:
+            assert reader.chunk_keys(1, 3) == grid_keys[1:3]
         for index in itertools.product(*[range(-(-n // c)) for n, c in zip(shape, chunk)]):
             region = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunk, shape))
             assert reader._whole_chunk(region) == index
@@ -209,6 +220,7 @@ def test_located_chunks_equal_tensorstore_reads(name):
             assert np.array_equal(reader.read(whole), np.asarray(ZarrRegionReader.start_read(reader, whole)()), equal_nan=True)
     if name in ("orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3"):  # (the others' arrays are unmerged, or not decodable here)
         assert located and chunks > located, "no array of several chunks took the walk"
+    assert all(n <= batch_keys for n in walked_keys), walked_keys  # one walk's keys stay bounded
 
 
 def test_a_damaged_small_chunk_fails_validate_deep_in_one_line(tmp_path):

@@ -59,30 +59,30 @@ class ArraySource:
     ocdbt_dir: str | None
     _view: Storage | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # the arrays whose chunks are located by a walk, in leaf order; their chunk keys are located
-    # LOCATED_BATCH_KEYS at a time, the batches cut at array boundaries (`ckpt inspect` reads no
+    # the arrays whose chunks are located by a walk, in leaf order. Their chunks, numbered one after
+    # the other (each array's in grid order), are located LOCATED_BATCH_KEYS at a time: one walk's
+    # keys are bounded however many chunks one array's metadata claims (`ckpt inspect` reads no
     # data and pays nothing per array for this)
     located_readers: list["LocatedZarrRegionReader"] = field(default_factory=list)
-    _located_starts: list[int] = field(default_factory=list)  # each batch's first reader
+    _located_offsets: list[int] = field(default_factory=lambda: [0])  # each reader's first chunk number
     _located_batches: dict[int, dict[str, Any]] = field(default_factory=dict)
-    _located_cut_for: int = 0  # how many readers the batches were cut for
 
     def register_located(self, reader: "LocatedZarrRegionReader") -> int:
         self.located_readers.append(reader)
         return len(self.located_readers) - 1
 
-    def located_chunk(self, index: int, key: str) -> bytes | memoryview | None:
-        """The stored bytes of chunk `key` of located reader `index`, or None when the database does
-        not hold it (the caller then reads through tensorstore, which says how it is missing)."""
+    def located_chunk(self, index: int, ordinal: int, key: str) -> bytes | memoryview | None:
+        """The stored bytes of chunk `key` (number `ordinal` in its grid) of located reader `index`, or
+        None when the database does not hold it (the caller then reads through tensorstore, which
+        says how it is missing)."""
         with self._lock:
-            if self._located_cut_for != len(self.located_readers):
-                self._cut_located_batches()
-            batch = bisect.bisect_right(self._located_starts, index) - 1
+            offsets = self._located_offsets
+            while len(offsets) <= len(self.located_readers):  # (readers registered since the last read)
+                offsets.append(offsets[-1] + self.located_readers[len(offsets) - 1].chunk_count)
+            batch = (offsets[index] + ordinal) // LOCATED_BATCH_KEYS
             located = self._located_batches.get(batch)
             if located is None:
-                end = self._located_starts[batch + 1] if batch + 1 < len(self._located_starts) else len(self.located_readers)
-                keys = [k for r in self.located_readers[self._located_starts[batch]:end] for k in r.chunk_keys()]
-                located = self.view.locate_values(keys)
+                located = self.view.locate_values(self._batch_keys(batch))
                 while len(self._located_batches) >= LOCATED_BATCHES_KEPT:
                     del self._located_batches[next(iter(self._located_batches))]
                 self._located_batches[batch] = located
@@ -92,17 +92,17 @@ class ArraySource:
         self.view.log.record(key)
         return value if isinstance(value, bytes) else self.view.read_located(key, value, pooled=True)
 
-    def _cut_located_batches(self) -> None:
-        """Group the located readers into batches of about LOCATED_BATCH_KEYS chunk keys (lock held)."""
-        starts, keys = [], LOCATED_BATCH_KEYS
-        for i, reader in enumerate(self.located_readers):
-            if keys >= LOCATED_BATCH_KEYS:
-                starts.append(i)
-                keys = 0
-            keys += reader.chunk_count
-        self._located_starts = starts
-        self._located_batches.clear()
-        self._located_cut_for = len(self.located_readers)
+    def _batch_keys(self, batch: int) -> list[str]:
+        """The chunk keys numbered [batch, batch + 1) * LOCATED_BATCH_KEYS (lock held)."""
+        offsets = self._located_offsets
+        start, stop = batch * LOCATED_BATCH_KEYS, (batch + 1) * LOCATED_BATCH_KEYS
+        keys: list[str] = []
+        i = bisect.bisect_right(offsets, start) - 1
+        while i < len(self.located_readers) and offsets[i] < stop:
+            keys.extend(self.located_readers[i].chunk_keys(max(start, offsets[i]) - offsets[i],
+                                                           min(stop, offsets[i + 1]) - offsets[i]))
+            i += 1
+        return keys
 
     @property
     def view(self) -> Storage:
@@ -274,11 +274,25 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         self._located = source.register_located(self)
 
     @property
-    def chunk_count(self) -> int:
-        return math.prod(-(-n // c) for n, c in zip(self._shape, self._chunk_shape))
+    def _grid(self) -> list[int]:
+        """Chunks along each dimension."""
+        return [-(-n // c) for n, c in zip(self._shape, self._chunk_shape)]
 
-    def chunk_keys(self) -> list[str]:
-        return [key for _, key in chunk_keys(self._name, self._shape, self._chunk_shape, self._zarr3, self._zmeta)]
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(self._grid)
+
+    def chunk_keys(self, start: int, stop: int) -> list[str]:
+        """The keys of chunks number start..stop-1, in grid (C) order."""
+        grid = self._grid
+        keys = []
+        for ordinal in range(start, stop):
+            index = []
+            for n in reversed(grid):
+                ordinal, i = divmod(ordinal, n)
+                index.append(i)
+            keys.append(chunk_key(self._name, tuple(reversed(index)), self._zarr3, self._zmeta))
+        return keys
 
     def start_read(self, region: Region) -> Callable[[], np.ndarray]:
         if not region and self._shape:
@@ -337,7 +351,10 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         from .. import codecs
 
         key = chunk_key(self._name, index, self._zarr3, self._zmeta)
-        data = self._source.located_chunk(self._located, key)
+        ordinal = 0
+        for i, n in zip(index, self._grid):
+            ordinal = ordinal * n + i
+        data = self._source.located_chunk(self._located, ordinal, key)
         if data is None:
             return None
         chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, self._chunk_shape, f"{self._source.view.url}/{key}")
