@@ -26,6 +26,8 @@ what every backend passes:
                       preflight checks; tensorstore's errors worded as one line
   nativelog.py        the C++ libraries' log lines dropped from stderr once a remote store is opened
   ocdbt_bulk.py, ocdbt_node.py  the B+tree walk behind an OCDBT view's bulk reads
+  ocdbt_encode.py, ocdbt_writer.py  a new OCDBT database written whole by ckpt (local roots: the
+                      Orbax writer's output), B+tree and manifest encoded as tensorstore reads them
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Point reads go through tensorstore's OCDBT driver, like any kvstore; many keys at once are read by
 one walk of the database's B+tree instead (ocdbt_bulk), with the values stored out of line read by
-byte range from their data files. The view is read-only: ckpt writes OCDBT databases through
-tensorstore's own array writes, never key by key.
+byte range from their data files. The view is read-only: ckpt writes OCDBT databases whole
+(ocdbt_writer.py) or through tensorstore's array writes, never key by key into an existing one.
 """
 from __future__ import annotations
 

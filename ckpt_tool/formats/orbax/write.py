@@ -13,12 +13,14 @@ with or without target shardings:
     _CHECKPOINT_METADATA                    handler, timestamps
     commit_success.txt                      written last
 
-Array data goes through tensorstore only. Every process writes its chunks
-into its own database (orbax's "per-process OCDBT"); the primary also writes
-every array's zarr metadata there, and at commit merges all per-process
-B-trees into the root one (`experimental_copy_range_to`, as orbax's
-`merge_ocdbt_per_process_files`), which keeps referencing the per-process
-data files.
+Every process writes its chunks into its own database (orbax's "per-process
+OCDBT"); the primary also writes every array's zarr metadata there, and at
+commit merges all per-process B-trees into the root one, which keeps
+referencing the per-process data files. On a local root ckpt encodes the
+chunks and writes the databases itself (direct.py; the root from the
+process's entries when there is one process); on object stores, and to merge
+several processes' databases, tensorstore does (zarr arrays over its OCDBT
+driver, `experimental_copy_range_to` as orbax's `merge_ocdbt_per_process_files`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from ...pagecache import DirectoryDropper
 from ...storage import Storage, ts_error_text
 from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from . import direct
 from . import reader as ob
 
 # the class paths orbax records in _CHECKPOINT_METADATA["item_handlers"]
@@ -312,6 +315,9 @@ class OrbaxWriter(CheckpointWriter):
         if target_data_file_size is None:
             target_data_file_size = _GCS_TARGET_DATA_FILE_SIZE if base.get("driver") == "gcs" else _TARGET_DATA_FILE_SIZE
         self._target_data_file_size = int(target_data_file_size)
+        # on local roots the process's database is written by ckpt itself (direct.py), not tensorstore
+        self._writes_directly = direct.wanted(storage)
+        self._direct: direct.ProcessDatabase | None = None
 
         self._plan: WritePlan | None = None
         self._leaves: list[_Leaf] = []
@@ -377,21 +383,23 @@ class OrbaxWriter(CheckpointWriter):
             }],
         }
 
-    def _array_spec(self, leaf: _Leaf) -> dict[str, Any]:
-        assert self._plan is not None
-        kvstore = self._ocdbt_spec(PROCESS_DB.format(self._plan.process_index), write=True)
-        kvstore["path"] = leaf.name + "/"
+    def _memory_spec(self, leaf: _Leaf) -> dict[str, Any]:
+        """The array as _array_spec opens it, less its kvstore (direct.py makes it in memory)."""
         return {
             "driver": "zarr3" if self._zarr3 else "zarr",
-            "kvstore": kvstore,
-            "recheck_cached_data": False,
-            "recheck_cached_metadata": False,
             # every chunk is stored, even all-zero ones: a missing chunk then
             # always means lost data (orbax's STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE)
             "store_data_equal_to_fill_value": True,
             "dtype": leaf.dtype,
             "metadata": self._zarr_metadata(leaf),
         }
+
+    def _array_spec(self, leaf: _Leaf) -> dict[str, Any]:
+        assert self._plan is not None
+        kvstore = self._ocdbt_spec(PROCESS_DB.format(self._plan.process_index), write=True)
+        kvstore["path"] = leaf.name + "/"
+        return {**self._memory_spec(leaf), "kvstore": kvstore,
+                "recheck_cached_data": False, "recheck_cached_metadata": False}
 
     def _store(self, leaf: _Leaf) -> ts.TensorStore:
         """The array's TensorStore, opened once per writer whatever the thread."""
@@ -411,8 +419,9 @@ class OrbaxWriter(CheckpointWriter):
     def pending_bytes_limit(self) -> int:
         """Memory the writer holds besides the reader's (the engine's reserve): the
         window of decoded bytes copied into tensorstore, and their encoded copy
-        while tensorstore commits them."""
-        return 2 * self._max_pending
+        while tensorstore commits them. Written directly, a chunk is on disk when
+        write_array returns: nothing is held."""
+        return 0 if self._writes_directly else 2 * self._max_pending
 
     def begin(self, plan: WritePlan) -> None:
         if self._state != "new":
@@ -436,15 +445,24 @@ class OrbaxWriter(CheckpointWriter):
         self._leaves = leaves
         self._by_name = {leaf.name: leaf for leaf in leaves}
         self._init_ns = time.time_ns()
-        # OCDBT's data files ("d/"), which tensorstore writes, are written
-        # back and leave the page cache as commits land (see pagecache.py)
-        self._cache_dropper = self._storage.page_cache_dropper(f"{db}/d")
+        if self._writes_directly:
+            self._direct = direct.ProcessDatabase(
+                self._storage.child(db), zarr3=self._zarr3, ocdbt_config=_OCDBT_CONFIG,
+                target_data_file_size=self._target_data_file_size)
+        else:
+            # OCDBT's data files ("d/"), which tensorstore writes, are written
+            # back and leave the page cache as commits land (see pagecache.py)
+            self._cache_dropper = self._storage.page_cache_dropper(f"{db}/d")
         self._state = "writing"
         if not self._primary:
             return
         # like orbax: the step metadata first, without a commit timestamp, so
         # an interrupted write reads as an uncommitted save
         self._write_checkpoint_metadata(commit_ns=None)
+        if self._direct is not None:
+            specs = {leaf.name: self._memory_spec(leaf) for leaf in leaves if leaf.stored}
+            self._direct.add_metadata(specs, self._storage.url)
+            return
         # every zarr array's metadata, opened concurrently so that tensorstore
         # batches them into few OCDBT commits
         futures = {
@@ -474,6 +492,9 @@ class OrbaxWriter(CheckpointWriter):
             raise CkptError(f"data of dtype {data.dtype} for an array of dtype {leaf.dtype}", where)
         if data.size == 0:
             return
+        if self._direct is not None:
+            self._direct.write_region(leaf.name, leaf.chunk_shape, region, data, {})
+            return
         store = self._store(leaf)
         self._submit(store[region] if region else store, data, where)
 
@@ -488,6 +509,9 @@ class OrbaxWriter(CheckpointWriter):
         arr = _scalar_array(target.value)
         if arr is None or dtypes.from_numpy(arr.dtype).name != leaf.dtype:
             raise CkptError("value differs in type from the one in the plan", target.path or target.name)
+        if self._direct is not None:
+            self._direct.write_scalar(leaf.name, arr, target.path or target.name)
+            return
         self._submit(self._store(leaf), arr, target.path or target.name)
 
     def finish_process(self) -> None:
@@ -496,6 +520,8 @@ class OrbaxWriter(CheckpointWriter):
         self._drain(0)
         if self._cache_dropper is not None:
             self._cache_dropper.finish()
+        if self._direct is not None:
+            self._direct.finish()
         self._storage.fsync_tree(PROCESS_DB.format(self._plan.process_index))
         arrays = [leaf for leaf in self._leaves if leaf.value_type == "jax.Array"]
         if arrays:
@@ -525,6 +551,8 @@ class OrbaxWriter(CheckpointWriter):
         self._state = "committed"
 
     def abort(self) -> None:
+        if self._direct is not None:
+            self._direct.discard()
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
@@ -595,6 +623,13 @@ class OrbaxWriter(CheckpointWriter):
     def _merge(self) -> None:
         """Merge the per-process databases into the root one and check every chunk arrived."""
         assert self._plan is not None
+        if self._direct is not None and max(1, self._plan.process_count) == 1:
+            # one process: its entries are here, so the root's B+tree is written from them
+            # (referencing the process's data files, as tensorstore's merge does) without reading it back
+            entries = list(self._direct.entries_from(PROCESS_DB.format(0) + "/"))
+            self._check_all_chunks([k.decode("utf-8", "surrogateescape") for k, _ in entries])
+            direct.write_root(self._storage, entries, _OCDBT_CONFIG)
+            return
         children = []
         for i in range(max(1, self._plan.process_count)):
             db = PROCESS_DB.format(i)

@@ -1,0 +1,170 @@
+"""Orbax's OCDBT databases written by ckpt itself on local roots, chunks encoded by ckpt.
+
+The Orbax writer (write.py) hands tensorstore each region to write on object
+stores; on a local directory it writes the process's database through this
+module instead, whose chunks go straight from the copy thread to a data file
+(storage/ocdbt_writer.py says why, with the times measured). What lands on
+disk is what tensorstore's zarr driver writes for orbax:
+
+- zarr v2: each chunk in C order, its full chunk shape (an edge chunk padded
+  with zeros, as tensorstore pads it), one zstd frame at orbax's level 1;
+- zarr v3 (orbax's one-chunk shards): the chunk's bytes as one zstd frame at
+  level 3, then the shard index (offset, length as uint64le) and its CRC-32C;
+- the zarr metadata (`.zarray` / `zarr.json`) and 0-d values are made by
+  tensorstore itself, in memory, and copied: byte for byte what it writes.
+
+tests/test_orbax_direct.py reads every output back through tensorstore and
+orbax, and compares it with the tensorstore-written one.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Any, Iterable
+
+import numpy as np
+import tensorstore as ts
+
+from ...arrays.reading import chunk_key
+from ...bufferpool import POOL
+from ...checksum import crc32c
+from ...errors import CkptError
+from ...model import Region
+from ...storage import Storage, ts_error_text
+from ...storage.ocdbt_encode import Config, ValueRef
+from ...storage.ocdbt_writer import OcdbtDatabaseWriter
+
+# orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
+ZARR2_LEVEL = 1
+ZARR3_LEVEL = 3
+
+
+def wanted(storage: Storage) -> bool:
+    """Whether the Orbax writer writes its databases itself here: local roots, unless
+    CKPT_OCDBT_WRITER=tensorstore (the A/B knob of the bench)."""
+    return storage.capabilities.local_files and os.environ.get("CKPT_OCDBT_WRITER", "ckpt") != "tensorstore"
+
+
+def config(ocdbt_config: dict[str, Any]) -> Config:
+    """A new database's config from the one orbax asks tensorstore for."""
+    return Config.new(max_inline_value_bytes=int(ocdbt_config["max_inline_value_bytes"]),
+                      max_decoded_node_bytes=int(ocdbt_config["max_decoded_node_bytes"]))
+
+
+class _Compressors(threading.local):
+    def __init__(self) -> None:
+        import zstandard
+
+        self.by_level = {level: zstandard.ZstdCompressor(level=level) for level in (ZARR2_LEVEL, ZARR3_LEVEL)}
+
+
+class ProcessDatabase:
+    """One process's database of an Orbax output: chunks encoded and put as they come."""
+
+    def __init__(self, storage: Storage, *, zarr3: bool, ocdbt_config: dict[str, Any],
+                 target_data_file_size: int) -> None:
+        self.zarr3 = zarr3
+        self.db = OcdbtDatabaseWriter(storage, config(ocdbt_config), target_data_file_size=target_data_file_size)
+        self._compressors = _Compressors()
+        self._memory: ts.Context | None = None  # the in-memory arrays the metadata comes from
+        self._meta: dict[str, dict[str, Any]] = {}  # leaf name -> its spec (memory kvstore)
+
+    # -- what tensorstore makes: metadata and 0-d values -------------------------------------------
+
+    def add_metadata(self, specs: dict[str, dict[str, Any]], where: str) -> None:
+        """Create every array (name -> tensorstore spec without kvstore) in memory and put the
+        metadata tensorstore wrote for it."""
+        self._memory = ts.Context()
+        futures = {}
+        for name, spec in specs.items():
+            mem = {**spec, "kvstore": {"driver": "memory", "path": name + "/"}}
+            self._meta[name] = mem
+            futures[name] = ts.open(mem, create=True, context=self._memory)
+        try:
+            for fut in futures.values():
+                fut.result()
+        except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
+            raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", where) from exc
+        self._copy_memory_keys(where)
+
+    def write_scalar(self, name: str, value: np.ndarray, where: str) -> None:
+        """A 0-d value, written by tensorstore in memory and copied."""
+        if self._memory is None or name not in self._meta:
+            raise CkptError("value is not in the plan given to begin()", where)
+        try:
+            store = ts.open(self._meta[name], open=True, context=self._memory).result()
+            store.write(value).result()
+        except Exception as exc:  # noqa: BLE001
+            raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
+        self._copy_memory_keys(where, prefix=name + "/", skip_metadata=True)
+
+    def _copy_memory_keys(self, where: str, prefix: str = "", skip_metadata: bool = False) -> None:
+        kv = ts.KvStore.open({"driver": "memory", "path": prefix}, context=self._memory).result()
+        for key in kv.list().result():
+            if skip_metadata and key in (b".zarray", b"zarr.json"):
+                continue
+            got = kv.read(key).result()
+            if got.state != "value":
+                raise CkptError(f"tensorstore lost the in-memory key {key!r}", where)
+            self.db.put(prefix.encode() + bytes(key), bytes(got.value))
+            if skip_metadata:
+                kv.delete_range(ts.KvStore.KeyRange(key, key + b"\x00")).result()
+
+    # -- chunks, encoded here ---------------------------------------------------------------------
+
+    def write_region(self, name: str, chunk_shape: tuple[int, ...], region: Region, data: np.ndarray,
+                     zmeta: dict[str, Any]) -> None:
+        """Every whole chunk of `region` (one chunk, or a block of whole chunks of the grid)."""
+        first = [r.start // c for r, c in zip(region, chunk_shape)]
+        counts = [-(-(r.stop - r.start) // c) for r, c in zip(region, chunk_shape)]
+        for offsets in np.ndindex(*counts):
+            index = tuple(f + o for f, o in zip(first, offsets))
+            lo = [i * c - r.start for i, c, r in zip(index, chunk_shape, region)]
+            part = data[tuple(slice(a, min(a + c, n)) for a, c, n in zip(lo, chunk_shape, data.shape))]
+            self._put_chunk(chunk_key(name, index, self.zarr3, zmeta), part, chunk_shape)
+
+    def _put_chunk(self, key: str, part: np.ndarray, chunk_shape: tuple[int, ...]) -> None:
+        buf = None
+        if tuple(part.shape) == tuple(chunk_shape) and part.flags.c_contiguous:
+            raw = part.reshape(-1).view(np.uint8)
+        else:  # an edge chunk (padded with zeros, as tensorstore pads it) or a piece of a block
+            buf = POOL.empty(tuple(chunk_shape), part.dtype)
+            if tuple(part.shape) != tuple(chunk_shape):
+                buf.fill(0)
+            buf[tuple(slice(0, n) for n in part.shape)] = part
+            raw = buf.reshape(-1).view(np.uint8)
+        level = ZARR3_LEVEL if self.zarr3 else ZARR2_LEVEL
+        encoded = self._compressors.by_level[level].compress(raw.data)
+        del raw, buf  # (the pooled buffer is free again once nothing refers to it)
+        if self.zarr3:
+            index = struct.pack("<QQ", 0, len(encoded))
+            self.db.put_parts(key.encode(), [encoded, index, struct.pack("<I", crc32c(index))])
+        else:
+            self.db.put(key.encode(), encoded)
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        self.db.finish()
+
+    def discard(self) -> None:
+        self.db.discard()
+
+    def entries_from(self, base_path: str) -> Iterable[tuple[bytes, bytes | ValueRef]]:
+        """Every entry as the root database references it: data files under `base_path`."""
+        from ...storage.ocdbt_encode import DataFile
+
+        for key, value in self.db.entries:
+            if isinstance(value, ValueRef):
+                value = ValueRef(DataFile(base_path + value.file.base_path, value.file.relative_path),
+                                 value.offset, value.length)
+            yield key, value
+
+
+def write_root(storage: Storage, entries: Iterable[tuple[bytes, bytes | ValueRef]],
+               ocdbt_config: dict[str, Any]) -> None:
+    """The root database (orbax's merge of the per-process ones): a B+tree over their entries, whose
+    values stay in the processes' data files."""
+    root = OcdbtDatabaseWriter(storage, config(ocdbt_config))
+    root.finish(extra=entries)

@@ -1,0 +1,171 @@
+"""A new OCDBT database written by ckpt into a local directory: data files, B+tree, manifest.
+
+Why not tensorstore's OCDBT driver, which orbax itself writes through: every
+commit of that driver writes a new B+tree version and a new root, and its
+writes of already-encoded chunks cost far more than the bytes. On the issue's
+TPU host (13 cores) tensorstore's OCDBT writes were most of a reshard (orbax's
+own save of the 2.3 GiB checkpoint: 5.0-6.7 s, where `cp -r && sync` of it
+took 1.9-2.5 s); here, 2.1 GB of encoded chunks written into an OCDBT kvstore
+took 4.4 s in one transaction against 0.6 s to copy them.
+
+An output database is written once and read only after it is complete, so it
+needs none of the driver's machinery: values larger than the database's
+`max_inline_value_bytes` are appended to data files (`d/<random hex>`, one
+per writing thread at a time, so threads never share a file) with pwritev;
+smaller ones stay in memory and go inline into the leaf nodes, as the driver
+does. `finish()` fsyncs the data files, then writes the whole B+tree into one
+more data file and the single-file manifest last (ocdbt_encode.py). What
+tensorstore, orbax and ckpt read is the same either way.
+
+Local roots only: object stores keep tensorstore's driver (Storage says which).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+from ..errors import CkptError
+from .core import Storage
+from .local import LocalFileWriter
+from .ocdbt_encode import Config, DataFile, ValueRef, build_tree, manifest
+
+MANIFEST = "manifest.ocdbt"
+DATA_DIR = "d/"
+# files closed (fsynced) at once by finish(): the disk queues their syncs in parallel
+CLOSE_THREADS = 4
+
+
+def new_data_file(base_path: str = "") -> DataFile:
+    """A data file name as tensorstore's driver makes them: d/ and 128 random bits in hex."""
+    return DataFile(base_path, DATA_DIR + os.urandom(16).hex())
+
+
+class _OpenDataFile:
+    __slots__ = ("file", "local", "cursor")
+
+    def __init__(self, file: DataFile, local: LocalFileWriter) -> None:
+        self.file = file
+        self.local = local
+        self.cursor = 0
+
+
+class OcdbtDatabaseWriter:
+    """Writes one new OCDBT database at the root of `storage` (a local directory).
+
+    `put` is thread-safe; `finish` and `discard` are called once, from one thread, after the puts.
+    """
+
+    def __init__(self, storage: Storage, config: Config, *, target_data_file_size: int = 2**31) -> None:
+        if not storage.capabilities.local_files:
+            raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
+        self._storage = storage
+        self.config = config
+        self._target = max(1, int(target_data_file_size))
+        self._lock = threading.Lock()
+        self._entries: list[tuple[bytes, bytes | ValueRef]] = []
+        self._files: list[_OpenDataFile] = []  # every data file opened, for finish / discard
+        self._local = threading.local()
+        self._state = "writing"
+
+    @property
+    def entries(self) -> list[tuple[bytes, bytes | ValueRef]]:
+        """What was put so far, in put order (values stored out of line as where they lie)."""
+        with self._lock:
+            return list(self._entries)
+
+    def put(self, key: bytes, value: Any) -> None:
+        """Store `value` (a bytes-like object) under `key`: in line when small, else appended to this
+        thread's data file."""
+        view = memoryview(value).cast("B")
+        if view.nbytes <= self.config.max_inline_value_bytes:
+            entry: tuple[bytes, bytes | ValueRef] = (key, view.tobytes())
+        else:
+            entry = (key, self._append([view]))
+        with self._lock:
+            if self._state != "writing":
+                raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
+            self._entries.append(entry)
+
+    def put_parts(self, key: bytes, parts: Iterable[Any]) -> None:
+        """Store the concatenation of `parts` under `key` without joining them first (a zarr v3 shard:
+        the encoded chunk, then its index)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        if sum(v.nbytes for v in views) <= self.config.max_inline_value_bytes:
+            self.put(key, b"".join(v.tobytes() for v in views))
+            return
+        ref = self._append(views)
+        with self._lock:
+            if self._state != "writing":
+                raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
+            self._entries.append((key, ref))
+
+    def _append(self, views: list[memoryview]) -> ValueRef:
+        if self._state != "writing":  # (this thread's file may be closed already)
+            raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
+        length = sum(v.nbytes for v in views)
+        f: _OpenDataFile | None = getattr(self._local, "file", None)
+        if f is None or (f.cursor and f.cursor + length > self._target):
+            f = self._open_data_file()
+            self._local.file = f
+        start, f.cursor = f.local.place(f.cursor, length)
+        f.local.write_at(start, views)
+        return ValueRef(f.file, start, length)
+
+    def _open_data_file(self) -> _OpenDataFile:
+        file = new_data_file()
+        local = self._storage.create_local_file(file.path)
+        if local is None:  # (checked in __init__)
+            raise CkptError("not a local directory", self._storage.url)
+        opened = _OpenDataFile(file, local)
+        with self._lock:
+            if self._state != "writing":
+                local.discard()
+                raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
+            self._files.append(opened)
+        return opened
+
+    def close_data_files(self) -> None:
+        """fsync and close every data file (several at a time); no more puts of out-of-line values."""
+        with self._lock:
+            files, self._files = self._files, []
+        if not files:
+            return
+        with ThreadPoolExecutor(min(CLOSE_THREADS, len(files)), thread_name_prefix="ckpt-ocdbt-close") as pool:
+            for fut in [pool.submit(f.local.close) for f in files]:
+                fut.result()
+
+    def finish(self, extra: Iterable[tuple[bytes, bytes | ValueRef]] = (), *, commit_time_ns: int | None = None) -> None:
+        """Close the data files, then write the B+tree over every entry put (and `extra`: values of
+        other databases, by reference) and, last, the manifest, which makes the database exist."""
+        with self._lock:
+            if self._state != "writing":
+                raise CkptError(f"finish() on an OCDBT database that is {self._state}", self._storage.url)
+            self._state = "finishing"
+        try:
+            self.close_data_files()
+            entries = sorted([*self.entries, *extra], key=lambda e: e[0])
+            node_file = new_data_file()
+            content, root = build_tree(entries, self.config, node_file)
+            local = self._storage.create_local_file(node_file.path)
+            assert local is not None
+            try:
+                local.write_at(0, [content], padded=False)
+            except BaseException:
+                local.discard()
+                raise
+            local.close()
+            self._storage.write(MANIFEST, manifest(self.config, root, commit_time_ns or time.time_ns()))
+        except ValueError as exc:  # repeated keys: a writer bug, said as one line
+            raise CkptError(f"cannot write the OCDBT database: {exc}", self._storage.url) from None
+        self._state = "finished"
+
+    def discard(self) -> None:
+        """Close the data files without syncing (the output is being thrown away)."""
+        with self._lock:
+            files, self._files = self._files, []
+            self._state = "discarded"
+        for f in files:
+            f.local.discard()
