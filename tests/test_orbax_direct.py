@@ -96,6 +96,8 @@ LEAVES = [  # (keys, value, chunk shape); chunk None: a scalar value
     (("w",), np.random.default_rng(1).standard_normal((37, 20)).astype(np.float32), (8, 6)),  # edges both ways
     (("b",), np.random.default_rng(2).standard_normal(9).astype(ml_dtypes.bfloat16), (4,)),
     (("big",), np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32), (64, 32)),
+    # chunks of 1 MiB and more are compressed as a stream (direct.STREAM_MIN_BYTES)
+    (("huge",), np.random.default_rng(4).standard_normal((700, 500)).astype(np.float32), (512, 512)),
     (("tiny",), np.arange(6, dtype=np.int8).reshape(2, 3), (2, 3)),  # inline
     (("zero_d",), np.array(1.5, np.float16), ()),
     (("step",), 7, None),
