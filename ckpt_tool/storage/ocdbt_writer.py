@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from ..errors import CkptError
@@ -40,6 +40,10 @@ CLOSE_THREADS = 4
 # 2.3 GiB into 40,000 chunks, and a write (and its page-cache bookkeeping) per chunk cost more than
 # the bytes. Pieces this large or larger go to the file as they are.
 STAGE_BYTES = 1 << 20
+# A thread's data file is sealed once it holds this much: fsynced on a closer thread while the
+# copy goes on, so that the syncs overlap the work instead of all waiting for the end (on the
+# TPU VM the final fsyncs of 2.3 GiB took 0.7 s of a 4.6 s reshard).
+SEAL_BYTES = 64 << 20
 
 
 def new_data_file(base_path: str = "") -> DataFile:
@@ -90,10 +94,12 @@ class OcdbtDatabaseWriter:
             raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
         self._storage = storage
         self.config = config
-        self._target = max(1, int(target_data_file_size))
+        self._target = max(1, min(int(target_data_file_size), SEAL_BYTES))
         self._lock = threading.Lock()
         self._entries: list[tuple[bytes, bytes | ValueRef]] = []
-        self._files: list[_OpenDataFile] = []  # every data file opened, for finish / discard
+        self._files: list[_OpenDataFile] = []  # the data files open, for finish / discard
+        self._closer: ThreadPoolExecutor | None = None  # seals full files
+        self._sealing: list[Future[None]] = []
         self._local = threading.local()
         self._state = "writing"
 
@@ -173,9 +179,32 @@ class OcdbtDatabaseWriter:
             raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
         f: _OpenDataFile | None = getattr(self._local, "file", None)
         if f is None or (f.cursor and f.cursor + length > self._target):
+            if f is not None:
+                self._seal(f)
             f = self._open_data_file()
             self._local.file = f
         return f
+
+    def _seal(self, f: _OpenDataFile) -> None:
+        """Flush, fsync and close a full data file on a closer thread."""
+        with self._lock:
+            if self._state != "writing":  # (discarded meanwhile: discard() closes what it finds)
+                return
+            self._files.remove(f)
+            if self._closer is None:
+                self._closer = ThreadPoolExecutor(CLOSE_THREADS, thread_name_prefix="ckpt-ocdbt-close")
+            self._sealing.append(self._closer.submit(_close, f))
+
+    def _wait_sealed(self) -> None:
+        with self._lock:
+            sealing, self._sealing = self._sealing, []
+            closer, self._closer = self._closer, None
+        try:
+            for fut in sealing:
+                fut.result()
+        finally:
+            if closer is not None:
+                closer.shutdown(wait=True)
 
     def _open_data_file(self) -> _OpenDataFile:
         file = new_data_file()
@@ -192,17 +221,13 @@ class OcdbtDatabaseWriter:
 
     def close_data_files(self) -> None:
         """fsync and close every data file (several at a time); no more puts of out-of-line values."""
+        self._wait_sealed()
         with self._lock:
             files, self._files = self._files, []
         if not files:
             return
-
-        def close(f: _OpenDataFile) -> None:
-            f.flush()
-            f.local.close()
-
         with ThreadPoolExecutor(min(CLOSE_THREADS, len(files)), thread_name_prefix="ckpt-ocdbt-close") as pool:
-            for fut in [pool.submit(close, f) for f in files]:
+            for fut in [pool.submit(_close, f) for f in files]:
                 fut.result()
 
     def finish(self, extra: Iterable[tuple[bytes, bytes | ValueRef]] = (), *, commit_time_ns: int | None = None) -> None:
@@ -235,5 +260,14 @@ class OcdbtDatabaseWriter:
         with self._lock:
             files, self._files = self._files, []
             self._state = "discarded"
+        try:
+            self._wait_sealed()
+        except Exception:  # noqa: BLE001 - the output is being thrown away: a failed seal changes nothing
+            pass
         for f in files:
             f.local.discard()
+
+
+def _close(f: _OpenDataFile) -> None:
+    f.flush()
+    f.local.close()

@@ -108,10 +108,10 @@ class ProcessDatabase:
 
     def _copy_memory_keys(self, where: str, prefix: str = "", skip_metadata: bool = False) -> None:
         kv = ts.KvStore.open({"driver": "memory", "path": prefix}, context=self._memory).result()
-        for key in kv.list().result():
-            if skip_metadata and key in (b".zarray", b"zarr.json"):
-                continue
-            got = kv.read(key).result()
+        keys = [k for k in kv.list().result() if not (skip_metadata and k in (b".zarray", b"zarr.json"))]
+        reads = [kv.read(key) for key in keys]  # (all at once: one at a time took 0.3 s for 158 arrays)
+        for key, fut in zip(keys, reads):
+            got = fut.result()
             if got.state != "value":
                 raise CkptError(f"tensorstore lost the in-memory key {key!r}", where)
             self.db.put(prefix.encode() + bytes(key), bytes(got.value))
