@@ -23,7 +23,8 @@ from ..formats.contract import ArrayReader
 from ..errors import CkptError, CorruptMetadataError, NotFoundError
 from ..model import Key, Leaf, Region, Sharding, ValueLeaf, constant_loader
 from ..storage import Reads, Storage, ts_error_text
-from . import schema
+from ..storage.ocdbt_node import IndirectValue
+from . import schema, stored_chunks
 
 # the files beside the arrays that this machinery reads (Orbax's names)
 TREE_METADATA = "_METADATA"
@@ -40,6 +41,9 @@ LOCATED_BATCH_KEYS = 8192
 LOCATED_BATCHES_KEPT = 4
 # CKPT_LOCATED_READS=0: every chunk through tensorstore (bench/tpu_host.py's profile compares both)
 LOCATED_READS = os.environ.get("CKPT_LOCATED_READS", "1") != "0"
+# CKPT_STORED_CHUNKS=0: every chunk written is encoded again, even where its stored bytes would do
+# (stored_chunks.py; the bench's A/B)
+STORED_CHUNKS = os.environ.get("CKPT_STORED_CHUNKS", "1") != "0"
 
 
 @dataclass
@@ -75,6 +79,15 @@ class ArraySource:
         """The stored bytes of chunk `key` (number `ordinal` in its grid) of located reader `index`, or
         None when the database does not hold it (the caller then reads through tensorstore, which
         says how it is missing)."""
+        value = self.locate_chunk(index, ordinal, key)
+        return None if value is None else self.read_chunk(key, value)
+
+    def read_chunk(self, key: str, value: bytes | IndirectValue) -> bytes | memoryview:
+        """A located chunk's stored bytes (into a pooled buffer when read from its data file)."""
+        return value if isinstance(value, bytes) else self.view.read_located(key, value, pooled=True)
+
+    def locate_chunk(self, index: int, ordinal: int, key: str) -> bytes | IndirectValue | None:
+        """Where chunk `key` is (its bytes if stored in line), as for located_chunk."""
         with self._lock:
             offsets = self._located_offsets
             while len(offsets) <= len(self.located_readers):  # (readers registered since the last read)
@@ -90,7 +103,7 @@ class ArraySource:
         if value is None:
             return None
         self.view.log.record(key)
-        return value if isinstance(value, bytes) else self.view.read_located(key, value, pooled=True)
+        return value
 
     def _batch_keys(self, batch: int) -> list[str]:
         """The chunk keys numbered [batch, batch + 1) * LOCATED_BATCH_KEYS (lock held)."""
@@ -262,7 +275,7 @@ class LocatedZarrRegionReader(ZarrRegionReader):
     regions once, whole, and cuts the pieces from it, so each chunk is still decoded once.
     """
 
-    __slots__ = ("_located", "_shape", "_chunk_shape")
+    __slots__ = ("_located", "_shape", "_chunk_shape", "_encoding")
 
     starts_reads = False
 
@@ -272,6 +285,7 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         self._shape = shape
         self._chunk_shape = chunk_shape
         self._located = source.register_located(self)
+        self._encoding = stored_chunks.encoding_of(zmeta, zarr3) if STORED_CHUNKS else None
 
     @property
     def _grid(self) -> list[int]:
@@ -354,13 +368,17 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         ordinal = 0
         for i, n in zip(index, self._grid):
             ordinal = ordinal * n + i
-        data = self._source.located_chunk(self._located, ordinal, key)
-        if data is None:
+        source = self._source
+        where = source.locate_chunk(self._located, ordinal, key)
+        if where is None:
             return None
-        chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, self._chunk_shape, f"{self._source.view.url}/{key}")
+        data = source.read_chunk(key, where)
+        chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, self._chunk_shape, f"{source.view.url}/{key}")
         del data
         if any((i + 1) * c > n for i, c, n in zip(index, self._chunk_shape, self._shape)):  # an edge chunk
             chunk = chunk[tuple(slice(0, min(c, n - i * c)) for i, c, n in zip(index, self._chunk_shape, self._shape))]
+        if self._encoding is not None:  # a writer of the same encoding may store these bytes as they are
+            chunk = stored_chunks.remember(chunk, self._encoding, index, lambda: source.read_chunk(key, where))
         return chunk
 
 

@@ -18,6 +18,7 @@ orbax, and compares it with the tensorstore-written one.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import tensorstore as ts
 
+from ...arrays import stored_chunks
 from ...arrays.reading import chunk_key
 from ...bufferpool import POOL
 from ...checksum import crc32c
@@ -76,12 +78,13 @@ class ProcessDatabase:
         self._compressors = _Compressors()
         self._memory: ts.Context | None = None  # the in-memory arrays the metadata comes from
         self._meta: dict[str, dict[str, Any]] = {}  # leaf name -> its spec (memory kvstore)
+        self._encodings: dict[str, stored_chunks.Encoding | None] = {}  # leaf name -> how its chunks are stored
 
     # -- what tensorstore makes: metadata and 0-d values -------------------------------------------
 
-    def add_metadata(self, specs: dict[str, dict[str, Any]], where: str) -> None:
+    def add_metadata(self, specs: dict[str, dict[str, Any]], where: str, *, put: bool = True) -> None:
         """Create every array (name -> tensorstore spec without kvstore) in memory and put the
-        metadata tensorstore wrote for it."""
+        metadata tensorstore wrote for it (put=False: only learn each array's encoding)."""
         self._memory = ts.Context()
         futures = {}
         for name, spec in specs.items():
@@ -93,7 +96,7 @@ class ProcessDatabase:
                 fut.result()
         except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
             raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", where) from exc
-        self._copy_memory_keys(where)
+        self._copy_memory_keys(where, put=put)
 
     def write_scalar(self, name: str, value: np.ndarray, where: str) -> None:
         """A 0-d value, written by tensorstore in memory and copied."""
@@ -106,7 +109,7 @@ class ProcessDatabase:
             raise CkptError(f"cannot write: {ts_error_text(exc)}", where) from exc
         self._copy_memory_keys(where, prefix=name + "/", skip_metadata=True)
 
-    def _copy_memory_keys(self, where: str, prefix: str = "", skip_metadata: bool = False) -> None:
+    def _copy_memory_keys(self, where: str, prefix: str = "", skip_metadata: bool = False, put: bool = True) -> None:
         kv = ts.KvStore.open({"driver": "memory", "path": prefix}, context=self._memory).result()
         keys = [k for k in kv.list().result() if not (skip_metadata and k in (b".zarray", b"zarr.json"))]
         reads = [kv.read(key) for key in keys]  # (all at once: one at a time took 0.3 s for 158 arrays)
@@ -114,25 +117,38 @@ class ProcessDatabase:
             got = fut.result()
             if got.state != "value":
                 raise CkptError(f"tensorstore lost the in-memory key {key!r}", where)
-            self.db.put(prefix.encode() + bytes(key), bytes(got.value))
+            name, _, rest = (prefix.encode() + bytes(key)).decode("utf-8", "surrogateescape").rpartition("/")
+            if rest in (".zarray", "zarr.json"):
+                self._encodings[name] = stored_chunks.encoding_of(json.loads(bytes(got.value)), self.zarr3)
+            if put:
+                self.db.put(prefix.encode() + bytes(key), bytes(got.value))
             if skip_metadata:
                 kv.delete_range(ts.KvStore.KeyRange(key, key + b"\x00")).result()
 
     # -- chunks, encoded here ---------------------------------------------------------------------
 
     def write_region(self, name: str, chunk_shape: tuple[int, ...], region: Region, data: np.ndarray,
-                     zmeta: dict[str, Any]) -> None:
-        """Every whole chunk of `region` (one chunk, or a block of whole chunks of the grid)."""
+                     zmeta: dict[str, Any], *, stored: stored_chunks.StoredChunk | None = None) -> bool:
+        """Every whole chunk of `region` (one chunk, or a block of whole chunks of the grid).
+
+        `stored`: where `data`'s bytes are stored already (stored_chunks.recall): one chunk of
+        the same encoding and grid position is stored as those bytes, not encoded again. Returns
+        whether it was."""
         first = [r.start // c for r, c in zip(region, chunk_shape)]
         counts = [-(-(r.stop - r.start) // c) for r, c in zip(region, chunk_shape)]
+        if (stored is not None and stored.index == tuple(first) and all(n == 1 for n in counts)
+                and stored.encoding is not None and stored.encoding == self._encodings.get(name)):
+            self.db.put(chunk_key(name, tuple(first), self.zarr3, zmeta).encode(), stored.read())
+            return True
         if math.prod(counts) > 1 and tuple(data.shape) == tuple(n * c for n, c in zip(counts, chunk_shape)):
             self._put_block(name, chunk_shape, first, counts, data, zmeta)
-            return
+            return False
         for offsets in np.ndindex(*counts):
             index = tuple(f + o for f, o in zip(first, offsets))
             lo = [i * c - r.start for i, c, r in zip(index, chunk_shape, region)]
             part = data[tuple(slice(a, min(a + c, n)) for a, c, n in zip(lo, chunk_shape, data.shape))]
             self._put_chunk(chunk_key(name, index, self.zarr3, zmeta), part, chunk_shape)
+        return False
 
     def _put_block(self, name: str, chunk_shape: tuple[int, ...], first: list[int], counts: list[int],
                    data: np.ndarray, zmeta: dict[str, Any]) -> None:

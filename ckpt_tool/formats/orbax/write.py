@@ -46,6 +46,7 @@ from ...pagecache import DirectoryDropper
 from ...storage import Storage, ts_error_text
 from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
+from ...arrays import stored_chunks
 from . import direct
 from . import reader as ob
 
@@ -383,6 +384,9 @@ class OrbaxWriter(CheckpointWriter):
             }],
         }
 
+    def _memory_specs(self) -> dict[str, dict[str, Any]]:
+        return {leaf.name: self._memory_spec(leaf) for leaf in self._leaves if leaf.stored}
+
     def _memory_spec(self, leaf: _Leaf) -> dict[str, Any]:
         """The array as _array_spec opens it, less its kvstore (direct.py makes it in memory)."""
         return {
@@ -455,13 +459,14 @@ class OrbaxWriter(CheckpointWriter):
             self._cache_dropper = self._storage.page_cache_dropper(f"{db}/d")
         self._state = "writing"
         if not self._primary:
+            if self._direct is not None:  # the arrays' encodings, to compare with the source's (nothing is put)
+                self._direct.add_metadata(self._memory_specs(), self._storage.url, put=False)
             return
         # like orbax: the step metadata first, without a commit timestamp, so
         # an interrupted write reads as an uncommitted save
         self._write_checkpoint_metadata(commit_ns=None)
         if self._direct is not None:
-            specs = {leaf.name: self._memory_spec(leaf) for leaf in leaves if leaf.stored}
-            self._direct.add_metadata(specs, self._storage.url)
+            self._direct.add_metadata(self._memory_specs(), self._storage.url)
             return
         # every zarr array's metadata, opened concurrently so that tensorstore
         # batches them into few OCDBT commits
@@ -476,6 +481,7 @@ class OrbaxWriter(CheckpointWriter):
     def write_array(self, target: TargetArray, chunk_index: int, region: Region, data: np.ndarray) -> None:
         leaf = self._leaf_for(target.name, ("jax.Array", "np.ndarray"))
         region = tuple(region)
+        stored = stored_chunks.recall(data)  # (before np.asarray, which drops what it knows)
         where = f"{target.path or leaf.name} chunk {chunk_index}"
         if len(region) != len(leaf.shape):
             raise CkptError(f"region of rank {len(region)} for a rank-{len(leaf.shape)} array", where)
@@ -493,7 +499,7 @@ class OrbaxWriter(CheckpointWriter):
         if data.size == 0:
             return
         if self._direct is not None:
-            self._direct.write_region(leaf.name, leaf.chunk_shape, region, data, {})
+            self._direct.write_region(leaf.name, leaf.chunk_shape, region, data, {}, stored=stored)
             return
         store = self._store(leaf)
         self._submit(store[region] if region else store, data, where)

@@ -1,0 +1,176 @@
+"""Chunks stored as the source stored them (arrays/stored_chunks.py): a convert or reshard that keeps an
+Orbax checkpoint's grid and encoding copies each chunk's stored bytes instead of encoding it again.
+
+orbax and tensorstore are the oracles: the copy restores with orbax to the source's values, and its
+chunks are the source's bytes. Anything that changes the bytes (a cast, a slice, another encoding)
+is encoded as before.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+# the orbax-written sources are sharded over 8 CPU devices; set before anything imports jax
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from click.testing import CliRunner
+
+from ckpt_tool.arrays import reading, stored_chunks
+from ckpt_tool.cli.main import cli
+from ckpt_tool.formats.orbax import direct
+
+from conftest import fixture_path
+from library_reference import orbax_values
+
+runner = CliRunner()
+
+
+def _values(path) -> dict[bytes, bytes]:
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    return {bytes(k): bytes(kv.read(k).result().value) for k in kv.list().result()}
+
+
+def _convert(src, dst, *extra) -> dict:
+    result = runner.invoke(cli, ["convert", str(src), str(dst), "--to", "orbax", "--json", *extra],
+                           catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.fixture
+def count_copies(monkeypatch):
+    copied = []
+    real = direct.ProcessDatabase.write_region
+
+    def spy(self, name, chunk_shape, region, data, zmeta, *, stored=None):
+        done = real(self, name, chunk_shape, region, data, zmeta, stored=stored)
+        copied.append(int(done))
+        return done
+
+    monkeypatch.setattr(direct.ProcessDatabase, "write_region", spy)
+    return copied
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["zarr2", "zarr3"])
+def orbax_source(request, tmp_path_factory):
+    """A checkpoint orbax saves from arrays sharded over a 4x2 mesh (chunks of 1-2 MiB, leaves over the 8 MiB read whole),
+    bfloat16 and float32, plus a host array (one chunk)."""
+    jax = pytest.importorskip("jax")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    if jax.device_count() != 8:
+        pytest.skip("needs 8 CPU devices (jax was initialised before XLA_FLAGS was set)")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(11)
+    tree = {
+        "w": jax.device_put(rng.standard_normal((2000, 1024)).astype(np.float32), NamedSharding(mesh, P("data", "model"))),
+        "e": jax.device_put(rng.standard_normal((2400, 1800)).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P("data"))),
+        "host": rng.standard_normal((300, 200)).astype(np.float32),
+    }
+    path = tmp_path_factory.mktemp("src") / "ckpt"
+    handler = ocp.PyTreeCheckpointHandler(use_zarr3=request.param)
+    with ocp.Checkpointer(handler) as ck:
+        ck.save(str(path), args=ocp.args.PyTreeSave(tree))
+    return path, request.param
+
+
+@pytest.mark.parametrize("name", ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_11/standard"])
+def test_small_fixtures_convert_alike(tmp_path, name):
+    """Tiny leaves are read whole (several chunks at once): encoded as before, the same values."""
+    src = fixture_path(name.split("/")[0]) / "/".join(name.split("/")[1:])
+    zarr3 = name.endswith("zarr3")
+    _convert(src, tmp_path / "out", *(["--zarr3"] if zarr3 else []))
+    want, got = orbax_values(src), orbax_values(tmp_path / "out")
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+
+
+def test_same_grid_and_encoding_copies_the_stored_chunks(tmp_path, orbax_source, count_copies):
+    src, zarr3 = orbax_source
+    _convert(src, tmp_path / "out", *(["--zarr3"] if zarr3 else []))
+    assert len(count_copies) >= 17 and all(n == 1 for n in count_copies)  # every chunk written was copied
+    theirs, ours = _values(src), _values(tmp_path / "out")
+    chunks = [k for k in theirs if not k.endswith((b".zarray", b"zarr.json"))]
+    scalars = {k for k in chunks if k.count(b"/") == 1 and k.endswith((b"/0", b"/c"))}
+    for key in chunks:
+        if key not in scalars:  # (0-d values are written by tensorstore, whatever the source)
+            assert ours[key] == theirs[key], key
+    want, got = orbax_values(src), orbax_values(tmp_path / "out")
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
+
+
+def test_turned_off_every_chunk_is_encoded(tmp_path, monkeypatch, orbax_source, count_copies):
+    src, zarr3 = orbax_source
+    monkeypatch.setattr(reading, "STORED_CHUNKS", False)
+    _convert(src, tmp_path / "out", *(["--zarr3"] if zarr3 else []))
+    assert count_copies and not any(count_copies)
+
+
+def test_another_encoding_or_dtype_is_encoded_again(tmp_path, orbax_source, count_copies):
+    """zarr v2 <-> v3, or a cast: the same values, other bytes."""
+    src, zarr3 = orbax_source
+    _convert(src, tmp_path / "out", *([] if zarr3 else ["--zarr3"]))
+    assert count_copies and not any(count_copies)
+    count_copies.clear()
+    _convert(src, tmp_path / "cast", *(["--zarr3"] if zarr3 else []), "--dtype", "float32")
+    assert count_copies and sum(count_copies) < len(count_copies)  # the bfloat16 leaf is cast
+    got = orbax_values(tmp_path / "cast")
+    np.testing.assert_array_equal(got[("e",)], orbax_values(src)[("e",)].astype(np.float32))
+
+
+def test_recall_only_the_whole_remembered_memory():
+    chunk = np.arange(24, dtype=np.float32).reshape(4, 6)
+    enc = ("zarr2", "zstd", "<f4", (4, 6))
+    kept = stored_chunks.remember(chunk, enc, (1, 0), lambda: b"stored")
+    assert stored_chunks.recall(kept).read() == b"stored"
+    assert stored_chunks.recall(np.asarray(kept)) is None  # what np.asarray returns is no longer it
+    assert stored_chunks.recall(kept[:2]) is None
+    assert stored_chunks.recall(kept[:, 1:]) is None
+    assert stored_chunks.recall(kept.copy()) is None
+    assert stored_chunks.recall(kept.astype(np.float64)) is None
+    assert stored_chunks.recall(kept.reshape(6, 4)) is None
+    assert stored_chunks.recall(kept.view(np.int32)) is None
+    assert stored_chunks.recall(chunk) is None
+    # an edge chunk: the clipped view the reader hands out is the whole stored chunk
+    edge = stored_chunks.remember(chunk[:3], enc, (1, 0), lambda: b"stored")
+    assert stored_chunks.recall(edge[:3]) is not None and stored_chunks.recall(edge[:2]) is None
+
+
+ZSTD2 = {"compressor": {"id": "zstd", "level": 1}, "filters": None, "order": "C", "dtype": "bfloat16", "chunks": [4, 4]}
+
+
+def _zarr3(**conf):
+    inner = conf.pop("codecs", [{"name": "bytes", "configuration": {"endian": "little"}},
+                                {"name": "zstd", "configuration": {"level": 3}}])
+    return {"data_type": "float32", "chunk_grid": {"configuration": {"chunk_shape": [4, 4]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": conf.pop("chunk_shape", [4, 4]), "codecs": inner,
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                "index_location": "end"}}]}
+
+
+def test_encoding_of():
+    assert stored_chunks.encoding_of(ZSTD2, False) == stored_chunks.encoding_of(
+        {**ZSTD2, "compressor": {"id": "zstd", "level": 5}}, False)  # any level decodes the same
+    assert stored_chunks.encoding_of({**ZSTD2, "compressor": {"id": "blosc"}}, False) is None
+    assert stored_chunks.encoding_of({**ZSTD2, "compressor": None}, False) is None
+    assert stored_chunks.encoding_of({**ZSTD2, "filters": [{"id": "delta"}]}, False) is None
+    assert stored_chunks.encoding_of({**ZSTD2, "order": "F"}, False) is None
+    assert stored_chunks.encoding_of({**ZSTD2, "dtype": "<f2"}, False) != stored_chunks.encoding_of(ZSTD2, False)
+    assert stored_chunks.encoding_of({**ZSTD2, "chunks": [2, 4]}, False) != stored_chunks.encoding_of(ZSTD2, False)
+    assert stored_chunks.encoding_of(_zarr3(), True) is not None
+    assert stored_chunks.encoding_of(_zarr3(chunk_shape=[2, 2]), True) is None  # several chunks per shard
+    assert stored_chunks.encoding_of(_zarr3(codecs=[{"name": "bytes", "configuration": {"endian": "big"}},
+                                                    {"name": "zstd"}]), True) is None
+    assert stored_chunks.encoding_of(_zarr3(codecs=[{"name": "bytes"}, {"name": "gzip"}]), True) is None
+    assert stored_chunks.encoding_of({"codecs": "junk"}, True) is None
+    assert stored_chunks.encoding_of(ZSTD2, True) is None
