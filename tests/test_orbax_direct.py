@@ -160,11 +160,15 @@ def test_same_database_as_tensorstores(tmp_path, monkeypatch, zarr3, blocks):
         assert sorted(ours) == sorted(theirs)
         for key in theirs:
             assert _decoded(key, ours[key], zarr3) == _decoded(key, theirs[key], zarr3), key
-    # the root references the process's data files, as tensorstore's merge does
-    root = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/ckpt/").result()).result()
-    node = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/ckpt/").result(),
-                         root["versions"][0]["root"]["location"]).result()
-    indirect = [e["indirect_value"] for e in node["entries"] if "indirect_value" in e]
+    # the root database's tree is one node in its own d/ over the process's tree, whose values it
+    # finds in the process's data files (tensorstore's merge copies the tree instead)
+    base = ts.KvStore.open(f"file://{tmp_path}/ckpt/").result()
+    root = ts.ocdbt.dump(base).result()["versions"][0]["root"]["location"]
+    assert root.startswith("btreenode::d/")
+    (child,) = ts.ocdbt.dump(base, root).result()["entries"]
+    assert child["location"].startswith("btreenode:ocdbt.process_0/:d/")
+    leaf = ts.ocdbt.dump(base, child["location"]).result()
+    indirect = [e["indirect_value"] for e in leaf["entries"] if "indirect_value" in e]
     assert indirect and all(v.startswith("value:ocdbt.process_0/:d/") for v in indirect)
     # tensorstore's zarr driver reads every array back
     for keys, value, chunks in LEAVES:

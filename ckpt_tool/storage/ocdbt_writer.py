@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable
 from ..errors import CkptError
 from .core import Storage
 from .local import LocalFileWriter
-from .ocdbt_encode import Config, DataFile, ValueRef, build_tree, manifest
+from .ocdbt_encode import (BTREE_NODE_MAGIC, Config, DataFile, NodeRef, ValueRef, build_tree, encode, interior_body,
+                           manifest)
 
 MANIFEST = "manifest.ocdbt"
 DATA_DIR = "d/"
@@ -230,16 +231,16 @@ class OcdbtDatabaseWriter:
             for fut in [pool.submit(_close, f) for f in files]:
                 fut.result()
 
-    def finish(self, extra: Iterable[tuple[bytes, bytes | ValueRef]] = (), *, commit_time_ns: int | None = None) -> None:
-        """Close the data files, then write the B+tree over every entry put (and `extra`: values of
-        other databases, by reference) and, last, the manifest, which makes the database exist."""
+    def finish(self, *, commit_time_ns: int | None = None) -> NodeRef:
+        """Close the data files, then write the B+tree over every entry put and, last, the
+        manifest, which makes the database exist. Returns the B+tree's root."""
         with self._lock:
             if self._state != "writing":
                 raise CkptError(f"finish() on an OCDBT database that is {self._state}", self._storage.url)
             self._state = "finishing"
         try:
             self.close_data_files()
-            entries = sorted([*self.entries, *extra], key=lambda e: e[0])
+            entries = sorted(self.entries, key=lambda e: e[0])
             node_file = new_data_file()
             content, root = build_tree(entries, self.config, node_file)
             local = self._storage.create_local_file(node_file.path)
@@ -254,6 +255,7 @@ class OcdbtDatabaseWriter:
         except ValueError as exc:  # repeated keys: a writer bug, said as one line
             raise CkptError(f"cannot write the OCDBT database: {exc}", self._storage.url) from None
         self._state = "finished"
+        return root
 
     def discard(self) -> None:
         """Close the data files without syncing (the output is being thrown away)."""
@@ -266,6 +268,31 @@ class OcdbtDatabaseWriter:
             pass
         for f in files:
             f.local.discard()
+
+
+def write_database_over(storage: Storage, config: Config, subtree: NodeRef, *,
+                        commit_time_ns: int | None = None) -> None:
+    """A database at the root of `storage` whose B+tree is another's, `subtree` (its node file
+    named from here): orbax's merged root database over one process's, without copying its tree.
+
+    Its root is one interior node over `subtree` (in its own d/, as orbax's root database has
+    one). The format's transitive paths make this exact: a node reached through data file
+    base_path + relative_path resolves its own table under base_path (format document, "Data file
+    table format"), so the process's tree, read from the root, finds the process's data files."""
+    node_file = new_data_file()
+    node = encode(BTREE_NODE_MAGIC, interior_body(subtree.height + 1, [subtree]), config)
+    local = storage.create_local_file(node_file.path)
+    if local is None:
+        raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
+    try:
+        local.write_at(0, [node], padded=False)
+    except BaseException:
+        local.discard()
+        raise
+    local.close()
+    root = NodeRef(node_file, 0, len(node), subtree.height + 1, subtree.first_key, subtree.num_keys,
+                   len(node) + subtree.num_tree_bytes, subtree.num_indirect_value_bytes)
+    storage.write(MANIFEST, manifest(config, root, commit_time_ns or time.time_ns()))
 
 
 def _close(f: _OpenDataFile) -> None:

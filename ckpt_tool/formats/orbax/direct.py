@@ -23,7 +23,8 @@ import math
 import os
 import struct
 import threading
-from typing import Any, Callable, Iterable
+from dataclasses import replace
+from typing import Any, Callable
 
 import numpy as np
 import tensorstore as ts
@@ -35,8 +36,8 @@ from ...checksum import crc32c
 from ...errors import CkptError
 from ...model import Region
 from ...storage import Storage, ts_error_text
-from ...storage.ocdbt_encode import Config, ValueRef
-from ...storage.ocdbt_writer import OcdbtDatabaseWriter
+from ...storage.ocdbt_encode import Config, DataFile, NodeRef
+from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database_over
 
 # orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
 ZARR2_LEVEL = 1
@@ -75,6 +76,8 @@ class ProcessDatabase:
                  target_data_file_size: int) -> None:
         self.zarr3 = zarr3
         self.db = OcdbtDatabaseWriter(storage, config(ocdbt_config), target_data_file_size=target_data_file_size)
+        self._ocdbt_config = ocdbt_config
+        self.root: NodeRef | None = None  # the B+tree's root, once finished
         self._compressors = _Compressors()
         self._memory: ts.Context | None = None  # the in-memory arrays the metadata comes from
         self._meta: dict[str, dict[str, Any]] = {}  # leaf name -> its spec (memory kvstore)
@@ -208,20 +211,22 @@ class ProcessDatabase:
     # -- the end ------------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        self.db.finish()
+        self.root = self.db.finish()
 
     def discard(self) -> None:
         self.db.discard()
 
-    def entries_from(self, base_path: str) -> Iterable[tuple[bytes, bytes | ValueRef]]:
-        """Every entry as the root database references it: data files under `base_path`."""
-        from ...storage.ocdbt_encode import DataFile
+    def keys(self) -> list[str]:
+        """Every key put."""
+        return [key.decode("utf-8", "surrogateescape") for key, _ in self.db.entries]
 
-        for key, value in self.db.entries:
-            if isinstance(value, ValueRef):
-                value = ValueRef(DataFile(base_path + value.file.base_path, value.file.relative_path),
-                                 value.offset, value.length)
-            yield key, value
+    def write_root(self, storage: Storage, base_path: str) -> None:
+        """The root database (orbax's merge of the per-process ones) when this is the only process:
+        a B+tree over this database's, reached under `base_path` (its directory)."""
+        if self.root is None:
+            raise CkptError("the process's database is not finished", storage.url)
+        node = replace(self.root, file=DataFile(base_path + self.root.file.base_path, self.root.file.relative_path))
+        write_database_over(storage, config(self._ocdbt_config), node)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -236,9 +241,3 @@ def _shard_index(length: int) -> bytes:
     return index + struct.pack("<I", crc32c(index))
 
 
-def write_root(storage: Storage, entries: Iterable[tuple[bytes, bytes | ValueRef]],
-               ocdbt_config: dict[str, Any]) -> None:
-    """The root database (orbax's merge of the per-process ones): a B+tree over their entries, whose
-    values stay in the processes' data files."""
-    root = OcdbtDatabaseWriter(storage, config(ocdbt_config))
-    root.finish(extra=entries)

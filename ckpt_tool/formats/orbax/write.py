@@ -630,11 +630,10 @@ class OrbaxWriter(CheckpointWriter):
         """Merge the per-process databases into the root one and check every chunk arrived."""
         assert self._plan is not None
         if self._direct is not None and max(1, self._plan.process_count) == 1:
-            # one process: its entries are here, so the root's B+tree is written from them
-            # (referencing the process's data files, as tensorstore's merge does) without reading it back
-            entries = list(self._direct.entries_from(PROCESS_DB.format(0) + "/"))
-            self._check_all_chunks([k.decode("utf-8", "surrogateescape") for k, _ in entries])
-            direct.write_root(self._storage, entries, _OCDBT_CONFIG)
+            # one process: the root database is a manifest over the process's own B+tree (no copy
+            # of it, as tensorstore's merge makes), its keys checked from what was put
+            self._check_all_chunks(self._direct.keys())
+            self._direct.write_root(self._storage, PROCESS_DB.format(0) + "/")
             return
         children = []
         for i in range(max(1, self._plan.process_count)):
