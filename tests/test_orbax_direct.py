@@ -185,4 +185,3 @@ def test_object_stores_keep_tensorstores_writer():
     writer = OrbaxWriter(Storage.create("memory://direct_test/"))
     assert not writer._writes_directly
     assert writer.pending_bytes_limit > 0
-

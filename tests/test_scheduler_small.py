@@ -259,17 +259,3 @@ def test_damaged_chunk_in_a_cluster_is_reported_as_that_chunk(tmp_path, monkeypa
     chunks = stored_chunks(leaf.shape, leaf.layout)
     bad = [i for i, c in enumerate(chunks) if c.offsets == (2, 4)]
     assert failed == [("layers/0/w", bad[0])], failed
-
-
-def test_default_memory_follows_the_cores(monkeypatch):
-    import os
-
-    from ckpt_tool.scheduler import DEFAULT_MEMORY, admission, default_memory
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert default_memory() == DEFAULT_MEMORY == 512 * 2**20
-    monkeypatch.setattr(os, "cpu_count", lambda: 13)
-    assert default_memory() == 13 * admission.MEMORY_PER_WORKER
-    real = os.sysconf
-    monkeypatch.setattr(os, "sysconf", lambda name: 2**30 // 4096 if name == "SC_PHYS_PAGES" else real(name))
-    assert default_memory() == DEFAULT_MEMORY  # an eighth of 1 GiB is less: never below 512 MiB

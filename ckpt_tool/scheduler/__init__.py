@@ -10,7 +10,7 @@ work decodes one stored chunk once and hands every region it feeds its
 piece; a region spanning several chunks is assembled from the pieces and
 handed over when its last piece arrives.
 
-Memory. A byte budget (`--memory`, default 512 MiB, more on many cores: default_memory) covers the decoded
+Memory. A byte budget (`--memory`, default 512 MiB) covers the decoded
 chunks in flight, the regions being assembled and what the consumer keeps.
 Units are admitted in order against it; a stored chunk whose whole decode
 would not fit is decoded as a stream of bands instead, alone, in as many
@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from ..errors import CkptError
 from ..model import ArrayLeaf
 from ..bufferpool import POOL
-from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, default_memory, parse_memory
+from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, parse_memory
 from .execution import Executor
 from .planning import Plan, _Unit, streams
 from .regions import _LeafChunks  # noqa: F401 - reshard's planner counts stored chunks with it
@@ -44,7 +44,7 @@ from .streaming import band_bytes
 from .wants import ReadStats, Want
 
 __all__ = [
-    "DEFAULT_MEMORY", "MIN_MEMORY", "default_memory", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
+    "DEFAULT_MEMORY", "MIN_MEMORY", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
     "parse_memory", "streams",
 ]
 

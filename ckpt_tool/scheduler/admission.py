@@ -20,29 +20,8 @@ from .wants import ReadStats
 
 MiB = 2**20
 DEFAULT_MEMORY = 512 * MiB
-# the command line's default on many-core hosts: this much per copy worker (see default_memory)
-MEMORY_PER_WORKER = 96 * MiB
 # the smallest budget accepted: below it the bands and windows alone would not fit
 MIN_MEMORY = 4 * MiB
-
-
-def default_memory() -> int:
-    """--memory's default: 512 MiB, or 96 MiB per copy worker where that is more (13 cores: 1.2 GiB),
-    at most an eighth of the machine's memory.
-
-    The budget bounds the chunks in flight, so 512 MiB kept a 13-core TPU VM's copy threads idle
-    two thirds of the time (its checkpoint's chunks are 8-64 MiB decoded: 5 to 8 in flight for 13
-    threads). It follows the cores, never the checkpoint; on up to 5 cores it is 512 MiB as before."""
-    import os
-
-    from ..parallel import copy_workers
-
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        physical = 0
-    wanted = MEMORY_PER_WORKER * copy_workers()
-    return max(DEFAULT_MEMORY, min(wanted, physical // 8))
 
 
 def parse_memory(text: str | int) -> int:
