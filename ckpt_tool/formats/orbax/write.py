@@ -17,8 +17,8 @@ Every process writes its chunks into its own database (orbax's "per-process
 OCDBT"); the primary also writes every array's zarr metadata there, and at
 commit merges all per-process B-trees into the root one, which keeps
 referencing the per-process data files. On a local root ckpt encodes the
-chunks and writes the databases itself (direct.py; the root from the
-process's entries when there is one process); on object stores, and to merge
+chunks and writes the databases itself (direct.py; with one process the
+root is one node over the process's tree); on object stores, and to merge
 several processes' databases, tensorstore does (zarr arrays over its OCDBT
 driver, `experimental_copy_range_to` as orbax's `merge_ocdbt_per_process_files`).
 """
