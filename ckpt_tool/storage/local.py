@@ -20,7 +20,8 @@ import errno
 import os
 import stat
 import threading
-from typing import Any, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import directio
 from ..errors import CkptError, NoSpaceError, NotFoundError, PathEscapeError, TruncatedFileError, UnreadableFileError
@@ -125,6 +126,40 @@ def errno_error(code: int | None, strerror: str, what: str, where: str) -> CkptE
     if code in _UNREADABLE and what.startswith(("cannot read", "cannot stat")):
         return UnreadableFileError(f"{what}: {strerror}", where)
     return CkptError(f"{what}: {strerror}", where)
+
+
+class FileCloser:
+    """Closes (fsyncs) finished files on a few threads behind the writers that filled them.
+
+    A copy thread that waited for the disk at each file's end held its next chunk back: on a TPU
+    VM's gVisor kernel, where data reaches the disk only at fsync, 4 of the 30 busy thread-seconds
+    of a 2.3 GiB convert. `wait()` waits for every close submitted so far and raises the first
+    error; the threads start with the first close and end at each wait.
+    """
+
+    def __init__(self, name: str, threads: int = 4) -> None:
+        self._name = name
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closing: list[Future[None]] = []
+
+    def submit(self, close: Callable[[], None]) -> None:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
+            self._closing.append(self._pool.submit(close))
+
+    def wait(self) -> None:
+        with self._lock:
+            closing, self._closing = self._closing, []
+            pool, self._pool = self._pool, None
+        try:
+            for fut in closing:
+                fut.result()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 class LocalFileWriter:

@@ -206,18 +206,19 @@ def cut_leaves(entries: Sequence[tuple[bytes, bytes | ValueRef]], max_bytes: int
     runs: list[list[tuple[bytes, bytes | ValueRef]]] = [[]]
     files: set[DataFile] = set()
     size = 0
-    for key, value in entries:
+
+    def cost(key: bytes, value: bytes | ValueRef) -> int:
         n = leaf_entry_bytes(key, value)
-        new_file = isinstance(value, ValueRef) and value.file not in files
-        if new_file:
-            assert isinstance(value, ValueRef)
+        if isinstance(value, ValueRef) and value.file not in files:  # its row of the data file table
             n += len(value.file.path.encode()) + 10
-        if runs[-1] and size + n > max_bytes:
+        return n
+
+    for key, value in entries:
+        if runs[-1] and size + cost(key, value) > max_bytes:
             runs.append([])
             files = set()
-            size = n if not isinstance(value, ValueRef) else n + (0 if new_file else len(value.file.path.encode()) + 10)
-        else:
-            size += n
+            size = 0
+        size += cost(key, value)
         runs[-1].append((key, value))
         if isinstance(value, ValueRef):
             files.add(value.file)

@@ -24,19 +24,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from ..errors import CkptError
 from .core import Storage
-from .local import LocalFileWriter
+from .local import FileCloser, LocalFileWriter
 from .ocdbt_encode import (BTREE_NODE_MAGIC, Config, DataFile, NodeRef, ValueRef, build_tree, encode, interior_body,
                            manifest)
 
 MANIFEST = "manifest.ocdbt"
 DATA_DIR = "d/"
-# files closed (fsynced) at once by finish(): the disk queues their syncs in parallel
-CLOSE_THREADS = 4
 # Values are staged per thread and written this much at a time: a layout for 256 devices cuts
 # 2.3 GiB into 40,000 chunks, and a write (and its page-cache bookkeeping) per chunk cost more than
 # the bytes. Pieces this large or larger go to the file as they are.
@@ -83,6 +80,11 @@ class _OpenDataFile:
             self.local.write_at(self.stage_start, [memoryview(self.stage)[: self.staged]], padded=False)
             self.staged = 0
 
+    def close(self) -> None:
+        """Flush the staged bytes, fsync, close."""
+        self.flush()
+        self.local.close()
+
 
 class OcdbtDatabaseWriter:
     """Writes one new OCDBT database at the root of `storage` (a local directory).
@@ -99,8 +101,7 @@ class OcdbtDatabaseWriter:
         self._lock = threading.Lock()
         self._entries: list[tuple[bytes, bytes | ValueRef]] = []
         self._files: list[_OpenDataFile] = []  # the data files open, for finish / discard
-        self._closer: ThreadPoolExecutor | None = None  # seals full files
-        self._sealing: list[Future[None]] = []
+        self._closer = FileCloser("ckpt-ocdbt-close")  # seals full files, and closes the rest at the end
         self._local = threading.local()
         self._state = "writing"
 
@@ -192,20 +193,7 @@ class OcdbtDatabaseWriter:
             if self._state != "writing":  # (discarded meanwhile: discard() closes what it finds)
                 return
             self._files.remove(f)
-            if self._closer is None:
-                self._closer = ThreadPoolExecutor(CLOSE_THREADS, thread_name_prefix="ckpt-ocdbt-close")
-            self._sealing.append(self._closer.submit(_close, f))
-
-    def _wait_sealed(self) -> None:
-        with self._lock:
-            sealing, self._sealing = self._sealing, []
-            closer, self._closer = self._closer, None
-        try:
-            for fut in sealing:
-                fut.result()
-        finally:
-            if closer is not None:
-                closer.shutdown(wait=True)
+            self._closer.submit(f.close)  # (under the lock: a discard() waits for it)
 
     def _open_data_file(self) -> _OpenDataFile:
         file = new_data_file()
@@ -222,14 +210,11 @@ class OcdbtDatabaseWriter:
 
     def close_data_files(self) -> None:
         """fsync and close every data file (several at a time); no more puts of out-of-line values."""
-        self._wait_sealed()
         with self._lock:
             files, self._files = self._files, []
-        if not files:
-            return
-        with ThreadPoolExecutor(min(CLOSE_THREADS, len(files)), thread_name_prefix="ckpt-ocdbt-close") as pool:
-            for fut in [pool.submit(_close, f) for f in files]:
-                fut.result()
+        for f in files:
+            self._closer.submit(f.close)
+        self._closer.wait()
 
     def finish(self, *, commit_time_ns: int | None = None) -> NodeRef:
         """Close the data files, then write the B+tree over every entry put and, last, the
@@ -243,15 +228,7 @@ class OcdbtDatabaseWriter:
             entries = sorted(self.entries, key=lambda e: e[0])
             node_file = new_data_file()
             content, root = build_tree(entries, self.config, node_file)
-            local = self._storage.create_local_file(node_file.path)
-            assert local is not None
-            try:
-                local.write_at(0, [content], padded=False)
-            except BaseException:
-                local.discard()
-                raise
-            local.close()
-            self._storage.write(MANIFEST, manifest(self.config, root, commit_time_ns or time.time_ns()))
+            _write_tree(self._storage, self.config, node_file, content, root, commit_time_ns)
         except ValueError as exc:  # repeated keys: a writer bug, said as one line
             raise CkptError(f"cannot write the OCDBT database: {exc}", self._storage.url) from None
         self._state = "finished"
@@ -263,7 +240,7 @@ class OcdbtDatabaseWriter:
             files, self._files = self._files, []
             self._state = "discarded"
         try:
-            self._wait_sealed()
+            self._closer.wait()
         except Exception:  # noqa: BLE001 - the output is being thrown away: a failed seal changes nothing
             pass
         for f in files:
@@ -281,20 +258,21 @@ def write_database_over(storage: Storage, config: Config, subtree: NodeRef, *,
     table format"), so the process's tree, read from the root, finds the process's data files."""
     node_file = new_data_file()
     node = encode(BTREE_NODE_MAGIC, interior_body(subtree.height + 1, [subtree]), config)
+    root = NodeRef(node_file, 0, len(node), subtree.height + 1, subtree.first_key, subtree.num_keys,
+                   len(node) + subtree.num_tree_bytes, subtree.num_indirect_value_bytes)
+    _write_tree(storage, config, node_file, node, root, commit_time_ns)
+
+
+def _write_tree(storage: Storage, config: Config, node_file: DataFile, content: bytes, root: NodeRef,
+                commit_time_ns: int | None) -> None:
+    """The encoded nodes into their data file (fsynced), then the manifest naming `root`, last."""
     local = storage.create_local_file(node_file.path)
     if local is None:
         raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
     try:
-        local.write_at(0, [node], padded=False)
+        local.write_at(0, [content], padded=False)
     except BaseException:
         local.discard()
         raise
     local.close()
-    root = NodeRef(node_file, 0, len(node), subtree.height + 1, subtree.first_key, subtree.num_keys,
-                   len(node) + subtree.num_tree_bytes, subtree.num_indirect_value_bytes)
     storage.write(MANIFEST, manifest(config, root, commit_time_ns or time.time_ns()))
-
-
-def _close(f: _OpenDataFile) -> None:
-    f.flush()
-    f.local.close()

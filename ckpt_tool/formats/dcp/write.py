@@ -37,7 +37,6 @@ import struct
 import sys
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
@@ -47,7 +46,7 @@ from ... import dtypes, values
 from ...checksum import crc32
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
 from ...model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
-from ...storage import LocalFileWriter, Storage
+from ...storage import FileCloser, LocalFileWriter, Storage
 from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
 from ...torchsave.archive import _CENTRAL, _U32, _archive, _hash_combine, _names_hash, _tensor_reduce, tensor_pickle
@@ -61,8 +60,6 @@ DEFAULT_FILE_MB = 32  # files buffered at once: the one filling plus those being
 # below directio.MIN_DIRECT_BYTES, so they are placed back to back, unaligned
 COALESCE_BELOW = 64 * 1024
 COALESCE_BYTES = 1 << 20
-# data files fsynced at once, behind the copy threads (see _flush)
-CLOSE_THREADS = 4
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata version torch 2.13 writes
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -467,8 +464,7 @@ class DcpWriter(CheckpointWriter):
         self._next_file = 0
         self._state = "new"  # new -> writing -> finished -> committed | aborted
         self._save_id = ""
-        self._closer: ThreadPoolExecutor | None = None  # closes (fsyncs) sealed local files
-        self._closing: list[Future[None]] = []
+        self._closer = FileCloser("ckpt-dcp-close")  # closes (fsyncs) sealed local files
 
     # -- protocol ----------------------------------------------------------------
     def begin(self, plan: WritePlan) -> None:
@@ -558,7 +554,7 @@ class DcpWriter(CheckpointWriter):
             raise DcpWriteError(f"data file {unfinished[0]} still has writes in progress")
         for f in ready:
             self._flush(f)
-        self._wait_closed()
+        self._closer.wait()
         if plan.process_count > 1 and plan.process_index != 0:
             self._storage.write(f"{SIDECAR_PREFIX}{plan.process_index}", self._sidecar())
         self._state = "finished"
@@ -609,7 +605,7 @@ class DcpWriter(CheckpointWriter):
             self._entries.clear()
             files, self._files = self._files, []
         try:
-            self._wait_closed()
+            self._closer.wait()
         except Exception:  # noqa: BLE001 - the output is being thrown away: its close errors with it
             pass
         for f in files:
@@ -747,18 +743,6 @@ class DcpWriter(CheckpointWriter):
         for f in ready:
             self._flush(f)
 
-    def _wait_closed(self) -> None:
-        """Wait for every file handed to the closer threads; the first close's error is raised."""
-        with self._lock:
-            closing, self._closing = self._closing, []
-            closer, self._closer = self._closer, None
-        try:
-            for fut in closing:
-                fut.result()
-        finally:
-            if closer is not None:
-                closer.shutdown(wait=True)
-
     @staticmethod
     def _take_pending(f: _OpenFile) -> tuple[int, list[Buffer], bool]:
         """The small archives waiting in `f`, as one write, never direct (lock held)."""
@@ -786,13 +770,7 @@ class DcpWriter(CheckpointWriter):
 
     def _flush(self, f: _OpenFile) -> None:
         if f.local is not None:
-            # closed (fsynced) by the closer threads: a copy thread that waited for the disk here
-            # held its next chunk back (on a TPU VM's gVisor kernel, where the data reaches the
-            # disk only at fsync, 4 of 30 busy thread-seconds of a 2.3 GiB convert)
-            with self._lock:
-                if self._closer is None:
-                    self._closer = ThreadPoolExecutor(CLOSE_THREADS, thread_name_prefix="ckpt-dcp-close")
-                self._closing.append(self._closer.submit(f.local.close))
+            self._closer.submit(f.local.close)  # fsynced behind the copy threads (FileCloser)
             return
         # the kvstore takes the bytearray as it is: no extra copy of the file here
         data, f.data = f.data, bytearray()

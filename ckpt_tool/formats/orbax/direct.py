@@ -140,7 +140,7 @@ class ProcessDatabase:
         first = [r.start // c for r, c in zip(region, chunk_shape)]
         counts = [-(-(r.stop - r.start) // c) for r, c in zip(region, chunk_shape)]
         if (stored is not None and stored.index == tuple(first) and all(n == 1 for n in counts)
-                and stored.encoding is not None and stored.encoding == self._encodings.get(name)):
+                and stored.encoding == self._encodings.get(name)):
             self.db.put(chunk_key(name, tuple(first), self.zarr3, zmeta).encode(), stored.read())
             return True
         if math.prod(counts) > 1 and tuple(data.shape) == tuple(n * c for n, c in zip(counts, chunk_shape)):
