@@ -24,6 +24,10 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+import zstandard
+
+from ..checksum import crc32c
+
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_NODE_MAGIC = 0x0CDB20DE
 FORMAT_VERSION = 0
@@ -181,10 +185,6 @@ def interior_body(height: int, children: Sequence[NodeRef]) -> bytes:
 
 def encode(magic: int, body: bytes, config: Config) -> bytes:
     """A node or manifest: header, the body (zstd-compressed), CRC-32C footer."""
-    from ..checksum import crc32c
-
-    import zstandard
-
     payload = zstandard.ZstdCompressor(level=config.zstd_level).compress(body)
     head = varint(FORMAT_VERSION) + varint(COMPRESSION_ZSTD)
     length = 4 + 8 + len(head) + len(payload) + 4

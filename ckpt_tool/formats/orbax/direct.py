@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 import tensorstore as ts
+import zstandard
 
 from ...arrays import stored_chunks
 from ...arrays.reading import chunk_key
@@ -64,8 +65,6 @@ def config(ocdbt_config: dict[str, Any]) -> Config:
 
 class _Compressors(threading.local):
     def __init__(self) -> None:
-        import zstandard
-
         self.by_level = {level: zstandard.ZstdCompressor(level=level) for level in (ZARR2_LEVEL, ZARR3_LEVEL)}
 
 
