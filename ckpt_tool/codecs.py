@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import numpy as np
 
@@ -55,13 +55,15 @@ class _WindowedSource:
     after the other); memory holds two windows.
     """
 
-    def __init__(self, storage: Storage, key: str, size: int, window: int = WINDOW_BYTES, start: int = 0) -> None:
+    def __init__(self, storage: Storage, key: str, size: int, window: int = WINDOW_BYTES, start: int = 0,
+                 tee: Callable[[bytes], None] | None = None) -> None:
         self._storage = storage
         self._key = key
         self._size = size  # the end of the bytes read (a shard's inner chunk ends before its index)
         self._pos = start
         self._window = window
         self._ahead: tuple[int, int, Future[bytes]] | None = None  # (start, end, fetch)
+        self._tee = tee  # given every window read, in order (a chunk copied as it is stored)
 
     def _fetch(self, start: int, end: int) -> Future[bytes]:
         return _READ_AHEAD.submit(self._storage.read_range, self._key, start, end)
@@ -83,6 +85,8 @@ class _WindowedSource:
         if end < self._size:
             nxt = min(self._size, end + self._window)
             self._ahead = (end, nxt, self._fetch(end, nxt))
+        if self._tee is not None:
+            self._tee(data)
         return data
 
     def close(self) -> None:
@@ -206,7 +210,7 @@ class ChunkStream:
     """The decoded bytes of one stored zarr chunk (v2, or v3 as orbax writes it), read front to back."""
 
     def __init__(self, storage: Storage, key: str, zmeta: dict[str, Any], stored_nbytes: int,
-                 zarr3: bool = False, window: int = WINDOW_BYTES) -> None:
+                 zarr3: bool = False, window: int = WINDOW_BYTES, tee: Callable[[bytes], None] | None = None) -> None:
         problem = zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
         if problem:
             raise CkptError(f"cannot decode as a stream: {problem}", key)
@@ -226,7 +230,8 @@ class ChunkStream:
             comp = zmeta.get("compressor")
             cid = comp.get("id") if isinstance(comp, dict) else None
             self._np_dtype = _zarr2_numpy_dtype(zmeta)
-        self._src = _WindowedSource(storage, key, size, window=window, start=start)
+        self.start, self.end = start, size  # the chunk's bytes within the stored value
+        self._src = _WindowedSource(storage, key, size, window=window, start=start, tee=tee)
         self.codec = cid or "raw"
         if cid == "zstd":
             self._stream: ByteStream = _zstd(self._src, window)
@@ -271,6 +276,30 @@ class ChunkStream:
         """Stop reading (after the last band, or a pass that needed fewer)."""
         self._src.close()
 
+    def check(self, scratch: memoryview) -> None:
+        """Decode the whole chunk into `scratch` (reused: the values are not kept), then finish():
+        the check that it decodes to exactly the bytes its shape needs."""
+        try:
+            while True:
+                n = self._stream.readinto(scratch)
+                if not n:
+                    break
+                self.decoded += n
+                if self.decoded > self.expected:
+                    break
+        except CkptError:
+            raise
+        except Exception as exc:  # zstd / zlib errors: a damaged chunk
+            raise CkptError(f"chunk does not decode ({self.codec}): {exc}", self._where) from None
+        if self.decoded != self.expected:
+            more = "more than" if self.decoded > self.expected else f"{self.decoded} bytes,"
+            raise CkptError(f"chunk decodes to {more} the {self.expected} bytes its shape needs ({self.codec})",
+                            self._where)
+        self.finish()
+        # what the decoder did not need (the window's tail) is fetched and handed on too
+        while self._src.read():
+            pass
+
     def finish(self) -> None:
         """After the last band: nothing may follow (a chunk decoding to more than its shape is damaged)."""
         extra = bytearray(1)
@@ -280,6 +309,44 @@ class ChunkStream:
             raise CkptError(f"chunk does not decode ({self.codec}): {exc}", self._where) from None
         if more:
             raise CkptError(f"chunk decodes to more than the {self.expected} bytes its shape needs ({self.codec})", self._where)
+
+
+# decoded bytes per call when a copied chunk is checked (a reused buffer: nothing of it is kept)
+_CHECK_BYTES = 1 << 20
+_SCRATCH = threading.local()
+
+
+def copy_stored_chunk(storage: Storage, key: str, zmeta: dict[str, Any], zarr3: bool, stored_nbytes: int,
+                      write: Callable[[bytes], None], window: int = WINDOW_BYTES) -> int:
+    """Hand a stored zarr chunk's bytes to `write`, as they are stored, window by window; returns
+    how many. Each window is decoded as it passes (into a reused buffer), as the check that the
+    chunk holds what its metadata claims: a damaged chunk raises CkptError (what was written
+    before it is the caller's to drop). Memory: the windows, whatever the chunk's size.
+
+    A one-chunk shard (zarr v3) is copied whole, index included: its inner chunk is checked."""
+    scratch = getattr(_SCRATCH, "buffer", None)
+    if scratch is None:
+        scratch = _SCRATCH.buffer = memoryview(bytearray(_CHECK_BYTES))
+    copied = 0
+
+    def tee(data: bytes) -> None:
+        nonlocal copied
+        write(data)
+        copied += len(data)
+
+    size = storage.size(key)
+    stream = ChunkStream(storage, key, zmeta, stored_nbytes, zarr3=zarr3, window=window, tee=tee)
+    try:
+        if stream.start:  # (bytes before a shard's inner chunk: orbax's shards have none)
+            tee(storage.read_range(key, 0, stream.start))
+        stream.check(scratch)
+    finally:
+        stream.close()
+    for start in range(stream.end, size, window):  # a shard's index and checksum
+        tee(storage.read_range(key, start, min(size, start + window)))
+    if copied != size:
+        raise CkptError(f"copied {copied} of the chunk's {size} stored bytes", storage._where(key))
+    return copied
 
 
 def _one_chunk_shard(storage: Storage, key: str, size: int) -> tuple[int, int]:

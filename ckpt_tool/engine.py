@@ -21,6 +21,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -45,7 +46,7 @@ from .output import OutputDir, begin_output, discard_output, finalize_output, pr
 from .storage import Storage
 from .text import is_unicode_text
 from .values import SameObject
-from .formats.contract import CheckpointWriter, WriterModule
+from .formats.contract import CheckpointWriter, WriterModule, reader_of
 from .writers import Target, TargetArray, TargetValue, WritePlan
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
@@ -404,9 +405,18 @@ def stream(
         wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
         total += math.prod(r.stop - r.start for r in region) * itemsize
 
+    copies: list[tuple[TargetArray, ArrayLeaf, int, Region]] = []
     for target in plan.arrays():
         leaf = sources[target.path]
         itemsize = dtypes.get(target.dtype).itemsize
+        if _copies_stored(writer, target, leaf, itemsize, memory):
+            for index, region in chunk_regions(target):
+                if owns(n):
+                    copies.append((target, leaf, index, region))
+                    total += math.prod(r.stop - r.start for r in region) * itemsize
+                    chunks += 1
+                n += 1
+            continue
         per = None
         if chunk_blocks and isinstance(target.layout, RegularGrid):
             per = block_shape(target.shape, target.layout, leaf, itemsize, memory)
@@ -429,10 +439,97 @@ def stream(
         n += len(grid)
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
     reserve = int(writer.pending_bytes_limit)
-    scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve)
+    copier = _StoredCopies(writer, copies, workers, memory)
+    scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve + copier.memory)
     progress("write", 0, total)
-    done = scheduler.run(on_done=lambda n: progress("write", n, total))
-    return chunks, done
+    lock = threading.Lock()
+    done = [0, 0]  # bytes delivered by the scheduler, bytes copied as stored
+
+    def report(part: int, n: int) -> None:
+        with lock:
+            done[part] = n
+            progress("write", done[0] + done[1], total)
+
+    copier.start(lambda n: report(1, n))
+    try:
+        read = scheduler.run(on_done=lambda n: report(0, n))
+    except BaseException:
+        copier.stop()
+        raise
+    return chunks, read + copier.wait()
+
+
+def _copies_stored(writer: CheckpointWriter, target: TargetArray, leaf: ArrayLeaf, itemsize: int, memory: int) -> bool:
+    """Whether `target`'s chunks are `leaf`'s stored chunks, copied as they are stored: the same grid
+    and dtype, the writer storing them as the source does, and chunks too large to assemble under
+    the budget (reshard keeps such a grid where the writer takes them: reshard._copies_stored).
+    Smaller ones go through the scheduler, which decodes them (and the Orbax writer still stores a
+    whole decoded chunk's bytes as they are: arrays/stored_chunks.py)."""
+    if (target.source_dtype is not None or tuple(leaf.shape) != tuple(target.shape)
+            or not isinstance(target.layout, RegularGrid) or not isinstance(leaf.layout, RegularGrid)
+            or tuple(leaf.layout.chunk_shape) != tuple(target.layout.chunk_shape)
+            or math.prod(target.layout.chunk_shape) * itemsize <= output_chunk_limit(memory)):
+        return False
+    encoding = reader_of(leaf).stored_encoding()
+    return encoding is not None and encoding == writer.stored_encoding(target)
+
+
+class _StoredCopies:
+    """Output chunks copied from the source's stored bytes (ArrayReader.copy_stored into
+    CheckpointWriter.write_stored), beside the scheduler's work: a window at a time, each window
+    decoded as it passes as the check, so a chunk of any size takes a few windows of memory."""
+
+    def __init__(self, writer: CheckpointWriter, copies: list[tuple[TargetArray, ArrayLeaf, int, Region]],
+                 workers: int, memory: int) -> None:
+        from .codecs import window_bytes
+
+        self._writer = writer
+        self._copies = copies
+        self._threads = min(len(copies), max(1, workers // 4))
+        self.window = window_bytes(memory)
+        # the windows each copy holds (the one read, the one fetched ahead, the decoder's)
+        self.memory = self._threads * 3 * self.window
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future[int]] = []
+        self._lock = threading.Lock()
+        self._copied = 0
+        self._stopped = False
+
+    def start(self, on_done: Callable[[int], None]) -> None:
+        if not self._copies:
+            return
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ckpt-copy")
+        self._futures = [self._pool.submit(self._copy, c, on_done) for c in self._copies]
+
+    def _copy(self, item: tuple[TargetArray, ArrayLeaf, int, Region], on_done: Callable[[int], None]) -> int:
+        if self._stopped:
+            return 0
+        target, leaf, index, region = item
+        assert isinstance(leaf.layout, RegularGrid)
+        grid_index = tuple(r.start // c for r, c in zip(region, leaf.layout.chunk_shape))
+        reader = reader_of(leaf)
+        self._writer.write_stored(target, index, region,
+                                  lambda write: reader.copy_stored(grid_index, write, self.window))
+        nbytes = math.prod(r.stop - r.start for r in region) * dtypes.get(target.dtype).itemsize
+        with self._lock:
+            self._copied += nbytes
+            copied = self._copied
+        on_done(copied)
+        return nbytes
+
+    def wait(self) -> int:
+        """Every copy done (the first failure raised); the bytes copied."""
+        try:
+            return sum(f.result() for f in self._futures)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """No copy starts any more; those running finish (a failed run's output is discarded)."""
+        self._stopped = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region) -> Callable[[list[np.ndarray]], int]:

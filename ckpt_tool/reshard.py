@@ -33,7 +33,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Shardi
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
 from .text import is_ascii_number
 from .topology import Topology, host_topology, named_topology
+from .formats.contract import WriterModule, reader_of
 from .writers import Target, TargetArray, WritePlan
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
@@ -562,7 +563,8 @@ def subchunk_shape(global_shape: Sequence[int], write_shape: Sequence[int], item
     return tuple(f[-1] for f in factors)
 
 
-def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int = DEFAULT_MEMORY) -> None:
+def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int = DEFAULT_MEMORY,
+            copied: Callable[[tuple[int, ...]], bool] | None = None) -> None:
     """Shard shape, replica-parallel write shape and chunk shape, as orbax 0.12 picks them."""
     spec = lp.new_spec
     assert spec is not None
@@ -580,11 +582,32 @@ def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int =
     # an output chunk is assembled and encoded whole: one the memory budget cannot hold is
     # cut further, the way orbax cuts one above its target file size
     limit = output_chunk_limit(memory)
-    if math.prod(lp.chunk_shape) * lp.itemsize > limit:
+    if math.prod(lp.chunk_shape) * lp.itemsize > limit and copied is not None and copied(lp.chunk_shape):
+        # ...unless the source's chunks are these, stored as the output stores them: each is
+        # copied as it is stored, a window at a time (engine.stream), never assembled
+        lp.notes.append(f"chunk {list(lp.chunk_shape)} copied as it is stored, not cut to fit --memory "
+                        f"({limit // 2**20} MiB per assembled output chunk)")
+    elif math.prod(lp.chunk_shape) * lp.itemsize > limit:
         capped = subchunk_shape(lp.shape, lp.chunk_shape, lp.itemsize, limit)
         lp.notes.append(f"chunk {list(lp.chunk_shape)} cut to {list(capped)} to fit --memory "
                         f"({limit // 2**20} MiB per output chunk)")
         lp.chunk_shape = capped
+
+
+def _copies_stored(writer: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf,
+                   zarr3: bool) -> Callable[[tuple[int, ...]], bool]:
+    """Whether an output grid of chunk shape c would take `leaf`'s stored chunks as they are: the
+    source's own grid, no cast, and the writer storing that grid as the source does."""
+
+    def copied(chunk_shape: tuple[int, ...]) -> bool:
+        if (target.source_dtype is not None or tuple(leaf.shape) != tuple(target.shape)
+                or not isinstance(leaf.layout, RegularGrid) or tuple(leaf.layout.chunk_shape) != tuple(chunk_shape)):
+            return False
+        encoding = reader_of(leaf).stored_encoding()
+        return encoding is not None and encoding == writer.stored_chunk_encoding(
+            destination, replace(target, layout=RegularGrid(tuple(chunk_shape))), zarr3)
+
+    return copied
 
 
 def _owners(lp: LeafPlan, target: TargetArray, mesh: DeviceMesh) -> list[int]:
@@ -671,6 +694,7 @@ def _plan_reshard(
         select=list(opts.select), exclude=list(opts.exclude),
     ))
     target_file_size = _GCS_TARGET_DATA_FILE_SIZE if destination.startswith("gs://") else _TARGET_DATA_FILE_SIZE
+    writer = formats.reshard_format().writer_module()
 
     leaves: list[LeafPlan] = []
     targets: list[Target] = []
@@ -708,7 +732,7 @@ def _plan_reshard(
                     lp.new_spec = spec
             if old_spec is None and target.shape and not any(lp.new_spec):
                 lp.notes.insert(0, "no recorded partition spec: replicated")
-        _layout(lp, mesh, target_file_size, opts.memory)
+        _layout(lp, mesh, target_file_size, opts.memory, _copies_stored(writer, destination, target, leaf, opts.zarr3))
         leaves.append(lp)
         sharding = Sharding(
             "named", mesh_shape=mesh.shape, axis_names=mesh.axis_names,

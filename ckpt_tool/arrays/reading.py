@@ -258,6 +258,22 @@ class ZarrRegionReader(ArrayReader):
         for decoding its bytes as a stream (ckpt_tool/codecs.py) when it is too large to decode whole."""
         return self._source.view, chunk_key(self._name, index, self._zarr3, self._zmeta), self._zmeta, self._zarr3
 
+    def stored_encoding(self) -> stored_chunks.Encoding | None:
+        """How the chunks are stored (stored_chunks.encoding_of), where a writer may copy them as
+        they are; None when CKPT_STORED_CHUNKS=0."""
+        return stored_chunks.encoding_of(self._zmeta, self._zarr3) if STORED_CHUNKS else None
+
+    def copy_stored(self, index: tuple[int, ...], write: Callable[[bytes], None], window: int) -> int:
+        """The stored chunk at grid `index`, as stored, to `write` in windows, each decoded as it
+        passes as the check (codecs.copy_stored_chunk)."""
+        from .. import codecs
+
+        storage, key, zmeta, zarr3 = self.stored_chunk(index)
+        chunk_shape = tuple(int(c) for c in (zmeta["chunk_grid"]["configuration"]["chunk_shape"] if zarr3
+                                             else zmeta["chunks"]))
+        nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(zmeta, zarr3)
+        return codecs.copy_stored_chunk(storage, key, zmeta, zarr3, nbytes, write, window)
+
 
 class LocatedZarrRegionReader(ZarrRegionReader):
     """A zarr array of an OCDBT database whose whole chunks are read by pread and decoded here.

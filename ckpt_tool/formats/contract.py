@@ -49,6 +49,8 @@ from abc import ABC, abstractmethod
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
+from ..errors import CkptError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -191,6 +193,18 @@ class ArrayReader(ABC):
         (not a zarr chunk)."""
         return None
 
+    def stored_encoding(self) -> Any:
+        """How the stored chunks are encoded, as a value a writer compares with its own
+        (CheckpointWriter.stored_encoding): equal ones mean a stored chunk is a valid chunk of the
+        output byte for byte. Default: None (never copied as stored)."""
+        return None
+
+    def copy_stored(self, index: tuple[int, ...], write: Callable[[bytes], None], window: int) -> int:
+        """Hand the stored bytes of the chunk at grid position `index` to `write`, in pieces of at
+        most `window` bytes, checking that they decode to what the metadata claims (CkptError if
+        not); returns how many. Asked only where stored_encoding() is not None."""
+        raise CkptError("this array's chunks are not copied as they are stored")
+
     def stored_values(self) -> tuple[ArrayLeaf, int | None] | None:
         """For a view whose elements repeat stored ones (a torch expand / as_strided view): the leaf
         of the stored elements and how many of them it covers, which validate --deep checks in place
@@ -270,6 +284,19 @@ class CheckpointWriter(ABC):
     def abort(self) -> None:
         """Drop in-flight state after a failure; never raises for state already gone."""
 
+    def stored_encoding(self, target: TargetArray) -> Any:
+        """How this writer stores `target`'s chunks, comparable with ArrayReader.stored_encoding:
+        where the two are equal, write_stored takes a source chunk's stored bytes as they are.
+        Asked after begin(). Default: None (every chunk comes through write_array)."""
+        return None
+
+    def write_stored(self, target: TargetArray, chunk_index: int, region: Region,
+                     copy: Callable[[Callable[[bytes], None]], int]) -> None:
+        """Write output chunk `chunk_index` (`region`, one whole chunk) as the stored bytes
+        `copy(write)` hands over piece by piece (ArrayReader.copy_stored). Only where
+        stored_encoding(target) is not None."""
+        raise CkptError("this writer takes no stored chunks", target.path)
+
     @property
     def pending_bytes_limit(self) -> int:
         """Memory the writer holds besides the reader's (bytes handed to it and not yet written):
@@ -348,6 +375,14 @@ class WriterModule:
     def gathered_value(self, value: Any, where: str) -> Any:
         """The value a gathered tuple is written as (required where TUPLES_AS_VALUES is true)."""
         return self.module.gathered_value(value, where)
+
+    def stored_chunk_encoding(self, destination: str, target: TargetArray, zarr3: bool) -> Any:
+        """How a writer to `destination` would store `target`'s chunks (its layout's grid) where it
+        takes source chunks as they are stored (CheckpointWriter.write_stored), for planning:
+        a source chunk of that encoding (ArrayReader.stored_encoding) is copied whole however
+        large, not cut to fit the memory budget. Default: None (it takes none)."""
+        hook = getattr(self.module, "stored_chunk_encoding", None)
+        return None if hook is None else hook(destination, target, zarr3)
 
     @property
     def KEEPS_ANY_STR(self) -> bool:  # noqa: N802 - the module's own name for it

@@ -151,7 +151,7 @@ class OcdbtDatabaseWriter:
                 raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
             self._entries.append((key, ref))
 
-    def put_stream(self, key: bytes, fill: Callable[[Callable[[Any], None]], None]) -> int:
+    def put_stream(self, key: bytes, fill: Callable[[Callable[[Any], None]], object]) -> int:
         """Store out of line the value `fill(write)` produces piece by piece (a chunk compressed as
         a stream: no buffer of its whole size); returns its length."""
         f = self._data_file(0)

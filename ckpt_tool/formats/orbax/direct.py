@@ -54,7 +54,27 @@ STREAM_PIECE_BYTES = 1 << 20
 def wanted(storage: Storage) -> bool:
     """Whether the Orbax writer writes its databases itself here: local roots, unless
     CKPT_OCDBT_WRITER=tensorstore (the A/B knob of the bench)."""
-    return storage.capabilities.local_files and os.environ.get("CKPT_OCDBT_WRITER", "ckpt") != "tensorstore"
+    return storage.capabilities.local_files and wanted_here()
+
+
+def wanted_here() -> bool:
+    """Whether the writer writes the databases of local roots itself (CKPT_OCDBT_WRITER)."""
+    return os.environ.get("CKPT_OCDBT_WRITER", "ckpt") != "tensorstore"
+
+
+def encoding_for(name: str, spec: dict[str, Any], zarr3: bool) -> stored_chunks.Encoding | None:
+    """How chunks of the array `spec` (a tensorstore spec without kvstore) are stored: from the
+    metadata tensorstore writes for it, in memory, as ProcessDatabase learns it."""
+    context = ts.Context()
+    try:
+        ts.open({**spec, "kvstore": {"driver": "memory", "path": name + "/"}}, create=True, context=context).result()
+        kv = ts.KvStore.open({"driver": "memory", "path": name + "/"}, context=context).result()
+        got = kv.read(b"zarr.json" if zarr3 else b".zarray").result()
+    except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
+        raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", name) from exc
+    if got.state != "value":
+        raise CkptError("tensorstore wrote no metadata for the array", name)
+    return stored_chunks.encoding_of(json.loads(bytes(got.value)), zarr3)
 
 
 def config(ocdbt_config: dict[str, Any]) -> Config:
@@ -128,6 +148,15 @@ class ProcessDatabase:
                 kv.delete_range(ts.KvStore.KeyRange(key, key + b"\x00")).result()
 
     # -- chunks, encoded here ---------------------------------------------------------------------
+
+    def encoding(self, name: str) -> stored_chunks.Encoding | None:
+        """How the array's chunks are stored (from the metadata tensorstore made), None if not known."""
+        return self._encodings.get(name)
+
+    def put_stored(self, name: str, index: tuple[int, ...], copy: Callable[[Callable[[bytes], None]], int]) -> None:
+        """The chunk at grid `index` as the stored bytes of a source chunk of the same encoding,
+        which `copy(write)` hands over piece by piece (into the data file, no buffer of its size)."""
+        self.db.put_stream(chunk_key(name, index, self.zarr3, {}).encode(), copy)
 
     def write_region(self, name: str, chunk_shape: tuple[int, ...], region: Region, data: np.ndarray,
                      zmeta: dict[str, Any], *, stored: stored_chunks.StoredChunk | None = None) -> bool:

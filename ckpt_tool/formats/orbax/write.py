@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorstore as ts
@@ -43,7 +43,7 @@ from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError
 from ...values import SharedValueError
 from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
 from ...pagecache import DirectoryDropper
-from ...storage import Storage, ts_error_text
+from ...storage import Storage, local_path, ts_error_text
 from ..contract import CheckpointWriter
 from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
 from ...arrays import stored_chunks
@@ -167,6 +167,57 @@ def _array_leaf(target: TargetArray, zarr3: bool) -> _Leaf:
         value_type="jax.Array" if serialized is not None else "np.ndarray",
         shape=shape, dtype=target.dtype, chunk_shape=chunks, sharding=serialized,
     )
+
+
+def _zarr_metadata(leaf: _Leaf, zarr3: bool) -> dict[str, Any]:
+    """What orbax passes to tensorstore (tensorstore_utils._build_zarr{2,3}_metadata)."""
+    shape, chunks = list(leaf.shape), list(leaf.chunk_shape)
+    if not zarr3:
+        return {"shape": shape, "chunks": chunks, "compressor": dict(_ZARR2_COMPRESSOR)}
+    return {
+        "shape": shape,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": chunks,
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, dict(_ZARR3_ZSTD)],
+                "index_codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "crc32c"},
+                ],
+                "index_location": "end",
+            },
+        }],
+    }
+
+
+def _memory_spec(leaf: _Leaf, zarr3: bool) -> dict[str, Any]:
+    """The array as the writer opens it, less its kvstore (direct.py makes it in memory)."""
+    return {
+        "driver": "zarr3" if zarr3 else "zarr",
+        # every chunk is stored, even all-zero ones: a missing chunk then
+        # always means lost data (orbax's STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE)
+        "store_data_equal_to_fill_value": True,
+        "dtype": leaf.dtype,
+        "metadata": _zarr_metadata(leaf, zarr3),
+    }
+
+
+def stored_chunk_encoding(destination: str, target: TargetArray, zarr3: bool) -> stored_chunks.Encoding | None:
+    """How a writer to `destination` would store `target`'s chunks (its layout's grid), where it
+    writes the database itself and so takes source chunks as they are stored (write_stored);
+    None elsewhere. From the metadata tensorstore makes, as the writer learns it in begin().
+
+    Planning asks this (reshard): a source chunk of this encoding is then copied, however large,
+    instead of being cut to fit --memory."""
+    if local_path(destination) is None or not direct.wanted_here():
+        return None
+    try:
+        leaf = _array_leaf(target, zarr3)
+        return direct.encoding_for(leaf.name, _memory_spec(leaf, zarr3), zarr3)
+    except CkptError:
+        return None
 
 
 def _scalar_array(value: Any) -> np.ndarray | None:
@@ -363,46 +414,16 @@ class OrbaxWriter(CheckpointWriter):
         return spec
 
     def _zarr_metadata(self, leaf: _Leaf) -> dict[str, Any]:
-        """What orbax passes to tensorstore (tensorstore_utils._build_zarr{2,3}_metadata)."""
-        shape, chunks = list(leaf.shape), list(leaf.chunk_shape)
-        if not self._zarr3:
-            return {"shape": shape, "chunks": chunks, "compressor": dict(_ZARR2_COMPRESSOR)}
-        return {
-            "shape": shape,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-            "codecs": [{
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": chunks,
-                    "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, dict(_ZARR3_ZSTD)],
-                    "index_codecs": [
-                        {"name": "bytes", "configuration": {"endian": "little"}},
-                        {"name": "crc32c"},
-                    ],
-                    "index_location": "end",
-                },
-            }],
-        }
+        return _zarr_metadata(leaf, self._zarr3)
 
     def _memory_specs(self) -> dict[str, dict[str, Any]]:
-        return {leaf.name: self._memory_spec(leaf) for leaf in self._leaves if leaf.stored}
-
-    def _memory_spec(self, leaf: _Leaf) -> dict[str, Any]:
-        """The array as _array_spec opens it, less its kvstore (direct.py makes it in memory)."""
-        return {
-            "driver": "zarr3" if self._zarr3 else "zarr",
-            # every chunk is stored, even all-zero ones: a missing chunk then
-            # always means lost data (orbax's STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE)
-            "store_data_equal_to_fill_value": True,
-            "dtype": leaf.dtype,
-            "metadata": self._zarr_metadata(leaf),
-        }
+        return {leaf.name: _memory_spec(leaf, self._zarr3) for leaf in self._leaves if leaf.stored}
 
     def _array_spec(self, leaf: _Leaf) -> dict[str, Any]:
         assert self._plan is not None
         kvstore = self._ocdbt_spec(PROCESS_DB.format(self._plan.process_index), write=True)
         kvstore["path"] = leaf.name + "/"
-        return {**self._memory_spec(leaf), "kvstore": kvstore,
+        return {**_memory_spec(leaf, self._zarr3), "kvstore": kvstore,
                 "recheck_cached_data": False, "recheck_cached_metadata": False}
 
     def _store(self, leaf: _Leaf) -> ts.TensorStore:
@@ -503,6 +524,27 @@ class OrbaxWriter(CheckpointWriter):
             return
         store = self._store(leaf)
         self._submit(store[region] if region else store, data, where)
+
+    def stored_encoding(self, target: TargetArray) -> stored_chunks.Encoding | None:
+        """How `target`'s chunks are stored, where ckpt writes the database itself (direct.py);
+        None where tensorstore writes it (object stores)."""
+        leaf = self._by_name.get(target.name)
+        if self._direct is None or leaf is None or not leaf.stored:
+            return None
+        return self._direct.encoding(leaf.name)
+
+    def write_stored(self, target: TargetArray, chunk_index: int, region: Region,
+                     copy: Callable[[Callable[[bytes], None]], int]) -> None:
+        leaf = self._leaf_for(target.name, ("jax.Array", "np.ndarray"))
+        where = f"{target.path or leaf.name} chunk {chunk_index}"
+        if self._direct is None or len(region) != len(leaf.chunk_shape):
+            raise CkptError("a stored chunk given to a writer that does not take them", where)
+        index = []
+        for r, c, n in zip(region, leaf.chunk_shape, leaf.shape):
+            if r.step not in (None, 1) or r.start % c or r.stop != min(r.start + c, n):
+                raise CkptError(f"region {_fmt_region(tuple(region))} is not one whole chunk", where)
+            index.append(r.start // c)
+        self._direct.put_stored(leaf.name, tuple(index), copy)
 
     def write_value(self, target: TargetValue) -> None:
         leaf = self._by_name.get(target.name)
