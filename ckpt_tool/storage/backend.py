@@ -202,8 +202,9 @@ class Backend(ABC):
         """Drops from the page cache what another library writes under `rel`; None where nothing is cached."""
         return None
 
-    def fsync_tree(self, rel: str) -> None:
-        """Make everything under `rel` durable (object stores hold a value once its write returns)."""
+    def fsync_tree(self, rel: str, *, files: bool = True) -> None:
+        """Make everything under `rel` durable (object stores hold a value once its write returns);
+        files=False: its directories only (the files were fsynced as they were written)."""
 
     # -- deadlines and errors (every kind alike) -----------------------------------------
     def wait(self, future: Any, what: str, where: str, *, nbytes: int = 0) -> Any:

@@ -306,10 +306,12 @@ class Storage:
         (tensorstore's OCDBT data files), on local roots only (else None)."""
         return self.backend.page_cache_dropper(_check_relative(subdir, self.url))
 
-    def fsync_tree(self, subdir: str) -> None:
+    def fsync_tree(self, subdir: str, *, files: bool = True) -> None:
         """fsync every file and directory under `subdir`, then `subdir` itself
-        (local roots; object stores hold a value once its write returns)."""
-        self.backend.fsync_tree(_check_relative(subdir, self.url))
+        (local roots; object stores hold a value once its write returns). files=False: the
+        directories only, for a writer that fsynced each file it wrote (their names are
+        durable once their directory is)."""
+        self.backend.fsync_tree(_check_relative(subdir, self.url), files=files)
 
     def delete_all(self) -> None:
         """Remove every key under this root (used to drop an unfinished output)."""

@@ -83,11 +83,12 @@ def _truncated(fd: int, start: int, end: int, where: str) -> CkptError:
     return TruncatedFileError(f"truncated: needed bytes [{start}, {end}) but it has {size} bytes", where, size=size)
 
 
-def fsync_tree(top: str, where: str) -> None:
-    """fsync every file and directory under `top`, then `top` itself (`where`: it, as errors name it)."""
+def fsync_tree(top: str, where: str, *, files: bool = True) -> None:
+    """fsync every file (files=False: none) and directory under `top`, then `top` itself
+    (`where`: it, as errors name it)."""
     try:
-        for dirpath, _, files in os.walk(top, topdown=False):
-            for name in files:
+        for dirpath, _, names in os.walk(top, topdown=False):
+            for name in names if files else ():
                 _fsync_path(os.path.join(dirpath, name), os.O_RDONLY)
             _fsync_path(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError as exc:

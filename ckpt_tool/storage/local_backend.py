@@ -158,5 +158,5 @@ class LocalBackend(Backend):
     def page_cache_dropper(self, rel: str) -> DirectoryDropper | None:
         return DirectoryDropper(os.path.join(self.root, rel))
 
-    def fsync_tree(self, rel: str) -> None:
-        localfs.fsync_tree(os.path.join(self.root, rel), self.where(rel))
+    def fsync_tree(self, rel: str, *, files: bool = True) -> None:
+        localfs.fsync_tree(os.path.join(self.root, rel), self.where(rel), files=files)

@@ -570,7 +570,10 @@ class OrbaxWriter(CheckpointWriter):
             self._cache_dropper.finish()
         if self._direct is not None:
             self._direct.finish()
-        self._storage.fsync_tree(PROCESS_DB.format(self._plan.process_index))
+        # written directly, every file was fsynced as it was closed (data files as they were sealed,
+        # the tree's node file, the manifest): their directories remain. A second fsync of each of
+        # the ~40 data files of a 2.3 GiB reshard ran one after another at the end of every run.
+        self._storage.fsync_tree(PROCESS_DB.format(self._plan.process_index), files=self._direct is None)
         arrays = [leaf for leaf in self._leaves if leaf.value_type == "jax.Array"]
         if arrays:
             # every process lists every jax.Array (orbax checks they agree)
@@ -676,6 +679,7 @@ class OrbaxWriter(CheckpointWriter):
             # of it, as tensorstore's merge makes), its keys checked from what was put
             self._check_all_chunks(self._direct.keys())
             self._direct.write_root(self._storage, PROCESS_DB.format(0) + "/")
+            self._storage.fsync_tree("d", files=False)  # (its node file was fsynced as it closed; its name too now)
             return
         children = []
         for i in range(max(1, self._plan.process_count)):
