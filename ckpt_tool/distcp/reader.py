@@ -323,7 +323,8 @@ def properties_problem(props: Any) -> str | None:
     """TensorProperties torch could not rebuild: its __setstate__ takes a 5-tuple with a memory-format enum."""
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, TorchDType):
         return "tensor properties carry no torch dtype"
-    if props.memory_format not in _MEMORY_FORMATS:
+    # (a damaged pickle can put anything there, an unhashable list too)
+    if not isinstance(props.memory_format, str) or props.memory_format not in _MEMORY_FORMATS:
         return f"tensor properties have memory format {short_repr(props.memory_format)} (torch's reader refuses it)"
     return None
 
@@ -463,7 +464,8 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         if type(props) is not TensorProperties:
             return None
         torch_dtype = props.dtype
-        if type(torch_dtype) is not TorchDType or props.memory_format not in _MEMORY_FORMATS:
+        if (type(torch_dtype) is not TorchDType or type(props.memory_format) is not str
+                or props.memory_format not in _MEMORY_FORMATS):
             return None
         dtype = dtype_names.get(torch_dtype.name)
         if dtype is None:
