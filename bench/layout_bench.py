@@ -5,7 +5,10 @@
 
 Input: a transformer-like Orbax checkpoint (bench/out/layout_tf, built once by real orbax with 8 CPU
 devices on a 2x4 ('data', 'model') mesh; --regen rebuilds it): 147 leaves, 800 MiB, bfloat16 attention
-matrices, float32 embeddings, MLP matrices and vectors, as the issue's (158 leaves, 2.3 GiB) was.
+matrices, float32 embeddings, MLP matrices and vectors, as the issue's (158 leaves, 2.3 GiB) was. And
+the same tree saved from ONE device (bench/out/layout_tf_1dev), as the issue's TPU host saved it from
+its one chip: every array one chunk, the 128 MiB embedding over what --memory lets an output chunk
+assemble (reshard copies it as it is stored).
 
 Every command is a WHOLE PROCESS (imports count), the source in the page cache (read before each run),
 the output deleted after each run (not timed). The commands run in rounds, each round every command
@@ -19,12 +22,16 @@ of --runs rounds (default 3) after one warm-up round.
   orbax route   a python process with 8 CPU devices: StandardCheckpointer().restore(SRC, target) onto
                 Mesh(2x4, ('data', 'model')) with each leaf's recorded partition spec (SRC's _sharding),
                 then .save(DST) + wait_until_finished()
+  host: ...     the one-device source: reshard --mesh data=1,model=1 --devices 1 (this host's layout),
+                convert --to dcp, cp + sync, and orbax's route onto a 1x1 mesh
 
 Ratios and their targets (the issue's, here on this machine's cores):
 
   reshard 256 / reshard 8        <= 1.5x
   convert / (cp -r && sync)      <= 1.5x
   orbax route / reshard 8        >= 3x
+  host: convert / (cp && sync)   <= 1.5x
+  host: orbax route / reshard    >= 3x
 
 The reshard outputs are checked once (not timed): JSON counts, and `ckpt diff SRC DST --values`
 finds no difference. Exit 0 when every command ran and checked out, targets met or not.
@@ -50,6 +57,7 @@ import inspect_bench as ib  # noqa: E402  (process runner, page-cache warmer, re
 REPO = ib.REPO
 OUT = ib.OUT
 SRC = os.path.join(OUT, "layout_tf")
+SRC_1DEV = os.path.join(OUT, "layout_tf_1dev")  # the same tree saved from one device
 TMP = os.path.join(OUT, "tmp_layout")
 CACHE_VERSION = 1
 GEN_TIMEOUT_S = 900
@@ -59,6 +67,8 @@ TARGETS = {  # what -> (target, op)
     "reshard_256_over_8": (1.5, "<="),
     "convert_over_cp_sync": (1.5, "<="),
     "orbax_over_reshard": (3.0, ">="),
+    "host_convert_over_cp_sync": (1.5, "<="),
+    "host_orbax_over_reshard": (3.0, ">="),
 }
 
 GEN = r"""
@@ -68,7 +78,8 @@ import numpy as np, jax, jax.numpy as jnp, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 logging.getLogger("absl").setLevel(logging.ERROR)
 D, F, L, V = 1024, 4096, 12, 32768
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+rows, cols = (int(n) for n in sys.argv[2].split("x"))
+mesh = Mesh(np.array(jax.devices()[: rows * cols]).reshape(rows, cols), ("data", "model"))
 key = jax.random.PRNGKey(32)
 n = [0]
 def arr(shape, dtype, spec):
@@ -97,7 +108,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 logging.getLogger("absl").setLevel(logging.ERROR)
 import orbax.checkpoint as ocp
 src, dst = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+rows, cols = (int(n) for n in sys.argv[3].split("x"))
+mesh = Mesh(np.array(jax.devices()[: rows * cols]).reshape(rows, cols), ("data", "model"))
 with open(os.path.join(src, "_sharding")) as f:
     specs = {base64.urlsafe_b64decode(k).decode(): json.loads(v)["partition_spec"] for k, v in json.load(f).items()}
 ck = ocp.StandardCheckpointer()
@@ -115,27 +127,28 @@ print(len(leaves), sum(x.nbytes for x in leaves))
 """
 
 
-def ensure_source(regen: bool, log) -> str:
+def ensure_source(regen: bool, log, src: str = SRC, mesh: str = "2x4") -> str:
+    """The cached checkpoint `src`, saved by orbax from a `mesh` ('2x4', or '1x1': one device)."""
     os.makedirs(OUT, exist_ok=True)
-    if not regen and ib.is_cached(SRC, CACHE_VERSION):
-        return SRC
-    ib.clear_cached(SRC)
-    log(f"generating the transformer-like checkpoint -> {os.path.relpath(SRC, REPO)} ...")
-    tmp = SRC + ".tmp"
+    if not regen and ib.is_cached(src, CACHE_VERSION):
+        return src
+    ib.clear_cached(src)
+    log(f"generating the transformer-like checkpoint ({mesh} mesh) -> {os.path.relpath(src, REPO)} ...")
+    tmp = src + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", GEN, tmp], env=ib._gen_env(), cwd=OUT, stdout=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, "-c", GEN, tmp, mesh], env=ib._gen_env(), cwd=OUT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=GEN_TIMEOUT_S)
     if proc.returncode != 0 or not os.path.isdir(tmp):
         sys.stderr.write(proc.stdout[-6000:])
         raise SystemExit(f"generating the checkpoint failed (exit {proc.returncode})")
-    os.rename(tmp, SRC)
-    files, size = ib._dir_stats(SRC)
-    with open(SRC + ".done.json", "w") as f:
+    os.rename(tmp, src)
+    files, size = ib._dir_stats(src)
+    with open(src + ".done.json", "w") as f:
         json.dump({"cache_version": CACHE_VERSION, "leaves": LEAVES, "array_bytes": NBYTES, "files": files,
                    "bytes": size, "seconds": round(time.monotonic() - t0, 1)}, f)
     log(f"  done in {time.monotonic() - t0:.1f}s ({files} files, {size / 2**20:.0f} MiB)")
-    return SRC
+    return src
 
 
 def commands(workers: list[int]) -> list[dict]:
@@ -164,7 +177,20 @@ def commands(workers: list[int]) -> list[dict]:
          "argv": ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", SRC, dst("cp")]},
         {"name": "orbax-route", "role": "baseline", "dst": dst("orbax"),
          "label": "orbax restore onto the 2x4 mesh + save",
-         "argv": [py, "-c", ORBAX_ROUTE, SRC, dst("orbax")]},
+         "argv": [py, "-c", ORBAX_ROUTE, SRC, dst("orbax"), "2x4"]},
+        # the one-device source, as a TPU host with one chip saved it
+        {"name": "host-reshard", "role": "ckpt", "dst": dst("h1"), "src": SRC_1DEV,
+         "label": "host: ckpt reshard --mesh data=1,model=1 --devices 1",
+         "argv": ckpt + ["reshard", SRC_1DEV, dst("h1"), "--mesh", "data=1,model=1", "--devices", "1", "--json"]},
+        {"name": "host-convert", "role": "ckpt", "dst": dst("hdcp"), "src": SRC_1DEV,
+         "label": "host: ckpt convert --to dcp",
+         "argv": ckpt + ["convert", SRC_1DEV, dst("hdcp"), "--to", "dcp", "--json"]},
+        {"name": "host-cp-sync", "role": "baseline", "dst": dst("hcp"), "src": SRC_1DEV,
+         "label": "host: cp -r SRC DST && sync",
+         "argv": ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", SRC_1DEV, dst("hcp")]},
+        {"name": "host-orbax-route", "role": "baseline", "dst": dst("horbax"), "src": SRC_1DEV,
+         "label": "host: orbax restore onto a 1x1 mesh + save",
+         "argv": [py, "-c", ORBAX_ROUTE, SRC_1DEV, dst("horbax"), "1x1"]},
     ]
     return cmds
 
@@ -175,7 +201,7 @@ def check(cmd: dict, r: dict, log) -> list[str]:
         return [f"exit {r['rc']}: {cb._tail(r)}"]
     if not os.path.isdir(cmd["dst"]):
         return ["DST was not created"]
-    if cmd["name"] == "orbax-route":
+    if cmd["name"].endswith("orbax-route"):
         return [] if r["stdout"].split() == [str(LEAVES), str(NBYTES)] else [f"orbax route printed {r['stdout']!r}"]
     if cmd["role"] != "ckpt":
         return []
@@ -185,9 +211,10 @@ def check(cmd: dict, r: dict, log) -> list[str]:
         return [f"output is not JSON: {exc}"]
     errors = [f"{k} is {doc.get(k)!r}, expected {v!r}" for k, v in (("arrays", LEAVES), ("bytes", NBYTES))
               if doc.get(k) != v]
-    if cmd["name"].startswith("reshard") and not errors:
+    if "reshard" in cmd["name"] and not errors:
         log(f"  checking {cmd['name']}'s output: ckpt diff --values ...")
-        d = ib.run_once([sys.executable, "-m", "ckpt_tool", "diff", SRC, cmd["dst"], "--values", "--json"], capture=True)
+        d = ib.run_once([sys.executable, "-m", "ckpt_tool", "diff", cmd.get("src", SRC), cmd["dst"], "--values", "--json"],
+                        capture=True)
         try:
             same = json.loads(d["stdout"])
         except ValueError:
@@ -208,7 +235,7 @@ def run_rounds(cmds: list[dict], runs: int, log) -> list[dict]:
             if not r["ok"]:
                 continue
             cb.clean_dir(TMP)
-            ib.warm_page_cache(SRC)
+            ib.warm_page_cache(c.get("src", SRC))
             out = ib.run_once(c["argv"], capture=rnd == 0)
             if rnd == 0:
                 r["chunks"] = _chunks(out["stdout"])
@@ -242,6 +269,8 @@ def ratios(results: list[dict]) -> list[dict]:
         "reshard_256_over_8": ("reshard-256", "reshard-8"),
         "convert_over_cp_sync": ("convert", "cp-sync"),
         "orbax_over_reshard": ("orbax-route", "reshard-8"),
+        "host_convert_over_cp_sync": ("host-convert", "host-cp-sync"),
+        "host_orbax_over_reshard": ("host-orbax-route", "host-reshard"),
     }
     out = []
     for what, (a, b) in pairs.items():
@@ -270,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     load_at_start = os.getloadavg()[0]
     ensure_source(args.regen, log)
+    ensure_source(args.regen, log, SRC_1DEV, "1x1")
     results = run_rounds(commands(sorted(set(args.workers))), args.runs, log)
     if os.path.isdir(TMP):
         shutil.rmtree(TMP)
@@ -308,7 +338,7 @@ def _print_report(report: dict) -> None:
 
 
 def summary_rows(doc: dict) -> list[dict]:
-    """Rows for run_all's overall table: the three ratios with their targets."""
+    """Rows for run_all's overall table: the ratios with their targets."""
     by = {r["name"]: r for r in doc.get("results", [])}
     rows = []
     for q in doc.get("ratios", []):
