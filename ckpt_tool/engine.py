@@ -147,14 +147,22 @@ def output_chunk_limit(memory: int) -> int:
     return max(2**20, memory // 8)
 
 
-def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY) -> ChunkLayout:
-    """The output chunks of `leaf` in the format whose write module is `write`."""
+def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY,
+                   copied: Callable[[ChunkLayout], bool] | None = None) -> ChunkLayout:
+    """The output chunks of `leaf` in the format whose write module is `write`. `copied(layout)`:
+    whether the writer would take the source's stored chunks in that layout as they are stored
+    (engine._StoredCopies): the source's grid is then kept whatever its chunks' size."""
     if cap is None:
         # chunks that the memory budget could not hold whole are split (a big stored chunk is
-        # decoded as a stream, each output chunk assembled from its bands)
+        # decoded as a stream, each output chunk assembled from its bands)...
         limit = output_chunk_limit(memory)
         source_max = max((math.prod(c.sizes) for c in stored_chunks(tuple(leaf.shape), leaf.layout)), default=0) \
             if isinstance(leaf.layout, ChunkList) else math.prod(min(c, s) for c, s in zip(leaf.layout.chunk_shape, leaf.shape))
+        if source_max * itemsize > limit and copied is not None and isinstance(leaf.layout, RegularGrid):
+            # ...unless they are copied as they are stored, a window at a time
+            kept = write.target_layout(leaf, itemsize, None, int(DEFAULT_CHUNK_MB * 2**20))
+            if copied(kept):
+                return kept
         if source_max * itemsize > limit:
             # where the source's own chunks would be kept (DCP lists, an Orbax grid); elsewhere
             # the default cap applies, never raised by this one
@@ -163,8 +171,11 @@ def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int
     return write.target_layout(leaf, itemsize, cap, cap_bytes)
 
 
-def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
-    """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf)."""
+def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | None = None,
+                    ) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
+    """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf).
+    `destination`: where the plan is written, for a writer that takes stored chunks there
+    (WriterModule.stored_chunk_encoding); without it no chunk is planned to be copied."""
     if opts.to not in formats.writable():
         raise UsageError(f"unknown target format {opts.to!r} (use {formats.joined(formats.writable())})")
     target = formats.get(opts.to)
@@ -227,8 +238,17 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions) -> tuple[WritePlan, l
         if opts.dtype and casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, opts.dtype) is None:
             dtype, source_dtype = opts.dtype, leaf.dtype
         itemsize = dtypes.get(dtype).itemsize
-        layout = _target_layout(leaf, write, itemsize, cap, opts.memory)
         sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
+
+        def copied(layout: ChunkLayout) -> bool:
+            if destination is None or source_dtype is not None or not isinstance(layout, RegularGrid) \
+                    or not isinstance(leaf.layout, RegularGrid) or tuple(layout.chunk_shape) != tuple(leaf.layout.chunk_shape):
+                return False
+            encoding = reader_of(leaf).stored_encoding()
+            return encoding is not None and encoding == write.stored_chunk_encoding(
+                destination, TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding), opts.zarr3)
+
+        layout = _target_layout(leaf, write, itemsize, cap, opts.memory, copied)
         targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
         sources[path] = leaf
 
@@ -861,7 +881,7 @@ def _convert(
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)
-        plan, skipped, sources = plan_conversion(src, opts)
+        plan, skipped, sources = plan_conversion(src, opts, destination)
         companions, differences = _model_files(src, plan, skipped, opts)
     else:
         src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources

@@ -104,6 +104,29 @@ def test_large_chunks_keep_their_grid_and_bytes(tmp_path, orbax_source, copies):
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
 
 
+def test_convert_keeps_large_chunks_too(tmp_path, orbax_source, copies):
+    """convert --to orbax (here with --exclude, as when an optimizer state is dropped) plans and copies
+    them alike; a cast, which changes the bytes, cuts them."""
+    src, zarr3 = orbax_source
+    out = tmp_path / "out"
+    result = runner.invoke(cli, ["convert", str(src), str(out), "--to", "orbax", "--memory", "8MiB", "--exclude", "w",
+                                 *(["--zarr3"] if zarr3 else [])])
+    assert result.exit_code == 0, result.output
+    assert sorted(copies) == [("e", i) for i in range(8)]
+    theirs, ours = _values(src), _values(out)
+    e_chunks = [k for k in theirs if k.startswith(b"e/") and not k.endswith((b".zarray", b"zarr.json"))]
+    assert e_chunks and all(ours[k] == theirs[k] for k in e_chunks)
+    np.testing.assert_array_equal(np.asarray(orbax_values(out)[("e",)]), np.asarray(orbax_values(src)[("e",)]))
+    copies.clear()
+    cast = tmp_path / "cast"
+    result = runner.invoke(cli, ["convert", str(src), str(cast), "--to", "orbax", "--memory", "8MiB", "--dtype", "float32",
+                                 *(["--zarr3"] if zarr3 else [])])
+    assert result.exit_code == 0, result.output
+    assert copies == []
+    np.testing.assert_array_equal(np.asarray(orbax_values(cast)[("e",)]),
+                                  np.asarray(orbax_values(src)[("e",)]).astype(np.float32))
+
+
 def test_another_encoding_cuts_the_chunks(tmp_path, orbax_source, copies):
     """zarr v2 <-> v3: no chunk is the output's; the large ones are cut to fit --memory, as before."""
     src, zarr3 = orbax_source
