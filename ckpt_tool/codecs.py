@@ -216,7 +216,7 @@ class ChunkStream:
             raise CkptError(f"cannot decode as a stream: {problem}", key)
         self.key = key
         self.expected = stored_nbytes
-        size = storage.size(key)
+        size = self.stored_size = storage.size(key)  # (the whole value: a shard's index included)
         start = 0
         if zarr3:
             codecs = _zarr3_codecs(zmeta)
@@ -334,8 +334,8 @@ def copy_stored_chunk(storage: Storage, key: str, zmeta: dict[str, Any], zarr3: 
         write(data)
         copied += len(data)
 
-    size = storage.size(key)
     stream = ChunkStream(storage, key, zmeta, stored_nbytes, zarr3=zarr3, window=window, tee=tee)
+    size = stream.stored_size
     try:
         if stream.start:  # (bytes before a shard's inner chunk: orbax's shards have none)
             tee(storage.read_range(key, 0, stream.start))

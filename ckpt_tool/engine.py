@@ -35,6 +35,7 @@ from .errors import (
 from .filters import Selection
 from .findings import Progress, no_progress
 from .blocks import block_shape, blocks
+from .codecs import window_bytes
 from .parallel import copy_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .model import (
@@ -241,12 +242,9 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
         sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
 
         def copied(layout: ChunkLayout) -> bool:
-            if destination is None or source_dtype is not None or not isinstance(layout, RegularGrid) \
-                    or not isinstance(leaf.layout, RegularGrid) or tuple(layout.chunk_shape) != tuple(leaf.layout.chunk_shape):
-                return False
-            encoding = reader_of(leaf).stored_encoding()
-            return encoding is not None and encoding == write.stored_chunk_encoding(
-                destination, TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding), opts.zarr3)
+            return destination is not None and plans_stored_copy(
+                write, destination, TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype),
+                leaf, opts.zarr3)
 
         layout = _target_layout(leaf, write, itemsize, cap, opts.memory, copied)
         targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
@@ -479,16 +477,30 @@ def stream(
     return chunks, read + copier.wait()
 
 
+def _same_stored_grid(target: TargetArray, leaf: ArrayLeaf) -> bool:
+    """`target`'s chunks are `leaf`'s stored chunks cell for cell: the same shape and regular grid, no cast."""
+    return (target.source_dtype is None and tuple(leaf.shape) == tuple(target.shape)
+            and isinstance(target.layout, RegularGrid) and isinstance(leaf.layout, RegularGrid)
+            and tuple(leaf.layout.chunk_shape) == tuple(target.layout.chunk_shape))
+
+
+def plans_stored_copy(write: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf, zarr3: bool) -> bool:
+    """For planning (convert's and reshard's): whether a writer to `destination` would take `leaf`'s
+    stored chunks as they are for `target` (in its layout), so that the grid is kept however large
+    its chunks (stream() then copies them: _copies_stored)."""
+    if not _same_stored_grid(target, leaf):
+        return False
+    encoding = reader_of(leaf).stored_encoding()
+    return encoding is not None and encoding == write.stored_chunk_encoding(destination, target, zarr3)
+
+
 def _copies_stored(writer: CheckpointWriter, target: TargetArray, leaf: ArrayLeaf, itemsize: int, memory: int) -> bool:
     """Whether `target`'s chunks are `leaf`'s stored chunks, copied as they are stored: the same grid
     and dtype, the writer storing them as the source does, and chunks too large to assemble under
-    the budget (reshard keeps such a grid where the writer takes them: reshard._copies_stored).
+    the budget (planning keeps such a grid where the writer takes them: plans_stored_copy).
     Smaller ones go through the scheduler, which decodes them (and the Orbax writer still stores a
     whole decoded chunk's bytes as they are: arrays/stored_chunks.py)."""
-    if (target.source_dtype is not None or tuple(leaf.shape) != tuple(target.shape)
-            or not isinstance(target.layout, RegularGrid) or not isinstance(leaf.layout, RegularGrid)
-            or tuple(leaf.layout.chunk_shape) != tuple(target.layout.chunk_shape)
-            or math.prod(target.layout.chunk_shape) * itemsize <= output_chunk_limit(memory)):
+    if not _same_stored_grid(target, leaf) or math.prod(target.layout.chunk_shape) * itemsize <= output_chunk_limit(memory):
         return False
     encoding = reader_of(leaf).stored_encoding()
     return encoding is not None and encoding == writer.stored_encoding(target)
@@ -501,8 +513,6 @@ class _StoredCopies:
 
     def __init__(self, writer: CheckpointWriter, copies: list[tuple[TargetArray, ArrayLeaf, int, Region]],
                  workers: int, memory: int) -> None:
-        from .codecs import window_bytes
-
         self._writer = writer
         self._copies = copies
         self._threads = min(len(copies), max(1, workers // 4))

@@ -41,7 +41,7 @@ from . import dtypes, formats
 from .parallel import copy_workers
 from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
-    plan_conversion,
+    plan_conversion, plans_stored_copy,
 )
 from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
@@ -49,7 +49,7 @@ from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Shardi
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
 from .text import is_ascii_number
 from .topology import Topology, host_topology, named_topology
-from .formats.contract import WriterModule, reader_of
+from .formats.contract import WriterModule
 from .writers import Target, TargetArray, WritePlan
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
@@ -596,18 +596,10 @@ def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int =
 
 def _copies_stored(writer: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf,
                    zarr3: bool) -> Callable[[tuple[int, ...]], bool]:
-    """Whether an output grid of chunk shape c would take `leaf`'s stored chunks as they are: the
-    source's own grid, no cast, and the writer storing that grid as the source does."""
-
-    def copied(chunk_shape: tuple[int, ...]) -> bool:
-        if (target.source_dtype is not None or tuple(leaf.shape) != tuple(target.shape)
-                or not isinstance(leaf.layout, RegularGrid) or tuple(leaf.layout.chunk_shape) != tuple(chunk_shape)):
-            return False
-        encoding = reader_of(leaf).stored_encoding()
-        return encoding is not None and encoding == writer.stored_chunk_encoding(
-            destination, replace(target, layout=RegularGrid(tuple(chunk_shape))), zarr3)
-
-    return copied
+    """Whether an output grid of chunk shape c would take `leaf`'s stored chunks as they are
+    (engine.plans_stored_copy)."""
+    return lambda chunk_shape: plans_stored_copy(
+        writer, destination, replace(target, layout=RegularGrid(tuple(chunk_shape))), leaf, zarr3)
 
 
 def _owners(lp: LeafPlan, target: TargetArray, mesh: DeviceMesh) -> list[int]:

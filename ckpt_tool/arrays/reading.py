@@ -257,17 +257,18 @@ class ZarrRegionReader(ArrayReader):
         """Where the stored chunk at grid position `index` lives: (storage, key, zarr metadata, zarr3),
         for decoding its bytes as a stream (ckpt_tool/codecs.py) when it is too large to decode whole.
 
-        In an OCDBT database the storage is the value where the B+tree holds it (_LocatedValue):
-        its windows are read by pread into reused buffers, where tensorstore's file kvstore makes a
-        new buffer and a copy of it per window (fresh memory: bufferpool.py). A chunk the walk does
-        not find is read through the database's view, which says how it is missing."""
+        In an OCDBT database the storage is the value where the B+tree holds it out of line
+        (_LocatedValue): its windows are read by pread into reused buffers, where tensorstore's
+        file kvstore makes a new buffer and a copy of it per window (fresh memory: bufferpool.py).
+        Anything else (a value held in line, a chunk the walk does not find, which the view then
+        says how it is missing) is read through the database's view."""
         view = self._source.view
         key = chunk_key(self._name, index, self._zarr3, self._zmeta)
         source: Any = view
         if self._source.ocdbt_dir is not None:
             found = view.locate_values([key]).get(key)
-            if found is not None:
-                source = _LocatedValue(view, key, found) if isinstance(found, IndirectValue) else _InlineValue(view, found)
+            if isinstance(found, IndirectValue):
+                source = _LocatedValue(view, key, found)
         return source, key, self._zmeta, self._zarr3
 
     def stored_encoding(self) -> stored_chunks.Encoding | None:
@@ -281,8 +282,7 @@ class ZarrRegionReader(ArrayReader):
         from .. import codecs
 
         storage, key, zmeta, zarr3 = self.stored_chunk(index)
-        chunk_shape = tuple(int(c) for c in (zmeta["chunk_grid"]["configuration"]["chunk_shape"] if zarr3
-                                             else zmeta["chunks"]))
+        _, _, chunk_shape, _ = parse_zarr_metadata(zmeta, zarr3, key)
         nbytes = math.prod(chunk_shape) * codecs.stored_itemsize(zmeta, zarr3)
         return codecs.copy_stored_chunk(storage, key, zmeta, zarr3, nbytes, write, window)
 
@@ -310,28 +310,6 @@ class _LocatedValue:
             return b""
         self._view.log.record(self._key)  # (one read per window, as the view logs a range read)
         return self._view.read_located(self._key, IndirectValue(ref.path, ref.offset + start, end - start), pooled=True)
-
-    def _where(self, key: str) -> str:
-        return self._view._where(key)
-
-
-class _InlineValue:
-    """A value the B+tree holds in line (a small chunk), offered as _LocatedValue offers one."""
-
-    __slots__ = ("_view", "_data")
-
-    def __init__(self, view: Storage, data: bytes) -> None:
-        self._view = view
-        self._data = data
-
-    def size(self, key: str) -> int:
-        return len(self._data)
-
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        if start < 0 or end > len(self._data) or start > end:
-            raise CkptError(f"invalid byte range [{start}, {end}) of a {len(self._data)}-byte value", self._where(key))
-        self._view.log.record(key)
-        return self._data[start:end]
 
     def _where(self, key: str) -> str:
         return self._view._where(key)
