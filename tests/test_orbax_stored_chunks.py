@@ -14,10 +14,8 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 from click.testing import CliRunner
 
 from ckpt_tool.arrays import reading, stored_chunks
@@ -26,13 +24,9 @@ from ckpt_tool.formats.orbax import direct
 
 from conftest import fixture_path
 from library_reference import orbax_values
+from orbax_sharded import ocdbt_values, save_sharded_source
 
 runner = CliRunner()
-
-
-def _values(path) -> dict[bytes, bytes]:
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
-    return {bytes(k): bytes(kv.read(k).result().value) for k in kv.list().result()}
 
 
 def _convert(src, dst, *extra) -> dict:
@@ -58,26 +52,7 @@ def count_copies(monkeypatch):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["zarr2", "zarr3"])
 def orbax_source(request, tmp_path_factory):
-    """A checkpoint orbax saves from arrays sharded over a 4x2 mesh (chunks of 1-2 MiB, leaves over the 8 MiB read whole),
-    bfloat16 and float32, plus a host array (one chunk)."""
-    jax = pytest.importorskip("jax")
-    ocp = pytest.importorskip("orbax.checkpoint")
-    if jax.device_count() != 8:
-        pytest.skip("needs 8 CPU devices (jax was initialised before XLA_FLAGS was set)")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    rng = np.random.default_rng(11)
-    tree = {
-        "w": jax.device_put(rng.standard_normal((2000, 1024)).astype(np.float32), NamedSharding(mesh, P("data", "model"))),
-        "e": jax.device_put(rng.standard_normal((2400, 1800)).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P("data"))),
-        "host": rng.standard_normal((300, 200)).astype(np.float32),
-    }
-    path = tmp_path_factory.mktemp("src") / "ckpt"
-    handler = ocp.PyTreeCheckpointHandler(use_zarr3=request.param)
-    with ocp.Checkpointer(handler) as ck:
-        ck.save(str(path), args=ocp.args.PyTreeSave(tree))
-    return path, request.param
+    return save_sharded_source(tmp_path_factory.mktemp("src") / "ckpt", request.param), request.param
 
 
 @pytest.mark.parametrize("name", ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_11/standard"])
@@ -96,7 +71,7 @@ def test_same_grid_and_encoding_copies_the_stored_chunks(tmp_path, orbax_source,
     src, zarr3 = orbax_source
     _convert(src, tmp_path / "out", *(["--zarr3"] if zarr3 else []))
     assert len(count_copies) >= 17 and all(n == 1 for n in count_copies)  # every chunk written was copied
-    theirs, ours = _values(src), _values(tmp_path / "out")
+    theirs, ours = ocdbt_values(src), ocdbt_values(tmp_path / "out")
     chunks = [k for k in theirs if not k.endswith((b".zarray", b"zarr.json"))]
     scalars = {k for k in chunks if k.count(b"/") == 1 and k.endswith((b"/0", b"/c"))}
     for key in chunks:

@@ -20,10 +20,8 @@ import sys
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 from click.testing import CliRunner
 
 from ckpt_tool import engine
@@ -33,38 +31,16 @@ from ckpt_tool.model import RegularGrid
 from ckpt_tool.writers import TargetArray
 
 from library_reference import orbax_values
+from orbax_sharded import ocdbt_values, save_sharded_source
 
 runner = CliRunner()
 # --memory 8MiB: output chunks over 1 MiB are not assembled (engine.output_chunk_limit)
 RESHARD = ["--mesh", "data=4,model=2", "--devices", "8", "--memory", "8MiB", "--json"]
 
 
-def _values(path) -> dict[bytes, bytes]:
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
-    return {bytes(k): bytes(kv.read(k).result().value) for k in kv.list().result()}
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["zarr2", "zarr3"])
 def orbax_source(request, tmp_path_factory):
-    """orbax saves from a 4x2 mesh: 'e' (bfloat16, P('data')) in chunks of 1.03 MiB, over the 1 MiB an
-    assembled output chunk may take under --memory 8MiB; 'w' (float32) in chunks of 1 MiB."""
-    jax = pytest.importorskip("jax")
-    ocp = pytest.importorskip("orbax.checkpoint")
-    if jax.device_count() != 8:
-        pytest.skip("needs 8 CPU devices (jax was initialised before XLA_FLAGS was set)")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    rng = np.random.default_rng(12)
-    tree = {
-        "w": jax.device_put(rng.standard_normal((2000, 1024)).astype(np.float32), NamedSharding(mesh, P("data", "model"))),
-        "e": jax.device_put(rng.standard_normal((2400, 1800)).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P("data"))),
-    }
-    path = tmp_path_factory.mktemp("src") / "ckpt"
-    handler = ocp.PyTreeCheckpointHandler(use_zarr3=request.param)
-    with ocp.Checkpointer(handler) as ck:
-        ck.save(str(path), args=ocp.args.PyTreeSave(tree))
-    return path, request.param
+    return save_sharded_source(tmp_path_factory.mktemp("src") / "ckpt", request.param), request.param
 
 
 @pytest.fixture
@@ -93,7 +69,7 @@ def test_large_chunks_keep_their_grid_and_bytes(tmp_path, orbax_source, copies):
     assert sorted(copies) == [("e", i) for i in range(8)]  # "w"'s 1 MiB chunks go through the scheduler
     meta = json.loads((tmp_path / "out" / "_METADATA").read_text())
     assert meta  # (a committed orbax output)
-    theirs, ours = _values(src), _values(tmp_path / "out")
+    theirs, ours = ocdbt_values(src), ocdbt_values(tmp_path / "out")
     e_chunks = [k for k in theirs if k.startswith(b"e/") and not k.endswith((b".zarray", b"zarr.json"))]
     assert len(e_chunks) == 8
     for key in e_chunks:
@@ -113,7 +89,7 @@ def test_convert_keeps_large_chunks_too(tmp_path, orbax_source, copies):
                                  *(["--zarr3"] if zarr3 else [])])
     assert result.exit_code == 0, result.output
     assert sorted(copies) == [("e", i) for i in range(8)]
-    theirs, ours = _values(src), _values(out)
+    theirs, ours = ocdbt_values(src), ocdbt_values(out)
     e_chunks = [k for k in theirs if k.startswith(b"e/") and not k.endswith((b".zarray", b"zarr.json"))]
     assert e_chunks and all(ours[k] == theirs[k] for k in e_chunks)
     np.testing.assert_array_equal(np.asarray(orbax_values(out)[("e",)]), np.asarray(orbax_values(src)[("e",)]))
@@ -151,7 +127,7 @@ def test_a_damaged_chunk_fails_the_copy(tmp_path, orbax_source):
     damaged = tmp_path / "src"
     shutil.copytree(src, damaged)
     key = "e/c/1/0" if zarr3 else "e/1.0"
-    stored = _values(damaged)[key.encode()]
+    stored = ocdbt_values(damaged)[key.encode()]
     start = _frame_start(stored, zarr3)
     frame = stored[start:]
     fhd = frame[4]
