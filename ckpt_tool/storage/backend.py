@@ -156,7 +156,8 @@ class Backend(ABC):
 
     @abstractmethod
     def read_into(self, rel: str, start: int, view: memoryview) -> None:
-        """Fill the byte `view` (not empty) from offset `start` of the value at `rel`; as read() when short."""
+        """Fill the byte `view` (not empty) from offset `start` of the value at `rel`; as read() when short.
+        `rel`'s form is checked; its containment (check_key) is this method's to check."""
 
     def start_reads(self, rels: dict[str, str]) -> Reads:
         """Start reading several values (caller's key -> checked key); the result is by caller's key."""

@@ -219,7 +219,13 @@ class Storage:
             raise CkptError(f"invalid byte range [{start}, {start + size})", self._where(key))
         if size == 0:
             return
-        self.backend.read_into(self._read_key(key), start, view)
+        rel = _check_relative(key, self.url)
+        if not rel:
+            raise CkptError("empty key", self.url)
+        self.log.record(rel)
+        # (containment is the backend's here: a local root checks a file when it first opens it
+        # and keeps it open for the next read, which a check per read would make slow again)
+        self.backend.read_into(rel, start, view)
 
     def _read(self, key: str, byte_range: slice | None) -> bytes:
         return self.backend.read(self._read_key(key), byte_range)
