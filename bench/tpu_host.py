@@ -533,6 +533,58 @@ def profile(out: Path) -> int:
     return 0
 
 
+def ab(out: Path) -> int:
+    """MODE=ab AB_TREE=DIR: this ckpt against the ckpt_tool package under DIR (an older checkout),
+    on this host, interleaved: the same source, each round's order alternated, each step a
+    whole process after a sync, and `cp -r && sync` each round. The table gives each run and
+    the medians. SRC=DIR uses an existing checkpoint item instead of writing one (KEEP_WORK=1
+    on the main run keeps its source)."""
+    tree = os.environ.get("AB_TREE", "")
+    if not tree or not (Path(tree) / "ckpt_tool").is_dir():
+        print("MODE=ab needs AB_TREE=DIR, a folder holding the other ckpt_tool package", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    _jax_env()
+    work = Path(os.environ.get("WORK") or out / "work_ab")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    bench = Bench(out, work, [sys.executable])
+    src = os.environ.get("SRC")
+    if not src:
+        bench.child("write", str(work / "manager"))
+        src = str(work / "manager" / "0" / "default")
+    nbytes = sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file())
+    host = os.environ.get("HOST_MESH", "data=1,model=1")
+    steps = {"convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
+             "reshard_host": ["reshard", src, "{dst}", "--mesh", host]}
+    sides = {"new": {}, "old": {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
+                                                                            os.environ.get("PYTHONPATH", "")) if p)}}
+    times: dict[str, list[float]] = {}
+    for k in range(max(1, int(os.environ.get("ROUNDS", "3")))):
+        floor = _disk_floor(Path(src), work / "copy")
+        shutil.rmtree(work / "copy")
+        bench.row(f"disk floor: cp -r && sync (round {k + 1})", floor, nbytes)
+        times.setdefault("cp", []).append(floor)
+        order = list(sides) if k % 2 == 0 else list(sides)[::-1]
+        for name, args in steps.items():
+            for side in order:
+                dst = work / f"{name}_{side}"
+                row = bench.ckpt(f"{name} [{side}] (round {k + 1})", *[a.replace("{dst}", str(dst)) for a in args],
+                                 nbytes=nbytes, env=sides[side])
+                times.setdefault(f"{name} [{side}]", []).append(row["seconds"])
+                shutil.rmtree(dst, ignore_errors=True)
+    lines = [bench.table(), "", f"{'medians':40s} seconds  / cp"]
+    cp = statistics.median(times["cp"])
+    for key, ts_ in times.items():
+        lines.append(f"{key:40s} {statistics.median(ts_):7.2f}  {statistics.median(ts_) / cp:5.2f}x")
+    text = "\n".join(lines)
+    (out / "ab.txt").write_text(text + "\n")
+    print(text)
+    if os.environ.get("KEEP_WORK") != "1":
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if bench.failed else 0
+
+
 def _host_specs(bench: Bench, src: str, host_mesh: str) -> dict[str, list]:
     """The specs ckpt's plan gives each leaf for this host's mesh (orbax's route uses the same)."""
     r = subprocess.run([*bench.python, "-m", "ckpt_tool", "reshard", src, str(bench.work / "unused"), "--mesh", host_mesh,
@@ -583,6 +635,8 @@ if __name__ == "__main__":
         print(json.dumps(child_verify(json.loads(sys.argv[2]))))
     elif len(sys.argv) > 1 and sys.argv[1] == "hold":
         child_hold()
+    elif os.environ.get("MODE") == "ab":
+        sys.exit(ab(Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "tpu_host_bench"))))
     elif os.environ.get("MODE") == "profile":
         sys.exit(profile(Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "tpu_host_bench"))))
     else:

@@ -19,6 +19,8 @@
 #   INSTALL=0               use this checkout and the python's packages as they are (no pip)
 #   TPU_HOST_BENCH_PLATFORM=cpu SIZE=small   the whole run on 8 CPU devices, a few MiB (debugging)
 #   WORK=DIR                scratch for the checkpoints (default OUT_DIR/work; removed on success unless KEEP_WORK=1)
+#   MODE=profile            where the time of the slow steps goes, instead of the table (OUT_DIR/profile.tgz)
+#   MODE=ab AB_TREE=DIR     this ckpt against the ckpt_tool package under DIR, interleaved (OUT_DIR/ab.txt)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

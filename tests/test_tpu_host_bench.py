@@ -48,3 +48,23 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     # issue 32's three ratios, each beside its target
     assert [line.split()[-1] for line in ratios.splitlines()[1:]] == ["1.5x", "1.5x", "3x"]
     assert not (out / "work").exists()  # scratch removed after a clean run
+
+
+@pytest.mark.slow
+def test_tpu_host_ab_mode_on_cpu(tmp_path):
+    """MODE=ab: this ckpt against another checkout's, interleaved (here: against itself)."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_", "XLA_"))}
+    env.update(TPU_HOST_BENCH_PLATFORM="cpu", SIZE="small", MODE="ab", AB_TREE=str(ROOT), ROUNDS="2",
+               HOST_MESH="data=2,model=4", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_host.py"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    text = (out / "ab.txt").read_text()
+    medians = text.split("medians", 1)[1].splitlines()[1:]
+    assert [line.rsplit(None, 2)[0] for line in medians] == [
+        "cp", "convert_dcp [new]", "convert_dcp [old]", "reshard_host [new]", "reshard_host [old]"]
+    # two rounds, the sides' order alternated
+    assert text.index("convert_dcp [new] (round 1)") < text.index("convert_dcp [old] (round 1)")
+    assert text.index("convert_dcp [old] (round 2)") < text.index("convert_dcp [new] (round 2)")
+    assert not (out / "work_ab").exists()
