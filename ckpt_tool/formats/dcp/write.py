@@ -13,12 +13,9 @@ reader all read the output:
     `Metadata` with the same classes and pickle form torch writes, emitted
     opcode by opcode (pickle_writer) since those classes cannot be imported.
 
-On a local directory each writing thread appends its archives to a data file
-of its own, written in place and fsynced (on a few threads behind) once it
-holds `file_mb` of archives; elsewhere one data file at a time is filled in
-memory and written as one kvstore value once it holds `file_mb` (a bigger
-archive gets a file of its own), so at most one open file plus the files
-being flushed by the writing threads are in memory.
+A data file is written as one kvstore value once it holds `file_mb` of
+archives (a bigger archive gets a file of its own), so at most one open file
+plus the files being flushed by the writing threads are in memory.
 
 Like torch, the writer stores a list holding only plain values as one item
 named after the list (torch's loaders look for it there), even when the plan
@@ -414,9 +411,9 @@ def _list_groups(targets: list[TargetArray | TargetValue]) -> list[_ListGroup]:
 class _OpenFile:
     """A data file being filled; either way, callers may reuse their arrays once write_array returns.
 
-    Local files are written in place (`local`) by the one thread that owns
-    the file, each archive at the offset reserved for it, and the file is
-    closed (fsynced) once it is sealed and its last write is done. Other
+    Local files are written in place (`local`): each archive at the offset
+    reserved for it, by the thread that made it, and the file is closed
+    (fsynced) by whoever finishes its last write after it was sealed. Other
     storage gets the file as one value: archives are copied into `data`.
     """
 
@@ -462,12 +459,7 @@ class DcpWriter(CheckpointWriter):
         # tensor whose layout has none; the primary writes them itself
         self._implicit: list[str] = []
         self._entries: dict[tuple[str, int | None], _Entry] = {}
-        self._current: _OpenFile | None = None  # the file being filled (storage that is not local)
-        # local directories: each writing thread's own file. A file shared by a dozen writing
-        # threads cost 4.5 fsync-seconds per GiB on a TPU VM's gVisor kernel, against 1 for
-        # files written by one thread each (the Orbax writer's), and its lock, held while the
-        # next file was created, kept the threads waiting 1.3 s of a 4 s convert
-        self._by_thread = threading.local()
+        self._current: _OpenFile | None = None
         self._files: list[_OpenFile] = []  # every data file opened, to close them on abort
         self._next_file = 0
         self._state = "new"  # new -> writing -> finished -> committed | aborted
@@ -555,9 +547,8 @@ class DcpWriter(CheckpointWriter):
                 self._append((name, 0), *tensor_archive(dt, arr))
         ready: list[_OpenFile] = []
         with self._lock:
-            for f in self._files:  # the file being filled, or each thread's
-                if not f.sealed:
-                    self._seal(f, ready)
+            if self._current is not None:
+                self._seal(self._current, ready)
             unfinished = [f.name for f in self._files if not f.done]
         if unfinished:
             raise DcpWriteError(f"data file {unfinished[0]} still has writes in progress")
@@ -613,8 +604,6 @@ class DcpWriter(CheckpointWriter):
             self._current = None
             self._entries.clear()
             files, self._files = self._files, []
-            # (now: a thread creating its next file sees it, and discards that file itself)
-            self._state = "aborted"
         try:
             self._closer.wait()
         except Exception:  # noqa: BLE001 - the output is being thrown away: its close errors with it
@@ -623,6 +612,7 @@ class DcpWriter(CheckpointWriter):
             if f.local is not None:
                 f.done = True
                 f.local.discard()  # a no-op for files already closed
+        self._state = "aborted"
 
     # -- internals ---------------------------------------------------------------
     def _require_plan(self) -> WritePlan:
@@ -688,15 +678,21 @@ class DcpWriter(CheckpointWriter):
         return np.ascontiguousarray(data).reshape(data.shape)
 
     def _append(self, key: tuple[str, int | None], parts: list[Buffer], length: int) -> None:
-        """Place one archive in a data file (this thread's own, on a local directory); flush files that are full."""
+        """Place one archive in the current data file; flush files that are full."""
         ready: list[_OpenFile] = []
-        own = self._thread_file(length, ready) if self._storage.capabilities.local_files else None
         with self._lock:
             if self._state != "writing":
                 raise DcpWriteError(f"writer is {self._state}")
             if key in self._entries:
                 raise DcpWriteError(f"{_describe(key)} was written twice")
-            cur = own if own is not None else self._shared_file(length, ready)
+            cur = self._current
+            if cur is not None and cur.size and cur.size + length > self._file_bytes:
+                self._seal(cur, ready)
+                cur = None
+            if cur is None:
+                name = self._new_file_name()
+                cur = self._current = _OpenFile(name, self._storage.create_local_file(name))
+                self._files.append(cur)
             if cur.local is not None:
                 offset, cur.size = cur.local.place(cur.size, length)
             else:
@@ -746,43 +742,6 @@ class DcpWriter(CheckpointWriter):
                         ready.append(cur)
         for f in ready:
             self._flush(f)
-
-    def _shared_file(self, length: int, ready: list[_OpenFile]) -> _OpenFile:
-        """The one data file being filled in memory, with room for `length` more bytes unless it
-        is empty: sealed and replaced by a new one when full (lock held)."""
-        cur = self._current
-        if cur is not None and cur.size and cur.size + length > self._file_bytes:
-            self._seal(cur, ready)
-            cur = None
-        if cur is None:
-            cur = self._current = _OpenFile(self._new_file_name())
-            self._files.append(cur)
-        return cur
-
-    def _thread_file(self, length: int, ready: list[_OpenFile]) -> _OpenFile:
-        """This thread's local data file, with room for `length` more bytes: sealed and replaced
-        by a new one when full. The file is created outside the lock (an open on the file
-        server, under gVisor), so other threads go on writing meanwhile."""
-        cur: _OpenFile | None = getattr(self._by_thread, "file", None)
-        if cur is not None and not cur.sealed and cur.size and cur.size + length > self._file_bytes:
-            with self._lock:
-                self._seal(cur, ready)
-        if cur is not None and not cur.sealed:
-            return cur
-        with self._lock:
-            if self._state != "writing":
-                raise DcpWriteError(f"writer is {self._state}")
-            name = self._new_file_name()
-        local = self._storage.create_local_file(name)
-        cur = _OpenFile(name, local)
-        with self._lock:
-            if self._state != "writing":  # aborted meanwhile: this file is not on its list
-                if local is not None:
-                    local.discard()
-                raise DcpWriteError(f"writer is {self._state}")
-            self._files.append(cur)
-        self._by_thread.file = cur
-        return cur
 
     @staticmethod
     def _take_pending(f: _OpenFile) -> tuple[int, list[Buffer], bool]:
