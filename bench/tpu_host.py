@@ -534,11 +534,10 @@ def profile(out: Path) -> int:
 
 
 def ab(out: Path) -> int:
-    """MODE=ab AB_TREE=DIR: this ckpt against the ckpt_tool package under DIR (an older checkout),
-    on this host, interleaved: the same source, each round's order alternated, each step a
-    whole process after a sync, and `cp -r && sync` each round. The table gives each run and
-    the medians. SRC=DIR uses an existing checkpoint item instead of writing one (KEEP_WORK=1
-    on the main run keeps its source)."""
+    """MODE=ab AB_TREE=DIR: this checkout's ckpt against the ckpt_tool package under DIR (an older
+    checkout), on this host, interleaved: the same source, each round's order alternated, each
+    step a whole process after a sync, and `cp -r && sync` each round. The table gives each run
+    and the medians. SRC=DIR uses an existing checkpoint item instead of writing one."""
     tree = os.environ.get("AB_TREE", "")
     if not tree or not (Path(tree) / "ckpt_tool").is_dir():
         print("MODE=ab needs AB_TREE=DIR, a folder holding the other ckpt_tool package", file=sys.stderr)
@@ -557,8 +556,14 @@ def ab(out: Path) -> int:
     host = os.environ.get("HOST_MESH", "data=1,model=1")
     steps = {"convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
              "reshard_host": ["reshard", src, "{dst}", "--mesh", host]}
-    sides = {"new": {}, "old": {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
-                                                                            os.environ.get("PYTHONPATH", "")) if p)}}
+    # both sides from a folder put first on PYTHONPATH, this checkout's included: with only the old
+    # side there, every import looked in one folder more, and on the TPU VM (9p under gVisor) those
+    # lookups cost the old side 0.35-0.5 s a run, as much as the change being measured (the reshard,
+    # which that change did not touch, showed it)
+    def first(folder: Path) -> dict[str, str]:
+        return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder.resolve()), os.environ.get("PYTHONPATH", "")) if p)}
+
+    sides = {"new": first(Path(__file__).resolve().parent.parent), "old": first(Path(tree))}
     times: dict[str, list[float]] = {}
     for k in range(max(1, int(os.environ.get("ROUNDS", "3")))):
         floor = _disk_floor(Path(src), work / "copy")
