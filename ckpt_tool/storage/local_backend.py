@@ -161,9 +161,9 @@ class LocalBackend(Backend):
         directory = os.path.dirname(path)
         direct = self._made_dirs.get(directory)
         if direct is None:
-            # once per directory: a realpath per file cost ~10 ms on a TPU VM's gVisor kernel, one
-            # after another for a writer's next data file. The file itself is created O_EXCL, which
-            # no entry put there (a link, a FIFO) gets through
+            # once per directory: on a TPU VM's gVisor kernel a realpath per new file took 0.8 of a
+            # reshard's busy thread-seconds, in the writing threads. The file itself is created
+            # O_EXCL, which no entry put there (a link, a FIFO) gets through
             os.makedirs(directory, exist_ok=True)
             self.check_key(rel, want_dir=False)
             direct = self._made_dirs[directory] = directio.supported(directory)
