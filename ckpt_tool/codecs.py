@@ -250,8 +250,14 @@ class ChunkStream:
     def read_band(self, shape: tuple[int, ...]) -> np.ndarray:
         """The next band of decoded elements, as a native-order array of `shape`."""
         out = POOL.empty(shape, self._np_dtype)
-        want = out.nbytes
-        view = out.reshape(-1).view(np.uint8).data if want else memoryview(b"")
+        self._decode_into(out.reshape(-1).view(np.uint8).data if out.nbytes else memoryview(b""))
+        if not out.dtype.isnative:
+            out = out.astype(out.dtype.newbyteorder("="))
+        return out
+
+    def _decode_into(self, view: memoryview) -> None:
+        """Fill `view` with the next decoded bytes; an error if the chunk ends first or does not decode."""
+        want = view.nbytes
         got = 0
         try:
             while got < want:
@@ -268,9 +274,6 @@ class ChunkStream:
             raise CkptError(
                 f"chunk decodes to {self.decoded} bytes, its shape needs {self.expected} ({self.codec})", self._where
             )
-        if not out.dtype.isnative:
-            out = out.astype(out.dtype.newbyteorder("="))
-        return out
 
     def close(self) -> None:
         """Stop reading (after the last band, or a pass that needed fewer)."""
@@ -279,22 +282,8 @@ class ChunkStream:
     def check(self, scratch: memoryview) -> None:
         """Decode the whole chunk into `scratch` (reused: the values are not kept), then finish():
         the check that it decodes to exactly the bytes its shape needs."""
-        try:
-            while True:
-                n = self._stream.readinto(scratch)
-                if not n:
-                    break
-                self.decoded += n
-                if self.decoded > self.expected:
-                    break
-        except CkptError:
-            raise
-        except Exception as exc:  # zstd / zlib errors: a damaged chunk
-            raise CkptError(f"chunk does not decode ({self.codec}): {exc}", self._where) from None
-        if self.decoded != self.expected:
-            more = "more than" if self.decoded > self.expected else f"{self.decoded} bytes,"
-            raise CkptError(f"chunk decodes to {more} the {self.expected} bytes its shape needs ({self.codec})",
-                            self._where)
+        while self.decoded < self.expected:
+            self._decode_into(scratch[: min(scratch.nbytes, self.expected - self.decoded)])
         self.finish()
         # what the decoder did not need (the window's tail) is fetched and handed on too
         while self._src.read():
