@@ -594,10 +594,11 @@ def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int =
         lp.chunk_shape = capped
 
 
-def _copies_stored(writer: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf,
-                   zarr3: bool) -> Callable[[tuple[int, ...]], bool]:
-    """Whether an output grid of chunk shape c would take `leaf`'s stored chunks as they are
-    (engine.plans_stored_copy)."""
+def _copied_as_stored(writer: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf,
+                      zarr3: bool) -> Callable[[tuple[int, ...]], bool]:
+    """A test of a chunk shape: whether an output grid of that shape would take `leaf`'s stored
+    chunks as they are (engine.plans_stored_copy). (engine._copies_stored asks the same of a
+    writer at run time.)"""
     return lambda chunk_shape: plans_stored_copy(
         writer, destination, replace(target, layout=RegularGrid(tuple(chunk_shape))), leaf, zarr3)
 
@@ -724,7 +725,7 @@ def _plan_reshard(
                     lp.new_spec = spec
             if old_spec is None and target.shape and not any(lp.new_spec):
                 lp.notes.insert(0, "no recorded partition spec: replicated")
-        _layout(lp, mesh, target_file_size, opts.memory, _copies_stored(writer, destination, target, leaf, opts.zarr3))
+        _layout(lp, mesh, target_file_size, opts.memory, _copied_as_stored(writer, destination, target, leaf, opts.zarr3))
         leaves.append(lp)
         sharding = Sharding(
             "named", mesh_shape=mesh.shape, axis_names=mesh.axis_names,

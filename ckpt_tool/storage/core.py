@@ -219,9 +219,7 @@ class Storage:
             raise CkptError(f"invalid byte range [{start}, {start + size})", self._where(key))
         if size == 0:
             return
-        rel = _check_relative(key, self.url)
-        if not rel:
-            raise CkptError("empty key", self.url)
+        rel = self._value_key(key)
         self.log.record(rel)
         # (containment is the backend's here: a local root checks a file when it first opens it
         # and keeps it open for the next read, which a check per read would make slow again)
@@ -372,11 +370,16 @@ class Storage:
     def _where(self, key: str) -> str:
         return f"{self.url}/{key}"
 
-    def _checked(self, key: str) -> str:
-        """`key` relative and not empty, and (the backend's containment) safe to read."""
+    def _value_key(self, key: str) -> str:
+        """`key` relative and not empty."""
         rel = _check_relative(key, self.url)
         if not rel:
             raise CkptError("empty key", self.url)
+        return rel
+
+    def _checked(self, key: str) -> str:
+        """`key` relative and not empty, and (the backend's containment) safe to read."""
+        rel = self._value_key(key)
         self._check_local_path(rel, want_dir=False)
         return rel
 
