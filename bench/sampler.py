@@ -25,6 +25,7 @@ import time
 from typing import Any, Counter
 
 # innermost frames that mean "this thread waits for work", not "this thread is busy"
+BUCKET = 0.25  # seconds per line of the report's timeline
 IDLE = {("threading.py", "wait"), ("queue.py", "get"), ("thread.py", "_worker"), ("threading.py", "_wait_for_tstate_lock")}
 
 
@@ -47,6 +48,10 @@ class Sampler:
         # the main thread's phases: (seconds since start, its innermost ckpt_tool frame)
         self.timeline: list[tuple[float, str]] = []
         self._main = threading.main_thread().ident
+        # per BUCKET seconds of the run: samples taken, busy samples per thread group, busy leaves
+        self.bucket_samples: Counter[int] = collections.Counter()
+        self.bucket_busy: dict[int, Counter[str]] = collections.defaultdict(collections.Counter)
+        self.bucket_leaf: dict[int, Counter[tuple[str, str, int]]] = collections.defaultdict(collections.Counter)
 
     def _run(self) -> None:
         self._me = threading.get_ident()
@@ -54,6 +59,8 @@ class Sampler:
         while not self._stop.wait(self.interval):
             names.update({t.ident: t.name for t in threading.enumerate()})
             self.samples += 1
+            bucket = int((time.perf_counter() - self._t0) / BUCKET)
+            self.bucket_samples[bucket] += 1
             for ident, frame in sys._current_frames().items():
                 if ident == self._me:
                     continue
@@ -66,6 +73,8 @@ class Sampler:
                     self.idle[name] += 1
                     continue
                 self.leaf[leaf] += 1
+                self.bucket_busy[bucket][name] += 1
+                self.bucket_leaf[bucket][leaf] += 1
                 seen = set()
                 f = frame
                 while f is not None:
@@ -110,6 +119,12 @@ class Sampler:
         for t, d, w in spans:
             if d >= 0.05:
                 lines.append(f"  {t:6.2f} +{d:5.2f} s  {w}")
+        lines.append(f"timeline: busy threads per group (mean over each {BUCKET:.2f} s), then the busiest lines")
+        for b in sorted(self.bucket_samples):
+            k = self.bucket_samples[b]
+            busy = "  ".join(f"{g} {c / k:.1f}" for g, c in self.bucket_busy[b].most_common())
+            leaves = ", ".join(f"{f}:{ln} {c / k:.1f}" for (f, _, ln), c in self.bucket_leaf[b].most_common(4))
+            lines.append(f"  {b * BUCKET:5.2f}  {busy}  | {leaves}")
         return "\n".join(lines)
 
 
