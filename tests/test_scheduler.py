@@ -303,6 +303,35 @@ def test_diff_values(ckpts):
     assert d["path"] == "big" and d["mismatched"] == 1 and d["max_abs"] == pytest.approx(1.0, abs=1e-3)
 
 
+def test_streamed_chunk_goes_to_dcp_band_by_band_without_a_copy(ckpts, tmp_path, monkeypatch):
+    """Converting to DCP, a stored chunk too large to decode whole is split into pieces of one
+    band each, so every decoded band is handed to the writer as it is: the executor makes no
+    buffer of its own (no assembly, no copy) for any of its pieces. The values are torch's."""
+    from ckpt_tool.scheduler import band_bytes, execution
+
+    made: list[tuple[int, ...]] = []
+    pool = execution.POOL
+
+    class Recording:
+        def empty(self, shape, dtype):
+            made.append(tuple(shape))
+            return pool.empty(shape, dtype)
+
+    monkeypatch.setattr(execution, "POOL", Recording())
+    # 32 MiB: `big` (24 MiB, 48 MiB to decode whole) is streamed in 2 MiB bands, where the
+    # largest output chunk the budget allows (engine.output_chunk_limit) is 4 MiB
+    memory = "32MiB"
+    _cli("convert", str(ckpts / "ocdbt"), str(tmp_path / "o"), "--to", "dcp", "--memory", memory)
+    rows = band_bytes(parse_memory(memory)) // (4096 * 4)
+    assert all(shape[1:] != (4096,) for shape in made), made  # nothing made for `big`'s pieces
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "o")).read_metadata().state_dict_metadata["big"]
+    sizes = sorted({tuple(c.sizes)[0] for c in meta.chunks})
+    assert len(meta.chunks) == -(-1536 // rows) and sizes[-1] == rows, sizes
+    _same(dcp_values(tmp_path / "o"), orbax_values(ckpts / "ocdbt"))
+
+
 @pytest.mark.slow
 def test_unstreamable_codec_names_the_memory_needed(ckpts, tmp_path):
     """A chunk too large for the budget whose codec has no streaming decoder (blosc): one line, exit 1."""
