@@ -404,32 +404,6 @@ def test_ckpt_reader_reads_the_same_values(written: Path) -> None:
         assert leaf.load() == expected_value(name), name
 
 
-def test_data_files_are_exactly_those_the_metadata_names(tmp_path: Path) -> None:
-    """Files roll over often (file_mb tiny); each next file is created ahead of need, and the
-    one left unused at the end is deleted: the directory holds the referenced files only."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    write(str(tmp_path / "d"), file_mb=0.01)
-    meta = FileSystemReader(str(tmp_path / "d")).read_metadata()
-    named = {info.relative_path for info in meta.storage_data.values()}
-    on_disk = {p.name for p in (tmp_path / "d").iterdir() if p.name != ".metadata"}
-    assert len(named) > 3 and on_disk == named
-
-
-def test_abort_deletes_the_file_created_ahead(tmp_path: Path) -> None:
-    writer, target = _one_array_writer(tmp_path)
-    writer._file_bytes = 8  # each chunk a file of its own: a next one is always created ahead
-    writer.write_array(target, 0, (slice(0, 2),), np.zeros(2, dtype=np.float32))
-    spare = writer._spare
-    assert spare is not None
-    spare[1].result()
-    where = Path(writer._storage.local_root) / spare[0]
-    assert where.exists()
-    writer.abort()
-    assert not where.exists()
-    assert all(p.stat().st_size for p in where.parent.glob("*.distcp"))
-
-
 def test_memory_storage() -> None:
     url = "memory://dcp-writer-test/one"
     write(url)

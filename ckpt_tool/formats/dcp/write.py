@@ -37,7 +37,6 @@ import struct
 import sys
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
@@ -466,9 +465,6 @@ class DcpWriter(CheckpointWriter):
         self._state = "new"  # new -> writing -> finished -> committed | aborted
         self._save_id = ""
         self._closer = FileCloser("ckpt-dcp-close")  # closes (fsyncs) sealed local files
-        # the local data file after the current one, created ahead by `_creator` (see _open_next)
-        self._spare: tuple[str, Future[LocalFileWriter | None]] | None = None
-        self._creator: ThreadPoolExecutor | None = None
 
     # -- protocol ----------------------------------------------------------------
     def begin(self, plan: WritePlan) -> None:
@@ -558,7 +554,6 @@ class DcpWriter(CheckpointWriter):
             raise DcpWriteError(f"data file {unfinished[0]} still has writes in progress")
         for f in ready:
             self._flush(f)
-        self._drop_spare()
         self._closer.wait()
         if plan.process_count > 1 and plan.process_index != 0:
             self._storage.write(f"{SIDECAR_PREFIX}{plan.process_index}", self._sidecar())
@@ -617,10 +612,6 @@ class DcpWriter(CheckpointWriter):
             if f.local is not None:
                 f.done = True
                 f.local.discard()  # a no-op for files already closed
-        try:
-            self._drop_spare()
-        except Exception:  # noqa: BLE001 - as above
-            pass
         self._state = "aborted"
 
     # -- internals ---------------------------------------------------------------
@@ -699,7 +690,8 @@ class DcpWriter(CheckpointWriter):
                 self._seal(cur, ready)
                 cur = None
             if cur is None:
-                cur = self._current = self._open_next()
+                name = self._new_file_name()
+                cur = self._current = _OpenFile(name, self._storage.create_local_file(name))
                 self._files.append(cur)
             if cur.local is not None:
                 offset, cur.size = cur.local.place(cur.size, length)
@@ -769,47 +761,6 @@ class DcpWriter(CheckpointWriter):
         if not f.writing and not f.done:
             f.done = True
             ready.append(f)
-
-    def _open_next(self) -> _OpenFile:
-        """The next data file (lock held): a local one was created ahead, while the current one filled.
-
-        Creating a file under the lock held every copy thread that had an archive to place: on a
-        TPU VM (gVisor over 9p) a create took about 10 ms, and 65 of them in a 2.3 GiB convert
-        kept 13 threads waiting 2.5 thread-seconds in all. The file after this one is created
-        on a thread of its own; unused at the end, it is deleted (_drop_spare).
-        """
-        if self._spare is not None:
-            name, created = self._spare
-            self._spare = None
-            local = created.result()  # (its error, if creating it failed, is this append's)
-        else:
-            name = self._new_file_name()
-            local = self._storage.create_local_file(name)
-        if local is not None:  # a local file system: create the next one now
-            if self._creator is None:
-                self._creator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-create")
-            following = self._new_file_name()
-            self._spare = (following, self._creator.submit(self._storage.create_local_file, following))
-        return _OpenFile(name, local)
-
-    def _drop_spare(self) -> None:
-        """Delete the data file created ahead and never used (it is ours: nobody else's file is
-        touched, and one whose creation failed is left alone)."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-            creator, self._creator = self._creator, None
-        if creator is not None:
-            creator.shutdown(wait=True)
-        if spare is None:
-            return
-        name, created = spare
-        try:
-            local = created.result()
-        except Exception:  # noqa: BLE001 - not created: nothing of ours is there
-            return
-        if local is not None:
-            local.discard()
-            self._delete(name)
 
     def _new_file_name(self) -> str:
         plan = self._require_plan()
