@@ -166,10 +166,11 @@ def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int
                 return kept
         if source_max * itemsize > limit:
             # where the source's own chunks would be kept (DCP lists, an Orbax grid), pieces of one
-            # band each: a streamed chunk's decoded band is then handed to the writer as it is, where
-            # pieces of two bands were copied together first (on a TPU VM, copying a 393 MiB embedding
-            # into its pieces took 1.8 s, twice its decode); elsewhere the default cap applies, never
-            # raised by this one
+            # stream band each. The DCP writer reserves none of the budget, so the scheduler's bands
+            # are exactly these pieces and each decoded band is handed to the writer as it is, where
+            # pieces of two bands were assembled by a copy (on a TPU VM the copy of a 393 MiB
+            # embedding took 1.8 s, longer than its decode). Elsewhere the default cap applies,
+            # never raised by this one.
             cap = band_bytes(memory) if write.keeps_source_chunks(leaf) else min(limit, int(DEFAULT_CHUNK_MB * 2**20))
     cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
     return write.target_layout(leaf, itemsize, cap, cap_bytes)
