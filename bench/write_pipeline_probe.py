@@ -85,22 +85,38 @@ def run_variant(out: str, total: int, producers: int, file_bytes: int, mode: str
             fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)  # type: ignore[attr-defined]
             n = min(file_bytes, total - i * file_bytes)
             off = 0
-            while off < n:
-                k = min(BLOCK, n - off)
-                os.pwrite(fd, view[:k], off)
-                off += k
+            try:
+                while off < n:
+                    k = min(BLOCK, n - off)
+                    os.pwrite(fd, view[:k], off)
+                    off += k
+            except BaseException:
+                os.close(fd)
+                raise
             if pool is not None:
                 with lock:
                     pending.append(pool.submit(close, fd, True))
             else:
                 close(fd, mode == "own-fsync")
 
+    errors: list[BaseException] = []
+
+    def run_producer() -> None:
+        try:
+            produce()
+        except BaseException as exc:  # noqa: BLE001 - raised again below, in the caller's thread
+            errors.append(exc)
+
     t = time.perf_counter()
-    threads = [threading.Thread(target=produce) for _ in range(producers)]
+    threads = [threading.Thread(target=run_producer) for _ in range(producers)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    if errors:
+        if pool is not None:
+            pool.shutdown(wait=True)  # every descriptor closed before the scratch is removed
+        raise errors[0]
     for fut in pending:
         fut.result()
     if pool is not None:
@@ -118,14 +134,16 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    total = int(args.gib * 2**30)
+    # whole 8 MiB blocks: O_DIRECT wants every write's length aligned
+    total = max(1, round(args.gib * 2**30 / BLOCK)) * BLOCK
     os.makedirs(args.dir, exist_ok=True)
     variants: list[tuple[str, int, int]] = [
         ("closers", 32, 4), ("closers", 32, 8), ("closers", 32, 16), ("closers", 128, 8),
         ("closers", 512, 8), ("own-fsync", 32, 0), ("own-fsync", 128, 0), ("syncfs-at-end", 32, 0),
         ("direct", 32, 8),
     ]
-    results: dict[str, Any] = {"gib": args.gib, "producers": args.producers, "cpus": os.cpu_count()}
+    gib = total / 2**30
+    results: dict[str, Any] = {"gib": gib, "producers": args.producers, "cpus": os.cpu_count()}
     for rep in range(args.repeat):
         for mode, mib, closers in variants if rep % 2 == 0 else variants[::-1]:
             key = f"{mode} file={mib}MiB" + (f" closers={closers}" if closers else "")
@@ -150,7 +168,7 @@ def main() -> None:
         results["cp -r && sync"] = round(min(s, prev) if isinstance(prev, float) else s, 3)
         shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(os.path.join(args.dir, "v"), ignore_errors=True)
-    results["GiB/s"] = {k: round(args.gib / v, 2) for k, v in results.items() if isinstance(v, float) and k != "gib"}
+    results["GiB/s"] = {k: round(gib / v, 2) for k, v in results.items() if isinstance(v, float) and k != "gib"}
     print(json.dumps(results, indent=1))
 
 
