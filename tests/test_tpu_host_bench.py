@@ -23,8 +23,9 @@ pytest.importorskip("orbax.checkpoint")
 def test_tpu_host_bench_small_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_", "XLA_"))}
+    # three rounds, not the default five: the mechanics are the same, in less of the suite's time
     env.update(TPU_HOST_BENCH_PLATFORM="cpu", SIZE="small", INSTALL="0", PYTHON=sys.executable,
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), REPEAT="3")
     r = subprocess.run(["bash", str(ROOT / "bench" / "tpu_host.sh"), str(out)], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -41,7 +42,7 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     assert "reshard while another process holds the chip" in steps
     # the ratios' steps ran three times each (the ratios are between medians)
     for step in ("disk floor: cp -r && sync", "convert orbax -> DCP", "orbax route: restore with new shardings + save"):
-        assert {f"{step} (round {k})" for k in (2, 3)} <= set(steps), step
+        assert {f"{step} (round {k})" for k in (2, 3)} <= set(steps) and f"{step} (round 4)" not in steps, step
     table = (out / "table.txt").read_text()
     rows, ratios = table.split("\n\n")
     assert rows.splitlines()[0].split()[:2] == ["step", "seconds"] and len(rows.splitlines()) == len(steps) + 1
