@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any, Counter
 
-# innermost frames that mean "this thread waits for work", not "this thread is busy"
 BUCKET = 0.25  # seconds per line of the report's timeline
+# innermost frames that mean "this thread waits for work", not "this thread is busy"
 IDLE = {("threading.py", "wait"), ("queue.py", "get"), ("thread.py", "_worker"), ("threading.py", "_wait_for_tstate_lock")}
 
 
