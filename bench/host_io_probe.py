@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -48,12 +49,22 @@ def _write_file(path: str, nbytes: int, buf: memoryview, every: int = 0, hint: C
     return nbytes
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def disk_floor(src: str, dst: str) -> float:
+    """Seconds for `cp -r SRC DST && sync`, what a copy made durable costs here (what has been
+    written before is flushed first, untimed, so the `sync` waits for the copy alone)."""
+    os.sync()
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", src, dst], check=True)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t
 
 
 def read_file(path: str, buf: bytearray) -> int:
@@ -111,7 +122,7 @@ def probe(root: str, gib: float) -> dict[str, Any]:
             list(pool.map(lambda p: _write_file(p, per, buf, 64 << 20, hint), ps))
         wrote = time.perf_counter() - t
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(_fsync_path, ps))
+            list(pool.map(fsync_path, ps))
         out[tag] = {"write_s": round(wrote, 3), "fsync_s": round(time.perf_counter() - t - wrote, 3),
                     "total_s": round(time.perf_counter() - t, 3)}
 
@@ -122,7 +133,7 @@ def probe(root: str, gib: float) -> dict[str, Any]:
         run("write_8_threads_sync_file_range_wait", 8, lambda fd, o, n: srf(fd, o, n, 7))
     run("write_8_threads_fdatasync_each_64MiB", 8, lambda fd, o, n: os.fdatasync(fd))
     clean = paths("write_8_threads")[0]
-    out["fsync_clean_file_s"] = _timed(lambda: [_fsync_path(clean) for _ in range(100)]) / 100
+    out["fsync_clean_file_s"] = _timed(lambda: [fsync_path(clean) for _ in range(100)]) / 100
     out["os_sync_nothing_dirty_s"] = _timed(os.sync)
     # page-cache reads of what was just written
     big = bytearray(per)

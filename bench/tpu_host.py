@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host_io_probe import disk_floor  # (this folder: scripts run from bench/)
+
 PLATFORM = os.environ.get("TPU_HOST_BENCH_PLATFORM", "tpu")
 SIZE = os.environ.get("SIZE", "full")
 # the tree: 12 layers of 13 leaves, an embedding and a final norm = 158 leaves
@@ -334,14 +336,6 @@ def ratios(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _disk_floor(src: Path, dst: Path) -> float:
-    os.sync()  # (untimed) flush what the steps before wrote: `sync` below then waits for the copy alone
-    t = time.perf_counter()
-    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - t
-
-
 def held_chip_reshard(bench: Bench, src: str, dst: str, mesh: str) -> None:
     """`ckpt reshard` without --devices while another process holds the chip."""
     holder = subprocess.Popen([*bench.python, __file__, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -420,7 +414,7 @@ def main(out: Path) -> int:
     st = str(work / "safetensors")
     st_ok = bench.ckpt("convert orbax -> safetensors", "convert", src, st, "--to", "safetensors", nbytes=nbytes)["ok"]
 
-    bench.row("disk floor: cp -r && sync", _disk_floor(Path(src), work / "copy"), nbytes)
+    bench.row("disk floor: cp -r && sync", disk_floor(src, str(work / "copy")), nbytes)
     shutil.rmtree(work / "copy")
     for workers in (1, 2, 8, 13, None):
         dst = str(work / f"workers_{workers}")
@@ -434,7 +428,7 @@ def main(out: Path) -> int:
     # the ratios' steps again, interleaved: the disk floor of one run varied from 2.1 to 9.7 s on the
     # same host, so each ratio is taken between medians
     for k in range(2, REPEAT + 1):
-        bench.row(f"disk floor: cp -r && sync (round {k})", _disk_floor(Path(src), work / "copy"), nbytes)
+        bench.row(f"disk floor: cp -r && sync (round {k})", disk_floor(src, str(work / "copy")), nbytes)
         shutil.rmtree(work / "copy")
         bench.ckpt(f"convert orbax -> DCP (round {k})", "convert", src, str(work / f"dcp_{k}"), "--to", "dcp", nbytes=nbytes)
         shutil.rmtree(work / f"dcp_{k}", ignore_errors=True)
@@ -526,7 +520,7 @@ def profile(out: Path) -> int:
             shutil.rmtree(dst, ignore_errors=True)
             if name == "validate_deep":
                 break
-    bench.row("disk floor: cp -r && sync", _disk_floor(Path(src), work / "copy"), nbytes)
+    bench.row("disk floor: cp -r && sync", disk_floor(src, str(work / "copy")), nbytes)
     text = bench.table()
     (out / "table.txt").write_text(text + "\n")
     subprocess.run(["tar", "czf", str(out / "profile.tgz"), "-C", str(out), "profile", "table.txt"], check=False)
@@ -568,7 +562,7 @@ def ab(out: Path) -> int:
     sides = {"new": first(Path(__file__).resolve().parent.parent), "old": first(Path(tree))}
     times: dict[str, list[float]] = {}
     for k in range(max(1, int(os.environ.get("ROUNDS", "3")))):
-        floor = _disk_floor(Path(src), work / "copy")
+        floor = disk_floor(src, str(work / "copy"))
         shutil.rmtree(work / "copy")
         bench.row(f"disk floor: cp -r && sync (round {k + 1})", floor, nbytes)
         times.setdefault("cp", []).append(floor)
