@@ -39,6 +39,7 @@ class LocalBackend(Backend):
         # roots opened for reading: the scan behind guard(), and where this root sits in it
         self._containment = containment
         self._contain_base = contain_base
+        self._real_root: str | None = None
 
     @classmethod
     def open(cls, spec: dict[str, Any], url: str, root: str) -> LocalBackend:
@@ -84,7 +85,9 @@ class LocalBackend(Backend):
 
     # -- containment -----------------------------------------------------------------------
     def check_key(self, rel: str, *, want_dir: bool) -> None:
-        check_local_path(self.root, rel, self.url, self.where(rel), want_dir=want_dir)
+        if self._real_root is None:  # (the root is resolved once: it was opened, not replaced, by then)
+            self._real_root = os.path.realpath(self.root)
+        check_local_path(self.root, rel, self.url, self.where(rel), want_dir=want_dir, real_root=self._real_root)
 
     def guard(self, rel: str) -> None:
         if self._containment is None:
