@@ -165,6 +165,43 @@ def test_passes_when_the_regions_of_a_streamed_chunk_do_not_fit(ckpts):
         assert total == full[reg].sum(dtype=np.float64)
 
 
+def test_a_chunk_over_an_eighth_of_the_budget_is_streamed_first(ckpts):
+    """`big` (24 MiB, 48 MiB to decode whole) fits a 64 MiB budget, but would hold three quarters of
+    it while one thread decodes it: it is streamed instead (planning.streams_by_choice), decoded
+    once, started before the others, and reported as not decoded whole (so a format's verifier
+    checks it, as for a chunk over the budget). At 256 MiB it is an eighth at most: decoded whole."""
+    ck = ckpt_tool.open(str(ckpts / "ocdbt"))
+    reference = orbax_values(ckpts / "ocdbt")
+    for memory, streamed in (("64MiB", True), ("256MiB", False)):
+        got: dict[str, np.ndarray] = {}
+        wants = [Want([(ck[name], tuple(slice(0, n) for n in ck[name].shape))],
+                      lambda a, name=name: got.__setitem__(name, a[0].copy()) or 0, keeps=True)
+                 for name in ("small", "odd", "big")]  # `big` last in the consumers' order
+        sched = Scheduler(wants, memory=parse_memory(memory), workers=2)
+        sched.run()
+        assert (("big", 0) in sched.stats.streamed) is streamed, memory
+        assert sched.stats.decodes[("big", 0)] == 1 and set(sched.stats.decodes.values()) == {1}
+        assert sched.decodes_whole(ck["big"], 0) is not streamed
+        first = sched.plan.units[0]
+        assert (first.streamed and first.lc.leaf.path == "big") is streamed, memory
+        _same({(k,): v for k, v in got.items()}, reference)
+
+
+def test_default_memory_follows_the_copy_workers():
+    from ckpt_tool.scheduler import default_memory
+
+    MiB = 2**20
+    gib = 1024 * MiB
+    assert default_memory(workers=4, machine=24 * gib) == 512 * MiB  # 2 cores: as before
+    assert default_memory(workers=1, machine=24 * gib) == 512 * MiB  # never below
+    assert default_memory(workers=13, machine=40 * gib) == 13 * 128 * MiB  # a 13-core TPU VM
+    assert default_memory(workers=16, machine=40 * gib) == 2 * gib
+    assert default_memory(workers=64, machine=512 * gib) == 2 * gib  # at most 2 GiB
+    assert default_memory(workers=16, machine=8 * gib) == gib  # at most an eighth of the machine
+    assert default_memory(workers=16, machine=2 * gib) == 512 * MiB  # ... but never below 512 MiB
+    assert default_memory(workers=16, machine=0) == 2 * gib  # the machine's memory unknown
+
+
 def test_parse_memory():
     assert parse_memory("512MiB") == 512 * 2**20
     assert parse_memory("512MB") == 512 * 10**6
@@ -231,7 +268,9 @@ def test_dcp_chunk_over_the_budget_is_read_once_by_deep_validate(ckpts, monkeypa
     assert 24 * 2**20 < counted.distcp() <= _distcp_size(ckpts / "dcp"), counted.bytes
 
 
-def test_dcp_chunk_over_the_budget_with_a_flipped_bit_fails_its_crc(ckpts, tmp_path, monkeypatch):
+# 8 MiB: the 24 MiB chunk is over the budget; 64 MiB: it fits, and is streamed by choice (an eighth)
+@pytest.mark.parametrize("memory", [MEMORY, "64MiB"])
+def test_dcp_chunk_over_the_budget_with_a_flipped_bit_fails_its_crc(ckpts, tmp_path, monkeypatch, memory):
     bad = tmp_path / "dcp"
     shutil.copytree(ckpts / "dcp", bad)
     (data,) = [f for f in bad.glob("*.distcp") if f.stat().st_size > 24 * 2**20]
@@ -241,14 +280,14 @@ def test_dcp_chunk_over_the_budget_with_a_flipped_bit_fails_its_crc(ckpts, tmp_p
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
     counted = _BytesRead(monkeypatch)
-    res = runner.invoke(cli, ["validate", str(bad), "--deep", "--memory", MEMORY, "--json"])
+    res = runner.invoke(cli, ["validate", str(bad), "--deep", "--memory", memory, "--json"])
     assert res.exit_code == 1, res.output
     (problem,) = [f for f in json.loads(res.output)["findings"] if f["severity"] == "error"]
     assert problem["code"] == "bad-chunk" and "CRC-32" in problem["message"] and problem["leaf"] == "big"
     assert counted.distcp() <= _distcp_size(bad)
     # convert refuses it too, in one line, leaving no output
     proc = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", str(bad), str(tmp_path / "out"), "--to",
-                           "orbax", "--memory", MEMORY], capture_output=True, text=True, timeout=120)
+                           "orbax", "--memory", memory], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "CRC-32" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["dcp"]
 

@@ -50,11 +50,11 @@ def weights_option(command: Callable) -> Callable:
 
 def memory_option(command: Callable) -> Callable:
     """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler/admission.py)."""
-    from ..scheduler import DEFAULT_MEMORY, parse_memory
+    from ..scheduler import default_memory, parse_memory
 
     def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> int:
         if value is None:
-            return DEFAULT_MEMORY
+            return default_memory()
         try:
             return parse_memory(value)
         except Exception as exc:  # CkptError: a usage error, one line
@@ -63,7 +63,8 @@ def memory_option(command: Callable) -> Callable:
             raise click.BadParameter(message.removeprefix("--memory: ").removeprefix("--memory ")) from None
 
     return click.option(
-        "--memory", metavar="SIZE", callback=convert, show_default="512MiB",
+        "--memory", metavar="SIZE", callback=convert,
         help="Memory budget for decoded chunks, assembly and write-behind, e.g. 512MiB, 4GiB. "
-             "Stored chunks larger than it are decoded as a stream.",
+             "Stored chunks larger than it are decoded as a stream. Default: 512MiB, or 128MiB per "
+             "copy worker on hosts of more cores (at most 2GiB and an eighth of the machine's memory).",
     )(command)

@@ -36,16 +36,17 @@ from typing import Callable, Sequence
 from ..errors import CkptError
 from ..model import ArrayLeaf
 from ..bufferpool import POOL
-from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, parse_memory
+from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, default_memory, parse_memory
 from .execution import Executor
-from .planning import Plan, _Unit, streams
+from .planning import Plan, _Unit, streams_by_choice
 from .regions import _LeafChunks  # noqa: F401 - reshard's planner counts stored chunks with it
 from .streaming import band_bytes
 from .wants import ReadStats, Want
 
 __all__ = [
     "DEFAULT_MEMORY", "MIN_MEMORY", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
-    "parse_memory", "streams",
+    "default_memory",
+    "parse_memory", "streams_by_choice",
 ]
 
 

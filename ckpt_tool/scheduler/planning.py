@@ -8,9 +8,10 @@ more than the decode, so units are merged where that saves reads: a want
 whose chunks feed nothing else is read whole; a small leaf is read in one
 go; wants that share their chunks are read together (a cluster); small
 reads are started together (a group). A chunk too large to decode whole
-is streamed (streaming.py). Units run in the order of the first region
-they feed (the consumers' own order), so assembled regions complete soon
-after they start.
+is streamed (streaming.py), and so is one larger than an eighth of the
+budget where it can be (streams_by_choice). Streams run first; the other
+units in the order of the first region they feed (the consumers' own
+order), so assembled regions complete soon after they start.
 
 The plan is made once, before anything is read, and is plain data: what
 each unit costs comes from admission.py, and running the units is
@@ -24,10 +25,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .. import dtypes
 from ..errors import CkptError
 from ..formats.contract import reader_of
-from ..model import ArrayLeaf, Region, RegularGrid
+from ..model import ArrayLeaf, Region
 from .admission import MiB, MemoryBudget, decoded_cost
 from .regions import _intersect, _LeafChunks, _size
 from .joint import JointPlan, plan_joint
@@ -43,15 +43,20 @@ GROUP_UNITS = 256
 CLUSTER_BYTES = 64 * MiB
 
 
-def streams(leaf: ArrayLeaf, memory: int) -> bool:
-    """Whether some stored chunk of `leaf` is too large to decode whole under `memory` (so it is streamed)."""
-    itemsize = dtypes.get(leaf.dtype).itemsize
-    layout = leaf.layout
-    if isinstance(layout, RegularGrid):
-        largest = math.prod(min(c, s) for c, s in zip(layout.chunk_shape, leaf.shape))
-    else:
-        largest = max((math.prod(c.sizes) for c in layout.chunks), default=0)
-    return decoded_cost(largest * itemsize) > memory
+def streams_by_choice(nbytes: int, budget: int) -> bool:
+    """Whether a stored chunk of `nbytes` that the budget could decode whole is streamed all the same.
+
+    A chunk larger than an eighth of the budget (the largest output chunk,
+    engine.output_chunk_limit, so its output pieces are bands of the stream)
+    would hold a quarter of the budget or more while one thread decodes it
+    whole, and the other threads wait for room: on a 13-core TPU VM at
+    --memory 2GiB, a 393 MiB embedding decoded whole took 2.2 s on one thread
+    after everything else was done. As a stream it holds a few bands, its
+    output pieces are written as they are decoded, and it starts first
+    (Plan._first). Only where it streams in one pass (else it would be
+    decoded once per pass) and its codecs stream at all.
+    """
+    return nbytes > budget // 8
 
 
 def _starts_reads(leaf: ArrayLeaf) -> bool:
@@ -136,11 +141,34 @@ class Plan:
                 self.empty.append(wi)
         chunk_units = self._reads_whole(units)
         for unit in chunk_units:
-            unit.streamed = unit.want is None and unit.batch is None and decoded_cost(unit.nbytes) > self.budget
+            if unit.want is None and unit.batch is None:
+                unit.streamed = decoded_cost(unit.nbytes) > self.budget or self._streams_in_one_pass(unit)
         chunk_units = self._joint(chunk_units)
         # wants the chunks do not tile run in the pool too, through the format's reader
         chunk_units += [self._want_unit(wi, []) for wi in self.direct]
-        self.units = self._grouped(sorted(chunk_units, key=lambda u: (u.order, id(u.lc), u.index)))
+        self.units = self._first(self._grouped(sorted(chunk_units, key=lambda u: (u.order, id(u.lc), u.index))))
+        # the stored chunks decoded as streams (by size or by choice), for decodes_whole
+        self._streamed = {(id(u.lc.leaf), u.index) for u in self.units if u.streamed} | {
+            (id(m.lc.leaf), m.index) for u in self.units if u.joint is not None for m in u.members}
+
+    def _streams_in_one_pass(self, unit: _Unit) -> bool:
+        """Whether a chunk the budget could decode whole is streamed instead (streams_by_choice)."""
+        if unit.cluster or unit.members or not streams_by_choice(unit.nbytes, self.budget):
+            return False
+        try:
+            streamer = _Streamer(unit.lc, unit.index, self.band, self.window)
+        except CkptError:
+            return False
+        if streamer.problem():
+            return False
+        return len(plan_passes(streamer, unit.pieces, self.wants, self.feeds, self.budget, self.band).passes) == 1
+
+    @staticmethod
+    def _first(units: list[_Unit]) -> list[_Unit]:
+        """The streams first, then the rest in their order: a stream is the longest unit (one thread
+        decodes a large chunk front to back), so started last it alone would set the run's end."""
+        return [u for u in units if u.streamed or u.joint is not None] + [
+            u for u in units if not (u.streamed or u.joint is not None)]
 
     def _reads_whole(self, units: dict[tuple[int, int], _Unit]) -> list[_Unit]:
         """The units to run: a want whose stored chunks all lie inside it and feed
@@ -367,6 +395,8 @@ class Plan:
     def decodes_whole(self, leaf: ArrayLeaf, index: int) -> bool:
         """Whether stored chunk `index` of `leaf` is decoded whole (not as a stream)."""
         lc = self.chunks_of(leaf)
+        if (id(leaf), index) in self._streamed:
+            return False
         return decoded_cost(math.prod(lc.chunks[index].sizes) * lc.itemsize) <= self.budget
 
     def check_streamable(self) -> None:
