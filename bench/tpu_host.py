@@ -533,11 +533,24 @@ def ab(out: Path) -> int:
     """MODE=ab AB_TREE=DIR: this checkout's ckpt against the ckpt_tool package under DIR (an older
     checkout), on this host, interleaved: the same source, each round's order alternated, each
     step a whole process after a sync, and `cp -r && sync` each round. The table gives each run
-    and the medians. SRC=DIR uses an existing checkpoint item instead of writing one."""
-    tree = os.environ.get("AB_TREE", "")
-    if not tree or not (Path(tree) / "ckpt_tool").is_dir():
-        print("MODE=ab needs AB_TREE=DIR, a folder holding the other ckpt_tool package", file=sys.stderr)
-        return 2
+    and the medians. SRC=DIR uses an existing checkpoint item instead of writing one.
+
+    SIDES=NAME=DIR[:ARGS],... instead compares any number of sides, each a folder holding a
+    ckpt_tool package and options added to both steps (`new=.,old=/tmp/old,big=.:--memory 2GiB`:
+    `.` is this checkout); each round runs them in turn, starting from a different one."""
+    sides_spec = os.environ.get("SIDES", "")
+    if sides_spec:
+        found = [_side(spec) for spec in sides_spec.split(",") if spec]
+        parsed = [side for side in found if side is not None]
+        if not parsed or len(parsed) != len(found):
+            print("SIDES: each side is NAME=DIR[:ARGS], DIR holding a ckpt_tool package", file=sys.stderr)
+            return 2
+    else:
+        tree = os.environ.get("AB_TREE", "")
+        if not tree or not (Path(tree) / "ckpt_tool").is_dir():
+            print("MODE=ab needs AB_TREE=DIR, a folder holding the other ckpt_tool package", file=sys.stderr)
+            return 2
+        parsed = [("new", Path(__file__).resolve().parent.parent, []), ("old", Path(tree), [])]
     out.mkdir(parents=True, exist_ok=True)
     _jax_env()
     work = Path(os.environ.get("WORK") or out / "work_ab")
@@ -559,19 +572,22 @@ def ab(out: Path) -> int:
     def first(folder: Path) -> dict[str, str]:
         return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder.resolve()), os.environ.get("PYTHONPATH", "")) if p)}
 
-    sides = {"new": first(Path(__file__).resolve().parent.parent), "old": first(Path(tree))}
+    sides = {name: first(folder) for name, folder, _ in parsed}
+    extra = {name: args for name, _, args in parsed}
     times: dict[str, list[float]] = {}
     for k in range(max(1, int(os.environ.get("ROUNDS", "3")))):
         floor = disk_floor(src, str(work / "copy"))
         shutil.rmtree(work / "copy")
         bench.row(f"disk floor: cp -r && sync (round {k + 1})", floor, nbytes)
         times.setdefault("cp", []).append(floor)
-        order = list(sides) if k % 2 == 0 else list(sides)[::-1]
+        # two sides: alternated; more: rotated, so that each goes first in turn
+        names = list(sides)
+        order = (names if k % 2 == 0 else names[::-1]) if len(names) == 2 else names[k % len(names):] + names[:k % len(names)]
         for name, args in steps.items():
             for side in order:
                 dst = work / f"{name}_{side}"
-                row = bench.ckpt(f"{name} [{side}] (round {k + 1})", *[a.replace("{dst}", str(dst)) for a in args],
-                                 nbytes=nbytes, env=sides[side])
+                argv = [a.replace("{dst}", str(dst)) for a in args] + extra[side]
+                row = bench.ckpt(f"{name} [{side}] (round {k + 1})", *argv, nbytes=nbytes, env=sides[side])
                 times.setdefault(f"{name} [{side}]", []).append(row["seconds"])
                 shutil.rmtree(dst, ignore_errors=True)
     lines = [bench.table(), "", f"{'medians':40s} seconds  / cp"]
@@ -584,6 +600,17 @@ def ab(out: Path) -> int:
     if os.environ.get("KEEP_WORK") != "1":
         shutil.rmtree(work, ignore_errors=True)
     return 1 if bench.failed else 0
+
+
+def _side(spec: str) -> tuple[str, Path, list[str]] | None:
+    """One SIDES entry, NAME=DIR[:ARGS]: its name, its folder (holding ckpt_tool) and its options."""
+    name, _, rest = spec.partition("=")
+    folder, _, args = rest.partition(":")
+    path = Path(folder or ".")
+    path = Path(__file__).resolve().parent.parent if folder in ("", ".") else path
+    if not name or not (path / "ckpt_tool").is_dir():
+        return None
+    return name.strip(), path, args.split()
 
 
 def _host_specs(bench: Bench, src: str, host_mesh: str) -> dict[str, list]:

@@ -69,3 +69,15 @@ def test_tpu_host_ab_mode_on_cpu(tmp_path):
     assert text.index("convert_dcp [new] (round 1)") < text.index("convert_dcp [old] (round 1)")
     assert text.index("convert_dcp [old] (round 2)") < text.index("convert_dcp [new] (round 2)")
     assert not (out / "work_ab").exists()
+
+
+def test_ab_sides_are_folders_and_options(tmp_path, monkeypatch):
+    """SIDES=NAME=DIR[:ARGS]: each side's folder must hold a ckpt_tool package; `.` is this checkout."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import tpu_host
+
+    (tmp_path / "old" / "ckpt_tool").mkdir(parents=True)
+    assert tpu_host._side(f"old={tmp_path / 'old'}") == ("old", tmp_path / "old", [])
+    assert tpu_host._side("big=.:--memory 2GiB --workers 8") == ("big", ROOT, ["--memory", "2GiB", "--workers", "8"])
+    assert tpu_host._side(f"gone={tmp_path / 'missing'}") is None  # no ckpt_tool there
+    assert tpu_host._side("=.") is None  # no name
