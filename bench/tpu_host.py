@@ -606,8 +606,7 @@ def _side(spec: str) -> tuple[str, Path, list[str]] | None:
     """One SIDES entry, NAME=DIR[:ARGS]: its name, its folder (holding ckpt_tool) and its options."""
     name, _, rest = spec.partition("=")
     folder, _, args = rest.partition(":")
-    path = Path(folder or ".")
-    path = Path(__file__).resolve().parent.parent if folder in ("", ".") else path
+    path = Path(__file__).resolve().parent.parent if folder in ("", ".") else Path(folder)
     if not name or not (path / "ckpt_tool").is_dir():
         return None
     return name.strip(), path, args.split()

@@ -200,6 +200,10 @@ def test_default_memory_follows_the_copy_workers():
     assert default_memory(workers=16, machine=8 * gib) == gib  # at most an eighth of the machine
     assert default_memory(workers=16, machine=2 * gib) == 512 * MiB  # ... but never below 512 MiB
     assert default_memory(workers=16, machine=0) == 2 * gib  # the machine's memory unknown
+    from ckpt_tool.scheduler.admission import machine_memory
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < machine_memory() <= physical  # the RAM, or a lower cgroup limit
 
 
 def test_parse_memory():

@@ -45,8 +45,7 @@ from .wants import ReadStats, Want
 
 __all__ = [
     "DEFAULT_MEMORY", "MIN_MEMORY", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
-    "default_memory",
-    "parse_memory", "streams_by_choice",
+    "default_memory", "parse_memory", "streams_by_choice",
 ]
 
 
