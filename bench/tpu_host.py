@@ -580,9 +580,9 @@ def ab(out: Path) -> int:
         shutil.rmtree(work / "copy")
         bench.row(f"disk floor: cp -r && sync (round {k + 1})", floor, nbytes)
         times.setdefault("cp", []).append(floor)
-        # two sides: alternated; more: rotated, so that each goes first in turn
+        # rotated, so that each side goes first in turn (two sides: alternated)
         names = list(sides)
-        order = (names if k % 2 == 0 else names[::-1]) if len(names) == 2 else names[k % len(names):] + names[:k % len(names)]
+        order = names[k % len(names):] + names[:k % len(names)]
         for name, args in steps.items():
             for side in order:
                 dst = work / f"{name}_{side}"

@@ -12,9 +12,11 @@ through it, so the rule "within --memory" is enforced in one lock.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
+from ..parallel import copy_workers
 from ..sizes import parse_size
 from .wants import ReadStats
 
@@ -37,8 +39,6 @@ def default_memory(workers: int | None = None, machine: int | None = None) -> in
     were, and an Orbax -> DCP convert took 3.74 s against 4.16 s (medians of 3, interleaved).
     `machine`: its memory in bytes (default: the cgroup's limit where lower than the RAM)."""
     if workers is None:
-        from ..parallel import copy_workers
-
         workers = copy_workers()
     if machine is None:
         machine = machine_memory()
@@ -51,8 +51,6 @@ def default_memory(workers: int | None = None, machine: int | None = None) -> in
 def machine_memory() -> int:
     """The memory this process may use, in bytes: the RAM, or the cgroup's limit where lower;
     0 where neither can be read."""
-    import os
-
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
