@@ -20,6 +20,8 @@ import pickletools
 import random
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -471,7 +473,8 @@ def test_commit_refuses_missing_chunks(tmp_path: Path) -> None:
         writer.commit()
 
 
-def test_files_roll_over_at_file_mb(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [2, 8])
+def test_files_roll_over_at_file_mb(tmp_path: Path, threads: int) -> None:
     path = tmp_path / "roll"
     limit_mb = 4096 / 2**20  # a 4 KiB limit: a few small archives per file
     plan = WritePlan([
@@ -488,7 +491,7 @@ def test_files_roll_over_at_file_mb(tmp_path: Path) -> None:
         target, i, c = task
         writer.write_array(target, i, c.region, data[target.name][c.region])
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=threads) as pool:  # files created while others write into them
         list(pool.map(put, tasks))
     writer.finish_process()
     writer.commit()
@@ -706,6 +709,8 @@ def test_list_merging_can_be_turned_off(tmp_path: Path) -> None:
 def test_writer_does_not_import_torch(tmp_path: Path) -> None:
     script = f"""
 import sys
+import threading
+import time
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 import numpy as np
 from ckpt_tool.formats.dcp.write import DcpWriter
@@ -753,3 +758,42 @@ def test_failed_data_write_then_abort_leaves_no_file_open(tmp_path: Path, monkey
         writer.write_array(target, 1, (slice(2, 4),), np.zeros(2, dtype=np.float32))
     writer.abort()
     assert open_fds() == before
+
+
+def test_a_data_file_that_cannot_be_created_fails_every_write_into_it(tmp_path: Path, monkeypatch) -> None:
+    """A data file after the first is created outside the writer's lock, by the thread that
+    opened it; a thread that placed its archive there meanwhile gets the same error, and a file
+    that is not ckpt's, in the way of the name, is left as it was."""
+    out = tmp_path / "out"
+    small = TargetArray(("s",), "s", (8,), "float32", RegularGrid((4,)))
+    big = TargetArray(("b",), "b", (32768,), "float32", RegularGrid((32768,)))  # 128 KiB: written, not gathered
+    writer = DcpWriter(Storage.create(str(out)))
+    writer.begin(WritePlan([small, big]))
+    writer.write_array(small, 0, (slice(0, 4),), np.zeros(4, dtype=np.float32))  # the first file, made in place
+    (out / "__0_1.distcp").write_bytes(b"not ckpt's")  # the next file's name is taken
+    writer._current = None  # the next archive opens a new file
+    gate = threading.Event()
+    real = Storage.create_local_file
+
+    def held(self, key, **kw):
+        assert gate.wait(10)
+        return real(self, key, **kw)
+
+    def until(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    monkeypatch.setattr(Storage, "create_local_file", held)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        opener = pool.submit(writer.write_array, small, 1, (slice(4, 8),), np.ones(4, dtype=np.float32))
+        until(lambda: len(writer._files) == 2)
+        other = pool.submit(writer.write_array, big, 0, (slice(0, 32768),), np.ones(32768, dtype=np.float32))
+        until(lambda: writer._files[1].writing > 0)  # placed in the file being created, waiting for it
+        gate.set()
+        for fut in (opener, other):
+            with pytest.raises(CkptError, match=r"__0_1\.distcp: cannot create: File exists"):
+                fut.result(10)
+    writer.abort()
+    assert (out / "__0_1.distcp").read_bytes() == b"not ckpt's"

@@ -34,7 +34,7 @@ from __future__ import annotations
 from .containment import check_local_path
 from .backend import Backend, Capabilities, PendingReads, Reads
 from .core import _CONTEXT, ReadLog, Storage
-from .local import FileCloser, LocalFileWriter
+from .local import FileCloser, LocalFileWriter, place_range
 from .nativelog import _forward_stderr, quiet_native_logs
 from .remote import (
     IO_RETRIES,
@@ -48,7 +48,7 @@ from .remote import (
 )
 
 __all__ = [
-    "Backend", "Capabilities", "Reads", "IO_RETRIES", "IO_TIMEOUT", "FileCloser", "LocalFileWriter", "PendingReads", "ReadLog", "Storage", "check_local_path",
+    "Backend", "Capabilities", "Reads", "IO_RETRIES", "IO_TIMEOUT", "FileCloser", "LocalFileWriter", "PendingReads", "ReadLog", "Storage", "check_local_path", "place_range",
     "check_url", "local_path", "ocdbt_truncated_message", "quiet_native_logs", "raise_if_unavailable",
     "ts_error_text",
 ]

@@ -195,8 +195,9 @@ class Backend(ABC):
         """Remove every value under this root."""
         self.wait(self.kvstore.delete_range(ts.KvStore.KeyRange()), "cannot delete", self.url)
 
-    def create_local_file(self, rel: str) -> LocalFileWriter | None:
-        """A new local file at `rel` for writing at known offsets; None where the kind has no local files."""
+    def create_local_file(self, rel: str, *, direct: bool | None = None) -> LocalFileWriter | None:
+        """A new local file at `rel` for writing at known offsets; None where the kind has no local files.
+        direct=False: never O_DIRECT (see LocalFileWriter); None: where its directory suits it."""
         return None
 
     def page_cache_dropper(self, rel: str) -> DirectoryDropper | None:

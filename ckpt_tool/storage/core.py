@@ -291,19 +291,20 @@ class Storage:
             raise CkptError("empty key", self.url)
         self.backend.write(rel, data)
 
-    def create_local_file(self, key: str) -> LocalFileWriter | None:
+    def create_local_file(self, key: str, *, direct: bool | None = None) -> LocalFileWriter | None:
         """A new file at `key` for writing at known offsets, on local roots only (else None).
 
         The bulk path for DCP data files: archives go from the caller's arrays
         to the file with pwritev, where a kvstore write first copies the whole
-        file into a buffer of its own.
+        file into a buffer of its own. direct=False: never O_DIRECT, for a
+        caller that placed its ranges without the alignment it needs.
         """
         if not self.capabilities.local_files:
             return None
         rel = self._writable_key(key)
         if not rel:
             raise CkptError("empty key", self.url)
-        return self.backend.create_local_file(rel)
+        return self.backend.create_local_file(rel, direct=direct)
 
     def page_cache_dropper(self, subdir: str) -> DirectoryDropper | None:
         """Drops from the page cache what another library writes under `subdir`

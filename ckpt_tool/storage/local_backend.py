@@ -157,20 +157,20 @@ class LocalBackend(Backend):
         return st.st_size, st.st_mtime
 
     # -- writing ---------------------------------------------------------------------------
-    def create_local_file(self, rel: str) -> LocalFileWriter | None:
+    def create_local_file(self, rel: str, *, direct: bool | None = None) -> LocalFileWriter | None:
         """The bulk path for DCP data files: archives go from the caller's arrays to the file with
         pwritev, where a kvstore write first copies the whole file into a buffer of its own."""
         path = os.path.join(self.root, rel)
         directory = os.path.dirname(path)
-        direct = self._made_dirs.get(directory)
-        if direct is None:
+        supported = self._made_dirs.get(directory)
+        if supported is None:
             # once per directory: on a TPU VM's gVisor kernel a realpath per new file took 0.8 of a
             # reshard's busy thread-seconds, in the writing threads. The file itself is created
             # O_EXCL, which no entry put there (a link, a FIFO) gets through
             os.makedirs(directory, exist_ok=True)
             self.check_key(rel, want_dir=False)
-            direct = self._made_dirs[directory] = directio.supported(directory)
-        return LocalFileWriter(path, self.where(rel), direct=direct)
+            supported = self._made_dirs[directory] = directio.supported(directory)
+        return LocalFileWriter(path, self.where(rel), direct=supported if direct is None else direct and supported)
 
     def page_cache_dropper(self, rel: str) -> DirectoryDropper | None:
         return DirectoryDropper(os.path.join(self.root, rel))
