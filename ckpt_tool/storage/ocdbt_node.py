@@ -279,7 +279,8 @@ class LeafNode:
         if not len(rows):
             return {}
         ends = self._file_offset + self._value_len[rows]
-        return {self._files[int(f)]: int(ends[self._file_id == f].max()) for f in np.unique(self._file_id)}
+        # (a set, not np.unique, which imports numpy.ma: 30 ms of a run on a TPU VM)
+        return {self._files[f]: int(ends[self._file_id == f].max()) for f in sorted(set(self._file_id.tolist()))}
 
     def lookup(self, wanted: set[bytes], key_prefix: bytes = b"") -> dict[bytes, bytes | IndirectValue]:
         """The values of the wanted full keys this node holds."""
