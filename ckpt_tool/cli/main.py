@@ -152,7 +152,26 @@ def main(argv: list[str] | None = None) -> None:
         gc.disable()
     else:
         gc.set_threshold(GC_THRESHOLD)
-    _finish(_run(argv), fast=command in READ_ONLY and not _debug())
+    code = _run(argv)
+    _finish(code, fast=_teardown_needless(command))
+
+
+def _teardown_needless(command: str | None) -> bool:
+    """Whether the process may end without the interpreter's teardown once the command returned.
+
+    Read-only commands have nothing left to write. A writing command has, by then, fsynced and
+    committed its output (or removed it): what is left is freeing its buffers and thread pools,
+    0.04 s of a convert here and more on a TPU VM's gVisor kernel, where every unmapping is a call
+    into the sandbox. Not where jax or torch is loaded: jax.distributed and torch.distributed
+    shut down with the other processes at exit. Not under CKPT_DEBUG, for tracebacks at exit.
+    """
+    if _debug() or command not in READ_ONLY | STREAMING:
+        return False
+    if command in READ_ONLY:
+        return True
+    from ..distributed import LIBRARIES  # (jax.distributed, torch.distributed)
+
+    return not any(library.partition(".")[0] in sys.modules for library in LIBRARIES)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -277,9 +296,9 @@ def _json_error(args: list[str], code: str, message: str, path: str | None = Non
 def _finish(code: int, *, fast: bool) -> None:
     if not fast:
         sys.exit(code)
-    # Read-only commands have nothing left to write: skip the interpreter's
-    # teardown (tensorstore's thread pools and caches take ~30 ms to unwind),
-    # which is a tenth of an inspect of a 3,000-leaf checkpoint.
+    # Skip the interpreter's teardown (see _teardown_needless): tensorstore's
+    # thread pools and caches take ~30 ms to unwind, a tenth of an inspect of
+    # a 3,000-leaf checkpoint.
     try:
         sys.stdout.flush()
     except (BrokenPipeError, ValueError):
