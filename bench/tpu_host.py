@@ -18,7 +18,7 @@ first. Steps, each timed, into one table (OUT/table.txt, OUT/results.json):
   every timed step starts after a `sync` (untimed) and ends durable (ckpt
   fsyncs its output; cp and orbax's save are followed by `sync`), and the
   table ends with issue 32's three ratios beside their targets, each between
-  the medians of REPEAT (5) interleaved rounds of its two steps;
+  the medians of REPEAT (5) interleaved rounds of its steps;
 - reshard without --devices while another process holds the chip, and its
   start-up time.
 
@@ -435,6 +435,12 @@ def main(out: Path) -> int:
         bench.ckpt(f"reshard this host: --mesh {host_mesh} (round {k})", "reshard", src, str(work / f"host_{k}"),
                    "--mesh", host_mesh, nbytes=nbytes)
         shutil.rmtree(work / f"host_{k}", ignore_errors=True)
+        # the two layouts too: one run each moved their ratio from 0.90x to 1.62x between two calls
+        # (the v5e-8 layout's own time from 5.75 to 3.56 s)
+        for name, args in layouts.items():
+            if name.startswith(("v5e-8", "v5e-256")):
+                bench.ckpt(f"reshard {name} (round {k})", "reshard", src, str(work / f"layout_{k}"), *args, nbytes=nbytes)
+                shutil.rmtree(work / f"layout_{k}", ignore_errors=True)
 
     plan = {"source": src, "orbax_outputs": orbax_outputs, "safetensors_outputs": {"convert orbax -> safetensors": st} if st_ok else {},
             "host_mesh": host, "host_specs": host_specs, "orbax_route_out": str(work / "orbax_route")}
@@ -469,7 +475,7 @@ def profile(out: Path) -> int:
     """MODE=profile: where the time of the slow steps goes on this host, instead of the table.
 
     Writes the source as main() does, then runs bench/host_io_probe.py (the file
-    system's primitives) and each of reshard (this host, v5e-256), convert to DCP
+    system's primitives), startup_probe (what a process's start costs) and each of reshard (this host, v5e-256), convert to DCP
     and to safetensors and validate --deep under bench/sampler.py, with ckpt's
     page-cache hints on and off (CKPT_PAGECACHE). Reports land in OUT/profile/.
     """
@@ -493,6 +499,7 @@ def profile(out: Path) -> int:
     r = subprocess.run([sys.executable, str(here / "read_probe.py"), src, str(work / "probe")], capture_output=True, text=True)
     (prof / "read_probe.json").write_text(r.stdout + r.stderr[-3000:])
     shutil.rmtree(work / "probe", ignore_errors=True)
+    (prof / "startup.txt").write_text(startup_probe(src, work))
     host = "data=1,model=1" if written["devices"] == 1 else f"data=2,model={written['devices'] // 2}"
     steps = {
         "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
@@ -527,6 +534,59 @@ def profile(out: Path) -> int:
     print(text)
     shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+# what a ckpt process imports before its first chunk, piece by piece: each line a fresh interpreter
+STARTUP_IMPORTS = ["pass", "import numpy", "import numpy, ml_dtypes", "import asyncio", "import tensorstore",
+                   "import click", "import rich.markup, rich.text", "import ckpt_tool.cli.main",
+                   "import ckpt_tool.cli.main, ckpt_tool.runs, ckpt_tool.engine",
+                   # the same, numpy and tensorstore imported on a second thread meanwhile: whether
+                   # imports overlap where each costs file-system round trips (9p under gVisor)
+                   "import threading; t = threading.Thread(target=__import__, args=('tensorstore',)); t.start(); "
+                   "import ckpt_tool.cli.main; t.join(); import ckpt_tool.runs, ckpt_tool.engine"]
+
+
+def startup_probe(src: str, work: Path, runs: int = 3) -> str:
+    """Where a ckpt process's start goes on this host: the wall time of a fresh interpreter doing each
+    of STARTUP_IMPORTS (the fastest of `runs`), then `python -X importtime` of a whole convert to DCP
+    (its slowest imports, cumulative, and the count of modules)."""
+    lines = [f"{'statement':64s} fastest of {runs} (s)"]
+    for stmt in STARTUP_IMPORTS:
+        best = float("inf")
+        for _ in range(runs):
+            t = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", stmt], capture_output=True, text=True, cwd=work)
+            best = min(best, time.perf_counter() - t)
+        lines.append(f"{stmt:64s} {best:6.3f}" + ("" if r.returncode == 0 else f"  failed: {r.stderr.strip()[-200:]}"))
+    # the end: from the summary line (the command's last act) to the process's exit
+    for name, argv in (("convert", ["convert", src, "{dst}", "--to", "dcp"]),
+                       ("reshard", ["reshard", src, "{dst}", "--mesh", "data=1,model=1"])):
+        dst = work / "startup_end"
+        t = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *[a.replace("{dst}", str(dst)) for a in argv]],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=work,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert p.stdout is not None
+        last = ""
+        for raw in p.stdout:
+            last, t_line = raw.decode(errors="replace").strip(), time.perf_counter()
+        p.wait()
+        t_exit = time.perf_counter()
+        lines.append(f"{name}: {t_exit - t:.3f} s in all, its last line at {t_line - t:.3f} s, exit {t_exit - t_line:.3f} s"
+                     f" later (rc {p.returncode}: {last[:60]})")
+        shutil.rmtree(dst, ignore_errors=True)
+    dst = work / "startup_convert"
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tool", "convert", src, str(dst), "--to", "dcp"],
+                       capture_output=True, text=True, cwd=work)
+    shutil.rmtree(dst, ignore_errors=True)
+    rows = []
+    for line in r.stderr.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), parts[2].rstrip()))
+    lines.append(f"\nconvert under -X importtime: {len(rows)} modules, the slowest (cumulative us):")
+    lines += [f"{us:10d} {name}" for us, name in sorted(rows, reverse=True)[:60]]
+    return "\n".join(lines) + "\n"
 
 
 def ab(out: Path) -> int:

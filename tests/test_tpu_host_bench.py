@@ -41,7 +41,9 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     assert {f"reshard this host, --workers {w}" for w in (1, 2, 8, 13, "default")} <= set(steps)
     assert "reshard while another process holds the chip" in steps
     # the ratios' steps ran three times each (the ratios are between medians)
-    for step in ("disk floor: cp -r && sync", "convert orbax -> DCP", "orbax route: restore with new shardings + save"):
+    for step in ("disk floor: cp -r && sync", "convert orbax -> DCP", "orbax route: restore with new shardings + save",
+                 "reshard v5e-8: --mesh data=2,model=4 --topology v5e:2x4",
+                 "reshard v5e-256: --mesh data=16,model=16 --fsdp data --topology v5e:16x16"):
         assert {f"{step} (round {k})" for k in (2, 3)} <= set(steps) and f"{step} (round 4)" not in steps, step
     table = (out / "table.txt").read_text()
     rows, ratios = table.split("\n\n")
