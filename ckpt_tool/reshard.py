@@ -427,6 +427,12 @@ class ProcessLoad:
     bytes_written: int = 0
     source_chunks: int = 0
 
+    def add(self, chunks: int, bytes_written: int, source_chunks: int, bytes_read: int) -> None:
+        self.chunks += chunks
+        self.bytes_written += bytes_written
+        self.source_chunks += source_chunks
+        self.bytes_read += bytes_read
+
     def to_json(self) -> dict[str, int]:
         return {"chunks": self.chunks, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "source_chunks": self.source_chunks}
@@ -742,22 +748,27 @@ def _plan_reshard(
     for target in plan.arrays():
         lp = by_path[target.path]
         lp.chunks = target.layout.count(target.shape)
-        if lp.placement == "mesh":
-            mine = _owners(lp, target, mesh)
-        else:  # host arrays have no devices: round robin, as convert splits them
-            mine = [(len(owners) + i) % process_count for i in range(lp.chunks)]
         itemsize = lp.itemsize
         lc = _LeafChunks(sources[target.path])
         touched: list[set[int]] = [set() for _ in range(process_count)]
-        for (_, region), owner in zip(chunk_regions(target), mine):
-            load = loads[owner]
-            load.chunks += 1
-            load.bytes_written += math.prod(r.stop - r.start for r in region) * itemsize
-            for ci in lc.overlapping(region):
-                if ci not in touched[owner]:
-                    touched[owner].add(ci)
-                    load.source_chunks += 1
-                    load.bytes_read += math.prod(lc.chunks[ci].sizes) * lc.itemsize
+        if process_count == 1 and math.prod(target.shape):
+            # one process writes every chunk, and the chunks tile the array: its load is the whole
+            # leaf, read from every stored chunk the array overlaps. Taken chunk by chunk, a layout
+            # for 256 devices (40,000 chunks) was a quarter of a second of planning
+            mine = [0] * lp.chunks
+            touched[0].update(lc.overlapping(tuple(slice(0, n) for n in target.shape)))
+            loads[0].add(lp.chunks, math.prod(target.shape) * itemsize, len(touched[0]),
+                         sum(math.prod(lc.chunks[ci].sizes) for ci in touched[0]) * lc.itemsize)
+        else:
+            if lp.placement == "mesh":
+                mine = _owners(lp, target, mesh)
+            else:  # host arrays have no devices: round robin, as convert splits them
+                mine = [(len(owners) + i) % process_count for i in range(lp.chunks)]
+            for (_, region), owner in zip(chunk_regions(target), mine):
+                new = [ci for ci in lc.overlapping(region) if ci not in touched[owner]]
+                touched[owner].update(new)
+                loads[owner].add(1, math.prod(r.stop - r.start for r in region) * itemsize, len(new),
+                                 sum(math.prod(lc.chunks[ci].sizes) for ci in new) * lc.itemsize)
         used = set().union(*touched)
         sizes = [math.prod(lc.chunks[ci].sizes) * lc.itemsize for ci in used]
         lp.source_chunks = len(used)

@@ -295,6 +295,32 @@ def test_dry_run_text_and_json(tmp_path):
     assert all(p["bytes_read"] >= p["bytes_written"] for p in loads)
 
 
+@pytest.mark.parametrize("mesh, devices", [("data=2,model=4", "8"), ("data=16,model=16", "256")])
+def test_one_process_plan_counts_what_the_processes_of_a_split_one_count(tmp_path, mesh, devices):
+    """One process's load is taken for the whole leaf at once (no walk over its chunks); it must
+    be what the chunk-by-chunk walk of a plan split over processes adds up to."""
+    src = str(fixture_path("orbax_ocdbt_zarr2"))
+
+    def plan(processes: int) -> dict:
+        r = runner.invoke(cli, ["reshard", src, str(tmp_path / "never"), "--mesh", mesh, "--devices", devices,
+                                "--fsdp", "data", "--num-processes", str(processes), "--dry-run", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    one, split = plan(1), plan(2)
+    (alone,) = one["processes"]
+    for key in ("chunks", "bytes_written"):
+        assert alone[key] == sum(p[key] for p in split["processes"]) > 0, key
+    # a stored chunk two processes read counts once for each: the whole leaf reads each once
+    assert 0 < alone["bytes_read"] <= sum(p["bytes_read"] for p in split["processes"])
+    assert alone["source_chunks"] <= sum(p["source_chunks"] for p in split["processes"])
+    for a, b in zip(one["leaves"], split["leaves"]):
+        assert a["leaf"] == b["leaf"]
+        for key in ("chunks", "source_chunks", "source_chunk_bytes", "streamed_chunks"):
+            assert a[key] == b[key], (a["leaf"], key)
+    assert alone["source_chunks"] == sum(l.get("source_chunks") or 0 for l in one["leaves"])
+
+
 def test_impossible_rule_fails_before_dst_exists(tmp_path):
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps([["kernel$", [None, "model"]], ["conv$", ["data"]], ["zzz", ["nope"]]]))
