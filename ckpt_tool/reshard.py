@@ -751,13 +751,14 @@ def _plan_reshard(
         itemsize = lp.itemsize
         lc = _LeafChunks(sources[target.path])
         touched: list[set[int]] = [set() for _ in range(process_count)]
-        if process_count == 1 and math.prod(target.shape):
+        elements: int = math.prod(target.shape)
+        if process_count == 1 and elements:
             # one process writes every chunk, and the chunks tile the array: its load is the whole
             # leaf, read from every stored chunk the array overlaps. Taken chunk by chunk, a layout
             # for 256 devices (40,000 chunks) was a quarter of a second of planning
             mine = [0] * lp.chunks
             touched[0].update(lc.overlapping(tuple(slice(0, n) for n in target.shape)))
-            loads[0].add(lp.chunks, math.prod(target.shape) * itemsize, len(touched[0]),
+            loads[0].add(lp.chunks, elements * itemsize, len(touched[0]),
                          sum(math.prod(lc.chunks[ci].sizes) for ci in touched[0]) * lc.itemsize)
         else:
             if lp.placement == "mesh":
