@@ -44,7 +44,8 @@ STAGE_BYTES = 1 << 20
 # file of its own, so nothing is sealed before every thread has written this much: at 64 MiB and
 # 13 threads, 832 MiB of the 2.3 GiB, and the fsyncs ran 1.5 s past the last chunk there. At
 # 16 MiB that reshard took 2.96 s against 3.38 s (medians of 3, interleaved, bench/tpu_host.py
-# MODE=ab); 8 closer threads instead of 4 gained nothing more.
+# MODE=ab); 8 closer threads instead of 4 gained nothing more then. (Now there is one per copy
+# worker, FileCloser: once a profile showed 4 of them busy to the end of a convert.)
 SEAL_BYTES = 16 << 20
 
 
