@@ -797,3 +797,42 @@ def test_a_data_file_that_cannot_be_created_fails_every_write_into_it(tmp_path: 
                 fut.result(10)
     writer.abort()
     assert (out / "__0_1.distcp").read_bytes() == b"not ckpt's"
+
+
+def test_a_failure_while_placing_never_leaves_a_file_waited_for(tmp_path: Path, monkeypatch) -> None:
+    """The thread that opens a data file creates it after the lock; if placing its archive fails
+    first, the file is never created, and an archive placed in it since gets that error (no wait
+    forever for a create that will not come)."""
+    from ckpt_tool.formats.dcp import write as dcp_write
+
+    small = TargetArray(("s",), "s", (8,), "float32", RegularGrid((4,)))
+    big = TargetArray(("b",), "b", (32768,), "float32", RegularGrid((32768,)))
+    writer = DcpWriter(Storage.create(str(tmp_path / "out")))
+    writer.begin(WritePlan([small, big]))
+    writer.write_array(small, 0, (slice(0, 4),), np.zeros(4, dtype=np.float32))  # the first file, made in place
+    writer._current = None  # the next archive opens a new file
+    real = dcp_write._Entry
+
+    def failing(*args):
+        raise RuntimeError("placing failed")
+
+    monkeypatch.setattr(dcp_write, "_Entry", failing)
+    with pytest.raises(RuntimeError, match="placing failed"):
+        writer.write_array(small, 1, (slice(4, 8),), np.ones(4, dtype=np.float32))
+    opened = writer._files[1]
+    assert opened.opened is not None and opened.opened.is_set() and opened.local is None
+    monkeypatch.setattr(dcp_write, "_Entry", real)
+    got: list[BaseException] = []
+
+    def late() -> None:  # into the same file, still the current one
+        try:
+            writer.write_array(big, 0, (slice(0, 32768),), np.ones(32768, dtype=np.float32))
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the point
+            got.append(exc)
+
+    thread = threading.Thread(target=late, daemon=True)  # (a daemon: a regression hangs it, not the suite)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and len(got) == 1 and "placing failed" in str(got[0])
+    writer.abort()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["__0_0.distcp"]

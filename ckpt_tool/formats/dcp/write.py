@@ -704,67 +704,80 @@ class DcpWriter(CheckpointWriter):
         """Place one archive in the current data file; flush files that are full."""
         ready: list[_OpenFile] = []
         writes: list[_Write] = []  # made outside the lock: other threads place their archives meanwhile
-        create: _OpenFile | None = None  # a file this thread opened, to create outside the lock
-        with self._lock:
-            if self._state != "writing":
-                raise DcpWriteError(f"writer is {self._state}")
-            if key in self._entries:
-                raise DcpWriteError(f"{_describe(key)} was written twice")
-            cur = self._current
-            if cur is not None and cur.size and cur.size + length > self._file_bytes:
-                self._seal(cur, ready, writes)
-                cur = None
-            if cur is None:
-                name = self._new_file_name()
-                if self._direct is None:
-                    # the first (or not a local file): created here, and local files are placed as it is
-                    cur = _OpenFile(name, self._storage.create_local_file(name))
-                    if cur.local is not None:
-                        self._direct = cur.local.direct
-                else:
-                    cur = create = _OpenFile(name, opened=threading.Event())
-                self._current = cur
-                self._files.append(cur)
-            if cur.is_local:
-                offset, cur.size = place_range(bool(self._direct), cur.size, length)
-            else:
-                offset, cur.size = cur.size, cur.size + length
-            self._entries[key] = _Entry(cur.name, offset, length)
-            if cur.is_local:
-                small = length < COALESCE_BELOW
-                if cur.pending and (not small or cur.pending_at + len(cur.pending) != offset):
-                    self._queue(writes, cur, *self._take_pending(cur))
-                if small:
-                    # copied: the caller may reuse its arrays once we return
-                    if not cur.pending:
-                        cur.pending_at = offset
-                    for part in parts:
-                        cur.pending += part
-                    if len(cur.pending) >= COALESCE_BYTES:
-                        self._queue(writes, cur, *self._take_pending(cur))
-                else:
-                    self._queue(writes, cur, offset, parts, True)
-            elif not offset and length >= self._file_bytes:
-                # an archive with a file of its own: allocated once at its exact
-                # size (growing a bytearray would copy it and over-allocate 1/8)
-                cur.data = bytearray(length)
-                pos = 0
-                with memoryview(cur.data) as view:
-                    for part in parts:
-                        # (a filled template's central directory is a bytearray)
-                        n = len(part) if isinstance(part, (bytes, bytearray)) else part.nbytes
-                        view[pos : pos + n] = part
-                        pos += n
-            else:
-                for part in parts:
-                    cur.data += part
-            if cur.size >= self._file_bytes:
-                self._seal(cur, ready, writes)
-        if create is not None:
-            self._create(create)
+        opening: list[_OpenFile] = []  # a file this thread opened, to create outside the lock
+        try:
+            with self._lock:
+                self._place(key, parts, length, ready, writes, opening)
+        except BaseException as exc:
+            for f in opening:  # never to be created: whoever placed an archive in it meanwhile gets the error
+                f.open_error = exc
+                if f.opened is not None:
+                    f.opened.set()
+            raise
+        for f in opening:
+            self._create(f)
         self._write_out(writes, ready)
         for f in ready:
             self._flush(f)
+
+    def _place(self, key: tuple[str, int | None], parts: list[Buffer], length: int, ready: list[_OpenFile],
+               writes: list[_Write], opening: list[_OpenFile]) -> None:
+        """_append's work under the lock: reserve the archive's place, queue its writes (lock held)."""
+        if self._state != "writing":
+            raise DcpWriteError(f"writer is {self._state}")
+        if key in self._entries:
+            raise DcpWriteError(f"{_describe(key)} was written twice")
+        cur = self._current
+        if cur is not None and cur.size and cur.size + length > self._file_bytes:
+            self._seal(cur, ready, writes)
+            cur = None
+        if cur is None:
+            name = self._new_file_name()
+            if self._direct is None:
+                # the first (or not a local file): created here, and local files are placed as it is
+                cur = _OpenFile(name, self._storage.create_local_file(name))
+                if cur.local is not None:
+                    self._direct = cur.local.direct
+            else:
+                cur = _OpenFile(name, opened=threading.Event())
+                opening.append(cur)
+            self._current = cur
+            self._files.append(cur)
+        if cur.is_local:
+            offset, cur.size = place_range(bool(self._direct), cur.size, length)
+        else:
+            offset, cur.size = cur.size, cur.size + length
+        self._entries[key] = _Entry(cur.name, offset, length)
+        if cur.is_local:
+            small = length < COALESCE_BELOW
+            if cur.pending and (not small or cur.pending_at + len(cur.pending) != offset):
+                self._queue(writes, cur, *self._take_pending(cur))
+            if small:
+                # copied: the caller may reuse its arrays once we return
+                if not cur.pending:
+                    cur.pending_at = offset
+                for part in parts:
+                    cur.pending += part
+                if len(cur.pending) >= COALESCE_BYTES:
+                    self._queue(writes, cur, *self._take_pending(cur))
+            else:
+                self._queue(writes, cur, offset, parts, True)
+        elif not offset and length >= self._file_bytes:
+            # an archive with a file of its own: allocated once at its exact
+            # size (growing a bytearray would copy it and over-allocate 1/8)
+            cur.data = bytearray(length)
+            pos = 0
+            with memoryview(cur.data) as view:
+                for part in parts:
+                    # (a filled template's central directory is a bytearray)
+                    n = len(part) if isinstance(part, (bytes, bytearray)) else part.nbytes
+                    view[pos : pos + n] = part
+                    pos += n
+        else:
+            for part in parts:
+                cur.data += part
+        if cur.size >= self._file_bytes:
+            self._seal(cur, ready, writes)
 
     def _create(self, f: _OpenFile) -> None:
         """Create the local file `f` that this thread opened; threads writing into it wait for it."""
