@@ -185,3 +185,24 @@ def test_object_stores_keep_tensorstores_writer():
     writer = OrbaxWriter(Storage.create("memory://direct_test/"))
     assert not writer._writes_directly
     assert writer.pending_bytes_limit > 0
+
+
+@pytest.mark.parametrize("zarr3, zmeta", [
+    (False, {}), (False, {"dimension_separator": "/"}),
+    (True, {}), (True, {"chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}}}),
+    (True, {"chunk_key_encoding": {"name": "v2"}}),
+    (True, {"chunk_key_encoding": {"name": "v2", "configuration": {"separator": "/"}}}),
+])
+def test_a_block_of_chunks_is_named_as_each_chunk_is(zarr3, zmeta) -> None:
+    """A block's keys (spelled at once for its thousands of chunks) are each chunk's own key, in
+    C order; so is the whole grid's listing; a 0-d array's one chunk has its own name."""
+    from ckpt_tool.arrays.reading import block_chunk_keys, chunk_key, chunk_keys
+
+    first, counts = (3, 0, 12), (2, 4, 3)
+    want = [chunk_key("a.b", tuple(f + o for f, o in zip(first, offsets)), zarr3, zmeta) for offsets in np.ndindex(*counts)]
+    assert block_chunk_keys("a.b", first, counts, zarr3, zmeta) == want and len(set(want)) == 24
+    grid = list(chunk_keys("a.b", (5, 7), (2, 3), zarr3, zmeta))
+    assert [k for _, k in grid] == [chunk_key("a.b", idx, zarr3, zmeta) for idx, _ in grid] and len(grid) == 9
+    assert block_chunk_keys("a.b", (), (), zarr3, zmeta) == [chunk_key("a.b", (), zarr3, zmeta)]
+    assert chunk_key("a.b", (), zarr3, zmeta) == ("a.b/c" if zarr3 and "v2" not in str(zmeta) else "a.b/0")
+    assert chunk_key("a.b", (1, 2), False, {}) == "a.b/1.2" and chunk_key("a.b", (1, 2), True, {}) == "a.b/c/1/2"

@@ -455,35 +455,43 @@ def region_reader(source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, 
     return ZarrRegionReader(source, name, zarr3, zmeta)
 
 
-def chunk_key(name: str, index: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]) -> str:
-    """The key of one chunk of an array's regular grid (as chunk_keys names them)."""
+def _key_form(name: str, zarr3: bool, zmeta: dict[str, Any]) -> tuple[str, str, str]:
+    """How an array's chunk keys are spelled: a chunk's key is head + separator.join(its grid
+    index); the third is the key of a 0-d array's one chunk."""
     if zarr3:
         enc = zmeta.get("chunk_key_encoding") or {}
         default = enc.get("name", "default") == "default"
         sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
         if default:
-            return f"{name}/c" + "".join(sep + str(i) for i in index)
-        return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
-    sep = zmeta.get("dimension_separator") or "."
-    return f"{name}/" + (sep.join(str(i) for i in index) if index else "0")
+            return f"{name}/c{sep}", sep, f"{name}/c"
+        return f"{name}/", sep, f"{name}/0"
+    return f"{name}/", zmeta.get("dimension_separator") or ".", f"{name}/0"
+
+
+def chunk_key(name: str, index: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]) -> str:
+    """The key of one chunk of an array's regular grid (as chunk_keys names them)."""
+    head, sep, scalar = _key_form(name, zarr3, zmeta)
+    return head + sep.join(map(str, index)) if index else scalar
+
+
+def block_chunk_keys(name: str, first: tuple[int, ...], counts: tuple[int, ...], zarr3: bool,
+                     zmeta: dict[str, Any]) -> list[str]:
+    """The keys of a block of whole chunks (`counts` of them along each dimension, from grid index
+    `first`), in C order: a block of a 256-device layout names thousands, each index's digits
+    spelled once."""
+    head, sep, scalar = _key_form(name, zarr3, zmeta)
+    if not first:
+        return [scalar]
+    digits = [[str(f + o) for o in range(n)] for f, n in zip(first, counts)]
+    return [head + sep.join(parts) for parts in itertools.product(*digits)]
 
 
 def chunk_keys(name: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], zarr3: bool, zmeta: dict[str, Any]):
     """Every chunk key of an array's regular chunk grid, with its grid index."""
     grid = [range(-(-s // c)) if c else range(0) for s, c in zip(shape, chunk_shape)]
-    if zarr3:
-        enc = zmeta.get("chunk_key_encoding") or {}
-        default = enc.get("name", "default") == "default"
-        sep = (enc.get("configuration") or {}).get("separator", "/" if default else ".")
-        for idx in itertools.product(*grid):
-            if default:
-                yield idx, f"{name}/c" + "".join(sep + str(i) for i in idx)
-            else:
-                yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
-    else:
-        sep = zmeta.get("dimension_separator") or "."
-        for idx in itertools.product(*grid):
-            yield idx, f"{name}/" + (sep.join(str(i) for i in idx) if idx else "0")
+    head, sep, scalar = _key_form(name, zarr3, zmeta)
+    for idx in itertools.product(*grid):
+        yield idx, (head + sep.join(map(str, idx)) if idx else scalar)
 
 
 class UnmergedRegionReader(ArrayReader):

@@ -31,7 +31,7 @@ import tensorstore as ts
 import zstandard
 
 from ...arrays import stored_chunks
-from ...arrays.reading import chunk_key
+from ...arrays.reading import block_chunk_keys, chunk_key
 from ...bufferpool import POOL
 from ...checksum import crc32c
 from ...errors import CkptError
@@ -195,8 +195,7 @@ class ProcessDatabase:
         compress = self._compressors.by_level[ZARR3_LEVEL if self.zarr3 else ZARR2_LEVEL].compress
         encoded = [compress(row.data) for row in flat]
         del flat, chunks  # (the pooled buffer is free again)
-        keys = [chunk_key(name, tuple(f + o for f, o in zip(first, offsets)), self.zarr3, zmeta).encode()
-                for offsets in np.ndindex(*counts)]
+        keys = [key.encode() for key in block_chunk_keys(name, tuple(first), tuple(counts), self.zarr3, zmeta)]
         if self.zarr3:
             self.db.put_many(zip(keys, ([e, _shard_index(len(e))] for e in encoded)))
         else:
