@@ -206,3 +206,18 @@ def test_a_block_of_chunks_is_named_as_each_chunk_is(zarr3, zmeta) -> None:
     assert block_chunk_keys("a.b", (), (), zarr3, zmeta) == [chunk_key("a.b", (), zarr3, zmeta)]
     assert chunk_key("a.b", (), zarr3, zmeta) == ("a.b/c" if zarr3 and "v2" not in str(zmeta) else "a.b/0")
     assert chunk_key("a.b", (1, 2), False, {}) == "a.b/1.2" and chunk_key("a.b", (1, 2), True, {}) == "a.b/c/1/2"
+
+
+def test_a_long_column_of_varints_is_each_value_s_varint() -> None:
+    """Columns of varints are written at once (all one byte, or a long column through numpy): the
+    bytes are each value's LEB128 varint, back to back, at every width up to 2**64 - 1."""
+    from ckpt_tool.storage.ocdbt_encode import _varints
+
+    rng = random.Random(5)
+    for n in (1, 63, 64, 65, 1000):
+        for top in (0x80, 1 << 14, 1 << 35, 1 << 64):
+            values = [rng.randrange(top) for _ in range(n)] + [0, 127, 128, top - 1]
+            assert _varints(values) == b"".join(varint(v) for v in values), (n, top)
+    assert _varints([]) == b"" and _varints([5, 0, 127]) == bytes([5, 0, 127])
+    with pytest.raises(ValueError, match="negative"):
+        _varints([1, -1] * 40)

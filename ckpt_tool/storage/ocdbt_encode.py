@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import zstandard
 
 from ..checksum import crc32c
@@ -57,9 +58,31 @@ def varint(n: int) -> bytes:
 
 
 def _varints(values: Sequence[int]) -> bytes:
-    if values and 0 <= min(values) and max(values) < 0x80:
+    if not values or min(values) < 0:
+        return b"".join(varint(v) for v in values)  # (a negative one: varint says so)
+    top = max(values)
+    if top < 0x80:
         return bytes(values)  # each its own single byte (a node's kinds, most key lengths)
-    return b"".join(varint(v) for v in values)
+    if len(values) < 64 or top >= 1 << 64:
+        return b"".join(varint(v) for v in values)
+    return _varints_at_once(values)
+
+
+def _varints_at_once(values: Sequence[int]) -> bytes:
+    """A long column of varints (a leaf's 40,000 offsets or lengths), each byte position at once:
+    0.05 s a column value by value, 0.005 s this way."""
+    a = np.asarray(values, dtype=np.uint64)
+    width = np.ones(len(a), dtype=np.int64)  # bytes per value
+    for k in range(1, 10):
+        width += a >= np.uint64(1 << (7 * k))
+    starts = np.cumsum(width) - width
+    out = np.empty(int(width.sum()), dtype=np.uint8)
+    for k in range(int(width.max())):
+        sel = width > k
+        low = (a[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = (width[sel] > k + 1).astype(np.uint64) << np.uint64(7)  # the continuation bit
+        out[starts[sel] + k] = low | more
+    return out.tobytes()
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
