@@ -499,8 +499,8 @@ def profile(out: Path) -> int:
     r = subprocess.run([sys.executable, str(here / "read_probe.py"), src, str(work / "probe")], capture_output=True, text=True)
     (prof / "read_probe.json").write_text(r.stdout + r.stderr[-3000:])
     shutil.rmtree(work / "probe", ignore_errors=True)
-    (prof / "startup.txt").write_text(startup_probe(src, work))
     host = "data=1,model=1" if written["devices"] == 1 else f"data=2,model={written['devices'] // 2}"
+    (prof / "startup.txt").write_text(startup_probe(src, work, host))
     steps = {
         "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
         "convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
@@ -546,10 +546,11 @@ STARTUP_IMPORTS = ["pass", "import numpy", "import numpy, ml_dtypes", "import as
                    "import ckpt_tool.cli.main; t.join(); import ckpt_tool.runs, ckpt_tool.engine"]
 
 
-def startup_probe(src: str, work: Path, runs: int = 3) -> str:
-    """Where a ckpt process's start goes on this host: the wall time of a fresh interpreter doing each
-    of STARTUP_IMPORTS (the fastest of `runs`), then `python -X importtime` of a whole convert to DCP
-    (its slowest imports, cumulative, and the count of modules)."""
+def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
+    """Where a ckpt process's start and end go on this host: the wall time of a fresh interpreter
+    doing each of STARTUP_IMPORTS (the fastest of `runs`), the time from a convert's and a reshard's
+    (for `host_mesh`) last line to the process's exit, then `python -X importtime` of a whole convert
+    to DCP (its slowest imports, cumulative, and the count of modules)."""
     lines = [f"{'statement':64s} fastest of {runs} (s)"]
     for stmt in STARTUP_IMPORTS:
         best = float("inf")
@@ -560,14 +561,14 @@ def startup_probe(src: str, work: Path, runs: int = 3) -> str:
         lines.append(f"{stmt:64s} {best:6.3f}" + ("" if r.returncode == 0 else f"  failed: {r.stderr.strip()[-200:]}"))
     # the end: from the summary line (the command's last act) to the process's exit
     for name, argv in (("convert", ["convert", src, "{dst}", "--to", "dcp"]),
-                       ("reshard", ["reshard", src, "{dst}", "--mesh", "data=1,model=1"])):
+                       ("reshard", ["reshard", src, "{dst}", "--mesh", host_mesh])):
         dst = work / "startup_end"
         t = time.perf_counter()
         p = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *[a.replace("{dst}", str(dst)) for a in argv]],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=work,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert p.stdout is not None
-        last = ""
+        last, t_line = "", t  # (no line at all: a failed run, its rc says so)
         for raw in p.stdout:
             last, t_line = raw.decode(errors="replace").strip(), time.perf_counter()
         p.wait()
