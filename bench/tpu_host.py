@@ -596,6 +596,8 @@ def ab(out: Path) -> int:
     step a whole process after a sync, and `cp -r && sync` each round. The table gives each run
     and the medians. SRC=DIR uses an existing checkpoint item instead of writing one.
 
+    STEPS=convert_dcp,reshard_host (the default), reshard_v5e8, reshard_v5e256: which steps.
+
     SIDES=NAME=DIR[:ARGS],... instead compares any number of sides, each a folder holding a
     ckpt_tool package and options added to both steps (`new=.,old=/tmp/old,big=.:--memory 2GiB`:
     `.` is this checkout); each round runs them in turn, starting from a different one."""
@@ -625,7 +627,15 @@ def ab(out: Path) -> int:
     nbytes = sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file())
     host = os.environ.get("HOST_MESH", "data=1,model=1")
     steps = {"convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
-             "reshard_host": ["reshard", src, "{dst}", "--mesh", host]}
+             "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
+             "reshard_v5e8": ["reshard", src, "{dst}", "--mesh", "data=2,model=4", "--topology", "v5e:2x4"],
+             "reshard_v5e256": ["reshard", src, "{dst}", "--mesh", "data=16,model=16", "--fsdp", "data",
+                                "--topology", "v5e:16x16"]}
+    only = [s for s in os.environ.get("STEPS", "convert_dcp,reshard_host").split(",") if s]
+    if not set(only) <= set(steps):
+        print(f"STEPS: some of {', '.join(steps)}", file=sys.stderr)
+        return 2
+    steps = {k: v for k, v in steps.items() if k in only}
     # both sides from a folder put first on PYTHONPATH, this checkout's included: with only the old
     # side there, every import looked in one folder more, and on the TPU VM (9p under gVisor) those
     # lookups cost the old side 0.35-0.5 s a run, as much as the change being measured (the reshard,

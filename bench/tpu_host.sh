@@ -20,7 +20,8 @@
 #   TPU_HOST_BENCH_PLATFORM=cpu SIZE=small   the whole run on 8 CPU devices, a few MiB (debugging)
 #   WORK=DIR                scratch for the checkpoints (default OUT_DIR/work; removed on success unless KEEP_WORK=1)
 #   MODE=profile            where the time of the slow steps goes, instead of the table (OUT_DIR/profile.tgz)
-#   MODE=ab AB_TREE=DIR     this ckpt against the ckpt_tool package under DIR, interleaved (OUT_DIR/ab.txt)
+#   MODE=ab AB_TREE=DIR     this ckpt against the ckpt_tool package under DIR, interleaved (OUT_DIR/ab.txt);
+#                           STEPS=convert_dcp,reshard_host,reshard_v5e8,reshard_v5e256 picks its steps
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

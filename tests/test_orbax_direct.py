@@ -221,3 +221,26 @@ def test_a_long_column_of_varints_is_each_value_s_varint() -> None:
     assert _varints([]) == b"" and _varints([5, 0, 127]) == bytes([5, 0, 127])
     with pytest.raises(ValueError, match="negative"):
         _varints([1, -1] * 40)
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_rows_compressed_at_once_are_each_rows_own_frame(level, monkeypatch) -> None:
+    """A block's chunks are compressed in one call (multi_compress_to_buffer): each frame is the
+    bytes compress() makes of that row alone, in row order, and decodes back to it; without that
+    call (another zstandard backend) the rows are compressed one by one to the same bytes."""
+    from ckpt_tool.formats.orbax.direct import compress_rows
+
+    rng = np.random.default_rng(level)
+    rows = rng.standard_normal((37, 4096)).astype(ml_dtypes.bfloat16).view(np.uint8).reshape(37, -1)
+    rows[3] = 0  # (a chunk of zeros: a frame far shorter than its neighbours)
+    compressor = zstandard.ZstdCompressor(level=level)
+    want = [compressor.compress(row.tobytes()) for row in rows]
+    got = compress_rows(compressor, rows)
+    assert [bytes(memoryview(f)) for f in got] == want
+    assert [zstandard.ZstdDecompressor().decompress(bytes(memoryview(f))) for f in got] == [r.tobytes() for r in rows]
+    assert [bytes(memoryview(f)) for f in compress_rows(compressor, rows[:1])] == want[:1]
+
+    class OneByOne:  # a compressor without multi_compress_to_buffer
+        compress = staticmethod(compressor.compress)
+
+    assert [bytes(memoryview(f)) for f in compress_rows(OneByOne(), rows)] == want  # type: ignore[arg-type]

@@ -83,6 +83,29 @@ def config(ocdbt_config: dict[str, Any]) -> Config:
                       max_decoded_node_bytes=int(ocdbt_config["max_decoded_node_bytes"]))
 
 
+def compress_rows(compressor: zstandard.ZstdCompressor, rows: np.ndarray) -> list[Any]:
+    """Each row of `rows` (a C-contiguous 2-D uint8 array) as its own zstd frame: the bytes
+    `compressor.compress(row)` makes, as bytes-like objects.
+
+    All rows in one call where python-zstandard's C backend has multi_compress_to_buffer. On the
+    TPU VM (13 copy threads), a 256-device layout compressing its blocks row by row spent 35 of
+    its 45 busy thread-seconds on that one line, where compressing the same 2.3 GiB in large
+    pieces takes 8 CPU-seconds there: each of 40,000 calls gave up the GIL and waited to take it
+    back from a dozen other threads. One call per block takes it back once."""
+    n, width = rows.shape
+    multi = getattr(compressor, "multi_compress_to_buffer", None)
+    if multi is None or n < 2 or width == 0:
+        return [compressor.compress(row.data) for row in rows]
+    segments = np.empty((n, 2), dtype="<u8")  # (offset, length) of each row, as BufferWithSegments takes them
+    segments[:, 0] = np.arange(n, dtype=np.uint64) * np.uint64(width)
+    segments[:, 1] = width
+    try:
+        frames = multi(zstandard.BufferWithSegments(rows.reshape(-1), segments.tobytes()), threads=0)
+    except NotImplementedError:  # (a backend without it: the cffi one)
+        return [compressor.compress(row.data) for row in rows]
+    return [frames[i] for i in range(n)]
+
+
 class _Compressors(threading.local):
     def __init__(self) -> None:
         self.by_level = {level: zstandard.ZstdCompressor(level=level) for level in (ZARR2_LEVEL, ZARR3_LEVEL)}
@@ -192,8 +215,7 @@ class ProcessDatabase:
         chunks = POOL.empty(tuple(counts) + tuple(chunk_shape), data.dtype)
         _bits(chunks)[...] = _bits(split).transpose(tuple(range(0, 2 * rank, 2)) + tuple(range(1, 2 * rank, 2)))
         flat = chunks.reshape(math.prod(counts), -1).view(np.uint8)
-        compress = self._compressors.by_level[ZARR3_LEVEL if self.zarr3 else ZARR2_LEVEL].compress
-        encoded = [compress(row.data) for row in flat]
+        encoded = compress_rows(self._compressors.by_level[ZARR3_LEVEL if self.zarr3 else ZARR2_LEVEL], flat)
         del flat, chunks  # (the pooled buffer is free again)
         keys = [key.encode() for key in block_chunk_keys(name, tuple(first), tuple(counts), self.zarr3, zmeta)]
         if self.zarr3:
