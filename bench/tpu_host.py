@@ -590,6 +590,9 @@ def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
+AB_STEPS = ("convert_dcp", "reshard_host", "reshard_v5e8", "reshard_v5e256")  # what MODE=ab's STEPS may name
+
+
 def ab(out: Path) -> int:
     """MODE=ab AB_TREE=DIR: this checkout's ckpt against the ckpt_tool package under DIR (an older
     checkout), on this host, interleaved: the same source, each round's order alternated, each
@@ -614,6 +617,10 @@ def ab(out: Path) -> int:
             print("MODE=ab needs AB_TREE=DIR, a folder holding the other ckpt_tool package", file=sys.stderr)
             return 2
         parsed = [("new", Path(__file__).resolve().parent.parent, []), ("old", Path(tree), [])]
+    only = [s for s in os.environ.get("STEPS", "convert_dcp,reshard_host").split(",") if s]
+    if not only or not set(only) <= set(AB_STEPS):
+        print(f"STEPS: some of {', '.join(AB_STEPS)}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     _jax_env()
     work = Path(os.environ.get("WORK") or out / "work_ab")
@@ -631,10 +638,6 @@ def ab(out: Path) -> int:
              "reshard_v5e8": ["reshard", src, "{dst}", "--mesh", "data=2,model=4", "--topology", "v5e:2x4"],
              "reshard_v5e256": ["reshard", src, "{dst}", "--mesh", "data=16,model=16", "--fsdp", "data",
                                 "--topology", "v5e:16x16"]}
-    only = [s for s in os.environ.get("STEPS", "convert_dcp,reshard_host").split(",") if s]
-    if not set(only) <= set(steps):
-        print(f"STEPS: some of {', '.join(steps)}", file=sys.stderr)
-        return 2
     steps = {k: v for k, v in steps.items() if k in only}
     # both sides from a folder put first on PYTHONPATH, this checkout's included: with only the old
     # side there, every import looked in one folder more, and on the TPU VM (9p under gVisor) those

@@ -59,14 +59,19 @@ def test_tpu_host_ab_mode_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_", "XLA_"))}
     env.update(TPU_HOST_BENCH_PLATFORM="cpu", SIZE="small", MODE="ab", AB_TREE=str(ROOT), ROUNDS="2",
-               HOST_MESH="data=2,model=4", PYTHONPATH=str(ROOT))
+               HOST_MESH="data=2,model=4", PYTHONPATH=str(ROOT), STEPS="bogus")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_host.py"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 2 and "STEPS: some of convert_dcp, reshard_host" in r.stderr and not out.exists()
+    env["STEPS"] = "convert_dcp,reshard_host,reshard_v5e8"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_host.py"), str(out)], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     text = (out / "ab.txt").read_text()
     medians = text.split("medians", 1)[1].splitlines()[1:]
     assert [line.rsplit(None, 2)[0] for line in medians] == [
-        "cp", "convert_dcp [new]", "convert_dcp [old]", "reshard_host [new]", "reshard_host [old]"]
+        "cp", "convert_dcp [new]", "convert_dcp [old]", "reshard_host [new]", "reshard_host [old]",
+        "reshard_v5e8 [new]", "reshard_v5e8 [old]"]
     # two rounds, the sides' order alternated
     assert text.index("convert_dcp [new] (round 1)") < text.index("convert_dcp [old] (round 1)")
     assert text.index("convert_dcp [old] (round 2)") < text.index("convert_dcp [new] (round 2)")
