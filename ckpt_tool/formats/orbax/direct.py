@@ -100,7 +100,7 @@ def compress_rows(compressor: zstandard.ZstdCompressor, rows: np.ndarray) -> lis
     segments[:, 0] = np.arange(n, dtype=np.uint64) * np.uint64(width)
     segments[:, 1] = width
     try:
-        frames = multi(zstandard.BufferWithSegments(rows.reshape(-1), segments.tobytes()), threads=0)
+        frames = multi(zstandard.BufferWithSegments(rows.reshape(-1).data, segments.tobytes()), threads=0)
     except NotImplementedError:  # (a backend without it: the cffi one)
         return [compressor.compress(row.data) for row in rows]
     return [frames[i] for i in range(n)]
