@@ -123,28 +123,22 @@ class OcdbtDatabaseWriter:
         if view.nbytes <= self.config.max_inline_value_bytes:
             entry: tuple[bytes, bytes | ValueRef] = (key, view.tobytes())
         else:
-            entry = (key, self._append([view]))
+            entry = (key, self._append([view], view.nbytes))
         with self._lock:
             if self._state != "writing":
                 raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
             self._entries.append(entry)
 
     def put_many(self, items: Iterable[tuple[bytes, list[Any]]]) -> None:
-        """put_parts for many values at once (a block of chunks): one lock, one staging pass, and
-        as little Python per value as it takes (a 256-device layout puts 40,000)."""
+        """Store each value, the concatenation of its parts, under its key (a block of chunks): in
+        line when small, else appended to this thread's data file; one lock for all, and as little
+        Python per value as it takes (a 256-device layout puts 40,000)."""
         limit = self.config.max_inline_value_bytes
         entries: list[tuple[bytes, bytes | ValueRef]] = []
         for key, parts in items:
             views = [memoryview(p).cast("B") for p in parts]
             n = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
-            if n <= limit:
-                entries.append((key, b"".join(views)))
-                continue
-            f = self._data_file(n)
-            start = f.cursor
-            for v in views:
-                f.write(v)
-            entries.append((key, ValueRef(f.file, start, n)))
+            entries.append((key, b"".join(views) if n <= limit else self._append(views, n)))
         with self._lock:
             if self._state != "writing":
                 raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
@@ -153,15 +147,7 @@ class OcdbtDatabaseWriter:
     def put_parts(self, key: bytes, parts: Iterable[Any]) -> None:
         """Store the concatenation of `parts` under `key` without joining them first (a zarr v3 shard:
         the encoded chunk, then its index)."""
-        views = [memoryview(p).cast("B") for p in parts]
-        if sum(v.nbytes for v in views) <= self.config.max_inline_value_bytes:
-            self.put(key, b"".join(v.tobytes() for v in views))
-            return
-        ref = self._append(views)
-        with self._lock:
-            if self._state != "writing":
-                raise CkptError(f"write after the OCDBT database is {self._state}", self._storage.url)
-            self._entries.append((key, ref))
+        self.put_many([(key, list(parts))])
 
     def put_stream(self, key: bytes, fill: Callable[[Callable[[Any], None]], object]) -> int:
         """Store out of line the value `fill(write)` produces piece by piece (a chunk compressed as
@@ -180,8 +166,9 @@ class OcdbtDatabaseWriter:
             self._entries.append((key, ref))
         return ref.length
 
-    def _append(self, views: list[memoryview]) -> ValueRef:
-        f = self._data_file(sum(v.nbytes for v in views))
+    def _append(self, views: list[memoryview], length: int) -> ValueRef:
+        """The `length` bytes of `views`, back to back at the end of this thread's data file."""
+        f = self._data_file(length)
         start = f.cursor
         for v in views:
             f.write(v)
