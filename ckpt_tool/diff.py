@@ -177,9 +177,18 @@ def diff_checkpoints(
     both. `cast_ok`: a floating leaf whose dtype differs (a cast conversion)
     is no difference; its values are compared in float64 within atol/rtol.
     `steps`: the step asked for each side, recorded in the report. Pickles
-    (values decoded for --values) are unpickled within `memory`."""
+    (values decoded for --values) are unpickled within `memory`.
+
+    A side that shallow validate finds incomplete or damaged (a rank's lost
+    `.distcp`, a shard missing from a partial download) is refused naming it,
+    as convert refuses its source: its metadata alone would compare "same", or
+    show what it lost as "only in" lines."""
+    from .engine import check_source_complete
     from .torchsave.pickle_budget import memory_budget  # (here: most checkpoints hold no pickle)
 
+    for side, ck in (("A", a), ("B", b)):
+        if not isinstance(ck, RecordedStructure):  # (an inspect JSON document has no files to lose)
+            check_source_complete(ck, side=side)
     with memory_budget(memory):
         return _diff_checkpoints(a, b, values=values, rtol=rtol, atol=atol, rename=rename, workers=workers,
                                  progress=progress, layout=layout, pattern=pattern, memory=memory,

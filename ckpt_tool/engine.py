@@ -690,7 +690,7 @@ def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]
     return (ref.storage, ref.companions), check.differences
 
 
-def check_source_complete(src: Checkpoint, given: str | None = None) -> None:
+def check_source_complete(src: Checkpoint, given: str | None = None, *, side: str = "the source") -> None:
     """Refuse a source that shallow validate finds incomplete or damaged, before anything is written.
 
     A shard file missing from a partial download, a rank's lost `.distcp`, an
@@ -699,15 +699,17 @@ def check_source_complete(src: Checkpoint, given: str | None = None) -> None:
     as `ckpt validate SRC` (metadata, listings, file sizes; no chunk is read)
     run on the step being copied; the first error is named in one line.
     Every process of a multi-host run checks for itself (same files, same answer).
+    `side`: what the line calls the checkpoint (diff: "A" or "B").
     """
     # the chosen step only, not every step of a CheckpointManager root
-    error = _refusal(src.path, src.step if src.steps else None, given or src.path)
+    error = _refusal(src.path, src.step if src.steps else None, given or src.path, side=side)
     if error is not None:
         raise error
 
 
 def _refusal(
-    path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None
+    path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None, *,
+    side: str = "the source",
 ) -> CkptError | None:
     """The one-line refusal for the first error shallow validate finds at `path`, or None.
 
@@ -739,11 +741,11 @@ def _refusal(
     option = f" --step {step}" if step not in (None, "latest") else ""
     kind: type[CkptError]
     if first.code in _LOST_DATA:
-        kind, what = IncompleteCheckpointError, "the source is incomplete"
+        kind, what = IncompleteCheckpointError, f"{side} is incomplete"
     elif first.code == "path-escape":
-        kind, what = PathEscapeError, "the source is refused"
+        kind, what = PathEscapeError, f"{side} is refused"
     else:
-        kind, what = CorruptMetadataError, "the source is damaged"
+        kind, what = CorruptMetadataError, f"{side} is damaged"
     return kind(
         f"{what}: {first.code}: {where}: {message}{more}; run `ckpt validate {shown}{option}` for every finding",
         shown,
