@@ -1,9 +1,11 @@
 """`ckpt diff A B`: compare two checkpoints of either format, leaf by leaf.
 
-Leaves are matched by their keys ('/'-joined), after optional rename rules
-applied to A's paths; leaves whose keys differ only in where their dotted name
-is split (torch.save's `model/0/weight`, DCP's `model/0.weight`) are matched by
-that name. Structure differences (only in A, only in B, changed
+Leaves are matched by their keys (as text: a list index 0 is the key "0"),
+spelled as one string by names.join_keys (reversible: two different key
+tuples never share a spelling, so no two leaves are paired as one or one
+left out), after optional rename rules applied to A's paths; leaves whose
+keys differ only in where their dotted name is split (torch.save's
+`model/0/weight`, DCP's `model/0.weight`) are matched by that name. Structure differences (only in A, only in B, changed
 kind, shape or dtype) come from metadata alone; with values=True each array
 pair is compared region by region along A's stored chunks, so memory stays
 bounded by a couple of chunks whatever the size of the checkpoints.
@@ -28,6 +30,7 @@ from .findings import Progress, no_progress
 from .errors import CkptError, short_repr
 from .filters import Glob
 from .model import ArrayLeaf, Checkpoint, Leaf, Region, ValueLeaf, constant_loader, parse_rename_rules
+from .names import dotted_name, join_keys, split_path
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want
 from .structure import RecordedStructure
 from .validate.deep import chunk_regions
@@ -133,6 +136,22 @@ def _renamed(path: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     return path
 
 
+def _by_path(ck: Checkpoint, rules: list[tuple[re.Pattern[str], str]], side: str) -> dict[str, Leaf]:
+    """A side's leaves by their (renamed) key path: two leaves that would share one
+    (two keys a reader could not tell apart, or --rename making two paths one) are an
+    error naming both, never one of them silently left out of the comparison."""
+    out: dict[str, Leaf] = {}
+    for leaf in ck.leaves:
+        path = _renamed(leaf.path, rules) if rules else leaf.path
+        first = out.get(path)
+        if first is not None:
+            how = "--rename maps both to" if rules else "both are spelled"
+            raise CkptError(f"two leaves of {side} cannot be told apart: {first.path!r} and {leaf.path!r} "
+                            f"({how} {path!r})", ck.path)
+        out[path] = leaf
+    return out
+
+
 def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, Leaf]:
     """Value leaves whose path is an inner node on the other side, flattened as
     convert flattens them (only those are loaded: a few small items)."""
@@ -145,7 +164,7 @@ def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, L
             out[path] = leaf
             continue
         for sub_keys, sub in _flatten_value((), leaf.load()):
-            sub_path = "/".join([path, *(str(k) for k in sub_keys)])
+            sub_path = "/".join([path, join_keys(sub_keys)]) if sub_keys else path
             keys = tuple(leaf.keys) + sub_keys
             if isinstance(sub, np.ndarray):
                 out[sub_path] = _memory_leaf(keys, ".".join(map(str, keys)), sub)
@@ -215,8 +234,8 @@ def _diff_checkpoints(
     if values and structure:
         raise CkptError(f"{structure[0]} is an inspect JSON document: it holds no array data to compare values with")
     rules = parse_rename_rules(rename or [])
-    left = {_renamed(leaf.path, rules): leaf for leaf in a.leaves}
-    right = {leaf.path: leaf for leaf in b.leaves}
+    left = _by_path(a, rules, "A")
+    right = _by_path(b, [], "B")
     # a DCP bytes item holding a list/tuple/dict is a subtree once converted to
     # Orbax: compare it the way convert flattens it; until neither side changes, as
     # one side's expansion may make the other's value an inner node (a torch.save
@@ -307,7 +326,7 @@ def _match_dotted(
         out: dict[str, list[str]] = {}
         for path in side:
             if path not in other:
-                out.setdefault(path.replace("/", "."), []).append(path)
+                out.setdefault(dotted_name(split_path(path)), []).append(path)
         return out
 
     only_a, only_b = dotted(left, right), dotted(right, left)
@@ -331,7 +350,7 @@ def _match_dotted(
 def _flat_names(path: str, leaf: Leaf) -> tuple[str, ...]:
     """The dotted spellings --filter also matches, for a leaf compared under `path`
     (A's renamed path: its own name no longer describes it)."""
-    dotted = path.replace("/", ".")
+    dotted = dotted_name(split_path(path))
     return (dotted,) if path != leaf.path or leaf.name in (None, "", dotted) else (dotted, leaf.name)
 
 

@@ -33,6 +33,7 @@ from .errors import (
     StorageUnavailableError, UnsupportedLeafError, UsageError,
 )
 from .filters import Selection
+from .names import dotted_name, join_keys, key_text, unescape_key
 from .findings import Progress, no_progress
 from .blocks import block_shape, blocks
 from .codecs import window_bytes
@@ -43,7 +44,9 @@ from .model import (
     flatten_value, memory_leaf, parse_rename_rules, stored_chunks,
 )
 from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
-from .output import OutputDir, begin_output, discard_output, finalize_output, prepare_output  # noqa: F401 (OutputDir: API)
+from .output import OutputDir  # noqa: F401 (OutputDir: API)
+# (an object-store DST's owner record and commit rule; local ones pass through to output.py)
+from .output_remote import begin_output, confirm_output, discard_output, finalize_output, prepare_output
 from .storage import Storage
 from .text import is_unicode_text
 from .values import SameObject
@@ -124,15 +127,21 @@ class ConvertResult:
 
 # -- planning ------------------------------------------------------------------
 
+# each planned array's source leaf, by the target's keys as text (names.key_text): a key
+# tuple, never a joined string, so two leaves never share an entry
+Sources = dict[tuple[str, ...], ArrayLeaf]
+
 
 def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]]) -> tuple[Key, ...]:
-    path = "/".join(str(k) for k in keys)
+    # the rules see the joined key path with its one reversible escape (a key `a/b` is `a%2Fb`),
+    # and what they make is split back at its '/' and unescaped: a key never becomes two, nor two one
+    path = join_keys(keys)
     new = path
     for rx, repl in rules:
         new = rx.sub(repl, new)
     if new == path:
         return keys
-    parts = [p for p in new.split("/") if p != ""]
+    parts = [unescape_key(p) for p in new.split("/") if p != ""]
     if not parts:
         raise CkptError(f"--rename turns {path!r} into an empty key")
     # a component that was a sequence index and is unchanged stays an int
@@ -177,8 +186,8 @@ def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int
 
 
 def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | None = None,
-                    ) -> tuple[WritePlan, list[tuple[str, str]], dict[str, ArrayLeaf]]:
-    """Target leaves for `src` under the options; (plan, skipped, target path -> source leaf).
+                    ) -> tuple[WritePlan, list[tuple[str, str]], Sources]:
+    """Target leaves for `src` under the options; (plan, skipped, target keys (names.key_text) -> source leaf).
     `destination`: where the plan is written, for a writer that takes stored chunks there
     (WriterModule.stored_chunk_encoding); without it no chunk is planned to be copied."""
     if opts.to not in formats.writable():
@@ -208,7 +217,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
     cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
     targets: list[Target | None] = []
     skipped: list[tuple[str, str]] = []
-    sources: dict[str, ArrayLeaf] = {}
+    sources: Sources = {}
     seen: dict[str, str] = {}
     tuples: set[tuple[Key, ...]] = set()
     # a format that keeps a tuple as one value (DCP's bytes item: torch's traversal
@@ -224,16 +233,22 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
     # write them as UTF-8 (a JSON header or metadata, zarr paths, file names), which a lone surrogate is not
     keeps_any_str = write.KEEPS_ANY_STR
 
-    def claim(keys: tuple[Key, ...], source_path: str) -> tuple[str, str]:
-        name = ".".join(str(k) for k in keys)
+    def claim(keys: tuple[Key, ...], source_path: str) -> str:
+        # the target's flat name (a tensor name, a DCP fqn, an Orbax parameter): the keys joined
+        # by '.', so the source's own names come back (the tensor `a/b` stays `a/b`); two leaves
+        # whose keys differ but join alike (`a.b` and `a`/`b`) cannot both be held by one
+        # name, and are refused here by both their key paths, before anything is written
+        name = dotted_name(keys)
         if not keeps_any_str and not is_unicode_text(name):  # keys inside a value, a gathered tuple's
             raise UnsupportedLeafError(_not_text(name, target.title), source_path)
         if name in seen:
-            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {source_path!r}")
+            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {source_path!r}; "
+                            f"{target.title} checkpoints cannot hold both (leave one out with --exclude, "
+                            f"or --rename one)")
         seen[name] = source_path
-        return name, "/".join(str(k) for k in keys)
+        return name
 
-    def add_array(leaf: ArrayLeaf, keys: tuple[Key, ...], name: str, path: str) -> None:
+    def add_array(leaf: ArrayLeaf, keys: tuple[Key, ...], name: str) -> None:
         if leaf.unreadable:
             # before any output chunk is planned from the claimed shape
             raise CkptError(f"cannot be read: {leaf.unreadable}", leaf.path)
@@ -252,7 +267,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
 
         layout = _target_layout(leaf, write, itemsize, cap, opts.memory, copied)
         targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
-        sources[path] = leaf
+        sources[key_text(keys)] = leaf  # (claim refused a second leaf of these keys)
 
     def refuse(where: str, reason: str) -> None:
         if opts.skip_unsupported:
@@ -265,7 +280,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
             self.tuples = tuples
 
         def claim(self, keys: tuple[Key, ...], source_path: str) -> str:
-            return claim(keys, source_path)[0]
+            return claim(keys, source_path)
 
         def add_value(self, value: TargetValue) -> None:
             if isinstance(value.value, str) and not keeps_any_str and not is_unicode_text(value.value):
@@ -275,7 +290,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
             targets.append(value)
 
         def add_array(self, keys: tuple[Key, ...], name: str, arr: np.ndarray) -> None:
-            add_array(memory_leaf(keys, name, arr), keys, name, "/".join(str(k) for k in keys))
+            add_array(memory_leaf(keys, name, arr), keys, name)
 
         def refuse(self, where: str, reason: str) -> None:
             refuse(where, reason)
@@ -297,13 +312,13 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
             gathered[outer][1].append(leaf)
             continue
         keys = _renamed_keys(tuple(leaf.keys), rules)
-        joined = ".".join(str(k) for k in keys)
+        joined = dotted_name(keys)
         if not keeps_any_str and not is_unicode_text(joined):  # (where --skip-unsupported may leave it out)
             refuse(leaf.path, _not_text(joined, target.title))
             continue
-        name, path = claim(keys, leaf.path)
+        name = claim(keys, leaf.path)
         if isinstance(leaf, ArrayLeaf):
-            add_array(leaf, keys, name, path)
+            add_array(leaf, keys, name)
             continue
         assert isinstance(leaf, ValueLeaf)
         try:
@@ -326,7 +341,7 @@ def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | No
             refuse(leaf.path, f"an item ckpt does not read ({leaf.extra['why']})")
     for outer, (slot, members) in gathered.items():
         keys = _renamed_keys(outer, rules)
-        name, _ = claim(keys, "/".join(str(k) for k in outer))
+        name = claim(keys, join_keys(outer))
         targets[slot] = TargetValue(keys, name, _gather_tuple(outer, members, source_tuples, write), "object")
     final = [t for t in targets if t is not None]
     if not final:
@@ -350,7 +365,7 @@ def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
 
 def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]], write: WriterModule) -> Any:
     """The value of the tuple at `outer` from its element leaves (arrays read whole, as torch holds them)."""
-    where = "/".join(str(k) for k in outer)
+    where = join_keys(outer)
     root: dict[Key, Any] = {}
     for leaf in members:
         rel = tuple(leaf.keys[len(outer):])
@@ -367,7 +382,7 @@ def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[
             if sorted(keys) != list(range(len(keys))):
                 raise CkptError(
                     f"only elements {sorted(keys)[:8]} of this sequence are selected; select all of it or none",
-                    "/".join(str(k) for k in path),
+                    join_keys(path),
                 )
             items = [build(node[i], path + (i,)) for i in range(len(keys))]
             return tuple(items) if path in tuples else items
@@ -399,7 +414,7 @@ def chunk_regions(target: TargetArray) -> Iterator[tuple[int, Region]]:
 
 def stream(
     plan: WritePlan,
-    sources: dict[str, ArrayLeaf],
+    sources: Sources,
     writer: CheckpointWriter,
     *,
     workers: int = 4,
@@ -429,7 +444,7 @@ def stream(
 
     copies: list[tuple[TargetArray, ArrayLeaf, int, Region]] = []
     for target in plan.arrays():
-        leaf = sources[target.path]
+        leaf = sources[key_text(target.keys)]
         itemsize = dtypes.get(target.dtype).itemsize
         if _copies_stored(writer, target, leaf, itemsize, memory):
             for index, region in chunk_regions(target):
@@ -581,9 +596,9 @@ def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: R
     return copy
 
 
-def _kept_reason(target: TargetArray, sources: dict[str, ArrayLeaf], dtype: str) -> str:
+def _kept_reason(target: TargetArray, sources: Sources, dtype: str) -> str:
     """Why --dtype left a planned array as it is (decided on its source leaf, as planned)."""
-    leaf = sources[target.path]
+    leaf = sources[key_text(target.keys)]
     return casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, dtype) or casting.SAME_DTYPE
 
 
@@ -845,7 +860,7 @@ class PlannedWrite:
 
     source: Checkpoint
     plan: WritePlan
-    sources: dict[str, ArrayLeaf]
+    sources: Sources
     owns: Callable[[int, int], bool] | None = None
 
 
@@ -917,7 +932,7 @@ def _convert(
     # the primary clears the leftovers of killed runs (or refuses: another run writes DST) and
     # creates the temporary output, its owner record first, before any process writes into it
     out = prepare_output(source, destination, overwrite=opts.overwrite, shared_name=coord.process_count > 1,
-                         primary=primary)
+                         primary=primary, writes=opts.to)
     if primary:
         begin_output(out)
     coord.barrier("ckpt-convert-start")
@@ -955,6 +970,7 @@ def _convert(
             if primary:
                 if companions:  # before the commit: the model's files are part of the output
                     hf_export.copy_companions(companions[0], companions[1], out.storage(), retyped)
+                confirm_output(out)  # an object store: no other run took DST over meanwhile
                 writer.commit()
                 finalize_output(out, overwrite=opts.overwrite)
                 # (finalize re-judges DST and may correct what it says it replaced)

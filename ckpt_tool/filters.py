@@ -3,7 +3,9 @@
 
 A leaf has two spellings and a pattern matches a leaf when it matches either:
 
-- its keys joined by `/` (`params/dense/kernel`, `model/layers/0/mlp/up_proj/weight`):
+- its key path, the keys joined by `/` (`params/dense/kernel`, `model/layers/0/mlp/up_proj/weight`)
+  with names.py's one reversible escape (a key holding `/` or `%` spells them `%2F` and `%25`:
+  the safetensors tensor `a/b` is `a%2Fb`, never the `a/b` of the tensor `a.b`):
   `*` and `?` stay within one key, `**` spans keys (`params/**/kernel`);
 - its flat name, the keys joined by `.` (`params.dense.kernel`,
   `model.layers.0.mlp.up_proj.weight`), and the format's own flat name where
@@ -11,7 +13,9 @@ A leaf has two spellings and a pattern matches a leaf when it matches either:
   `inspect --json` shows it under `name`): here a dot is an ordinary
   character, because keys may hold dots themselves (Hugging Face tensor names,
   torch FQNs such as `0.weight`), so `*` crosses dots and
-  `model.layers.0.*` is everything under layer 0.
+  `model.layers.0.*` is everything under layer 0. A pattern holding a `/` is a key
+  path only: it is never matched against a flat name (where a `/` would be a key's
+  own character, and `a/b` would pick the tensor `a/b` besides the key path `a/b`).
 
 `[...]` is a character class in both. A pattern that matches no leaf is
 almost always a typo (a key spelled wrong, a `.` where the tree has `/`): it
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from .errors import NoMatchError
+from .names import dotted_name
 
 if TYPE_CHECKING:
     from .model import Key, Leaf
@@ -67,7 +72,7 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
 
 def flat_names(keys: Sequence[Key], name: str | None = None) -> tuple[str, ...]:
     """A leaf's flat spellings: its keys joined by '.', and the format's own name where that differs."""
-    dotted = ".".join(str(k) for k in keys)
+    dotted = dotted_name(tuple(keys))
     return (dotted,) if not name or name == dotted else (dotted, name)
 
 
@@ -78,15 +83,20 @@ class Glob:
     pattern: str
     option: str = "--filter"
     _keys: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _flat: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _flat: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_keys", glob_to_regex(self.pattern))
-        object.__setattr__(self, "_flat", re.compile(_translate(self.pattern, keys=False), re.DOTALL))
+        # (a pattern with a '/' is a key path only: see the module docstring)
+        flat = None if "/" in self.pattern else re.compile(_translate(self.pattern, keys=False), re.DOTALL)
+        object.__setattr__(self, "_flat", flat)
 
     def matches(self, path: str, names: Iterable[str] = ()) -> bool:
-        """Whether the pattern matches the '/'-joined `path` or one of the flat `names`."""
-        return self._keys.fullmatch(path) is not None or any(self._flat.fullmatch(n) is not None for n in names)
+        """Whether the pattern matches the joined key `path` (model.keys_path) or one of the flat `names`."""
+        if self._keys.fullmatch(path) is not None:
+            return True
+        flat = self._flat
+        return flat is not None and any(flat.fullmatch(n) is not None for n in names)
 
     def matches_leaf(self, leaf: Leaf) -> bool:
         return self.matches(leaf.path, flat_names(leaf.keys, leaf.name))

@@ -21,6 +21,7 @@ import numpy as np
 from . import dtypes, values
 from .errors import CkptError, UsageError
 from .filters import Glob, glob_to_regex  # noqa: F401 - glob_to_regex: re-exported for callers of model
+from .names import join_keys, key_text
 
 Key = Union[str, int]
 Region = tuple[slice, ...]
@@ -222,8 +223,9 @@ def _spec_entry(p: Any) -> str:
 
 
 def keys_path(keys: Sequence[Key]) -> str:
-    """The '/'-joined path used by --filter and the tree view."""
-    return "/".join(str(k) for k in keys)
+    """The key path as one string, as --filter, --rename and every listing spell it: the keys
+    joined by '/', each with names.py's one reversible escape (a key `a/b` is `a%2Fb`)."""
+    return join_keys(tuple(keys))
 
 
 def normalize_region(index: Any, shape: Sequence[int]) -> Region:
@@ -448,11 +450,20 @@ class Checkpoint:
         return len(self.leaves)
 
     def __getitem__(self, path: str | Sequence[Key]) -> Leaf:
-        want = path if isinstance(path, str) else keys_path(path)
+        """The leaf of a key tuple, of a joined key path (names.join_keys), or of its format's own name."""
+        if not isinstance(path, str):
+            want = key_text(tuple(path))
+            for leaf in self.leaves:
+                if key_text(leaf.keys) == want:
+                    return leaf
+            raise KeyError(keys_path(path))
         for leaf in self.leaves:
-            if leaf.path == want or leaf.name == want:
+            if leaf.path == path:
                 return leaf
-        raise KeyError(want)
+        for leaf in self.leaves:  # (after every path: a name never shadows another leaf's path)
+            if leaf.name == path:
+                return leaf
+        raise KeyError(path)
 
     def arrays(self) -> list[ArrayLeaf]:
         return [leaf for leaf in self.leaves if isinstance(leaf, ArrayLeaf)]
@@ -480,7 +491,7 @@ class Checkpoint:
 
 
 def parse_rename_rules(rules: Sequence[str]) -> list[tuple[re.Pattern[str], str]]:
-    """--rename 'REGEX=REPL' rules, applied in order to '/'-joined keys."""
+    """--rename 'REGEX=REPL' rules, applied in order to joined key paths (keys_path)."""
     out = []
     for rule in rules:
         if "=" not in rule:
@@ -503,7 +514,7 @@ def flatten_value(
     share a list at many places or hold itself: values.SharedValueError (a
     CkptError) when it has no tree form within values.MAX_UNFOLDED objects.
     """
-    values.check_tree(value, "/".join(str(k) for k in keys) or None)
+    values.check_tree(value, join_keys(keys) or None)
     return _flatten(keys, value, tuples)
 
 

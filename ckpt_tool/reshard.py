@@ -47,6 +47,7 @@ from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
+from .names import key_text
 from .text import is_ascii_number
 from .topology import Topology, host_topology, named_topology
 from .formats.contract import WriterModule
@@ -451,7 +452,7 @@ class ReshardPlan:
     processes: list[ProcessLoad]
     checkpoint: Checkpoint = field(repr=False)
     write_plan: WritePlan = field(repr=False)
-    sources: dict[str, ArrayLeaf] = field(repr=False)
+    sources: dict[tuple[str, ...], ArrayLeaf] = field(repr=False)
     owners: list[int] = field(repr=False)  # the writing process of each chunk, in stream() order
     memory: int = DEFAULT_MEMORY  # the read scheduler's budget
 
@@ -701,7 +702,7 @@ def _plan_reshard(
         if not isinstance(target, TargetArray):
             targets.append(target)
             continue
-        leaf = sources[target.path]
+        leaf = sources[key_text(target.keys)]
         old, old_spec = _old_layout(leaf)
         if leaf.extra.get("value_type") == "np.ndarray":
             # a host numpy leaf was never on a mesh: copied as it is, restored as numpy
@@ -749,7 +750,7 @@ def _plan_reshard(
         lp = by_path[target.path]
         lp.chunks = target.layout.count(target.shape)
         itemsize = lp.itemsize
-        lc = _LeafChunks(sources[target.path])
+        lc = _LeafChunks(sources[key_text(target.keys)])
         touched: list[set[int]] = [set() for _ in range(process_count)]
         elements: int = math.prod(target.shape)
         if process_count == 1 and elements:

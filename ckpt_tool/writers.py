@@ -17,6 +17,7 @@ from typing import Any, Iterator, Protocol, Union
 import numpy as np
 
 from .model import ChunkLayout, Key, Region, Sharding
+from .names import join_keys
 
 
 @dataclass
@@ -33,7 +34,7 @@ class TargetArray:
 
     @property
     def path(self) -> str:
-        return "/".join(str(k) for k in self.keys)
+        return join_keys(self.keys)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class TargetValue:
 
     @property
     def path(self) -> str:
-        return "/".join(str(k) for k in self.keys)
+        return join_keys(self.keys)
 
 
 Target = Union[TargetArray, TargetValue]
