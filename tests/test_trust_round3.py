@@ -113,3 +113,98 @@ def test_the_library_diff_refuses_an_incomplete_side_too(tmp_path):
     a, b = ckpt_tool.open(str(FIXTURES / "dcp_multirank")), ckpt_tool.open(str(broken))
     with pytest.raises(IncompleteCheckpointError, match="B is incomplete: missing-file: __0_0.distcp"):
         diff_checkpoints(a, b)
+
+
+# -- item 3: `manifest write` never records damage as the reference -------------------------------
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+# (fixture, the file a bit flips in): safetensors and Orbax zarr carry no checksum of their own,
+# so only the manifest can tell; DCP's .metadata none either
+FLIPPED = [
+    ("safetensors_llama_sharded", "model-00004-of-00004.safetensors"),
+    ("orbax_plain_zarr2", "layers.0.w/0.0"),
+    ("dcp_single", ".metadata"),
+]
+
+
+@pytest.mark.parametrize("fixture, name", FLIPPED, ids=[row[0] for row in FLIPPED])
+def test_manifest_write_refuses_to_record_a_flipped_byte(tmp_path, fixture, name):
+    ckpt = _copy(tmp_path, fixture, "m")
+    (ckpt / "_reference.json").unlink(missing_ok=True)
+    assert run_ckpt("manifest", "write", str(ckpt)).returncode == 0
+    manifest = (ckpt / "integrity.json").read_bytes()
+    _flip(ckpt / name, (ckpt / name).stat().st_size - 10)
+    r = run_ckpt("manifest", "write", str(ckpt))
+    line = _one_error_line(r)
+    assert line.startswith(f"ckpt: error: {ckpt}/integrity.json: 1 file differs from the sha256 integrity.json "
+                           f"records (changed: {name}: sha256 "), line
+    assert "--rebaseline" in line, line
+    assert r.stdout.strip() == f"changed: {name}: sha256 " + line.split(f"changed: {name}: sha256 ")[1].split(")")[0]
+    # the reference is untouched: verify and validate --deep still find the damage
+    assert (ckpt / "integrity.json").read_bytes() == manifest
+    verify = run_ckpt("manifest", "verify", str(ckpt), "--json")
+    assert verify.returncode == 1 and ("digest-mismatch", name) in [
+        (f["code"], f["file"]) for f in json.loads(verify.stdout)["findings"]]
+    assert run_ckpt("validate", str(ckpt), "--deep").returncode == 1
+    # --rebaseline: the files as they are now are the reference, and it says what it accepted
+    r = run_ckpt("manifest", "write", str(ckpt), "--rebaseline", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["replaced"] == "ckpt's manifest" and [d.split(": ")[:2] for d in doc["rebaselined"]] == [["changed", name]]
+    assert run_ckpt("manifest", "verify", str(ckpt)).returncode == 0
+
+
+def test_manifest_write_names_each_cause_on_its_own_line(tmp_path):
+    """A file gone, a file changed (and its size), a file added: one line per file that differs,
+    on stdout before the error line (under error.details with --json); an added file is none."""
+    ckpt = _copy(tmp_path, "safetensors_llama_sharded", "m")
+    assert run_ckpt("manifest", "write", str(ckpt)).returncode == 0
+    (ckpt / "model-00001-of-00004.safetensors").unlink()
+    with open(ckpt / "model-00003-of-00004.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    (ckpt / "notes.txt").write_text("added later\n")
+    r = run_ckpt("manifest", "write", str(ckpt))
+    line = _one_error_line(r)
+    assert "2 files differ from the sha256 integrity.json records (listed above)" in line, line
+    lines = r.stdout.rstrip().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "  missing: model-00001-of-00004.safetensors: named by integrity.json, which records its sha256"
+    assert lines[1].startswith("  changed: model-00003-of-00004.safetensors: sha256 ") and \
+        "(8,680 bytes where it records 8,672)" in lines[1], lines[1]
+    r = run_ckpt("manifest", "write", str(ckpt), "--json")
+    error = json.loads(r.stdout)["error"]
+    assert r.returncode == 1 and error["code"] == "manifest-mismatch" and len(error["details"]) == 2, error
+    r = run_ckpt("manifest", "write", str(ckpt), "--rebaseline")
+    assert r.returncode == 0 and "(replaced ckpt's manifest; 1 file added since)" in r.stdout, r.stdout
+    assert r.stdout.count("  rebaselined ") == 2, r.stdout
+
+
+def test_an_unchanged_checkpoint_is_written_again_without_a_word(tmp_path):
+    ckpt = _copy(tmp_path, "dcp_single", "m")
+    assert run_ckpt("manifest", "write", str(ckpt)).returncode == 0
+    r = run_ckpt("manifest", "write", str(ckpt), "--tensors")  # (per-tensor digests added: no difference)
+    assert r.returncode == 0 and r.stdout.startswith(f"wrote {ckpt}/integrity.json: ") and \
+        r.stdout.rstrip().endswith("(replaced ckpt's manifest)"), r.stdout
+
+
+def test_megatrons_manifest_is_a_reference_too(tmp_path):
+    """--overwrite keeps its meaning (replace a manifest ckpt did not write); a file that differs
+    from what Megatron's own manifest records still takes --rebaseline."""
+    import hashlib
+
+    save = _copy(tmp_path, "megatron_torch_dist_tp2", "save")
+    (save / "_reference.json").unlink()
+    files = {e.name: hashlib.sha256(e.read_bytes()).hexdigest() for e in sorted(save.iterdir()) if e.is_file()}
+    (save / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=2))
+    _flip(save / "common.pt", 100)
+    line = _one_error_line(run_ckpt("manifest", "write", str(save), "--overwrite"))
+    assert "1 file differs from the sha256 integrity.json records (changed: common.pt: " in line, line
+    assert "ckpt" not in json.loads((save / "integrity.json").read_text())  # still Megatron's
+    r = run_ckpt("manifest", "write", str(save), "--overwrite", "--rebaseline", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["replaced"] == "another writer's manifest", r.stderr

@@ -33,24 +33,33 @@ def manifest_group() -> None:
               "changed byte is in; reads and decodes every chunk).")
 @click.option("--manifest", "manifest_file", metavar="FILE", help=_MANIFEST_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace a manifest ckpt did not write (Megatron's own).")
+@click.option("--rebaseline", is_flag=True, help="Record the files as they are now as the new reference, "
+              "even where they differ from the manifest there (without it, a file that changed or is gone "
+              "since that manifest was written makes the write refuse, naming each: the damage would "
+              "become the reference).")
 @click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="min(4, 2 x cores)",
               help="Files hashed in parallel.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @memory_option
-def write_command(ckpt: str, tensors: bool, manifest_file: str | None, overwrite: bool, workers: int, as_json: bool,
-                  memory: int) -> None:
+def write_command(ckpt: str, tensors: bool, manifest_file: str | None, overwrite: bool, rebaseline: bool,
+                  workers: int, as_json: bool, memory: int) -> None:
     """Hash every file of the checkpoint at CKPT and write its manifest (atomically; no other
-    file of the checkpoint is touched)."""
+    file of the checkpoint is touched). A manifest there already is the reference: a file it
+    names that changed or is gone is refused, one line each, unless --rebaseline."""
     out = Output(json_mode=as_json)
     with progress_for(out, "hashing") as progress:
-        result = write(ckpt, manifest=manifest_file, tensors=tensors, overwrite=overwrite, workers=workers,
-                       memory=memory, progress=progress)
+        result = write(ckpt, manifest=manifest_file, tensors=tensors, overwrite=overwrite, rebaseline=rebaseline,
+                       workers=workers, memory=memory, progress=progress)
     if as_json:
         out.json({"ok": True, "manifest": result.url, "files": result.files, "bytes": result.bytes,
-                  "tensors": result.tensors, "seconds": round(result.seconds, 3), "replaced": result.replaced})
+                  "tensors": result.tensors, "seconds": round(result.seconds, 3), "replaced": result.replaced,
+                  "rebaselined": list(result.rebaselined), "added": result.added})
         return
+    for line in result.rebaselined:  # what --rebaseline accepted, said before the line that wrote it
+        out.line(f"  rebaselined {esc(line)}")
     tensors_text = f", {plural(result.tensors, 'tensor')}" if result.tensors is not None else ""
-    replaced = f" (replaced {result.replaced})" if result.replaced else ""
+    added = f"; {plural(result.added, 'file')} added since" if result.added else ""
+    replaced = f" (replaced {result.replaced}{added})" if result.replaced else ""
     out.line(f"wrote {esc(result.url)}: sha256 of {plural(result.files, 'file')}{tensors_text}, "
              f"{human_bytes(result.bytes)} in {result.seconds:.1f} s ({human_rate(result.bytes, result.seconds)})"
              f"{replaced}")

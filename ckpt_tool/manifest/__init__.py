@@ -13,7 +13,10 @@ logical bytes), so one implementation serves every format and Megatron's own `in
 
 write() hashes (hashing.py) and writes atomically (a temporary file renamed over the final name;
 on S3/GCS one PUT), never over a manifest another writer made unless asked (`overwrite`), and
-never touches another file of the checkpoint. check_shallow() (no data read: names, sizes) and
+never touches another file of the checkpoint. A manifest already there is the reference: the
+digests just computed are compared with it (no second read), and a file it names that changed or
+is gone makes write() refuse (ManifestMismatchError, one line per file) unless `rebaseline`
+says the current state is the new reference; a file added since is no difference. check_shallow() (no data read: names, sizes) and
 check_digests() (every file hashed; per-tensor digests named when a file differs) report
 findings for `ckpt validate` and `ckpt manifest verify`; the core never prints (progress goes to
 a callback).
@@ -33,12 +36,12 @@ from ..storage import Storage
 from ..text import is_ascii_number
 from ..integrity import files
 from ..integrity.files import TMP_PREFIX, Location, at, check_shallow, checkpoint_files, read
-from ..integrity.hashing import hash_files
+from ..integrity.hashing import Hashed, hash_files
 from ..integrity.schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, render
 
 __all__ = [
-    "ALGORITHM", "FILE", "Location", "Manifest", "TensorDigest", "WriteResult", "at", "check_digests",
-    "check_shallow", "locate", "read", "write",
+    "ALGORITHM", "FILE", "Location", "Manifest", "ManifestMismatchError", "TensorDigest", "WriteResult", "at",
+    "check_digests", "check_shallow", "locate", "read", "write",
 ]
 
 
@@ -91,6 +94,27 @@ class WriteResult:
     tensors: int | None  # leaves digested (None: no --tensors)
     seconds: float
     replaced: str | None = None  # what was there before ("ckpt's manifest", "another writer's manifest")
+    # with rebaseline: how the files differed from the manifest replaced (one line per file)
+    rebaselined: tuple[str, ...] = ()
+    added: int = 0  # files the manifest replaced did not name (added since it was written)
+
+
+class ManifestMismatchError(CkptError):
+    """The checkpoint no longer matches the manifest `ckpt manifest write` would replace: the
+    damage (or a change) would become the reference. `details`: one line per file that differs."""
+
+    code = "manifest-mismatch"
+
+    def __init__(self, differences: list[str], label: str, where: str) -> None:
+        self.details = tuple(differences)
+        n = len(differences)
+        super().__init__(
+            f"{n} file{'s' * (n != 1)} differ{'s' * (n == 1)} from the sha256 {label} records "
+            f"({'listed above' if n > 1 else differences[0]}): damage, or a change since it was written; "
+            "refusing to make that the reference, nothing was written (--rebaseline records the files as they "
+            "are now)",
+            where,
+        )
 
 
 def write(
@@ -99,21 +123,24 @@ def write(
     manifest: str | None = None,
     tensors: bool = False,
     overwrite: bool = False,
+    rebaseline: bool = False,
     workers: int = 4,
     memory: int = 512 << 20,
     progress: Progress = no_progress,
 ) -> WriteResult:
     """Hash every file of the checkpoint at `path` and write its manifest (see the module docstring).
-    Pickles (--tensors opens the checkpoint) are unpickled within `memory`."""
+    A manifest there already is compared with the files first: ManifestMismatchError where one it
+    names changed or is gone, unless `rebaseline`. Pickles (--tensors opens the checkpoint) are
+    unpickled within `memory`."""
     from ..torchsave.pickle_budget import memory_budget
 
     with memory_budget(memory):
-        return _write(path, manifest=manifest, tensors=tensors, overwrite=overwrite, workers=workers,
-                      memory=memory, progress=progress)
+        return _write(path, manifest=manifest, tensors=tensors, overwrite=overwrite, rebaseline=rebaseline,
+                      workers=workers, memory=memory, progress=progress)
 
 
-def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, workers: int, memory: int,
-           progress: Progress) -> WriteResult:
+def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, rebaseline: bool, workers: int,
+           memory: int, progress: Progress) -> WriteResult:
     from .. import formats
     from ..version import __version__
 
@@ -121,12 +148,20 @@ def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, w
     loc = locate(path, manifest, create=True)
     if loc.single is None:
         formats.detect_one(loc.storage)  # a checkpoint ckpt reads, not any directory (one line otherwise)
-    replaced = _replaceable(loc, overwrite)
+    replaced, existing = _replaceable(loc, overwrite)
     names = checkpoint_files(loc)
     hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
     for h in hashed:
         if h.error is not None:
             raise CkptError(f"cannot be read to hash it: {h.error.message}", f"{loc.storage.url}/{h.name}")
+    differences: list[str] = []
+    added = 0
+    if existing is not None:
+        # before --tensors' digests (the expensive part): the reference is checked first
+        differences = _differences(existing, hashed, loc.label)
+        if differences and not rebaseline:
+            raise ManifestMismatchError(differences, loc.label, loc.url)
+        added = sum(1 for h in hashed if h.name not in existing.files) if existing.scope == TREE else 0
     digests: dict[str, TensorDigest] | None = None
     if tensors:
         digests = _digest_tensors(path, workers=workers, memory=memory, progress=progress)
@@ -134,29 +169,51 @@ def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, w
                   SINGLE if loc.single else TREE, digests, f"ckpt {__version__}")
     _write_atomic(loc.home, loc.name, data)
     return WriteResult(loc.url, len(hashed), sum(h.size for h in hashed), None if digests is None else len(digests),
-                       time.monotonic() - started, replaced)
+                       time.monotonic() - started, replaced, tuple(differences), added)
 
 
-def _replaceable(loc: Location, overwrite: bool) -> str | None:
-    """What the manifest's place holds now, when it may be replaced; DestinationExistsError when not."""
+def _replaceable(loc: Location, overwrite: bool) -> tuple[str | None, Manifest | None]:
+    """What the manifest's place holds now, when it may be replaced, and the manifest there (None:
+    none, or one that cannot be read); DestinationExistsError when it may not be replaced."""
     if not loc.present():
-        return None
+        return None, None
     try:
         existing = read(loc)
     except PathEscapeError:
         raise
     except CkptError as exc:
         if overwrite:
-            return "an unreadable manifest"
+            return "an unreadable manifest", None
         raise DestinationExistsError(f"holds a file that is not a manifest ckpt wrote ({exc.message}); "
                                      "--overwrite replaces it", loc.url) from None
     if existing.ours:
-        return "ckpt's manifest"
+        return "ckpt's manifest", existing
     if not overwrite:
         raise DestinationExistsError(
             f"holds a manifest of {len(existing.files)} files that ckpt did not write (Megatron's save wrote it, or "
             "another tool); `ckpt manifest verify` checks it as it is; --overwrite replaces it", loc.url)
-    return "another writer's manifest"
+    return "another writer's manifest", existing
+
+
+def _differences(existing: Manifest, hashed: list[Hashed], label: str) -> list[str]:
+    """How the files just hashed differ from the manifest there, one line per file it names that
+    changed or is gone (its own checks' words: what `verify` would report). Another writer's
+    manifest (Megatron's) is compared on the files it names, as its verifier does."""
+    now = {h.name: h for h in hashed}
+    out = []
+    for name in sorted(existing.files):
+        want = existing.files[name]
+        h = now.get(name)
+        if h is None:
+            out.append(f"missing: {name}: named by {label}, which records its sha256")
+        elif h.digest != want:
+            size = ""
+            recorded = existing.sizes.get(name) if existing.sizes else None
+            if recorded is not None and recorded != h.size:
+                size = f" ({h.size:,} bytes where it records {recorded:,})"
+            out.append(f"changed: {name}: sha256 {(h.digest or '')[:16]}... differs from {label}'s "
+                       f"{want[:16]}...{size}")
+    return out
 
 
 def _digest_tensors(path: str, *, workers: int, memory: int, progress: Progress) -> dict[str, TensorDigest]:
