@@ -43,6 +43,7 @@ from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
     plan_conversion, plans_stored_copy,
 )
+from .arrays.schema import MAX_JSON_BYTES
 from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
@@ -59,6 +60,12 @@ if TYPE_CHECKING:  # the interface only: distributed is imported by the commands
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
 _TARGET_DATA_FILE_SIZE = 2**31
 _GCS_TARGET_DATA_FILE_SIZE = 400 * 2**20
+
+# The most devices a mesh may have. Every output array's `_sharding` lists each device id (orbax's
+# device_mesh), so the plan and the metadata grow with the device count: --devices 1000000000 on a
+# 3 KB checkpoint once spent 8 GB on ids before failing. 2**20 is far above any job jax runs (the
+# largest TPU pods are thousands of chips), and a mesh of that many still plans in well under a second.
+MAX_MESH_DEVICES = 2**20
 
 # a partition spec as planned here: one entry per dimension, each the tuple of
 # mesh axes that dimension is split over (empty: not split)
@@ -135,6 +142,11 @@ def parse_mesh(text: str) -> list[tuple[str, int]]:
         if name in (a for a, _ in axes):
             raise UsageError(f"--mesh: axis {name!r} is named twice")
         axes.append((name, int(size)))
+    total = math.prod(s for _, s in axes)
+    if total > MAX_MESH_DEVICES:
+        # refused before anything per device is built: the ids alone would outgrow any memory bound
+        raise UsageError(f"--mesh {text} has {total:,} devices, over ckpt's limit of {MAX_MESH_DEVICES:,} "
+                         "(every array's _sharding lists each device id)")
     return axes
 
 
@@ -142,6 +154,9 @@ def mesh_for_devices(axes: Sequence[tuple[str, int]], devices: int, process_coun
     """A mesh over `devices` hypothetical devices (ids 0..N-1), process-major:
     process p owns devices [p*N/P, (p+1)*N/P) of the flattened mesh."""
     names, shape = tuple(a for a, _ in axes), tuple(s for _, s in axes)
+    if devices > MAX_MESH_DEVICES:
+        raise UsageError(f"--devices {devices:,} is over ckpt's limit of {MAX_MESH_DEVICES:,} devices "
+                         "(every array's _sharding lists each device id)")
     if math.prod(shape) != devices:
         raise UsageError(f"--mesh {_fmt_axes(axes)} has {math.prod(shape)} devices but --devices is {devices}")
     if devices % process_count:
@@ -741,6 +756,7 @@ def _plan_reshard(
         )
         targets.append(replace(target, layout=RegularGrid(lp.chunk_shape), sharding=sharding))
 
+    _check_sharding_size(mesh, sum(lp.placement == "mesh" and not lp.error for lp in leaves))
     plan = WritePlan(targets, info=dict(base.info, mesh=mesh.to_json()), tuples=base.tuples)
     by_path = {lp.path: lp for lp in leaves}
     owners: list[int] = []
@@ -782,6 +798,20 @@ def _plan_reshard(
         str(source if isinstance(source, str) else src.path), destination, src.format, mesh, process_count,
         leaves, values, skipped, loads, src, plan, sources, owners, opts.memory,
     )
+
+
+def _check_sharding_size(mesh: DeviceMesh, arrays: int) -> None:
+    """Refuse a layout whose `_sharding` would outgrow what a reader accepts of a metadata file: it
+    lists every device id once per array on the mesh, as a JSON string (`{\\"id\\": 7}, `, 12 bytes
+    and the digits each). A million devices over 15 arrays wrote 282 MB that no reader would open."""
+    if not arrays:
+        return
+    per_array = sum(len(str(i)) for i in mesh.device_ids) + 12 * mesh.size
+    if arrays * per_array > MAX_JSON_BYTES:
+        raise CkptError(
+            f"{arrays} arrays on a mesh of {mesh.size:,} devices make a _sharding of about {arrays * per_array:,} bytes "
+            f"(each array lists every device id), over the {MAX_JSON_BYTES:,} a metadata file may have; "
+            "lay out for fewer devices, or fewer arrays (--select/--exclude)")
 
 
 # -- running it ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 
 import base64
+import functools
 import json
 import math
 import threading
@@ -278,14 +279,29 @@ def _serialize_sharding(sharding: Sharding | None, rank: int, where: str) -> str
         "partition_spec": [list(p) if isinstance(p, (tuple, list)) else p for p in spec],
     }
     if sharding.device_ids is not None:
-        ids = [int(i) for i in sharding.device_ids]
-        if len(ids) != math.prod(sharding.mesh_shape):
+        if len(sharding.device_ids) != math.prod(sharding.mesh_shape):
             raise CkptError(
-                f"mesh {list(sharding.mesh_shape)} needs {math.prod(sharding.mesh_shape)} device ids, got {len(ids)}", where
+                f"mesh {list(sharding.mesh_shape)} needs {math.prod(sharding.mesh_shape)} device ids, "
+                f"got {len(sharding.device_ids)}", where
             )
-        grid = np.array([{"id": i} for i in ids], dtype=object).reshape(tuple(sharding.mesh_shape))
-        data["device_mesh"] = {"mesh": grid.tolist()}
+        return json.dumps(data)[:-1] + ', "device_mesh": {"mesh": ' + \
+            _device_mesh_text(tuple(sharding.device_ids), tuple(sharding.mesh_shape)) + "}}"
     return json.dumps(data)
+
+
+@functools.lru_cache(maxsize=2)
+def _device_mesh_text(ids: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """The text json.dumps gives the nested lists of {"id": i} over the mesh, spelled without a dict
+    per device, once per mesh (every array of a reshard shares it): a mesh of a million devices took
+    250 MB and a second per array as objects."""
+    grid = np.asarray(ids, dtype=np.int64).reshape(shape)
+    return _grid_text(grid)
+
+
+def _grid_text(grid: np.ndarray) -> str:
+    if grid.ndim > 1:
+        return "[" + ", ".join(_grid_text(row) for row in grid) + "]"
+    return '[{"id": ' + ", ".join(map(str, grid.tolist())).replace(", ", '}, {"id": ') + "}]"
 
 
 def _check_tree(leaves: list[_Leaf]) -> None:
