@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -10,6 +10,7 @@ from .. import formats
 from ..errors import short_repr
 from ..inspect import InspectResult, inspect_checkpoint
 from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
+from ..names import escape_key
 from . import opened as opened_step
 from ..text import printable
 from .helptext import formats_read
@@ -135,43 +136,54 @@ def _flat_lines(result: InspectResult) -> list[str]:
     return [f"{esc(path.ljust(width))}  {_leaf_text(leaf, result)}" for path, leaf in zip(shown, result.leaves)]
 
 
+class _TreeNode:
+    """One key of the tree view: the leaves with these keys, and the subtree below it (a key may
+    be both: the safetensors tensors `a` and `a.b` are the leaf `a` and the leaf `a/b`)."""
+
+    __slots__ = ("key", "leaves", "children")
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.leaves: list[Leaf] = []
+        self.children: dict[str, _TreeNode] = {}
+
+
 def _tree(result: InspectResult, depth: int | None) -> Node:
-    root: dict[Key, Any] = {}
+    # keyed by each key's escaped text (names.escape_key), the one spelling --filter reads too
+    root = _TreeNode("")
     for leaf in result.leaves:
         node = root
         for k in leaf.keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):  # a leaf and a subtree share a key: keep both visible
-                break
-        node[leaf.keys[-1] if leaf.keys else "(root)"] = leaf
+            node = node.children.setdefault(escape_key(k), _TreeNode(k))
+        last: Key = leaf.keys[-1] if leaf.keys else "(root)"
+        label = escape_key(last) if leaf.keys else "(root)"
+        node.children.setdefault(label, _TreeNode(last)).leaves.append(leaf)
 
-    def build(tree: dict[Key, Any], level: int) -> list[Node]:
+    def build(tree: dict[str, _TreeNode], level: int) -> list[Node]:
         nodes = []
-        for key in sorted(tree, key=lambda k: (isinstance(k, str), _natural(k))):
-            value = tree[key]
-            if isinstance(value, dict):
-                label = f"[bold]{esc(key)}[/bold]"
-                if depth is not None and level >= depth:
-                    leaves = list(_iter_leaves(value))
-                    nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, ArrayLeaf))
-                    nodes.append(Node(f"{label}  [dim]... {plural(len(leaves), 'leaf', 'leaves')}, {human_bytes(nbytes)}[/dim]"))
-                else:
-                    nodes.append(Node(label, build(value, level + 1)))
+        for label, child in sorted(tree.items(), key=lambda kv: (isinstance(kv[1].key, str), _natural(kv[1].key))):
+            for leaf in child.leaves:
+                nodes.append(Node(f"{esc(label)}  {_leaf_text(leaf, result)}"))
+            if not child.children:
+                continue
+            bold = f"[bold]{esc(label)}[/bold]"
+            if depth is not None and level >= depth:
+                leaves = list(_iter_leaves(child.children))
+                nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, ArrayLeaf))
+                nodes.append(Node(f"{bold}  [dim]... {plural(len(leaves), 'leaf', 'leaves')}, {human_bytes(nbytes)}[/dim]"))
             else:
-                nodes.append(Node(f"{esc(key)}  {_leaf_text(value, result)}"))
+                nodes.append(Node(bold, build(child.children, level + 1)))
         return nodes
 
     s = result.summary
-    return Node(f"[bold]{plural(s['leaves'], 'leaf', 'leaves')}[/bold]", build(root, 1))
+    return Node(f"[bold]{plural(s['leaves'], 'leaf', 'leaves')}[/bold]", build(root.children, 1))
 
 
 def _natural(key: Key) -> Any:
     return (0, key, "") if isinstance(key, int) else (1, 0, key)
 
 
-def _iter_leaves(tree: dict[Key, Any]):
-    for value in tree.values():
-        if isinstance(value, dict):
-            yield from _iter_leaves(value)
-        else:
-            yield value
+def _iter_leaves(tree: dict[str, _TreeNode]) -> Iterator[Leaf]:
+    for node in tree.values():
+        yield from node.leaves
+        yield from _iter_leaves(node.children)

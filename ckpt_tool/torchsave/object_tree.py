@@ -78,9 +78,13 @@ def tensor_holders(obj: Any, *, everywhere: bool = False) -> set[int]:
 
 
 def _is_subtree(value: Any, holders: set[int]) -> bool:
-    """A dict of str and int keys, or a list or tuple holding a tensor (at any depth)."""
+    """A dict of str and int keys, no two of them the same text, or a list or tuple holding a
+    tensor (at any depth)."""
     if isinstance(value, dict):
-        return bool(value) and all(type(k) in (str, int) for k in value)
+        # {0: a, "0": b} stays one value: as a subtree its two children would share the key path
+        # `0` (a key is its text: names.key_text), and every output but a pickle would hold one
+        return (bool(value) and all(type(k) in (str, int) for k in value)
+                and (all(type(k) is str for k in value) or len({str(k) for k in value}) == len(value)))
     return isinstance(value, (list, tuple)) and bool(value) and id(value) in holders
 
 

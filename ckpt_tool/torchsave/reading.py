@@ -38,6 +38,7 @@ from ..checksum import crc32
 from ..errors import CkptError, CorruptMetadataError
 from ..formats.contract import ArrayReader
 from ..model import ArrayLeaf, Key, Leaf, Region, RegularGrid, ValueLeaf, constant_loader, memory_leaf
+from ..names import key_text
 from ..storage import Storage
 from ..values import SameObject
 from . import object_tree
@@ -314,12 +315,14 @@ def split_keys(paths: list[tuple[Key, ...]]) -> list[tuple[Key, ...]] | None:
     out = [tuple(p for k in path for p in (k.split(".") if isinstance(k, str) else (k,))) for path in paths]
     if out == paths:
         return out
-    seen = set(out)
+    # compared as text (names.key_text): a list's `l/0` and a split `l.0` are one key path
+    seen = {key_text(p) for p in out}
     if len(seen) != len(out):
         return None
     for path in out:
+        text = key_text(path)
         for n in range(1, len(path)):
-            if path[:n] in seen:
+            if text[:n] in seen:
                 return None
     return out
 

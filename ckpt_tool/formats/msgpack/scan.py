@@ -104,6 +104,8 @@ class _Frame:
     end: int | None = None  # an ext 4 payload must end exactly here
     key: Any = field(default=None)
     want_key: bool = False
+    # a map's keys so far: a key met twice is refused (msgpack_restore keeps the last value only)
+    seen: set[str] | None = None
 
 
 class _Reader:
@@ -226,6 +228,16 @@ def _scan(r: _Reader, end: int) -> Node:
             top = stack[-1]
             if isinstance(top.node, MapNode) and top.want_key:
                 top.key = _as_key(value, r, at)
+                if top.seen is None:
+                    top.seen = set()
+                if top.key in top.seen:
+                    # flax's and orbax's msgpack_restore build a dict: the earlier value would be lost
+                    # without a word, and two leaves would share one key path here
+                    raise CorruptMetadataError(
+                        f"map key {top.key!r} at byte {at} appears twice in one map: flax and orbax keep "
+                        "only its last value", r.where(),
+                    )
+                top.seen.add(top.key)
                 top.want_key = False
                 top.remaining -= 1
                 break
