@@ -45,6 +45,7 @@ CODES: dict[str, str] = {
     "non-finite": "a float array holding NaN or Inf values (--deep)",
     "no-steps": "a CheckpointManager root with no committed step",
     "stale-temporary": "a temporary output (.NAME.ckpt-tmp-*) of a ckpt convert/reshard whose run is gone (warning)",
+    "incomplete-save": "a convert/reshard to an object store that has not committed (its owner record .ckpt-owner.json is there: killed, or still writing)",
     "digest-mismatch": "a file (or, with per-tensor digests, a tensor) whose sha256 differs from its integrity manifest's (--deep, manifest verify)",
     "size-mismatch": "a file whose size differs from the one its integrity manifest records",
     "unlisted-file": "a file of the checkpoint its integrity manifest does not name: added later, not protected by it (warning)",

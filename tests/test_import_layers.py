@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("machinery", ("torchsave", "arrays", "distcp", "integrity")),
     ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
-    ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "hf_export")),
+    ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "output_remote", "hf_export")),
     ("operations", ("runs", "engine", "diff", "reshard")),
     ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
     ("cli", ("cli", "__main__")),

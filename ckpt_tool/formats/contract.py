@@ -385,6 +385,23 @@ class WriterModule:
         return None if hook is None else hook(destination, target, zarr3)
 
     @property
+    def OUTPUT_ENTRIES(self) -> tuple[str, ...] | None:  # noqa: N802 - the module's own name for it
+        """Name globs of the top-level entries (files and directories) a convert to this format
+        creates in DST, its own temporary files included (DCP's `.ckpt-entries.N`): on an object
+        store the owner record names them, and a later `--overwrite` removes exactly the keys
+        under them. Default: None (the format's registry claims and parts)."""
+        value = getattr(self.module, "OUTPUT_ENTRIES", None)
+        return tuple(value) if value is not None else None
+
+    @property
+    def COMMIT_MARKERS(self) -> tuple[str, ...]:  # noqa: N802 - the module's own name for it
+        """Name globs of the top-level files the writer's commit() writes last, whose presence
+        makes the output a complete checkpoint for the format's loaders (Orbax's
+        commit_success.txt): on an object store, which has no rename, they are the commit, and a
+        save being removed loses them first. Default: none."""
+        return tuple(getattr(self.module, "COMMIT_MARKERS", ()))
+
+    @property
     def KEEPS_ANY_STR(self) -> bool:  # noqa: N802 - the module's own name for it
         """It stores any str as a name or string value, lone surrogates too (DCP's pickle). Default:
         False: a name or string that is not Unicode text is refused (it would be written as UTF-8)."""

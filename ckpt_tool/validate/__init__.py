@@ -311,6 +311,16 @@ def _validate_one(
 
         refuse_file(path, formats.registered(), command="validate")  # a file inside a checkpoint, or one ckpt does not read
     storage = Storage.open(single[0] if single else path)
+    incomplete = None
+    if single is None:
+        # an owner record of ckpt's at the root: a convert/reshard to an object store wrote here and
+        # has not committed (killed, or still writing), whatever its files read as
+        from ..output import OWNER_FILE
+        from ..output_remote import incomplete_save
+
+        incomplete = incomplete_save(storage)
+        if incomplete is not None:
+            findings.error("incomplete-save", incomplete, file=OWNER_FILE)
     try:
         if single is None:
             info = formats.get(detect_one(storage).NAME)
@@ -345,6 +355,10 @@ def _validate_one(
     except UsageError:
         raise  # the command line's problem (--step abc), not a finding about the checkpoint
     except CkptError as exc:
+        if fmt is None and incomplete is not None:
+            # what a killed save left may not read as any format yet: the record says what it is
+            raise_if_unavailable(since=storage.opened_at)
+            return ValidationReport(storage.url, None, findings.items, findings.checked, deep)
         if fmt is None:
             raise  # not a checkpoint at all: one error line, like inspect
         findings.error("bad-metadata", exc.message, file=exc.where)

@@ -920,6 +920,10 @@ def _describe(key: tuple[str, int | None]) -> str:
 # torch's traversal stops at a tuple: it is one bytes item, gathered from the
 # element leaves an Orbax source gives (gathered_value)
 TUPLES_AS_VALUES = True
+# what a convert writes at DST's top level (the other processes' entry sidecars included, which
+# commit() deletes), and the one file torch's load needs, written last: on an object store the commit
+OUTPUT_ENTRIES = (METADATA_FILE, "*.distcp", SIDECAR_PREFIX + "*")
+COMMIT_MARKERS = (METADATA_FILE,)
 KEEPS_ANY_STR = True  # names and strings are pickled str (surrogatepass): torch's load gives back any, lone surrogates too
 
 _SIMPLE = (int, float, bool, str, type(None))

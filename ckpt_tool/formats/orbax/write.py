@@ -914,6 +914,11 @@ def _fmt_region(region: Region) -> str:
 # -- what the engine asks the format (writers.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False  # a tuple is a pytree node: its elements are leaves, the tuple is recorded
+# what a convert writes at DST's top level (the layout above), and the files written last that
+# make it a checkpoint orbax restores: on an object store, which has no rename, they are the commit
+OUTPUT_ENTRIES = (ob.TREE_METADATA, ob.SHARDING, ob.STRINGS, ob.CHECKPOINT_METADATA, ob.COMMIT_MARKER,
+                  "manifest.ocdbt", "d", "ocdbt.process_*", ARRAY_METADATAS)
+COMMIT_MARKERS = (ob.CHECKPOINT_METADATA, ob.COMMIT_MARKER)
 
 
 def make_writer(storage: Storage, *, memory: int, zarr3: bool = False, **_: Any) -> OrbaxWriter:

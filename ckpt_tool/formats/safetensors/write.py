@@ -390,6 +390,9 @@ def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where
 # -- what the engine asks the format (writers.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False  # a tuple's arrays are tensors of their own
+# the index a sharded set's loaders open first, written last (one file is whole once stored); what
+# a convert writes at DST's top level is the format's claims and parts (its files, the model's beside)
+COMMIT_MARKERS = (INDEX_FILE,)
 
 
 def make_writer(storage: Storage, *, max_shard_size: int | None = None, **_: Any) -> SafetensorsWriter:

@@ -603,6 +603,10 @@ def _check_plan(plan: WritePlan, leaves: list[Any], where: str) -> None:
 # -- what the engine asks the format (writers.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False
+# what a convert writes at DST's top level: the pointer, written last (what DeepSpeed's load reads
+# first: on an object store the commit), and the step directory it names ("<tag>_universal")
+OUTPUT_ENTRIES = (u.LATEST, "*_universal")
+COMMIT_MARKERS = (u.LATEST,)
 
 
 def make_writer(storage: Storage, **_: Any) -> UniversalWriter:

@@ -1,0 +1,275 @@
+"""Commit on an object store (issue 43 item 5): the owner record, markers last, kills and races.
+
+Against real servers on 127.0.0.1 that the tests start: the Go fake-gcs-server (gs://) and moto
+(s3://). A convert to an object store writes in place (there is no rename), so:
+
+- its owner record `DST/.ckpt-owner.json` goes first, created with a precondition (GCS
+  `ifGenerationMatch=0`, S3 `If-None-Match: *`), and is deleted after the commit markers;
+- a run killed midway leaves the record: `validate` says `incomplete-save` naming the run, and
+  the next `--overwrite` removes exactly the keys the record says the run wrote (a user's object
+  under DST stays);
+- a second writer fails at once naming the first, and touches nothing of its.
+
+fake-gcs-server 1.54 ignores ifGenerationMatch on uploadType=media uploads (the only upload
+tensorstore makes; its multipart and resumable paths do check it): the GCS tests check that ckpt
+asks for the precondition (the server's request log), and the simultaneous race runs on S3,
+where moto enforces If-None-Match.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (
+    ROOT,
+    fake_gcs_serving,
+    fixture_path,
+    gcs_create_bucket,
+    moto_s3_serving,
+    run_ckpt,
+    s3_client,
+)
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "ckpt-commit"
+OWNER = ".ckpt-owner.json"
+SRC = str(fixture_path("dcp_single"))
+
+
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def _gcs_keys(endpoint: str, prefix: str) -> list[str]:
+    q = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=10) as r:
+        return sorted(item["name"] for item in json.load(r).get("items", []))
+
+
+def _gcs_get(endpoint: str, name: str) -> bytes:
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media",
+                                timeout=10) as r:
+        return r.read()
+
+
+def _gcs_put(endpoint: str, name: str, data: bytes) -> None:
+    req = urllib.request.Request(
+        f"{endpoint}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={urllib.parse.quote(name, safe='')}",
+        data=data, method="POST", headers={"Content-Type": "application/octet-stream"})
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("gcs") / "requests.log"
+    with fake_gcs_serving(log=log) as env:
+        gcs_create_bucket(env["CKPT_TEST_GCS"], BUCKET)
+        yield {**env, "_log": str(log)}
+
+
+def _env(gcs: dict) -> dict:
+    return {k: v for k, v in gcs.items() if not k.startswith("_")}
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A safetensors file of 192 MiB in 48 tensors: a convert of it to gs:// in 4 MiB shards
+    takes long enough to be killed midway."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("big") / "model.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({f"layer{i:02d}.weight": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(48)},
+              str(path))
+    return str(path)
+
+
+def test_a_convert_to_gs_commits_and_leaves_no_record(gcs):
+    endpoint = gcs["CKPT_TEST_GCS"]
+    dst = f"gs://{BUCKET}/plain/dcp"
+    r = run_ckpt("convert", SRC, dst, "--to", "dcp", env=_env(gcs))
+    assert r.returncode == 0, r.stderr
+    keys = _gcs_keys(endpoint, "plain/dcp/")
+    assert "plain/dcp/.metadata" in keys and f"plain/dcp/{OWNER}" not in keys, keys
+    assert run_ckpt("validate", dst, env=_env(gcs)).returncode == 0
+    # the record was created with the precondition that only one writer gets it
+    log = Path(gcs["_log"]).read_text()
+    created = [line for line in log.splitlines() if "name=plain%2Fdcp%2F.ckpt-owner.json" in line]
+    assert created and all("ifGenerationMatch=0" in line for line in created), created
+
+
+def _kill_midway(argv: list[str], env: dict, ready) -> None:  # noqa: ANN001 - ready: () -> bool
+    """Start `ckpt argv`, SIGKILL it once `ready()` holds (it must not have finished by then)."""
+    full = {**os.environ, **env}
+    full.pop("CKPT_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *argv], env=full, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    try:
+        while not ready():
+            assert proc.poll() is None, ("finished before it could be killed", proc.communicate())
+            assert time.time() < deadline, "never got midway"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_a_convert_to_gs_killed_midway_is_an_incomplete_save_that_overwrite_cleans(gcs, big_source):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "killed/st"
+    dst = f"gs://{BUCKET}/{prefix}"
+
+    def midway() -> bool:
+        keys = _gcs_keys(endpoint, prefix + "/")
+        return sum(k.endswith(".safetensors") for k in keys) >= 3
+
+    _kill_midway(["convert", big_source, dst, "--to", "safetensors", "--max-shard-size", "4MiB"], env, midway)
+    keys = _gcs_keys(endpoint, prefix + "/")
+    assert f"{prefix}/{OWNER}" in keys and not any(k.endswith(".index.json") for k in keys), keys
+    record = json.loads(_gcs_get(endpoint, f"{prefix}/{OWNER}"))
+    assert record["format"] == "safetensors" and record["tool"] == "ckpt", record
+    # a user's object arrives under the prefix meanwhile
+    _gcs_put(endpoint, f"{prefix}/notes.txt", b"my notes")
+
+    r = run_ckpt("validate", dst, "--json", env=env)
+    assert r.returncode == 1, r.stderr
+    report = json.loads(r.stdout)
+    codes = {f["code"]: f for f in report["findings"]}
+    assert "incomplete-save" in codes, report
+    msg = codes["incomplete-save"]["message"]
+    assert f"pid {record['pid']}" in msg and "no longer running" in msg and "--overwrite" in msg, msg
+    assert codes["incomplete-save"]["file"] == OWNER
+
+    # without --overwrite: one line naming the killed run, nothing touched
+    line = _one_line(run_ckpt("convert", SRC, dst, "--to", "dcp", env=env))
+    assert "incomplete save of ckpt's" in line and f"pid {record['pid']}" in line and "--overwrite" in line, line
+    assert _gcs_keys(endpoint, prefix + "/") == keys + [f"{prefix}/notes.txt"] or \
+        sorted(keys + [f"{prefix}/notes.txt"]) == _gcs_keys(endpoint, prefix + "/")
+
+    # --overwrite removes exactly what the record says the run wrote; the user's object stays, and a
+    # prefix holding it is refused as a directory holding other files is
+    r = run_ckpt("convert", SRC, dst, "--to", "dcp", "--overwrite", env=env)
+    line = _one_line(r)
+    assert "notes.txt" in line and "refusing" in line and "removed the incomplete save" in line, line
+    assert _gcs_keys(endpoint, prefix + "/") == [f"{prefix}/notes.txt"]
+    assert _gcs_get(endpoint, f"{prefix}/notes.txt") == b"my notes"
+
+
+def test_overwrite_of_a_killed_save_then_writes_a_complete_checkpoint(gcs, big_source):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "killed2/orbax"
+    dst = f"gs://{BUCKET}/{prefix}"
+
+    def midway() -> bool:
+        return len(_gcs_keys(endpoint, prefix + "/")) >= 3
+
+    _kill_midway(["convert", big_source, dst, "--to", "dcp", "--chunk-mb", "1"], env, midway)
+    assert f"{prefix}/{OWNER}" in _gcs_keys(endpoint, prefix + "/")
+    assert run_ckpt("validate", dst, env=env).returncode == 1
+    r = run_ckpt("convert", SRC, dst, "--to", "orbax", "--overwrite", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "removed the incomplete save" in r.stdout + r.stderr
+    keys = _gcs_keys(endpoint, prefix + "/")
+    assert f"{prefix}/{OWNER}" not in keys and not any(k.endswith(".distcp") for k in keys), keys
+    assert run_ckpt("validate", dst, "--deep", env=env).returncode == 0
+
+
+def test_a_second_writer_fails_at_once_naming_the_first_and_touches_nothing(gcs, big_source):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "race/st"
+    dst = f"gs://{BUCKET}/{prefix}"
+    full = {**os.environ, **env}
+    first = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, dst, "--to", "safetensors",
+                              "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while f"{prefix}/{OWNER}" not in _gcs_keys(endpoint, prefix + "/"):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.02)
+        # paused, so that it is surely still writing (alive, its record there) while the others try
+        first.send_signal(signal.SIGSTOP)
+        before = _gcs_keys(endpoint, prefix + "/")
+        for overwrite in ([], ["--overwrite"]):
+            started = time.monotonic()
+            line = _one_line(run_ckpt("convert", SRC, dst, "--to", "dcp", *overwrite, env=env))
+            assert f"pid {first.pid}" in line and "another ckpt is writing this destination" in line, line
+            assert time.monotonic() - started < 30
+        assert _gcs_keys(endpoint, prefix + "/") == before
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err
+    finally:
+        if first.poll() is None:
+            first.kill()
+    keys = _gcs_keys(endpoint, prefix + "/")
+    assert f"{prefix}/{OWNER}" not in keys and not any(k.endswith(".distcp") for k in keys), keys
+    assert run_ckpt("validate", dst, env=env).returncode == 0
+
+
+# -- S3 (moto enforces If-None-Match: the race itself) -----------------------------------------
+
+
+def test_two_converts_racing_to_one_s3_prefix_exactly_one_wins(tmp_path):
+    bucket = "ckpt-commit-race"
+    with moto_s3_serving(bucket, []) as env:
+        dst = f"s3://{bucket}/race/dcp"
+        full = {**os.environ, **env}
+        full.pop("CKPT_DEBUG", None)
+        results: list[subprocess.CompletedProcess] = [None, None]  # type: ignore[list-item]
+
+        def run(i: int) -> None:
+            results[i] = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", SRC, dst, "--to", "dcp"],
+                                        env=full, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(r.returncode for r in results)
+        assert codes == [0, 1], [(r.returncode, r.stderr) for r in results]
+        loser = next(r for r in results if r.returncode == 1)
+        line = _one_line(loser)
+        assert ("another ckpt is writing this destination" in line or "destination appeared" in line
+                or "destination exists" in line), line
+        assert run_ckpt("validate", dst, env=env).returncode == 0
+        s3 = s3_client(env["AWS_ENDPOINT_URL"])
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="race/")["Contents"]]
+        assert f"race/dcp/{OWNER}" not in keys, keys
+
+
+def test_the_s3_record_is_created_only_where_none_is(tmp_path):
+    """moto answers If-None-Match: * with 412 where the record exists: a run that finds one
+    in its way fails naming it; a record of a dead run is an incomplete save."""
+    bucket = "ckpt-commit-s3"
+    with moto_s3_serving(bucket, []) as env:
+        s3 = s3_client(env["AWS_ENDPOINT_URL"])
+        record = {"tool": "ckpt", "destination": f"s3://{bucket}/w", "host": os.uname().nodename, "pid": 2**22 + 7,
+                  "pid_start": None, "boot_id": None, "machine_id": None, "started": time.time(), "run": "ab" * 16,
+                  "format": "dcp", "writes": [".metadata", "*.distcp"], "markers": [".metadata"],
+                  "updated": time.time()}
+        s3.put_object(Bucket=bucket, Key=f"w/{OWNER}", Body=json.dumps(record).encode())
+        s3.put_object(Bucket=bucket, Key="w/__0_0.distcp", Body=b"partial")
+        line = _one_line(run_ckpt("convert", SRC, f"s3://{bucket}/w", "--to", "dcp", env=env))
+        assert "incomplete save of ckpt's" in line and "pid 4194311" in line, line
+        r = run_ckpt("convert", SRC, f"s3://{bucket}/w", "--to", "orbax", "--overwrite", env=env)
+        assert r.returncode == 0, r.stderr
+        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="w/")["Contents"])
+        assert "w/__0_0.distcp" not in keys and f"w/{OWNER}" not in keys and "w/commit_success.txt" in keys, keys
