@@ -577,7 +577,8 @@ def _prepare_remote(source: str, destination: str, *, overwrite: bool) -> Output
             raise verdict.exists_error(destination)
         if not verdict.replaceable:
             raise verdict.refusal(destination)
-        dst.delete_all()
+        for key in keys:  # the keys judged, one by one: never a prefix-wide delete (see output_remote.py)
+            dst.delete(key)
         return OutputDir(destination, destination, None, notes=[verdict.replaced(destination)])
     return OutputDir(destination, destination, None)
 
