@@ -22,9 +22,10 @@ safe, in the roles output.py's temporary directory plays on a local disk:
   written on another host less than ABANDONED_AFTER ago, is never taken over. Replacing a
   complete checkpoint deletes the keys listed when it was judged (its claimed files first), never
   a prefix-wide range.
-* A run that fails (an error, Ctrl-C, SIGTERM) removes what it wrote and then its record; a run
-  that another took over (its record's generation changed) writes no commit marker and deletes
-  nothing.
+* A run that fails (an error, Ctrl-C, SIGTERM) removes what it wrote and then its record (one
+  process; a multi-process run leaves both, since its other processes may still be writing); a
+  run that another took over (its record's generation changed) writes no commit marker and
+  deletes nothing.
 
 The core never prints: what was removed comes back as lines in OutputDir.notes.
 """
@@ -37,7 +38,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from . import strict_json
 from .errors import CkptError, DestinationExistsError, StorageUnavailableError
 from .output import (
     ABANDONED_AFTER,
@@ -106,7 +106,7 @@ class Record:
 def parse_record(data: bytes) -> Record | None:
     """The record in an owner object's bytes, or None when they are not one of ckpt's."""
     try:
-        doc = strict_json.loads(data.decode("utf-8"))
+        doc = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         return None
     owner = Owner.from_json(doc)
@@ -181,6 +181,7 @@ class RemoteOutput(OutputDir):
     record: bytes = b""
     generation: bytes | None = None  # our record's generation (the primary, while it holds it)
     parsed: Record | None = None
+    shared: bool = False  # several processes write it (a failed run's keys then stay, with the record)
 
 
 def is_remote(destination: str) -> bool:
@@ -194,7 +195,7 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
     format written (what the record says the run writes)."""
     if not is_remote(destination) or writes is None:
         return _prepare_local(source, destination, overwrite=overwrite, shared_name=shared_name, primary=primary)
-    out = RemoteOutput(destination, destination, None)
+    out = RemoteOutput(destination, destination, None, shared=shared_name)
     if not primary:  # the primary claims DST for every process, before any of them writes
         return out
     storage = Storage.create(destination)
@@ -233,8 +234,12 @@ def _claim(out: RemoteOutput, owner: _OwnerObject) -> None:
     """Create the record if no one has; a race lost is one line naming the winner."""
     gen = owner.write_if(out.record, _no_value())
     if gen is None:
-        data, _ = owner.read()
-        raise _busy(out.destination, parse_record(data) if data else None)
+        data, held = owner.read()
+        record = parse_record(data) if data else None
+        if record is None or record.run != out.run:
+            raise _busy(out.destination, record)
+        # ours after all: a retried create whose first attempt the store had applied (its answer lost)
+        gen = held
     out.generation = gen
 
 
@@ -343,6 +348,11 @@ def discard_output(out: OutputDir) -> None:
         _discard_local(out)
         return
     if out.generation is None or out.parsed is None:
+        return
+    if out.shared:
+        # other processes may still be writing (their failure reaches them later): what they
+        # write after a removal here would be nobody's, so the record stays and says what the
+        # next --overwrite removes
         return
     try:
         storage = Storage.create(out.destination)

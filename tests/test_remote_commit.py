@@ -113,6 +113,70 @@ def test_a_convert_to_gs_commits_and_leaves_no_record(gcs):
     assert created and all("ifGenerationMatch=0" in line for line in created), created
 
 
+class _FaultyFront:
+    """An HTTP server on 127.0.0.1 in front of a GCS server that answers every `every`-th request
+    itself with 503 or 429 (alternately) and forwards the others: the answers a busy GCS gives.
+    `delay`: seconds each forwarded request waits first (a slow store: a writer surely midway)."""
+
+    def __init__(self, target: str, every: int = 0, delay: float = 0.0) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.count = 0
+        self.refused: list[tuple[int, str]] = []
+        lock = threading.Lock()
+        host, port = urllib.parse.urlsplit(target).netloc.split(":")
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with lock:
+                    front.count += 1
+                    n = front.count
+                if every and n % every == 0:
+                    code = 503 if (n // every) % 2 else 429
+                    front.refused.append((code, f"{self.command} {self.path}"))
+                    payload = json.dumps({"error": {"code": code, "message": "try again"}}).encode()
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                time.sleep(delay)
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _kill_midway(argv: list[str], env: dict, ready) -> None:  # noqa: ANN001 - ready: () -> bool
     """Start `ckpt argv`, SIGKILL it once `ready()` holds (it must not have finished by then)."""
     full = {**os.environ, **env}
@@ -139,7 +203,12 @@ def test_a_convert_to_gs_killed_midway_is_an_incomplete_save_that_overwrite_clea
         keys = _gcs_keys(endpoint, prefix + "/")
         return sum(k.endswith(".safetensors") for k in keys) >= 3
 
-    _kill_midway(["convert", big_source, dst, "--to", "safetensors", "--max-shard-size", "4MiB"], env, midway)
+    slow = _FaultyFront(endpoint, delay=0.1)  # the killed run's store is slow: surely midway when killed
+    try:
+        _kill_midway(["convert", big_source, dst, "--to", "safetensors", "--max-shard-size", "4MiB"],
+                     {**env, "TENSORSTORE_GCS_HTTP_URL": slow.url}, midway)
+    finally:
+        slow.close()
     keys = _gcs_keys(endpoint, prefix + "/")
     assert f"{prefix}/{OWNER}" in keys and not any(k.endswith(".index.json") for k in keys), keys
     record = json.loads(_gcs_get(endpoint, f"{prefix}/{OWNER}"))
@@ -179,7 +248,12 @@ def test_overwrite_of_a_killed_save_then_writes_a_complete_checkpoint(gcs, big_s
     def midway() -> bool:
         return len(_gcs_keys(endpoint, prefix + "/")) >= 3
 
-    _kill_midway(["convert", big_source, dst, "--to", "dcp", "--chunk-mb", "1"], env, midway)
+    slow = _FaultyFront(endpoint, delay=0.1)
+    try:
+        _kill_midway(["convert", big_source, dst, "--to", "dcp", "--chunk-mb", "1"],
+                     {**env, "TENSORSTORE_GCS_HTTP_URL": slow.url}, midway)
+    finally:
+        slow.close()
     assert f"{prefix}/{OWNER}" in _gcs_keys(endpoint, prefix + "/")
     assert run_ckpt("validate", dst, env=env).returncode == 1
     r = run_ckpt("convert", SRC, dst, "--to", "orbax", "--overwrite", env=env)
@@ -194,12 +268,15 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_touches_nothing(gcs,
     endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
     prefix = "race/st"
     dst = f"gs://{BUCKET}/{prefix}"
-    full = {**os.environ, **env}
+    # the first writer talks to a slow store (each request 0.2 s late): surely still writing below
+    slow = _FaultyFront(endpoint, delay=0.2)
+    full = {**os.environ, **env, "TENSORSTORE_GCS_HTTP_URL": slow.url}
+    full.pop("CKPT_DEBUG", None)
     first = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, dst, "--to", "safetensors",
                               "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while f"{prefix}/{OWNER}" not in _gcs_keys(endpoint, prefix + "/"):
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.02)
@@ -218,6 +295,7 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_touches_nothing(gcs,
     finally:
         if first.poll() is None:
             first.kill()
+        slow.close()
     keys = _gcs_keys(endpoint, prefix + "/")
     assert f"{prefix}/{OWNER}" not in keys and not any(k.endswith(".distcp") for k in keys), keys
     assert run_ckpt("validate", dst, env=env).returncode == 0
@@ -273,3 +351,98 @@ def test_the_s3_record_is_created_only_where_none_is(tmp_path):
         assert r.returncode == 0, r.stderr
         keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="w/")["Contents"])
         assert "w/__0_0.distcp" not in keys and f"w/{OWNER}" not in keys and "w/commit_success.txt" in keys, keys
+
+
+# -- 429 and 503 answers are retried with backoff -----------------------------------------------
+
+
+def test_429_and_503_answers_are_retried_and_the_output_commits(gcs):
+    front = _FaultyFront(gcs["CKPT_TEST_GCS"], every=4)
+    try:
+        env = {**_env(gcs), "TENSORSTORE_GCS_HTTP_URL": front.url}
+        dst = f"gs://{BUCKET}/busy/orbax"
+        r = run_ckpt("convert", str(fixture_path("orbax_ocdbt_zarr2")), dst, "--to", "orbax", env=env)
+        assert r.returncode == 0, r.stderr
+        codes = {code for code, _ in front.refused}
+        assert codes == {429, 503}, front.refused
+        # the record was created through the retries and is gone; the output is whole
+        assert f"busy/orbax/{OWNER}" not in _gcs_keys(gcs["CKPT_TEST_GCS"], "busy/orbax/")
+        r = run_ckpt("validate", dst, "--deep", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        front.close()
+
+
+def test_a_convert_to_gs_stopped_by_sigterm_removes_what_it_wrote_and_its_record(gcs, big_source):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "stopped/st"
+    slow = _FaultyFront(endpoint, delay=0.1)
+    full = {**os.environ, **env, "TENSORSTORE_GCS_HTTP_URL": slow.url}
+    full.pop("CKPT_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, f"gs://{BUCKET}/{prefix}",
+                             "--to", "safetensors", "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while sum(k.endswith(".safetensors") for k in _gcs_keys(endpoint, prefix + "/")) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    slow.close()
+    assert proc.returncode == 130, err
+    assert _gcs_keys(endpoint, prefix + "/") == []
+
+
+def _start_gcs(root: Path) -> tuple[subprocess.Popen, dict]:
+    """The Go fake-gcs-server on `root`'s file system (what it stored survives a restart)."""
+    from conftest import fake_gcs_binary, free_port, wait_until_serving
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([fake_gcs_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                               "-external-url", endpoint, "-log-level", "error", "-backend", "filesystem",
+                               "-filesystem-root", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until_serving(server, f"{endpoint}/storage/v1/b", "fake-gcs-server")
+    return server, {"TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",
+                    "CKPT_TEST_GCS": endpoint, "CKPT_IO_TIMEOUT": "5", "CKPT_IO_RETRIES": "2"}
+
+
+def test_the_server_stopped_mid_upload_leaves_an_incomplete_save(tmp_path, big_source):
+    root = tmp_path / "gcs"
+    server, env = _start_gcs(root)
+    prefix = "dead/st"
+    dst = f"gs://{BUCKET}/{prefix}"
+    try:
+        gcs_create_bucket(env["CKPT_TEST_GCS"], BUCKET)
+        full = {**os.environ, **env}
+        full.pop("CKPT_DEBUG", None)
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, dst, "--to", "safetensors",
+                                 "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while sum(k.endswith(".safetensors") for k in _gcs_keys(env["CKPT_TEST_GCS"], prefix + "/")) < 3:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        server.kill()  # mid-upload
+        server.wait(timeout=10)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and len(err.strip().splitlines()) == 1, err
+        assert "does not answer" in err or "gave no answer" in err, err
+    finally:
+        if server.poll() is None:
+            server.kill()
+    server, env = _start_gcs(root)  # the same objects, served again
+    try:
+        keys = _gcs_keys(env["CKPT_TEST_GCS"], prefix + "/")
+        assert f"{prefix}/{OWNER}" in keys and not any(k.endswith(".index.json") for k in keys), keys
+        r = run_ckpt("validate", dst, "--json", env=env)
+        assert r.returncode == 1
+        assert "incomplete-save" in {f["code"] for f in json.loads(r.stdout)["findings"]}, r.stdout
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", "--overwrite", env=env)
+        assert r.returncode == 0, r.stderr
+        keys = _gcs_keys(env["CKPT_TEST_GCS"], prefix + "/")
+        assert not any(k.endswith(".safetensors") for k in keys) and f"{prefix}/{OWNER}" not in keys, keys
+        assert run_ckpt("validate", dst, env=env).returncode == 0
+    finally:
+        server.kill()
+        server.wait(timeout=10)
