@@ -43,6 +43,7 @@ from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
 from ...values import SharedValueError
 from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
+from ...names import join_keys
 from ...pagecache import DirectoryDropper
 from ...storage import Storage, local_path, ts_error_text
 from ..contract import CheckpointWriter
@@ -315,7 +316,7 @@ def _check_tree(leaves: list[_Leaf]) -> None:
     children: dict[tuple[Key, ...], set[Key]] = {}
     leaf_paths = set()
     for leaf in leaves:
-        where = "/".join(str(k) for k in leaf.keys) or leaf.name
+        where = join_keys(leaf.keys) or leaf.name
         if not leaf.keys:
             raise CkptError("a leaf without keys cannot be named in Orbax", leaf.name or "<root>")
         for k in leaf.keys:
@@ -325,7 +326,8 @@ def _check_tree(leaves: list[_Leaf]) -> None:
                 raise CkptError(f"negative list index {k}", where)
         if leaf.name in ("", ".", "..") or "/" in leaf.name:
             # the name is a directory inside OCDBT and a JSON pointer into _strings.json
-            raise CkptError(f"Orbax parameter name {leaf.name!r} is not a single path component", where)
+            raise CkptError(f"Orbax parameter name {leaf.name!r} is not a single path component (orbax writes "
+                            f"the name as a path; --rename can give the key another name)", where)
         if leaf.name in names:
             raise CkptError(f"two leaves have the Orbax name {leaf.name!r}", where)
         names[leaf.name] = leaf.keys
@@ -333,7 +335,7 @@ def _check_tree(leaves: list[_Leaf]) -> None:
         for i in range(len(leaf.keys)):
             children.setdefault(leaf.keys[:i], set()).add(leaf.keys[i])
     for prefix, keys in children.items():
-        where = "/".join(str(k) for k in prefix) or "<root>"
+        where = join_keys(prefix) or "<root>"
         if prefix in leaf_paths:
             raise CkptError("is both a leaf and a container of other leaves", where)
         ints = [k for k in keys if isinstance(k, int)]
