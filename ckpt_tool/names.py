@@ -20,6 +20,9 @@ keeps the source's own names (the tensor is still written as `a/b`).
 
 # temporary output directories of convert/reshard carry this in their name
 TMP_MARKER = ".ckpt-tmp"
+# the owner record of a convert/reshard's output: the first file of a local temporary directory,
+# and at an object-store destination, while a run writes it (output.py, output_remote.py)
+OWNER_FILE = ".ckpt-owner.json"
 
 # the joiner of key paths, and the escapes of the two characters that make it reversible
 SEPARATOR = "/"

@@ -57,9 +57,9 @@ from typing import Any, Callable
 
 from .errors import CkptError, DestinationExistsError
 from .formats import TMP_MARKER, Contents, names_single_file
+from .names import OWNER_FILE
 from .storage import Storage, _kvstore_spec
 
-OWNER_FILE = ".ckpt-owner.json"
 # a temporary output written on another host whose files have not changed for
 # this long is abandoned (a run that long without writing a byte is gone)
 ABANDONED_AFTER = 24 * 3600.0

@@ -194,7 +194,7 @@ def _kill_midway(argv: list[str], env: dict, ready) -> None:  # noqa: ANN001 - r
         proc.wait(timeout=30)
 
 
-def test_a_convert_to_gs_killed_midway_is_an_incomplete_save_that_overwrite_cleans(gcs, big_source):
+def test_a_convert_to_gs_killed_midway_is_an_incomplete_save_that_overwrite_cleans(gcs, big_source, tmp_path):
     endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
     prefix = "killed/st"
     dst = f"gs://{BUCKET}/{prefix}"
@@ -213,6 +213,9 @@ def test_a_convert_to_gs_killed_midway_is_an_incomplete_save_that_overwrite_clea
     assert f"{prefix}/{OWNER}" in keys and not any(k.endswith(".index.json") for k in keys), keys
     record = json.loads(_gcs_get(endpoint, f"{prefix}/{OWNER}"))
     assert record["format"] == "safetensors" and record["tool"] == "ckpt", record
+    # what the killed run left is read as no finished checkpoint: convert refuses it as a source
+    line = _one_line(run_ckpt("convert", dst, str(tmp_path / "out"), "--to", "dcp", env=env))
+    assert "uncommitted save" in line, line
     # a user's object arrives under the prefix meanwhile
     _gcs_put(endpoint, f"{prefix}/notes.txt", b"my notes")
 

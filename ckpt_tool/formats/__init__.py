@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
-from ..names import TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
+from ..names import OWNER_FILE, TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
 # (formats.read_options: the CLI sets the reader options around its call into the core)
 from ..read_options import given_read_options, read_options  # noqa: F401
 from ..text import joined
@@ -466,6 +466,12 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False
         ckpt.notes.insert(0, "unfinished ckpt output (temporary directory of an interrupted convert or reshard)")
+    elif storage.local_root is None and OWNER_FILE in storage.listdir()[1]:
+        # an object store's output being written in place (output_remote.py): its owner record
+        # is there until the commit markers are
+        ckpt.committed = False
+        ckpt.notes.insert(0, f"unfinished ckpt output (a convert or reshard to this object store that has not "
+                             f"committed: its owner record {OWNER_FILE} is there)")
     return ckpt
 
 
