@@ -12,7 +12,7 @@ Measured on 497d606 before the fixes:
 - item 4: `--overwrite` deleted a user's `release/notes.txt`, `step-1/`, `global_step_3/`,
   a text file `latest` or `checkpoint_5` inside a DCP checkpoint used as DST, because another
   framework's run root names them so. What belongs to DST is what the format that recognised it
-  writes (its registry entry: claims, parts, part_dirs, `nests`), nothing else.
+  writes (its registry entry: claims, parts, part_dirs, part_checkpoints), nothing else.
 
 Inputs: the committed fixtures (written by torch, safetensors, transformers, orbax, flax,
 Megatron-Core and DeepSpeed), copied and damaged the way a lost rank, a partial download or a
@@ -23,11 +23,16 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ckpt_tool import formats
 from conftest import FIXTURES, run_ckpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))  # each format's rows: the catalogue
+import catalogue as C  # noqa: E402
 
 
 def _copy(tmp_path: Path, fixture: str, name: str = "b") -> Path:
@@ -60,6 +65,7 @@ INCOMPLETE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, lost, named", INCOMPLETE, ids=[row[0] for row in INCOMPLETE])
 def test_diff_refuses_an_incomplete_side_and_names_it(tmp_path, fixture, lost, named):
     broken = _copy(tmp_path, fixture)
@@ -75,6 +81,7 @@ def test_diff_refuses_an_incomplete_side_and_names_it(tmp_path, fixture, lost, n
     assert error["code"] == "incomplete" and error["message"].startswith(f"{broken}: A is incomplete: "), error
 
 
+@pytest.mark.slow
 def test_a_partial_download_is_not_a_list_of_only_in_lines(tmp_path):
     """The new-user trial's case: an HF download that stopped after some shards. Before: one
     "only in A" line per lost tensor and "different", with no word that B is incomplete."""
@@ -87,6 +94,7 @@ def test_a_partial_download_is_not_a_list_of_only_in_lines(tmp_path):
     assert "only in" not in r.stdout and "only_a" not in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_diff_of_two_steps_of_a_root_names_the_torn_one(tmp_path):
     """--step-a/--step-b of one run root: the side whose step lost a file is named, with its --step."""
     root = _copy(tmp_path, "orbax_manager", "root")
@@ -96,6 +104,7 @@ def test_diff_of_two_steps_of_a_root_names_the_torn_one(tmp_path):
     assert ": B is incomplete: lost-process-data: " in line and f"ckpt validate {root} --step 2" in line, line
 
 
+@pytest.mark.slow
 def test_diff_of_complete_sides_still_compares(tmp_path):
     """The check refuses only what validate finds: a whole copy is compared as before."""
     copy = _copy(tmp_path, "dcp_multirank")
@@ -133,6 +142,7 @@ FLIPPED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, name", FLIPPED, ids=[row[0] for row in FLIPPED])
 def test_manifest_write_refuses_to_record_a_flipped_byte(tmp_path, fixture, name):
     ckpt = _copy(tmp_path, fixture, "m")
@@ -160,6 +170,7 @@ def test_manifest_write_refuses_to_record_a_flipped_byte(tmp_path, fixture, name
     assert run_ckpt("manifest", "verify", str(ckpt)).returncode == 0
 
 
+@pytest.mark.slow
 def test_manifest_write_names_each_cause_on_its_own_line(tmp_path):
     """A file gone, a file changed (and its size), a file added: one line per file that differs,
     on stdout before the error line (under error.details with --json); an added file is none."""
@@ -185,6 +196,7 @@ def test_manifest_write_names_each_cause_on_its_own_line(tmp_path):
     assert r.stdout.count("  rebaselined ") == 2, r.stdout
 
 
+@pytest.mark.slow
 def test_an_unchanged_checkpoint_is_written_again_without_a_word(tmp_path):
     ckpt = _copy(tmp_path, "dcp_single", "m")
     assert run_ckpt("manifest", "write", str(ckpt)).returncode == 0
@@ -193,6 +205,7 @@ def test_an_unchanged_checkpoint_is_written_again_without_a_word(tmp_path):
         r.stdout.rstrip().endswith("(replaced ckpt's manifest)"), r.stdout
 
 
+@pytest.mark.slow
 def test_megatrons_manifest_is_a_reference_too(tmp_path):
     """--overwrite keeps its meaning (replace a manifest ckpt did not write); a file that differs
     from what Megatron's own manifest records still takes --rebaseline."""
@@ -208,3 +221,110 @@ def test_megatrons_manifest_is_a_reference_too(tmp_path):
     assert "ckpt" not in json.loads((save / "integrity.json").read_text())  # still Megatron's
     r = run_ckpt("manifest", "write", str(save), "--overwrite", "--rebaseline", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["replaced"] == "another writer's manifest", r.stderr
+
+
+# -- item 4: --overwrite deletes only what the format that recognised DST writes -----------------
+
+
+def _snapshot(path: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+# a user's entries named as another framework names its steps or pointer (Megatron's release/,
+# torchtitan's step-N/, verl's global_step_N/, NeMo's ...-step=N/, DeepSpeed's `latest`, Flax's
+# checkpoint_N): each alone beside a checkpoint, where the run-root rules used to claim it
+USERS_ENTRIES = {
+    "release/notes.txt": "a release candidate, keep\n",
+    "step-1/notes.txt": "my own folder\n",
+    "global_step_3/notes.txt": "eval results\n",
+    "x-step=5/context/notes.txt": "a sweep's notes\n",  # (a `context/` inside: NeMo's step marker)
+    "latest": "latest experiment: lr 3e-4\n",
+    "checkpoint_5": "see checkpoint 5 in the wandb run\n",
+}
+
+def _dst_fixture(fmt: str) -> str:
+    """A checkpoint of `fmt` written by its library: the first catalogue row of it that is one whole
+    directory (not a step of a root, nothing beside it but the generator's _reference.json)."""
+    from ckpt_tool.formats import contents
+    from ckpt_tool.storage import Storage
+
+    for e in C.ENTRIES:
+        if e.format != fmt or e.step is not None or "/" in e.path or e.path in C.NOT_CHECKPOINTS:
+            continue
+        if (FIXTURES / e.path).is_dir():
+            found = contents(Storage.open(str(FIXTURES / e.path)))
+            if found.format.name == fmt and not found.steps and set(found.others) <= {"_reference.json"}:
+                return e.path
+    raise AssertionError(f"no whole {fmt} checkpoint among the fixtures")
+
+
+def _source_for(fmt: str) -> str:
+    """A fixture that `convert --to fmt` takes whole (its writes_from; leaves it holds): one of its
+    own format where there is one."""
+    rows = [e for e in C.ENTRIES if e.step is None and C.takes(fmt, e.format) and fmt not in C.refusals(e)]
+    return next((e.path for e in rows if e.format == fmt), rows[0].path)
+
+
+def _dst_with(tmp_path: Path, fixture: str, entry: str) -> Path:
+    dst = _copy(tmp_path, fixture, "dst")
+    (dst / "_reference.json").unlink(missing_ok=True)  # the generators' answers, not the checkpoint's
+    (dst / entry).parent.mkdir(parents=True, exist_ok=True)
+    (dst / entry).write_text(USERS_ENTRIES.get(entry, "mine\n"))
+    return dst
+
+
+@pytest.mark.parametrize("fmt", formats.writable())
+@pytest.mark.parametrize("entry", sorted(USERS_ENTRIES))
+def test_overwrite_keeps_a_users_entry_named_like_a_frameworks_step(tmp_path, fmt, entry):
+    from ckpt_tool.engine import ConvertOptions, convert
+    from ckpt_tool.errors import DestinationExistsError
+
+    dst = _dst_with(tmp_path, _dst_fixture(fmt), entry)
+    source = _source_for(fmt)
+    before = _snapshot(dst)
+    top = entry.split("/")[0] + ("/" if "/" in entry else "")
+    with pytest.raises(DestinationExistsError) as info:
+        convert(str(FIXTURES / source), str(dst), ConvertOptions(to=fmt, overwrite=True))
+    message = info.value.message
+    # (a DeepSpeed pointer `latest` that names no tag makes the folder no checkpoint at all: refused too)
+    assert (f"a checkpoint ({fmt}) beside 1 " in message and f"({top}) that is not part of it" in message) or (
+        entry == "latest" and "that are not a checkpoint" in message and "latest," in message), message
+    assert "refusing to replace it" in message, message
+    assert _snapshot(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no temporary left
+
+
+@pytest.mark.slow
+def test_overwrite_refusal_is_one_line_and_the_checkpoint_alone_is_replaced(tmp_path):
+    """The CLI says it in one line; without the user's entry the same DST is replaced."""
+    dst = _dst_with(tmp_path, "dcp_single", "release/notes.txt")
+    line = _one_error_line(run_ckpt("convert", str(FIXTURES / "safetensors_numpy"), str(dst), "--to", "dcp",
+                                    "--overwrite"))
+    assert line == (f"ckpt: error: {dst}: destination is a checkpoint (dcp) beside 1 directory (release/) that is "
+                    "not part of it; refusing to replace it: ckpt deletes only a checkpoint's own files; move the "
+                    "others out, or choose another destination"), line
+    shutil.rmtree(dst / "release")
+    r = run_ckpt("convert", str(FIXTURES / "safetensors_numpy"), str(dst), "--to", "dcp", "--overwrite", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["cleanup"] == [
+        f"replaced a checkpoint (dcp) at {dst}: 2 entries (.metadata, __0_0.distcp)"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("fixture, entry", [
+    ("megatron_torch_dist_tp2", "iter_0000005/notes.txt"),  # Megatron-LM's step name, not a Megatron save
+    ("megatron_torch_dist_tp2", "release/notes.txt"),
+    ("megatron_legacy", "release/notes.txt"),  # beside a Megatron-LM run's iter_0000005/
+])
+def test_a_step_name_is_part_of_a_checkpoint_only_when_it_is_one(tmp_path, fixture, entry):
+    """A format whose checkpoints do hold such entries (Megatron-LM's iter_N/ and release/) owns
+    them only when they are checkpoints of that format."""
+    from ckpt_tool.engine import ConvertOptions, convert
+    from ckpt_tool.errors import DestinationExistsError
+
+    dst = _dst_with(tmp_path, fixture, entry)
+    before = _snapshot(dst)
+    with pytest.raises(DestinationExistsError, match=r"beside 1 directory \(" + entry.split("/")[0] + r"/\)"):
+        convert(str(FIXTURES / "safetensors_numpy"), str(dst), ConvertOptions(to="dcp", overwrite=True))
+    assert _snapshot(dst) == before

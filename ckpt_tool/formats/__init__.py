@@ -88,6 +88,12 @@ class FormatInfo:
     # a sub-directory holding a file of one of these names is part of its checkpoint (a
     # per-array zarr directory named after its parameter: no name glob can say that)
     part_dirs: tuple[str, ...] = ()
+    # name globs of the sub-directories its checkpoints hold that are checkpoints of this format
+    # themselves (Orbax's items and a CheckpointManager's steps, any name; DeepSpeed's tag
+    # directories; torch's HF writer's `sharded/`): such a sub-directory is part of the checkpoint.
+    # Nothing else is: a step or pointer that another framework names so (`step-1/`, `latest`,
+    # `global_step_3/`) is not this format's to replace (contents below)
+    part_checkpoints: tuple[str, ...] = ()
     # a single-file format: names that make its top-level files one model directory even beside
     # sub-directory checkpoints (a Hugging Face config.json, a shard index naming the files); without
     # one, loose files beside checkpoints are one more checkpoint among several (detect refuses)
@@ -361,10 +367,14 @@ def contents(storage: Storage, names: list[str] | None = None) -> Contents:
     """Which of a checkpoint directory's top-level entries belong to it, by the format that
     recognises it (UnknownFormatError where none does, as detect).
 
-    An entry belongs to the checkpoint when its format says so: a name its checkpoints hold (the
-    registry's `claims` and `parts`), a sub-directory that is a checkpoint of the same format (an
-    Orbax item or step, a DeepSpeed tag, torch's `sharded/`), one holding a file named in its
-    `part_dirs` (a per-array zarr directory), or a step or the pointer file of the run root it is.
+    An entry belongs to the checkpoint only when the format that recognised the directory says
+    so: a name its checkpoints hold (the registry's `claims` and `parts`), a sub-directory holding
+    a file named in its `part_dirs` (a per-array zarr directory), or one its `part_checkpoints`
+    name that is a checkpoint of the same format (an Orbax item or step, a DeepSpeed tag, torch's
+    `sharded/`). A name that a training framework's run root gives its steps or its pointer file
+    (`step-1/`, `global_step_3/`, `release/`, a `latest` or `checkpoint_5` file) is not enough:
+    beside a DCP checkpoint such an entry is the user's, and is never deleted. A run root of
+    several steps that belong to it is said as such (`steps`), to be refused whole.
     `names`: the entries to judge (a local directory's own listing, which shows empty directories
     and links that a listing of files never does); by default the storage's listing.
     """
@@ -372,21 +382,10 @@ def contents(storage: Storage, names: list[str] | None = None) -> Contents:
 
     info = get(detect_one(storage).NAME)
     dirs, files = storage.listdir()
-    steps: tuple[str, ...] = ()
-    run = ""
-    owned: set[str] = set()
-    found = roots.identify(roots.RootListing.of(storage))
-    if found is not None:
-        layout, entries = found
-        owned.update(entry.name for entry, _ in entries)
-        if layout.pointer:
-            owned.add(layout.pointer)
-        if len(entries) > 1:
-            steps, run = tuple(sorted(entry.name for entry, _ in entries)), layout.title
     file_set, dir_set = set(files), set(dirs)
 
     def belongs(name: str) -> bool:
-        if name in owned or info.part(name):
+        if info.part(name):
             return name in file_set or name in dir_set
         if name not in dir_set:
             return False
@@ -394,12 +393,23 @@ def contents(storage: Storage, names: list[str] | None = None) -> Contents:
             sub = storage.child(name)
             if info.part_dirs and any(fnmatch.fnmatchcase(f, p) for f in sub.listdir()[1] for p in info.part_dirs):
                 return True
+            if not any(fnmatch.fnmatchcase(name, p) for p in info.part_checkpoints):
+                return False
             return _claiming(sub) is info
         except CkptError:  # a sub-directory ckpt cannot look into is not one it may delete
             return False
 
     judged = sorted(set(names) if names is not None else file_set | dir_set)
     parts = tuple(n for n in judged if belongs(n))
+    steps: tuple[str, ...] = ()
+    run = ""
+    found = roots.identify(roots.RootListing.of(storage))
+    if found is not None:
+        layout, entries = found
+        # (an entry named like a step that is not the checkpoint's is one of `others`: said as such)
+        ours = tuple(sorted(entry.name for entry, _ in entries if entry.name in parts))
+        if len(ours) > 1:
+            steps, run = ours, layout.title
     return Contents(info, parts, tuple(n for n in judged if n not in parts), steps, run)
 
 

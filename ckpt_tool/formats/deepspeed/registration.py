@@ -13,7 +13,9 @@ FORMATS = [
         value_kinds=VALUE_KINDS, claims=("latest_universal", "zero"),
         reads="DeepSpeed universal checkpoints (ds_to_universal's zero/<param>/*.pt, a root with latest_universal)",
         listed=7, writes_from=("deepspeed",), detection=60,
-        parts=("*_model_states.pt", "latest", "zero_to_*.py"),
+        # (not DeepSpeed's `latest`: it names a ZeRO tag, and neither ds_to_universal nor ckpt writes it here)
+        parts=("*_model_states.pt", "zero_to_*.py"),
+        part_checkpoints=("*",),  # its tag directory (`global_step2_universal/`: any name)
     ),
     # before torch: a global_stepN directory holds .pt files, which are one ZeRO checkpoint, not loose torch.save files
     FormatInfo(
@@ -24,5 +26,6 @@ FORMATS = [
         # pipeline stages' layer_NN-model_states.pt, the root's tag pointer, the scripts DeepSpeed copies
         # there (zero_to_fp32.py, zero_to_torch.py), an HF Trainer's model files beside them
         parts=("*-model_states.pt", "latest", "zero_to_*.py", *HF_MODEL_FILES),
+        part_checkpoints=("*",),  # tag directories (`global_step2/`: any name `latest` may hold)
     ),
 ]

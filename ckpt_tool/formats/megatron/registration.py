@@ -13,8 +13,10 @@ FORMATS = [
         claims=("metadata.json", "common.pt", "latest_checkpointed_iteration.txt"), claims_flat=True,
         reads="Megatron-Core / NeMo 2 saves (torch_dist, zarr) and Megatron-LM run roots (also legacy mp_rank_*)",
         listed=5, detection=10,
-        # the DCP files of torch_dist, integrity.json, NeMo 2's weights/ + context/, a run's steps
-        parts=(".metadata", "*.distcp", "integrity.json", "weights", "context", "iter_*", "release", "mp_rank_*"),
+        # the DCP files of torch_dist, integrity.json, NeMo 2's weights/ + context/, legacy mp_rank_*
+        parts=(".metadata", "*.distcp", "integrity.json", "weights", "context", "mp_rank_*"),
         part_dirs=(*ZARR_ARRAY_FILES, "shard_*.pt"),  # the zarr backend: a directory per key
+        # a Megatron-LM run's steps, when they are Megatron saves (not a user's folder named so)
+        part_checkpoints=("iter_*", "release"),
     ),
 ]

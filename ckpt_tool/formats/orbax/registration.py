@@ -18,5 +18,7 @@ FORMATS = [
                "metadata", "metrics", "orbax.checkpoint", "*.orbax-checkpoint-tmp*", "*.__lock", "checkpoint"),
         # an array's zarr directory; an item of another handler (JsonCheckpointHandler's `metadata`)
         part_dirs=(*ZARR_ARRAY_FILES, "metadata", "commit_success.txt"),
+        # items (`default/`, `state/`, any name) and a CheckpointManager root's steps are orbax checkpoints
+        part_checkpoints=("*",),
     ),
 ]

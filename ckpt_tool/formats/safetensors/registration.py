@@ -13,5 +13,7 @@ FORMATS = [
         reads="safetensors (one file, or a sharded Hugging Face save with its index)", single_file="claimed", file_suffixes=(".safetensors",), listed=2,
         options=("max_shard_size", "like"), claims_flat=True, detection=50,
         parts=(*HF_MODEL_FILES, *HF_TRAINER_FILES), model_marks=("*.safetensors.index.json", "config.json"),
+        # torch's HuggingFaceStorageWriter: the per-rank files under `sharded/`, consolidated beside it
+        part_checkpoints=("sharded",),
     ),
 ]
