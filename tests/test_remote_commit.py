@@ -449,3 +449,28 @@ def test_the_server_stopped_mid_upload_leaves_an_incomplete_save(tmp_path, big_s
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_reshard_to_gs_killed_midway_is_an_incomplete_save_and_overwrite_writes_it_whole(gcs, big_source):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "resharded/orbax"
+    dst = f"gs://{BUCKET}/{prefix}"
+    argv = ["reshard", big_source, dst, "--mesh", "data=2,model=4", "--devices", "8", "--fsdp", "model"]
+
+    def midway() -> bool:
+        return any(k.startswith(f"{prefix}/d/") for k in _gcs_keys(endpoint, prefix + "/"))
+
+    slow = _FaultyFront(endpoint, delay=0.1)
+    try:
+        _kill_midway(argv, {**env, "TENSORSTORE_GCS_HTTP_URL": slow.url}, midway)
+    finally:
+        slow.close()
+    keys = _gcs_keys(endpoint, prefix + "/")
+    assert f"{prefix}/{OWNER}" in keys and f"{prefix}/commit_success.txt" not in keys, keys
+    r = run_ckpt("validate", dst, "--json", env=env)
+    assert r.returncode == 1 and "incomplete-save" in {f["code"] for f in json.loads(r.stdout)["findings"]}
+    r = run_ckpt(*argv, "--overwrite", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    keys = _gcs_keys(endpoint, prefix + "/")
+    assert f"{prefix}/{OWNER}" not in keys and f"{prefix}/commit_success.txt" in keys, keys
+    assert run_ckpt("validate", dst, env=env).returncode == 0
