@@ -57,6 +57,8 @@ INCOMPLETE = [
     ("torch_hf_bin_sharded", "pytorch_model-00002-of-00003.bin", "missing-file: pytorch_model-00002-of-00003.bin"),
     ("orbax_plain_zarr2", "layers.0.w/0.0", "missing-chunk: layers.0.w/0.0"),
     ("orbax_manager", "2/state/ocdbt.process_0/d/4866bb9851d8ed5fd544d8255bc24bfb", "lost-process-data"),
+    ("t5x", "checkpoint_1/target.encoder.layers_0.attention.out.kernel/0.0",  # msgpack's T5X arrays
+     "missing-chunk: checkpoint_1/target.encoder.layers_0.attention.out.kernel/0.0"),
     ("megatron_torch_dist_tp2", "__1_1.distcp", "missing-file: __1_1.distcp"),
     ("megatron_distopt_dp4", "__2_1.distcp", "missing-file: __2_1.distcp"),
     ("deepspeed_z2_fp32_dp4", "global_step2/zero_pp_rank_2_mp_rank_00_optim_states.pt", "rank file missing"),
@@ -79,6 +81,17 @@ def test_diff_refuses_an_incomplete_side_and_names_it(tmp_path, fixture, lost, n
     assert r.returncode == 1, r.stderr
     error = json.loads(r.stdout)["error"]
     assert error["code"] == "incomplete" and error["message"].startswith(f"{broken}: A is incomplete: "), error
+
+
+@pytest.mark.slow
+def test_a_cut_flax_msgpack_file_is_one_line_naming_it(tmp_path):
+    """A Flax msgpack checkpoint is one file: cut short, it cannot be opened at all (one line, exit 1;
+    this held before, and still does with the check in front)."""
+    broken = _copy(tmp_path, "flax_msgpack")
+    with open(broken / "checkpoint_2", "r+b") as f:
+        f.truncate(300)
+    line = _one_error_line(run_ckpt("diff", str(FIXTURES / "flax_msgpack"), str(broken)))
+    assert line.startswith(f"ckpt: error: {broken}/checkpoint_2: ") and "longer than the file" in line, line
 
 
 @pytest.mark.slow
