@@ -142,6 +142,8 @@ def check_ocdbt(
                         stack.append((value, child_height))
                     elif value.startswith("value:"):
                         need(value)
+    # (on an object store each size is a round trip or more: all of them in flight together)
+    storage.prefetch_shortfalls({f"{db}/{file}" if db else file: end for file, end in needed.items() if file not in lost_files})
     for file, end in sorted(needed.items()):
         if file not in lost_files:
             _file_long_enough(storage, db, file, end, findings, base_where, lost_files)
@@ -166,12 +168,12 @@ def check_ocdbt(
 def _file_long_enough(storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: set[str]) -> bool:
     key = f"{db}/{file}" if db else file
     try:
-        size = storage.size(key, expect=end)
+        size = storage.shortfall(key, end)
     except (CkptError, FileNotFoundError, OSError):
         lost.add(file)
         findings.error("lost-process-data", "OCDBT data file missing: the arrays stored in it cannot be read", file=where + file)
         return False
-    if size < end:
+    if size is not None:
         lost.add(file)
         # (the root database and a process's name the same data file: said once)
         if not any(f.code == "lost-process-data" and f.file == where + file for f in findings.errors):

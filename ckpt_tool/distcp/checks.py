@@ -566,6 +566,9 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
     by_file: dict[str, list[_Placed]] = defaultdict(list)
     for p in placed:
         by_file[p.entry.relative_path].append(p)
+    # (on an object store each size is a round trip or more: all of them in flight together)
+    needs = {name: max(p.entry.offset + p.entry.length for p in items) for name, items in by_file.items()}
+    storage.prefetch_shortfalls({name: max(1, need) for name, need in needs.items() if "\x00" not in name})
     for name in sorted(by_file):
         items = by_file[name]
         if "\x00" in name:  # the OS would refuse it (ValueError), not report it missing
@@ -583,7 +586,11 @@ def _check_files(storage: Storage, placed: list[_Placed], findings: Findings) ->
             )
             continue
         try:
-            size = storage.size(name)
+            # (what the entries need, when the file holds at least that: every comparison below is
+            # against the entries' ends)
+            need = max(1, needs[name])  # (an empty file is always told)
+            short = storage.shortfall(name, need)
+            size = need if short is None else short
         except PathEscapeError as exc:
             findings.error(
                 "path-escape",

@@ -147,19 +147,19 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
     listed = set(storage.list()) if files else set()
     # every data file there and long enough (a stat each, no read): else the checkpoint is incomplete
     missing: list[MissingData] = []
+    # (on an object store each size is a round trip or more: all of them in flight together)
+    storage.prefetch_shortfalls({f: needed[f] for f in files if f in listed})
     for f in files:
         if f not in listed:
             reason = "does not exist (named in .metadata)"
-        elif storage.local_root is None:
-            continue  # an object store has no stat (its size probe may read the file): validate checks it
         else:
             try:
-                size = storage.size(f)
+                short = storage.shortfall(f, needed[f])
             except (CkptError, OSError):
                 continue  # unreadable or gone since the listing: a read says why
-            if size >= needed[f]:
+            if short is None:
                 continue
-            reason = f"{size:,} of the {needed[f]:,} bytes .metadata places in it"
+            reason = f"{short:,} of the {needed[f]:,} bytes .metadata places in it"
         missing.append(MissingData(f, reason, sorted({fqn for (fqn, _), info in parsed.storage.items()
                                                       if info.relative_path == f})))
     if parsed.transforms is not None:

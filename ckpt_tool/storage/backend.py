@@ -169,6 +169,13 @@ class Backend(ABC):
         None where the store cannot tell without reading the whole value. `expect`: the size the
         caller expects, a hint a store that must search for the size may try first."""
 
+    def shortfall(self, rel: str, need: int) -> int | None:
+        """None when the value at `rel` holds at least `need` bytes, else its size (see Storage.shortfall)."""
+        size = self.size(rel, need)
+        if size is None:
+            size = len(self.read(rel, None))
+        return None if size >= need else size
+
     @abstractmethod
     def stat(self, rel: str) -> tuple[int, float | None]:
         """(size in bytes, modification time or None where the kind does not keep one) of the value at `rel`.

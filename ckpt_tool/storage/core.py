@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 import tensorstore as ts
@@ -35,22 +36,44 @@ __all__ = ["PendingReads", "OcdbtBulkReads", "ReadLog", "Storage", "_CONTEXT", "
 
 # (Storage.list shadows the builtin inside the class)
 _Keys = list[str]
+# size look-ups in flight together on an object store (each is a few one-byte reads)
+_SIZE_PROBES_IN_FLIGHT = 32
 
 
 class ReadLog:
-    """Counts reads per key, so tests can prove which values were touched."""
+    """Counts reads per key, so tests can prove which values were touched, and the bytes read
+    through this Storage (whole values, byte ranges, located OCDBT values): what a process of a
+    multi-process run read of its source. (B+tree nodes and what tensorstore reads by itself, as
+    when it opens an array, are not counted.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.reads: Counter[str] = Counter()
+        self.bytes = 0
 
     def record(self, key: str) -> None:
         with self._lock:
             self.reads[key] += 1
 
+    def record_bytes(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
     def record_many(self, keys: Iterable[str]) -> None:
         with self._lock:
             self.reads.update(keys)
+
+
+class _CountedReads:
+    """Reads whose bytes are added to the log when their result is taken."""
+
+    def __init__(self, reads: Reads, log: ReadLog) -> None:
+        self._reads, self._log = reads, log
+
+    def result(self) -> dict[str, bytes | None]:
+        out = self._reads.result()
+        self._log.record_bytes(sum(len(v) for v in out.values() if v is not None))
+        return out
 
 
 class Storage:
@@ -62,6 +85,9 @@ class Storage:
         self.log = log or ReadLog()
         # every key under the root, once listed (see list())
         self._listing: list[str] | None = None
+        # shortfalls learned together by prefetch_shortfalls (object stores), each handed out once
+        # by shortfall(): -1 for none
+        self._sizes: dict[str, int | BaseException] = {}
         # when this store was opened (time.monotonic()): failures since then belong to this run
         self.opened_at = time.monotonic()
 
@@ -224,9 +250,12 @@ class Storage:
         # (containment is the backend's here: a local root checks a file when it first opens it
         # and keeps it open for the next read, which a check per read would make slow again)
         self.backend.read_into(rel, start, view)
+        self.log.record_bytes(size)
 
     def _read(self, key: str, byte_range: slice | None) -> bytes:
-        return self.backend.read(self._read_key(key), byte_range)
+        data = self.backend.read(self._read_key(key), byte_range)
+        self.log.record_bytes(len(data))
+        return data
 
     def read_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
         """Read several keys concurrently (None for a missing key)."""
@@ -236,7 +265,7 @@ class Storage:
         """Start reading several keys; the caller may do other work before `.result()`."""
         rels = {key: self._checked(key) for key in keys}
         self.log.record_many(rels.values())
-        return self.backend.start_reads(rels)
+        return _CountedReads(self.backend.start_reads(rels), self.log)
 
     def locate_values(self, keys: _Keys) -> dict[str, bytes | ocdbt_bulk.IndirectValue]:
         """For an OCDBT view: each present key's value if stored in line, else where it lies
@@ -249,7 +278,9 @@ class Storage:
         """An out-of-line value of this OCDBT view where locate_values found it. pooled: a local
         value is read into a buffer of bufferpool.POOL (a memoryview), for a caller that lets go
         of it once decoded."""
-        return self._ocdbt_view().read_located({key: ref}, pooled=pooled)[key]
+        value = self._ocdbt_view().read_located({key: ref}, pooled=pooled)[key]
+        self.log.record_bytes(len(value))
+        return value
 
     def _ocdbt_view(self) -> OcdbtBackend:
         if not isinstance(self.backend, OcdbtBackend):
@@ -263,6 +294,35 @@ class Storage:
         size = self.backend.size(self._checked(key), expect)
         # a store that cannot tell without reading: the value is read (and logged as read)
         return len(self.read(key)) if size is None else size
+
+    def shortfall(self, key: str, need: int) -> int | None:
+        """None when the value at `key` holds at least `need` bytes, else its size (NotFoundError when
+        missing). What a check of "is this data file long enough for what the metadata places in it"
+        asks: on an object store one one-byte read answers it, where a size costs a search (GCS)."""
+        known = self._sizes.pop(key, None)
+        if isinstance(known, BaseException):
+            raise known
+        if known is None:
+            known = self.backend.shortfall(self._checked(key), need)
+        return None if known == -1 or (known is not None and known >= need) else known
+
+    def prefetch_shortfalls(self, needs: dict[str, int]) -> None:
+        """Ask shortfall() of many values at once, where each costs a round trip (object stores): the
+        next shortfall() of each key answers from here (once). A local root stats each file when
+        asked: nothing to do here."""
+        if self.local_root is not None or len(needs) < 2:
+            return
+
+        def one(item: tuple[str, int]) -> int | BaseException:
+            try:
+                short = self.backend.shortfall(self._checked(item[0]), item[1])
+                return -1 if short is None else short
+            except (CkptError, OSError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=min(_SIZE_PROBES_IN_FLIGHT, len(needs)),
+                                thread_name_prefix="ckpt-size") as pool:
+            self._sizes.update(zip(needs, pool.map(one, needs.items())))
 
     def stat(self, key: str) -> tuple[int, float | None]:
         """(size in bytes, modification time) of the value at `key`.
@@ -280,6 +340,7 @@ class Storage:
         if not self.capabilities.writable:
             raise CkptError(f"{self.backend_kind} storage is read-only", self.url)
         self._listing = None
+        self._sizes.clear()
         return rel
 
     def delete(self, key: str) -> None:

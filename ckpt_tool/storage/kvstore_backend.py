@@ -108,6 +108,19 @@ class KvstoreBackend(Backend):
             return expect
         return self.size_by_probes(rel)
 
+    def shortfall(self, rel: str, need: int) -> int | None:
+        """One one-byte read at `need` - 1 (its answer is the whole question); the size is searched
+        for only when the value is short."""
+        where = self.where(rel)
+        if need <= 0:
+            if not self.exists(rel):
+                raise missing(where)
+            return None
+        if self._byte_present(self.kvstore.read(rel, byte_range=slice(need - 1, need)), where):
+            return None
+        size = self.size(rel)
+        return self.size_by_probes(rel) if size is None else size
+
     def size_by_probes(self, rel: str) -> int:
         """The value's size found by rounds of one-byte reads in flight together (a byte at offset N
         exists iff the size is over N): first at 4^k - 1, then evenly across the bracket left."""
