@@ -47,7 +47,7 @@ from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model 
 from .output import OutputDir  # noqa: F401 (OutputDir: API)
 # (an object-store DST's owner record and commit rule; local ones pass through to output.py)
 from .output_remote import begin_output, confirm_output, discard_output, finalize_output, prepare_output
-from .storage import Storage
+from .storage import ReadLog, Storage
 from .text import is_unicode_text
 from .values import SameObject
 from .formats.contract import CheckpointWriter, WriterModule, reader_of
@@ -95,6 +95,9 @@ class ConvertResult:
     values: int = 0
     chunks: int = 0
     bytes: int = 0
+    # bytes this process read of SRC's files (storage.ReadLog.bytes): about its share of the
+    # chunks in a multi-process run, plus the metadata every process reads
+    bytes_read: int = 0
     seconds: float = 0.0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
@@ -115,7 +118,7 @@ class ConvertResult:
             "source": self.source, "destination": self.destination,
             "source_format": self.source_format, "target_format": self.target_format,
             "arrays": self.arrays, "values": self.values, "chunks": self.chunks, "bytes": self.bytes,
-            "seconds": round(self.seconds, 3),
+            "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
             "skipped": [{"leaf": p, "reason": r} for p, r in self.skipped],
             "cast": self.cast, "dtype": self.dtype,
             "kept": [{"leaf": p, "dtype": d, "reason": r} for p, d, r in self.kept],
@@ -767,13 +770,14 @@ def _refusal(
     )
 
 
-def open_source(source: str, step: str | int | None) -> Checkpoint:
+def open_source(source: str, step: str | int | None, log: ReadLog | None = None) -> Checkpoint:
     """open_checkpoint, except that a source too damaged to open says so as validate would
-    (a lost OCDBT data file holding metadata: the finding, not the storage library's text)."""
+    (a lost OCDBT data file holding metadata: the finding, not the storage library's text).
+    `log` counts what is read of it (the run's bytes_read)."""
     from .formats import open_checkpoint
 
     try:
-        return open_checkpoint(source, step=step)
+        return open_checkpoint(source, step=step, log=log)
     except (IncompleteCheckpointError, PathEscapeError, StorageUnavailableError):
         raise
     except CkptError:
@@ -862,6 +866,7 @@ class PlannedWrite:
     plan: WritePlan
     sources: Sources
     owns: Callable[[int, int], bool] | None = None
+    log: ReadLog | None = None  # what counts the reads of `source` (its storage's), if any
 
 
 class Coordinator:
@@ -906,9 +911,10 @@ def _convert(
 ) -> ConvertResult:
     coord = coordinator or Coordinator()
     started = time.monotonic()
+    log = ReadLog() if planned is None else planned.log
     if planned is None:
         with formats.read_options(**opts.read_options):
-            src = open_source(source, step=opts.step)
+            src = open_source(source, step=opts.step, log=log)
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)
@@ -989,5 +995,6 @@ def _convert(
             raise
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())
+    result.bytes_read = log.bytes if log is not None else 0
     result.seconds = time.monotonic() - started
     return result

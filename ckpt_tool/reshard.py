@@ -48,6 +48,7 @@ from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
 from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
+from .storage import ReadLog
 from .names import key_text
 from .text import is_ascii_number
 from .topology import Topology, host_topology, named_topology
@@ -470,6 +471,7 @@ class ReshardPlan:
     sources: dict[tuple[str, ...], ArrayLeaf] = field(repr=False)
     owners: list[int] = field(repr=False)  # the writing process of each chunk, in stream() order
     memory: int = DEFAULT_MEMORY  # the read scheduler's budget
+    log: ReadLog | None = field(default=None, repr=False)  # counts what this process reads of the source
 
     @property
     def errors(self) -> list[LeafPlan]:
@@ -698,7 +700,8 @@ def _plan_reshard(
     elif opts.rules is not None:
         rules = parse_rules(opts.rules)
 
-    src = source if isinstance(source, Checkpoint) else open_source(source, opts.step)
+    log = None if isinstance(source, Checkpoint) else ReadLog()
+    src = source if isinstance(source, Checkpoint) else open_source(source, opts.step, log=log)
     if not src.committed:
         raise CkptError("the source is an uncommitted save; refusing to reshard it", src.path)
     # before its values are read for the plan (as convert does; a planned write is not checked again)
@@ -796,7 +799,7 @@ def _plan_reshard(
     values = [t.path for t in plan.values()]
     return ReshardPlan(
         str(source if isinstance(source, str) else src.path), destination, src.format, mesh, process_count,
-        leaves, values, skipped, loads, src, plan, sources, owners, opts.memory,
+        leaves, values, skipped, loads, src, plan, sources, owners, opts.memory, log,
     )
 
 
@@ -826,6 +829,7 @@ class ReshardResult:
     process_index: int = 0
     process_count: int = 1
     cleanup: list[str] = field(default_factory=list)  # leftovers of killed runs beside DST (output.py)
+    bytes_read: int = 0  # what this process read of the source's files (engine.ConvertResult.bytes_read)
 
     def to_json(self) -> dict[str, Any]:
         p = self.plan
@@ -833,8 +837,8 @@ class ReshardResult:
             "source": p.source, "destination": p.destination, "source_format": p.source_format,
             "target_format": formats.reshard_format().name, "mesh": p.mesh.to_json(),
             "arrays": len(p.leaves), "values": len(p.values),
-            "chunks": self.chunks, "bytes": self.bytes, "seconds": round(self.seconds, 3),
-            "device_bytes": p.device_bytes,
+            "chunks": self.chunks, "bytes": self.bytes, "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 3), "device_bytes": p.device_bytes,
             "notes": [{"leaf": lp.path, "note": n} for lp in p.leaves for n in lp.notes],
             "skipped": [{"leaf": path, "reason": r} for path, r in p.skipped],
             "process_index": self.process_index, "process_count": self.process_count,
@@ -873,7 +877,8 @@ def reshard(
         ConvertOptions(to=formats.reshard_format().name, zarr3=opts.zarr3, workers=opts.workers, overwrite=opts.overwrite, step=opts.step,
                        memory=opts.memory),
         progress=progress, coordinator=coord,
-        planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank),
+        planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank,
+                             log=plan.log),
     )
     return ReshardResult(plan, result.chunks, result.bytes, result.seconds, result.process_index, result.process_count,
-                         cleanup=result.cleanup)
+                         cleanup=result.cleanup, bytes_read=result.bytes_read)

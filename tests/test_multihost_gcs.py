@@ -1,0 +1,339 @@
+"""Several hosts, one object store (issue 43 item 4): `ckpt reshard gs:// -> gs://` run as 4 processes.
+
+A pod runs the same command on every host. Here 4 local processes join through ckpt's own
+multi-process flags (`--coordinator 127.0.0.1:PORT --num-processes 4 --process-id i`) and reshard
+an Orbax checkpoint that orbax wrote from 4 CPU devices (data=4) for the mesh data=2,model=2,
+from the real Go fake-gcs-server to the same server:
+
+- each process reads about its share of the array bytes (at most 1.1/N, plus the metadata): as
+  ckpt counts it (the `bytes_read` of --json: storage.ReadLog) and as the wire shows it. The
+  server's own log has one line a request but no byte count for a download (it logs 0 for a
+  streamed body), so each process talks to the server through its own logging HTTP proxy
+  (_LoggingProxy: each request's method, object, Range header, status and the length of the body
+  it answered); the server's log is checked to hold exactly the requests the proxies passed on,
+  so no read went round them;
+- the output is one checkpoint that orbax restores on the new mesh, equal to what was saved;
+- one process SIGKILLed midway (at its first chunk read) fails every other with exit 1 and one
+  line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save).
+"""
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, fake_gcs_serving, free_port, gcs_create_bucket, gcs_upload_tree, run_ckpt
+
+pytestmark = pytest.mark.slow
+
+N = 4
+BUCKET = "ckpt-pod"
+MESH = "data=2,model=2"
+
+# orbax's save from 4 CPU devices: 4 arrays sharded over data=4 (each stored as 4 chunks of
+# 256 rows), one replicated; 28 MiB of random floats (zstd leaves them about that size)
+_GENERATE = r"""
+import os, sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import orbax.checkpoint as ocp
+
+out, arrays = sys.argv[1], sys.argv[2]
+mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
+rng = np.random.default_rng(0)
+tree, plain = {}, {}
+for name, shape in [("w1", (1024, 2048)), ("w2", (2048, 1024)), ("emb", (4096, 512)), ("w3", (512, 2048))]:
+    plain[name] = rng.standard_normal(shape, dtype=np.float32)
+    tree[name] = jax.device_put(plain[name], NamedSharding(mesh, P("data", None)))
+plain["bias"] = np.arange(1024, dtype=np.float32)
+tree["bias"] = jax.device_put(plain["bias"], NamedSharding(mesh, P()))
+ckptr = ocp.StandardCheckpointer()
+ckptr.save(out, tree)
+ckptr.wait_until_finished()
+np.savez(arrays, **plain)
+"""
+
+# orbax restores the output on a data=2,model=2 mesh of 4 CPU devices, each array with the
+# sharding the output's metadata records, and compares it with what was saved
+_RESTORE = r"""
+import json, sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import orbax.checkpoint as ocp
+
+path, arrays = sys.argv[1], sys.argv[2]
+saved = np.load(arrays)
+ckptr = ocp.StandardCheckpointer()
+meta = ckptr.metadata(path).item_metadata
+target, specs = {}, {}
+for name, m in meta.items():
+    sm = m.sharding
+    mesh = Mesh(np.array(jax.devices()).reshape(sm.shape), tuple(sm.axis_names))
+    spec = P(*sm.partition_spec)
+    specs[name] = [dict(zip(sm.axis_names, (int(s) for s in sm.shape))), list(sm.partition_spec)]
+    target[name] = jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, spec))
+restored = ckptr.restore(path, target)
+for name, arr in restored.items():
+    assert np.array_equal(np.asarray(arr), saved[name]), name
+    for shard in arr.addressable_shards:  # each device holds its own block of the array
+        assert np.array_equal(np.asarray(shard.data), saved[name][shard.index]), (name, shard.index)
+print(json.dumps(specs))
+"""
+
+
+class _LoggingProxy:
+    """An HTTP reverse proxy on 127.0.0.1 in front of the GCS server, for one process: each request's
+    method, path, Range header, status and the length of the body it answered with. `hold(record)`
+    runs before the answer is sent, and may block (to stop the process at a known point)."""
+
+    _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection",
+            "upgrade", "te", "trailer", "host"}
+
+    def __init__(self, upstream: str, hold: Callable[[dict], None] | None = None) -> None:
+        self.records: list[dict] = []
+        lock = threading.Lock()
+        host, port = urllib.parse.urlsplit(upstream).netloc.split(":")
+        hop = self._HOP
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                record = {"method": self.command, "path": self.path, "range": self.headers.get("Range"),
+                          "status": resp.status, "received": len(data)}
+                with lock:
+                    proxy.records.append(record)
+                if hold is not None:
+                    hold(record)
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in hop:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = forward
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: object, client_address: object) -> None:
+                pass  # a client gone mid-request (the killed process): nothing to log
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _object(path: str) -> str | None:
+    """The object a JSON-API request names (`/storage/v1/b/B/o/NAME?...`), or None (listings, uploads)."""
+    m = re.match(r"^/storage/v1/b/[^/]+/o/([^?]+)", path)
+    return urllib.parse.unquote(m.group(1)) if m else None
+
+
+def _gcs_keys(endpoint: str, prefix: str) -> list[str]:
+    q = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=10) as r:
+        return sorted(item["name"] for item in json.load(r).get("items", []))
+
+
+def _download(endpoint: str, prefix: str, local: Path) -> None:
+    for name in _gcs_keys(endpoint, prefix):
+        target = local / name[len(prefix):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        url = f"{endpoint}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            target.write_bytes(r.read())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the Orbax checkpoint orbax wrote from 4 CPU devices, the arrays it holds as .npz)."""
+    base = tmp_path_factory.mktemp("pod")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _GENERATE, str(base / "src"), str(base / "arrays.npz")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base / "src", base / "arrays.npz"
+
+
+@pytest.fixture
+def server(tmp_path: Path, saved: tuple[Path, Path]) -> Iterator[tuple[dict[str, str], Path, str]]:
+    """(the environment pointing at a fresh GCS server, its request log, gs:// of the uploaded source)."""
+    log = tmp_path / "requests.log"
+    with fake_gcs_serving(log=log) as env:
+        endpoint = env["CKPT_TEST_GCS"]
+        gcs_create_bucket(endpoint, BUCKET)
+        yield env, log, gcs_upload_tree(endpoint, BUCKET, saved[0], "src")
+
+
+def _start(argv: list[str], env: dict[str, str], proxies: list[_LoggingProxy], port: int) -> list[subprocess.Popen]:
+    """The same command in N processes, process i talking to the server through proxies[i]."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CKPT_DEBUG")}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "ckpt_tool", *argv,
+             "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(N), "--process-id", str(i)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # one CPU device a process: jax's devices of the run are the mesh's 4
+            env={**base, **env, "JAX_PLATFORMS": "cpu", "TENSORSTORE_GCS_HTTP_URL": proxies[i].url},
+        )
+        for i in range(N)
+    ]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def test_each_process_reads_its_share_and_orbax_restores_the_output(server, saved, tmp_path):
+    env, log, src = server
+    endpoint = env["CKPT_TEST_GCS"]
+    sizes: dict[str, int] = {}
+    for path in saved[0].rglob("*"):
+        if path.is_file():
+            sizes["src/" + path.relative_to(saved[0]).as_posix()] = path.stat().st_size
+    # the chunks live in the per-process OCDBT databases' data files; the rest is metadata
+    data_files = {k for k in sizes if re.match(r"src/ocdbt\.process_\d+/d/", k)}
+    array_bytes = sum(sizes[k] for k in data_files)
+    metadata_bytes = sum(sizes.values()) - array_bytes
+    assert array_bytes > 20 * 2**20 and metadata_bytes < 64 * 2**10, (array_bytes, metadata_bytes)
+    share = array_bytes / N
+
+    logged_before = log.read_text().count("\n")
+    proxies = [_LoggingProxy(endpoint) for _ in range(N)]
+    procs = _start(["reshard", src, f"gs://{BUCKET}/out", "--mesh", MESH, "--json"], env, proxies, free_port())
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        _stop(procs)
+        for proxy in proxies:
+            proxy.close()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out) for out, _ in outs]
+    assert [r["process_index"] for r in results] == list(range(N))
+
+    for i, (result, proxy) in enumerate(zip(results, proxies)):
+        got = [(r, _object(r["path"])) for r in proxy.records if r["method"] == "GET"]
+        data = sum(r["received"] for r, name in got if name in data_files)
+        other = sum(r["received"] for r, name in got if name not in data_files)
+        # on the wire: a quarter of the chunks' bytes (and the B+tree nodes beside them), and the
+        # metadata files and listings, which every process reads
+        assert 0.9 * share <= data <= 1.1 * share, (i, data, share)
+        assert other <= 4 * metadata_bytes + 128 * 2**10, (i, other)
+        # ckpt's own count of what this process read of SRC agrees
+        assert 0.9 * share <= result["bytes_read"] <= 1.1 * share + 4 * metadata_bytes, (i, result["bytes_read"], share)
+        print(f"process {i}: ckpt bytes_read {result['bytes_read']:,}; on the wire {data:,} of the data files "
+              f"({data / array_bytes:.3f} of {array_bytes:,}) + {other:,} of metadata and listings, "
+              f"{len(proxy.records)} requests")
+
+    # the server served exactly the requests the proxies passed on: no process read round them
+    served = collections.Counter()
+    for line in log.read_text().splitlines()[logged_before:]:
+        m = re.search(r'\\"(GET|POST|PUT|PATCH|DELETE) (\S+) HTTP', line)
+        if m:
+            served[(m.group(1), m.group(2))] += 1
+    passed = collections.Counter((r["method"], r["path"]) for proxy in proxies for r in proxy.records)
+    assert passed and all(served[k] >= n for k, n in passed.items()), (passed - served)
+    src_reads = {k: n for k, n in served.items() if k[0] == "GET" and (_object(k[1]) or "").startswith("src/")}
+    assert src_reads and all(passed[k] == n for k, n in src_reads.items())
+
+    # one checkpoint, complete, that orbax restores on the new mesh
+    r = run_ckpt("validate", f"gs://{BUCKET}/out", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    local = tmp_path / "out"
+    _download(endpoint, "out/", local)
+    restore_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _RESTORE, str(local), str(saved[1])], capture_output=True, text=True,
+                       env=restore_env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    specs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert specs["w1"] == [{"data": 2, "model": 2}, ["data"]], specs
+    assert specs["bias"][0] == {"data": 2, "model": 2}, specs
+
+
+def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server):
+    env, _, src = server
+    endpoint = env["CKPT_TEST_GCS"]
+    victim = 2
+    reading, released = threading.Event(), threading.Event()
+
+    def hold(record: dict) -> None:
+        # the victim's first read of a stored chunk: it is midway (planned, joined, writing)
+        if record["range"] and "ocdbt.process_" in record["path"] and record["received"] > 4096:
+            reading.set()
+            released.wait(90)
+
+    proxies = [_LoggingProxy(endpoint, hold if i == victim else None) for i in range(N)]
+    dst = f"gs://{BUCKET}/killed"
+    procs = _start(["reshard", src, dst, "--mesh", MESH], {**env, "CKPT_DISTRIBUTED": "torch"}, proxies, free_port())
+    try:
+        assert reading.wait(90), "the victim never read a chunk"
+        procs[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        released.set()
+        ended: dict[int, float] = {}
+        outs: dict[int, tuple[str, str]] = {}
+        for i, p in enumerate(procs):
+            if i == victim:
+                continue
+            outs[i] = p.communicate(timeout=max(1.0, killed + 75 - time.monotonic()))
+            ended[i] = time.monotonic() - killed
+    finally:
+        released.set()
+        _stop(procs)
+        for proxy in proxies:
+            proxy.close()
+    print(f"after the kill the others exited in {', '.join(f'{t:.1f} s' for t in ended.values())}")
+    for i, (_, err) in outs.items():
+        assert procs[i].returncode == 1, (i, procs[i].returncode, err[-3000:])
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckpt: error:"), (i, err[-3000:])
+        assert ended[i] <= 60, (i, ended[i])
+    # nothing at DST validates as complete: the run's owner record says a save of ckpt's stopped there
+    r = run_ckpt("validate", dst, env=env)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "incomplete-save" in r.stdout, r.stdout + r.stderr
+    assert _gcs_keys(endpoint, "killed/"), "the killed run left no owner record"
