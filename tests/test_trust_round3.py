@@ -341,3 +341,22 @@ def test_a_step_name_is_part_of_a_checkpoint_only_when_it_is_one(tmp_path, fixtu
     with pytest.raises(DestinationExistsError, match=r"beside 1 directory \(" + entry.split("/")[0] + r"/\)"):
         convert(str(FIXTURES / "safetensors_numpy"), str(dst), ConvertOptions(to="dcp", overwrite=True))
     assert _snapshot(dst) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["release/notes.txt", "latest"])
+def test_the_same_rule_on_s3(key):
+    """An object-store prefix is judged by the same rule (formats.contents over its listing)."""
+    from conftest import moto_s3_serving, s3_client
+
+    bucket = "ckpt-trust-round3"
+    with moto_s3_serving(bucket, ["dcp_single"]) as env:
+        s3 = s3_client(env["AWS_ENDPOINT_URL"])
+        s3.put_object(Bucket=bucket, Key=f"run/dcp_single/{key}", Body=b"mine\n")
+        url = f"s3://{bucket}/run/dcp_single"
+        line = _one_error_line(run_ckpt("convert", str(FIXTURES / "safetensors_numpy"), url, "--to", "dcp",
+                                        "--overwrite", env=env))
+        top = key.split("/")[0] + ("/" if "/" in key else "")
+        assert f"a checkpoint (dcp) beside 1 " in line and f"({top}) that is not part of it" in line, line
+        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"])
+        assert f"run/dcp_single/{key}" in keys and "run/dcp_single/.metadata" in keys, keys
