@@ -474,3 +474,34 @@ def test_a_reshard_to_gs_killed_midway_is_an_incomplete_save_and_overwrite_write
     keys = _gcs_keys(endpoint, prefix + "/")
     assert f"{prefix}/{OWNER}" not in keys and f"{prefix}/commit_success.txt" in keys, keys
     assert run_ckpt("validate", dst, env=env).returncode == 0
+
+
+def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generation():
+    """The precondition itself, on a server that enforces it (moto): a second create of the record
+    fails, a take-over conditioned on a stale generation fails, one on the current one wins."""
+    from ckpt_tool.output_remote import _no_value, _OwnerObject
+    from ckpt_tool.storage import Storage
+
+    bucket = "ckpt-commit-cond"
+    with moto_s3_serving(bucket, []) as env:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            owner = _OwnerObject(Storage.create(f"s3://{bucket}/p"))
+            first = owner.write_if(b"one", _no_value())
+            assert first is not None
+            assert owner.write_if(b"two", _no_value()) is None  # If-None-Match: * answered 412
+            data, gen = owner.read()
+            assert (data, gen) == (b"one", first)
+            newer = owner.write_if(b"three", gen)
+            assert newer is not None and newer != gen
+            assert owner.write_if(b"four", gen) is None  # stale generation
+            assert owner.read()[0] == b"three"
+            assert owner.write_if(None, newer) is not None  # our own record goes
+            assert owner.read()[0] is None
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
