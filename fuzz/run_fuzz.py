@@ -6,7 +6,9 @@ Builds N mutants of the committed fixtures (each format's fixtures and share of 
 rows and FUZZ_WEIGHT of its catalogue file, tests/conformance/formats/; --formats torch for one), runs `ckpt inspect --json`, `ckpt validate`
 and `ckpt validate --deep` on each as whole processes, checks the contract
 (tests/fuzz_lib.py) and the library oracle (tests/fuzz_oracle.py), plus every
-explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once.
+explicit case (hostile pickles, path tricks, FIFOs, memory bombs) once, and --run-roots
+mutants of the run roots (pointer and tracker files, step-named entries beside the steps),
+run through inspect, validate, ls and latest of the root.
 
 Writes DIR/summary.json (rewritten as the run goes, so an interrupted run
 still has figures; it keeps the largest peak RSS per input-size band), DIR/rss_by_input.jsonl
@@ -230,11 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=None,
                     help="comma-separated formats to mutate (default: every format whose catalogue file, "
                          "tests/conformance/formats/, has FUZZ rows)")
+    ap.add_argument("--key-space", action="store_true",
+                    help="every mutant a key-space one (fuzz_lib.KEY_SPACE_KINDS: a name renamed to hold a "
+                         "separator, a dotted name beside the nested one, names that collide once joined)")
     ap.add_argument("--no-explicit", action="store_true", help="skip the explicit cases")
     ap.add_argument("--no-oracle", action="store_true", help="contract only, no library loads")
+    ap.add_argument("--environments", type=int, default=2000, metavar="N",
+                    help="environments given to every parser of TPU_*, launcher and CKPT_* variables, in this "
+                         "process (fuzz_lib.environment_fuzz: about 1 ms each; 0: none)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="stop starting mutants after this many seconds (the summary says how many ran)")
     ap.add_argument("--start", type=int, default=0, help="first mutant index (to replay: --start I --mutants 1)")
+    ap.add_argument("--run-roots", type=int, default=None, metavar="N",
+                    help="run-root mutants (pointer and tracker files rewritten, step-named entries beside the "
+                         "steps: fuzz_lib.make_run_root_mutant), checked by ls, latest and validate of the root "
+                         "too (default: a tenth of --mutants; 0: none)")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     formats = args.formats.split(",") if args.formats else list(F.format_weights())
@@ -267,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_explicit:
         jobs += [(f"explicit-{name}", name) for name in F.explicit_cases()]
     jobs += [(f"m{args.seed}-{i:05d}", i) for i in range(args.start, args.start + args.mutants)]
+    run_roots = args.mutants // 10 if args.run_roots is None else args.run_roots
+    jobs += [(f"r{args.seed}-{i:05d}", ("root", i)) for i in range(args.start, args.start + run_roots)]
     queue_lock = threading.Lock()
     cases = F.explicit_cases()
     stop = threading.Event()
@@ -285,13 +299,25 @@ def main(argv: list[str] | None = None) -> int:
                 work = work_root / ident
                 work.mkdir()
                 try:
+                    if isinstance(what, tuple):  # a run-root mutant: its own commands and checks
+                        with mutant_lock:
+                            m = F.make_run_root_mutant(random.Random(f"{args.seed}:root:{what[1]}"), work)
+                        outcome = F.evaluate_run_root(m)
+                        saved = _save_failure(args.out, ident, outcome) if outcome.violations else None
+                        summary.add(ident, outcome, [], saved)
+                        if outcome.violations:
+                            print(f"{ident}: {outcome.classes()} {m.label()[:140]}", flush=True)
+                        continue
                     with mutant_lock:
                         if isinstance(what, str):
                             m = cases[what](work)
                         else:
                             rng = random.Random(f"{args.seed}:{what}")
-                            spec = F.pick_spec(rng, formats)
-                            m = F.make_mutant(rng, spec, work)
+                            if args.key_space:
+                                m = F.pick_key_space_mutant(rng, work, formats)
+                            else:
+                                spec = F.pick_spec(rng, formats)
+                                m = F.make_mutant(rng, spec, work)
                     outcome, unconfirmed = F.evaluate_forked(m, zygote, locked)
                     saved = _save_failure(args.out, ident, outcome) if outcome.violations else None
                     summary.add(ident, outcome, unconfirmed, saved)
@@ -308,6 +334,15 @@ def main(argv: list[str] | None = None) -> int:
                           f"{time.monotonic() - summary.t0:.0f} s", flush=True)
         finally:
             zygote.close()
+
+    # the environment parsers first, in this process (no checkpoint, no child process needed)
+    env_failing = F.environment_fuzz(args.seed, args.environments)
+    for env, violations in env_failing:
+        for v in violations:
+            print(f"environment: {v.cls} {v.command}: {v.detail[:300]}", flush=True)
+    (args.out / "environments.json").write_text(json.dumps(
+        {"environments": args.environments, "failing": len(env_failing),
+         "violations": [[v.__dict__ for v in vs] for _, vs in env_failing]}, indent=1) + "\n")
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.jobs)]
     try:
@@ -327,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     s = summary.to_json()
     print(json.dumps({k: s[k] for k in ("mutants", "explicit_cases", "runs", "elapsed_s", "counts", "classes",
                                         "slowest", "max_rss")}, indent=1, default=str))
-    return 1 if s["failing_mutants"] else 0
+    print(json.dumps({"environments": args.environments, "failing_environments": len(env_failing)}))
+    return 1 if s["failing_mutants"] or env_failing else 0
 
 
 if __name__ == "__main__":

@@ -200,6 +200,8 @@ def fixture_targets(root: Path) -> dict[str, list[str]]:
             # a torch.save archive is three targets: its pickle, its zip structure, its storages
             for k in TORCH_KINDS if kind == "torch_save" else (kind,) if kind else ():
                 out.setdefault(k, []).append(rel)
+                if k in KEY_SPACE_KINDS:  # (the same file's key-space mutants: KEY_SPACE_KINDS, below)
+                    out.setdefault(KEY_SPACE_KINDS[k], []).append(rel)
     return out
 
 
@@ -1608,6 +1610,202 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] 
 }
 
 
+# --------------------------------------------------------------------------
+# the key space: separator characters in names, dotted versus nested keys, names
+# that collide once joined or escaped (issue 44 #1)
+# --------------------------------------------------------------------------
+# A key-space mutant renames one leaf of a fixture as its own library would have written it under
+# another name: a `/` or `%2F` in a key, a dotted name beside the nested one, a name whose naive
+# join or unescape is another's, a name twice. The file stays well formed (a new header length,
+# a re-encoded map, a re-pickled Metadata, a string op of data.pkl with its CRC made right), so
+# the damage reaches the key handling, where two leaves must never share one key path. The
+# contract and the oracle (the library's {keys: value} against ckpt's) hold as for every mutant.
+
+# file kind -> the key-space kind of the same file
+KEY_SPACE_KINDS = {
+    "safetensors": "safetensors_keys", "msgpack": "msgpack_keys", "dcp_metadata": "dcp_keys",
+    "torch_pickle": "torch_keys",
+}
+KEY_SPACE_OPS = ("slash", "escaped", "percent", "empty-part", "slash-of-other", "escaped-of-other",
+                 "child-of-other", "parent-of-other", "same-as-other")
+
+
+def key_space_name(rng: random.Random, name: str, others: list[str], *, dup_ok: bool = True,
+                   sep: str = ".") -> tuple[str, str]:
+    """A new name for the leaf `name` among `others` (its siblings' names, `sep` the format's own
+    separator of flat names): (new name, what was done)."""
+    op = rng.choice([o for o in KEY_SPACE_OPS if dup_ok or o != "same-as-other"])
+    other = rng.choice(others) if others else name
+    dots = [i for i, c in enumerate(other if op.endswith("-of-other") else name) if c == sep]
+
+    def at_dot(text: str, repl: str) -> str:
+        ds = [i for i, c in enumerate(text) if c == sep]
+        if not ds:
+            mid = len(text) // 2
+            return text[:mid] + repl + text[mid:]
+        i = rng.choice(ds)
+        return text[:i] + repl + text[i + 1:]
+
+    if op == "slash":
+        new = at_dot(name, "/")
+    elif op == "escaped":
+        new = at_dot(name, rng.choice(["%2F", "%2f", "%252F"]))
+    elif op == "percent":
+        i = rng.randrange(len(name) + 1)
+        new = name[:i] + rng.choice(["%", "%25", "%2", "%%"]) + name[i:]
+    elif op == "empty-part":
+        new = rng.choice([at_dot(name, sep + sep), sep + name, name + sep, at_dot(name, "/" + sep)])
+    elif op == "slash-of-other":
+        new = at_dot(other, "/")
+    elif op == "escaped-of-other":
+        new = at_dot(other, "%2F")
+    elif op == "child-of-other":
+        new = other + sep + rng.choice(["x", "0", "weight"])
+    elif op == "parent-of-other":
+        new = other.rsplit(sep, 1)[0] if dots else other + "/"
+    else:
+        new = other
+    if new == name or (not dup_ok and new in others):
+        new, op = name + "/" + sep, op + " (fallback)"
+    return new, f"{op}: {name!r} -> {new!r}"
+
+
+def mutate_safetensors_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One tensor of a safetensors file renamed (key_space_name); the header keeps its order,
+    its new length and the 8-byte padding safetensors writes."""
+    if len(data) < 8:
+        return bytes_mutation(rng, data)
+    hlen = struct.unpack("<Q", data[:8])[0]
+    header, body = data[8:8 + hlen], data[8 + hlen:]
+    try:
+        obj = json.loads(header)
+    except ValueError:
+        return bytes_mutation(rng, data)
+    names = [k for k in obj if k != "__metadata__"] if isinstance(obj, dict) else []
+    if not names:
+        return bytes_mutation(rng, data)
+    name = rng.choice(names)
+    new, desc = key_space_name(rng, name, [n for n in names if n != name])
+    # (as text: a name twice is a JSON object with a key twice, which a dict cannot hold)
+    text = json.dumps(obj, separators=(",", ":"))
+    old_key = json.dumps(name) + ":{"
+    assert text.count(old_key) == 1
+    raw = text.replace(old_key, json.dumps(new) + ":{").encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body, "tensor name " + desc
+
+
+def mutate_msgpack_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One map key of a msgpack tree renamed (key_space_name), or a dotted or slashed key put beside
+    the nested one it spells (flax restores both), holding another leaf's value."""
+    import msgpack
+
+    try:
+        tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+    except Exception:  # noqa: BLE001 - already damaged: bytes only
+        return bytes_mutation(rng, data)
+    slots = _msgpack_slots(tree)
+    maps = [(p, v) for p, v in slots if isinstance(v, dict) and v and all(isinstance(k, str) for k in v)]
+    if isinstance(tree, dict) and tree and all(isinstance(k, str) for k in tree):
+        maps.append(((), tree))
+    if not maps:
+        return bytes_mutation(rng, data)
+    path, node = rng.choice(maps)
+    keys = list(node)
+    leaves = [v for _, v in slots if not isinstance(v, (dict, list))]
+    nested = [k for k in keys if isinstance(node[k], dict) and node[k] and all(isinstance(c, str) for c in node[k])]
+    sentinel = msgpack.ExtType(98, b"ckpt-fuzz-keys")
+
+    def packed(pairs: list[tuple[str, Any]]) -> bytes:
+        # the map as msgpack.Packer writes pairs in order: a key may repeat here, unlike in a dict
+        p = msgpack.Packer(use_bin_type=True)
+        body = p.pack_map_header(len(pairs)) + b"".join(p.pack(k) + p.pack(v) for k, v in pairs)
+        if path:
+            _msgpack_set(tree, path, sentinel)
+            return p.pack(tree).replace(p.pack(sentinel), body, 1)
+        return body
+
+    if nested and rng.random() < 0.4:
+        # dotted versus nested: {"a": {"b": x}} gains "a.b" (or "a/b") beside it
+        k = rng.choice(nested)
+        child = rng.choice(list(node[k]))
+        joined = k + rng.choice([".", "/", "%2F"]) + child
+        value = rng.choice(leaves) if leaves else node[k][child]
+        pairs = list(node.items()) + [(joined, value)]
+        return packed(pairs), f"msgpack key {joined!r} beside {k!r}/{child!r} at {list(path)}"
+    i = rng.randrange(len(keys))
+    new, desc = key_space_name(rng, keys[i], keys[:i] + keys[i + 1:])
+    pairs = [(new if j == i else k, v) for j, (k, v) in enumerate(node.items())]
+    return packed(pairs), f"msgpack key at {list(path)}: {desc}"
+
+
+def mutate_dcp_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One fqn of a DCP .metadata renamed where torch keys it (state_dict_metadata, storage_data's
+    MetadataIndex, planner_data), as dcp.save names a state dict whose key path is the new one."""
+    _torch()  # (torch's classes, for the unpickling)
+    try:
+        md = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - already damaged
+        return bytes_mutation(rng, data)
+    fqns = list(md.state_dict_metadata)
+    if not fqns:
+        return bytes_mutation(rng, data)
+    fqn = rng.choice(fqns)
+    planner = dict(md.planner_data or {})
+    old_path = tuple(planner.get(fqn) or (fqn,))
+    # the whole key path renamed; its fqn is its keys joined by '.', as torch flattens a state dict
+    new_fqn, desc = key_space_name(rng, fqn, [f for f in fqns if f != fqn], dup_ok=False)
+    if new_fqn in md.state_dict_metadata:
+        return bytes_mutation(rng, data)
+    parts = new_fqn.split(".") if len(old_path) > 1 else [new_fqn]
+    # (a list index stays an int where the renamed path keeps it)
+    new_path = tuple(old_path[i] if i < len(old_path) and isinstance(old_path[i], int) and str(old_path[i]) == p
+                     else p for i, p in enumerate(parts))
+    md.state_dict_metadata = {(new_fqn if k == fqn else k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {(dataclasses.replace(k, fqn=new_fqn) if k.fqn == fqn else k): v
+                       for k, v in md.storage_data.items()}
+    if md.planner_data is not None:
+        md.planner_data = {(new_fqn if k == fqn else k): (new_path if k == fqn else v) for k, v in planner.items()}
+    return pickle.dumps(md), f"fqn {desc} (keys {list(new_path)})"
+
+
+# strings of a torch.save pickle that are no key of the saved tree
+_TORCH_NON_KEYS = {"storage", "cpu", "little", "big"}
+
+
+def mutate_torch_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One str key of a torch.save pickle (a state dict's name) renamed (key_space_name), the
+    archive's data.pkl CRC-32 made right."""
+    pkl = torch_pickle_bytes(data)
+    if pkl is None:
+        return bytes_mutation(rng, data)
+    ops = _ops(pkl)
+    strings = [(a, s, e) for op, a, s, e in ops if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8")
+               and isinstance(a, str) and a and a not in _TORCH_NON_KEYS and not a.isdigit()]
+    if not strings:
+        return bytes_mutation(rng, data)
+    text, s, e = rng.choice(strings)
+    others = sorted({a for a, _, _ in strings if a != text})
+    new, desc = key_space_name(rng, text, others)
+    return with_torch_pickle(data, _replace_ops(pkl, [(s, e, _unicode_op(new))])), "data.pkl key " + desc
+
+
+MUTATORS.update({
+    "safetensors_keys": mutate_safetensors_keys, "msgpack_keys": mutate_msgpack_keys,
+    "dcp_keys": mutate_dcp_keys, "torch_keys": mutate_torch_keys,
+})
+# every key-space mutant is a metadata edit: shallow validate's OK must hold against the library
+METADATA_KINDS.update(KEY_SPACE_KINDS.values())
+
+
+def pick_key_space_mutant(rng: random.Random, workdir: Path, formats: list[str] | None = None) -> Mutant:
+    """A key-space mutant (KEY_SPACE_KINDS) of a fixture that has a file of its kind (run_fuzz.py --key-space)."""
+    specs = [(s, k) for s in fixture_specs() if formats is None or s.format in formats
+             for k in sorted(fixture_targets(FIXTURES / s.name)) if k in KEY_SPACE_KINDS.values()]
+    spec, kind = rng.choice(specs)
+    return make_mutant(rng, spec, workdir, kind=kind)
+
+
 @dataclass
 class Mutant:
     dir: Path  # the checkpoint path given to ckpt
@@ -2366,17 +2564,174 @@ def explicit_cases() -> dict[str, Callable[[Path], Mutant]]:
     for how in ("invalid_json", "deep_nesting", "not_object", "md5", "dotdot", "absolute", "size_2_63",
                 "sizes_not_ints", "digest_flipped", "tensors_bad", "symlink_out", "fifo"):
         cases[f"manifest_{how}"] = manifest_case(how)
+    cases.update(uncontrolled_document_cases())
     return cases
 
 
 # which explicit cases must run as whole processes in `make test` (they can
 # take the process down or its memory up); the others run in-process there
-PROCESS_ONLY_PREFIXES = ("bomb_", "pickle_memo", "pickle_deep", "pickle_binbytes")
+PROCESS_ONLY_PREFIXES = ("bomb_", "pickle_memo", "pickle_deep", "pickle_binbytes", "deep_")
 PROCESS_ONLY_SUBSTR = ("_fifo", "dev_zero", "pickle_os_system")
 
 
 def needs_process(case: str) -> bool:
     return case.startswith(PROCESS_ONLY_PREFIXES) or any(s in case for s in PROCESS_ONLY_SUBSTR)
+
+
+# --------------------------------------------------------------------------
+# files and environment variables the user does not control (issue 44 #9): a config.json, a
+# trainer_state.json or a model.yaml nested past Python's recursion limit; TPU_*, launcher and
+# CKPT_* variables holding zeros, huge numbers, host lists that multiply out, non-ASCII digits
+# --------------------------------------------------------------------------
+
+# (fixture, file in it, how the file is rewritten): each parser of such a file in some format
+DEEP_DOCUMENTS = [
+    ("megatron_torch_dist_tp2", "metadata.json", "json"),
+    ("runs_hf_trainer", "checkpoint-4/trainer_state.json", "json"),
+    ("megatron_nemo2", "context/model.yaml", "yaml"),
+    ("orbax_ocdbt_zarr2", "_METADATA", "json"),
+    ("orbax_ocdbt_zarr2", "_sharding", "json"),
+    ("orbax_plain_zarr2", "_CHECKPOINT_METADATA", "json"),
+    ("safetensors_llama_sharded", "model.safetensors.index.json", "json"),
+    ("torch_hf_bin_sharded", "pytorch_model.bin.index.json", "json"),
+    ("flax_orbax", "_METADATA", "json"),
+]
+
+
+def deep_document(kind: str, depth: int = 200_000) -> bytes:
+    """A document nested `depth` levels: 400 KB of brackets, far past the recursion limit."""
+    body = b"[" * depth + b"]" * depth
+    return b"a: " + body + b"\n" if kind == "yaml" else body
+
+
+def uncontrolled_document_cases() -> dict[str, Callable[[Path], Mutant]]:
+    """Explicit cases: each DEEP_DOCUMENTS file nested too deeply. The contract (no internal error,
+    one line, bounded time and memory) is what is checked; which exit code depends on whether the
+    command reads that file."""
+    cases: dict[str, Callable[[Path], Mutant]] = {}
+    for fixture, rel, kind in DEEP_DOCUMENTS:
+        if not (FIXTURES / fixture / rel).is_file():
+            continue
+
+        def build(work: Path, fixture: str = fixture, rel: str = rel, kind: str = kind) -> Mutant:
+            dst = copy_fixture(fixture, work / fixture)
+            target = dst / rel
+            target.unlink()  # (a fixture file may be a hard link into the tree)
+            target.write_bytes(deep_document(kind))
+            try:
+                spec = spec_of(fixture)
+                fmt, oracle, mode = spec.format, spec.oracle, spec.mode
+            except StopIteration:  # a run root (runs_hf_trainer): no format of its own in the catalogue
+                fmt, oracle, mode = "run-root", None, ""
+            return Mutant(dst, fixture, fmt, "bomb", rel, f"{rel}: nested past the recursion limit",
+                          oracle, mode, {}, None, check_oracle=False)
+
+        cases[f"deep_{fixture}_{rel.replace('/', '_')}"] = build
+    return cases
+
+
+# the variables each parser reads (topology.py, distributed.py, storage/remote.py)
+ENV_VARIABLES = {
+    "tpu": ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS",
+            "TPU_WORKER_ID", "TPU_VISIBLE_CHIPS", "JAX_PLATFORMS"),
+    "gpu": ("CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS"),
+    "launcher": ("CKPT_DISTRIBUTED", "CKPT_JOIN_TIMEOUT", "CKPT_BARRIER_TIMEOUT", "JAX_COORDINATOR_ADDRESS",
+                 "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID",
+                 "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST"),
+    "remote": ("CKPT_IO_TIMEOUT", "CKPT_IO_RETRIES"),
+}
+HOSTILE_ENV_VALUES = [
+    "", " ", "0", "1", "2", "8", "-1", "-0", "0,0,1", "0,0,0", "1,0,1", "2,2,1", "4,4,1", "2,4,1", "0,1", "1,2",
+    ",", "1,,2", "99999999999999999999", "9" * 5000, "1e9", "1e400", "nan", "inf", "-inf", "0x10", "1_000",
+    "\u0663", "\u0663,\u0663,1", "\x00", "a" * 5000, ",".join(["1"] * 20000), ",".join(map(str, range(20000))),
+    "v5litepod-8", "v5litepod-256", "v6e-4", "v5e:2x4", "v5litepod-0", "v5litepod-99999999999", "2x4", "0x0",
+    "tpu", "cuda,gpu", "cpu", "auto", "off", "torch", "jax", "zz", "True", "host:0", "host:99999999",
+    "n[0-999999][0-999999]", "n[0-999999]", "n[5-1]", "n[[1]]", "n[1", "n]1[", "n[01-03,07],g[1-2]-x[3,5]",
+]
+
+
+def environment_mutant(rng: random.Random) -> dict[str, str]:
+    """An environment for one parser group: some of its variables hostile, the others coherent
+    (a v5e host, a torchrun or Slurm step), so that the parsing goes past its first check."""
+    group = rng.choice(sorted(ENV_VARIABLES))
+    base = {
+        "tpu": {"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_VISIBLE_CHIPS": "0,1,2,3,4,5,6,7",
+                "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1", "TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_ID": "0"},
+        "gpu": {"CUDA_VISIBLE_DEVICES": "0,1"},
+        "launcher": rng.choice([{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"},
+                                {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+                                 "SLURM_NODELIST": "n[1-2]"}, {}]),
+        "remote": {},
+    }[group]
+    env = dict(base) if rng.random() < 0.8 else {}
+    for name in rng.sample(ENV_VARIABLES[group], k=min(len(ENV_VARIABLES[group]), rng.randint(1, 4))):
+        env[name] = rng.choice(HOSTILE_ENV_VALUES)
+    return env
+
+
+def check_environment(env: dict[str, str], time_limit: float = 2.0) -> list[Violation]:
+    """Every environment parser given `env`, in this process: each may refuse (a CkptError, whose
+    message is one line), never raise anything else, and each answers within `time_limit`."""
+    from ckpt_tool import distributed, reshard, topology
+    from ckpt_tool.errors import CkptError
+    from ckpt_tool.storage import remote
+
+    def topology_and_mesh() -> None:
+        topo = topology.host_topology(env)
+        if topo is not None:
+            topo.describe()
+            for size in {topo.size, 3}:
+                with contextlib.suppress(CkptError):
+                    reshard.mesh_for_topology([("data", size)], topo)
+
+    def launcher() -> None:
+        distributed.process_spec(None, None, None, env)
+        distributed._timeout(env, distributed.JOIN_TIMEOUT_VARIABLE, 1.0)
+        distributed._timeout(env, distributed.BARRIER_TIMEOUT_VARIABLE, 1.0)
+
+    def remote_numbers() -> None:
+        saved = {n: os.environ.get(n) for n in ENV_VARIABLES["remote"]}
+        try:
+            for n in ENV_VARIABLES["remote"]:
+                os.environ.pop(n, None)
+                if n in env and "\x00" not in env[n]:
+                    os.environ[n] = env[n]
+            remote._env_number("CKPT_IO_TIMEOUT", 30.0, minimum=0.001)
+            remote._env_number("CKPT_IO_RETRIES", 4, minimum=1, integer=True)
+        finally:
+            for n, v in saved.items():
+                if v is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = v
+
+    out: list[Violation] = []
+    shown = json.dumps({k: v[:40] + ("..." if len(v) > 40 else "") for k, v in env.items()})
+    for name, parse in (("topology", topology_and_mesh), ("launcher", launcher), ("remote", remote_numbers)):
+        t0 = time.monotonic()
+        try:
+            parse()
+        except CkptError as exc:
+            if "\n" in exc.message.strip():
+                out.append(Violation("stderr-lines", f"env:{name}", f"a message of several lines with {shown}"))
+        except Exception as exc:  # noqa: BLE001 - exactly what is looked for
+            out.append(Violation("internal-error", f"env:{name}", f"{type(exc).__name__}: {str(exc)[:200]} with {shown}"))
+        seconds = time.monotonic() - t0
+        if seconds > time_limit:
+            out.append(Violation("slow", f"env:{name}", f"{seconds:.1f} s with {shown}"))
+    return out
+
+
+def environment_fuzz(seed: int, rounds: int) -> list[tuple[dict[str, str], list[Violation]]]:
+    """`rounds` environments (mutant i of seed S is the same on every run); the failing ones."""
+    failing = []
+    for i in range(rounds):
+        env = environment_mutant(random.Random(f"{seed}:env:{i}"))
+        violations = check_environment(env)
+        if violations:
+            failing.append((env, violations))
+    return failing
 
 
 # --------------------------------------------------------------------------
@@ -2588,6 +2943,177 @@ def evaluate_forked(m: Mutant, zygote: Zygote, oracle: "Oracle | None" = None, *
     violations += check_expectations(m, runs)
     ov, ores = check_oracle(m, runs, oracle)
     return Outcome(m, runs, violations + ov, ores), unconfirmed
+
+
+# --------------------------------------------------------------------------
+# run roots: pointer and tracker files, step-named entries beside a checkpoint
+# --------------------------------------------------------------------------
+# A run-root mutant is a copy of a run root written by the real libraries (fixtures/gen_runs.py,
+# the Megatron, DeepSpeed and Flax/T5X generators) with its pointer file rewritten, or an entry named
+# like some framework's step put beside its steps. The contract on it: the usual one (no traceback,
+# exit 0 or 1, one stderr line on failure, bounded time and memory) for inspect, validate, validate
+# --deep, ls and latest of the root, and: the step `latest` prints passes validate by its path;
+# `latest --json` names the framework's own pick beside it; where the mutated pointer names no step
+# the framework can open, validate of the root exits 1.
+
+COMMANDS.update({"ls": ["ls", "--json"], "latest": ["latest", "--json"]})
+RUN_ROOT_COMMANDS = ("inspect", "validate", "deep", "ls", "latest")
+
+# fixture (its root inside, for NeMo) -> the pointer file its framework reads, or None
+RUN_ROOT_FIXTURES: dict[str, str | None] = {
+    "runs_orbax": None, "runs_torchtitan": None, "runs_hf_trainer": None, "runs_nemo2/checkpoints": None,
+    "flax_msgpack": None, "t5x": None,
+    "megatron_run": "latest_checkpointed_iteration.txt", "megatron_legacy": "latest_checkpointed_iteration.txt",
+    "deepspeed_z1_fp32": "latest", "runs_verl": "latest_checkpointed_iteration.txt",
+}
+
+# names some framework gives a step, its pointer or its temporary save ({n}: a step number)
+STEP_NAME_TEMPLATES = (
+    "step-{n}", "checkpoint-{n}", "tmp-checkpoint-{n}", "checkpoint_{n}", "checkpoint_{n}.tmp-1700000000",
+    "checkpoint_tmp", "global_step{n}", "global_step_{n}", "iter_{n:07d}", "release", "{n}",
+    "{n}.orbax-checkpoint-tmp", "{n}.orbax-checkpoint-tmp-1700000000", "x-step={n}", "x-step={n}-last",
+    "x-step={n}-unfinished", "latest", "latest_checkpointed_iteration.txt", "latest_universal",
+)
+STEP_ENTRY_KINDS = ("empty-dir", "empty-file", "garbage-file", "dir-of-garbage", "torn-copy", "copy", "symlink")
+
+
+def pointer_mutation(rng: random.Random, data: bytes, steps: list[str]) -> tuple[bytes | None, str]:
+    """A pointer or tracker file's new text: what a killed or foreign writer leaves there."""
+    real = data.decode("utf-8", "replace").strip()
+    others = [s for s in steps if s != real] or steps or ["x"]
+    options: list[tuple[bytes | None, str]] = [
+        (b"", "empty"), (b"\n", "a newline"), (b" \t ", "whitespace"), (b"-1", "-1"), (b"0", "0"),
+        (str(2**70).encode(), "2**70"), ("\u0663".encode(), "an Arabic-Indic digit"), (b"release", "release"),
+        (b"007", "007"), (f" {real} \n".encode(), "padded"), (real.encode() + b"\x00", "a NUL after it"),
+        (real.encode()[:-1], "its last character cut"), (b"99999", "a step that is not there"),
+        (rng.choice(others).encode(), "another entry's name"), (f"../{real}".encode(), "../ before it"),
+        (b"/etc/passwd", "an absolute path"), (bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))), "random bytes"),
+        (b"9" * 5000, "5000 nines"), (f"{real}\n{rng.choice(others)}".encode(), "two lines"),
+        (b"\xff\xfe", "not UTF-8"), (None, "deleted"),
+    ]
+    new, desc = options[rng.randrange(len(options))]
+    if rng.random() < 0.15:
+        new, desc = bytes_mutation(rng, data)
+    return new, desc
+
+
+def step_entry_mutation(rng: random.Random, root: Path) -> tuple[str, str]:
+    """Put an entry named like a step (of any framework) beside the root's steps; (name, what)."""
+    steps = sorted(p for p in root.iterdir() if not p.name.startswith("_"))
+    name = rng.choice(STEP_NAME_TEMPLATES).format(n=rng.choice([0, 1, 3, 5, 7, 25, 99, 10**12]))
+    kind = rng.choice(STEP_ENTRY_KINDS)
+    path = root / name
+    if path.exists() or path.is_symlink():
+        # an existing entry of that name: replaced by the mutant's (a torn or foreign copy of it)
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    source = rng.choice([p for p in steps if p.is_dir()] or steps)
+    if kind == "empty-dir":
+        path.mkdir()
+    elif kind == "empty-file":
+        path.write_bytes(b"")
+    elif kind == "garbage-file":
+        path.write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
+    elif kind == "dir-of-garbage":
+        path.mkdir()
+        (path / rng.choice(["metadata.json", ".metadata", "trainer_state.json", "checkpoint", "x.pt",
+                            "_CHECKPOINT_METADATA", "model.safetensors"])).write_bytes(b"\x00garbage")
+    elif kind in ("torn-copy", "copy"):
+        if source.is_dir():
+            shutil.copytree(source, path, symlinks=True)
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            if kind == "torn-copy" and files:
+                victim = rng.choice(files)
+                if rng.random() < 0.5:
+                    victim.unlink()
+                else:
+                    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        else:
+            shutil.copy(source, path)
+    else:
+        path.symlink_to(source.name if rng.random() < 0.7 else "/etc")
+    return name, f"{kind} {name!r}" + (f" (from {source.name})" if kind in ("torn-copy", "copy", "symlink") else "")
+
+
+def _pointer_target(pointer: str, raw: bytes, *, verl: bool) -> str | None:
+    """The entry the framework's own reading of a pointer file opens (None: its read fails):
+    DeepSpeed strips the tag; Megatron and verl take int() of the stripped text (Megatron also
+    'release')."""
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if pointer == "latest":
+        return text or None
+    try:
+        n = int(text)
+    except ValueError:
+        return "release" if text == "release" and not verl else None
+    return f"global_step_{n}" if verl else f"iter_{n:07d}"
+
+
+def make_run_root_mutant(rng: random.Random, workdir: Path, fixture: str | None = None) -> Mutant:
+    """A copy of one run root with its pointer file rewritten or a step-named entry put beside its steps."""
+    fixture = fixture or rng.choice(sorted(RUN_ROOT_FIXTURES))
+    top, _, inner = fixture.partition("/")
+    dst = copy_fixture(top, workdir / top)
+    root = dst / inner if inner else dst
+    pointer = RUN_ROOT_FIXTURES[fixture]
+    expect: dict[str, int] = {}
+    if pointer is not None and rng.random() < 0.5:
+        path = root / pointer
+        steps = sorted(p.name for p in root.iterdir() if p.is_dir())
+        new, desc = pointer_mutation(rng, path.read_bytes(), steps)
+        if new is None:
+            path.unlink()
+        else:
+            path.write_bytes(new)
+            named = _pointer_target(pointer, new, verl=fixture == "runs_verl")
+            if named is None or not (root / named).is_dir():
+                # the framework opens no step by this pointer (its load fails): neither may validate pass
+                expect = {"validate": 1, "deep": 1}
+        kind, target = "pointer", pointer
+    else:
+        target, desc = step_entry_mutation(rng, root)
+        kind = "step-entry"
+    return Mutant(root, fixture, "run-root", kind, target, desc, None, expect=expect, check_oracle=False)
+
+
+def check_run_root(m: Mutant, runs: dict[str, RunResult], run: Callable[[str, Path], RunResult]) -> list[Violation]:
+    """The run-root contract beyond check_run's: latest's step validates by its path, and
+    latest --json names the framework's pick beside the step it prints."""
+    v: list[Violation] = []
+    r = runs.get("latest")
+    if r is None or r.exit_code != 0:
+        return v
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        return [Violation("inspect-json", "latest", "exit 0 but stdout is not JSON")]
+    if "framework" not in doc or "differs" not in doc:
+        v.append(Violation("accepted-bad-input", "latest", "latest --json without the framework's pick"))
+    if doc.get("path"):
+        # the step printed, by its own path as a launcher opens it (a verl step's checkpoint is its
+        # actor/ directory: the layout's payload)
+        from ckpt_tool.formats.roots import layout_named
+
+        payload = layout_named(doc["layout"]).payload
+        step = run("validate", Path(doc["path"]) / payload if payload else Path(doc["path"]))
+        v += check_run(step)
+        if step.exit_code != 0:
+            v.append(Violation("accepted-bad-input", "latest",
+                               f"latest printed {doc['name']}, which validate fails: {step.stdout.strip()[-200:]}"))
+    return v
+
+
+def evaluate_run_root(m: Mutant, *, runner: str = "process") -> Outcome:
+    """evaluate() of a run-root mutant: RUN_ROOT_COMMANDS, the contract and check_run_root."""
+    run = (lambda c, p: run_process(c, p, tmp=m.dir.parent)) if runner == "process" else run_inprocess
+    runs = {c: run(c, m.path) for c in RUN_ROOT_COMMANDS}
+    violations = [v for r in runs.values() for v in check_run(r)]
+    violations += check_expectations(m, runs)
+    violations += check_run_root(m, runs, run)
+    return Outcome(m, runs, violations, None)
+
 
 
 if __name__ == "__main__" and "--zygote" in sys.argv:

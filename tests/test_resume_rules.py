@@ -87,6 +87,21 @@ def test_a_torn_step_the_trainer_picks_fails_validate(ckpt, root_of):
     assert ckpt("validate", root).returncode == 0
 
 
+def test_an_empty_checkpoint_dir_is_the_trainers_pick(ckpt, root_of):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    root = root_of("runs_hf_trainer")
+    (root / "checkpoint-8").mkdir()  # the save killed right after its makedirs
+    assert get_last_checkpoint(str(root)).endswith("checkpoint-8")  # the oracle
+    r = ckpt("validate", root)
+    assert r.returncode == 1 and r.stdout.startswith(f"opened checkpoint-8 of {root} ("), r.stdout + r.stderr
+    assert "error uncommitted-save: checkpoint-8 is incomplete: no trainer_state.json" in r.stdout
+    r = ckpt("latest", root)
+    assert r.returncode == 0 and r.stdout == f"{root}/checkpoint-4\n" and "would resume from checkpoint-8 (" in r.stderr
+    r = ckpt("inspect", root)
+    assert r.returncode == 1 and "(the step Hugging Face Trainer resumes from; --step 4 reads the one before)" in r.stderr
+
+
 def test_a_tracker_naming_a_torn_verl_step_fails_validate(ckpt, root_of):
     root = root_of("runs_verl")  # global_step_6: a rank's optimizer file missing
     (root / "latest_checkpointed_iteration.txt").write_text("6")
@@ -242,3 +257,39 @@ def test_damage_in_another_step_is_a_warning(ckpt, root_of, name):
     assert hits and (hits[0]["file"] or "").rstrip("/").endswith(older), doc["findings"]
     assert ckpt("validate", root, "--strict").returncode == 1
     assert ckpt("validate", root, "--step", "all").returncode == 1
+
+
+# -- fuzz: pointer and tracker files, step-named entries beside a checkpoint -------------------------
+
+def test_run_root_mutants_keep_the_contract(tmp_path):
+    # a short seeded run of fuzz_lib's run-root mutators (make fuzz runs many more, as processes)
+    import random
+
+    import fuzz_lib as F
+
+    kinds = set()
+    for i in range(24):
+        work = tmp_path / f"m{i}"
+        work.mkdir()
+        m = F.make_run_root_mutant(random.Random(f"resume-rules:{i}"), work)
+        kinds.add(m.kind)
+        outcome = F.evaluate_run_root(m, runner="inprocess")
+        assert not outcome.violations, (m.label(), [(v.cls, v.command, v.detail) for v in outcome.violations])
+    assert kinds == {"pointer", "step-entry"}
+
+
+@pytest.mark.parametrize("fixture,text", [("megatron_run", b"99"), ("runs_verl", b""), ("deepspeed_z1_fp32", b"global_step9"),
+                                          ("megatron_legacy", b"\xff\xfe"), ("runs_verl", b"4\n6")])
+def test_a_pointer_naming_no_step_fails_validate(ckpt, root_of, fixture, text):
+    import fuzz_lib as F
+
+    root = root_of(fixture)
+    pointer = F.RUN_ROOT_FIXTURES[fixture]
+    (root / pointer).write_bytes(text)
+    assert F._pointer_target(pointer, text, verl=fixture == "runs_verl") is None or \
+        not (root / F._pointer_target(pointer, text, verl=fixture == "runs_verl")).is_dir()
+    for args in ((), ("--deep",)):
+        r = ckpt("validate", root, *args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+    r = ckpt("latest", root, "--strict")
+    assert r.returncode == 1 and r.stdout == ""

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .. import strict_json
 from ..errors import CkptError, CorruptMetadataError
 from ..text import is_ascii_number
 
@@ -72,6 +73,19 @@ class RootListing:
                 under.setdefault(head, []).append(rest)
             else:
                 files.append(key)
+        if storage.local_root is not None:
+            # a local directory with nothing in it is no key, yet it is an entry the frameworks see
+            # (the HF Trainer's get_last_checkpoint takes a checkpoint-N/ its save made and was
+            # killed before writing into); object stores have no empty directories
+            import os
+
+            try:
+                with os.scandir(storage.local_root) as it:
+                    for e in it:
+                        if e.name not in under and e.is_dir(follow_symlinks=False):
+                            under[e.name] = []
+            except OSError:
+                pass
         return cls(storage, sorted(under), files, under)
 
     def top(self, entry: str, sub: str = "") -> tuple[set[str], set[str]]:
@@ -293,8 +307,9 @@ def _hf_step(name: str, is_dir: bool) -> int | None:
 
 def _hf_owns(listing: RootListing, entry: Entry) -> bool:
     _, files = listing.top(entry.name)
-    # not a Flax/T5X checkpoint_N (those use an underscore) nor anything without a model file
-    return entry.name.startswith("tmp-") or HF_STATE in files or "config.json" in files or any(
+    # not a Flax/T5X checkpoint_N (those use an underscore) nor anything without a model file; an
+    # empty checkpoint-N/ is the Trainer's save killed before its first file (get_last_checkpoint takes it)
+    return entry.name.startswith("tmp-") or not listing.under.get(entry.name) or HF_STATE in files or "config.json" in files or any(
         f.endswith((".safetensors", ".bin", ".safetensors.index.json")) for f in files)
 
 
@@ -336,7 +351,7 @@ def _hf_confirm(listing: RootListing, entry: Entry) -> StepStatus:
             return StepStatus(INCOMPLETE, f"{HF_STATE} is empty: a save killed while writing it "
                                           "(the Trainer's resume fails on it: JSONDecodeError)")
         if size <= _HF_STATE_PARSE:
-            doc = json.loads(listing.storage.read(name).decode("utf-8"))
+            doc = strict_json.loads(listing.storage.read(name).decode("utf-8"))
             if not isinstance(doc, dict):
                 return StepStatus(INCOMPLETE, f"{HF_STATE} is not a JSON object (TrainerState cannot load it)")
         elif not listing.storage.read_range(name, size - 64, size).rstrip().endswith(b"}"):

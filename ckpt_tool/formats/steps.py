@@ -298,7 +298,9 @@ class OpenedStep:
         before = [s for s in self.steps if s["status"] == COMMITTED and s["step"] is not None and s["step"] < self.step]
         if not before:
             return None
-        which = "the newest complete step" if self.chosen_by == "newest-complete" else f"the step {self.pointer_file} names"
+        which = ("the newest complete step" if self.chosen_by == "newest-complete" else
+                 f"the step {self.pointer_file} names" if self.chosen_by == "pointer" else
+                 f"the step {self.layout} resumes from")
         return f"{which}; --step {before[-1]['step']} reads the one before"
 
     def others(self) -> list[dict[str, Any]]:

@@ -95,8 +95,17 @@ def _validate_checkpoint(
     # a run root of any framework: the step asked for, else the one the framework resumes from
     # (the run layouts' table; the step opened is recorded for the CLI to say)
     path, step, opened = resolve_step(path, step, formats.registered())
-    report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
-                           manifest=manifest)
+    try:
+        report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
+                               manifest=manifest)
+    except UsageError:
+        raise
+    except CkptError:
+        if opened is None or opened.chosen_by == "requested" or opened.status == COMMITTED or opened.run is None:
+            raise
+        # the step the framework resumes from is torn so far that it reads as nothing (an HF
+        # checkpoint-N/ killed before its first file): the finding says so, not "not a checkpoint"
+        report = ValidationReport(path, opened.run.layout.fallback_format, [], {}, deep)
     if opened is not None and opened.chosen_by != "requested":
         _fail_torn_resume_step(report, opened)
         _warn_other_steps(report, opened)
