@@ -270,6 +270,13 @@ def _take_over(out: RemoteOutput, storage: Storage, owner: _OwnerObject, *, over
         raise DestinationExistsError(f"destination holds an incomplete save of ckpt's ({prior.describe()}, "
                                      f"{'no longer running' if status == 'gone' else 'abandoned'}); "
                                      "use --overwrite to remove it and write", out.destination)
+    # this run's record names the old run's entries too: a removal cut short here (a dead endpoint)
+    # leaves a record that still covers everything the old run wrote
+    doc = json.loads(out.record)
+    doc["writes"] = sorted(set(doc["writes"]) | set(prior.entries))
+    doc["markers"] = sorted(set(doc["markers"]) | set(prior.markers))
+    out.record = json.dumps(doc, indent=1).encode("utf-8")
+    out.parsed = parse_record(out.record)
     new = owner.write_if(out.record, gen)
     if new is None:  # another run took it over first
         data, _ = owner.read()

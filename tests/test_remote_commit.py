@@ -183,7 +183,7 @@ def _kill_midway(argv: list[str], env: dict, ready) -> None:  # noqa: ANN001 - r
     full.pop("CKPT_DEBUG", None)
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *argv], env=full, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # (a loaded machine starts python slowly)
     try:
         while not ready():
             assert proc.poll() is None, ("finished before it could be killed", proc.communicate())
@@ -259,7 +259,7 @@ def test_overwrite_of_a_killed_save_then_writes_a_complete_checkpoint(gcs, big_s
         slow.close()
     assert f"{prefix}/{OWNER}" in _gcs_keys(endpoint, prefix + "/")
     assert run_ckpt("validate", dst, env=env).returncode == 1
-    r = run_ckpt("convert", SRC, dst, "--to", "orbax", "--overwrite", env=env)
+    r = run_ckpt("convert", SRC, dst, "--to", "orbax", "--overwrite", env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "removed the incomplete save" in r.stdout + r.stderr
     keys = _gcs_keys(endpoint, prefix + "/")
@@ -279,7 +279,7 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_touches_nothing(gcs,
                               "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while f"{prefix}/{OWNER}" not in _gcs_keys(endpoint, prefix + "/"):
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.02)
@@ -290,10 +290,10 @@ def test_a_second_writer_fails_at_once_naming_the_first_and_touches_nothing(gcs,
             started = time.monotonic()
             line = _one_line(run_ckpt("convert", SRC, dst, "--to", "dcp", *overwrite, env=env))
             assert f"pid {first.pid}" in line and "another ckpt is writing this destination" in line, line
-            assert time.monotonic() - started < 30
+            assert time.monotonic() - started < 60  # at once: python's start-up, one LIST, one read
         assert _gcs_keys(endpoint, prefix + "/") == before
         first.send_signal(signal.SIGCONT)
-        out, err = first.communicate(timeout=300)
+        out, err = first.communicate(timeout=600)
         assert first.returncode == 0, err
     finally:
         if first.poll() is None:
@@ -385,12 +385,12 @@ def test_a_convert_to_gs_stopped_by_sigterm_removes_what_it_wrote_and_its_record
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, f"gs://{BUCKET}/{prefix}",
                              "--to", "safetensors", "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
+    deadline = time.time() + 300
     while sum(k.endswith(".safetensors") for k in _gcs_keys(endpoint, prefix + "/")) < 3:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     slow.close()
     assert proc.returncode == 130, err
     assert _gcs_keys(endpoint, prefix + "/") == []
@@ -422,13 +422,13 @@ def test_the_server_stopped_mid_upload_leaves_an_incomplete_save(tmp_path, big_s
         proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", big_source, dst, "--to", "safetensors",
                                  "--max-shard-size", "4MiB"], env=full, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
+        deadline = time.time() + 300
         while sum(k.endswith(".safetensors") for k in _gcs_keys(env["CKPT_TEST_GCS"], prefix + "/")) < 3:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.05)
         server.kill()  # mid-upload
         server.wait(timeout=10)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
         assert proc.returncode == 1 and len(err.strip().splitlines()) == 1, err
         assert "does not answer" in err or "gave no answer" in err, err
     finally:
