@@ -548,6 +548,9 @@ def _items(
             seen.add(chunk)
             chunks.append(chunk)
         tensors.append(_Tensor(fqn, leaf, shape, chunks, duplicates, copies, itemsize))
+    tree = dcp.planner_tree_problem(naming_data, [fqn for fqn in sdm if isinstance(fqn, str)])
+    if tree is not None:
+        findings.error("bad-metadata", f"{tree[0]}: {tree[1]}", leaf=leaf_of(tree[0]), file=where)
     return tensors, bytes_fqns
 
 

@@ -301,6 +301,46 @@ def planner_path_problem(planner_data: Any, fqn: str) -> str | None:
     return None
 
 
+def planner_tree_problem(planner_data: Any, fqns: Any) -> tuple[str, str] | None:
+    """(fqn, why) for two planner_data paths torch's set_element cannot both rebuild, else None.
+
+    torch's load rebuilds the nested state dict path by path: a path that is also the container of
+    another (`("m", "w")` beside `("m", "w", "x")`) fails there, or the later one replaces the earlier
+    without a word; a container given a list index beside a dict key fails, or keeps two keys that are
+    one key path (`0` and `"0"`). dcp.save never writes either (a state dict is a tree, its dict keys
+    str, its list indices int): each is a damaged or foreign .metadata."""
+    if not isinstance(planner_data, dict) or not planner_data:
+        return None
+    paths: dict[tuple[Any, ...], str] = {}
+    for fqn in fqns:
+        path = planner_data.get(fqn)
+        if type(path) is tuple and len(path) > 1:  # (the others: planner_path_problem's, or one key)
+            paths[path] = fqn
+        elif type(path) is tuple and path:
+            paths.setdefault(path, fqn)
+    # every container path, from each path's parent up: distinct parents are few (a model's layers)
+    inner: set[tuple[Any, ...]] = set()
+    for parent in {p[:-1] for p in paths if len(p) > 1}:
+        while parent and parent not in inner:
+            inner.add(parent)
+            parent = parent[:-1]
+    clash = inner.intersection(paths)
+    if clash:
+        holder = min(clash, key=lambda p: paths[p])
+        child = min((p for p in paths if p[:len(holder)] == holder and p != holder), key=lambda p: paths[p])
+        return paths[child], (f"planner_data makes {paths[holder]!r} both a value and the container of this key "
+                              "(torch's load fails, or keeps only one of them)")
+    if any(type(k) is int for p in paths for k in p[1:]):
+        kinds: dict[tuple[Any, ...], tuple[type, str]] = {}
+        for p, fqn in paths.items():
+            for n in range(1, len(p)):
+                seen = kinds.setdefault(p[:n], (type(p[n]), fqn))
+                if seen[0] is not type(p[n]):
+                    return fqn, (f"planner_data puts a list index and a dict key in one container (beside "
+                                 f"{seen[1]!r}): torch's load fails, or keeps two keys that are one key path")
+    return None
+
+
 # torch's set_element grows a list to a planner_data index with None: a
 # larger index is a memory bomb for torch, never a real state dict
 _MAX_LIST_INDEX = 1 << 20
@@ -538,6 +578,8 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         return None
     if len(storage) != len(storage_data):
         return None  # one (fqn, offsets) listed twice: the last wins, and `needed` counted both
+    if check_paths and planner_tree_problem(planner_data, sdm) is not None:
+        return None
     return _ParsedMetadata(items, storage, planner_data, md.version, needed, transforms, keys)
 
 
@@ -604,6 +646,9 @@ def _parse_careful(md: Any, where: str) -> _ParsedMetadata:
             items[fqn] = _BytesItem(bytes_entry)
         else:
             raise CorruptMetadataError(f"unknown storage metadata {type(item).__name__}", item_where)
+    tree = planner_tree_problem(md.planner_data, sdm)
+    if tree is not None:
+        raise CorruptMetadataError(tree[1], f"{where} [{tree[0]}]")
     return _ParsedMetadata(items, storage, md.planner_data, version)
 
 
