@@ -851,9 +851,10 @@ def check(fmt: str, path: str, mode: str = "", ckpt_format: str = "") -> dict:
         res["ckpt_error"] = _one_line(exc)
     if lib is not None and ours is not None:
         if fmt == "safetensors":
-            # ckpt keys safetensors leaves by the dotted name split on '.'; compare by path
-            lib = {"/".join(map(str, k)): v for k, v in lib.items()}
-            ours = {"/".join(map(str, k)): v for k, v in ours.items()}
+            # ckpt keys safetensors leaves by the dotted name split on '.'; compare by the keys as
+            # text (a tuple, never '/'-joined: the tensors `a.b` and `a/b` are two keys, not one)
+            lib = {tuple(map(str, k)): v for k, v in lib.items()}
+            ours = {tuple(map(str, k)): v for k, v in ours.items()}
         try:
             res["mismatch"] = compare(lib, ours)
         except Exception as exc:  # noqa: BLE001

@@ -22,6 +22,7 @@ accepts (`register_parameter` refuses only '.' and '').
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import json
 import shutil
@@ -362,3 +363,32 @@ def test_escape_round_trips() -> None:
     assert len(spelled) == len(cases)
     for k in cases:
         assert split_path(join_keys(k)) == key_text(k)
+
+
+def test_dcp_planner_data_that_makes_a_value_a_container_is_refused(tmp_path, ckpt):
+    """planner_data putting the key `m/w/x` under the value `m/w` (found by the key-space fuzzer):
+    torch's dcp_to_torch_save fails on it, so validate must not say OK (before: exit 0)."""
+    import pickle
+
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"m": {"w": torch.zeros(3), "x": torch.ones(3)}}, checkpoint_id=str(tmp_path / "dcp"))
+    meta = tmp_path / "dcp" / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    md.state_dict_metadata = {("m.w.x" if k == "m.x" else k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {(dataclasses.replace(k, fqn="m.w.x") if k.fqn == "m.x" else k): v
+                       for k, v in md.storage_data.items()}
+    md.planner_data = {("m.w.x" if k == "m.x" else k): (("m", "w", "x") if k == "m.x" else v)
+                       for k, v in md.planner_data.items()}
+    meta.write_bytes(pickle.dumps(md))
+    with pytest.raises(BaseException), warnings.catch_warnings():  # the library cannot load it (CheckpointException)
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "out.pt"))
+    r = ckpt("validate", tmp_path / "dcp")
+    assert r.returncode == 1 and "both a value and the container" in r.stdout, r.stdout
+    i = ckpt("inspect", tmp_path / "dcp")
+    assert i.returncode == 1 and len(i.stderr.strip().splitlines()) == 1, i.stderr
