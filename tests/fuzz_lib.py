@@ -202,6 +202,8 @@ def fixture_targets(root: Path) -> dict[str, list[str]]:
                 out.setdefault(k, []).append(rel)
                 if k in KEY_SPACE_KINDS:  # (the same file's key-space mutants: KEY_SPACE_KINDS, below)
                     out.setdefault(KEY_SPACE_KINDS[k], []).append(rel)
+                if k in KEY_SPACE_KINDS:  # (the same file's key-space mutants: KEY_SPACE_KINDS, below)
+                    out.setdefault(KEY_SPACE_KINDS[k], []).append(rel)
     return out
 
 
@@ -1608,6 +1610,202 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] 
     "torch_storage": mutate_torch_storage,
     "torch_index": mutate_json_file,
 }
+
+
+# --------------------------------------------------------------------------
+# the key space: separator characters in names, dotted versus nested keys, names
+# that collide once joined or escaped (issue 44 #1)
+# --------------------------------------------------------------------------
+# A key-space mutant renames one leaf of a fixture as its own library would have written it under
+# another name: a `/` or `%2F` in a key, a dotted name beside the nested one, a name whose naive
+# join or unescape is another's, a name twice. The file stays well formed (a new header length,
+# a re-encoded map, a re-pickled Metadata, a string op of data.pkl with its CRC made right), so
+# the damage reaches the key handling, where two leaves must never share one key path. The
+# contract and the oracle (the library's {keys: value} against ckpt's) hold as for every mutant.
+
+# file kind -> the key-space kind of the same file
+KEY_SPACE_KINDS = {
+    "safetensors": "safetensors_keys", "msgpack": "msgpack_keys", "dcp_metadata": "dcp_keys",
+    "torch_pickle": "torch_keys",
+}
+KEY_SPACE_OPS = ("slash", "escaped", "percent", "empty-part", "slash-of-other", "escaped-of-other",
+                 "child-of-other", "parent-of-other", "same-as-other")
+
+
+def key_space_name(rng: random.Random, name: str, others: list[str], *, dup_ok: bool = True,
+                   sep: str = ".") -> tuple[str, str]:
+    """A new name for the leaf `name` among `others` (its siblings' names, `sep` the format's own
+    separator of flat names): (new name, what was done)."""
+    op = rng.choice([o for o in KEY_SPACE_OPS if dup_ok or o != "same-as-other"])
+    other = rng.choice(others) if others else name
+    dots = [i for i, c in enumerate(other if op.endswith("-of-other") else name) if c == sep]
+
+    def at_dot(text: str, repl: str) -> str:
+        ds = [i for i, c in enumerate(text) if c == sep]
+        if not ds:
+            mid = len(text) // 2
+            return text[:mid] + repl + text[mid:]
+        i = rng.choice(ds)
+        return text[:i] + repl + text[i + 1:]
+
+    if op == "slash":
+        new = at_dot(name, "/")
+    elif op == "escaped":
+        new = at_dot(name, rng.choice(["%2F", "%2f", "%252F"]))
+    elif op == "percent":
+        i = rng.randrange(len(name) + 1)
+        new = name[:i] + rng.choice(["%", "%25", "%2", "%%"]) + name[i:]
+    elif op == "empty-part":
+        new = rng.choice([at_dot(name, sep + sep), sep + name, name + sep, at_dot(name, "/" + sep)])
+    elif op == "slash-of-other":
+        new = at_dot(other, "/")
+    elif op == "escaped-of-other":
+        new = at_dot(other, "%2F")
+    elif op == "child-of-other":
+        new = other + sep + rng.choice(["x", "0", "weight"])
+    elif op == "parent-of-other":
+        new = other.rsplit(sep, 1)[0] if dots else other + "/"
+    else:
+        new = other
+    if new == name or (not dup_ok and new in others):
+        new, op = name + "/" + sep, op + " (fallback)"
+    return new, f"{op}: {name!r} -> {new!r}"
+
+
+def mutate_safetensors_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One tensor of a safetensors file renamed (key_space_name); the header keeps its order,
+    its new length and the 8-byte padding safetensors writes."""
+    if len(data) < 8:
+        return bytes_mutation(rng, data)
+    hlen = struct.unpack("<Q", data[:8])[0]
+    header, body = data[8:8 + hlen], data[8 + hlen:]
+    try:
+        obj = json.loads(header)
+    except ValueError:
+        return bytes_mutation(rng, data)
+    names = [k for k in obj if k != "__metadata__"] if isinstance(obj, dict) else []
+    if not names:
+        return bytes_mutation(rng, data)
+    name = rng.choice(names)
+    new, desc = key_space_name(rng, name, [n for n in names if n != name])
+    # (as text: a name twice is a JSON object with a key twice, which a dict cannot hold)
+    text = json.dumps(obj, separators=(",", ":"))
+    old_key = json.dumps(name) + ":{"
+    assert text.count(old_key) == 1
+    raw = text.replace(old_key, json.dumps(new) + ":{").encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body, "tensor name " + desc
+
+
+def mutate_msgpack_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One map key of a msgpack tree renamed (key_space_name), or a dotted or slashed key put beside
+    the nested one it spells (flax restores both), holding another leaf's value."""
+    import msgpack
+
+    try:
+        tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+    except Exception:  # noqa: BLE001 - already damaged: bytes only
+        return bytes_mutation(rng, data)
+    slots = _msgpack_slots(tree)
+    maps = [(p, v) for p, v in slots if isinstance(v, dict) and v and all(isinstance(k, str) for k in v)]
+    if isinstance(tree, dict) and tree and all(isinstance(k, str) for k in tree):
+        maps.append(((), tree))
+    if not maps:
+        return bytes_mutation(rng, data)
+    path, node = rng.choice(maps)
+    keys = list(node)
+    leaves = [v for _, v in slots if not isinstance(v, (dict, list))]
+    nested = [k for k in keys if isinstance(node[k], dict) and node[k] and all(isinstance(c, str) for c in node[k])]
+    sentinel = msgpack.ExtType(98, b"ckpt-fuzz-keys")
+
+    def packed(pairs: list[tuple[str, Any]]) -> bytes:
+        # the map as msgpack.Packer writes pairs in order: a key may repeat here, unlike in a dict
+        p = msgpack.Packer(use_bin_type=True)
+        body = p.pack_map_header(len(pairs)) + b"".join(p.pack(k) + p.pack(v) for k, v in pairs)
+        if path:
+            _msgpack_set(tree, path, sentinel)
+            return p.pack(tree).replace(p.pack(sentinel), body, 1)
+        return body
+
+    if nested and rng.random() < 0.4:
+        # dotted versus nested: {"a": {"b": x}} gains "a.b" (or "a/b") beside it
+        k = rng.choice(nested)
+        child = rng.choice(list(node[k]))
+        joined = k + rng.choice([".", "/", "%2F"]) + child
+        value = rng.choice(leaves) if leaves else node[k][child]
+        pairs = list(node.items()) + [(joined, value)]
+        return packed(pairs), f"msgpack key {joined!r} beside {k!r}/{child!r} at {list(path)}"
+    i = rng.randrange(len(keys))
+    new, desc = key_space_name(rng, keys[i], keys[:i] + keys[i + 1:])
+    pairs = [(new if j == i else k, v) for j, (k, v) in enumerate(node.items())]
+    return packed(pairs), f"msgpack key at {list(path)}: {desc}"
+
+
+def mutate_dcp_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One fqn of a DCP .metadata renamed where torch keys it (state_dict_metadata, storage_data's
+    MetadataIndex, planner_data), as dcp.save names a state dict whose key path is the new one."""
+    _torch()  # (torch's classes, for the unpickling)
+    try:
+        md = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - already damaged
+        return bytes_mutation(rng, data)
+    fqns = list(md.state_dict_metadata)
+    if not fqns:
+        return bytes_mutation(rng, data)
+    fqn = rng.choice(fqns)
+    planner = dict(md.planner_data or {})
+    old_path = tuple(planner.get(fqn) or (fqn,))
+    # the whole key path renamed; its fqn is its keys joined by '.', as torch flattens a state dict
+    new_fqn, desc = key_space_name(rng, fqn, [f for f in fqns if f != fqn], dup_ok=False)
+    if new_fqn in md.state_dict_metadata:
+        return bytes_mutation(rng, data)
+    parts = new_fqn.split(".") if len(old_path) > 1 else [new_fqn]
+    # (a list index stays an int where the renamed path keeps it)
+    new_path = tuple(old_path[i] if i < len(old_path) and isinstance(old_path[i], int) and str(old_path[i]) == p
+                     else p for i, p in enumerate(parts))
+    md.state_dict_metadata = {(new_fqn if k == fqn else k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {(dataclasses.replace(k, fqn=new_fqn) if k.fqn == fqn else k): v
+                       for k, v in md.storage_data.items()}
+    if md.planner_data is not None:
+        md.planner_data = {(new_fqn if k == fqn else k): (new_path if k == fqn else v) for k, v in planner.items()}
+    return pickle.dumps(md), f"fqn {desc} (keys {list(new_path)})"
+
+
+# strings of a torch.save pickle that are no key of the saved tree
+_TORCH_NON_KEYS = {"storage", "cpu", "little", "big"}
+
+
+def mutate_torch_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One str key of a torch.save pickle (a state dict's name) renamed (key_space_name), the
+    archive's data.pkl CRC-32 made right."""
+    pkl = torch_pickle_bytes(data)
+    if pkl is None:
+        return bytes_mutation(rng, data)
+    ops = _ops(pkl)
+    strings = [(a, s, e) for op, a, s, e in ops if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8")
+               and isinstance(a, str) and a and a not in _TORCH_NON_KEYS and not a.isdigit()]
+    if not strings:
+        return bytes_mutation(rng, data)
+    text, s, e = rng.choice(strings)
+    others = sorted({a for a, _, _ in strings if a != text})
+    new, desc = key_space_name(rng, text, others)
+    return with_torch_pickle(data, _replace_ops(pkl, [(s, e, _unicode_op(new))])), "data.pkl key " + desc
+
+
+MUTATORS.update({
+    "safetensors_keys": mutate_safetensors_keys, "msgpack_keys": mutate_msgpack_keys,
+    "dcp_keys": mutate_dcp_keys, "torch_keys": mutate_torch_keys,
+})
+# every key-space mutant is a metadata edit: shallow validate's OK must hold against the library
+METADATA_KINDS.update(KEY_SPACE_KINDS.values())
+
+
+def pick_key_space_mutant(rng: random.Random, workdir: Path, formats: list[str] | None = None) -> Mutant:
+    """A key-space mutant (KEY_SPACE_KINDS) of a fixture that has a file of its kind (run_fuzz.py --key-space)."""
+    specs = [(s, k) for s in fixture_specs() if formats is None or s.format in formats
+             for k in sorted(fixture_targets(FIXTURES / s.name)) if k in KEY_SPACE_KINDS.values()]
+    spec, kind = rng.choice(specs)
+    return make_mutant(rng, spec, workdir, kind=kind)
 
 
 # --------------------------------------------------------------------------
