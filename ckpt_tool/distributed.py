@@ -200,6 +200,7 @@ def expand_hostlist(text: str, name: str = "the node list") -> list[str]:
             depth += 1
             if depth > 1:
                 raise LaunchError(f"{name}: nested '[' in {text!r}")
+MAX_HOSTS = 1_000_000  # a Slurm host list expanded (no cluster has more nodes)
         elif ch == "]":
             depth -= 1
             if depth < 0:
@@ -235,6 +236,12 @@ def _expand_bracket(body: str, text: str, name: str) -> list[str]:
             raise LaunchError(f"{name}: the range {item!r} in {text!r} runs backwards")
         if int(hi) - int(lo) >= 1_000_000:
             raise LaunchError(f"{name}: the range {item!r} in {text!r} is implausibly long")
+        # brackets multiply: 'n[0-999999][0-999999]' is 10**12 names, each bracket plausible alone
+        count = 1
+        for c in choices:
+            count *= len(c)
+        if len(hosts) + count > MAX_HOSTS:
+            raise LaunchError(f"{name}: {text!r} names more than {MAX_HOSTS:,} nodes")
         width = len(lo)
         out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
     return out

@@ -168,6 +168,8 @@ def _ties(storage: Storage) -> bool:
         return False
     try:
         config = json.loads(storage.read("config.json"))
+    except RecursionError:  # json's C parser recurses per level: a file of '[' is not a config
+        raise CkptError("config.json nests too deeply to be a model config", f"{storage.url}/config.json") from None
     except (ValueError, UnicodeDecodeError):
         raise CkptError("config.json is not valid JSON", f"{storage.url}/config.json") from None
     if not isinstance(config, dict):

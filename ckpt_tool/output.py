@@ -55,6 +55,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import strict_json
 from .errors import CkptError, DestinationExistsError
 from .formats import TMP_MARKER, Contents, names_single_file
 from .names import OWNER_FILE
@@ -170,7 +171,7 @@ def read_owner(directory: str) -> Owner | None:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
         with open(path, encoding="utf-8") as fh:
-            return Owner.from_json(json.loads(fh.read(65536)))
+            return Owner.from_json(strict_json.loads(fh.read(65536)))
     except (OSError, ValueError):
         return None
 

@@ -29,7 +29,6 @@ distributed.py, for multi-host barriers.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from . import dtypes, formats
+from . import dtypes, formats, strict_json
 from .parallel import copy_workers
 from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
@@ -348,8 +347,8 @@ def load_rules(path: str) -> list[Rule]:
     text = raw.decode("utf-8", "replace")
     if not path.endswith(".toml"):
         try:
-            return parse_rules(json.loads(text), path)
-        except json.JSONDecodeError as exc:
+            return parse_rules(strict_json.loads(text), path)
+        except ValueError as exc:  # (JSONDecodeError, or nested past the recursion limit)
             if path.endswith(".json"):
                 raise UsageError(f"not valid JSON: {exc}", path) from None
     try:
@@ -360,9 +359,12 @@ def load_rules(path: str) -> list[Rule]:
         except ImportError:
             raise UsageError("TOML rules need Python 3.11+ or `pip install tomli`; or write them as JSON", path) from None
     try:
-        return parse_rules(tomllib.loads(text), path)
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"neither JSON nor TOML: {exc}", path) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise UsageError("neither JSON nor TOML: nested too deeply to be read", path) from None
+    return parse_rules(doc, path)
 
 
 def _spec_problem(spec: Spec, shape: tuple[int, ...], mesh: DeviceMesh) -> str | None:

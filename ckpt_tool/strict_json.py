@@ -19,6 +19,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def loads(data: bytes | str) -> Any:
+    """json.loads, where a document nested past Python's recursion limit (json's C parser recurses
+    once per level: 100 KB of '[' is enough) is a ValueError like any other malformed JSON, so that
+    every reader's `except ValueError` answers it with its one line instead of an internal error."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to be read") from None
+
+
 def parse_json(raw: bytes, what: str) -> Any:
     """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, bounded nesting."""
     try:

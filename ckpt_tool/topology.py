@@ -180,8 +180,10 @@ def _dev(pattern: str) -> list[str]:
 
 
 def _bounds(env: Mapping[str, str], name: str) -> tuple[int, ...] | None:
+    """A bounds variable ("2,2,1"): None when unset or not a list of numbers; a 0 stays in (the
+    caller says it does not tile), as nothing here may divide by it."""
     text = env.get(name, "").strip()
-    if not re.fullmatch(r"\d+(,\d+)*", text):
+    if not re.fullmatch(r"[0-9]{1,9}(,[0-9]{1,9})*", text):
         return None
     return tuple(int(v) for v in text.split(","))
 
@@ -213,7 +215,7 @@ def _visible_tpu_chips(env: Mapping[str, str]) -> tuple[list[int], str] | None:
         files = [f for f in _dev("vfio/*") if os.path.basename(f).isdigit()]
         where = "/dev/vfio"
     visible = env.get("TPU_VISIBLE_CHIPS", "").strip()
-    if re.fullmatch(r"\d+(,\d+)*", visible):
+    if re.fullmatch(r"[0-9]{1,9}(,[0-9]{1,9})*", visible):  # (ASCII digits, each a plausible chip index)
         chips = sorted({int(v) for v in visible.split(",")})
         return chips, ("TPU_VISIBLE_CHIPS" + (f" with {len(files)} chips in {where}" if files else ""))
     if not files:
@@ -245,8 +247,8 @@ def _tpu_host(env: Mapping[str, str]) -> Topology | None:
     per_host = chips_per_host(shape)
     env_per_host = _bounds(env, "TPU_CHIPS_PER_HOST_BOUNDS")
     if env_per_host is not None:
-        if len(env_per_host) == 3 and env_per_host[2] == 1 and shape[0] % env_per_host[0] == 0 \
-                and shape[1] % env_per_host[1] == 0:
+        if len(env_per_host) == 3 and env_per_host[2] == 1 and min(env_per_host) >= 1 \
+                and shape[0] % env_per_host[0] == 0 and shape[1] % env_per_host[1] == 0:
             per_host = (env_per_host[0], env_per_host[1])  # the VM's own word on its block of chips
         else:
             assumed.append(f"TPU_CHIPS_PER_HOST_BOUNDS={','.join(map(str, env_per_host))} does not tile a {accel}; "

@@ -11,6 +11,7 @@ Time and memory are measured on the whole process (psutil, polled), not on what 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -119,3 +120,113 @@ def test_reshard_many_devices_within_limits_writes_what_orbax_reads(tmp_path: Pa
         assert tuple(meta.shape) == (n // 4, 4)
         ids = [d.id for row in meta.device_mesh.mesh for d in row]
         assert ids == list(range(n))
+
+
+# -- 9: parsers of files and variables the user does not control ---------------------------------
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert "Traceback" not in err and "internal error" not in err, err[-2000:]
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+def test_like_reference_config_nested_too_deeply(tmp_path: Path) -> None:
+    """convert --like reads the reference's config.json (tie_word_embeddings): 400 KB of '[' once
+    raised RecursionError out of json's C parser."""
+    import torch
+    from safetensors.torch import save_file
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    save_file({"model.embed_tokens.weight": torch.ones(4, 2)}, str(ref / "model.safetensors"))
+    (ref / "config.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    save_file({"model.embed_tokens.weight": torch.ones(4, 2)}, str(tmp_path / "src.safetensors"))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", str(tmp_path / "src.safetensors"), str(out),
+                        "--to", "safetensors", "--like", str(ref)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1
+    line = _one_error_line(r.stderr)
+    assert "config.json" in line and "nests too deeply" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bounds", ["0,0,1", "0,4,1", "2,0,1", "0,0,0"])
+def test_tpu_chips_per_host_bounds_with_a_zero(tmp_path: Path, bounds: str) -> None:
+    """TPU_CHIPS_PER_HOST_BOUNDS=0,0,1 was a ZeroDivisionError; it does not tile the slice: said, and
+    the slice's own block is assumed."""
+    env = {"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_VISIBLE_CHIPS": "0,1,2,3,4,5,6,7",
+           "TPU_CHIPS_PER_HOST_BOUNDS": bounds, "CKPT_DEV_ROOT": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", "reshard", str(FIXTURES / "orbax_ocdbt_zarr2"),
+                        str(tmp_path / "r"), "--mesh", "data=2,model=4", "--dry-run"],
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, **env))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"TPU_CHIPS_PER_HOST_BOUNDS={bounds} does not tile a v5litepod-8" in r.stdout
+
+
+def test_tpu_visible_chips_with_huge_numbers() -> None:
+    from ckpt_tool.topology import host_topology
+
+    # 5000 digits: past int()'s string limit (a ValueError from deep inside once); not a chip list
+    assert host_topology({"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_VISIBLE_CHIPS": "9" * 5000}) is None
+
+
+@pytest.mark.parametrize("name,text", [
+    ("rules.json", "[" * 200_000 + "]" * 200_000),
+    ("rules.toml", "rules = " + "[" * 200_000 + "]" * 200_000),
+    ("rules.txt", "a = " + "{b = " * 5000 + "1" + "}" * 5000),
+])
+def test_reshard_rules_nested_too_deeply(tmp_path: Path, name: str, text: str) -> None:
+    rules = tmp_path / name
+    rules.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", "reshard", str(FIXTURES / "orbax_ocdbt_zarr2"),
+                        str(tmp_path / "r"), "--mesh", "data=1", "--devices", "1", "--rules", str(rules), "--dry-run"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr[-2000:]
+    assert "nested too deeply" in r.stderr
+
+
+def test_slurm_host_list_that_multiplies_out() -> None:
+    """Each bracket is plausible alone, together 10**12 names: refused, not expanded (in a process of
+    its own, killed past 1 GB: the old code took the machine's memory)."""
+    code = ("from ckpt_tool.distributed import LaunchError, process_spec\n"
+            "env = {'SLURM_STEP_ID': '0', 'SLURM_PROCID': '0', 'SLURM_NTASKS': '2', 'SLURM_JOB_ID': '7',\n"
+            "       'SLURM_NODELIST': 'n[0-999999][0-999999]'}\n"
+            "try:\n    process_spec(None, None, None, env)\nexcept LaunchError as exc:\n    print(exc.message)\n")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    ps, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None and time.monotonic() - t0 < 30 and peak < 2**30:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, ps.memory_info().rss)
+        time.sleep(0.005)
+    if proc.poll() is None:
+        proc.kill()
+    out, err = proc.communicate()
+    assert proc.returncode == 0 and "names more than 1,000,000 nodes" in out.decode(), (peak, err.decode()[-1000:])
+    assert time.monotonic() - t0 < 10
+
+
+def _fuzz_lib():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fuzz_lib
+
+    return fuzz_lib
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(_fuzz_lib().uncontrolled_document_cases()))
+def test_documents_nested_too_deeply(tmp_path: Path, case: str) -> None:
+    """The fuzzer's explicit cases of files nested past the recursion limit (fuzz_lib.DEEP_DOCUMENTS):
+    inspect, validate and validate --deep answer each with one line, within the contract's bounds."""
+    F = _fuzz_lib()
+    m = F.uncontrolled_document_cases()[case](tmp_path)
+    outcome = F.evaluate(m, runner="process")
+    assert not outcome.violations, [(v.cls, v.command, v.detail[:300]) for v in outcome.violations]
+
+
+def test_environment_fuzz() -> None:
+    """fuzz_lib.environment_fuzz: hostile TPU_*, launcher and CKPT_* variables, every parser in-process."""
+    failing = _fuzz_lib().environment_fuzz(seed=44, rounds=1500)
+    assert not failing, [(env, [(v.cls, v.detail[:200]) for v in vs]) for env, vs in failing[:5]]

@@ -5,9 +5,9 @@ common.pt's values at the top of the tree. NeMo 2's weights/ is one such save (n
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
+from ... import strict_json
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
 from ...storage import Storage
@@ -33,7 +33,7 @@ def read_config(storage: Storage) -> dict[str, Any]:
     if size > MAX_CONFIG_BYTES:
         raise CorruptMetadataError(f"{size} bytes: not a Megatron metadata.json", where)
     try:
-        doc = json.loads(storage.read(CONFIG_FILE))
+        doc = strict_json.loads(storage.read(CONFIG_FILE))
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptMetadataError(f"not valid JSON ({str(exc)[:80]})", where) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("sharded_backend"), str):

@@ -8,9 +8,9 @@ payload must be shape x itemsize bytes. Every problem is a Finding.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from ... import strict_json
 from ...errors import CkptError, UsageError
 from ...findings import Findings
 from ...model import ValueLeaf
@@ -59,7 +59,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             family = _check_item(storage.child(rel), item or entry.name, findings, where=rel + "/")
         for item in entry.json_items:
             try:
-                json.loads(storage.read(f"{entry.name}/{item}/metadata"))
+                strict_json.loads(storage.read(f"{entry.name}/{item}/metadata"))
             except (ValueError, CkptError) as exc:
                 findings.error("bad-metadata", f"JSON item unreadable: {getattr(exc, 'message', exc)}", file=f"{entry.name}/{item}/metadata")
     if not committed_any:
@@ -167,7 +167,7 @@ def _check_arrays(
             text = texts.get(name)
             if text is None:
                 raise CkptError(".zarray listed but unreadable")
-            zmeta = json.loads(text)
+            zmeta = strict_json.loads(text)
             shape, dtype, chunk_shape, _ = mt.parse_zarr_metadata(zmeta, False, f"{where}{name}/.zarray")
         except (ValueError, CkptError) as exc:
             findings.error("bad-array-metadata", f"unreadable .zarray: {getattr(exc, 'message', exc)}", leaf=leaf, file=f"{where}{name}/.zarray")

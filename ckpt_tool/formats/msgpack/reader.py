@@ -26,13 +26,13 @@ latest complete one. A local path naming one msgpack file reads that file.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from ... import strict_json
 from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegionReader, RegularGrid, StepInfo, ValueLeaf, constant_loader
@@ -354,7 +354,7 @@ def _sharding_names(storage: Storage, files: list[str]) -> set[str] | None:
     if SHARDING not in files:
         return None
     try:
-        raw = json.loads(storage.read(SHARDING))
+        raw = strict_json.loads(storage.read(SHARDING))
     except (ValueError, CkptError):
         return None  # read_shardings reports it
     return set(raw) if isinstance(raw, dict) else None
@@ -366,7 +366,7 @@ def read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
         return {}
     where = f"{storage.url}/{SHARDING}"
     try:
-        raw = json.loads(storage.read(SHARDING))
+        raw = strict_json.loads(storage.read(SHARDING))
     except ValueError as exc:
         raise CorruptMetadataError(f"invalid JSON: {exc}", where) from None
     if not isinstance(raw, dict):
@@ -376,7 +376,7 @@ def read_shardings(storage: Storage, files: list[str]) -> dict[str, Any]:
         if not isinstance(text, str) or not text:
             continue
         try:
-            info = json.loads(text)
+            info = strict_json.loads(text)
         except ValueError as exc:
             raise CorruptMetadataError(f"bad entry {name!r}: {exc}", where) from None
         if isinstance(info, dict):
@@ -600,7 +600,7 @@ class _Builder:
                    sharding: Any, stored: str) -> ArrayLeaf:
         where = f"{self.storage.url}/{path}/.zarray"
         try:
-            zmeta = json.loads(data)
+            zmeta = strict_json.loads(data)
         except ValueError as exc:
             raise CorruptMetadataError(f"invalid JSON: {exc}", where) from None
         shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, where)
