@@ -1624,7 +1624,7 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], tuple[bytes | None, str]]] 
 # file kind -> the key-space kind of the same file
 KEY_SPACE_KINDS = {
     "safetensors": "safetensors_keys", "msgpack": "msgpack_keys", "dcp_metadata": "dcp_keys",
-    "torch_pickle": "torch_keys",
+    "torch_pickle": "torch_keys", "metadata": "orbax_keys",
 }
 KEY_SPACE_OPS = ("slash", "escaped", "percent", "empty-part", "slash-of-other", "escaped-of-other",
                  "child-of-other", "parent-of-other", "same-as-other")
@@ -1790,9 +1790,39 @@ def mutate_torch_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, st
     return with_torch_pickle(data, _replace_ops(pkl, [(s, e, _unicode_op(new))])), "data.pkl key " + desc
 
 
+def mutate_orbax_keys(rng: random.Random, data: bytes) -> tuple[bytes | None, str]:
+    """One key of an Orbax `_METADATA` tree renamed (key_space_name) in every entry below it, its
+    entries' tuple keys rebuilt: the stored arrays keep their old parameter names, so orbax's
+    restore finds none under the new ones (a tree that no longer matches its data)."""
+    try:
+        meta = json.loads(data)
+        tree = meta["tree_metadata"]
+        entries = [(flat, [k["key"] for k in e["key_metadata"]]) for flat, e in tree.items()]
+    except (ValueError, KeyError, TypeError):
+        return mutate_json_file(rng, data)
+    named = [(flat, keys, i) for flat, keys in entries for i in range(len(keys)) if isinstance(keys[i], str)]
+    if not named:
+        return mutate_json_file(rng, data)
+    flat, keys, i = rng.choice(named)
+    prefix = keys[:i]
+    siblings = sorted({str(ks[i]) for _, ks in entries if len(ks) > i and ks[:i] == prefix and ks[i] != keys[i]})
+    new, desc = key_space_name(rng, keys[i], siblings, dup_ok=False)
+    rebuilt: dict[str, Any] = {}
+    moved = 0
+    for f, e in tree.items():
+        kms = e["key_metadata"]
+        if len(kms) > i and [k["key"] for k in kms[:i + 1]] == keys[:i + 1]:
+            kms[i]["key"] = new
+            f = str(tuple(k["key"] for k in kms))
+            moved += 1
+        rebuilt[f] = e
+    meta["tree_metadata"] = rebuilt
+    return dump_json(meta), f"tree key at {prefix}: {desc} ({moved} entries)"
+
+
 MUTATORS.update({
     "safetensors_keys": mutate_safetensors_keys, "msgpack_keys": mutate_msgpack_keys,
-    "dcp_keys": mutate_dcp_keys, "torch_keys": mutate_torch_keys,
+    "dcp_keys": mutate_dcp_keys, "torch_keys": mutate_torch_keys, "orbax_keys": mutate_orbax_keys,
 })
 # every key-space mutant is a metadata edit: shallow validate's OK must hold against the library
 METADATA_KINDS.update(KEY_SPACE_KINDS.values())
