@@ -505,3 +505,20 @@ def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generatio
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def test_a_run_roots_step_holding_a_record_is_not_what_a_resume_opens(gcs, tmp_path):
+    """A convert into gs://run/step-30 that has not committed (its record there) is no step a resume
+    opens, whatever its files say: `ckpt latest` passes over it, naming the record."""
+    import shutil
+
+    from conftest import gcs_upload_tree
+
+    local = tmp_path / "run"
+    shutil.copytree(fixture_path("runs_torchtitan"), local)
+    (local / "step-30" / OWNER).write_text("{}")
+    root = gcs_upload_tree(gcs["CKPT_TEST_GCS"], BUCKET, local, "titan")
+    r = run_ckpt("latest", root, env=_env(gcs))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{root}/step-20", r.stdout
+    assert f"skipped step-30: in-progress: {OWNER} is there" in r.stderr, r.stderr

@@ -28,6 +28,7 @@ from ..storage import Storage, check_url
 from ..text import is_ascii_number
 from . import roots
 from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
+from ..names import OWNER_FILE
 
 if TYPE_CHECKING:
     from . import FormatInfo
@@ -133,6 +134,11 @@ def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = N
     for entry, step in entries:
         own = [f"{entry.name}/{k}" for k in listing.under.get(entry.name, [])] if entry.is_dir else [entry.name]
         status = layout.status_of(listing, entry)
+        if entry.is_dir and listing.has(entry.name, OWNER_FILE):
+            # a ckpt convert/reshard to an object store writes a step in place: until its owner
+            # record goes (after the commit markers) it is not committed, whatever its files say
+            status = roots.StepStatus(IN_PROGRESS, f"{OWNER_FILE} is there: a ckpt convert/reshard writing it "
+                                                   "in place has not committed (killed, or still writing)")
         known = [stats[k] for k in own if k in stats]
         rows.append(StepRow(
             entry.name, step, roots.format_of(listing, layout, entry, formats), status.status, status.reason,
