@@ -17,12 +17,22 @@ touches a leaf that counts or indexes:
 
 The decision reads only the leaf's keys, element count and dtype: it is the same for every
 format's reader, and no format is named here.
+
+A cast can overflow: a float32 weight of 1e5 is inf in float16, and NaN in float8_e4m3fn, which has
+no inf. numpy says so with a RuntimeWarning pointing into ckpt (ml_dtypes' float8 and bfloat16 say
+nothing at all); an inf or NaN weight is a broken model. cast_array counts the finite values that
+did not stay finite, Overflow gathers them per leaf, and convert refuses the output unless
+--allow-overflow is given.
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
+import numpy as np
+
 from . import dtypes
+from .errors import CkptError
 from .model import Key
 
 # the key under which an optimizer keeps its step count: torch.optim's per-parameter state and
@@ -77,3 +87,55 @@ def kept_phrase(reasons: Iterable[str], target: str) -> str:
     if len(parts) > 1:
         return ", ".join(parts[:-1]) + " and " + parts[-1]
     return parts[0] if parts else ""
+
+
+def cast_array(data: np.ndarray, target: str) -> tuple[np.ndarray, int]:
+    """`data` cast to `target`, and how many of its finite values are inf or NaN there (overflow).
+
+    numpy's own overflow warning is silenced: the count is the report."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = data.astype(dtypes.numpy_dtype(target))
+    bad = ~np.isfinite(out)
+    if not bad.any():  # (the common case: one pass over the output, no second mask)
+        return out, 0
+    return out, int(np.count_nonzero(bad & np.isfinite(data)))
+
+
+class CastOverflowError(CkptError):
+    """A --dtype cast turned finite values into inf or NaN; nothing written (--allow-overflow writes it)."""
+
+    code = "cast-overflow"
+
+
+class Overflow:
+    """The values each leaf lost to overflow in a --dtype cast (from the copy threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_leaf: dict[str, int] = {}
+
+    def add(self, leaf: str, values: int) -> None:
+        if values:
+            with self._lock:
+                self.by_leaf[leaf] = self.by_leaf.get(leaf, 0) + values
+
+    def __bool__(self) -> bool:
+        return bool(self.by_leaf)
+
+    def phrase(self, target: str, shown: int = 3) -> str:
+        """'2 leaves overflowed in the cast to float16 (1,234 finite values became inf or NaN):
+        a.w (1,000), b.w (234)'; at most `shown` leaves named, the largest first."""
+        leaves = sorted(self.by_leaf.items(), key=lambda kv: (-kv[1], kv[0]))
+        total = sum(self.by_leaf.values())
+        became = "inf" if _has_inf(target) else "NaN"  # (float8_e4m3fn has no inf)
+        names = ", ".join(f"{leaf} ({n:,})" for leaf, n in leaves[:shown])
+        more = f" and {len(leaves) - shown} more" if len(leaves) > shown else ""
+        noun = "leaf" if len(leaves) == 1 else "leaves"
+        return (f"{len(leaves):,} {noun} overflowed in the cast to {target} ({total:,} finite "
+                f"value{'s' * (total != 1)} became {became}): {names}{more}")
+
+
+def _has_inf(target: str) -> bool:
+    """Whether the dtype can hold inf (float8_e4m3fn and the fnuz types cannot: overflow is NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isinf(np.array([np.inf], dtype=np.float32).astype(dtypes.numpy_dtype(target)).astype(np.float32))[0])

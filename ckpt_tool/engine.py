@@ -73,6 +73,7 @@ class ConvertOptions:
     like: str | None = None  # --like HF_DIR (hf_export.py): the output must match that model's tensors
     force_like: bool = False  # write even when it does not
     dtype: str | None = None
+    allow_overflow: bool = False  # write a --dtype cast whose values overflowed to inf/NaN (refused otherwise)
     chunk_mb: float | None = None
     skip_unsupported: bool = False
     zarr3: bool = False
@@ -106,6 +107,9 @@ class ConvertResult:
     kept: list[tuple[str, str, str]] = field(default_factory=list)
     # (file, field, was): each dtype field of the model's config set to --dtype (hf_export.py)
     config_dtype: list[tuple[str, str, str]] = field(default_factory=list)
+    # (leaf, values): the finite values --dtype turned into inf/NaN, written under --allow-overflow
+    overflowed: list[tuple[str, int]] = field(default_factory=list)
+    overflow_line: str = ""  # casting.Overflow.phrase of them
     process_index: int = 0
     process_count: int = 1
     # what was done with temporary outputs of killed runs beside DST, one line each (output.py)
@@ -123,6 +127,7 @@ class ConvertResult:
             "cast": self.cast, "dtype": self.dtype,
             "kept": [{"leaf": p, "dtype": d, "reason": r} for p, d, r in self.kept],
             "config_dtype": [{"file": f, "field": k, "was": w, "now": self.dtype} for f, k, w in self.config_dtype],
+            "overflowed": [{"leaf": p, "values": n} for p, n in self.overflowed],
             "process_index": self.process_index, "process_count": self.process_count,
             "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
         }
@@ -425,6 +430,7 @@ def stream(
     owns: Callable[[int], bool] = lambda n: True,
     memory: int = DEFAULT_MEMORY,
     chunk_blocks: bool = False,
+    overflow: casting.Overflow | None = None,
 ) -> tuple[int, int]:
     """Copy every chunk this process owns; returns (chunks, bytes) written.
 
@@ -442,7 +448,7 @@ def stream(
         nonlocal total
         # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
         stored, stored_region = unstack.base_region(leaf, region)
-        wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region), keeps=True))
+        wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region, overflow), keeps=True))
         total += math.prod(r.stop - r.start for r in region) * itemsize
 
     copies: list[tuple[TargetArray, ArrayLeaf, int, Region]] = []
@@ -584,7 +590,8 @@ class _StoredCopies:
             self._pool = None
 
 
-def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region) -> Callable[[list[np.ndarray]], int]:
+def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region,
+            overflow: casting.Overflow | None = None) -> Callable[[list[np.ndarray]], int]:
     shape = tuple(r.stop - r.start for r in region)
 
     def copy(arrays: list[np.ndarray]) -> int:
@@ -592,7 +599,9 @@ def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: R
         if data.shape != shape:  # read from the stored leaf of an unstacked one: its axis of 1 dropped
             data = data.reshape(shape)
         if target.source_dtype is not None:
-            data = data.astype(dtypes.numpy_dtype(target.dtype))
+            data, lost = casting.cast_array(data, target.dtype)
+            if overflow is not None:
+                overflow.add(target.path, lost)
         writer.write_array(target, index, region, data)
         return int(data.nbytes)
 
@@ -964,10 +973,19 @@ def _convert(
             rank, size = coord.process_index, coord.process_count
             # a writer whose files each belong to one process (safetensors) says who writes what
             owns = _chunk_owner(writer, planned, rank, size)
+            overflow = casting.Overflow()
             result.chunks, result.bytes = stream(
                 plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory, owns=owns,
-                chunk_blocks=formats.REGISTRY[opts.to].writes_chunk_blocks,
+                chunk_blocks=formats.REGISTRY[opts.to].writes_chunk_blocks, overflow=overflow,
             )
+            if overflow and opts.dtype:
+                # every leaf is cast before this is said, so that the line names them all; the
+                # output is then discarded below (an inf weight is a broken model)
+                result.overflow_line = overflow.phrase(opts.dtype)
+                result.overflowed = sorted(overflow.by_leaf.items())
+                if not opts.allow_overflow:
+                    raise casting.CastOverflowError(f"--dtype {opts.dtype}: {result.overflow_line}; nothing was written "
+                                            "(--allow-overflow writes it anyway)", source)
             if primary:
                 for value in plan.values():
                     writer.write_value(value)

@@ -36,6 +36,9 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--dtype", help="Cast floating weights and optimizer moments to this dtype (e.g. bfloat16); step "
                                "counters and integer leaves stay as they are, and a model's config.json names the "
                                "new dtype. Never done without this flag.")
+@click.option("--allow-overflow", is_flag=True,
+              help="With --dtype: write the output even when values overflow the new dtype (they become inf, "
+                   "or NaN in float8_e4m3fn); refused otherwise, naming the leaves.")
 @click.option("--chunk-mb", type=click.FloatRange(min=0.000001), help="Cap the output chunk size (MiB).")
 @click.option("--max-shard-size", metavar="SIZE",
               help="safetensors: bytes per file, e.g. 5GB (default, as transformers), 500MB, 2GiB.")
@@ -46,7 +49,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
-    unstack: tuple[str, ...], like: str | None, force_like: bool, dtype: str | None, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    unstack: tuple[str, ...], like: str | None, force_like: bool, dtype: str | None, allow_overflow: bool, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
@@ -54,6 +57,7 @@ def convert_command(
 
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
+        allow_overflow=allow_overflow,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, memory=memory,
         max_shard_size=_shard_size(max_shard_size, to), read_options={"weights": weights} if weights else {},
@@ -80,6 +84,8 @@ def convert_command(
         as_is = " as it is" if len(result.kept) == 1 else " as they are"
         out.line(f"cast {plural(len(result.cast), 'floating leaf', 'floating leaves')} to {esc(result.dtype)}"
                  + (f"; kept {esc(kept)}{as_is}" if kept else ""))
+    if result.overflow_line:  # --allow-overflow: written with its inf / NaN values
+        out.line(f"[yellow]overflow[/yellow] {esc(result.overflow_line)} (written: --allow-overflow)")
     for file, field, was in result.config_dtype:  # so that from_pretrained loads the cast dtype
         out.line(f"set {esc(file)} {esc(field)} to {esc(result.dtype or '')} (was {esc(was)})")
     for line in result.like_differences:  # --force-like: written although the reference differs
