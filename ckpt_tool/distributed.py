@@ -21,6 +21,17 @@ for, so single-process commands never load them. Joining has a deadline
 unreachable coordinator or processes that disagree on their number end in
 one line and a non-zero exit, never a hang.
 
+On the jax route ckpt watches its processes itself: jax's coordination
+service declares a process dead only after its heartbeat timeout (100 s)
+and then ends every other process with SIGABRT, and a process that exits
+after a failure waits in jax's shutdown for the others. So each process
+beats a counter in the service's key-value store every second; process 0,
+whose barrier waits watch the counters, posts a process silent for
+CKPT_PEER_TIMEOUT (20 s) as failed, as a failing process posts its own
+error; the others read it at their barrier, and after a failure every
+process ends without jax's shutdown (process 0, which serves the store,
+last), exit 1 and one line.
+
 Every process calls the same barriers in the same order; none is guarded by
 a process-index check (seed 000: such a guard around a collective hung a
 pod). The torch coordinator checks the order: a process reaching a barrier
@@ -28,6 +39,7 @@ under another name than its peers fails at once.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -40,7 +52,7 @@ from itertools import product
 from types import TracebackType
 from typing import Any, Mapping, Protocol
 
-from .errors import CkptError
+from .errors import CkptError, UsageError
 from .text import is_ascii_number
 
 # which library coordinates: auto (by the rules above), torch, jax; off: ignore launcher variables
@@ -51,6 +63,11 @@ JOIN_TIMEOUT_VARIABLE = "CKPT_JOIN_TIMEOUT"
 BARRIER_TIMEOUT_VARIABLE = "CKPT_BARRIER_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_BARRIER_TIMEOUT = 3600.0
+# jax route: how long a process may leave its alive counter unchanged before process 0 posts it as
+# failed (jax's own heartbeat timeout is 100 s, after which it aborts every process)
+PEER_TIMEOUT_VARIABLE = "CKPT_PEER_TIMEOUT"
+DEFAULT_PEER_TIMEOUT = 20.0
+ALIVE_INTERVAL = 1.0  # seconds between two beats of a process's alive counter
 # how long process 0, which serves the store, stays after a failure for the others to read it
 ABORT_LINGER = 10.0
 # how much longer than process 0 the others wait at the join, so that process 0 names the missing
@@ -183,6 +200,7 @@ def slurm_port(job_id: int, step_id: int = 0) -> int:
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+MAX_HOSTS = 1_000_000  # a Slurm host list expanded (no cluster has more nodes)
 
 
 def expand_hostlist(text: str, name: str = "the node list") -> list[str]:
@@ -200,7 +218,6 @@ def expand_hostlist(text: str, name: str = "the node list") -> list[str]:
             depth += 1
             if depth > 1:
                 raise LaunchError(f"{name}: nested '[' in {text!r}")
-MAX_HOSTS = 1_000_000  # a Slurm host list expanded (no cluster has more nodes)
         elif ch == "]":
             depth -= 1
             if depth < 0:
@@ -219,6 +236,12 @@ MAX_HOSTS = 1_000_000  # a Slurm host list expanded (no cluster has more nodes)
         choices: list[list[str]] = []
         for k, part in enumerate(parts):
             choices.append([part] if k % 2 == 0 else _expand_bracket(part, text, name))
+        # brackets multiply: 'n[0-999999][0-999999]' is 10**12 names, each bracket plausible alone
+        count = 1
+        for c in choices:
+            count *= len(c)
+        if len(hosts) + count > MAX_HOSTS:
+            raise LaunchError(f"{name}: {text!r} names more than {MAX_HOSTS:,} nodes")
         hosts.extend("".join(p) for p in product(*choices))
     if not hosts:
         raise LaunchError(f"{name} is empty")
@@ -236,12 +259,6 @@ def _expand_bracket(body: str, text: str, name: str) -> list[str]:
             raise LaunchError(f"{name}: the range {item!r} in {text!r} runs backwards")
         if int(hi) - int(lo) >= 1_000_000:
             raise LaunchError(f"{name}: the range {item!r} in {text!r} is implausibly long")
-        # brackets multiply: 'n[0-999999][0-999999]' is 10**12 names, each bracket plausible alone
-        count = 1
-        for c in choices:
-            count *= len(c)
-        if len(hosts) + count > MAX_HOSTS:
-            raise LaunchError(f"{name}: {text!r} names more than {MAX_HOSTS:,} nodes")
         width = len(lo)
         out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
     return out
@@ -347,7 +364,8 @@ def join(
     barrier_timeout = _timeout(env, BARRIER_TIMEOUT_VARIABLE, DEFAULT_BARRIER_TIMEOUT)
     if library_for(spec) == TORCH:
         return TorchCoordinator(spec, join_timeout=join_timeout, barrier_timeout=barrier_timeout)
-    return JaxCoordinator(spec, join_timeout=join_timeout, barrier_timeout=barrier_timeout)
+    return JaxCoordinator(spec, join_timeout=join_timeout, barrier_timeout=barrier_timeout,
+                          peer_timeout=_timeout(env, PEER_TIMEOUT_VARIABLE, DEFAULT_PEER_TIMEOUT))
 
 
 def _keep_stdout_for_output() -> None:
@@ -695,7 +713,7 @@ class JaxCoordinator(_Joined):
     kind = JAX
 
     def __init__(self, spec: ProcessSpec, *, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-                 barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT) -> None:
+                 barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
         if spec.agent_store:
             raise LaunchError("torchrun's agent holds MASTER_PORT, where jax's coordinator would listen: under torchrun "
                               "ckpt coordinates through torch (not importable here); for jax pass --coordinator "
@@ -722,12 +740,137 @@ class JaxCoordinator(_Joined):
             )
         except Exception as exc:  # noqa: BLE001 - jax raises RuntimeError/ValueError variants
             raise LaunchError(f"jax.distributed.initialize failed ({spec.source}): {_first_line(exc)}") from exc
+        from jax._src import distributed as state
+
         self._jax = jax
         self.spec = spec
         self.barrier_timeout = barrier_timeout
+        self.peer_timeout = peer_timeout
         self._seq = 0
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
+        self._client: Any = state.global_state.client
+        self._posted = self._known_failure = self._acknowledged = False
+        self._exit_code = 1
+        self._dead: set[int] = set()
+        self._seen: dict[int, tuple[str | None, float]] = {}  # process 0: each peer's counter, when it last changed
+        self._last_look = 0.0
+        self._stop = threading.Event()
+        if self._client is not None and self.process_count > 1:
+            threading.Thread(target=self._beat, name="ckpt-alive", daemon=True).start()
+            # runs before jax's own exit handler (registered when jax was imported): after a failure
+            # that one would wait in the service's shutdown barrier for a process that is gone
+            atexit.register(self._leave)
+
+    # -- watching the processes ------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Advance this process's alive counter every ALIVE_INTERVAL (a thread; stops at close)."""
+        key, n = f"ckpt/alive/{self.process_index}", 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                self._client.key_value_set(key, str(n), allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service is gone: the barrier says so
+                return
+            self._stop.wait(ALIVE_INTERVAL)
+
+    def _check_peers(self) -> None:
+        """Raise when another process posted a failure, or (process 0) one has gone silent."""
+        try:
+            text = self._client.key_value_try_get("ckpt/abort")
+        except Exception as exc:  # noqa: BLE001 - NOT_FOUND: no failure posted; else the service is gone
+            if "NOT_FOUND" not in str(exc):
+                self._known_failure = True
+                raise LaunchError(f"process {self.process_index}: lost the coordinator (process 0, which serves "
+                                  f"jax's coordination service; it exited or was killed): {_first_line(exc)}") from None
+        else:
+            info = json.loads(text)
+            self._known_failure = True
+            self._acknowledge()
+            if info.get("rank") != self.process_index:
+                raise LaunchError(f"process {info['rank']} failed: {info['message']}")
+        now = time.monotonic()
+        if self.process_index != 0 or now - self._last_look < ALIVE_INTERVAL:
+            return
+        self._last_look = now
+        try:
+            counters = dict(self._client.key_value_dir_get("ckpt/alive/"))
+        except Exception:  # noqa: BLE001 - (this process serves the store: not expected)
+            return
+        for rank in range(1, self.process_count):
+            value = counters.get(f"ckpt/alive/{rank}")
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != value:
+                self._seen[rank] = (value, now)
+        silent = [r for r, (_, since) in sorted(self._seen.items()) if now - since > self.peer_timeout]
+        if silent:
+            self._dead.update(silent)
+            who = f"process {silent[0]}" if len(silent) == 1 else f"processes {_ranges(silent)}"
+            raise self._abort_all(f"{who} stopped answering for {self.peer_timeout:g} s (killed, or its host is gone; "
+                                  f"{PEER_TIMEOUT_VARIABLE} sets how long a process may be silent)")
+
+    def _abort_all(self, message: str) -> LaunchError:
+        self._post_abort(message)
+        return LaunchError(message)
+
+    def _post_abort(self, message: str) -> None:
+        """Post this process's failure for the others (the first posted stays)."""
+        self._known_failure = True
+        if self._posted or self._client is None:
+            return
+        self._posted = True
+        try:
+            self._client.key_value_set("ckpt/abort", json.dumps({"rank": self.process_index, "message": message}))
+        except Exception:  # noqa: BLE001 - another failure was posted first, or the service is gone
+            pass
+        self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        if self.process_index != 0 and not self._acknowledged:
+            self._acknowledged = True
+            try:
+                self._client.key_value_increment("ckpt/abort-seen", 1)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    def abort(self, message: str) -> None:
+        self._post_abort(message)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is not None and not isinstance(exc, SystemExit):
+            # the code the command ends with (cli/main.py's rule), for the exit that skips jax's shutdown
+            self._exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 2 if isinstance(exc, UsageError) else 1
+        super().__exit__(kind, exc, tb)
+
+    def close(self) -> None:
+        self._stop.set()
+        if not (self._known_failure and self.process_index == 0 and self._client is not None):
+            return
+        # process 0 serves the store and jax's service: it stays until the others have read the
+        # failure (bounded), for a process that loses the service is aborted by jax
+        expected = self.process_count - 1 - len(self._dead)
+        deadline = time.monotonic() + ABORT_LINGER
+        while time.monotonic() < deadline:
+            try:
+                if self._client.key_value_increment("ckpt/abort-seen", 0) >= expected:
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.05)
+
+    def _leave(self) -> None:
+        """At exit after a failure: end now, with the command's code, without jax's shutdown."""
+        if not self._known_failure:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if self.process_index == 0:
+            time.sleep(0.2)  # the others, which have read the failure, are ending too
+        os._exit(self._exit_code)
 
     def barrier(self, name: str) -> None:
         from jax._src import distributed as state
@@ -740,8 +883,27 @@ class JaxCoordinator(_Joined):
 
             multihost_utils.sync_global_devices(name)
             return
-        try:
-            # a named barrier of the coordination service, with a deadline (orbax syncs its hosts the same way)
-            client.wait_at_barrier(f"ckpt-{seq}-{name}", int(self.barrier_timeout * 1000))
-        except Exception as exc:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED, a peer gone
-            raise LaunchError(f"process {self.process_index}: barrier {name!r}: {_first_line(exc)}") from None
+        self._check_peers()
+        # a named barrier of the coordination service, with a deadline (orbax syncs its hosts the same
+        # way), waited for in a thread while this one watches for a failed or silent process
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                client.wait_at_barrier(f"ckpt-{seq}-{name}", int(self.barrier_timeout * 1000))
+                outcome.append(None)
+            except Exception as exc:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED, a peer gone
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=wait, name="ckpt-barrier", daemon=True).start()
+        pause = 0.005
+        while not done.wait(pause):
+            pause = min(0.25, pause * 2)
+            self._check_peers()
+        error = outcome[0]
+        if error is not None:
+            self._known_failure = True
+            self._check_peers()  # a posted failure says more than the barrier's own error
+            raise LaunchError(f"process {self.process_index}: barrier {name!r}: {_first_line(error)}") from None

@@ -383,6 +383,28 @@ def test_a_failing_process_stops_the_others_with_its_message(tmp_path):
     assert not dst.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_process_stops_the_others_on_the_jax_route(tmp_path, failing):
+    """The same through jax.distributed (flags): the other process stops at its barrier with the failing
+    one's message, and each exits 1 at once, with one line. (Before, the other waited at the barrier
+    for CKPT_BARRIER_TIMEOUT, and a process leaving after a failure waited in jax's shutdown.)"""
+    port = free_port()
+    dst = tmp_path / "out"
+    good = ["-m", "ckpt_tool", *convert_args("dcp", dst)]
+    bad = ["-m", "ckpt_tool", "convert", str(tmp_path / "missing"), str(dst), "--to", "dcp"]
+    args = [[*(bad if i == failing else good), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i)] for i in range(2)]
+    start = time.monotonic()
+    results = spawn(args, [clean_env(CKPT_DISTRIBUTED="jax", JAX_PLATFORMS="cpu")] * 2)
+    assert time.monotonic() - start < 60, results
+    (code_bad, err_bad), (code_good, err_good) = results[failing], results[1 - failing]
+    assert code_bad == 1 and code_good == 1, results
+    assert "missing: no such directory" in one_line(err_bad)
+    assert f"process {failing} failed: " in one_line(err_good) and "missing: no such directory" in err_good
+    assert not dst.exists()
+
+
 BARRIER_SCRIPT = r'''
 import sys
 from ckpt_tool.distributed import LaunchError, join
