@@ -38,7 +38,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from . import strict_json
 from .errors import CkptError, DestinationExistsError, StorageUnavailableError
 from .output import (
     ABANDONED_AFTER,
@@ -107,7 +106,7 @@ class Record:
 def parse_record(data: bytes) -> Record | None:
     """The record in an owner object's bytes, or None when they are not one of ckpt's."""
     try:
-        doc = strict_json.loads(data.decode("utf-8"))
+        doc = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         return None
     owner = Owner.from_json(doc)
@@ -212,8 +211,11 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
             raise verdict.exists_error(destination)
         if not verdict.replaceable:
             raise verdict.refusal(destination)
+        # the record names the checkpoint's entries too: a replacement cut short (a dead endpoint)
+        # leaves a record covering what is left of it
+        _cover(out, tuple(_literal(p.rstrip("/")) for p in verdict.parts), ())
         _claim(out, owner)
-        _delete_keys(storage, _claimed_first([k for k in keys if k != OWNER_FILE]))
+        _delete_keys(storage, *_claimed_first([k for k in keys if k != OWNER_FILE]))
         out.notes.append(verdict.replaced(destination))
     else:
         _claim(out, owner)
@@ -273,20 +275,30 @@ def _take_over(out: RemoteOutput, storage: Storage, owner: _OwnerObject, *, over
                                      "use --overwrite to remove it and write", out.destination)
     # this run's record names the old run's entries too: a removal cut short here (a dead endpoint)
     # leaves a record that still covers everything the old run wrote
-    doc = json.loads(out.record)
-    doc["writes"] = sorted(set(doc["writes"]) | set(prior.entries))
-    doc["markers"] = sorted(set(doc["markers"]) | set(prior.markers))
-    out.record = json.dumps(doc, indent=1).encode("utf-8")
-    out.parsed = parse_record(out.record)
+    _cover(out, prior.entries, prior.markers)
     new = owner.write_if(out.record, gen)
     if new is None:  # another run took it over first
         data, _ = owner.read()
         raise _busy(out.destination, parse_record(data) if data else None)
     out.generation = new
     mine = [k for k in _listing(storage) if prior.owns(k)]
-    _delete_keys(storage, [k for k in mine if prior.is_marker(k)] + [k for k in mine if not prior.is_marker(k)])
+    _delete_keys(storage, [k for k in mine if prior.is_marker(k)], [k for k in mine if not prior.is_marker(k)])
     out.notes.append(f"removed the incomplete save of an interrupted ckpt run at {out.destination} "
                      f"({prior.describe()}): {len(mine)} object{'s' * (len(mine) != 1)}")
+
+
+def _cover(out: RemoteOutput, entries: tuple[str, ...], markers: tuple[str, ...]) -> None:
+    """Add `entries` and `markers` (name globs) to this run's record, before it is written."""
+    doc = json.loads(out.record)
+    doc["writes"] = sorted(set(doc["writes"]) | set(entries))
+    doc["markers"] = sorted(set(doc["markers"]) | set(markers))
+    out.record = json.dumps(doc, indent=1).encode("utf-8")
+    out.parsed = parse_record(out.record)
+
+
+def _literal(name: str) -> str:
+    """A glob matching exactly `name` (fnmatch has no escape: its special characters as classes)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _listing(storage: Storage) -> list[str]:
@@ -295,7 +307,7 @@ def _listing(storage: Storage) -> list[str]:
     return storage.backend.list_keys("")
 
 
-def _claimed_first(keys: list[str]) -> list[str]:
+def _claimed_first(keys: list[str]) -> tuple[list[str], list[str]]:
     """A checkpoint's keys in the order they are deleted: the top-level files a format claims
     (its metadata and commit markers) first, so that a removal killed midway never leaves the rest
     looking complete."""
@@ -303,17 +315,20 @@ def _claimed_first(keys: list[str]) -> list[str]:
 
     infos = formats.registered()
     first = [k for k in keys if "/" not in k and any(i.claimed(k) for i in infos)]
-    return first + [k for k in keys if k not in set(first)]
+    chosen = set(first)
+    return first, [k for k in keys if k not in chosen]
 
 
-def _delete_keys(storage: Storage, keys: list[str]) -> None:
-    """Delete `keys` (relative to the root), in order, a batch in flight at a time."""
+def _delete_keys(storage: Storage, *groups: list[str]) -> None:
+    """Delete each group of keys (relative to the root), a batch in flight at a time, every key of
+    a group gone before the next group's first delete starts (commit markers before the data)."""
     backend = storage.backend
-    for i in range(0, len(keys), _DELETE_BATCH):
-        batch = keys[i:i + _DELETE_BATCH]
-        futures = [(k, backend.kvstore.write(k, None)) for k in batch]
-        for key, fut in futures:
-            backend.wait(fut, "cannot delete", backend.where(key))
+    for keys in groups:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i:i + _DELETE_BATCH]
+            futures = [(k, backend.kvstore.write(k, None)) for k in batch]
+            for key, fut in futures:
+                backend.wait(fut, "cannot delete", backend.where(key))
 
 
 def _release(out: RemoteOutput, owner: _OwnerObject) -> bool:
@@ -370,7 +385,7 @@ def discard_output(out: OutputDir) -> None:
             out.generation = None
             return
         mine = [k for k in _listing(storage) if out.parsed.owns(k)]
-        _delete_keys(storage, [k for k in mine if out.parsed.is_marker(k)] +
+        _delete_keys(storage, [k for k in mine if out.parsed.is_marker(k)],
                      [k for k in mine if not out.parsed.is_marker(k)])
         _release(out, owner)
     except (CkptError, StorageUnavailableError):
