@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from . import strict_json
 from .errors import CkptError, DestinationExistsError, StorageUnavailableError
 from .output import (
     ABANDONED_AFTER,
@@ -106,7 +107,7 @@ class Record:
 def parse_record(data: bytes) -> Record | None:
     """The record in an owner object's bytes, or None when they are not one of ckpt's."""
     try:
-        doc = json.loads(data.decode("utf-8"))
+        doc = strict_json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         return None
     owner = Owner.from_json(doc)
