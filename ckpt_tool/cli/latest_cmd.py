@@ -34,7 +34,7 @@ def latest_command(root: str, deep: bool, strict: bool, as_json: bool) -> None:
         for s in found.skipped:
             pointed = f" (named by {found.pointer_file})" if s["pointer"] else ""
             click.echo(printable(f"ckpt: latest: skipped {s['name']}{pointed}: {s['status']}: {s['reason']}"), err=True)
-        if found.pointer_problem and framework is None:
+        if found.pointer_problem:
             click.echo(printable(f"ckpt: latest: {found.pointer_file}: {found.pointer_problem}"), err=True)
         if framework is not None:
             click.echo(printable(f"ckpt: latest: {framework}"), err=True)
