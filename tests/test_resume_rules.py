@@ -259,6 +259,77 @@ def test_damage_in_another_step_is_a_warning(ckpt, root_of, name):
     assert ckpt("validate", root, "--step", "all").returncode == 1
 
 
+def test_the_other_steps_are_checked_at_once(root_of, monkeypatch):
+    # the cheap checks of the other steps are in flight together (on an object store each is a few
+    # requests), never array data, and the step opened is checked once, as before
+    import threading
+    import time
+
+    from ckpt_tool import validate as validate_mod
+
+    root = root_of("runs_torchtitan")
+    for n in (50, 60):  # more steps: each a copy of one torch's dcp.save wrote
+        shutil.copytree(root / "step-30", root / f"step-{n}")
+    real = validate_mod._validate_one
+    active, peak, calls = [0], [0], []
+    lock = threading.Lock()
+
+    def counting(path, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            calls.append((str(path), kw["deep"]))
+        try:
+            time.sleep(0.3)
+            return real(path, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(validate_mod, "_validate_one", counting)
+    report = validate_mod.validate_checkpoint(str(root), deep=True)
+    assert report.ok()
+    opened = [c for c in calls if c[0].endswith("step-60")]
+    others = [c for c in calls if not c[0].endswith("step-60")]
+    assert opened == [(f"{root}/step-60", True)]
+    assert sorted(p for p, _ in others) == [f"{root}/step-{n}" for n in (10, 20, 30, 50)]
+    assert not any(deep for _, deep in others)  # the cheap check reads no array data, even under --deep
+    assert peak[0] >= 2, peak
+
+
+@pytest.mark.slow
+def test_damage_in_another_step_is_a_warning_on_s3(root_of):
+    from conftest import S3_TEST_CREDENTIALS, free_port, run_ckpt, s3_client, wait_until_serving
+    import os
+    import subprocess
+    import sys
+
+    root = root_of("runs_torchtitan")
+    _halve(root / "step-10" / "__0_0.distcp")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_serving(server, endpoint, "moto server")
+        s3 = s3_client(endpoint)
+        s3.create_bucket(Bucket="ckpt-resume")
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                local = os.path.join(dirpath, f)
+                s3.upload_file(local, "ckpt-resume", "run/" + os.path.relpath(local, root))
+        env = {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+        r = run_ckpt("validate", "s3://ckpt-resume/run", "--json", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["opened"]["name"] == "step-30"
+        assert any(f["severity"] == "warning" and f["message"].startswith("step-10 fails validate: ")
+                   and "--step all" in f["message"] for f in doc["findings"]), doc["findings"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 # -- fuzz: pointer and tracker files, step-named entries beside a checkpoint -------------------------
 
 def test_run_root_mutants_keep_the_contract(tmp_path):
