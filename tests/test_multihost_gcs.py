@@ -339,4 +339,15 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server):
     r = run_ckpt("validate", dst, env=env)
     assert r.returncode != 0, r.stdout + r.stderr
     assert "incomplete-save" in r.stdout, r.stdout + r.stderr
-    assert _gcs_keys(endpoint, "killed/"), "the killed run left no owner record"
+    left = _gcs_keys(endpoint, "killed/")
+    assert "killed/.ckpt-owner.json" in left, left
+    # the next run with --overwrite removes what the killed run's processes wrote, and commits
+    r = run_ckpt("reshard", src, dst, "--mesh", MESH, "--devices", str(N), "--overwrite", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "removed the incomplete save of an interrupted ckpt run" in r.stdout, r.stdout
+    r = run_ckpt("validate", dst, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    now = _gcs_keys(endpoint, "killed/")
+    # (the data files' names are random; one process now writes only ocdbt.process_0)
+    assert not set(now) & {k for k in left if "/d/" in k}, now
+    assert not [k for k in now if re.match(r"killed/ocdbt\.process_[1-9]", k)], now
