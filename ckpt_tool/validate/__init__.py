@@ -180,7 +180,10 @@ def _fail_torn_resume_step(report: ValidationReport, opened: Any) -> None:
     if opened.status == COMMITTED or any(f.severity == ERROR for f in report.findings):
         return
     done = [s for s in opened.steps if s["status"] == COMMITTED]
-    hint = f"; the newest complete step is {done[-1]['name']} (--step {done[-1]['step'] if done[-1]['step'] is not None else done[-1]['name']})" if done else ""
+    hint = ""
+    if done:
+        last = done[-1]
+        hint = f"; the newest complete step is {last['name']} (--step {last['name'] if last['step'] is None else last['step']})"
     base = "" if report.path.rstrip("/") == opened.root.rstrip("/") else opened.root.rstrip("/") + "/"
     report.findings.insert(0, Finding(
         ERROR, "uncommitted-save",
