@@ -400,7 +400,9 @@ def incomplete_save(storage: Storage) -> str | None:
     """validate's message when `storage`'s root holds an owner record (a save of ckpt's that has
     not finished: killed, failed where it could not clean up, or still writing); None otherwise."""
     try:
-        if not storage.exists(OWNER_FILE):
+        # (an object store's listing is the one detection reads anyway: no request of its own)
+        present = OWNER_FILE in storage.listdir()[1] if storage.local_root is None else storage.exists(OWNER_FILE)
+        if not present:
             return None
         data = storage.read(OWNER_FILE)
     except StorageUnavailableError:
