@@ -53,6 +53,11 @@ class Latest:
         return self.chosen.url if self.chosen is not None else None
 
     @property
+    def step(self) -> int | None:
+        """The printed step's number (None: no step, or a step named without one, a DeepSpeed tag)."""
+        return self.chosen.step if self.chosen is not None else None
+
+    @property
     def differs(self) -> bool:
         """Whether the step printed is not the one the framework would resume from by itself:
         a launcher must then pass it explicitly (`explicit`)."""
