@@ -14,7 +14,10 @@ from the real Go fake-gcs-server to the same server:
   so no read went round them;
 - the output is one checkpoint that orbax restores on the new mesh, equal to what was saved;
 - one process SIGKILLed midway (at its first chunk read) fails every other with exit 1 and one
-  line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save).
+  line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save);
+  the next run with --overwrite removes what the killed run wrote.
+
+The two runs are slow (whole processes, a server); a fast test checks bytes_read in one process.
 """
 from __future__ import annotations
 
@@ -37,9 +40,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from conftest import ROOT, fake_gcs_serving, free_port, gcs_create_bucket, gcs_upload_tree, run_ckpt
-
-pytestmark = pytest.mark.slow
+from conftest import ROOT, fake_gcs_serving, fixture_path, free_port, gcs_create_bucket, gcs_upload_tree, run_ckpt
 
 N = 4
 BUCKET = "ckpt-pod"
@@ -227,6 +228,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_each_process_reads_its_share_and_orbax_restores_the_output(server, saved, tmp_path):
     env, log, src = server
     endpoint = env["CKPT_TEST_GCS"]
@@ -294,6 +296,7 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
     assert specs["bias"][0] == {"data": 2, "model": 2}, specs
 
 
+@pytest.mark.slow
 def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server):
     # jax.distributed coordinates (what a TPU pod has; the flags' default where jax is importable).
     # (CKPT_DISTRIBUTED=torch, gloo, ends the others the same way: 18.6 s here; not run, for time)
@@ -351,3 +354,17 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server):
     # (the data files' names are random; one process now writes only ocdbt.process_0)
     assert not set(now) & {k for k in left if "/d/" in k}, now
     assert not [k for k in now if re.match(r"killed/ocdbt\.process_[1-9]", k)], now
+
+
+def test_bytes_read_counts_what_a_convert_read_of_its_source(tmp_path):
+    """One process (in this one): every stored chunk is read once, so bytes_read covers the OCDBT data
+    files (less the B+tree nodes, which are read beside the storage layer) and stays within the source."""
+    from ckpt_tool import engine
+
+    src = fixture_path("orbax_ocdbt_zarr2")
+    files = [p for p in src.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    data = sum(p.stat().st_size for p in files if re.search(r"ocdbt\.process_\d+/d/", p.as_posix()))
+    result = engine.convert(str(src), str(tmp_path / "out"), engine.ConvertOptions(to="dcp"))
+    assert 0.9 * data <= result.bytes_read <= total, (result.bytes_read, data, total)
+    assert result.to_json()["bytes_read"] == result.bytes_read
