@@ -364,3 +364,16 @@ def test_a_pointer_naming_no_step_fails_validate(ckpt, root_of, fixture, text):
         assert r.returncode == 1, (args, r.stdout, r.stderr)
     r = ckpt("latest", root, "--strict")
     assert r.returncode == 1 and r.stdout == ""
+
+
+def test_latest_from_python_carries_both_picks(root_of):
+    import ckpt_tool
+
+    root = root_of("runs_hf_trainer")
+    found = ckpt_tool.latest(str(root))
+    assert found.path == f"{root}/checkpoint-4" and found.step == 4
+    assert found.differs and found.pick is not None and found.pick.name == "checkpoint-6"
+    assert found.framework_line().startswith("Hugging Face Trainer would resume from checkpoint-6 (")
+    (root / "checkpoint-6").rename(root / "tmp-checkpoint-6")
+    found = ckpt_tool.latest(str(root))
+    assert not found.differs and found.framework_line() is None and found.pick.name == "checkpoint-4"
