@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CkptError, CorruptMetadataError, short_repr
+from ..names import join_keys
 
 # a metadata file larger than this is not read into memory
 MAX_JSON_BYTES = 256 * 2**20
@@ -413,7 +414,7 @@ def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[
         seen, seen_where = levels.setdefault(keys[:i], (key, where))
         if seen.__class__ is not key.__class__:
             kind = lambda k: "a sequence index" if isinstance(k, int) else "a dict key"  # noqa: E731
-            under = "/".join(str(k) for k in keys[:i]) or "the root"
+            under = join_keys(keys[:i]) or "the root"
             raise SchemaError(
                 f"key_metadata[{i}] makes {key!r} {kind(key)} under {under}, where {seen_where} has {seen!r} as "
                 f"{kind(seen)}: orbax's restore fails sorting a level that mixes them",

@@ -11,6 +11,7 @@ from typing import Any
 from ... import dtypes
 from ...errors import CkptError, UsageError
 from ...findings import Findings
+from ...model import keys_path
 from . import reader as ob
 from ...arrays import checks as ac
 from ...arrays import schema
@@ -186,7 +187,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
             files = [f for f in files if f != ob.SHARDING]  # reported once, not once per array
         bad_shardings = {name for name, _ in bad}
-        leaf_of = {ob._param_name(ks): "/".join(str(k) for k in ks) for ks, _ in entries} if bad else {}
+        leaf_of = {ob._param_name(ks): keys_path(ks) for ks, _ in entries} if bad else {}
         for name, error in bad:
             # orbax's restore fails on this entry (its from_serialized_string raises)
             findings.error("bad-sharding", error.message, leaf=leaf_of.get(name, name), file=where + ob.SHARDING)
@@ -211,7 +212,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     for leaf_keys, vmeta in entries:
         vt = vmeta.value_type
         name = ob._param_name(leaf_keys)
-        leaf_path = "/".join(str(k) for k in leaf_keys)
+        leaf_path = keys_path(leaf_keys)
         if vt == "string":
             strings_leaves.append((name, leaf_path))
         if vt not in ob.ZARR_TYPES:
