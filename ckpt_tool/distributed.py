@@ -611,6 +611,11 @@ class TorchCoordinator(_Joined):
         if peer:
             return LaunchError(peer)
         text = _first_line(exc)
+        # gloo's monitored barrier on a process whose peer died (process 0 SIGKILLed): not a late arrival
+        gone = re.search(r"received errors while waiting for send/recv from rank (\d+)", text)
+        if gone:
+            return LaunchError(f"process {self.process_index}: {during}: lost contact with process {gone.group(1)} "
+                               f"(it exited or was killed; its own output says why): {text}")
         if "monitoredBarrier" in text or "timed out" in text.lower() or "timeout" in text.lower():
             return LaunchError(f"process {self.process_index}: {during}: another process did not arrive in time ({text})")
         return LaunchError(f"process {self.process_index}: {during}: lost contact with another process "

@@ -405,6 +405,22 @@ def test_a_failing_process_stops_the_others_on_the_jax_route(tmp_path, failing):
     assert not dst.exists()
 
 
+def test_a_dead_process_0_is_lost_contact_not_a_late_arrival():
+    """What gloo's monitored barrier says on process 1 when process 0 was SIGKILLed (seen in
+    tests/test_multihost_gcs.py's runs) is said as such, not as a process that came too late."""
+    from ckpt_tool.distributed import TorchCoordinator
+
+    coord = object.__new__(TorchCoordinator)
+    coord.process_index = 1
+    coord._peer_failure = lambda: None  # type: ignore[method-assign] - process 0, the store, is gone
+    err = coord._failure("barrier 'ckpt-convert-written'", RuntimeError(
+        "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
+        "Please check rank 0 logs for faulty rank."))
+    assert str(err).startswith("process 1: barrier 'ckpt-convert-written': lost contact with process 0 "), str(err)
+    late = coord._failure("barrier 'b'", RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete"))
+    assert "another process did not arrive in time" in str(late)
+
+
 BARRIER_SCRIPT = r'''
 import sys
 from ckpt_tool.distributed import LaunchError, join
