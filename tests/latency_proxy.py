@@ -56,6 +56,7 @@ class LatencyProxy:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.base_events.Server] = None
         self._thread: Optional[threading.Thread] = None
+        self._main: Optional[asyncio.Task] = None  # the listener's task (stop() ends it last)
         self._ready = threading.Event()
 
     async def _pump_up(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answered: list[bool]) -> None:
@@ -91,11 +92,12 @@ class LatencyProxy:
                  asyncio.ensure_future(self._pump_down(server_r, client_w, answered))]
         try:
             await asyncio.gather(*tasks)
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, asyncio.CancelledError):
             pass
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             client_w.close()
             server_w.close()
 
@@ -108,12 +110,12 @@ class LatencyProxy:
 
     def start(self) -> "LatencyProxy":
         """Serve from a thread of this process; returns once listening (self.port)."""
+        loop = self._loop = asyncio.new_event_loop()
+
         def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            try:
-                self._loop.run_until_complete(self._serve())
-            except asyncio.CancelledError:
-                pass
+            asyncio.set_event_loop(loop)
+            self._main = loop.create_task(self._serve())
+            loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="latency-proxy", daemon=True)
         self._thread.start()
@@ -122,10 +124,18 @@ class LatencyProxy:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-            for task in asyncio.all_tasks(self._loop):
-                self._loop.call_soon_threadsafe(task.cancel)
+        """Close the listener and every connection, then end the thread (its loop is left to the
+        collector: closing it under connections still unwinding only adds noise)."""
+        loop = self._loop
+        if loop is None:
+            return
+
+        def shut() -> None:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.call_later(0.2, loop.stop)  # (the cancelled connections unwind meanwhile)
+
+        loop.call_soon_threadsafe(shut)
         if self._thread is not None:
             self._thread.join(5)
 
@@ -153,6 +163,12 @@ async def _run_forever(proxy: LatencyProxy) -> None:
     while not proxy._ready.is_set():
         await asyncio.sleep(0.01)
     print(f"listening 127.0.0.1:{proxy.port}", flush=True)
+    seen = (0, 0)
+    while not task.done():  # what was forwarded so far, when it changed (a second's resolution)
+        await asyncio.sleep(1)
+        if (proxy.requests, proxy.connections) != seen:
+            seen = (proxy.requests, proxy.connections)
+            print(f"requests {seen[0]} connections {seen[1]}", flush=True)
     await task
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 from ..errors import CkptError
 from ..model import ArrayLeaf
 from ..bufferpool import POOL
+from ..storage.remote import in_flight
 from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, default_memory, parse_memory
 from .execution import Executor
 from .planning import Plan, _Unit
@@ -60,7 +61,9 @@ class Scheduler:
     def __init__(self, wants: Sequence[Want], *, memory: int = DEFAULT_MEMORY, workers: int = 4,
                  reserve: int = 0) -> None:
         self.memory = memory
-        self.workers = max(1, workers)
+        # (on an object store more units wait on round trips than there are cores: the budget still
+        # bounds what they hold)
+        self.workers = in_flight(max(1, workers))
         # the decoders' idle buffers kept for the next chunks (bufferpool.py): a share of the budget
         POOL.limit = memory // 4
         self.stats = ReadStats(budget=memory)

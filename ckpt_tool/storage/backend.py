@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import tensorstore as ts
 
 from ..errors import CkptError, NotFoundError
-from .remote import _RETRIES, _endpoint_of, _error_for, _wait_for, opening
+from .remote import _RETRIES, REMOTE_IN_FLIGHT, _endpoint_of, _error_for, _wait_for, opening
 
 if TYPE_CHECKING:
     from ..pagecache import DirectoryDropper
@@ -29,8 +29,14 @@ if TYPE_CHECKING:
 # One context for every open: memory:// stores are shared within a process
 # and tensorstore's cache pools and thread pools are reused. Writers derive
 # theirs from it, so the retry bounds apply to every request ckpt makes.
+# Requests to one store at once: 4x the chunk reads a run keeps in flight there (remote.in_flight),
+# so that the size probes, listings and tensorstore's own array writes (many small chunks of a
+# many-device layout) are not queued behind them. (tensorstore's default too, set here so that it
+# is a number of ckpt's.)
+_REQUESTS_AT_ONCE = {"limit": 4 * REMOTE_IN_FLIGHT}
 _CONTEXT = ts.Context(
-    {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES, "http_request_retries": _RETRIES}
+    {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES, "http_request_retries": _RETRIES,
+     "gcs_request_concurrency": _REQUESTS_AT_ONCE, "s3_request_concurrency": _REQUESTS_AT_ONCE}
 )
 # Array reads get their own context with a small decoded-chunk cache: a
 # reshard cuts several output chunks from one source chunk, and without a

@@ -378,6 +378,17 @@ def _preflight(spec: dict[str, Any], endpoint: str, url: str, what: str) -> None
         raise _note_unavailable(f"{what}: storage endpoint {endpoint} cannot be reached: {known}; not retried", url, endpoint)
 
 
+# reads in flight while a run touches an object store: each waits a round trip (10-100 ms on GCS and
+# S3) on the network, not on a core, so the copy threads are not tied to the core count there
+REMOTE_IN_FLIGHT = 8
+
+
+def in_flight(workers: int) -> int:
+    """The units a run keeps in flight: `workers` (copies sized to the cores), at least
+    REMOTE_IN_FLIGHT once this process has opened an object store (a source or a destination)."""
+    return max(workers, REMOTE_IN_FLIGHT) if _LAST_ENDPOINT is not None else workers
+
+
 def opening(spec: dict[str, Any], url: str, what: str) -> str | None:
     """Before a kvstore is opened: the endpoint of a remote one (None for local and memory stores).
 

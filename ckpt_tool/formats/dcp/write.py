@@ -55,6 +55,11 @@ from ...torchsave.pickle_writer import Global, Obj, PickleWriteError, Reduce, du
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."
 DEFAULT_FILE_MB = 32  # files buffered at once: the one filling plus those being flushed
+# on an object store a data file is assembled in memory and uploaded whole by the copy thread that
+# sealed it, and a run keeps 16 of them busy there (storage.remote.in_flight): 32 MiB files held
+# 1.1 GiB at once in a 1 GiB convert to gs://, smaller ones bound that to 16 x 8 MiB (and a tensor
+# larger than that still goes as one object of its own)
+REMOTE_FILE_MB = 8
 # archives under COALESCE_BELOW bytes are gathered and written COALESCE_BYTES at a time
 # (13,500 archives of 1 to 16 KiB each: one pwritev per archive cost more than the copy);
 # below directio.MIN_DIRECT_BYTES, so they are placed back to back, unaligned
@@ -462,6 +467,8 @@ class DcpWriter(CheckpointWriter):
         if not file_mb > 0:
             raise DcpWriteError(f"file_mb must be positive, got {file_mb}")
         self._storage = storage
+        if storage.local_root is None:
+            file_mb = min(file_mb, REMOTE_FILE_MB)
         self._file_bytes = max(1, int(file_mb * 2**20))
         self._checkpoint_id = checkpoint_id
         self._merge_value_lists = merge_value_lists
