@@ -332,12 +332,23 @@ def planner_tree_problem(planner_data: Any, fqns: Any) -> tuple[str, str] | None
                               "(torch's load fails, or keeps only one of them)")
     if any(type(k) is int for p in paths for k in p[1:]):
         kinds: dict[tuple[Any, ...], tuple[type, str]] = {}
+        indices: dict[tuple[Any, ...], set[int]] = {}
         for p, fqn in paths.items():
             for n in range(1, len(p)):
                 seen = kinds.setdefault(p[:n], (type(p[n]), fqn))
                 if seen[0] is not type(p[n]):
                     return fqn, (f"planner_data puts a list index and a dict key in one container (beside "
                                  f"{seen[1]!r}): torch's load fails, or keeps two keys that are one key path")
+                if type(p[n]) is int:
+                    indices.setdefault(p[:n], set()).add(p[n])
+        for prefix, held in indices.items():
+            if len(held) != max(held) + 1:
+                # dcp.save writes every element of a list it walks into; torch's load fills a gap
+                # with None, then finds no entry for it ("Missing key in checkpoint state_dict")
+                gap = min(set(range(max(held) + 1)) - held)
+                fqn = kinds[prefix][1]
+                return fqn, (f"planner_data's list {'.'.join(map(str, prefix))!r} has no element {gap} "
+                             "(torch's load fails: it finds no entry for it)")
     return None
 
 
