@@ -124,6 +124,26 @@ def test_nemo_resumes_from_its_last_copy_and_validate_checks_it(ckpt, root_of):
     assert f"NeMo 2 would resume from {NEMO_9_LAST} (" in r.stderr
 
 
+def test_a_step_named_copy_beside_torchtitan_steps_is_its_pick(ckpt, root_of):
+    # torchtitan's _find_load_step searches names for `step-(\d+)` unanchored: a copy step-50.bak/
+    # holding .metadata makes it take step 50 and open step-50/
+    root = root_of("runs_torchtitan")
+    shutil.copytree(root / "step-30", root / "step-50.bak")
+    r = ckpt("validate", root)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"ckpt: error: {root}: step-50.bak holds .metadata, so torchtitan's "
+                               "_find_load_step takes step 50 and opens step-50, which is not there")
+    r = ckpt("latest", root)
+    assert r.returncode == 0 and r.stdout == f"{root}/step-30\n"
+    assert "torchtitan (DCP) would resume from no step: step-50.bak holds .metadata" in r.stderr
+    assert ckpt("latest", root, "--strict").returncode == 1
+    # step-50/ there but torn: that is what the resume opens, and validate fails on it
+    shutil.copytree(root / "step-40", root / "step-50")
+    r = ckpt("validate", root, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["opened"]["name"] == "step-50"
+    assert ckpt("validate", root, "--step", "30").returncode == 0
+
+
 @pytest.mark.parametrize("name,victim", [
     ("runs_verl", "global_step_4/actor/model_world_size_2_rank_1.pt"),
     ("deepspeed_z1_fp32", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),

@@ -165,8 +165,9 @@ class RunLayout:
     claims_root: Callable[[RootListing], bool] = lambda listing: True
     # the step the framework's own resume opens, where that is not "what the pointer file names"
     # (pointer_is_commit) nor "the newest committed step": given the root's steps sorted by step
-    # (objects with .name, .step, .status), the one it opens, or None (it finds nothing to resume)
-    pick: Callable[[Sequence[Any]], Any | None] | None = None
+    # (objects with .name, .step, .status), the one it opens, or None (it finds nothing to resume);
+    # a str instead: its resume fails before it opens a step, and why
+    pick: Callable[[RootListing, Sequence[Any]], Any | None] | None = None
     # that rule in words, for the line saying which step the framework would pick and why
     resume: str = "the newest committed step"
     # how a launcher makes the framework open one given step instead (`ckpt latest` says it when the
@@ -294,6 +295,31 @@ def _titan_status(listing: RootListing, entry: Entry) -> StepStatus:
     return StepStatus(INCOMPLETE, "no .metadata and no .distcp files")
 
 
+# torchtitan's _find_load_step searches every name for `step-(\d+)` (not anchored) holding .metadata
+# (or the HF index), takes the highest N, and opens `step-{N}`: a copy named `step-50.bak/` makes it
+# pick 50, and fail when step-50/ is not there
+_TITAN_ANY_STEP = re.compile(r"step-(\d+)")
+
+
+def _titan_pick(listing: RootListing, rows: Sequence[Any]) -> Any | None:
+    found: list[tuple[int, str]] = []
+    for name in listing.dirs:
+        m = _TITAN_ANY_STEP.search(name)
+        if m is None:
+            continue
+        _, files = listing.top(name)
+        if ".metadata" in files or "model.safetensors.index.json" in files:
+            found.append((int(m.group(1)), name))
+    if not found:
+        return None
+    n, name = max(found)
+    row = next((r for r in rows if r.name == f"step-{n}"), None)
+    if row is None:
+        return (f"{name} holds .metadata, so torchtitan's _find_load_step takes step {n} and opens "
+                f"step-{n}, which is not there")
+    return row
+
+
 # -- Hugging Face Trainer checkpoint-N/ ----------------------------------------------------------------
 
 _HF_STEP = re.compile(r"^(tmp-)?checkpoint-(\d+)$")
@@ -324,7 +350,7 @@ def _hf_claims_root(listing: RootListing) -> bool:
     return not ("config.json" in top and any(f.endswith(_HF_TOP_WEIGHTS) for f in top))
 
 
-def _hf_pick(rows: Sequence[Any]) -> Any | None:
+def _hf_pick(listing: RootListing, rows: Sequence[Any]) -> Any | None:
     # Trainer(resume_from_checkpoint=True) -> get_last_checkpoint: the highest `checkpoint-N`
     # directory (tmp-checkpoint-N does not match its pattern), whatever it holds
     named = [r for r in rows if r.step is not None and not r.name.startswith("tmp-")]
@@ -436,7 +462,7 @@ def _nemo_status(listing: RootListing, entry: Entry) -> StepStatus:
     return StepStatus(COMMITTED)
 
 
-def _nemo_pick(rows: Sequence[Any]) -> Any | None:
+def _nemo_pick(listing: RootListing, rows: Sequence[Any]) -> Any | None:
     # AutoResume.nemo_path: the directories matching `*last`, less those with an `-unfinished`
     # marker beside them (_filter_out_unfinished_checkpoints); of several, the newest (by mtime
     # there, by step here); whether its files are complete is not asked
@@ -565,8 +591,8 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest step-N/ holding `.metadata` (or an HF export's `model.safetensors.index.json`)",
         in_progress="a step-N/ without `.metadata` (DCP's coordinator writes it last, after every rank's `.distcp`)",
         source="torchtitan components/checkpoint.py (_find_load_step)",
-        hint=r"^step-", step_of=_titan_step, status_of=_titan_status, fallback_format="dcp",
-        resume="_find_load_step: the highest step-N/ holding `.metadata`",
+        hint=r"^step-", step_of=_titan_step, status_of=_titan_status, fallback_format="dcp", pick=_titan_pick,
+        resume="_find_load_step: the highest N of a directory named *step-N* holding `.metadata`, then step-N/ whatever it holds",
         explicit="--checkpoint.load_step STEP",
     ),
     RunLayout(

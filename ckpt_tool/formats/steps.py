@@ -184,6 +184,7 @@ class Pick:
     row: StepRow | None
     rule: str  # the rule in words (RunLayout.resume)
     problem: str | None = None  # why it opens none: no pointer file, a pointer naming nothing usable
+    fails: bool = False  # its resume fails before it opens a step (not a fresh start)
 
 
 def framework_pick(run: RunListing) -> Pick:
@@ -195,8 +196,10 @@ def framework_pick(run: RunListing) -> Pick:
         if run.pointer_problem is not None:
             return Pick(None, layout.resume, f"{run.pointer_file}: {run.pointer_problem}")
         return Pick(next((r for r in run.steps if r.pointer), None), layout.resume)
-    if layout.pick is not None:
-        row = layout.pick(run.steps)
+    if layout.pick is not None and run.listing is not None:
+        row = layout.pick(run.listing, run.steps)
+        if isinstance(row, str):
+            return Pick(None, layout.resume, row, fails=True)
         return Pick(row, layout.resume, None if row is not None else f"no step by its rule ({layout.resume})")
     done = [r for r in run.steps if r.status == COMMITTED]
     return Pick(done[-1] if done else None, layout.resume, None if done else "no committed step")
@@ -437,6 +440,12 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
         # the step the framework's own resume opens, complete or not (a torn one is opened and
         # said to be torn: validate fails on it); where it opens none, the newest complete step
         pick = framework_pick(run)
+        if pick.fails:
+            # the framework's resume fails before it opens a step (torchtitan beside a step-N.bak/):
+            # so does the default here, saying why, as with a pointer file that names nothing usable
+            raise IncompleteCheckpointError(
+                f"{pick.problem}: {layout.title} cannot resume here; open a step with --step N "
+                "(`ckpt ls` lists them)", run.root)
         if pick.row is not None:
             done = [r for r in rows if r.status == COMMITTED]
             row = pick.row
