@@ -392,3 +392,30 @@ def test_dcp_planner_data_that_makes_a_value_a_container_is_refused(tmp_path, ck
     assert r.returncode == 1 and "both a value and the container" in r.stdout, r.stdout
     i = ckpt("inspect", tmp_path / "dcp")
     assert i.returncode == 1 and len(i.stderr.strip().splitlines()) == 1, i.stderr
+
+
+def test_dcp_planner_data_list_with_a_gap_is_refused(tmp_path, ckpt):
+    """A list whose element 0 is gone from .metadata (its key renamed away, as the fuzzer did):
+    torch's load fills the gap with None and then finds no entry for it; validate must not pass."""
+    import pickle
+
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"l": [torch.zeros(3), torch.ones(3)], "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    meta = tmp_path / "dcp" / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    md.state_dict_metadata = {("l%2F0" if k == "l.0" else k): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {(dataclasses.replace(k, fqn="l%2F0") if k.fqn == "l.0" else k): v
+                       for k, v in md.storage_data.items()}
+    md.planner_data = {("l%2F0" if k == "l.0" else k): (("l%2F0",) if k == "l.0" else v)
+                       for k, v in md.planner_data.items()}
+    meta.write_bytes(pickle.dumps(md))
+    with pytest.raises(BaseException), warnings.catch_warnings():  # the library cannot load it
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "out.pt"))
+    r = ckpt("validate", tmp_path / "dcp")
+    assert r.returncode == 1 and "has no element 0" in r.stdout, r.stdout
