@@ -3002,6 +3002,7 @@ STEP_NAME_TEMPLATES = (
     "step-{n}", "checkpoint-{n}", "tmp-checkpoint-{n}", "checkpoint_{n}", "checkpoint_{n}.tmp-1700000000",
     "checkpoint_tmp", "global_step{n}", "global_step_{n}", "iter_{n:07d}", "release", "{n}",
     "{n}.orbax-checkpoint-tmp", "{n}.orbax-checkpoint-tmp-1700000000", "x-step={n}", "x-step={n}-last",
+    "step-{n}.bak", "old-step-{n}", "checkpoint-{n}.bak",
     "x-step={n}-unfinished", "latest", "latest_checkpointed_iteration.txt", "latest_universal",
 )
 STEP_ENTRY_KINDS = ("empty-dir", "empty-file", "garbage-file", "dir-of-garbage", "torn-copy", "copy", "symlink")
