@@ -19,7 +19,8 @@ safe, in the roles output.py's temporary directory plays on a local disk:
   which the next run removes). Another object under DST (a user's notes.txt) is never deleted,
   and a prefix left holding one is refused, as a local directory holding other files is. A
   record whose run still writes (same host, its pid alive and started when recorded), or one
-  written on another host less than ABANDONED_AFTER ago, is never taken over. Replacing a
+  from another host refreshed less than STALE_AFTER ago (a run refreshes its record every
+  HEARTBEAT_EVERY seconds), is never taken over. Replacing a
   complete checkpoint deletes the keys listed when it was judged (its claimed files first), never
   a prefix-wide range.
 * A run that fails (an error, Ctrl-C, SIGTERM) removes what it wrote and then its record (one
@@ -33,15 +34,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import strict_json
 from .errors import CkptError, DestinationExistsError, StorageUnavailableError
 from .output import (
-    ABANDONED_AFTER,
     OWNER_FILE,
     OutputDir,
     Owner,
@@ -55,6 +56,11 @@ from .output import (
 from .storage import Storage, _kvstore_spec
 
 _DELETE_BATCH = 64  # deletes in flight at once
+# a run refreshes its record's `updated` this often (seconds), so that a record written on another
+# host counts as abandoned STALE_AFTER after its run stopped, not a day later (several hosts share
+# one bucket: the rerun after a killed one is often started from another host)
+HEARTBEAT_EVERY = 60.0
+STALE_AFTER = 600.0
 _SHOWN = 6
 
 
@@ -94,7 +100,7 @@ class Record:
         """"alive", "gone" (same host, not running), "elsewhere" or "abandoned" (another host)."""
         if self.owner.same_host():
             return "alive" if self.owner.alive() else "gone"
-        return "abandoned" if time.time() - self.updated > ABANDONED_AFTER else "elsewhere"
+        return "abandoned" if time.time() - self.updated > STALE_AFTER else "elsewhere"
 
     def owns(self, key: str) -> bool:
         """Whether `key` (relative to DST) is under one of the run's entries (never the record)."""
@@ -183,6 +189,37 @@ class RemoteOutput(OutputDir):
     generation: bytes | None = None  # our record's generation (the primary, while it holds it)
     parsed: Record | None = None
     shared: bool = False  # several processes write it (a failed run's keys then stay, with the record)
+    # the heartbeat refreshing the record while the run writes (generation changes under the lock)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    stop: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    beat: threading.Thread | None = field(default=None, repr=False, compare=False)
+
+    def start_heartbeat(self, owner: "_OwnerObject") -> None:
+        """Refresh the record's `updated` every HEARTBEAT_EVERY seconds (conditionally on its
+        generation: a record another run took over is left alone) until stop_heartbeat."""
+        def run() -> None:
+            while not self.stop.wait(HEARTBEAT_EVERY):
+                with self.lock:
+                    if self.generation is None:
+                        return
+                    doc = json.loads(self.record)
+                    doc["updated"] = time.time()
+                    data = json.dumps(doc, indent=1).encode("utf-8")
+                    try:
+                        new = owner.write_if(data, self.generation)
+                    except CkptError:
+                        continue  # a slow or dead endpoint: the run itself meets it
+                    if new is None:  # taken over: confirm_output says so before any marker
+                        return
+                    self.record, self.generation = data, new
+
+        self.beat = threading.Thread(target=run, name="ckpt-owner-heartbeat", daemon=True)
+        self.beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self.stop.set()
+        if self.beat is not None and self.beat is not threading.current_thread():
+            self.beat.join()
 
 
 def is_remote(destination: str) -> bool:
@@ -231,6 +268,7 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
         removed = f" ({out.notes[-1]})" if out.notes else ""
         raise DestinationExistsError(f"destination is {verdict.what}; refusing to write beside it{removed}",
                                      destination)
+    out.start_heartbeat(owner)
     return out
 
 
@@ -344,6 +382,7 @@ def confirm_output(out: OutputDir) -> None:
     """Before the commit markers: this run still holds DST (no other run took its record over)."""
     if not isinstance(out, RemoteOutput) or out.generation is None:
         return
+    out.stop_heartbeat()  # (the record's generation stays put from here on)
     owner = _OwnerObject(Storage.create(out.destination))
     data, gen = owner.read()
     if gen != out.generation:
@@ -360,6 +399,7 @@ def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
     if not isinstance(out, RemoteOutput):
         _finalize_local(out, overwrite=overwrite)
         return
+    out.stop_heartbeat()
     if out.generation is not None:
         _release(out, _OwnerObject(Storage.create(out.destination)))
 
@@ -371,6 +411,7 @@ def discard_output(out: OutputDir) -> None:
     if not isinstance(out, RemoteOutput):
         _discard_local(out)
         return
+    out.stop_heartbeat()
     if out.generation is None or out.parsed is None:
         return
     if out.shared:
@@ -414,7 +455,7 @@ def incomplete_save(storage: Storage) -> str | None:
         return f"{OWNER_FILE} is here but is not a ckpt owner record: an incomplete save cannot be ruled out"
     state = {"alive": "still writing", "gone": "no longer running",
              "elsewhere": "on another host, cannot tell whether it still runs",
-             "abandoned": f"on another host, unchanged for over {ABANDONED_AFTER / 3600:g} h"}[record.status()]
+             "abandoned": f"on another host, not refreshed for over {STALE_AFTER / 60:g} min"}[record.status()]
     return (f"incomplete save of ckpt's: a convert/reshard ({record.describe()}; {state}) wrote here and has "
             f"not committed it; the next convert/reshard to this path with --overwrite removes what it wrote")
 

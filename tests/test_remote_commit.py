@@ -57,13 +57,13 @@ def _one_line(r: subprocess.CompletedProcess) -> str:
 
 def _gcs_keys(endpoint: str, prefix: str) -> list[str]:
     q = urllib.parse.urlencode({"prefix": prefix})
-    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=10) as r:
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=120) as r:
         return sorted(item["name"] for item in json.load(r).get("items", []))
 
 
 def _gcs_get(endpoint: str, name: str) -> bytes:
     with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media",
-                                timeout=10) as r:
+                                timeout=120) as r:
         return r.read()
 
 
@@ -71,7 +71,7 @@ def _gcs_put(endpoint: str, name: str, data: bytes) -> None:
     req = urllib.request.Request(
         f"{endpoint}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={urllib.parse.quote(name, safe='')}",
         data=data, method="POST", headers={"Content-Type": "application/octet-stream"})
-    urllib.request.urlopen(req, timeout=10).close()
+    urllib.request.urlopen(req, timeout=120).close()
 
 
 @pytest.fixture(scope="module")
@@ -522,3 +522,60 @@ def test_a_run_roots_step_holding_a_record_is_not_what_a_resume_opens(gcs, tmp_p
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{root}/step-20", r.stdout
     assert f"skipped step-30: in-progress: {OWNER} is there" in r.stderr, r.stderr
+
+
+def _foreign_record(destination: str, updated: float) -> bytes:
+    """An owner record as a run on another host writes it."""
+    return json.dumps({"tool": "ckpt", "destination": destination, "host": "tpu-host-7", "pid": 4242,
+                       "pid_start": 1, "boot_id": "b", "machine_id": "not-this-machine", "started": updated - 60,
+                       "run": "cd" * 16, "format": "dcp", "writes": [".metadata", "*.distcp"],
+                       "markers": [".metadata"], "updated": updated}).encode()
+
+
+def test_a_record_from_another_host_is_taken_over_only_once_it_is_no_longer_refreshed(gcs):
+    endpoint, env = gcs["CKPT_TEST_GCS"], _env(gcs)
+    prefix = "elsewhere/dcp"
+    dst = f"gs://{BUCKET}/{prefix}"
+    _gcs_put(endpoint, f"{prefix}/{OWNER}", _foreign_record(dst, time.time()))
+    _gcs_put(endpoint, f"{prefix}/__0_0.distcp", b"partial")
+    # refreshed a moment ago: its run may be writing, on a host ckpt cannot look at
+    line = _one_line(run_ckpt("convert", SRC, dst, "--to", "dcp", "--overwrite", env=env))
+    assert "another ckpt is writing this destination" in line and "tpu-host-7" in line and "another host" in line, line
+    assert _gcs_keys(endpoint, prefix + "/") == [f"{prefix}/{OWNER}", f"{prefix}/__0_0.distcp"]
+    # not refreshed for 11 minutes (a run refreshes it every minute): abandoned, and --overwrite takes it over
+    _gcs_put(endpoint, f"{prefix}/{OWNER}", _foreign_record(dst, time.time() - 660))
+    r = run_ckpt("validate", dst, "--json", env=env)
+    assert "not refreshed for over 10 min" in r.stdout, r.stdout
+    r = run_ckpt("convert", SRC, dst, "--to", "dcp", "--overwrite", env=env)
+    assert r.returncode == 0, r.stderr
+    assert run_ckpt("validate", dst, env=env).returncode == 0
+
+
+def test_a_writing_run_refreshes_its_record_and_removes_it_when_done(gcs):
+    """The heartbeat: while a run writes, its record's `updated` moves (under a generation
+    condition, so the run still holds it), and the record goes when the run is done. In a process
+    of its own: tensorstore keeps one GCS endpoint per process."""
+    endpoint = gcs["CKPT_TEST_GCS"]
+    prefix = "heartbeat/dcp"
+    script = f"""
+import json, sys, time, urllib.request
+from ckpt_tool import output_remote
+output_remote.HEARTBEAT_EVERY = 0.1
+def record():
+    url = "{endpoint}/storage/v1/b/{BUCKET}/o/" + "{prefix}/{OWNER}".replace("/", "%2F") + "?alt=media"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+out = output_remote.prepare_output({SRC!r}, "gs://{BUCKET}/{prefix}", overwrite=False, writes="dcp")
+first = record()["updated"]
+deadline = time.time() + 60
+while record()["updated"] == first:
+    assert time.time() < deadline, "never refreshed"
+    time.sleep(0.05)
+output_remote.confirm_output(out)  # still ours: the refreshes kept its generation in step
+output_remote.finalize_output(out, overwrite=False)
+print("refreshed")
+"""
+    full = {**os.environ, **_env(gcs)}
+    r = subprocess.run([sys.executable, "-c", script], env=full, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "refreshed", r.stderr
+    assert _gcs_keys(endpoint, prefix + "/") == []
