@@ -163,6 +163,23 @@ def test_an_empty_rank_file_fails(ckpt, root_of, name, victim):
     assert not r.stdout.startswith(f"{root}/{victim.split('/')[0]}\n"), r.stdout
 
 
+@pytest.mark.parametrize("victim", ["rng_state.pth", "optimizer.pt", "scheduler.pt"])
+def test_an_empty_torch_file_of_the_trainers_step_fails(ckpt, root_of, victim):
+    import torch
+
+    root = root_of("runs_hf_trainer")
+    (root / "checkpoint-6").rename(root / "tmp-checkpoint-6")  # checkpoint-4: the Trainer's pick
+    (root / "checkpoint-4" / victim).write_bytes(b"")
+    with pytest.raises(EOFError):  # the oracle: what the Trainer's resume does with it
+        torch.load(root / "checkpoint-4" / victim, weights_only=True)
+    r = ckpt("validate", root)
+    assert r.returncode == 1, r.stdout
+    assert f"error uncommitted-save: checkpoint-4 is incomplete: {victim} is empty" in r.stdout
+    r = ckpt("latest", root)
+    assert r.returncode == 0 and r.stdout == f"{root}/checkpoint-2\n"
+    assert "Hugging Face Trainer would resume from checkpoint-4 (" in r.stderr
+
+
 # -- item 6: latest says what the framework would pick -----------------------------------------------
 
 def _orbax(root):

@@ -372,6 +372,12 @@ def _hf_confirm(listing: RootListing, entry: Entry) -> StepStatus:
 
     name = f"{entry.name}/{HF_STATE}"
     try:
+        # the torch.save files the resume torch.loads (optimizer.pt, scheduler.pt, rng_state[_R].pth,
+        # training_args.bin): an empty one is a rank's save killed before its first byte (EOFError)
+        _, files = listing.top(entry.name)
+        for f in sorted(files):
+            if f.endswith((".pt", ".pth", ".bin")) and listing.storage.size(f"{entry.name}/{f}") == 0:
+                return StepStatus(INCOMPLETE, f"{f} is empty: the Trainer's resume torch.loads it (EOFError)")
         size = listing.storage.size(name)
         if size == 0:
             return StepStatus(INCOMPLETE, f"{HF_STATE} is empty: a save killed while writing it "
