@@ -319,3 +319,45 @@ def test_dtype_overflow_from_torch_save_to_dcp(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "1 leaf overflowed in the cast to float32 (1 finite value became inf): w (1)" in _one_error_line(r.stderr)
     assert not dst.exists()
+
+
+# -- 11: the pickle memory bound, measured on the whole process ------------------------------------
+
+
+def _torch_save_many(path: Path, what: str, n: int) -> None:
+    """A real torch.save (pickle protocol 4: one EMPTY_SET or EMPTY_LIST opcode and a MEMOIZE each)."""
+    import numpy as np
+    import torch
+
+    make = {"sets": set, "lists": lambda: [None], "dicts": lambda: {"a": None}}[what.removesuffix("+numpy")]
+    state: dict = {"w": torch.ones(2), what: [make() for _ in range(n)]}
+    if what.endswith("+numpy"):
+        state["np"] = np.arange(4.0)  # a numpy stand-in: the value is then copied (safe_pickle.finalize)
+    torch.save(state, path, pickle_protocol=4)
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+@pytest.mark.parametrize("what,n,memory", [
+    ("sets", 2_000_000, None),  # the issue's input: 4 MB, 1.7 GB peak under plain validate before
+    ("lists", 2_000_000, None),
+    ("sets", 2_000_000, "64MiB"),
+    ("sets+numpy", 1_000_000, None),
+    ("dicts", 1_000_000, "128MiB"),
+])
+def test_pickle_memory_bound_whole_process(tmp_path: Path, what: str, n: int, memory: str | None) -> None:
+    """validate and inspect stay within --memory + 512 MiB (the pickle allowance), measured as the
+    process's peak RSS: they read the file, or refuse it in one line naming the limit."""
+    path = tmp_path / "many.pt"
+    _torch_save_many(path, what, n)
+    budget = (512 if memory is None else int(memory.removesuffix("MiB"))) * MiB
+    bound = budget + 512 * MiB
+    # (inspect has no --memory: its pickles are read within the default budget)
+    for argv in ([["validate", str(path), "--memory", memory]] if memory else
+                 [["validate", str(path)], ["inspect", str(path)]]):
+        rc, out, err, wall, peak, cpu = measure(argv, kill_rss=bound + 512 * MiB, timeout=300)
+        assert peak < bound, f"{' '.join(argv)}: peak {peak / MiB:.0f} MiB over {bound / MiB:.0f} MiB"
+        assert rc in (0, 1), (rc, err[-2000:])
+        assert "Traceback" not in err and "internal error" not in err, err[-2000:]
+        if rc == 1:  # (validate reports it as its finding; inspect as its one error line)
+            assert "of memory allowed" in out + err and "a larger --memory admits it" in out + err, out + err

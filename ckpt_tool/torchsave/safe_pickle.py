@@ -960,6 +960,10 @@ _SET_ITEM = 160  # a set entry (16 B): the table grows x4 at 60% fill, the old o
 _VALUE = 96  # a str/bytes object's header, the read buffer's; plus _PER_BYTE for each byte of its argument
 _PER_BYTE = 5  # a string's characters up to 4 bytes each (UCS-4), and the byte read
 _CALL = 128  # the one object a REDUCE/NEWOBJ/OBJ/INST call returns (a record, a TensorRef: ~100 B)
+# a container as the walks after the load keep it (object_tree.tensor_holders: its id and an entry of
+# a dict, ~114 B measured with tracemalloc over 200,000 one-item lists, the dict's resize included):
+# 2 million empty sets in a 4 MB torch.save peaked at 1.7 GB against an estimate of 0.7 GB
+_TREE = 128
 
 
 def _mib(n: int) -> str:
@@ -1011,9 +1015,9 @@ def _cost_tables() -> tuple[list[int], list[int], list[int]]:
     per_element = [0] * 256
     fast = [_PER_BYTE] * 256  # an argument byte: at most a string's
     sizes = {
-        "EMPTY_LIST": 64, "LIST": 64, "EMPTY_DICT": 224, "DICT": 224,  # (a dict with its first keys table)
-        "EMPTY_SET": 224, "FROZENSET": 224, "TUPLE": 48, "TUPLE1": 48 + _SLOT, "TUPLE2": 56 + 2 * _SLOT,
-        "TUPLE3": 64 + 3 * _SLOT, "BININT": 32, "BININT2": 32, "BINFLOAT": 32, "INT": 32, "LONG": 32, "FLOAT": 32,
+        "EMPTY_LIST": 64 + _TREE, "LIST": 64 + _TREE, "EMPTY_DICT": 224 + _TREE, "DICT": 224 + _TREE,  # (a dict with its first keys table)
+        "EMPTY_SET": 224 + _TREE, "FROZENSET": 224 + _TREE, "TUPLE": 48 + _TREE, "TUPLE1": 48 + _SLOT + _TREE,
+        "TUPLE2": 56 + 2 * _SLOT + _TREE, "TUPLE3": 64 + 3 * _SLOT + _TREE, "BININT": 32, "BININT2": 32, "BINFLOAT": 32, "INT": 32, "LONG": 32, "FLOAT": 32,
         "LONG1": 32, "LONG4": 32, "REDUCE": _CALL, "NEWOBJ": _CALL, "NEWOBJ_EX": _CALL, "OBJ": _CALL,
         "INST": _CALL, "BINPERSID": 2 * _CALL, "PERSID": 2 * _CALL,  # (a StorageRef and its entry by key)
         "MEMOIZE": _MEMO, "BINPUT": _MEMO, "LONG_BINPUT": _MEMO, "PUT": _MEMO, "MARK": 8,
@@ -1252,13 +1256,19 @@ class SafeUnpickler(pickle.Unpickler):
         self._payload = payload
         self._extra = extra or {}
         self.storages: dict[str, StorageRef] = {}
+        # whether a numpy stand-in may be in the value: only then does finalize copy it
+        self.stand_ins = False
 
     def find_class(self, module: str, name: str) -> Any:
         key = (_PY2_MODULES.get(module, module), name)
         try:
-            return ALLOWED[key]
+            cls = ALLOWED[key]
         except (KeyError, TypeError):
             pass
+        else:
+            if cls is NumpyArray or cls is NumpyDType:
+                self.stand_ins = True
+            return cls
         try:  # a format's own stand-ins for the classes its writer pickles (formats/<format>/)
             return self._extra[key]
         except (KeyError, TypeError):
@@ -1293,7 +1303,7 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def _load(data: bytes, where: str, *, payload: bool, limit: int,
-          extra: Mapping[tuple[str, str], Any] | None = None) -> tuple[Any, dict[str, StorageRef]]:
+          extra: Mapping[tuple[str, str], Any] | None = None) -> tuple[Any, dict[str, StorageRef], bool]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptMetadataError("pickle data must be bytes", where)
     if len(data) > limit:
@@ -1334,7 +1344,11 @@ def _load(data: bytes, where: str, *, payload: bool, limit: int,
         raise CorruptMetadataError(f"malformed pickle: {type(exc).__name__}: {_first_line(exc)}", where) from None
     finally:
         allowance.left, allowance.limit = outer
-    return obj, unpickler.storages
+    if unpickler.stand_ins and payload and 2 * estimate > memory:
+        # finalize will copy every container of the value (values.transform) while the value
+        # itself is alive: as much again as unpickling it took, and its memo
+        raise PickleMemoryError(_over_limit(memory), where)
+    return obj, unpickler.storages, unpickler.stand_ins
 
 
 def _first_line(exc: BaseException) -> str:
@@ -1344,15 +1358,17 @@ def _first_line(exc: BaseException) -> str:
 
 def load_metadata(data: bytes, where: str, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle a DCP `.metadata` file through the allow-list (no persistent ids)."""
-    obj, _ = _load(data, where, payload=False, limit=MAX_METADATA_BYTES, extra=extra)
+    obj, _, _ = _load(data, where, payload=False, limit=MAX_METADATA_BYTES, extra=extra)
     return obj
 
 
 def load_payload(data: bytes, where: str,
                  extra: Mapping[tuple[str, str], Any] | None = None) -> tuple[Any, dict[str, StorageRef]]:
     """Unpickle a torch.save `data.pkl`: the object (TensorRefs for tensors) and its storages."""
-    obj, storages = _load(data, where, payload=True, limit=MAX_PAYLOAD_PICKLE_BYTES, extra=extra)
-    return finalize(obj, where), storages
+    obj, storages, stand_ins = _load(data, where, payload=True, limit=MAX_PAYLOAD_PICKLE_BYTES, extra=extra)
+    # without a numpy stand-in there is nothing to replace (TensorRefs stay): no copy of the value,
+    # which for a pickle of millions of small containers doubled what unpickling took
+    return (finalize(obj, where) if stand_ins else obj), storages
 
 
 def finalize(obj: Any, where: str, resolve_tensor: Callable[[TensorRef], Any] | None = None,
