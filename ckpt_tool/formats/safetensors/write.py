@@ -62,6 +62,12 @@ from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+# On an object store a shard is assembled in memory and uploaded whole (tensorstore uploads a value in
+# one request; GCS compose and S3 multipart are not reachable through it), and the upload holds
+# copies of it: a 326 MiB shard written to gs:// peaked at 1.3 GiB. There the shards are cut at a
+# quarter of --memory (at least REMOTE_MIN_SHARD), whatever --max-shard-size asks: a set of more
+# shards loads the same (transformers, safetensors), and memory no longer follows the checkpoint.
+REMOTE_MIN_SHARD = 64 * 2**20
 
 
 class SafetensorsWriteError(CkptError):
@@ -167,11 +173,14 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...], int, int]], meta
 class SafetensorsWriter(CheckpointWriter):
     """Writes a Hugging Face safetensors checkpoint through a Storage (see writers.CheckpointWriter)."""
 
-    def __init__(self, storage: Storage, *, max_shard_size: int | None = None) -> None:
+    def __init__(self, storage: Storage, *, max_shard_size: int | None = None, memory: int | None = None) -> None:
+        """memory: the run's --memory, which bounds a shard on an object store (REMOTE_MIN_SHARD)."""
         self._storage = storage
         self._max = int(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
         if self._max <= 0:
             raise SafetensorsWriteError(f"max_shard_size must be positive, got {max_shard_size}")
+        if storage.local_root is None and memory is not None:
+            self._max = min(self._max, max(REMOTE_MIN_SHARD, memory // 4))
         self._lock = threading.Lock()
         self._plan: WritePlan | None = None
         self._tensors: dict[str, _Tensor] = {}
@@ -251,7 +260,10 @@ class SafetensorsWriter(CheckpointWriter):
         self._mine = [i for i in range(len(self._files)) if i % count == rank]
         self._state = "writing"
         for i in self._mine:
-            self._open(self._files[i])
+            if self._storage.local_root is not None:
+                self._open(self._files[i])
+            # (elsewhere a file's buffer is made at its first write: made here, every shard of the
+            # checkpoint would be held at once)
 
     def owns(self, n: int, rank: int, count: int) -> bool:
         """Whether process `rank` writes the n-th chunk of the plan: the owner of its file."""
@@ -265,6 +277,7 @@ class SafetensorsWriter(CheckpointWriter):
         f = self._files[t.file]
         if t.file not in self._mine:
             raise SafetensorsWriteError(f"{f.name} is written by another process", target.name)
+        self._opened(f)
         if not 0 <= chunk_index < len(t.chunks) or t.chunks[chunk_index] != tuple(r.start for r in region):
             raise SafetensorsWriteError(f"region {[(r.start, r.stop) for r in region]} is not chunk {chunk_index}", target.name)
         arr = _as_stored(data, t.dt, tuple(r.stop - r.start for r in region), target.name)
@@ -294,6 +307,7 @@ class SafetensorsWriter(CheckpointWriter):
         self._check_state("writing")
         for i in self._mine:
             f = self._files[i]
+            self._opened(f)  # (a file of numbers and empty tensors only: written now)
             if f.remaining:
                 raise IncompleteCheckpointError(
                     f"{f.remaining} bytes of {f.name} were never written ({f.tensors[0]!r}, ...)", self._storage.url
@@ -354,6 +368,14 @@ class SafetensorsWriter(CheckpointWriter):
                 self._put(f, t.begin, _as_stored(arr, t.dt, (), name).reshape(-1).view(np.uint8))
                 f.remaining -= t.nbytes
 
+    def _opened(self, f: _File) -> None:
+        """Open `f` where begin() left it to its first write (an object store's in-memory shard)."""
+        if f.local is not None or f.data is not None or f.done:
+            return
+        with self._lock:
+            if f.data is None and not f.done:
+                self._open(f)
+
     def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
         if f.local is not None:
             f.local.write_span(offset, view)
@@ -395,8 +417,9 @@ TUPLES_AS_VALUES = False  # a tuple's arrays are tensors of their own
 COMMIT_MARKERS = (INDEX_FILE,)
 
 
-def make_writer(storage: Storage, *, max_shard_size: int | None = None, **_: Any) -> SafetensorsWriter:
-    return SafetensorsWriter(storage, max_shard_size=max_shard_size)
+def make_writer(storage: Storage, *, max_shard_size: int | None = None, memory: int | None = None,
+                **_: Any) -> SafetensorsWriter:
+    return SafetensorsWriter(storage, max_shard_size=max_shard_size, memory=memory)
 
 
 def keeps_source_chunks(leaf: Any) -> bool:
