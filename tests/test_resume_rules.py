@@ -414,3 +414,25 @@ def test_latest_from_python_carries_both_picks(root_of):
     (root / "checkpoint-6").rename(root / "tmp-checkpoint-6")
     found = ckpt_tool.latest(str(root))
     assert not found.differs and found.framework_line() is None and found.pick.name == "checkpoint-4"
+
+
+@pytest.mark.parametrize("name,remove,explicit", [
+    ("megatron_run", "latest_checkpointed_iteration.txt", "--ckpt-step STEP"),
+    ("runs_verl", "latest_checkpointed_iteration.txt", "trainer.resume_from_path=PATH"),
+    (NEMO, NEMO_9_LAST, "AutoResume(resume_from_path=PATH)"),
+])
+def test_a_root_the_framework_resumes_nothing_from_says_so(ckpt, root_of, name, remove, explicit):
+    # no tracker (Megatron, verl) or no `-last` copy (NeMo): the framework opens no step by itself;
+    # validate checks the newest complete one and warns that it must be passed explicitly
+    root = root_of(name)
+    victim = root / remove
+    shutil.rmtree(victim) if victim.is_dir() else victim.unlink()
+    r = ckpt("validate", root, "--json")
+    assert r.returncode == 0, r.stdout
+    doc = json.loads(r.stdout)
+    assert doc["opened"]["chosen_by"] == "newest-complete"
+    warned = [f for f in doc["findings"] if f["code"] == "missing-metadata" and "would resume from no step" in f["message"]]
+    assert warned and explicit in warned[0]["message"], doc["findings"]
+    assert ckpt("validate", root, "--strict").returncode == 1
+    r = ckpt("latest", root)
+    assert r.returncode == 0 and "would resume from no step: " in r.stderr

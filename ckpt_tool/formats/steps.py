@@ -192,7 +192,7 @@ def framework_pick(run: RunListing) -> Pick:
     layout = run.layout
     if layout.pointer_is_commit:
         if run.pointer_file is None:
-            return Pick(None, layout.resume, f"no {layout.pointer}: {layout.title} finds no step to resume from")
+            return Pick(None, layout.resume, f"no {layout.pointer}")
         if run.pointer_problem is not None:
             return Pick(None, layout.resume, f"{run.pointer_file}: {run.pointer_problem}")
         return Pick(next((r for r in run.steps if r.pointer), None), layout.resume)
@@ -269,6 +269,10 @@ class OpenedStep:
     rule: str = ""  # how the framework picks the step it resumes from (RunLayout.resume)
     # the root's listing it was chosen from (validate of the root checks the other steps cheaply)
     run: RunListing | None = field(default=None, repr=False, compare=False)
+    # opened by default where the framework's own resume opens no step (no pointer file, no `-last`
+    # copy): why it opens none (it starts afresh), and how to pass this step to it explicitly
+    no_pick: str | None = None
+    explicit: str = ""
 
     def line(self) -> str:
         """`opened step-30 of ROOT (the newest of 3 complete steps; step-40 is incomplete: no .metadata ...)`."""
@@ -425,6 +429,7 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
     states = [{"name": r.name, "step": r.step, "status": r.status, "reason": r.reason} for r in rows]
     complete = [r.name for r in rows if r.status == COMMITTED]
     chosen_by = "requested"
+    no_pick: str | None = None
     if text is not None and not text.strip():
         # never a step's name: the command line's mistake (exit 2), not a step the root lacks
         raise UsageError(f"--step {text!r}: empty; give a step number, a step's name or 'latest'")
@@ -462,6 +467,7 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
                 why = f" ({newest.name} is {newest.status}: {newest.reason})" if newest is not None else ""
                 raise IncompleteCheckpointError(
                     f"no complete step to open{why}; `ckpt ls` lists the steps, --step N opens one anyway", run.root)
+            no_pick = pick.problem
             # newest by number; among copies of one step (NeMo's `-last`), the later name
             row, chosen_by = done[-1], "newest-complete"
     else:
@@ -477,7 +483,8 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
         row = matches[0]
     found = OpenedStep(run.root, row.name, row.step, row.status, row.reason, chosen_by, layout.title,
                        run.pointer_file, complete, states, requested=text,
-                       dirs=frozenset(r.name for r in rows if r.is_dir), rule=layout.resume, run=run)
+                       dirs=frozenset(r.name for r in rows if r.is_dir), rule=layout.resume, run=run,
+                       no_pick=no_pick, explicit=layout.explicit)
     _record(found)
     if layout.own_root:
         # the format's reader opens the root at that step (its own step rules and notes apply)

@@ -108,6 +108,7 @@ def _validate_checkpoint(
         report = ValidationReport(path, opened.run.layout.fallback_format, [], {}, deep)
     if opened is not None and opened.chosen_by != "requested":
         _fail_torn_resume_step(report, opened)
+        _warn_no_pick(report, opened)
         _warn_other_steps(report, opened)
         _check_other_steps(report, opened, memory)
     return report
@@ -170,6 +171,24 @@ def _check_other_steps(report: ValidationReport, opened: Any, memory: int | None
         report.findings.append(Finding(
             WARNING, code, f"{row.name} fails validate: {message} (not the step a resume opens; "
             "--step all checks every step)", None, base + row.name + ("/" if row.is_dir else "")))
+
+
+def _warn_no_pick(report: ValidationReport, opened: Any) -> None:
+    """The framework's own resume opens no step here (no pointer file, no `-last` copy: it starts
+    afresh): validate checks the newest complete step instead, and says that a launcher must pass
+    it explicitly (unless the format's checks already named the missing pointer)."""
+    if opened.no_pick is None or opened.run is None:
+        return
+    pointer = opened.run.layout.pointer
+    if pointer is not None and any(pointer in f.message or f.file in (pointer, ".") for f in report.findings
+                                   if f.code == "missing-metadata"):
+        return
+    how = f" ({opened.explicit})" if opened.explicit else ""
+    report.findings.append(Finding(
+        WARNING, "missing-metadata",
+        f"{opened.layout} would resume from no step here ({opened.no_pick}: a fresh start, or its error); "
+        f"validate checks {opened.name}, the newest complete step: pass it explicitly{how}",
+        None, pointer if pointer is not None else None))
 
 
 def _fail_torn_resume_step(report: ValidationReport, opened: Any) -> None:
