@@ -2669,7 +2669,7 @@ ENV_VARIABLES = {
                  "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID",
                  "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST"),
-    "remote": ("CKPT_IO_TIMEOUT", "CKPT_IO_RETRIES"),
+    "remote": ("CKPT_IO_TIMEOUT", "CKPT_IO_RETRIES", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"),
 }
 HOSTILE_ENV_VALUES = [
     "", " ", "0", "1", "2", "8", "-1", "-0", "0,0,1", "0,0,0", "1,0,1", "2,2,1", "4,4,1", "2,4,1", "0,1", "1,2",
@@ -2678,6 +2678,7 @@ HOSTILE_ENV_VALUES = [
     "v5litepod-8", "v5litepod-256", "v6e-4", "v5e:2x4", "v5litepod-0", "v5litepod-99999999999", "2x4", "0x0",
     "tpu", "cuda,gpu", "cpu", "auto", "off", "torch", "jax", "zz", "True", "host:0", "host:99999999",
     "n[0-999999][0-999999]", "n[0-999999]", "n[5-1]", "n[[1]]", "n[1", "n]1[", "n[01-03,07],g[1-2]-x[3,5]",
+    "::::", "HTTP://h:1", "ftp://h", "http://[::1", "http://h:99999999", "https://", "http://h/\udcff",
 ]
 
 
@@ -2721,14 +2722,21 @@ def check_environment(env: dict[str, str], time_limit: float = 2.0) -> list[Viol
         distributed._timeout(env, distributed.BARRIER_TIMEOUT_VARIABLE, 1.0)
 
     def remote_numbers() -> None:
-        saved = {n: os.environ.get(n) for n in ENV_VARIABLES["remote"]}
+        # (keys in the environment: tensorstore then probes no ~/.aws files, which it logs at length)
+        keys = {"AWS_ACCESS_KEY_ID": "fuzz", "AWS_SECRET_ACCESS_KEY": "fuzz"}
+        saved = {n: os.environ.get(n) for n in (*ENV_VARIABLES["remote"], *keys)}
         try:
+            os.environ.update(keys)
             for n in ENV_VARIABLES["remote"]:
                 os.environ.pop(n, None)
                 if n in env and "\x00" not in env[n]:
                     os.environ[n] = env[n]
             remote._env_number("CKPT_IO_TIMEOUT", 30.0, minimum=0.001)
             remote._env_number("CKPT_IO_RETRIES", 4, minimum=1, integer=True)
+            spec, _ = remote._kvstore_spec("s3://bucket/ckpt")
+            import tensorstore as ts  # (what the storage layer opens it with; nothing is read)
+
+            ts.KvStore.open(spec).result()
         finally:
             for n, v in saved.items():
                 if v is None:

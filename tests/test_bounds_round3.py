@@ -220,6 +220,15 @@ def test_slurm_host_list_that_multiplies_out() -> None:
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.parametrize("endpoint", ["::::", "HTTP://localhost:1", "ftp://localhost"])
+def test_aws_endpoint_url_not_http(endpoint: str) -> None:
+    """tensorstore raised a bare ValueError ('invalid scheme') for these: an internal error."""
+    r = _ckpt("inspect", "s3://bucket/ckpt", env={"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "a",
+                                                   "AWS_SECRET_ACCESS_KEY": "b", "CKPT_IO_RETRIES": "1"})
+    assert r.returncode == 1
+    assert "is not an http:// or https:// URL" in _one_error_line(r.stderr)
+
+
 def _fuzz_lib():
     sys.path.insert(0, str(ROOT / "tests"))
     import fuzz_lib

@@ -57,8 +57,13 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
         # tensorstore reads credentials from the standard AWS variables and
         # files itself; the endpoint and region we pass on explicitly so that
         # S3-compatible servers (MinIO, moto) work the way the aws CLI does.
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        name = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+        endpoint = os.environ.get(name)
         if endpoint:
+            # tensorstore raises a bare ValueError for anything but an http(s) URL
+            # (lower case: tensorstore refuses HTTP://; and text it can pass on: no lone surrogate)
+            if not re.match(r"https?://", endpoint) or endpoint.encode("utf-8", "replace").decode() != endpoint:
+                raise CkptError(f"{name}={endpoint!r} is not an http:// or https:// URL", url)
             spec["endpoint"] = endpoint
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
