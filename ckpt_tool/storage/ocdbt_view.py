@@ -20,6 +20,13 @@ from .remote import ocdbt_truncated_cause
 
 # what an OCDBT view's url adds to its database directory's
 _OCDBT_SUFFIX = " (ocdbt)"
+# a value read from an object store in ranged reads of at most this many bytes, all in flight together
+RANGE_PIECE = 16 * 2**20
+
+
+def _pieces(length: int) -> list[tuple[int, int]]:
+    """[start, stop) of each ranged read of a `length`-byte value (one for a small one)."""
+    return [(a, min(length, a + RANGE_PIECE)) for a in range(0, length, RANGE_PIECE)] or [(0, 0)]
 
 
 class OcdbtBackend(KvstoreBackend):
@@ -95,13 +102,20 @@ class OcdbtBackend(KvstoreBackend):
             except NotFoundError:  # (the file kvstore reads a missing file as empty)
                 self._check_length(key, ref, 0, f"{base_url}/{ref.path}")
             return out
-        futures = {key: self.base.kvstore.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length))
+        # a large value as several ranged reads in flight together: one stream of an object store
+        # moves far less than the link does (on GCS, and through tensorstore's HTTP here)
+        futures = {key: [self.base.kvstore.read(ref.path, byte_range=slice(ref.offset + a, ref.offset + b))
+                         for a, b in _pieces(ref.length)]
                    for key, ref in refs.items()}
-        for key, fut in futures.items():
+        for key, pieces in futures.items():
             ref = refs[key]
             where = f"{base_url}/{ref.path}"  # the data file, as validate names it
-            res = self.wait(fut, "cannot read", where, nbytes=ref.length)
-            data = bytes(res.value) if res.state == "value" else b""
+            parts = []
+            for fut in pieces:
+                res = self.wait(fut, "cannot read", where, nbytes=min(ref.length, RANGE_PIECE))
+                parts.append(bytes(res.value) if res.state == "value" else b"")
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            del parts
             self._check_length(key, ref, len(data), where)
             out[key] = data
         return out
