@@ -39,7 +39,7 @@ def open(path: str, *, step: str | int | None = None) -> Checkpoint:  # noqa: A0
     are those of the registry, ckpt_tool.formats.shown() (`ckpt --help` lists them).
 
     `step` picks a step of a run root (any framework `ckpt ls` lists): an int, a step's name, or
-    "latest" (the default: the newest step complete by its framework's rule).
+    "latest" (the default: the step the framework's own resume opens, by its rule: docs/run-roots.md).
     """
     from .formats import open_checkpoint
 
