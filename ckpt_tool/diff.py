@@ -163,8 +163,14 @@ def _expand_values(side: dict[str, Leaf], other: dict[str, Leaf]) -> dict[str, L
         if not (isinstance(leaf, ValueLeaf) and path not in other and path in inner):
             out[path] = leaf
             continue
-        for sub_keys, sub in _flatten_value((), leaf.load()):
-            sub_path = "/".join([path, join_keys(sub_keys)]) if sub_keys else path
+        subs = [("/".join([path, join_keys(sub_keys)]) if sub_keys else path, sub_keys, sub)
+                for sub_keys, sub in _flatten_value((), leaf.load())]
+        if any(sub_path != path and sub_path in side for sub_path, _, _ in subs):
+            # a part of the value would take the path of a leaf this side has already (the
+            # safetensors tensors `x` and `x.0`): compared whole, never in that leaf's place
+            out[path] = leaf
+            continue
+        for sub_path, sub_keys, sub in subs:
             keys = tuple(leaf.keys) + sub_keys
             if isinstance(sub, np.ndarray):
                 out[sub_path] = _memory_leaf(keys, ".".join(map(str, keys)), sub)
