@@ -59,7 +59,12 @@ def unescape_key(text: str) -> str:
 
 def join_keys(keys: "tuple[object, ...] | list[object]") -> str:
     """A key path as one string: its keys escaped and joined by `/` (reversible: split_path)."""
-    return SEPARATOR.join(escape_key(k) for k in keys)
+    parts = [k if type(k) is str else str(k) for k in keys]
+    text = SEPARATOR.join(parts)
+    # (every leaf's path is asked for, often: when no key holds a '/' or a '%', the plain join is it)
+    if "%" not in text and text.count(SEPARATOR) == len(parts) - 1:
+        return text
+    return SEPARATOR.join(escape_key(p) for p in parts)
 
 
 def split_path(path: str) -> tuple[str, ...]:
