@@ -19,7 +19,7 @@ parallel HTTP requests in one process) and the same ckpt command on a local copy
   convert gs://SRC LOCAL_DST --to dcp        floor: download; convert LOCAL LOCAL_DST --to dcp
   reshard gs://SRC LOCAL_DST --mesh data=2,model=2 --devices 4
                                              floor: download; the same reshard of LOCAL
-  convert LOCAL gs://DST --to dcp            floor: upload of the DCP output; convert LOCAL LOCAL_DST --to dcp
+  convert LOCAL gs://DST --to dcp            floor: upload of the objects ckpt wrote; convert LOCAL LOCAL_DST --to dcp
 
 Targets (every round, not only the median):
   command / floor                                      <= 1.5x
@@ -152,16 +152,27 @@ class GcsServer:
             list(pool.map(put, files))
         return time.perf_counter() - t
 
-    def download(self, prefix: str, parallel: int = 8) -> tuple[float, int]:
-        """Every object under gs://BUCKET/prefix/ by `parallel` HTTP downloads: (seconds, bytes)."""
+    def download(self, prefix: str, parallel: int = 8, into: str | None = None) -> tuple[float, int]:
+        """Every object under gs://BUCKET/prefix/ by `parallel` HTTP downloads: (seconds, bytes);
+        `into`: kept as files under that directory (else read and dropped)."""
         items = self.objects(prefix)
+        cut = len(prefix.rstrip("/")) + 1
 
         def get(item: dict) -> int:
             url = f"{self.endpoint}/download/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(item['name'], safe='')}?alt=media"
             n = 0
+            out = None
+            if into is not None:
+                path = os.path.join(into, item["name"][cut:])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                out = open(path, "wb")
             with urllib.request.urlopen(url, timeout=600) as r:
                 while chunk := r.read(4 * MiB):
                     n += len(chunk)
+                    if out is not None:
+                        out.write(chunk)
+            if out is not None:
+                out.close()
             return n
 
         t = time.perf_counter()
@@ -227,8 +238,10 @@ def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: boo
                 local = run(local_argv)
                 remote = run(remote_argv, env)
                 if name.endswith("-> gs:// dcp"):
-                    # the network's floor for a write: the same objects uploaded by plain parallel requests
-                    net = net_floor(server, "upload", f"{scratch}/e", f"floor{r}")
+                    # the network's floor for a write: the objects ckpt wrote (fetched, not timed)
+                    # uploaded again by plain parallel requests
+                    net_floor(server, "fetch", f"out{r}", f"{scratch}/f")
+                    net = net_floor(server, "upload", f"{scratch}/f", f"floor{r}")
                 else:
                     net = down
                 floor = max(net, local["s"])
@@ -313,10 +326,15 @@ def summary_rows(doc: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--floor"]:  # net_floor()'s child: upload LOCAL PREFIX | download PREFIX
+    if argv[:1] == ["--floor"]:  # net_floor()'s child: upload LOCAL PREFIX | download PREFIX | fetch PREFIX LOCAL
         what, endpoint, *rest = argv[1:]
         server = GcsServer(None, endpoint)
-        seconds = server.upload_tree(*rest) if what == "upload" else server.download(*rest)[0]
+        if what == "upload":
+            seconds = server.upload_tree(*rest)
+        elif what == "fetch":
+            seconds = server.download(rest[0], into=rest[1])[0]
+        else:
+            seconds = server.download(*rest)[0]
         print(seconds)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)

@@ -137,9 +137,10 @@ def upload_fixture(s3, bucket: str, name: str, prefix: str = "run/") -> str:  # 
 
 
 @contextlib.contextmanager
-def moto_s3_serving(bucket: str, names: list[str]) -> Iterator[dict[str, str]]:
-    """A real S3-compatible server (moto) on 127.0.0.1 serving fixtures `names`
-    under s3://bucket/run/<name>; yields the environment that points ckpt at it."""
+def moto_s3_serving(bucket: str, names: list[str], trees: dict[str, Path] | None = None) -> Iterator[dict[str, str]]:
+    """A real S3-compatible server (moto) on 127.0.0.1 serving fixtures `names` under
+    s3://bucket/run/<name>, and each local directory of `trees` under s3://bucket/<its prefix>/;
+    yields the environment that points ckpt at it."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -150,6 +151,11 @@ def moto_s3_serving(bucket: str, names: list[str]) -> Iterator[dict[str, str]]:
         s3.create_bucket(Bucket=bucket)
         for name in names:
             upload_fixture(s3, bucket, name)
+        for prefix, local in (trees or {}).items():
+            for dirpath, _, files in os.walk(local):
+                for f in files:
+                    path = os.path.join(dirpath, f)
+                    s3.upload_file(path, bucket, prefix.rstrip("/") + "/" + os.path.relpath(path, local))
         yield {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
     finally:
         server.terminate()

@@ -138,8 +138,18 @@ RUNS = {"bench": "runs", "steps": 200, "files": {"dcp": 401, "orbax": 2201}, "ru
             {"name": "orbax s3 latest", "best_s": None, "peak_rss_kib": None, "error": "exit 1: boom", "check_errors": []},
         ]}
 
+# remote_bench's targets, from its 8 GiB run of 2026-12-06 (one round)
+REMOTE = {"bench": "remote", "sizes": [], "targets": [
+    {"case": "8 GiB validate --deep / floor", "values": [1.01], "target": 1.5, "met": True, "ckpt_s": 32.16,
+     "baseline_s": 31.72, "rss_mib": 293.0},
+    {"case": "8 GiB convert gs:// -> local dcp / floor", "values": [1.70, 1.2], "target": 1.5, "met": False,
+     "ckpt_s": 49.24, "baseline_s": 29.03, "rss_mib": 363.0},
+    {"case": "8 GiB peak RSS of the gs:// commands - local convert's (MiB)", "values": [180.37], "target": 256,
+     "met": True, "ckpt_s": None, "baseline_s": None, "rss_mib": 363.0},
+]}
+
 DOCS = {"inspect": INSPECT, "validate": VALIDATE, "convert": CONVERT, "safetensors": SAFETENSORS,
-        "reshard": RESHARD, "shapes": SHAPES, "runs": RUNS}
+        "reshard": RESHARD, "shapes": SHAPES, "runs": RUNS, "remote": REMOTE}
 KEYS = {"bench", "case", "ckpt_s", "baseline", "baseline_s", "ratio", "target", "met", "rss_mib"}
 
 
@@ -151,6 +161,14 @@ def test_rows_have_the_common_keys(name):
         assert KEYS <= set(r), r
         assert r["bench"] == name
         assert r["met"] in (True, False, None)
+
+
+def test_remote_rows_give_the_worst_round():
+    rows = _load("remote_bench").summary_rows(REMOTE)
+    assert [(r["case"], r["ratio"], r["met"]) for r in rows] == [
+        ("8 GiB validate --deep / floor", 1.01, True),
+        ("8 GiB convert gs:// -> local dcp / floor", 1.70, False),  # every round counts, not the median
+        ("8 GiB peak RSS of the gs:// commands - local convert's (MiB)", 180.37, True)]
 
 
 def test_inspect_rows():
@@ -217,7 +235,7 @@ def test_run_all_table_and_failure_rows():
     lines = ra.render_table(rows).splitlines()
     assert lines[0] == "| bench | case | ckpt | baseline (what) | ratio | target | met | ckpt peak RSS |"
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
-    assert len(body) == len(rows) == 2 + 2 + 2 + 2 + 2 + 2 + 3 + 1 + 3 + 1
+    assert len(body) == len(rows) == 2 + 2 + 2 + 2 + 2 + 2 + 3 + 3 + 1 + 3 + 1
     assert all(ln.count(" | ") == 7 for ln in body), body  # a '|' in a cell is escaped
     assert "| inspect | 3,000 leaves, orbax | 0.49 s | 3.60 s (ocp.StandardCheckpointer().metadata()) | 7.34x | " \
            "baseline/ckpt >= 10x | MISSED | 80 MiB |" in lines

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, S3_TEST_CREDENTIALS, fake_gcs_serving, free_port, gcs_create_bucket, gcs_upload_tree,
-                      s3_client, wait_until_serving)
+from conftest import ROOT, fake_gcs_serving, gcs_create_bucket, gcs_upload_tree, moto_s3_serving
 
 # peak RSS bounds: alone, in make test's serial pass
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -116,27 +115,13 @@ print("ok", len(s.list()))
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
 
 
-def test_s3_takes_the_same_path_within_the_budget(served, tmp_path):
+def test_s3_takes_the_same_path_within_the_budget(served):
     """s3:// reads through the same kvstore backend (moto's S3 server here: too slow to time, not to
     bound): validate and validate --deep of the Orbax checkpoint within the same bound."""
     out, _, _ = served
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until_serving(server, endpoint, "moto server")
-        s3 = s3_client(endpoint)
-        s3.create_bucket(Bucket="ckpts")
-        for f in (out / "orbax").rglob("*"):
-            if f.is_file():
-                s3.upload_file(str(f), "ckpts", "run/orbax/" + str(f.relative_to(out / "orbax")))
-        env = {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    with moto_s3_serving("ckpts", [], trees={"run/orbax": out / "orbax"}) as env:
         base = _peak_rss(env, "inspect", "s3://ckpts/run/orbax")
         for args in (["validate", "s3://ckpts/run/orbax"],
                      ["validate", "s3://ckpts/run/orbax", "--deep", "--memory", f"{MEMORY // MIB}MiB"]):
             peak = _peak_rss(env, *args)
             assert peak - base <= MEMORY + SLACK, (args, (peak - base) / MIB, base / MIB)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)

@@ -336,35 +336,17 @@ def test_the_other_steps_are_checked_at_once(root_of, monkeypatch):
 
 @pytest.mark.slow
 def test_damage_in_another_step_is_a_warning_on_s3(root_of):
-    from conftest import S3_TEST_CREDENTIALS, free_port, run_ckpt, s3_client, wait_until_serving
-    import os
-    import subprocess
-    import sys
+    from conftest import moto_s3_serving, run_ckpt
 
     root = root_of("runs_torchtitan")
     _halve(root / "step-10" / "__0_0.distcp")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until_serving(server, endpoint, "moto server")
-        s3 = s3_client(endpoint)
-        s3.create_bucket(Bucket="ckpt-resume")
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                local = os.path.join(dirpath, f)
-                s3.upload_file(local, "ckpt-resume", "run/" + os.path.relpath(local, root))
-        env = {**S3_TEST_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    with moto_s3_serving("ckpt-resume", [], trees={"run": root}) as env:
         r = run_ckpt("validate", "s3://ckpt-resume/run", "--json", env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         doc = json.loads(r.stdout)
         assert doc["opened"]["name"] == "step-30"
         assert any(f["severity"] == "warning" and f["message"].startswith("step-10 fails validate: ")
                    and "--step all" in f["message"] for f in doc["findings"]), doc["findings"]
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 # -- fuzz: pointer and tracker files, step-named entries beside a checkpoint -------------------------
