@@ -170,9 +170,11 @@ def test_tpu_chips_per_host_bounds_with_a_zero(tmp_path: Path, bounds: str) -> N
     the slice's own block is assumed."""
     env = {"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_VISIBLE_CHIPS": "0,1,2,3,4,5,6,7",
            "TPU_CHIPS_PER_HOST_BOUNDS": bounds, "CKPT_DEV_ROOT": str(tmp_path)}
+    # (not the jax settings another test of this worker left: with JAX_PLATFORMS=cpu, reshard asks jax)
+    base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     r = subprocess.run([sys.executable, "-m", "ckpt_tool", "reshard", str(FIXTURES / "orbax_ocdbt_zarr2"),
                         str(tmp_path / "r"), "--mesh", "data=2,model=4", "--dry-run"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, **env))
+                       capture_output=True, text=True, cwd=ROOT, env=dict(base, **env))
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"TPU_CHIPS_PER_HOST_BOUNDS={bounds} does not tile a v5litepod-8" in r.stdout
 
