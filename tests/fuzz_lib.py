@@ -3090,6 +3090,15 @@ def _pointer_target(pointer: str, raw: bytes, *, verl: bool) -> str | None:
     return f"global_step_{n}" if verl else f"iter_{n:07d}"
 
 
+def _is_dir(path: Path) -> bool:
+    """Path.is_dir, False for a name the file system refuses (a pointer of 5000 nines: ENAMETOOLONG,
+    which Path.is_dir raises rather than answers)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def make_run_root_mutant(rng: random.Random, workdir: Path, fixture: str | None = None) -> Mutant:
     """A copy of one run root with its pointer file rewritten or a step-named entry put beside its steps."""
     fixture = fixture or rng.choice(sorted(RUN_ROOT_FIXTURES))
@@ -3107,7 +3116,7 @@ def make_run_root_mutant(rng: random.Random, workdir: Path, fixture: str | None 
         else:
             path.write_bytes(new)
             named = _pointer_target(pointer, new, verl=fixture == "runs_verl")
-            if named is None or not (root / named).is_dir():
+            if named is None or not _is_dir(root / named):
                 # the framework opens no step by this pointer (its load fails): neither may validate pass
                 expect = {"validate": 1, "deep": 1}
         kind, target = "pointer", pointer

@@ -314,9 +314,11 @@ def planner_tree_problem(planner_data: Any, fqns: Any) -> tuple[str, str] | None
     paths: dict[tuple[Any, ...], str] = {}
     for fqn in fqns:
         path = planner_data.get(fqn)
-        if type(path) is tuple and len(path) > 1:  # (the others: planner_path_problem's, or one key)
+        if type(path) is not tuple or not path or not all(type(k) in (str, int) for k in path):
+            continue  # (not a path of keys: planner_path_problem's to report, and it may not even hash)
+        if len(path) > 1:
             paths[path] = fqn
-        elif type(path) is tuple and path:
+        else:
             paths.setdefault(path, fqn)
     # every container path, from each path's parent up: distinct parents are few (a model's layers)
     inner: set[tuple[Any, ...]] = set()
