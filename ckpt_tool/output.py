@@ -327,6 +327,13 @@ class Verdict:
             return DestinationExistsError(f"destination exists: it is {self.what}; use --overwrite to replace it", destination)
         return DestinationExistsError(f"destination exists and is {self.what}; choose another destination", destination)
 
+    def require_replaceable(self, destination: str, *, overwrite: bool) -> None:
+        """Refuse an existing DST: without --overwrite (exists_error), or one not ours to replace (refusal)."""
+        if not overwrite:
+            raise self.exists_error(destination)
+        if not self.replaceable:
+            raise self.refusal(destination)
+
     def refusal(self, destination: str) -> CkptError:
         hint = f": {self.hint}" if self.hint else ""
         return DestinationExistsError(f"destination is {self.what}; refusing to replace it{hint}", destination)
@@ -544,10 +551,7 @@ def prepare_output(
     if os.path.lexists(dst_local):
         verdict = judge_local(dst_local, src_local)
         if verdict is not None:
-            if not overwrite:
-                raise verdict.exists_error(destination)
-            if not verdict.replaceable:
-                raise verdict.refusal(destination)
+            verdict.require_replaceable(destination, overwrite=overwrite)
             replacing = verdict
     parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
     try:
@@ -574,10 +578,7 @@ def _prepare_remote(source: str, destination: str, *, overwrite: bool) -> Output
     keys = dst.list()
     if keys:
         verdict = judge_remote(destination, dst, keys, source)
-        if not overwrite:
-            raise verdict.exists_error(destination)
-        if not verdict.replaceable:
-            raise verdict.refusal(destination)
+        verdict.require_replaceable(destination, overwrite=overwrite)
         for key in keys:  # the keys judged, one by one: never a prefix-wide delete (see output_remote.py)
             dst.delete(key)
         return OutputDir(destination, destination, None, notes=[verdict.replaced(destination)])

@@ -245,10 +245,7 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
         _take_over(out, storage, owner, overwrite=overwrite)
     elif keys:
         verdict = judge_remote(destination, storage, keys, source)
-        if not overwrite:
-            raise verdict.exists_error(destination)
-        if not verdict.replaceable:
-            raise verdict.refusal(destination)
+        verdict.require_replaceable(destination, overwrite=overwrite)
         # the record names the checkpoint's entries too: a replacement cut short (a dead endpoint)
         # leaves a record covering what is left of it
         _cover(out, tuple(_literal(p.rstrip("/")) for p in verdict.parts), ())
