@@ -97,7 +97,8 @@ def test_reads_from_gcs_within_the_budget(served, base, tmp_path, args):
 
 def test_sizes_on_gcs_are_found_without_reading(served):
     """Storage.size on gs:// answers each object's true size (GCS's 416 names none), by one-byte
-    probes, and reads none of the object: checked against the local files, claimed size or not."""
+    probes, and reads none of the object; shortfall answers whether it holds a claimed size, and its
+    true size when it does not: checked against the local files."""
     out, urls, env = served
     code = r'''
 import os, sys
@@ -106,8 +107,8 @@ s = Storage.open(sys.argv[1]); local = sys.argv[2]
 for key in s.list():
     true = os.path.getsize(os.path.join(local, key))
     assert s.size(key) == true, (key, s.size(key), true)
-    assert s.size(key, expect=true) == true
-    assert s.size(key, expect=true + 1) == true and s.size(key, expect=max(1, true - 1)) == true
+    assert s.shortfall(key, true) is None and s.shortfall(key, max(1, true - 1)) is None
+    assert s.shortfall(key, true + 1) == true and s.shortfall(key, 2 * true + 7) == true
 print("ok", len(s.list()))
 '''
     r = subprocess.run([sys.executable, "-c", code, urls["orbax"], str(out / "orbax")], cwd=ROOT,

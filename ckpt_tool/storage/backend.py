@@ -170,14 +170,13 @@ class Backend(ABC):
         return PendingReads(self, {key: (rel, self.kvstore.read(rel)) for key, rel in rels.items()})
 
     @abstractmethod
-    def size(self, rel: str, expect: int | None = None) -> int | None:
+    def size(self, rel: str) -> int | None:
         """The size in bytes of the value at `rel`, without reading it; NotFoundError when missing,
-        None where the store cannot tell without reading the whole value. `expect`: the size the
-        caller expects, a hint a store that must search for the size may try first."""
+        None where the store cannot tell without reading the whole value."""
 
     def shortfall(self, rel: str, need: int) -> int | None:
         """None when the value at `rel` holds at least `need` bytes, else its size (see Storage.shortfall)."""
-        size = self.size(rel, need)
+        size = self.size(rel)
         if size is None:
             size = len(self.read(rel, None))
         return None if size >= need else size

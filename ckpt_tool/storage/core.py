@@ -287,11 +287,11 @@ class Storage:
             raise ValueError("locate_values needs an OCDBT view")
         return self.backend
 
-    def size(self, key: str, expect: int | None = None) -> int:
+    def size(self, key: str) -> int:
         """The size in bytes of the value at `key`, without reading it where possible; NotFoundError when missing.
-        `expect`: the size the caller's metadata claims (on GCS a value of that size is then confirmed
-        in one round trip instead of a search; any size is still answered truly)."""
-        size = self.backend.size(self._checked(key), expect)
+        (On GCS that is a search of several round trips: a check against what metadata claims asks
+        shortfall() instead.)"""
+        size = self.backend.size(self._checked(key))
         # a store that cannot tell without reading: the value is read (and logged as read)
         return len(self.read(key)) if size is None else size
 

@@ -82,31 +82,22 @@ class KvstoreBackend(Backend):
     def read_into(self, rel: str, start: int, view: memoryview) -> None:
         view[:] = self.read(rel, slice(start, start + view.nbytes))
 
-    def size(self, rel: str, expect: int | None = None) -> int | None:
+    def size(self, rel: str) -> int | None:
         """The value's size, from a refused read past its end, else by one-byte probes (never by
-        reading the value). `expect`: the size the caller's metadata claims, probed in the first
-        round, so that a value of that size costs one round trip on GCS."""
+        reading the value)."""
         where = self.where(rel)
-        futures = [self.kvstore.read(rel, byte_range=_PROBE)]
-        if expect is not None and expect > 0:  # (started together with the far probe)
-            futures += [self.kvstore.read(rel, byte_range=slice(expect - 1, expect)),
-                        self.kvstore.read(rel, byte_range=slice(expect, expect + 1))]
         try:
-            res = self.wait_raw(futures[0], "cannot read", where)
+            res = self.wait_raw(self.kvstore.read(rel, byte_range=_PROBE), "cannot read", where)
         except ValueError as exc:
             m = _SIZE_IN_ERROR.search(str(exc))
             if m:
                 return int(m.group(1))
             if _TRANSPORT.search(_text(exc)) or "OUT_OF_RANGE" not in str(exc):
                 raise self.error(exc, "cannot read", where) from exc
-        else:
-            if res.state != "value":
-                raise missing(where)
-            return None  # (a value over 4 EiB: the store answered a read past any real size)
-        if expect is not None and expect > 0 and self._byte_present(futures[1], where) \
-                and not self._byte_present(futures[2], where):
-            return expect
-        return self.size_by_probes(rel)
+            return self.size_by_probes(rel)
+        if res.state != "value":
+            raise missing(where)
+        return None  # (a value over 4 EiB: the store answered a read past any real size)
 
     def shortfall(self, rel: str, need: int) -> int | None:
         """One one-byte read at `need` - 1 (its answer is the whole question); the size is searched

@@ -138,7 +138,7 @@ class LocalBackend(Backend):
         with self._reads.use(os.path.join(self.root, rel), where, lambda: self.check_key(rel, want_dir=False)) as fd:
             localfs.pread_into(fd, view, start, where)
 
-    def size(self, rel: str, expect: int | None = None) -> int | None:
+    def size(self, rel: str) -> int | None:
         try:
             return os.stat(os.path.join(self.root, rel)).st_size
         except FileNotFoundError:
