@@ -125,8 +125,11 @@ STREAMING = {"convert", "reshard", "validate", "diff"}
 GC_THRESHOLD = 100_000
 
 
-# commands that only read: their process may end without interpreter teardown
+# commands that only read: their process may end without interpreter teardown even where jax or
+# torch is loaded (nothing to shut down with other processes: they wrote nothing)
 READ_ONLY = {"inspect", "validate", "diff", "ls", "latest"}
+# the libraries whose distributed runtime shuts down at exit (distributed.LIBRARIES' packages)
+DISTRIBUTED_PACKAGES = ("jax", "torch")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,19 +162,22 @@ def main(argv: list[str] | None = None) -> None:
 def _teardown_needless(command: str | None) -> bool:
     """Whether the process may end without the interpreter's teardown once the command returned.
 
-    Read-only commands have nothing left to write. A writing command has, by then, fsynced and
-    committed its output (or removed it): what is left is freeing its buffers and thread pools,
-    0.04 s of a convert here and more on a TPU VM's gVisor kernel, where every unmapping is a call
-    into the sandbox. Not where jax or torch is loaded: jax.distributed and torch.distributed
-    shut down with the other processes at exit. Not under CKPT_DEBUG, for tracebacks at exit.
+    Every command, and `ckpt --help`, `--version` or a usage error (command None or not a command),
+    has by then printed what it prints; a writing command has fsynced and committed its output (an
+    object store's uploads included) or removed it. What is left is freeing buffers, thread pools
+    and modules, and atexit work: 0.04 s of a convert here, tensorstore's pools ~30 ms of an
+    inspect, more on a TPU VM's gVisor kernel, where every unmapping is a call into the sandbox.
+    Not where jax or torch is loaded by a command that writes: jax.distributed and
+    torch.distributed shut down with the other processes at exit. Not under CKPT_DEBUG, for
+    tracebacks at exit. (The library is unaffected: only the console script's main() ends so.)
     """
-    if _debug() or command not in READ_ONLY | STREAMING:
+    if _debug():
         return False
     if command in READ_ONLY:
         return True
-    from ..distributed import LIBRARIES  # (jax.distributed, torch.distributed)
-
-    return not any(library.partition(".")[0] in sys.modules for library in LIBRARIES)
+    # the packages of distributed.LIBRARIES, named here: importing that module (socket, json, ...)
+    # would cost `ckpt --version` more than the teardown it saves
+    return not any(package in sys.modules for package in DISTRIBUTED_PACKAGES)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -298,13 +304,21 @@ def _finish(code: int, *, fast: bool) -> None:
         sys.exit(code)
     # Skip the interpreter's teardown (see _teardown_needless): tensorstore's
     # thread pools and caches take ~30 ms to unwind, a tenth of an inspect of
-    # a 3,000-leaf checkpoint.
-    try:
-        sys.stdout.flush()
-    except (BrokenPipeError, ValueError):
-        pass
-    try:
-        sys.stderr.flush()
-    except (BrokenPipeError, ValueError):
-        pass
+    # a 3,000-leaf checkpoint. What the interpreter's end would still do that
+    # matters is done here: the buffered output is flushed, and a flush that
+    # fails fails the process (the interpreter's end says so and exits 120;
+    # os._exit would end 0 with the output cut short, on a full disk say).
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the reader went away (`| head`), or the stream is closed: not an error
+        except OSError as exc:
+            if stream is sys.stdout:
+                try:
+                    sys.stderr.write(f"ckpt: error: cannot write the output: {exc.strerror or exc}\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            code = code or EXIT_PROBLEM
     os._exit(code)
