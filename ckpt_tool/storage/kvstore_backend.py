@@ -13,6 +13,7 @@ Orbax checkpoint on gs:// peaked at 1 GiB.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from ..errors import CkptError, StorageUnavailableError
@@ -25,6 +26,18 @@ _PROBE = slice(1 << 62, (1 << 62) + 1)
 # between powers of 4 (31 reads cover up to 4 EiB), each later one cuts the bracket 32-fold
 # (a 1 GiB value: 7 rounds after the first)
 _PROBES_PER_ROUND = 31
+# a large value is read from an object store as ranged reads of at most this many bytes, several in
+# flight together: one stream of an object store moves far less than the link does (on GCS, and
+# through tensorstore's HTTP here)
+RANGE_PIECE = 16 * 2**20
+# pieces of one read_into in flight at once: each holds its bytes until copied into the caller's
+# buffer, so this bounds what one large read adds to memory (4 x 16 MiB)
+_PIECES_IN_FLIGHT = 4
+
+
+def range_pieces(length: int) -> list[tuple[int, int]]:
+    """[start, stop) of each ranged read of a `length`-byte value (one for a small one)."""
+    return [(a, min(length, a + RANGE_PIECE)) for a in range(0, length, RANGE_PIECE)] or [(0, 0)]
 
 
 class KvstoreBackend(Backend):
@@ -59,13 +72,32 @@ class KvstoreBackend(Backend):
         return bool(res.state == "value")
 
     def read(self, rel: str, byte_range: slice | None) -> bytes:
+        fut = self.kvstore.read(rel) if byte_range is None else self.kvstore.read(rel, byte_range=byte_range)
+        return self._value(fut, rel, byte_range)
+
+    def read_into(self, rel: str, start: int, view: memoryview) -> None:
+        """Fill `view` from offset `start`: a large range as pieces in flight together, each copied
+        into place as it lands (never the whole range held twice)."""
+        pieces = range_pieces(view.nbytes)
+        if len(pieces) == 1:
+            view[:] = self.read(rel, slice(start, start + view.nbytes))
+            return
+        pending: deque[tuple[int, int, Any]] = deque()
+        for a, b in pieces:
+            pending.append((a, b, self.kvstore.read(rel, byte_range=slice(start + a, start + b))))
+            if len(pending) >= _PIECES_IN_FLIGHT:
+                a, b, fut = pending.popleft()
+                view[a:b] = self._value(fut, rel, slice(start + a, start + b))
+        while pending:
+            a, b, fut = pending.popleft()
+            view[a:b] = self._value(fut, rel, slice(start + a, start + b))
+
+    def _value(self, future: Any, rel: str, byte_range: slice | None) -> bytes:
+        """What a read of `rel` (all of it, or `byte_range`) returned; a range the value is too short
+        for is named as a local file's would be."""
         where = self.where(rel)
         try:
-            if byte_range is None:
-                fut = self.kvstore.read(rel)
-            else:
-                fut = self.kvstore.read(rel, byte_range=byte_range)
-            res = self.wait_raw(fut, "cannot read", where,
+            res = self.wait_raw(future, "cannot read", where,
                                 nbytes=0 if byte_range is None else byte_range.stop - byte_range.start)
         except ValueError as exc:
             msg = str(exc)
@@ -78,9 +110,6 @@ class KvstoreBackend(Backend):
         if res.state != "value":
             raise missing(where)
         return bytes(res.value)
-
-    def read_into(self, rel: str, start: int, view: memoryview) -> None:
-        view[:] = self.read(rel, slice(start, start + view.nbytes))
 
     def size(self, rel: str) -> int | None:
         """The value's size, from a refused read past its end, else by one-byte probes (never by

@@ -15,19 +15,11 @@ from ..bufferpool import POOL
 from ..errors import CkptError, NotFoundError, TruncatedFileError
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
-from .kvstore_backend import KvstoreBackend
+from .kvstore_backend import RANGE_PIECE, KvstoreBackend, range_pieces
 from .remote import ocdbt_truncated_cause
 
 # what an OCDBT view's url adds to its database directory's
 _OCDBT_SUFFIX = " (ocdbt)"
-# a value read from an object store in ranged reads of at most this many bytes, all in flight together
-RANGE_PIECE = 16 * 2**20
-
-
-def _pieces(length: int) -> list[tuple[int, int]]:
-    """[start, stop) of each ranged read of a `length`-byte value (one for a small one)."""
-    return [(a, min(length, a + RANGE_PIECE)) for a in range(0, length, RANGE_PIECE)] or [(0, 0)]
-
 
 class OcdbtBackend(KvstoreBackend):
     """The OCDBT database whose manifest lies at the root of `base`, or a key prefix of it."""
@@ -105,7 +97,7 @@ class OcdbtBackend(KvstoreBackend):
         # a large value as several ranged reads in flight together: one stream of an object store
         # moves far less than the link does (on GCS, and through tensorstore's HTTP here)
         futures = {key: [self.base.kvstore.read(ref.path, byte_range=slice(ref.offset + a, ref.offset + b))
-                         for a, b in _pieces(ref.length)]
+                         for a, b in range_pieces(ref.length)]
                    for key, ref in refs.items()}
         for key, pieces in futures.items():
             ref = refs[key]
