@@ -90,6 +90,10 @@ class ReshardOptions:
     # leaves to keep / drop: globs over '/'-joined keys or dotted names, as convert's (ckpt_tool/filters.py)
     select: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+    # host numpy leaves (saved as np.ndarray, with no sharding) laid out on the mesh as jax arrays,
+    # by the same rules as recorded arrays (--rules, then --fsdp, else replicated); by default they
+    # stay host arrays, copied as they are
+    host_arrays_to_mesh: bool = False
 
 
 # -- the mesh ------------------------------------------------------------------------
@@ -399,7 +403,9 @@ class LeafPlan:
     old: str  # the recorded layout, described
     old_spec: Spec | None
     new_spec: Spec | None
-    origin: str  # "recorded", "rule N 'regex'", "no recorded spec", "host array"
+    # "recorded", "rule N 'regex'", "no recorded spec", "host array" (kept one, or laid out on the
+    # mesh by --host-arrays-to-mesh with no rule), each with " + --fsdp AXIS" where that split it
+    origin: str
     shard_shape: tuple[int, ...] | None = None
     chunk_shape: tuple[int, ...] = ()
     chunks: int = 0
@@ -489,8 +495,13 @@ class ReshardPlan:
         return sum(leaf.shard_bytes for leaf in self.leaves if leaf.placement == "mesh" and not leaf.error)
 
     @property
+    def host_arrays(self) -> list[LeafPlan]:
+        """The leaves that stay host numpy arrays: orbax restores them as np.ndarray, on no device."""
+        return [leaf for leaf in self.leaves if leaf.placement == "host"]
+
+    @property
     def host_bytes(self) -> int:
-        return sum(math.prod(leaf.shape) * leaf.itemsize for leaf in self.leaves if leaf.placement == "host")
+        return sum(math.prod(leaf.shape) * leaf.itemsize for leaf in self.host_arrays)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -724,7 +735,8 @@ def _plan_reshard(
             continue
         leaf = sources[key_text(target.keys)]
         old, old_spec = _old_layout(leaf)
-        if leaf.extra.get("value_type") == "np.ndarray":
+        host = leaf.extra.get("value_type") == "np.ndarray"
+        if host and not opts.host_arrays_to_mesh:
             # a host numpy leaf was never on a mesh: copied as it is, restored as numpy
             lp = LeafPlan(target.path, target.shape, target.dtype, "host", old, None, None, "host array")
             assert isinstance(target.layout, RegularGrid)
@@ -743,7 +755,7 @@ def _plan_reshard(
                 continue
             lp.new_spec = rule.spec + ((),) * (len(target.shape) - len(rule.spec))
         else:
-            lp.origin = "recorded" if old_spec is not None else "no recorded spec"
+            lp.origin = "recorded" if old_spec is not None else "host array" if host else "no recorded spec"
             lp.new_spec = _default_spec(leaf, old_spec, mesh, lp.notes)
             if opts.fsdp is not None:
                 spec = _apply_fsdp(target.shape, lp.new_spec, opts.fsdp, mesh, lp.notes)
@@ -751,7 +763,7 @@ def _plan_reshard(
                     lp.origin += f" + --fsdp {opts.fsdp}"
                     lp.new_spec = spec
             if old_spec is None and target.shape and not any(lp.new_spec):
-                lp.notes.insert(0, "no recorded partition spec: replicated")
+                lp.notes.insert(0, f"{'host array' if host else 'no recorded partition spec'}: replicated")
         _layout(lp, mesh, target_file_size, opts.memory, _copied_as_stored(writer, destination, target, leaf, opts.zarr3))
         leaves.append(lp)
         sharding = Sharding(
@@ -841,6 +853,8 @@ class ReshardResult:
             "arrays": len(p.leaves), "values": len(p.values),
             "chunks": self.chunks, "bytes": self.bytes, "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 3), "device_bytes": p.device_bytes,
+            # leaves written as host numpy arrays (restored as np.ndarray, on no device)
+            "host_arrays": [lp.path for lp in p.host_arrays], "host_bytes": p.host_bytes,
             "notes": [{"leaf": lp.path, "note": n} for lp in p.leaves for n in lp.notes],
             "skipped": [{"leaf": path, "reason": r} for path, r in p.skipped],
             "process_index": self.process_index, "process_count": self.process_count,

@@ -37,6 +37,9 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
                    'TOML: rules = [["kernel$", ["", "model"]], [".*", []]] ("" for null). '
                    "More: docs/commands/reshard.md.")
 @click.option("--fsdp", metavar="AXIS", help="Also shard each array's largest divisible unsharded dimension over AXIS.")
+@click.option("--host-arrays-to-mesh", is_flag=True,
+              help="Lay host numpy arrays (saved as np.ndarray, with no sharding) out on the mesh as jax arrays, by "
+                   "--rules, then --fsdp, else replicated. Without it they stay host arrays, copied as they are.")
 @click.option("--select", multiple=True, metavar="GLOB",
               help="Keep only leaves whose '/'-joined keys or dotted names match, as for convert (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
@@ -50,7 +53,7 @@ def reshard_command(
     src: str, dst: str, mesh: str, devices: int | None, topology: str | None, rules: str | None, fsdp: str | None, dry_run: bool,
     zarr3: bool, skip_unsupported: bool, overwrite: bool, step: str | None, workers: int,
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
-    select: tuple[str, ...], exclude: tuple[str, ...],
+    select: tuple[str, ...], exclude: tuple[str, ...], host_arrays_to_mesh: bool,
 ) -> None:
     from ..distributed import TORCH, join, process_spec
 
@@ -58,7 +61,7 @@ def reshard_command(
     opts = ReshardOptions(
         mesh=mesh, devices=devices, topology=topology, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, skip_unsupported=skip_unsupported, memory=memory,
-        select=list(select), exclude=list(exclude),
+        select=list(select), exclude=list(exclude), host_arrays_to_mesh=host_arrays_to_mesh,
     )
     if dry_run and (devices is not None or topology is not None):
         # a plan for hypothetical devices needs neither devices nor the other hosts
@@ -97,6 +100,12 @@ def reshard_command(
         out.line(f"[yellow]{esc(note)}[/yellow]: {esc(', '.join(paths[:3]))}{more}")
     for path, reason in plan.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    host = plan.host_arrays
+    if host:  # else "0 B per device" of a checkpoint of numpy arrays reads as if nothing was laid out
+        more = f" and {len(host) - 3} more" if len(host) > 3 else ""
+        out.line(f"[yellow]{plural(len(host), 'host array')}[/yellow] ({esc(', '.join(lp.path for lp in host[:3]))}{more}), "
+                 f"saved as numpy arrays with no sharding, stay host arrays: orbax restores them as numpy arrays, on no "
+                 f"device (--host-arrays-to-mesh lays them out on the mesh)")
     if plan.mesh.source:  # learned without jax: say from where, and what was assumed
         out.line(f"devices: {esc(plan.mesh.source)}")
     where = process_note(result.process_index, result.process_count)
@@ -105,6 +114,7 @@ def reshard_command(
         f"{esc(plan.mesh.describe())} ({plural(plan.mesh.size, 'device')}){where}: {plural(len(plan.leaves), 'array')}, "
         f"{plural(len(plan.values), 'value')}, {plural(result.chunks, 'chunk')}, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
         f"({human_rate(result.bytes, result.seconds)}); {human_bytes(plan.device_bytes)} per device after restore"
+        + (f", {human_bytes(plan.host_bytes)} in host arrays" if host else "")
     )
 
 
@@ -169,7 +179,8 @@ def _show_plan(out: Output, plan: ReshardPlan, as_json: bool) -> None:
     out.line(f"memory budget {human_bytes(plan.memory)} (--memory); largest source chunk {human_bytes(largest)} decoded"
              + (f"; {plural(streamed, 'source chunk')} larger than the budget allows decoded as a stream"
                 if streamed else ""))
-    host = f"; host arrays {human_bytes(plan.host_bytes)}" if plan.host_bytes else ""
+    host = (f"; host arrays {human_bytes(plan.host_bytes)} (restored as numpy arrays, on no device; "
+            "--host-arrays-to-mesh lays them out on the mesh)") if plan.host_arrays else ""
     out.line(f"per device after restore: {human_bytes(plan.device_bytes)}{host}")
     if plan.errors:
         out.line(f"[bold red]{plural(len(plan.errors), 'leaf spec')} cannot be laid out[/bold red]; nothing would be written")
