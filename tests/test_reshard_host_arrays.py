@@ -156,9 +156,8 @@ def test_host_arrays_are_said_to_stay_host_arrays(saved, tmp_path):
     assert code == 0, out
     doc = json.loads(out)
     lines = text.strip().splitlines()
-    assert lines[0] == ("4 host arrays (b, e, s and 1 more), saved as numpy arrays with no sharding, stay host "
-                        "arrays: orbax restores them as numpy arrays, on no device (--host-arrays-to-mesh lays them "
-                        "out on the mesh)"), text
+    assert lines[0] == ("4 host arrays (b, e, s and 1 more), saved as numpy with no sharding, stay so: orbax "
+                        "restores them on no device (--host-arrays-to-mesh lays them out on the mesh)"), text
     assert lines[-1].endswith("; 0 B per device after restore, 436 B in host arrays"), text
     assert doc["host_arrays"] == ["b", "e", "s", "w"] and doc["host_bytes"] == 436 and doc["device_bytes"] == 0
     meta = json.loads((dst / "_METADATA").read_text())["tree_metadata"]

@@ -104,8 +104,8 @@ def reshard_command(
     if host:  # else "0 B per device" of a checkpoint of numpy arrays reads as if nothing was laid out
         more = f" and {len(host) - 3} more" if len(host) > 3 else ""
         out.line(f"[yellow]{plural(len(host), 'host array')}[/yellow] ({esc(', '.join(lp.path for lp in host[:3]))}{more}), "
-                 f"saved as numpy arrays with no sharding, stay host arrays: orbax restores them as numpy arrays, on no "
-                 f"device (--host-arrays-to-mesh lays them out on the mesh)")
+                 "saved as numpy with no sharding, stay so: orbax restores them on no device "
+                 "(--host-arrays-to-mesh lays them out on the mesh)")
     if plan.mesh.source:  # learned without jax: say from where, and what was assumed
         out.line(f"devices: {esc(plan.mesh.source)}")
     where = process_note(result.process_index, result.process_count)
