@@ -5,8 +5,10 @@ Shared machinery: the Orbax, msgpack (orbax <= 0.4, T5X) and Megatron zarr check
 """
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import tensorstore as ts
 
@@ -55,10 +57,41 @@ def read_array_metadata(
     return out
 
 
+@dataclass
+class LostKeys:
+    """What the lost data files of an OCDBT database take with them: a lost B-tree node every key
+    of its subtree, a cut-short or missing data file the values stored in its lost bytes. The files
+    are named as their lost-process-data finding names them, so that the arrays those keys belong to
+    join that finding (Findings.file_problem) instead of a finding each."""
+
+    # (file, first key, end key (exclusive) or None) of each B-tree node that cannot be read
+    ranges: list[tuple[str, bytes, bytes | None]] = field(default_factory=list)
+    # the keys whose out-of-line values lie in lost bytes, sorted, and the file of each
+    keys: list[bytes] = field(default_factory=list)
+    key_files: list[str] = field(default_factory=list)
+
+    def file_of(self, name: str) -> str | None:
+        """The lost file that takes (part of) the array stored under `name/`, or None."""
+        low, high = name.encode() + b"/", name.encode() + b"0"  # ('0' follows '/'): the keys name/...
+        for file, first, end in self.ranges:
+            if first < high and (end is None or end > low):
+                return file
+        i = bisect.bisect_left(self.keys, low)
+        if i < len(self.keys) and self.keys[i] < high:
+            return self.key_files[i]
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges or self.keys)
+
+
 def check_ocdbt(
-    storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True, stored: list[int] | None = None
+    storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True, stored: list[int] | None = None,
+    lost: LostKeys | None = None,
 ) -> set[str]:
-    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough."""
+    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough.
+
+    `lost` (with `list_keys`): filled with the keys that lost data files take with them."""
     base_where = f"{where}{db + '/' if db else ''}"
     manifest_key = f"{db}/{ROOT_MANIFEST}" if db else ROOT_MANIFEST
     if not storage.exists(manifest_key):
@@ -79,30 +112,42 @@ def check_ocdbt(
         needed[where.path] = max(needed.get(where.path, 0), where.offset + where.length)
         return where.path, where.offset, where.length
 
-    lost_files: set[str] = set()
+    # data file -> the bytes it has (None: missing or unreadable), for each file found lost
+    lost_files: dict[str, int | None] = {}
     try:
         manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
     except CkptError as exc:  # tensorstore raises ValueError with a status text
         findings.error("lost-process-data", exc.message, file=base_where + ROOT_MANIFEST)
         return set()
-    versions = manifest.get("versions", [])
-    roots = [v.get("root", {}).get("location") for v in versions]
-    roots += [n.get("location") for n in manifest.get("version_tree_nodes", []) if isinstance(n, dict)]
-    root_height = versions[-1].get("root_height") if versions else None
-    # (location, the node's height when known): the latest version is what a reader sees
-    stack: list[tuple[str, int | None]] = [
-        (r, root_height if versions and r == roots[len(versions) - 1] else None) for r in roots[-1:] if r]
+    versions = manifest.get("versions") or []
+    latest = versions[-1] if versions and isinstance(versions[-1], dict) else {}
+    root = latest.get("root")
+    root = root if isinstance(root, dict) else {}
+    # (location, the node's height when known, the key prefix of its entries, the range of keys its
+    # subtree holds): the latest version's tree is what a reader sees
+    stack: list[tuple[str, int | None, bytes, bytes, bytes | None]] = [
+        (root["location"], latest.get("root_height"), b"", b"", None)] if isinstance(root.get("location"), str) else []
+    # the version tree (a database of more than 2^arity generations) holds the older versions' roots:
+    # its nodes' files are checked for size, their trees not walked
+    for n in manifest.get("version_tree_nodes") or []:
+        if isinstance(n, dict) and isinstance(n.get("location"), str):
+            need(n["location"])
     limit = ocdbt_bulk.decoded_limit(manifest.get("config"))
+    lost_nodes: list[tuple[str, bytes, bytes | None]] = []  # (data file, first key, end key) of each lost node
+    leaf_nodes: list[tuple[str, bytes]] = []  # (location, key prefix) of each leaf node read
+
+    def wait(f: Any) -> Any:
+        return storage.wait(f, "unreadable B-tree node", base_where)
+
     seen = 0
     while stack:
-        loc, height = stack.pop()
+        loc, height, prefix, first, end = stack.pop()
         ref = need(loc)
         if ref is None:
             continue
         file = ref[0]
-        if file in lost_files:
-            continue
-        if not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files):
+        if file in lost_files or not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files):
+            lost_nodes.append((file, first, end))
             continue
         if not list_keys:
             # a per-process database beside a merged root: readers go through
@@ -117,64 +162,109 @@ def check_ocdbt(
                     base_kv, loc, lambda f: storage.wait(f, f"unreadable B-tree node {loc}", base_where), limit)
             except CkptError as exc:
                 findings.error("lost-process-data", exc.message, file=base_where + file)
+                lost_nodes.append((file, first, end))
                 continue
             except OcdbtNodeError as exc:
                 findings.error("lost-process-data", f"unreadable B-tree node {loc}: {exc}", file=base_where + file)
+                lost_nodes.append((file, first, end))
                 continue
             seen += 1
-            for path, end in leaf.indirect_extents().items():
-                needed[path] = max(needed.get(path, 0), end)
+            leaf_nodes.append((loc, prefix))
+            for path, last in leaf.indirect_extents().items():
+                needed[path] = max(needed.get(path, 0), last)
             continue
         try:
             node = storage.wait(ts.ocdbt.dump(base_kv, loc, context=storage.context), f"unreadable B-tree node {loc}", base_where)
         except CkptError as exc:
             findings.error("lost-process-data", exc.message, file=base_where + file)
+            lost_nodes.append((file, first, end))
             continue
         seen += 1
         child_height = node["height"] - 1 if isinstance(node.get("height"), int) and node["height"] > 0 else None
-        for entry in node.get("entries", []):
+        entries = node.get("entries", [])
+        for i, entry in enumerate(entries):
             if "inline_value" in entry:
                 continue  # stored inside the node itself: nothing else to find
-            for field in ("node", "location", "indirect_value"):
-                value = entry.get(field)
+            # an interior entry's subtree holds the keys from its key up to the next entry's key
+            key = entry.get("key")
+            child_first, child_end, child_prefix = first, end, prefix
+            if isinstance(key, bytes):
+                child_first = prefix + key
+                after = entries[i + 1].get("key") if i + 1 < len(entries) else None
+                child_end = prefix + after if isinstance(after, bytes) else end
+                common = entry.get("subtree_common_prefix", b"")
+                child_prefix = prefix + (common if isinstance(common, bytes) else b"")
+            for field_ in ("node", "location", "indirect_value"):
+                value = entry.get(field_)
                 if isinstance(value, str):
                     if value.startswith("btreenode:"):
-                        stack.append((value, child_height))
+                        stack.append((value, child_height, child_prefix, child_first, child_end))
                     elif value.startswith("value:"):
                         need(value)
     # (on an object store each size is a round trip or more: all of them in flight together)
-    storage.prefetch_shortfalls({f"{db}/{file}" if db else file: end for file, end in needed.items() if file not in lost_files})
-    for file, end in sorted(needed.items()):
+    storage.prefetch_shortfalls({f"{db}/{file}" if db else file: last for file, last in needed.items() if file not in lost_files})
+    for file, last in sorted(needed.items()):
         if file not in lost_files:
-            _file_long_enough(storage, db, file, end, findings, base_where, lost_files)
+            _file_long_enough(storage, db, file, last, findings, base_where, lost_files)
     findings.count("ocdbt_files", len(needed))
     if stored is not None:
         stored[0] += sum(needed.values())
-    if not list_keys or lost_files:
-        # a lost node makes the listing fail; report what is lost rather than a listing error
-        if lost_files and list_keys:
-            try:
-                return set(storage.ocdbt(db).list())
-            except CkptError:
-                return set()
+    if not list_keys:
         return set()
-    try:
-        return set(storage.ocdbt(db).list())
-    except CkptError as exc:
-        findings.error("lost-process-data", f"cannot list the database: {exc.message}", file=base_where + ROOT_MANIFEST)
-        return set()
+    if not lost_files:
+        try:
+            return set(storage.ocdbt(db).list())
+        except CkptError as exc:
+            findings.error("lost-process-data", f"cannot list the database: {exc.message}", file=base_where + ROOT_MANIFEST)
+            return set()
+    # a lost file: what it takes is said once, by its finding; the keys that are left are those of
+    # the leaf nodes that could be read (a listing through a lost node fails as a whole)
+    keys, taken = _keys_left(base_kv, leaf_nodes, lost_files, wait, limit)
+    if lost is not None:
+        lost.ranges += [(base_where + file, first, end) for file, first, end in lost_nodes]
+        for key, file in sorted(taken.items()):
+            lost.keys.append(key)
+            lost.key_files.append(base_where + file)
+    return keys
 
 
-def _file_long_enough(storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: set[str]) -> bool:
+def _keys_left(
+    base_kv: ts.KvStore, leaf_nodes: list[tuple[str, bytes]], lost_files: dict[str, int | None],
+    wait: Callable[[Any], Any], limit: int,
+) -> tuple[set[str], dict[bytes, str]]:
+    """(every key of the leaf nodes that can be read, key -> the lost data file its value lay in).
+    Only on damage: each leaf node is read and decoded a second time."""
+    keys: set[str] = set()
+    taken: dict[bytes, str] = {}
+    for loc, prefix in leaf_nodes:
+        try:
+            node = ocdbt_bulk.read_leaf(base_kv, loc, wait, limit)
+        except (CkptError, OcdbtNodeError):
+            continue  # read a moment ago: a file changing under the check
+        keys.update(key.decode("utf-8", "surrogateescape") for key, _ in node.entries(prefix))
+        hit = {file for file, last in node.indirect_extents().items()
+               if file in lost_files and (lost_files[file] is None or last > (lost_files[file] or 0))}
+        if hit:
+            for key, value in node.out_of_line(prefix):
+                has = lost_files.get(value.path, -1)
+                if value.path in hit and (has is None or value.offset + value.length > has):
+                    taken[key] = value.path
+        del node  # tens of MB for a large save: one at a time
+    return keys, taken
+
+
+def _file_long_enough(
+    storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: dict[str, int | None]
+) -> bool:
     key = f"{db}/{file}" if db else file
     try:
         size = storage.shortfall(key, end)
     except (CkptError, FileNotFoundError, OSError):
-        lost.add(file)
+        lost[file] = None
         findings.error("lost-process-data", "OCDBT data file missing: the arrays stored in it cannot be read", file=where + file)
         return False
     if size is not None:
-        lost.add(file)
+        lost[file] = size
         # (the root database and a process's name the same data file: said once)
         if not any(f.code == "lost-process-data" and f.file == where + file for f in findings.errors):
             findings.error("lost-process-data", f"OCDBT data file has {size} bytes but the database needs {end}",

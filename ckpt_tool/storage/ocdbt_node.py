@@ -273,6 +273,15 @@ class LeafNode:
         row = int(self._indirect_index[i])
         return IndirectValue(self._files[int(self._file_id[row])], int(self._file_offset[row]), length)
 
+    def out_of_line(self, key_prefix: bytes = b"") -> Iterable[tuple[bytes, IndirectValue]]:
+        """(full key, where its value lies) of every entry stored out of line, in key order."""
+        kind = self._kind.tolist()
+        for key, i in self.entries(key_prefix):
+            if kind[i] == 1:
+                row = int(self._indirect_index[i])
+                yield key, IndirectValue(self._files[int(self._file_id[row])], int(self._file_offset[row]),
+                                         int(self._value_len[i]))
+
     def indirect_extents(self) -> dict[str, int]:
         """Each data file holding out-of-line values of this node: the end of the last byte they need."""
         rows = np.flatnonzero(self._kind == 1)

@@ -137,26 +137,33 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
         _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
     if builder.placeholders:
         use_ocdbt = mt.ROOT_MANIFEST in files
-        stored = ac.check_ocdbt(storage, "", findings, where=where) if use_ocdbt else set(storage.list())
+        lost = ac.LostKeys()
+        stored = ac.check_ocdbt(storage, "", findings, where=where, lost=lost) if use_ocdbt else set(storage.list())
         try:
             shardings = mt.read_shardings(storage, files)
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + mt.SHARDING)
             shardings = {}
         arrays = [("/".join(str(k) for k in keys_), pname, None) for _, keys_, pname in builder.placeholders]
-        _check_arrays(storage, arrays, stored, use_ocdbt, files, shardings, findings, where)
+        _check_arrays(storage, arrays, stored, use_ocdbt, files, shardings, findings, where, lost=lost)
     return family
 
 
 def _check_arrays(
     storage: Storage, arrays: list[tuple[str, str, dict[str, Any] | None]], keys: set[str], use_ocdbt: bool,
-    files: list[str], shardings: dict[str, Any], findings: Findings, where: str,
+    files: list[str], shardings: dict[str, Any], findings: Findings, where: str, *, lost: ac.LostKeys | None = None,
 ) -> None:
-    """Each external array: stored, readable zarr metadata agreeing with the tree, every chunk present."""
+    """Each external array: stored, readable zarr metadata agreeing with the tree, every chunk present
+    (`lost`: the arrays a lost OCDBT data file takes, named once by that file's finding)."""
     present = [name for _, name, _ in arrays if f"{name}/.zarray" in keys]
     texts = ac.read_array_metadata(storage, use_ocdbt, files, [], present, ".zarray")
     for leaf, name, spec in arrays:
         findings.count("arrays")
+        lost_in = lost.file_of(name) if lost else None
+        if lost_in is not None:
+            findings.file_problem("lost-process-data", "OCDBT data file lost", file=lost_in, leaf=leaf)
+            if f"{name}/.zarray" not in keys:
+                continue
         if f"{name}/.zarray" not in keys:
             if any(k.startswith(name + "/") for k in keys):
                 findings.error("missing-metadata", ".zarray missing (chunks are present)", leaf=leaf, file=f"{where}{name}/.zarray")
@@ -181,6 +188,8 @@ def _check_arrays(
                 findings.error("bad-array-metadata", f"the spec's dtype {spec.get('dtype')!r} disagrees with .zarray ({dtype})", leaf=leaf, file=f"{where}{name}/.zarray")
         if name in shardings:
             ac.check_sharding(shardings[name], shape, findings, leaf, where + mt.SHARDING)
+        if lost_in is not None:
+            continue  # its chunks are said lost already
         # no store_array_data_equal_to_fill_value in these versions: a lost chunk restores as zeros
         ac.check_chunks(name, leaf, shape, chunk_shape, False, zmeta, keys, True, findings, where)
         if not use_ocdbt:

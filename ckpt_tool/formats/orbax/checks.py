@@ -151,6 +151,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     # 1. where arrays live, and every OCDBT data file that is referenced
     keys: set[str] = set()
     stored = [0]  # bytes of the OCDBT files the databases refer to (the most any array can hold)
+    lost = ac.LostKeys()  # the arrays a lost OCDBT data file takes with it: named by its finding
     if use_ocdbt:
         databases: list[str]
         if ob.ROOT_MANIFEST in files:
@@ -170,7 +171,7 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             findings.error("lost-process-data", f"OCDBT item without {ob.ROOT_MANIFEST} or ocdbt.process_N/", file=where or ".")
             return
         for db in databases:
-            keys |= ac.check_ocdbt(storage, db, findings, where=where, stored=stored)
+            keys |= ac.check_ocdbt(storage, db, findings, where=where, stored=stored, lost=lost)
         if databases == [""]:
             # per-process databases beside the merged root must be intact too
             for db in process_dbs:
@@ -224,7 +225,13 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             continue
         findings.count("arrays")
         array_names.add(name)
+        lost_in = lost.file_of(name) if lost else None
+        if lost_in is not None:
+            # the lost file's one finding names this leaf (its index node or chunk values are gone)
+            findings.file_problem("lost-process-data", "OCDBT data file lost", file=lost_in, leaf=leaf_path)
         if f"{name}/{meta_key}" not in keys:
+            if lost_in is not None:
+                continue
             has_chunks = any(k.startswith(name + "/") for k in keys)
             if has_chunks:
                 findings.error("missing-metadata", f"{meta_key} missing (chunks are present)", leaf=leaf_path, file=f"{where}{name}/{meta_key}")
@@ -301,6 +308,8 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             have = ac.check_empty_chunk_files(storage, name, leaf_path, keys, meta_key, findings, where, raw_size=raw_size)
         if not ac.size_plausible(shape, _dtype, have, findings, leaf_path, f"{where}{name}/{meta_key}"):
             continue
+        if lost_in is not None:
+            continue  # its chunks are said lost already (a lost index node does not list them)
         ac.check_chunks(name, leaf_path, shape, chunk_shape, zarr3, zmeta, keys, fills_zeros, findings, where)
 
     if strings_leaves:
