@@ -78,6 +78,23 @@ class DottedMatch:
 
 
 @dataclass
+class OptimizerPairing:
+    """An optimizer state keyed by ids on one side and by FQNs on the other (optim_keys.py): its
+    state entries paired through param_groups, or `note` saying why they are not."""
+
+    where: str  # the param_groups path
+    a: str | None  # how each side keys it: "ids", "FQNs"
+    b: str | None
+    paired: int = 0  # state leaves of the ids side compared under the other side's FQN
+    example: tuple[str, str] | None = None  # (A's path, B's) of one paired entry
+    note: str | None = None  # why nothing was paired (the groups differ)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"where": self.where, "a": self.a, "b": self.b, "paired": self.paired,
+                "example": list(self.example) if self.example else None, "note": self.note}
+
+
+@dataclass
 class TiedLeaf:
     """A leaf of one side only that its reader records as the same tensor as another
     leaf of that side (same storage, offset, shape, strides): a tied weight the other
@@ -114,6 +131,12 @@ class DiffReport:
     # leaves on one side only that are the same tensor as a compared leaf of that side
     # (a tied weight the other side stores once): not differences, each said
     tied: list[TiedLeaf] = field(default_factory=list)
+    # without cast_ok, when every difference is a floating dtype change (a `convert --dtype`
+    # output against its source): those changes per pair of dtypes, for the hint --cast-ok
+    # accepts them; empty when anything else differs too
+    only_casts: list[DtypeCast] = field(default_factory=list)
+    # optimizer states keyed by ids on one side and FQNs on the other, paired through param_groups
+    optimizer: list[OptimizerPairing] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
@@ -126,6 +149,8 @@ class DiffReport:
             "steps": {side: dict(v) for side, v in self.steps.items()},
             "cast_ok": self.cast_ok, "casts": [c.to_json() for c in self.casts],
             "dotted_matches": [m.to_json() for m in self.dotted], "tied": [t.to_json() for t in self.tied],
+            "only_casts": [c.to_json() for c in self.only_casts],
+            "optimizer_keys": [o.to_json() for o in self.optimizer],
             "differences": [d.to_json() for d in self.differences],
         }
 
@@ -254,6 +279,7 @@ def _diff_checkpoints(
             right = _expand_values(right, left)
         if (set(left), set(right)) == before:
             break
+    left, right, optimizer = _pair_optimizer_states(left, right)
     left, right, dotted, spellings = _match_dotted(left, right)
     if pattern:
         glob = Glob(pattern)
@@ -274,7 +300,9 @@ def _diff_checkpoints(
         side: {"requested": asked, "step": ck.step} for side, asked, ck in (("a", steps[0], a), ("b", steps[1], b))
     })
     report.dotted = dotted
+    report.optimizer = optimizer
     casts: dict[tuple[str, str], DtypeCast] = {}
+    uncast: dict[tuple[str, str], DtypeCast] = {}  # the same, without cast_ok (only_casts)
     common = set(left) & set(right)
     for side, mine, theirs, kind in (("a", left, right, "only_a"), ("b", right, left, "only_b")):
         by_name = {leaf.name: path for path, leaf in mine.items() if path in common}
@@ -290,12 +318,13 @@ def _diff_checkpoints(
         report.compared += 1
         meta = _metadata_difference(path, la, lb)
         # (a dtype difference is between two arrays: the isinstance checks only say so to the types)
-        if (meta and cast_ok and meta.kind == "dtype" and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf)
+        if (meta and meta.kind == "dtype" and isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf)
                 and _castable(la.dtype, lb.dtype)):
             # a cast conversion: the dtype change is reported once per pair of dtypes, not per leaf
             pair = (la.dtype, lb.dtype)
-            casts.setdefault(pair, DtypeCast(*pair)).paths.append(path)
-            meta = None
+            (casts if cast_ok else uncast).setdefault(pair, DtypeCast(*pair)).paths.append(path)
+            if cast_ok:
+                meta = None
         if meta:
             report.differences.append(meta)
             continue
@@ -316,7 +345,52 @@ def _diff_checkpoints(
     if pairs:
         report.differences.extend(_compare_values(pairs, rtol, atol, workers=workers, memory=memory, progress=progress))
     report.differences.sort(key=lambda d: d.path)  # stable: a leaf's chunks line stays before its sharding line
+    if uncast and sum(len(c.paths) for c in uncast.values()) == len(report.differences):
+        report.only_casts = list(uncast.values())  # (each such leaf is one dtype difference, and nothing else is)
     return report
+
+
+def _pair_optimizer_states(
+    left: dict[str, Leaf], right: dict[str, Leaf],
+) -> tuple[dict[str, Leaf], dict[str, Leaf], list[OptimizerPairing]]:
+    """Optimizer state keyed by integer ids on one side (`torch.save(opt.state_dict())`) and by
+    FQNs on the other (DCP's get_state_dict), at the same place: the ids side's state entries are
+    re-keyed by the FQN at the same position of the same param group, and its param_groups' params
+    read as those FQNs, as torch itself maps them (optim_keys.py). Groups that differ in count or
+    size pair nothing: one note naming both sides."""
+    from . import optim_keys
+
+    entries: dict[str, list[optim_keys.Entry]] = {"a": [(split_path(p), leaf) for p, leaf in left.items()],
+                                                  "b": [(split_path(p), leaf) for p, leaf in right.items()]}
+    found = {side: {st.prefix: st for st in optim_keys.find_states(e)} for side, e in entries.items()}
+    out: list[OptimizerPairing] = []
+    for prefix in sorted(found["a"].keys() & found["b"].keys()):
+        sa, sb = found["a"][prefix], found["b"][prefix]
+        if sa.scheme is None or sb.scheme is None or sa.scheme == sb.scheme:
+            continue  # keyed alike: the keys match as they are
+        note = OptimizerPairing(sa.where, sa.scheme, sb.scheme)
+        out.append(note)
+        why = optim_keys.mismatch(sa, sb)
+        side = "a" if sa.scheme == optim_keys.IDS else "b"  # the side re-keyed: by ids
+        result = optim_keys.pair(sa, sb) if side == "a" else optim_keys.pair(sb, sa)
+        if why is not None or result is None:
+            note.note = why
+            continue
+        rekeyed, moved = optim_keys.rekey(entries[side], result)
+        paths = [join_keys(keys) for keys, _ in rekeyed]
+        if len(set(paths)) != len(paths):  # a re-keyed entry would take another leaf's path: none is
+            note.note = "pairing them would give two leaves one path; not paired"
+            continue
+        if result.source.state:
+            # one entry's state, as each side spells it: `optim/state/0` is `optim/state/0.weight`
+            first = min(result.source.state)
+            taken = result.source.state[first][1]
+            ids_side = join_keys(entries[side][first][0][:len(prefix) + 1 + taken])
+            fqn_side = join_keys(rekeyed[first][0][:len(prefix) + 2])
+            note.example = (ids_side, fqn_side) if side == "a" else (fqn_side, ids_side)
+        entries[side] = rekeyed
+        note.paired = moved
+    return ({join_keys(k): leaf for k, leaf in entries["a"]}, {join_keys(k): leaf for k, leaf in entries["b"]}, out)
 
 
 def _match_dotted(

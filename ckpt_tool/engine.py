@@ -22,12 +22,12 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from . import casting, dtypes, formats, hf_export, unstack
+from . import casting, dtypes, formats, hf_export, optim_keys, unstack
 from .errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, NoSpaceError, PathEscapeError,
     StorageUnavailableError, UnsupportedLeafError, UsageError,
@@ -72,6 +72,9 @@ class ConvertOptions:
     unstack: list[str] = field(default_factory=list)  # unstack.py specs, applied before --rename
     like: str | None = None  # --like HF_DIR (hf_export.py): the output must match that model's tensors
     force_like: bool = False  # write even when it does not
+    # --optimizer-keys-like CKPT (optim_keys.py): key the source's optimizer state by ids or by FQNs,
+    # as CKPT's is, paired through param_groups
+    optimizer_keys_like: str | None = None
     dtype: str | None = None
     allow_overflow: bool = False  # write a --dtype cast whose values overflowed to inf/NaN (refused otherwise)
     chunk_mb: float | None = None
@@ -116,6 +119,7 @@ class ConvertResult:
     cleanup: list[str] = field(default_factory=list)
     companions: list[str] = field(default_factory=list)  # a model's non-weight files copied beside it
     like_differences: list[str] = field(default_factory=list)  # written anyway (--force-like)
+    optimizer_keys: list[optim_keys.Rekeyed] = field(default_factory=list)  # --optimizer-keys-like
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -130,6 +134,7 @@ class ConvertResult:
             "overflowed": [{"leaf": p, "values": n} for p, n in self.overflowed],
             "process_index": self.process_index, "process_count": self.process_count,
             "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
+            "optimizer_keys": [r.to_json() for r in self.optimizer_keys],
         }
 
 
@@ -706,7 +711,7 @@ def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]
         raise UsageError(f"--like makes a Hugging Face model directory: use it with --to "
                          f"{formats.joined(formats.taking('like'))}")
     ref = hf_export.load_reference(opts.like)
-    check = hf_export.check_like({t.name: (tuple(t.shape), t.dtype) for t in plan.arrays()}, ref)
+    check = hf_export.check_like({t.name: (tuple(t.shape), t.dtype) for t in plan.arrays()}, ref, opts.dtype)
     if check.differences and not opts.force_like:
         raise hf_export.LikeMismatchError(check.differences, opts.like)
     if check.tied_dropped:
@@ -715,6 +720,18 @@ def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]
         skipped.extend((name, f"tied to the input embedding in {opts.like} (its config ties them)")
                        for name in check.tied_dropped)
     return (ref.storage, ref.companions), check.differences
+
+
+def _optimizer_keys_like(src: Checkpoint, reference: str) -> tuple[Checkpoint, list[optim_keys.Rekeyed]]:
+    """The source with its optimizer state keyed as the one in `reference` (any checkpoint ckpt
+    reads) is: by integer ids, as `torch.save(opt.state_dict())`, or by FQNs, as DCP's
+    get_state_dict; the pairs come from the two param_groups (optim_keys.py). Only the reference's
+    metadata and its param_groups values are read."""
+    ref = open_source(reference, step=None)
+    entries, done = optim_keys.rekey_like([(tuple(leaf.keys), leaf) for leaf in src.leaves],
+                                          [(tuple(leaf.keys), leaf) for leaf in ref.leaves], src.path, reference)
+    leaves = [optim_keys.with_keys(leaf, keys) for keys, leaf in entries]
+    return replace(src, leaves=leaves), done
 
 
 def check_source_complete(src: Checkpoint, given: str | None = None, *, side: str = "the source") -> None:
@@ -927,11 +944,14 @@ def _convert(
         if not src.committed:
             raise CkptError("the source is an uncommitted save; refusing to convert it", source)
         check_source_complete(src, source)
+        rekeyed: list[optim_keys.Rekeyed] = []
+        if opts.optimizer_keys_like is not None:
+            src, rekeyed = _optimizer_keys_like(src, opts.optimizer_keys_like)
         plan, skipped, sources = plan_conversion(src, opts, destination)
         companions, differences = _model_files(src, plan, skipped, opts)
     else:
         src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources
-        companions, differences = None, []
+        companions, differences, rekeyed = None, [], []
     cast = [t.path for t in plan.arrays() if t.source_dtype]
     # the model's config names the dtype from_pretrained loads by default: the cast one, read and
     # checked before anything is written
@@ -962,6 +982,7 @@ def _convert(
     result.cleanup = list(out.notes)
     result.companions = list(companions[1]) if companions else []
     result.like_differences = differences
+    result.optimizer_keys = rekeyed
     writer: CheckpointWriter | None = None
     # from the first byte written to the rename, any failure (a dead endpoint,
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,10 +186,15 @@ class LikeCheck:
     tied_dropped: list[str] = field(default_factory=list)  # output names left out: tied in the reference
 
 
-def check_like(targets: dict[str, tuple[tuple[int, ...], str]], ref: Reference) -> LikeCheck:
-    """The output's tensors (name -> (shape, dtype)) against the reference's, every difference named."""
+def check_like(targets: dict[str, tuple[tuple[int, ...], str]], ref: Reference,
+               dtype: str | None = None) -> LikeCheck:
+    """The output's tensors (name -> (shape, dtype)) against the reference's, every difference named.
+
+    `dtype` (an explicit --dtype): the dtype change is intended, so names and shapes are checked
+    against the reference and each dtype against the reference's tensor cast by the --dtype rule
+    (casting.py: a floating weight becomes `dtype`; a step counter, an integer tensor stays)."""
     out = LikeCheck()
-    for name, (shape, dtype) in targets.items():
+    for name, (shape, have) in targets.items():
         want = ref.tensors.get(name)
         if want is None:
             if ref.ties_embeddings and name in TIED_OUTPUT_NAMES and _has_embedding(ref, shape):
@@ -197,12 +203,23 @@ def check_like(targets: dict[str, tuple[tuple[int, ...], str]], ref: Reference) 
             out.differences.append(f"{name}: in the output, not in the reference")
         elif want[0] != shape:
             out.differences.append(f"{name}: shape {list(shape)}, the reference has {list(want[0])}")
-        elif want[1] != dtype:
-            out.differences.append(f"{name}: dtype {dtype}, the reference has {want[1]} (--dtype casts)")
+        elif dtype is None and want[1] != have:
+            out.differences.append(f"{name}: dtype {have}, the reference has {want[1]} (--dtype casts)")
+        elif dtype is not None and _cast(name, want, dtype) != have:
+            out.differences.append(f"{name}: dtype {have}, the reference's {want[1]} is {_cast(name, want, dtype)} "
+                                   f"after --dtype {dtype}")
     for name in ref.tensors:
         if name not in targets:
             out.differences.append(f"{name}: in the reference, not in the output")
     return out
+
+
+def _cast(name: str, tensor: tuple[tuple[int, ...], str], dtype: str) -> str:
+    """The dtype `--dtype dtype` gives the reference's tensor `name` (the rule convert casts the output by)."""
+    from . import casting  # (numpy: only a convert with --like and --dtype needs it)
+
+    shape, have = tensor
+    return have if casting.kept_reason((name,), math.prod(shape), have, dtype) is not None else dtype
 
 
 def _has_embedding(ref: Reference, shape: tuple[int, ...]) -> bool:

@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options",
               "topology")),
     ("storage", ("storage",)),
-    ("model", ("model", "casting", "unstack", "codecs", "scheduler", "writers", "blocks", "formats.contract")),
+    ("model", ("model", "casting", "unstack", "optim_keys", "codecs", "scheduler", "writers", "blocks", "formats.contract")),
     ("machinery", ("torchsave", "arrays", "distcp", "integrity")),
     ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),

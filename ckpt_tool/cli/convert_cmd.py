@@ -33,6 +33,11 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
               help="A Hugging Face model directory the output must match (tensor names, shapes, dtypes; every "
                    "difference listed, nothing written); its config and tokenizer files are copied beside it.")
 @click.option("--force-like", is_flag=True, help="With --like: write even when the output does not match.")
+@click.option("--optimizer-keys-like", metavar="CKPT",
+              help="Key the optimizer state as CKPT's is (any checkpoint ckpt reads): by integer ids, as "
+                   "torch.save(opt.state_dict()), or by parameter FQNs, as DCP's get_state_dict; the ids and FQNs "
+                   "are paired through the two param_groups by position, as torch does. Refused when the groups "
+                   "differ in count or size.")
 @click.option("--dtype", help="Cast floating weights and optimizer moments to this dtype (e.g. bfloat16); step "
                                "counters and integer leaves stay as they are, and a model's config.json names the "
                                "new dtype. Never done without this flag.")
@@ -49,7 +54,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert_command(
     src: str, dst: str, to: str, select: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...],
-    unstack: tuple[str, ...], like: str | None, force_like: bool, dtype: str | None, allow_overflow: bool, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
+    unstack: tuple[str, ...], like: str | None, force_like: bool, optimizer_keys_like: str | None, dtype: str | None, allow_overflow: bool, chunk_mb: float | None, max_shard_size: str | None, zarr3: bool, skip_unsupported: bool, overwrite: bool,
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
@@ -57,6 +62,7 @@ def convert_command(
 
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
+        optimizer_keys_like=optimizer_keys_like,
         allow_overflow=allow_overflow,
         chunk_mb=chunk_mb, skip_unsupported=skip_unsupported, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, memory=memory,
@@ -79,6 +85,8 @@ def convert_command(
         out.line(f"[yellow]{esc(line)}[/yellow]")
     for path, reason in result.skipped:
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
+    for r in result.optimizer_keys:  # --optimizer-keys-like: what was re-keyed
+        out.line(esc(r.line()))
     if result.dtype is not None:  # what --dtype cast, and what it kept (step counters, integers: casting.py)
         kept = kept_phrase((reason for _, _, reason in result.kept), result.dtype)
         as_is = " as it is" if len(result.kept) == 1 else " as they are"

@@ -91,12 +91,24 @@ def diff_command(
             first = report.dotted[0]
             out.line(f"[cyan]{'dotted':8}[/cyan] matched {plural(len(report.dotted), 'leaf', 'leaves')} by dotted name "
                      f"(keys split at other dots: {esc(first.a)} in A, {esc(first.b)} in B)")
+        for o in report.optimizer:  # optimizer state keyed by ids on one side, by FQNs on the other
+            if o.note:
+                out.line(f"[yellow]{'optim':8}[/yellow] {esc(o.where)}: {esc(o.note)}")
+            else:
+                how = (f" ({esc(o.example[0])} in A is {esc(o.example[1])} in B)" if o.example else "")
+                out.line(f"[cyan]{'optim':8}[/cyan] paired {plural(o.paired, 'optimizer state leaf', 'optimizer state leaves')} "
+                         f"through {esc(o.where)}: keyed by {o.a} in A, by {o.b} in B{how}")
         for t in report.tied:
             out.line(f"[cyan]{'tied':8}[/cyan] {esc(t.path)}: only in {t.side.upper()}, the same tensor as "
                      f"{esc(t.same_as)} (compared); {'B' if t.side == 'a' else 'A'} stores it once")
         for d in report.differences:
             colour = {"only_a": "red", "only_b": "green"}.get(d.kind, "yellow")
             out.line(f"[{colour}]{d.kind:8}[/{colour}] {esc(d.path)}: {esc(d.message)}")
+        if report.only_casts:  # a `convert --dtype` output against its source: what accepts it, once
+            pairs = "; ".join(f"{plural(len(c.paths), 'floating leaf', 'floating leaves')} {c.a} in A, {c.b} in B"
+                              for c in report.only_casts)
+            out.line(f"[cyan]{'cast?':8}[/cyan] only dtypes differ ({pairs}), as after convert --dtype: "
+                     "--cast-ok accepts the cast, and with --values --atol/--rtol compares the values")
         for c in report.casts:
             n = len(c.paths)
             how = "compared by value in float64" if values else "values not compared (add --values)"
