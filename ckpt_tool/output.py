@@ -8,8 +8,10 @@ last make the output a checkpoint there). Three rules keep that safe:
 * Only a checkpoint is ever replaced. `--overwrite` replaces DST when ckpt
   recognises it as one checkpoint (any format it reads: the registry's
   detection) and every entry in it belongs to that checkpoint (what the
-  format that recognised it says its checkpoints hold: formats.contents),
-  or when it is an empty directory. A checkpoint beside anything else (a
+  format that recognised it says its checkpoints hold: formats.contents).
+  An empty directory (people `mkdir` DST first) needs no --overwrite: the
+  output is renamed onto it, and that rename fails if anything appeared in it
+  meanwhile. A checkpoint beside anything else (a
   user's notes.txt, a logs/ directory) is refused naming those entries:
   ckpt never deletes what is not a checkpoint's, and merging a new output
   into a directory of other files would give up the atomic rename. A run
@@ -211,15 +213,26 @@ class Temporary:
     def removable(self) -> bool:
         return self.status in (GONE, ABANDONED)
 
-    def describe(self) -> str:
-        if self.owner is None:
-            return f"{self.name} (no owner record: an older ckpt, or a run just starting)"
-        why = {
+    def to_json(self) -> dict[str, Any]:
+        """`ckpt ls --json`'s entry for a stale temporary output."""
+        owner = self.owner
+        return {"name": self.name, "path": self.path, "bytes": self.nbytes, "status": self.status,
+                "owner": None if owner is None else {"host": owner.host, "pid": owner.pid, "started": owner.started},
+                "remove": remove_command(self.path)}
+
+    def why(self) -> str:
+        """Why it is stale (or not), in words."""
+        return {
             GONE: "no longer running", ALIVE: "still running",
             ELSEWHERE: "another host, cannot tell whether it still runs",
             ABANDONED: f"another host, unchanged for over {ABANDONED_AFTER / 3600:g} h",
+            UNOWNED: "no owner record",
         }[self.status]
-        return f"{self.name} ({self.owner.describe()}, {why}; {_size(self.nbytes)})"
+
+    def describe(self) -> str:
+        if self.owner is None:
+            return f"{self.name} (no owner record: an older ckpt, or a run just starting)"
+        return f"{self.name} ({self.owner.describe()}, {self.why()}; {_size(self.nbytes)})"
 
 
 def _size(n: int) -> str:
@@ -304,6 +317,24 @@ def stale_temporaries(directory: str) -> list[tuple[str, str]]:
     return found
 
 
+def stale_outputs(root: str) -> list[Temporary]:
+    """The temporary outputs directly inside the directory `root` (a path or file:// URL) whose
+    owner is gone (this host: its pid no longer runs; another host: unchanged for
+    ABANDONED_AFTER), for `ckpt ls` to name with their sizes and the command that removes them.
+    A live owner's, one on another host that may still run, and one without an owner record are
+    not stale and are left out; so is everything on an object store (an output is written in
+    place there, and its owner record is the step's own: `ckpt ls` shows it in-progress)."""
+    from .storage import local_path
+
+    local = local_path(root)
+    return [t for t in temporaries_in(local) if t.removable] if local is not None else []
+
+
+def remove_command(path: str) -> str:
+    """The shell command that removes the directory `path`, quoted for a POSIX shell whatever it holds."""
+    return "rm -rf -- '" + path.replace("'", "'\\''") + "'"
+
+
 def _listed(temps: list[Temporary]) -> str:
     shown = "; ".join(t.describe() for t in temps[:_SHOWN_NAMES])
     return shown + (f"; and {len(temps) - _SHOWN_NAMES} more" if len(temps) > _SHOWN_NAMES else "")
@@ -320,6 +351,9 @@ class Verdict:
     what: str  # "a checkpoint (orbax)", "a regular file (12 bytes)", ...
     parts: tuple[str, ...] = ()  # a replaceable checkpoint's top-level entries (what replacing it deletes)
     hint: str = ""  # what to do instead, where the refusal alone would not say
+    # an empty local directory: written into without --overwrite (people `mkdir` DST first); the
+    # rename onto it fails if anything appears there meanwhile, so nothing is ever replaced
+    empty: bool = False
 
     def exists_error(self, destination: str) -> CkptError:
         """The error for an existing DST without --overwrite: the hint only where --overwrite would work."""
@@ -328,7 +362,10 @@ class Verdict:
         return DestinationExistsError(f"destination exists and is {self.what}; choose another destination", destination)
 
     def require_replaceable(self, destination: str, *, overwrite: bool) -> None:
-        """Refuse an existing DST: without --overwrite (exists_error), or one not ours to replace (refusal)."""
+        """Refuse an existing DST: without --overwrite (exists_error), or one not ours to replace (refusal).
+        An empty directory needs no --overwrite."""
+        if self.empty:
+            return
         if not overwrite:
             raise self.exists_error(destination)
         if not self.replaceable:
@@ -448,7 +485,7 @@ def judge_local(path: str, source: str | None = None) -> Verdict | None:
     except OSError as exc:
         return Verdict(False, f"a directory that cannot be listed ({exc.strerror or exc})")
     if not names:
-        return Verdict(True, "an empty directory")
+        return Verdict(True, "an empty directory", empty=True)
     vcs = [n for n in _VCS_MARKERS if n in names]
     if vcs:
         return Verdict(False, f"a version-controlled directory ({vcs[0]})")
@@ -552,7 +589,8 @@ def prepare_output(
         verdict = judge_local(dst_local, src_local)
         if verdict is not None:
             verdict.require_replaceable(destination, overwrite=overwrite)
-            replacing = verdict
+            if not verdict.empty:  # (an empty directory is written into, not replaced: nothing to say)
+                replacing = verdict
     parent = os.path.dirname(dst_local.rstrip(os.sep)) or "."
     try:
         os.makedirs(parent, exist_ok=True)
@@ -665,9 +703,15 @@ def finalize_output(out: OutputDir, *, overwrite: bool) -> None:
 
     try:
         if os.path.lexists(dst):
-            if not overwrite:
+            found = judge_local(dst, out.source)
+            if found is not None and found.empty:
+                # the empty directory DST was (or became): the rename replaces it atomically, and
+                # fails (ENOTEMPTY) if a file appeared in it meanwhile
+                os.rename(out.local_tmp, dst)
+            elif not overwrite:
                 raise appeared()
-            _replace(out, dst)
+            else:
+                _replace(out, dst)
         else:
             # a rename onto a directory that another run renamed into place
             # meanwhile fails (ENOTEMPTY/EEXIST): that run won, this output goes

@@ -18,25 +18,30 @@ _COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
 @click.command("ls", help=(
     f"List the steps of the run root ROOT ({run_roots()}): step, format, status (committed, incomplete, "
     "in-progress), size, file count, modification time, and whether the framework's pointer file (Megatron's "
-    "tracker, DeepSpeed's latest) agrees. From one listing; nothing is read unless --check. Exit 1 when --check "
-    "finds a committed step that fails."))
+    "tracker, DeepSpeed's latest) agrees. From one listing, plus validate's cheap check of each committed step "
+    "(a few small metadata reads, in flight together; no array data): a step that fails it is named below the "
+    "table. Exit 1 when --check finds a committed step that fails."))
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--check", is_flag=True, help="Also run validate's shallow checks on every step (reads metadata).")
+@click.option("--check/--no-check", default=None,
+              help="--check: run validate's shallow checks on every step, in a column (reads metadata); "
+                   "--no-check: the listing alone (not even the cheap check of committed steps).")
 @click.option("--deep", is_flag=True, help="With --check: validate --deep every step (decodes every chunk).")
 @click.option("--sizes/--no-sizes", default=None,
               help="Sum each step's file sizes (default: on local roots; on S3/GCS each file's size is a request).")
-def ls_command(root: str, as_json: bool, check: bool, deep: bool, sizes: bool | None) -> None:
+def ls_command(root: str, as_json: bool, check: bool | None, deep: bool, sizes: bool | None) -> None:
     if deep and not check:
         raise click.UsageError("--deep applies to --check: add --check")
-    listing = list_run(root, check=check, deep=deep, sizes=sizes)
+    # (without --check: every committed step gets validate's cheap check, as validate of a root
+    # gives the steps it does not open; a step failing it is named below the table)
+    listing = list_run(root, check=bool(check), deep=deep, sizes=sizes, screen=check is None)
     # a save in progress failing is what it is; a committed step failing is the problem
-    failed = check and any(s.check is not None and not s.check["ok"] and s.status == "committed" for s in listing.steps)
+    failed = bool(check) and any(s.check is not None and not s.check["ok"] and s.status == "committed" for s in listing.steps)
     out = Output(json_mode=as_json)
     if as_json:
         out.json({"ok": not failed, **listing.to_json()})  # "ok" as the exit status says
     else:
-        _table(out, listing, check)
+        _table(out, listing, bool(check))
     sys.exit(1 if failed else 0)
 
 
@@ -76,6 +81,12 @@ def _table(out: Output, listing: RunListing, check: bool) -> None:
     for s in listing.steps:
         if s.reason:
             out.line(f"  {esc(s.name)}: {esc(s.reason)}")
+        if s.fails and not check:  # (--check says it in its column)
+            step = s.name if s.step is None else str(s.step)
+            # one line: the finding's first clause where it lists much (validate prints it whole)
+            first = s.fails if len(s.fails) <= 200 else s.fails.split("; ")[0][:200] + " ..."
+            out.line(f"  {esc(s.name)}: [red]fails validate[/red] (`ckpt latest` passes over it; "
+                     f"`ckpt validate {esc(listing.root)} --step {esc(step)}` for every finding): {esc(first)}")
     if listing.pointer_file is not None:
         said = listing.pointer_problem or f"names {listing.pointer_names}"
         out.line(f"{esc(listing.pointer_file)}: {esc(said)}")

@@ -29,7 +29,7 @@ def output_options(command: Callable) -> Callable:
         click.option("--zarr3", is_flag=True, help="Orbax output with zarr v3 instead of v2."),
         click.option("--skip-unsupported", is_flag=True, help="Report and skip leaves the target format cannot hold."),
         click.option("--overwrite", is_flag=True,
-                     help="Replace an existing DST if it is a checkpoint or an empty directory (nothing else is ever replaced)."),
+                     help="Replace an existing DST if it is a checkpoint (nothing else is ever replaced; an empty directory needs no --overwrite)."),
         click.option("--step", metavar="STEP", help="Source run root (any framework `ckpt ls` lists): a step number, a step's name or 'latest'."),
         click.option("--workers", type=click.IntRange(min=1), default=copy_workers, show_default="2 x cores up to 8, then cores, at most 16", help="Parallel chunk copies."),
     ]):
