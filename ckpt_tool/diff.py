@@ -360,9 +360,14 @@ def _pair_optimizer_states(
     size pair nothing: one note naming both sides."""
     from . import optim_keys
 
-    entries: dict[str, list[optim_keys.Entry]] = {"a": [(split_path(p), leaf) for p, leaf in left.items()],
-                                                  "b": [(split_path(p), leaf) for p, leaf in right.items()]}
-    found = {side: {st.prefix: st for st in optim_keys.find_states(e)} for side, e in entries.items()}
+    sides = {"a": left, "b": right}
+    entries: dict[str, list[optim_keys.Entry]] = {side: [(split_path(p), leaf) for p, leaf in leaves.items()]
+                                                  for side, leaves in sides.items()}
+    # only a place both sides hold param_groups at is read (its values are loaded)
+    common = optim_keys.prefixes(entries["a"]) & optim_keys.prefixes(entries["b"])
+    if not common:
+        return left, right, []
+    found = {side: {st.prefix: st for st in optim_keys.find_states(e, common)} for side, e in entries.items()}
     out: list[OptimizerPairing] = []
     for prefix in sorted(found["a"].keys() & found["b"].keys()):
         sa, sb = found["a"][prefix], found["b"][prefix]
@@ -377,7 +382,9 @@ def _pair_optimizer_states(
             note.note = why
             continue
         rekeyed, moved = optim_keys.rekey(entries[side], result)
-        paths = [join_keys(keys) for keys, _ in rekeyed]
+        # the re-keyed entries' new paths; every other entry keeps its own
+        paths = [join_keys(new) if new is not old else path
+                 for path, (old, _), (new, _) in zip(sides[side], entries[side], rekeyed)]
         if len(set(paths)) != len(paths):  # a re-keyed entry would take another leaf's path: none is
             note.note = "pairing them would give two leaves one path; not paired"
             continue
@@ -389,8 +396,9 @@ def _pair_optimizer_states(
             fqn_side = join_keys(rekeyed[first][0][:len(prefix) + 2])
             note.example = (ids_side, fqn_side) if side == "a" else (fqn_side, ids_side)
         entries[side] = rekeyed
+        sides[side] = {path: leaf for path, (_, leaf) in zip(paths, rekeyed)}
         note.paired = moved
-    return ({join_keys(k): leaf for k, leaf in entries["a"]}, {join_keys(k): leaf for k, leaf in entries["b"]}, out)
+    return sides["a"], sides["b"], out
 
 
 def _match_dotted(

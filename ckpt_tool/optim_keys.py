@@ -75,14 +75,20 @@ class Pairing:
     mapping: dict[Any, Any]  # a source param -> the target param at its place
 
 
-def find_states(entries: Sequence[Entry]) -> list[OptimizerState]:
+def prefixes(entries: Sequence[Entry]) -> set[tuple[str, ...]]:
+    """The places (keys as text) at which `entries` hold a `param_groups` (from the keys alone)."""
+    return {tuple(str(k) for k in keys[:j]) for keys, _ in entries for j, k in enumerate(keys) if k == PARAM_GROUPS}
+
+
+def find_states(entries: Sequence[Entry], only: set[tuple[str, ...]] | None = None) -> list[OptimizerState]:
     """Every optimizer state among `entries` ((keys, leaf); the keys may be renamed ones) whose
-    param_groups can be read (values with a loader; an inspect JSON side has none)."""
+    param_groups can be read (values with a loader; an inspect JSON side has none); `only`: at
+    those places alone (the others' values are not loaded)."""
     text = [tuple(str(k) for k in keys) for keys, _ in entries]
     under: dict[tuple[str, ...], list[int]] = {}
     for i, keys in enumerate(text):
         for j, k in enumerate(keys):
-            if k == PARAM_GROUPS:
+            if k == PARAM_GROUPS and (only is None or keys[:j] in only):
                 under.setdefault(keys[:j], []).append(i)
     found = []
     for prefix, indices in under.items():
