@@ -26,7 +26,10 @@ first. Steps, each timed, into one table (OUT/table.txt, OUT/results.json):
   --json summary gives, less `python -c pass`), every round's and their
   median, beside their targets: `met` only when every round meets it;
 - reshard without --devices while another process holds the chip, and its
-  start-up time.
+  start-up time;
+- where a ckpt process's start and end go on this host (startup_probe: a bare
+  interpreter, each heavy import alone, a convert under -X importtime) into
+  OUT/startup.txt (STARTUP=0 skips it).
 
 Only child processes open the chip (one program at a time can hold it): the
 driver never imports jax, so that the held-chip step can hand it to a holder.
@@ -564,6 +567,8 @@ def main(out: Path) -> int:
                   note=f"{c['leaves']} leaves" + (f"; {c['differ_count']} differ: {c['differ']}" if not c["ok"] else ""))
     text = bench.table() + "\n\n" + ratios(bench.rows)
     (out / "table.txt").write_text(text + "\n")
+    if os.environ.get("STARTUP", "1") == "1":  # where a process's start and end go on this host
+        (out / "startup.txt").write_text(startup_probe(src, work, host_mesh))
     for r in bench.rows:
         r.pop("stdout", None)
     (out / "results.json").write_text(json.dumps({"written": written, "rows": bench.rows, "verify": verified,

@@ -59,6 +59,9 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     assert [line.split()[-1] for line in lines] == ["<=1.5x", "<=1.5x", ">=3x", "<0.4s", "<0.4s"]
     assert all(len(line.split("  ")[0].split()) > 3 and line.split()[-2] in ("met", "MISSED") for line in lines)
     assert all(len([w for w in line[62:].split()[:3]]) == 3 for line in lines)  # three rounds' figures
+    # where a process's start and end go on this host: a bare interpreter first, then each import alone
+    startup = (out / "startup.txt").read_text().splitlines()
+    assert startup[1].split()[0] == "pass" and any(line.startswith("convert: ") for line in startup)
     assert not (out / "work").exists()  # scratch removed after a clean run
 
 
