@@ -44,6 +44,7 @@ CODES: dict[str, str] = {
     "bad-chunk": "a chunk that does not decode, or decodes to the wrong size or dtype (--deep)",
     "non-finite": "a float array holding NaN or Inf values (--deep)",
     "no-steps": "a CheckpointManager root with no committed step",
+    "unfinished-download": "a huggingface_hub download into the directory that did not finish: its partial file (.cache/huggingface/download/*.incomplete) is there (warning)",
     "stale-temporary": "a temporary output (.NAME.ckpt-tmp-*) of a ckpt convert/reshard whose run is gone (warning)",
     "incomplete-save": "a convert/reshard to an object store that has not committed (its owner record .ckpt-owner.json is there: killed, or still writing)",
     "digest-mismatch": "a file (or, with per-tensor digests, a tensor) whose sha256 differs from its integrity manifest's (--deep, manifest verify)",

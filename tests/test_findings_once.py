@@ -161,3 +161,131 @@ def test_lost_node_of_a_many_level_tree_takes_exactly_the_arrays_under_it(tmp_pa
         assert {n for n in names if lost.file_of(n) == f"d/{data.name}"} == hurt, data.name
         assert {n for n in names if f"{n}/.zarray" in keys} >= set(names) - hurt
     assert checked >= 10
+
+
+# -- item 3: a Hugging Face download that stopped -----------------------------------------------
+
+_HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def fake_hub():
+    """The Hub's resolve endpoint (HEAD and GET of /<repo>/resolve/<rev>/<file>) over a
+    directory, enough for huggingface_hub's hf_hub_download; `stall` names a file whose first GET
+    sends half of its bytes and then hangs, as a download does when its process is killed."""
+    import hashlib
+    import http.server
+    import threading
+
+    state: dict = {"src": None, "stall": None, "stop": threading.Event()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _head(self):
+            name = self.path.split("/resolve/main/", 1)[-1]
+            body = (state["src"] / name).read_bytes()
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", _HUB_COMMIT)
+            self.send_header("ETag", '"' + hashlib.sha256(body).hexdigest() + '"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            return name, body
+
+        def do_HEAD(self):
+            self._head()
+
+        def do_GET(self):
+            name, body = self._head()
+            if name == state["stall"]:
+                state["stall"] = None
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                state["stop"].wait(120)
+                return
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state["url"] = f"http://127.0.0.1:{server.server_address[1]}"
+    yield state
+    state["stop"].set()
+    server.shutdown()
+    server.server_close()
+
+
+def _hf_download(hub: dict, local_dir: Path, files: list[str], tmp_path: Path, *, kill_at_partial: bool) -> None:
+    """hf_hub_download(local_dir=...) of `files` in turn, in a child process; killed (SIGKILL) once
+    huggingface_hub's partial file appears, when asked to."""
+    import time
+
+    code = ("import sys\nfrom huggingface_hub import hf_hub_download\n"
+            "for f in sys.argv[3:]:\n    hf_hub_download('me/tiny', f, local_dir=sys.argv[2], endpoint=sys.argv[1])\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.Popen([sys.executable, "-c", code, hub["url"], str(local_dir), *files], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if not kill_at_partial:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+        return
+    deadline = time.monotonic() + 120
+    download = local_dir / ".cache" / "huggingface" / "download"
+    while not (download.is_dir() and any(p.name.endswith(".incomplete") for p in download.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_partial_hf_download_is_said_and_the_index_is_not_blamed(fake_hub, tmp_path):
+    """transformers' sharded Llama (4 shards) fetched by huggingface_hub into a local directory, the
+    process killed while shard 2 was coming: shards 2-4 are not there, shard 2's partial file is."""
+    src = FIXTURES / "safetensors_llama_sharded"
+    fake_hub["src"], fake_hub["stall"] = src, "model-00002-of-00004.safetensors"
+    local = tmp_path / "llama"
+    files = ["config.json", "model.safetensors.index.json"] + [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)]
+    _hf_download(fake_hub, local, files, tmp_path, kill_at_partial=True)
+    (partial,) = (local / ".cache" / "huggingface" / "download").glob("*.incomplete")
+    partial_rel = str(partial.relative_to(local))
+    assert not (local / "model-00002-of-00004.safetensors").exists()
+
+    r = invoke("validate", str(local), "--json")
+    assert r.exit_code == 1
+    findings = json.loads(r.output)["findings"]
+    # the missing shards are the errors; the index's total_size is right, and not blamed for them
+    assert [(f["code"], f["file"]) for f in findings if f["severity"] == "error"] == [
+        ("missing-file", f"model-0000{k}-of-00004.safetensors") for k in (2, 3, 4)]
+    assert not [f for f in findings if f["code"] == "bad-metadata"], findings
+    (download,) = [f for f in findings if f["code"] == "unfinished-download"]
+    assert download["severity"] == "warning" and download["file"] == partial_rel
+    assert "download of model-00002-of-00004.safetensors did not finish" in download["message"]
+
+    doc = json.loads(invoke("inspect", str(local), "--json").output)
+    assert doc["status"] == "incomplete"
+    assert [n for n in doc["notes"] if "huggingface_hub" in n] == [
+        f"huggingface_hub's download of model-00002-of-00004.safetensors did not finish "
+        f"({partial.stat().st_size:,} bytes so far): download it again ({partial_rel})"]
+
+    # downloaded again, to the end: the checkpoint is whole; the old partial file is only a leftover
+    _hf_download(fake_hub, local, files, tmp_path, kill_at_partial=False)
+    r = invoke("validate", str(local), "--json")
+    assert r.exit_code == 0, r.output
+    (left,) = json.loads(r.output)["findings"]
+    assert left["code"] == "unfinished-download" and "downloaded again since" in left["message"]
+
+
+def test_total_size_is_not_blamed_for_a_deleted_shard(tmp_path):
+    """No download at all: a shard deleted from transformers' sharded save. The missing file is the
+    finding; index.json's total_size, which is right, is not (was: a bad-metadata warning)."""
+    local = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "safetensors_llama_sharded", local)
+    (local / "model-00003-of-00004.safetensors").unlink()
+    r = invoke("validate", str(local), "--json")
+    findings = json.loads(r.output)["findings"]
+    assert [(f["code"], f["file"]) for f in findings] == [("missing-file", "model-00003-of-00004.safetensors")]

@@ -482,6 +482,10 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
         ckpt.committed = False
         ckpt.notes.insert(0, f"unfinished ckpt output (a convert or reshard to this object store that has not "
                              f"committed: its owner record {OWNER_FILE} is there)")
+    from ..storage.hf_downloads import unfinished_downloads
+
+    # a huggingface_hub download here that stopped: why shards are missing (from the listing made already)
+    ckpt.notes.extend(f"{d.describe()} ({d.partial})" for d in unfinished_downloads(storage))
     return ckpt
 
 

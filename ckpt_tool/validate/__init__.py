@@ -401,6 +401,13 @@ def _validate_one(
 
         for name, message in stale_temporaries(storage.local_root):
             findings.warning("stale-temporary", message, file=name)
+    if single is None:
+        # a huggingface_hub download into this directory that stopped (its partial file): what
+        # explains shards that are not there (the root's listing is made already)
+        from ..storage.hf_downloads import unfinished_downloads
+
+        for download in unfinished_downloads(storage):
+            findings.warning("unfinished-download", download.describe(), file=download.partial)
     # symlinks out of the root, symlink loops, FIFOs/devices/sockets anywhere
     # under it (the storage layer never opens them): each one the checks above
     # did not already name
