@@ -130,7 +130,7 @@ def test_every_module_has_a_layer(tree: Path) -> None:
 def test_the_graph_sees_function_level_and_relative_imports(tree: Path, graph: list[Edge]) -> None:
     # the checks below mean something only if the graph holds what the source says
     found = {(e.importer, e.imported, e.lazy) for e in graph}
-    assert (f"{PACKAGE}.cli.main", f"{PACKAGE}.formats", False) in found  # `from .. import __version__, formats`
+    assert (f"{PACKAGE}.cli.app", f"{PACKAGE}.formats", False) in found  # `from .. import __version__, formats`
     assert (PACKAGE, f"{PACKAGE}.formats", True) in found  # ckpt_tool.open's lazy `from .formats import ...`
 
 
