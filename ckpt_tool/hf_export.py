@@ -4,7 +4,8 @@
 tokenizer's files. Converting a Hugging Face directory to safetensors carries them over
 (companion_files); from any other source (a Megatron or DCP checkpoint), `--like HF_DIR` names a
 reference model directory: its companion files are copied, and the output must hold exactly
-the reference's tensor names, shapes and dtypes, after --rename, --unstack and --dtype. Every
+the reference's tensor names, shapes and dtypes, after --rename and --unstack; with --dtype each
+dtype is checked against the reference's tensor cast by the --dtype rule (the cast is intended). Every
 difference is listed and nothing is written when there is one (`--force-like` writes anyway).
 
 Tied weights: transformers saves a model whose `config.json` says `tie_word_embeddings` (the
