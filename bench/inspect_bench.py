@@ -24,9 +24,11 @@ Each command runs once as a warm-up (its output is captured and checked: ckpt
 must report exactly the leaves that were saved, and the baselines must see
 them too), then N times (default 3) with stdout to /dev/null, in N rounds
 that each run all four commands in turn (so a slow stretch of a shared machine
-hits ckpt and its baseline alike); the best wall time counts. Peak RSS comes from the kernel's rusage for that one child
-(os.wait4). The target is baseline / ckpt >= 10x for both formats; the bench
-prints TARGET MET / TARGET MISSED but does not fail on a miss.
+hits ckpt and its baseline alike); the median wall time counts (the best is
+reported too). Peak RSS comes from the kernel's rusage for that one child
+(os.wait4). The targets (issue 46) are baseline / ckpt >= 10x for both formats
+at 3,000 leaves and >= 6x for the 30,000-leaf DCP; the bench prints TARGET MET /
+TARGET MISSED but does not fail on a miss.
 
 Exit status: 0 when every command ran and ckpt's output checked out (target
 met or not); 1 when a command failed, or ckpt's output was wrong.
@@ -39,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "out")
 TARGET_RATIO = 10.0
+TARGET_RATIO_BIG = 6.0  # the 30,000-leaf DCP, whose time grows with the .metadata pickle (issue 46)
 DEVICE_COUNT = 8
 GEN_TIMEOUT_S = 900
 RUN_TIMEOUT_S = 300
@@ -463,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in cmds:
         log(f"checking {cmd['name']} (warm-up run) ...")
         res = dict(name=cmd["name"], format=cmd["format"], role=cmd["role"], command=cmd["label"],
-                   ok=True, error=None, best_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None,
+                   ok=True, error=None, best_s=None, median_s=None, runs_s=[], best_cpu_s=None, cpu_s=[], peak_rss_kib=None,
                    check_errors=[], notes=[])
         results.append(res)
         warm = run_once(cmd["argv"], capture=True)
@@ -504,24 +508,29 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         if res["runs_s"]:
             res["best_s"] = min(res["runs_s"])
+            res["median_s"] = round(statistics.median(res["runs_s"]), 4)
             res["best_cpu_s"] = res["cpu_s"][res["runs_s"].index(res["best_s"])]  # of the best run
             seen_rss = [x for x in rss[res["name"]] if x is not None]
             res["peak_rss_kib"] = max(seen_rss) if seen_rss else None
 
     by_name = {r["name"]: r for r in results}
     ratios = []
-    pairs = [("orbax", "ckpt-orbax", "orbax", n_leaves), ("dcp", "ckpt-dcp", "torch-dcp", n_leaves)]
+    pairs = [("orbax", "ckpt-orbax", "orbax", n_leaves, TARGET_RATIO),
+             ("dcp", "ckpt-dcp", "torch-dcp", n_leaves, TARGET_RATIO)]
     if big_leaves:
-        pairs.append(("dcp", "ckpt-dcp-big", "torch-dcp-big", big_leaves))
-    for fmt, ck, base, leaves in pairs:
+        pairs.append(("dcp", "ckpt-dcp-big", "torch-dcp-big", big_leaves, TARGET_RATIO_BIG))
+    for fmt, ck, base, leaves, target in pairs:
         a, b = by_name[ck], by_name[base]
-        measured = a["ok"] and b["ok"] and a["best_s"] and b["best_s"]
-        ratio = b["best_s"] / a["best_s"] if measured else None
+        # medians of whole processes (issue 46's measure); the best runs' ratio is kept beside
+        measured = a["ok"] and b["ok"] and a["median_s"] and b["median_s"]
+        ratio = b["median_s"] / a["median_s"] if measured else None
+        best = b["best_s"] / a["best_s"] if measured else None
         ratios.append({
             "format": fmt, "baseline": base, "ckpt": ck, "leaves": leaves,
             "ratio": round(ratio, 2) if ratio is not None else None,
-            "target": TARGET_RATIO,
-            "met": None if ratio is None else ratio >= TARGET_RATIO,
+            "ratio_of_best": round(best, 2) if best is not None else None,
+            "target": target,
+            "met": None if ratio is None else ratio >= target,
         })
 
     report = {
@@ -560,16 +569,16 @@ def report_header(bench: str, load_at_start: float, loads: dict[str, float] | No
 
 def _print_table(report: dict) -> None:
     print()
-    print(f"inspect bench: {report['leaves']} leaves, best of {report['runs']} runs after 1 warm-up, "
+    print(f"inspect bench: {report['leaves']} leaves, median (and best) of {report['runs']} runs after 1 warm-up, "
           f"{report['machine']['cpus']} cpus, warm page cache")
     load = report["machine"]["loadavg_1min"]
     print(f"1-min load average {load['start']:.2f} before the runs (other work on the machine inflates wall times)")
     print()
     w = max(len(r["command"]) for r in report["results"])
-    print(f"  {'command':<{w}}  {'best wall':>10}  {'cpu':>8}  {'peak RSS':>9}  status")
+    print(f"  {'command':<{w}}  {'median':>8}  {'best wall':>10}  {'cpu':>8}  {'peak RSS':>9}  status")
     for r in report["results"]:
         status = "ok" if r["ok"] else ("FAILED: " + (r["error"] or "; ".join(r["check_errors"])))
-        print(f"  {r['command']:<{w}}  {_fmt_s(r['best_s']):>10}  {_fmt_s(r.get('best_cpu_s')):>8}  "
+        print(f"  {r['command']:<{w}}  {_fmt_s(r.get('median_s')):>8}  {_fmt_s(r['best_s']):>10}  {_fmt_s(r.get('best_cpu_s')):>8}  "
               f"{_fmt_mib(r['peak_rss_kib']):>9}  {status}")
         for note in r["notes"]:
             print(f"  {'':<{w}}  note: {note}")
@@ -579,8 +588,9 @@ def _print_table(report: dict) -> None:
             print(f"  {q['format']:<5}  {q['baseline']} / {q['ckpt']}: n/a (a command failed or its output was wrong)   TARGET NOT MEASURED")
         else:
             verdict = "TARGET MET" if q["met"] else "TARGET MISSED"
+            best = f", best runs {q['ratio_of_best']:.1f}x" if q.get("ratio_of_best") is not None else ""
             print(f"  {q['format']:<5}  {q.get('leaves', report['leaves']):>6,} leaves  {q['baseline']} / {q['ckpt']} = {q['ratio']:.1f}x "
-                  f"(target >= {q['target']:.0f}x)   {verdict}")
+                  f"median{best} (target >= {q['target']:.0f}x)   {verdict}")
     print()
 
 
@@ -597,7 +607,9 @@ def summary_rows(doc: dict) -> list[dict]:
         rss = a.get("peak_rss_kib")
         rows.append({
             "bench": "inspect", "case": f"{q.get('leaves', doc.get('leaves', '?')):,} leaves, {q['format']}",
-            "ckpt_s": a.get("best_s"), "baseline": b.get("command", q["baseline"]), "baseline_s": b.get("best_s"),
+            # the medians the ratio is of (a document from before they were kept: the best runs)
+            "ckpt_s": a.get("median_s") or a.get("best_s"), "baseline": b.get("command", q["baseline"]),
+            "baseline_s": b.get("median_s") or b.get("best_s"),
             "ratio": q["ratio"], "target": f"baseline/ckpt >= {q['target']:g}x", "met": q["met"],
             "rss_mib": round(rss / 1024) if rss else None,
             "error": a.get("error") or b.get("error") or "; ".join(a.get("check_errors", []) + b.get("check_errors", [])),

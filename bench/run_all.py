@@ -113,7 +113,7 @@ def render_table(rows: list[dict]) -> str:
     lines += ["| " + " | ".join(render_row(r)) + " |" for r in rows]
     lines.append("")
     lines.append("ratio: baseline/ckpt where the target is >= (ckpt is that many times faster), ckpt/baseline where "
-                 "it is <= (ckpt takes that many times as long); best wall times; peak RSS of the ckpt process.")
+                 "it is <= (ckpt takes that many times as long); wall times as each bench says (inspect and cli_start: medians; others: best); peak RSS of the ckpt process.")
     return "\n".join(lines)
 
 

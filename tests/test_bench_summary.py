@@ -259,3 +259,36 @@ def test_runs_rows_target_only_ls_on_the_dcp_root():
     assert (local["target"], local["met"], local["ratio"]) == ("< 1 s", True, 0.96)
     assert (s3["met"], s3["baseline"]) == (False, "ckpt inspect dcp_single")
     assert failed["target"] is None and failed["met"] is None and failed["error"] == "exit 1: boom"
+
+
+CLI_START = {
+    "bench": "cli_start", "runs": 20, "ok": True, "ratio": 1.05, "target": 1.5, "help_met": True, "met": False,
+    "help_heavy_imports": [], "help_modules": 35,
+    "results": [
+        _res("python", "python -c pass", 0.020, 16000, median_s=0.024),
+        _res("version", "ckpt --version", 0.023, 16500, median_s=0.027),
+        _res("help", "ckpt --help", 0.024, 16600, median_s=0.040),
+    ],
+    "vs_python": [
+        {"name": "version", "command": "ckpt --version", "ratio": 1.12, "target": 1.5, "met": True},
+        {"name": "help", "command": "ckpt --help", "ratio": 1.67, "target": 1.5, "met": False},
+    ],
+}
+
+
+def test_cli_start_rows_against_a_bare_interpreter_by_medians():
+    rows = _load("cli_start_bench").summary_rows(CLI_START)
+    assert [(r["case"], r["ckpt_s"], r["baseline"], r["baseline_s"], r["ratio"], r["target"], r["met"]) for r in rows] == [
+        ("ckpt --version (console script)", 0.027, "python -c pass", 0.024, 1.12, "ckpt/baseline <= 1.5x", True),
+        ("ckpt --help (console script)", 0.040, "python -c pass", 0.024, 1.67, "ckpt/baseline <= 1.5x", False),
+        ("ckpt --help", 0.040, "ckpt --version", 0.027, 1.05, "ckpt/baseline <= 1.5x", True)]
+
+
+def test_inspect_rows_are_the_medians_where_kept():
+    doc = json.loads(json.dumps(INSPECT))
+    doc["results"][0]["median_s"] = 0.5
+    doc["ratios"].append({"format": "dcp", "baseline": "torch-dcp", "ckpt": "ckpt-dcp", "leaves": 30000, "ratio": 6.5,
+                          "target": 6.0, "met": True})
+    rows = _load("inspect_bench").summary_rows(doc)
+    assert rows[0]["ckpt_s"] == 0.5 and rows[1]["ckpt_s"] == 0.5614
+    assert (rows[2]["case"], rows[2]["target"], rows[2]["met"]) == ("30,000 leaves, dcp", "baseline/ckpt >= 6x", True)
