@@ -381,6 +381,11 @@ def _pair_optimizer_states(
         if why is not None or result is None:
             note.note = why
             continue
+        other = "b" if side == "a" else "a"
+        conflict = optim_keys.shape_conflict(result, entries[side], entries[other], (side.upper(), other.upper()))
+        if conflict is not None:  # equal group sizes, listed in another order: no guess either
+            note.note = conflict + "; not paired"
+            continue
         rekeyed, moved = optim_keys.rekey(entries[side], result)
         # the re-keyed entries' new paths; every other entry keeps its own
         paths = [join_keys(new) if new is not old else path

@@ -7,7 +7,8 @@ and lists the ids in each param group (`param_groups/0/params == [0, 1, ...]`); 
 (torch/distributed/checkpoint/state_dict.py, `_get_optim_state_dict`: the id of a parameter is its
 place in the chain of every group's params, and the FQN at that place is its name), so two such
 states pair through their param_groups alone: the k-th param of group g on one side is the k-th of
-group g on the other. Where the groups differ in count or size, nothing is paired (no guess).
+group g on the other. Where the groups differ in count or size, or list their params in another
+order (a paired param's state has another shape on the other side), nothing is paired (no guess).
 
 Everything is read from the values each side stores: an optimizer state is any subtree holding
 `param_groups` (a list of groups, each a dict with `params`; one value or split into many) and,
@@ -189,6 +190,31 @@ def pair(source: OptimizerState, target: OptimizerState) -> Pairing | None:
     return Pairing(source, target, dict(zip(chain.from_iterable(source.groups), chain.from_iterable(target.groups))))
 
 
+def shape_conflict(pairing: Pairing, source: Sequence[Entry], target: Sequence[Entry],
+                   names: tuple[str, str] = ("A", "B")) -> str | None:
+    """Why the pairing is not the one each side's state describes, or None: a paired param whose
+    state array has another shape on the other side (`exp_avg` of a [8, 4] weight paired with that
+    of a [2, 8] one), which is what groups of equal sizes listed in another order give. `names`:
+    how to call the source and the target."""
+    def arrays(state: OptimizerState, entries: Sequence[Entry]) -> dict[tuple[str, str], tuple[str, ArrayLeaf]]:
+        out = {}
+        n = len(state.prefix)
+        for i, (param, taken) in state.state.items():
+            keys, leaf = entries[i]
+            if isinstance(leaf, ArrayLeaf):
+                out[(str(param), dotted_name(keys[n + 1 + taken:]))] = (join_keys(keys), leaf)
+        return out
+
+    theirs = arrays(pairing.target, target)
+    mapping = {str(mine): str(other) for mine, other in pairing.mapping.items()}
+    for (param, rest), (path, leaf) in sorted(arrays(pairing.source, source).items()):
+        other = theirs.get((mapping.get(param, ""), rest))
+        if other is not None and tuple(other[1].shape) != tuple(leaf.shape):
+            return (f"the param groups list their params in another order: paired by position, {path} in "
+                    f"{names[0]} is {list(leaf.shape)} and {other[0]} in {names[1]} is {list(other[1].shape)}")
+    return None
+
+
 def rekey(entries: Sequence[Entry], pairing: Pairing) -> tuple[list[Entry], int]:
     """`entries` (the source side's) with each state entry of `pairing.source` keyed by the target's
     param at its place, and its param_groups' params mapped likewise; the others as they are.
@@ -301,6 +327,9 @@ def rekey_like(entries: Sequence[Entry], reference: Sequence[Entry], source_path
         pairing = pair(st, ref)
         moved = 0
         if pairing is not None:
+            conflict = shape_conflict(pairing, entries, reference, ("the source", "the reference"))
+            if conflict is not None:
+                raise CkptError(f"{option}: {st.where}: {conflict}; not paired", reference_path)
             out, moved = rekey(out, pairing)
         done.append(Rekeyed(st.where, st.scheme, ref.scheme, moved))
     return out, done

@@ -141,7 +141,16 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         _step(model2, opt2)
         msd2, osd2 = get_state_dict(model2, opt2)
         dcp.save({"model": msd2, "optim": osd2}, checkpoint_id=d / "two_groups")
-    return {"ids": d / "ids.pt", "fqns": d / "fqns", "two_groups": d / "two_groups"}
+        torch.save({"model": model2.state_dict(), "optim": opt2.state_dict()}, d / "two_groups_ids.pt")
+        # the same two groups listed the other way round (equal sizes: only the state's shapes tell)
+        model3 = _model()
+        opt3 = torch.optim.Adam([{"params": [model3[2].weight, model3[2].bias], "lr": 1e-2},
+                                 {"params": [model3[0].weight, model3[0].bias]}], lr=1e-3)
+        _step(model3, opt3)
+        msd3, osd3 = get_state_dict(model3, opt3)
+        dcp.save({"model": msd3, "optim": osd3}, checkpoint_id=d / "two_groups_swapped")
+    return {"ids": d / "ids.pt", "fqns": d / "fqns", "two_groups": d / "two_groups",
+            "two_groups_ids": d / "two_groups_ids.pt", "two_groups_swapped": d / "two_groups_swapped"}
 
 
 def test_diff_pairs_ids_and_fqns_through_param_groups(saves: dict[str, Path]) -> None:
@@ -177,6 +186,24 @@ def test_diff_names_param_groups_that_differ_and_pairs_nothing(saves: dict[str, 
         "optim    optim/param_groups: the param groups differ in count (A keys its state by ids, 1 param group "
         "of 4 params; B keys its state by FQNs, 2 param groups of 2 + 2 params): not paired"]
     assert "only_a   optim/state/0/exp_avg: only in A" in stdout  # nothing guessed
+
+
+def test_param_groups_listed_in_another_order_are_not_paired(saves: dict[str, Path], tmp_path: Path) -> None:
+    # the same two groups in the same order pair (two groups of 2 + 2 params)
+    code, stdout, _ = cli("diff", saves["two_groups_ids"], saves["two_groups"], "--values")
+    assert code == 0, stdout
+    assert "paired 12 optimizer state leaves" in stdout
+    # listed the other way round: sizes agree, but position k holds a param of another shape
+    code, stdout, _ = cli("diff", saves["two_groups_ids"], saves["two_groups_swapped"])
+    assert code == 1
+    optim = [line for line in stdout.splitlines() if line.startswith("optim")]
+    assert optim == [
+        "optim    optim/param_groups: the param groups list their params in another order: paired by position, "
+        "optim/state/0/exp_avg in A is [8, 4] and optim/state/2.weight/exp_avg in B is [2, 8]; not paired"]
+    code, stdout, err = cli("convert", saves["two_groups_ids"], tmp_path / "out", "--to", "dcp",
+                            "--optimizer-keys-like", saves["two_groups_swapped"])
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "the param groups list their params in another order" in err and not (tmp_path / "out").exists()
 
 
 def test_convert_rekeys_ids_to_fqns_and_dcp_loads_it(saves: dict[str, Path], tmp_path: Path) -> None:

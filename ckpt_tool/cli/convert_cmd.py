@@ -37,7 +37,7 @@ from .render import Output, esc, human_bytes, human_rate, plural, process_note
               help="Key the optimizer state as CKPT's is (any checkpoint ckpt reads): by integer ids, as "
                    "torch.save(opt.state_dict()), or by parameter FQNs, as DCP's get_state_dict; the ids and FQNs "
                    "are paired through the two param_groups by position, as torch does. Refused when the groups "
-                   "differ in count or size.")
+                   "differ in count, size or order.")
 @click.option("--dtype", help="Cast floating weights and optimizer moments to this dtype (e.g. bfloat16); step "
                                "counters and integer leaves stay as they are, and a model's config.json names the "
                                "new dtype. Never done without this flag.")
