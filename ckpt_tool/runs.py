@@ -17,14 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import CkptError, UnknownFormatError, UsageError
+from .errors import (
+    CkptError, NoSpaceError, NotFoundError, StorageUnavailableError, UnknownFormatError, UsageError,
+)
 from .findings import ERROR
 from .formats import registered, steps
 from .formats.roots import COMMITTED, RunLayout
 from .formats.steps import OpenedStep, RunListing, StepRow, opened_steps, recording, step_checkpoint
 from .storage import Storage
 
-__all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "resolve_step", "step_path",
+__all__ = ["StepRow", "RunListing", "Latest", "OpenedStep", "list_run", "latest", "working_step", "name_working_step", "resolve_step", "step_path",
            "recording", "opened_steps", "every_step", "step_checkpoint"]
 
 
@@ -96,11 +98,14 @@ class Latest:
 
 
 def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool | None = None,
-             progress: Callable[[str, int, int], None] | None = None) -> RunListing:
-    """The steps of the run root at `root`, sorted by step (listing only unless `check`).
+             screen: bool = False, progress: Callable[[str, int, int], None] | None = None) -> RunListing:
+    """The steps of the run root at `root`, sorted by step (listing only unless `check` or `screen`).
 
     `sizes`: add each step's bytes (default: on local roots; on object stores each file's size
-    is a request, so only when asked). `check`: run validate on each step (`deep`: --deep)."""
+    is a request, so only when asked). `check`: run validate on each step (`deep`: --deep).
+    `screen`: the cheap check validate of a root gives the steps it does not open (the step's
+    listing and a few small metadata reads, never array data, the steps in flight together) on
+    each committed step; a step that fails it has `fails` set (`ckpt ls` by default)."""
     result = steps.list_run(root, formats=registered(), sizes=sizes)
     if check:
         rows = result.steps
@@ -108,8 +113,17 @@ def list_run(root: str, *, check: bool = False, deep: bool = False, sizes: bool 
             if progress is not None:
                 progress("checking steps", i, len(rows))
             row.check = _checked(result.root, result.layout, row, deep)
+            if row.status == COMMITTED and not row.check["ok"]:
+                row.fails = row.check["first"]
         if progress is not None:
             progress("checking steps", len(rows), len(rows))
+    elif screen:
+        from .validate import screen_steps  # (lazily: a listing alone never loads validate)
+
+        done = [r for r in result.steps if r.status == COMMITTED]
+        for row, verdict in zip(done, screen_steps(result, done)):
+            if verdict is not None:
+                row.fails = f"{verdict[0]}: {verdict[1]}"
     return result
 
 
@@ -169,6 +183,61 @@ def _verdict(report: Any) -> dict[str, Any]:
         "ok": report.ok(), "errors": len(errors), "warnings": len(report.findings) - len(errors),
         "first": f"{first.code}: {first.message}" + (f" ({first.file})" if first.file else "") if first else None,
     }
+
+
+def working_step(opened: OpenedStep) -> str | None:
+    """Where the step a command opened by default (`opened`: the one the framework resumes from)
+    is refused, the step that works, by the rule of `ckpt latest` (the newest step complete by its
+    writer's rule that passes validate): "3 is the step Orbax CheckpointManager resumes from;
+    `ckpt latest` picks 2, ...: --step 2"; None where that is the step opened (or where the root
+    reads as no run root now)."""
+    try:
+        found = latest(opened.root)
+    except UsageError:
+        raise
+    except CkptError:
+        return None
+    if found.chosen is not None and found.chosen.name == opened.name:
+        return None
+    why = (f"{opened.name} is the newest complete step" if opened.no_pick is not None
+           else f"{opened.name} is the step {opened.layout} resumes from ({opened.rule.split(':')[0]})")
+    if found.chosen is None:
+        return f"{why}, and no step passes validate (`ckpt latest` finds none)"
+    row = found.chosen
+    return (f"{why}; `ckpt latest` picks {row.name}, the newest step that passes validate: "
+            f"--step {row.name if row.step is None else row.step}")
+
+
+def name_working_step(error: CkptError, opened: list[OpenedStep]) -> None:
+    """A command refused the step of a run root it opened by default (`opened`: the steps it
+    opened, formats.steps.recording()): add to `error` the step that works, by `ckpt latest`'s
+    rule (working_step). Only for damage found in that step (the error names a path in the
+    root), never for a step asked for by --step."""
+    if isinstance(error, (UsageError, NotFoundError, StorageUnavailableError, NoSpaceError)) or not error.where:
+        return
+    where = _comparable(error.where)
+    for o in opened:
+        root = _comparable(o.root)
+        if o.chosen_by == "requested" or not (where == root or where.startswith(root + "/")):
+            continue
+        hint = working_step(o)
+        target = hint.rsplit(": --step ", 1)[-1] if hint is not None and ": --step " in hint else None
+        if hint is None or hint in error.message or (target is not None and f"--step {target} " in error.message + " "):
+            return
+        # (open_checkpoint's own hint names the step before by the listing alone: this one stands)
+        fallback = o.fallback()
+        message = error.message.replace(f" ({fallback})", "") if fallback else error.message
+        error.message = f"{message}; {hint}"
+        error.args = (f"{error.where}: {error.message}",)
+        return
+
+
+def _comparable(path: str) -> str:
+    """A path or URL as typed, comparable with another: local paths made absolute."""
+    import os
+
+    path = path.rstrip("/")
+    return path if "://" in path else os.path.abspath(path)
 
 
 def latest(root: str, deep: bool = False) -> Latest:

@@ -32,7 +32,7 @@ def test_ls_json_and_pointer(ckpt):
     assert doc["layout"] == "megatron" and doc["pointer"] == {
         "file": "latest_checkpointed_iteration.txt", "names": "iter_0000020", "problem": None}
     assert set(doc["steps"][0]) == {"step", "name", "format", "status", "reason", "size", "files", "mtime",
-                                    "pointer", "pointer_agrees", "path", "check"}
+                                    "pointer", "pointer_agrees", "path", "check", "fails"}
     assert [(s["step"], s["pointer"], s["pointer_agrees"]) for s in doc["steps"]] == [(10, False, None), (20, True, True)]
     r = ckpt("ls", fixture_path("megatron_run"))
     assert "<- pointer" in r.stdout.splitlines()[3] and r.stdout.splitlines()[-1] == (

@@ -40,7 +40,8 @@ def first_json() -> dict[str, Any] | None:
 def said_after() -> Iterator[None]:
     """Record the steps opened while the command runs; when it finishes (its own exit code
     included: validate's and diff's 1), one stderr line for each step its output did not say."""
-    from ..runs import recording
+    from ..errors import CkptError
+    from ..runs import name_working_step, recording
 
     said: set[int] = set()
     token = _SAID.set(said)
@@ -50,6 +51,10 @@ def said_after() -> Iterator[None]:
                 yield
             except SystemExit:
                 _say(opened, said)
+                raise
+            except CkptError as exc:
+                # a step opened by default refused (damaged): the error names the step that works
+                name_working_step(exc, opened)
                 raise
             _say(opened, said)
     finally:

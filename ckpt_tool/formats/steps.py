@@ -59,12 +59,16 @@ class StepRow:
     # step; on steps newer than it, that they are not complete (None: no pointer, or a step below it)
     pointer_agrees: bool | None = None
     check: dict[str, Any] | None = None  # validate's verdict with check=True
+    # a committed step that fails validate (its cheap check, runs.list_run(screen=True), or check=True):
+    # "code: message (file)" of its first error; None when it passes or was not checked
+    fails: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "name": self.name, "format": self.format, "status": self.status,
             "reason": self.reason, "size": self.size, "files": self.files, "mtime": self.mtime,
             "pointer": self.pointer, "pointer_agrees": self.pointer_agrees, "path": self.url, "check": self.check,
+            "fails": self.fails,
         }
 
 

@@ -17,7 +17,7 @@ from ..findings import ERROR, WARNING, CODES, Finding, Findings, Progress, no_pr
 from ..formats.roots import COMMITTED, IN_PROGRESS
 from ..storage import Storage, raise_if_unavailable
 
-__all__ = ["validate_checkpoint", "ValidationReport", "CODES"]
+__all__ = ["validate_checkpoint", "ValidationReport", "CODES", "screen_steps"]
 
 
 @dataclass
@@ -116,17 +116,13 @@ def _validate_checkpoint(
 
 # other steps checked at once (on an object store each check is a few requests; locally cheap)
 _OTHER_STEP_WORKERS = 8
+_REMOTE_STEP_WORKERS = 32
 
 
 def _check_other_steps(report: ValidationReport, opened: Any, memory: int | None) -> None:
     """validate of a run root checks the step a resume opens; every other committed step gets a
-    cheap check (validate's shallow checks: the listing and its metadata, never array data, all
-    steps in flight together), and damage found there is a warning naming the step and
+    cheap check (screen_steps), and damage found there is a warning naming the step and
     `--step all`, which checks every step as the one opened is."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..formats.steps import step_checkpoint, unrecorded
-
     run = opened.run
     if run is None:
         return
@@ -134,18 +130,46 @@ def _check_other_steps(report: ValidationReport, opened: Any, memory: int | None
     if not others:
         return
     root = run.root.rstrip("/")
+    verdicts = screen_steps(run, others, memory=memory)
+    base = "" if report.path.rstrip("/") == root else root + "/"
+    for row, verdict in zip(others, verdicts):
+        if verdict is None or (not base and _named(report, row.name)):
+            continue
+        code, message = verdict
+        report.findings.append(Finding(
+            WARNING, code, f"{row.name} fails validate: {message} (not the step a resume opens; "
+            "--step all checks every step)", None, base + row.name + ("/" if row.is_dir else "")))
+
+
+def screen_steps(run: Any, rows: list[Any], *, memory: int | None = None) -> list[tuple[str, str] | None]:
+    """The cheap check of each step of `rows` (steps.StepRow of the run root `run`): validate's
+    shallow checks of the step alone (its listing and its metadata, never array data), all steps
+    in flight together (on an object store each is a few requests; locally cheap). Per step, the
+    (code, message) of its first error, or None when it passes. validate of a root gives it to
+    the steps it does not open, `ckpt ls` to every committed step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..formats.steps import step_checkpoint, unrecorded
+
+    root = run.root.rstrip("/")
+    # the root's Storage, which holds the root's listing: each step's part of it serves the step's
+    # checks (on an object store a LIST per step saved; a Storage per step, for the threads)
+    listed = run.listing.storage if run.listing is not None else None
+
+    def part(rel: str = "") -> Storage | None:
+        return None if listed is None else listed.child(rel) if rel else listed
 
     def one(row: Any) -> tuple[str, str] | None:
-        """(code, message) of the step's first error, or None."""
         try:
             with unrecorded():  # not the step the command opened
                 if not row.is_dir:  # a file step (Flax checkpoint_N): through the root, at that step
                     rep = _validate_one(root, step=row.step, deep=False, workers=1, progress=no_progress,
                                         memory=memory, manifest=None)
                 else:
+                    url = step_checkpoint(run, row)
                     try:
-                        rep = _validate_one(step_checkpoint(run, row), step=None, deep=False, workers=1,
-                                            progress=no_progress, memory=memory, manifest=None)
+                        rep = _validate_one(url, step=None, deep=False, workers=1, progress=no_progress,
+                                            memory=memory, manifest=None, storage=part(url[len(root) + 1:]))
                     except UnknownFormatError:
                         if not run.layout.own_root:
                             raise
@@ -161,16 +185,12 @@ def _check_other_steps(report: ValidationReport, opened: Any, memory: int | None
             return None
         return first.code, first.message + (f" ({first.file})" if first.file else "")
 
-    with ThreadPoolExecutor(max_workers=min(_OTHER_STEP_WORKERS, len(others)), thread_name_prefix="ckpt-steps") as pool:
-        verdicts = list(pool.map(one, others))
-    base = "" if report.path.rstrip("/") == root else root + "/"
-    for row, verdict in zip(others, verdicts):
-        if verdict is None or (not base and _named(report, row.name)):
-            continue
-        code, message = verdict
-        report.findings.append(Finding(
-            WARNING, code, f"{row.name} fails validate: {message} (not the step a resume opens; "
-            "--step all checks every step)", None, base + row.name + ("/" if row.is_dir else "")))
+    if not rows:
+        return []
+    # (on an object store each check is a few requests, waited for: more of them in flight)
+    workers = _OTHER_STEP_WORKERS if listed is None or listed.local_root is not None else _REMOTE_STEP_WORKERS
+    with ThreadPoolExecutor(max_workers=min(workers, len(rows)), thread_name_prefix="ckpt-steps") as pool:
+        return list(pool.map(one, rows))
 
 
 def _warn_no_pick(report: ValidationReport, opened: Any) -> None:
@@ -315,8 +335,10 @@ def _validate_one(
     progress: Progress,
     memory: int | None,
     manifest: str | None,
+    storage: Storage | None = None,
 ) -> ValidationReport:
-    """The format's checks of the checkpoint at `path` (a run root's step already chosen)."""
+    """The format's checks of the checkpoint at `path` (a run root's step already chosen).
+    `storage`: `path` opened already (a run root's step, its part of the root's listing known)."""
     from .. import formats
     from ..formats import TMP_MARKER, detect_one
     from . import integrity
@@ -341,7 +363,7 @@ def _validate_one(
         from ..formats.unknown import refuse_file
 
         refuse_file(path, formats.registered(), command="validate")  # a file inside a checkpoint, or one ckpt does not read
-    storage = Storage.open(single[0] if single else path)
+    storage = storage if storage is not None and single is None else Storage.open(single[0] if single else path)
     incomplete = None
     if single is None:
         # an owner record of ckpt's at the root: a convert/reshard to an object store wrote here and
