@@ -1,0 +1,37 @@
+"""Per-leaf work of reading metadata (issue 46): what inspect does once per leaf is the work that
+scales; text made for an error that is never raised, or a value parsed again per leaf, is not."""
+from __future__ import annotations
+
+from ckpt_tool.arrays import schema
+
+
+def _tree(n: int) -> dict:
+    return {"tree_metadata": {
+        f"('layers', '{i}')": {"key_metadata": [{"key": "layers", "key_type": 2}, {"key": str(i), "key_type": 2}],
+                               "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
+                                                  "write_shape": [4, 8]}}
+        for i in range(n)}}
+
+
+def test_a_valid_tree_formats_no_error_text(monkeypatch):
+    """orbax writes write_shape for every jax.Array: naming the field where an error would say it
+    cost a formatted key (short_repr) per leaf, for an error never raised."""
+    calls = []
+    real = schema.short_repr
+    monkeypatch.setattr(schema, "short_repr", lambda *a, **k: calls.append(a) or real(*a, **k))
+    tree = schema.parse_tree_metadata(_tree(50), "_METADATA")
+    assert len(tree.entries) == 50 and tree.entries[0][1].write_shape == (4, 8)
+    assert calls == []
+
+
+def test_the_error_still_names_the_field():
+    doc = _tree(1)
+    doc["tree_metadata"]["('layers', '0')"]["value_metadata"]["write_shape"] = [4, "x"]
+    try:
+        schema.parse_tree_metadata(doc, "_METADATA")
+    except schema.SchemaError as exc:
+        assert str(exc) == ("_METADATA: tree_metadata[\"('layers', '0')\"].write_shape: "
+                            "entry 1 must be a non-negative integer, got 'x'")
+        assert exc.field == "tree_metadata[\"('layers', '0')\"].write_shape"
+    else:
+        raise AssertionError("no SchemaError")
