@@ -114,7 +114,7 @@ def _read_groups(parts: list[tuple[tuple[str, ...], Leaf]]) -> list[list[Any]] |
     values = [(rel, leaf) for rel, leaf in parts if isinstance(leaf, ValueLeaf) and leaf.loader is not None]
     if len(values) != len(parts):  # an array among them, or no value to read (an inspect JSON side)
         return None
-    root: dict[str, Any] = {}
+    root = _Node()
     whole: Any = None
     try:
         for rel, leaf in values:
@@ -124,12 +124,16 @@ def _read_groups(parts: list[tuple[tuple[str, ...], Leaf]]) -> list[list[Any]] |
                 continue
             node = root
             for k in rel[:-1]:
-                node = node.setdefault(k, {})
-                if not isinstance(node, dict):
+                node = node.setdefault(k, _Node())
+                if not isinstance(node, _Node):  # below a loaded value: never written into (a reader's own)
                     return None
+            if rel[-1] in node:
+                return None
             node[rel[-1]] = value
     except CkptError:
         return None  # an undecodable value: diff and convert say so where they load it
+    if whole is not None and root:
+        return None  # stored whole and in parts: not one param_groups
     groups = whole if whole is not None else _as_list(root)
     if not isinstance(groups, (list, tuple)):
         return None
@@ -146,10 +150,14 @@ def _read_groups(parts: list[tuple[tuple[str, ...], Leaf]]) -> list[list[Any]] |
     return out
 
 
+class _Node(dict):  # type: ignore[type-arg]
+    """A part of param_groups assembled from its leaves (told apart from a dict a leaf held)."""
+
+
 def _as_list(node: Any) -> Any:
     """A dict of the keys '0'..'n-1' (a list split into leaves) as that list; anything else as it is."""
-    if isinstance(node, dict) and node and all(isinstance(k, str) and k.isdigit() for k in node):
-        if sorted(int(k) for k in node) == list(range(len(node))):
+    if isinstance(node, dict) and node and all(isinstance(k, str) for k in node):
+        if set(node) == {str(i) for i in range(len(node))}:
             return [_as_list(node[str(i)]) for i in range(len(node))]
     return node
 
@@ -250,19 +258,23 @@ def _mapped_leaf(leaf: ValueLeaf, rel: tuple[str, ...], mapping: dict[Any, Any])
 
 def _map_params(value: Any, rel: tuple[str, ...], fn: Callable[[Any], Any]) -> Any:
     """The params inside a part of param_groups (the whole list, a group, its params, one param)."""
+    def each(items: Any, f: Callable[[Any], Any]) -> Any:
+        # a new list or tuple (never the loaded one changed: a reader may hand it out again)
+        return tuple(map(f, items)) if isinstance(items, tuple) else list(map(f, items))
+
     def group(g: Any) -> Any:
         if isinstance(g, dict) and isinstance(g.get(PARAMS), (list, tuple)):
-            return {**g, PARAMS: type(g[PARAMS])(fn(p) for p in g[PARAMS])}
+            return {**g, PARAMS: each(g[PARAMS], fn)}
         return g
 
     if not rel:
-        return type(value)(group(g) for g in value) if isinstance(value, (list, tuple)) else value
+        return each(value, group) if isinstance(value, (list, tuple)) else value
     if len(rel) == 1:
         return group(value)
     if rel[1] != PARAMS:
         return value
     if len(rel) == 2:
-        return type(value)(fn(p) for p in value) if isinstance(value, (list, tuple)) else value
+        return each(value, fn) if isinstance(value, (list, tuple)) else value
     return fn(value) if len(rel) == 3 else value
 
 
