@@ -727,7 +727,12 @@ def _optimizer_keys_like(src: Checkpoint, reference: str) -> tuple[Checkpoint, l
     reads) is: by integer ids, as `torch.save(opt.state_dict())`, or by FQNs, as DCP's
     get_state_dict; the pairs come from the two param_groups (optim_keys.py). Only the reference's
     metadata and its param_groups values are read."""
-    ref = open_source(reference, step=None)
+    try:
+        ref = open_source(reference, step=None)
+    except CkptError as exc:  # (the line says which path it is: the reference, not the source)
+        named = CkptError(f"--optimizer-keys-like: {exc.message}", exc.where)
+        named.code = exc.code
+        raise named from None
     entries, done = optim_keys.rekey_like([(tuple(leaf.keys), leaf) for leaf in src.leaves],
                                           [(tuple(leaf.keys), leaf) for leaf in ref.leaves], src.path, reference)
     leaves = [optim_keys.with_keys(leaf, keys) for keys, leaf in entries]
