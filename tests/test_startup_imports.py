@@ -72,6 +72,59 @@ def test_dcp_inspect_loads_no_other_format_reader(name):
     assert not bad, bad
 
 
+def _loaded_after(argv: list[str]) -> list[str]:
+    """The modules a process has loaded after the CLI ran `argv` into a pipe (plain text, not a terminal)."""
+    code = (
+        "import sys, ckpt_tool.cli.main as m\n"
+        f"code = m._run({argv!r})\n"
+        "sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + ' CODE ' + str(code) + '\\n')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stderr.rstrip().splitlines()[-1]
+    assert line.startswith("MODULES ") and line.endswith(" CODE 0"), (r.stdout[-500:], r.stderr[-2000:])
+    assert r.stdout.strip(), "no output"
+    return line.split()[1:-2]
+
+
+# what the inspect/validate path of a local Orbax or DCP checkpoint must not load (issue 46): the
+# frameworks, and rich, which renders for a terminal only (a pipe gets plain text, --json JSON)
+HEAVY_EVERYWHERE = ("jax", "torch", "rich", "flax", "orbax")
+
+
+@pytest.mark.parametrize("name", ["orbax_ocdbt_zarr2", "orbax_plain_zarr2", "dcp_single", "dcp_multirank"])
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["inspect", "--flat"], ["validate"],
+                                     ["validate", "--json"]])
+def test_inspect_and_validate_into_a_pipe_load_no_framework_and_no_rich(name, command):
+    loaded = _loaded_after([command[0], str(fixture_path(name)), *command[1:]])
+    bad = [m for m in loaded if m.split(".")[0] in HEAVY_EVERYWHERE]
+    assert not bad, bad
+
+
+def test_plain_markup_is_richs_own_without_rich():
+    """render.esc and render.plain (a pipe's text, without importing rich) say what rich.markup's
+    escape and Text.from_markup(...).plain say, on text full of brackets and backslashes."""
+    import itertools
+
+    from rich.markup import escape
+    from rich.text import Text
+
+    from ckpt_tool.cli.render import esc, plain
+
+    pieces = ["[", "]", "\\", "a", "/", "bold", "[/]", "[bold]", "[/bold]", "=x", "@", "#", " ", ":smile:"]
+    for n in range(4):
+        for combo in itertools.product(pieces, repeat=n):
+            text = "".join(combo)
+            assert esc(text) == escape(text), text
+            markup = f"[bold]{esc(text)}[/bold] {esc(text)}"
+            assert plain(markup) == Text.from_markup(markup, emoji=False).plain, markup
+            try:
+                want = Text.from_markup(text, emoji=False).plain
+            except Exception:  # noqa: BLE001 - markup rich refuses (a closing tag that closes nothing)
+                continue
+            assert plain(text) == want, text
+
+
 def test_help_loads_no_format_package():
     code = (
         "import io, sys, contextlib, ckpt_tool.cli.main as m\n"

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..text import printable
 
-# rich is imported when something is rendered for a person: `--json` runs
-# (CI scripts, the inspect benchmark) do not pay for it
+# rich is imported when something is rendered on a terminal: `--json` runs (CI scripts, the
+# inspect benchmark) and output into a pipe (plain text: esc and plain below, rich's markup
+# rules without rich) do not pay for it (~0.1 s on a TPU host, issue 46)
+
+# rich.markup's own patterns: a tag ([bold], [/], [link=...]) and an escaped one
+_TAG = re.compile(r"((\\*)\[([a-z#/@][^[]*?)])")
+_TAG_TO_ESCAPE = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
 
 
 @dataclass
@@ -72,10 +78,40 @@ def process_note(index: int, count: int) -> str:
 
 
 def esc(text: Any) -> str:
-    """Escape user data (keys, paths) before putting it into markup."""
-    from rich.markup import escape
+    """Escape user data (keys, paths) before putting it into markup (rich.markup.escape's rule)."""
+    markup = _TAG_TO_ESCAPE.sub(_double_backslashes, str(text))
+    if markup.endswith("\\") and not markup.endswith("\\\\"):
+        return markup + "\\"
+    return markup
 
-    return escape(str(text))
+
+def _double_backslashes(match: re.Match[str]) -> str:
+    backslashes, tag = match.groups()
+    return f"{backslashes}{backslashes}\\{tag}"
+
+
+def plain(markup: str) -> str:
+    """The text of `markup` without its tags, as rich renders it (Text.from_markup(...).plain, emoji
+    codes left as they are): tags dropped, an escaped tag and `\\[` shown as text."""
+    if "[" not in markup:
+        return markup
+    out = []
+    position = 0
+    for match in _TAG.finditer(markup):
+        full, escapes, _tag = match.groups()
+        start, end = match.span()
+        if start > position:
+            out.append(markup[position:start].replace("\\[", "["))
+        position = end
+        if escapes:
+            backslashes, escaped = divmod(len(escapes), 2)
+            if backslashes:
+                out.append("\\" * backslashes)
+            if escaped:
+                out.append(full[len(escapes):].replace("\\[", "["))
+    if position < len(markup):
+        out.append(markup[position:].replace("\\[", "["))
+    return "".join(out)
 
 
 class Output:
@@ -136,21 +172,20 @@ class Output:
         self._guard(self.stream.flush)
 
     def line(self, markup: str = "") -> None:
-        text = _text(markup)
         if self.is_terminal:
-            self.console.print(text)
+            self.console.print(_text(markup))
         else:
-            self.write(text.plain + "\n")
+            self.write(plain(printable(markup)) + "\n")
 
     def lines(self, markups: Iterable[str]) -> None:
         for m in markups:
             self.line(m)
 
     def header(self, title: str, rows: list[tuple[str, str]]) -> None:
-        from rich.table import Table
-        from rich.text import Text
-
         if self.is_terminal:
+            from rich.table import Table
+            from rich.text import Text
+
             grid = Table.grid(padding=(0, 2))
             grid.add_column(style="bold")
             grid.add_column()
@@ -165,9 +200,9 @@ class Output:
                 self.line(f"  {esc(printable(k).ljust(width))}  {v}")
 
     def tree(self, root: Node) -> None:
-        from rich.tree import Tree
-
         if self.is_terminal:
+            from rich.tree import Tree
+
             tree = Tree(_text(root.label), guide_style="dim")
             self._fill(tree, root.children)
             self.console.print(tree)
@@ -194,4 +229,5 @@ def _text(markup: str) -> Any:
     """
     from rich.text import Text
 
-    return Text.from_markup(printable(markup))
+    # (no emoji codes: a key named "a:cross_mark:" is shown as it is, as plain() shows it)
+    return Text.from_markup(printable(markup), emoji=False)
