@@ -6,6 +6,9 @@ import sys
 
 import click
 
+from .. import output
+from ..errors import NotFoundError
+from ..output import Temporary
 from ..runs import RunListing, StepRow, list_run
 from ..text import printable
 from .helptext import run_roots
@@ -32,17 +35,52 @@ _COLOURS = {"committed": "green", "incomplete": "red", "in-progress": "yellow"}
 def ls_command(root: str, as_json: bool, check: bool | None, deep: bool, sizes: bool | None) -> None:
     if deep and not check:
         raise click.UsageError("--deep applies to --check: add --check")
-    # (without --check: every committed step gets validate's cheap check, as validate of a root
-    # gives the steps it does not open; a step failing it is named below the table)
-    listing = list_run(root, check=bool(check), deep=deep, sizes=sizes, screen=check is None)
+    try:
+        # (without --check: every committed step gets validate's cheap check, as validate of a root
+        # gives the steps it does not open; a step failing it is named below the table)
+        listing = list_run(root, check=bool(check), deep=deep, sizes=sizes, screen=check is None)
+    except NotFoundError:
+        # not a run root: still the place to find what a killed convert/reshard left beside its DST
+        stale = output.stale_outputs(root)
+        if not stale:
+            raise
+        _stale_only(Output(json_mode=as_json), root, stale)
+        sys.exit(0)
+    stale = output.stale_outputs(root)
     # a save in progress failing is what it is; a committed step failing is the problem
     failed = bool(check) and any(s.check is not None and not s.check["ok"] and s.status == "committed" for s in listing.steps)
     out = Output(json_mode=as_json)
     if as_json:
-        out.json({"ok": not failed, **listing.to_json()})  # "ok" as the exit status says
+        # "ok" as the exit status says
+        out.json({"ok": not failed, **listing.to_json(), "stale_temporaries": [t.to_json() for t in stale]})
     else:
         _table(out, listing, bool(check))
+        _stale_lines(out, stale)
     sys.exit(1 if failed else 0)
+
+
+def _stale_only(out: Output, root: str, stale: list[Temporary]) -> None:
+    """A directory that is not a run root, holding stale temporary outputs."""
+    if out.json_mode:
+        out.json({"ok": True, "root": root, "layout": None, "title": None, "pointer": None, "steps": [],
+                  "stale_temporaries": [t.to_json() for t in stale]})
+        return
+    out.line(f"[bold]{esc(root)}[/bold]  (not a run root; {plural(len(stale), 'stale temporary output')})")
+    _stale_lines(out, stale)
+
+
+def _stale_lines(out: Output, stale: list[Temporary]) -> None:
+    """Each temporary output of a convert/reshard that no longer runs: its size, owner, and the
+    command that removes it (the next convert or reshard to its DST removes it too)."""
+    if not stale:
+        return
+    n = len(stale)
+    out.line(f"[yellow]{plural(n, 'stale temporary output')}[/yellow] (left by a ckpt convert or reshard that no longer "
+             f"runs; the next run to the same destination removes {'it' if n == 1 else 'them'} too):")
+    for t in stale:
+        owner = f"{t.owner.describe()}, {t.why()}" if t.owner is not None else t.why()
+        out.line(f"  {esc(t.name)}  {human_bytes(t.nbytes)}  ({esc(owner)})")
+        out.line(f"    {esc(output.remove_command(t.path))}")
 
 
 def _when(t: float | None) -> str:
