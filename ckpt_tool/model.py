@@ -411,11 +411,12 @@ class MissingData:
     """A data file the metadata names that is not there whole, and the leaves stored in it."""
 
     file: str  # relative to the checkpoint
-    reason: str  # "does not exist", "N of M bytes"
+    reason: str  # "does not exist", "N of M bytes", "cannot read: Permission denied"
     leaves: list[str] = field(default_factory=list)  # names of the leaves (or pieces) it holds
+    unreadable: bool = False  # there, and long enough, but it cannot be opened for reading
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "reason": self.reason, "leaves": list(self.leaves)}
+        return {"file": self.file, "reason": self.reason, "leaves": list(self.leaves), "unreadable": self.unreadable}
 
 
 @dataclass

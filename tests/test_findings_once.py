@@ -177,7 +177,7 @@ def fake_hub():
     import http.server
     import threading
 
-    state: dict = {"src": None, "stall": None, "stop": threading.Event()}
+    state: dict = {"src": None, "stall": None, "stop": threading.Event(), "stalled": threading.Event()}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def _head(self):
@@ -199,6 +199,7 @@ def fake_hub():
                 state["stall"] = None
                 self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()
+                state["stalled"].set()
                 state["stop"].wait(120)
                 return
             self.wfile.write(body)
@@ -234,10 +235,12 @@ def _hf_download(hub: dict, local_dir: Path, files: list[str], tmp_path: Path, *
         assert proc.returncode == 0, err.decode()
         return
     deadline = time.monotonic() + 120
-    download = local_dir / ".cache" / "huggingface" / "download"
-    while not (download.is_dir() and any(p.name.endswith(".incomplete") for p in download.iterdir())):
+    # the stalled file's transfer has begun (its partial file is open before the GET is sent);
+    # other files' partial files come and go before it
+    while not hub["stalled"].is_set():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()
         time.sleep(0.05)
+    time.sleep(0.2)
     proc.kill()
     proc.wait()
 
@@ -289,3 +292,73 @@ def test_total_size_is_not_blamed_for_a_deleted_shard(tmp_path):
     r = invoke("validate", str(local), "--json")
     findings = json.loads(r.output)["findings"]
     assert [(f["code"], f["file"]) for f in findings] == [("missing-file", "model-00003-of-00004.safetensors")]
+
+
+# -- item 4: inspect opens each data file (no read) ----------------------------------------------
+
+def _ckpt(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_DEBUG"}
+    return subprocess.run([*prefix, sys.executable, "-m", "ckpt_tool", *args], capture_output=True, text=True,
+                          env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+
+
+def _leaves_in(ckpt_dir: Path, file: str) -> set[str]:
+    """The fqns torch's own .metadata reader places in `file`."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    return {index.fqn for index, info in meta.storage_data.items() if info.relative_path == file}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["dcp_multirank", "megatron_torch_dist_tp2"])
+def test_unreadable_data_file_makes_inspect_say_incomplete(tmp_path, fixture):
+    """A mode-000 `.distcp` (torch DCP; Megatron-Core's torch_dist saves through it): inspect said
+    `committed` while validate said unreadable-file. It opens each data file (reading nothing)."""
+    from test_error_messages import _without_read_override
+
+    prefix = _without_read_override()  # root reads a mode-000 file otherwise
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / fixture, root)
+    data = root / "__0_0.distcp"
+    data.chmod(0)
+    try:
+        text = _ckpt("inspect", str(root), prefix=prefix)
+        doc = _ckpt("inspect", "--json", str(root), prefix=prefix)
+        valid = _ckpt("validate", "--json", str(root), prefix=prefix)
+    finally:
+        data.chmod(0o644)
+    assert text.returncode == 0, text.stderr  # as for a missing file: inspect describes what is there
+    (status,) = [line for line in text.stdout.splitlines() if line.strip().startswith("status")]
+    assert "incomplete: 1 data file unreadable (" in status, text.stdout
+    (row,) = [line for line in text.stdout.splitlines() if line.strip().startswith("unreadable")]
+    assert "__0_0.distcp: cannot read: Permission denied" in row
+    got = json.loads(doc.stdout)
+    assert got["status"] == "incomplete"
+    (missing,) = got["missing"]
+    assert missing["unreadable"] is True and missing["reason"] == "cannot read: Permission denied"
+    assert missing["leaves"]
+    if fixture == "dcp_multirank":  # (Megatron's .metadata pickles Megatron's classes: not for torch alone)
+        assert set(missing["leaves"]) == _leaves_in(root, "__0_0.distcp")
+    # validate names the same file, for the same reason
+    (finding,) = _errors(valid.stdout)
+    assert finding["code"] == "unreadable-file" and finding["file"].endswith("__0_0.distcp")
+
+
+def test_inspect_of_a_readable_checkpoint_stays_committed_and_reads_no_data_file(tmp_path, monkeypatch):
+    """The check is an open and a close: inspect of a whole DCP save reads no byte of a data file."""
+    from ckpt_tool.storage import local as localfs
+
+    reads: list[str] = []
+    real = localfs.read_all
+    monkeypatch.setattr(localfs, "read_all", lambda fd: reads.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    real_pread = localfs.pread
+    monkeypatch.setattr(localfs, "pread", lambda fd, *a: reads.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_pread(fd, *a))
+    real_into = localfs.pread_into
+    monkeypatch.setattr(localfs, "pread_into", lambda fd, *a: reads.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_into(fd, *a))
+    r = invoke("inspect", "--json", str(FIXTURES / "dcp_multirank"))
+    assert any(p.endswith("/.metadata") for p in reads)  # (the reads are seen)
+    assert json.loads(r.output)["status"] == "committed"
+    assert not [p for p in reads if p.endswith(".distcp")], reads

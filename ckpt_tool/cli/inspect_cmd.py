@@ -82,14 +82,19 @@ def _header_rows(result: InspectResult) -> list[tuple[str, str]]:
         rows.append(("showing", f"step {ck.step}"))
     if ck.status == "incomplete":
         lost = sum(len(m.leaves) for m in ck.missing)
-        status = (f"[bold red]incomplete[/bold red]: {plural(len(ck.missing), 'data file')} missing or cut short"
+        unreadable = sum(m.unreadable for m in ck.missing)
+        gone = len(ck.missing) - unreadable
+        why = ([f"{plural(gone, 'data file')} missing or cut short"] if gone else []) + (
+            [f"{plural(unreadable, 'data file')} unreadable"] if unreadable else [])
+        status = (f"[bold red]incomplete[/bold red]: {', '.join(why)}"
                   + (f" ({plural(lost, 'leaf', 'leaves')} stored there cannot be read)" if lost else ""))
     else:
         status = "[green]committed[/green]" if ck.committed else "[bold red]UNCOMMITTED / incomplete save[/bold red]"
     rows.append(("status", status))
     for m in ck.missing:
         shown = ", ".join(m.leaves[:3]) + (", ..." if len(m.leaves) > 3 else "")
-        rows.append(("missing", f"[red]{esc(m.file)}[/red]: {esc(m.reason)}" + (f"; holds {esc(shown)}" if shown else "")))
+        rows.append(("unreadable" if m.unreadable else "missing",
+                     f"[red]{esc(m.file)}[/red]: {esc(m.reason)}" + (f"; holds {esc(shown)}" if shown else "")))
     if ck.saved_at:
         when = _dt.datetime.fromtimestamp(ck.saved_at, tz=_dt.timezone.utc)
         rows.append(("saved", when.strftime("%Y-%m-%d %H:%M:%S UTC")))

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import dtypes
 from ..formats.contract import ArrayReader
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, short_repr
+from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnreadableFileError, short_repr
 from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ..storage import Storage
 from ..torchsave import safe_pickle
@@ -150,6 +150,7 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
     # (on an object store each size is a round trip or more: all of them in flight together)
     storage.prefetch_shortfalls({f: needed[f] for f in files if f in listed})
     for f in files:
+        unreadable = False
         if f not in listed:
             reason = "does not exist (named in .metadata)"
         else:
@@ -158,10 +159,18 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
             except (CkptError, OSError):
                 continue  # unreadable or gone since the listing: a read says why
             if short is None:
-                continue
-            reason = f"{short:,} of the {needed[f]:,} bytes .metadata places in it"
+                # there and long enough; an open (no read) says whether it can be read at all
+                try:
+                    storage.check_readable(f)
+                    continue
+                except UnreadableFileError as exc:
+                    reason, unreadable = exc.message, True
+                except (CkptError, OSError):
+                    continue  # gone since the listing, or not a regular file: a read says why
+            else:
+                reason = f"{short:,} of the {needed[f]:,} bytes .metadata places in it"
         missing.append(MissingData(f, reason, sorted({fqn for (fqn, _), info in parsed.storage.items()
-                                                      if info.relative_path == f})))
+                                                      if info.relative_path == f}), unreadable))
     if parsed.transforms is not None:
         transforms = sorted({t for tr in parsed.transforms for t in tr})
     else:

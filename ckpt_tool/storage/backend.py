@@ -174,6 +174,11 @@ class Backend(ABC):
         """The size in bytes of the value at `rel`, without reading it; NotFoundError when missing,
         None where the store cannot tell without reading the whole value."""
 
+    def check_readable(self, rel: str) -> None:
+        """Raise UnreadableFileError when the value at `rel` cannot be opened for reading, reading
+        nothing. Default: nothing to do (an object store's listing and size are what it knows without
+        a read; each more request per file would cost a round trip)."""
+
     def shortfall(self, rel: str, need: int) -> int | None:
         """None when the value at `rel` holds at least `need` bytes, else its size (see Storage.shortfall)."""
         size = self.size(rel)

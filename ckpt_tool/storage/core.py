@@ -295,6 +295,11 @@ class Storage:
         # a store that cannot tell without reading: the value is read (and logged as read)
         return len(self.read(key)) if size is None else size
 
+    def check_readable(self, key: str) -> None:
+        """UnreadableFileError when the file at `key` is there but cannot be opened for reading (a
+        local file's permissions); nothing is read. On an object store: nothing, no request."""
+        self.backend.check_readable(self._checked(key))
+
     def shortfall(self, key: str, need: int) -> int | None:
         """None when the value at `key` holds at least `need` bytes, else its size (NotFoundError when
         missing). What a check of "is this data file long enough for what the metadata places in it"

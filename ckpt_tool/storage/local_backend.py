@@ -138,6 +138,12 @@ class LocalBackend(Backend):
         with self._reads.use(os.path.join(self.root, rel), where, lambda: self.check_key(rel, want_dir=False)) as fd:
             localfs.pread_into(fd, view, start, where)
 
+    def check_readable(self, rel: str) -> None:
+        # an open and a close, no read: what a stat cannot tell (a mode-000 file, a file of another
+        # user's); the open is the non-blocking one of every read (a FIFO does not block it)
+        with localfs.open_for_read(os.path.join(self.root, rel), self.where(rel)):
+            pass
+
     def size(self, rel: str) -> int | None:
         try:
             return os.stat(os.path.join(self.root, rel)).st_size
