@@ -360,6 +360,8 @@ def _pair_optimizer_states(
     size pair nothing: one note naming both sides."""
     from . import optim_keys
 
+    if not all(any(optim_keys.PARAM_GROUPS in p for p in side) for side in (left, right)):
+        return left, right, []  # (most checkpoints: no key split for nothing)
     sides = {"a": left, "b": right}
     entries: dict[str, list[optim_keys.Entry]] = {side: [(split_path(p), leaf) for p, leaf in leaves.items()]
                                                   for side, leaves in sides.items()}
