@@ -4,10 +4,12 @@ inspect and values of ds_to_universal's output against torch.load's, validate, d
 
 Here: every file ckpt writes is byte for byte the file ds_to_universal wrote from the same ZeRO
 fixture (fixtures/deepspeed_universal_*, DeepSpeed 0.19), with no other file (no fragment
-directory); DeepSpeed 0.19's `load_checkpoint(root, load_universal=True)` restores from ckpt's
-output exactly what it restores from ds_to_universal's, which is what was saved, and a training
-step after it gives the same state (run in build/venv-deepspeed-0.19 as a subprocess; skipped when
-that venv is absent); sources and options a universal checkpoint cannot be made from are refused
+directory); ckpt's output holds, value for value, what DeepSpeed 0.19's `load_checkpoint(root,
+load_universal=True)` restored from ds_to_universal's (recorded by DeepSpeed itself in
+fixtures/deepspeed_universal_load/, compared without DeepSpeed); where build/venv-deepspeed-0.19
+exists, DeepSpeed loads ckpt's output live too (a subprocess), restoring exactly what it restores from
+ds_to_universal's and what was recorded, which is what was saved, and a training step after it gives
+the same state (skipped when that venv is absent); sources and options a universal checkpoint cannot be made from are refused
 in one line with nothing written; a parameter larger than --memory is streamed into its file in
 bands; inspect and validate import neither torch nor DeepSpeed; a ZeRO root holding
 `latest_universal` too reads as the ZeRO checkpoint.
@@ -75,8 +77,128 @@ def _reference(name: str) -> dict:
     return json.loads((FIXTURES / name / "_reference.json").read_text())
 
 
+# what DeepSpeed 0.19's load_checkpoint(load_universal=True) restored from ds_to_universal's output of
+# these ZeRO fixtures (fixtures/deepspeed_universal_load/<name>.json, fixtures/gen_deepspeed_universal_load.py)
+LOADED = ["z1_bf16", "z2_fp32", "z3_bf16", "z3_bf16_uneven"]
+RESTORED = ("params", "groups", "steps", "global_steps", "global_samples", "lr_scheduler", "client")
+
+
+def _loaded(name: str) -> dict:
+    return json.loads((FIXTURES / "deepspeed_universal_load" / f"{name}.json").read_text())
+
+
+def _deepspeed_free_pickle():  # noqa: ANN202
+    """A pickle module for torch.load of DeepSpeed's files where DeepSpeed is not installed: its own
+    objects (optimizer_state.pt's loss scaler, ZeroStageEnum) come back as bare stand-ins holding
+    their state; everything else as torch loads it."""
+    import pickle
+    import types
+
+    class StandIn:
+        def __init__(self, *args: object) -> None:
+            self.args = args
+
+        def __setstate__(self, state: object) -> None:
+            self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> object:
+            if module.split(".")[0] == "deepspeed":
+                return type(name, (StandIn,), {})
+            return super().find_class(module, name)
+
+    stub = types.ModuleType("deepspeed_free_pickle")
+    stub.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
+    stub.Unpickler = Unpickler  # type: ignore[attr-defined]
+    return stub
+
+
+def _tensor_json(t) -> dict:  # noqa: ANN001
+    """fixtures/gen_deepspeed.py's _tensor_json: shape, dtype and the bytes (base64)."""
+    import base64
+
+    import torch
+
+    t = t.detach().contiguous()
+    raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "data": base64.b64encode(raw).decode()}
+
+
+def _as_deepspeed_loads(root: Path, stage: int, params: dict, groups: int, flats: int) -> dict:
+    """What DeepSpeed 0.19's universal load takes from the files under `root`, read with torch.load,
+    in the form tests/deepspeed_universal_load.py records what it restored:
+
+    - each trained parameter's fp32 weights and Adam moments: zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt,
+      the tensor (stages 1/2: its "param" entry) in the parameter's shape
+      (checkpoint/universal_checkpoint.load_hp_checkpoint_state; stage3.load_hp_checkpoint_state);
+    - the hyper-parameters: zero/optimizer_state.pt's param_groups, group by group at stages 1/2
+      (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir), at stage 3 its
+      optimizer_state_dict's param_groups[0] for every group (load_hp_checkpoint_state_from_checkpoint_dir_stage3);
+    - the optimizer step: each parameter's step.pt (stages 1/2: one per group), optimizer_state_dict's
+      state[0]'s step (stage 3: one per sub-group's flat tensor);
+
+    (`groups` and `flats`, stage 3's groups and sub-groups, are the model's, not the files'.)
+    - the engine's counters, lr scheduler and client state from the model-states file
+      (engine._load_checkpoint)."""
+    import torch
+
+    ds_pickle = _deepspeed_free_pickle()
+    step = root / (root / "latest_universal").read_text().strip()
+    zero = step / "zero"
+    states = torch.load(sorted(step.glob("*model_states.pt"))[0], weights_only=False, pickle_module=ds_pickle)
+    optim = torch.load(zero / "optimizer_state.pt", weights_only=False, pickle_module=ds_pickle)
+    out: dict = {"params": {}}
+    for name, recorded in params.items():
+        out["params"][name] = {}
+        for key in recorded:
+            t = torch.load(zero / name / f"{key}.pt", weights_only=True)
+            t = t["param"] if isinstance(t, dict) else t
+            out["params"][name][key] = _tensor_json(t.reshape(recorded[key]["shape"]))
+    plain = lambda group: {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}  # noqa: E731
+    if stage < 3:
+        out["groups"] = [plain(g) for g in optim["param_groups"]]
+        steps = {float(torch.load(zero / name / "step.pt", weights_only=True)) for name in params}
+        assert len(steps) == 1, steps  # DeepSpeed asserts one step per group
+        out["steps"] = [steps.pop()] * len(out["groups"])
+    else:
+        osd = optim["optimizer_state_dict"]
+        out["groups"] = [plain(osd["param_groups"][0])] * groups
+        out["steps"] = [float(osd["state"][0]["step"])] * flats
+    out["global_steps"] = states["global_steps"]
+    out["global_samples"] = states["global_samples"]
+    out["lr_scheduler"] = {k: v for k, v in states["lr_scheduler"].items()
+                           if isinstance(v, (int, float, str, bool, type(None)))}
+    out["client"] = {k: states[k] for k in ("run", "epoch")}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LOADED)
+def test_ckpts_output_holds_what_deepspeed_restored_from_ds_to_universals(tmp_path, name):
+    """Without DeepSpeed: ckpt's universal output, read the way DeepSpeed 0.19's universal load reads
+    it, holds value for value what DeepSpeed restored from ds_to_universal's output of the same ZeRO
+    checkpoint (recorded by DeepSpeed itself: fixtures/deepspeed_universal_load/). The same reading of
+    ds_to_universal's own files gives the recording too: the check of the reading itself."""
+    want = _loaded(name)
+    assert want["facts"]["stage"] == STAGES[name] and want["facts"]["zero_fixture"] == f"deepspeed_{name}"
+    ours = tmp_path / "ours"
+    r = run("convert", FIXTURES / f"deepspeed_{name}", ours, "--to", "deepspeed-universal")
+    assert r.returncode == 0, r.stderr
+    for root in (FIXTURES / f"deepspeed_universal_{name}", ours):
+        got = _as_deepspeed_loads(root, STAGES[name], want["params"], len(want["groups"]), len(want["steps"]))
+        for pname, state in want["params"].items():
+            for key, tensor in state.items():
+                assert got["params"][pname][key] == tensor, (root.name, pname, key)
+        assert got["params"].keys() == want["params"].keys()
+        # every parameter the optimizer holds state for is a trained one DeepSpeed restored
+        step = root / (root / "latest_universal").read_text().strip()
+        assert {p.parent.name for p in (step / "zero").glob("*/exp_avg.pt")} == set(want["params"]), root.name
+        for key in RESTORED[1:]:
+            assert got[key] == want[key], (root.name, key, got[key], want[key])
+
+
 @pytest.mark.skipif(not DS_PYTHON.exists(), reason="no build/venv-deepspeed-0.19 (make fixtures builds it)")
-@pytest.mark.parametrize("name", ["z1_bf16", "z2_fp32", "z3_bf16", "z3_bf16_uneven"])
+@pytest.mark.parametrize("name", LOADED)
 def test_deepspeed_loads_ckpts_output_as_ds_to_universals(tmp_path, name):
     stage = STAGES[name]
     ours = tmp_path / "ours"
@@ -109,6 +231,10 @@ def test_deepspeed_loads_ckpts_output_as_ds_to_universals(tmp_path, name):
         # load_hp_checkpoint_state_from_checkpoint_dir_stage3), from ds_to_universal's file as from ckpt's
         assert all(g == groups[0] for g in a["before"]["groups"])
     assert a["after"]["global_steps"] == 3 and a["after"] != a["before"]
+    # ... and what the committed recording holds (the check that runs without DeepSpeed, above)
+    recorded = _loaded(name)
+    assert {k: a["before"][k] for k in RESTORED[:-1]} == {k: recorded[k] for k in RESTORED[:-1]}
+    assert a["client"] == recorded["client"]
 
 
 # --------------------------------------------------------------------------------------------
