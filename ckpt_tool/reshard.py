@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -885,7 +886,11 @@ def reshard(
     merges and writes the metadata after a barrier (engine.convert).
     """
     coord = coordinator or Coordinator()
+    # the summary's time spans the plan too (opening the source, its preflight check, every leaf's
+    # spec), as convert's does: what is left of the process is its start and end
+    started = time.monotonic()
     plan = plan_reshard(source, destination, opts, coordinator=coord)
+    planned = time.monotonic() - started
     check_plan(plan)
     owners = plan.owners
     result = convert(
@@ -896,5 +901,5 @@ def reshard(
         planned=PlannedWrite(plan.checkpoint, plan.write_plan, plan.sources, owns=lambda n, rank: owners[n] == rank,
                              log=plan.log),
     )
-    return ReshardResult(plan, result.chunks, result.bytes, result.seconds, result.process_index, result.process_count,
+    return ReshardResult(plan, result.chunks, result.bytes, planned + result.seconds, result.process_index, result.process_count,
                          cleanup=result.cleanup, bytes_read=result.bytes_read)
