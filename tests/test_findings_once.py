@@ -362,3 +362,32 @@ def test_inspect_of_a_readable_checkpoint_stays_committed_and_reads_no_data_file
     assert any(p.endswith("/.metadata") for p in reads)  # (the reads are seen)
     assert json.loads(r.output)["status"] == "committed"
     assert not [p for p in reads if p.endswith(".distcp")], reads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, data", [
+    ("orbax_ocdbt_zarr2", "d/"),  # the merged index
+    ("flax_orbax", "checkpoint_2/d/9f8b4bd658c5b7edb223114aad5b4c9a"),  # orbax <= 0.4: index and values
+])
+def test_unreadable_ocdbt_file_is_one_unreadable_file_finding_with_its_leaves(tmp_path, fixture, data):
+    """The same shape for a file that is there but cannot be read (mode 000): one unreadable-file
+    finding naming it and the leaves it takes (was: for the merged index, 'unreadable B-tree node',
+    'cannot list the database' and a leaf-missing per leaf; the shallow check opened no data file)."""
+    from test_error_messages import _without_read_override
+
+    prefix = _without_read_override()
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / fixture, root)
+    target = root / data
+    if target.is_dir():
+        (target,) = target.iterdir()
+    target.chmod(0)
+    try:
+        r = _ckpt("validate", "--json", str(root), prefix=prefix)
+    finally:
+        target.chmod(0o644)
+    assert r.returncode == 1, r.stderr
+    (finding,) = _errors(r.stdout)
+    assert finding["code"] == "unreadable-file" and finding["file"] == str(target.relative_to(root))
+    assert finding["message"].startswith("OCDBT data file cannot be read (Permission denied)")
+    assert finding["count"] == len(finding["leaves"]) == (19 if fixture == "orbax_ocdbt_zarr2" else 2)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import tensorstore as ts
 
 from .. import dtypes
-from ..errors import CkptError
+from ..errors import CkptError, UnreadableFileError
 from ..findings import Findings
 from ..storage import Storage, ocdbt_bulk
 from ..storage.ocdbt_node import OcdbtNodeError, parse_location
@@ -134,6 +134,7 @@ def check_ocdbt(
             need(n["location"])
     limit = ocdbt_bulk.decoded_limit(manifest.get("config"))
     lost_nodes: list[tuple[str, bytes, bytes | None]] = []  # (data file, first key, end key) of each lost node
+    opened: set[str] = set()  # data files found readable (an open each, once)
     leaf_nodes: list[tuple[str, bytes]] = []  # (location, key prefix) of each leaf node read
 
     def wait(f: Any) -> Any:
@@ -146,7 +147,8 @@ def check_ocdbt(
         if ref is None:
             continue
         file = ref[0]
-        if file in lost_files or not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files):
+        if file in lost_files or not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files,
+                                                       opened):
             lost_nodes.append((file, first, end))
             continue
         if not list_keys:
@@ -205,13 +207,13 @@ def check_ocdbt(
     storage.prefetch_shortfalls({f"{db}/{file}" if db else file: last for file, last in needed.items() if file not in lost_files})
     for file, last in sorted(needed.items()):
         if file not in lost_files:
-            _file_long_enough(storage, db, file, last, findings, base_where, lost_files)
+            _file_long_enough(storage, db, file, last, findings, base_where, lost_files, opened)
     findings.count("ocdbt_files", len(needed))
     if stored is not None:
         stored[0] += sum(needed.values())
     if not list_keys:
         return set()
-    if not lost_files:
+    if not lost_files and not lost_nodes:
         try:
             return set(storage.ocdbt(db).list())
         except CkptError as exc:
@@ -254,8 +256,11 @@ def _keys_left(
 
 
 def _file_long_enough(
-    storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: dict[str, int | None]
+    storage: Storage, db: str, file: str, end: int, findings: Findings, where: str, lost: dict[str, int | None],
+    opened: set[str],
 ) -> bool:
+    """Whether the data file holds `end` bytes and can be opened for reading (an open, once per file,
+    no read: a local file's permissions; nothing on an object store); else its one finding."""
     key = f"{db}/{file}" if db else file
     try:
         size = storage.shortfall(key, end)
@@ -270,6 +275,18 @@ def _file_long_enough(
             findings.error("lost-process-data", f"OCDBT data file has {size} bytes but the database needs {end}",
                            file=where + file)
         return False
+    if key not in opened:
+        try:
+            storage.check_readable(key)
+        except UnreadableFileError as exc:
+            lost[file] = None
+            if not any(f.file == where + file for f in findings.errors):
+                why = exc.message.split(": ", 1)[-1]  # ("cannot read: Permission denied")
+                findings.error("unreadable-file", f"OCDBT data file cannot be read ({why})", file=where + file)
+            return False
+        except (CkptError, OSError):
+            pass  # (not a regular file, gone since: the containment check and the reads say so)
+        opened.add(key)
     return True
 
 
