@@ -70,6 +70,15 @@ def test_a_killed_save_asked_for_is_one_error(ckpt, killed_save, suffix):
     assert r.stdout.rstrip().endswith("FAILED: 1 error, 0 warnings"), r.stdout
 
 
+def test_a_killed_save_asked_for_with_deep_claims_no_step_read(ckpt, killed_save):
+    root = killed_save(".orbax-checkpoint-tmp")
+    doc = json.loads(ckpt("validate", root, "--step", "4", "--deep", "--json").stdout)
+    assert [f["code"] for f in doc["findings"]] == ["uncommitted-save"]
+    assert "steps_deep_read" not in doc["checked"], doc["checked"]  # it holds nothing orbax wrote yet
+    doc = json.loads(ckpt("validate", root, "--step", "1", "--deep", "--json").stdout)
+    assert doc["ok"] and doc["checked"]["steps_deep_read"] == 1
+
+
 @pytest.mark.parametrize("suffix", TMP_SUFFIXES)
 def test_the_root_beside_a_killed_save_validates(ckpt, killed_save, suffix):
     root = killed_save(suffix)

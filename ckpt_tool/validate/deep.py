@@ -132,7 +132,8 @@ def deep_check_steps(
     if not first.steps or step not in (None, "all"):
         deep_check(path, fmt, findings, step=step, workers=workers, progress=progress, memory=memory,
                    skip_leaves=_broken(findings, first), ckpt=first)
-        if first.steps:  # the one step of a root that was asked for
+        if first.steps and first.leaves:  # the one step of a root that was asked for
+            # (a killed save's temporary directory, --step N, holds no leaf: no step was read)
             findings.count("steps_deep_read")
         return
     numbers = sorted({s.step for s in first.steps if s.committed and s.step is not None})
