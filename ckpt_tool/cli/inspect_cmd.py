@@ -135,10 +135,13 @@ def _leaf_text(leaf: Leaf, result: InspectResult) -> str:
 
 
 def _flat_lines(result: InspectResult) -> list[str]:
+    # in the tree's order (each key sorted as the tree sorts it), whatever order the format stores
+    # its leaves in (DCP's .metadata and torch.save's pickle: the state dict's insertion order)
+    leaves = sorted(result.leaves, key=lambda leaf: [_order(k) for k in leaf.keys])
     # the column as shown: a name's escapes (\n, \x1b) are wider than the characters they stand for
-    shown = [printable(leaf.path) for leaf in result.leaves]
+    shown = [printable(leaf.path) for leaf in leaves]
     width = max(map(len, shown), default=0)
-    return [f"{esc(path.ljust(width))}  {_leaf_text(leaf, result)}" for path, leaf in zip(shown, result.leaves)]
+    return [f"{esc(path.ljust(width))}  {_leaf_text(leaf, result)}" for path, leaf in zip(shown, leaves)]
 
 
 class _TreeNode:
@@ -166,7 +169,7 @@ def _tree(result: InspectResult, depth: int | None) -> Node:
 
     def build(tree: dict[str, _TreeNode], level: int) -> list[Node]:
         nodes = []
-        for label, child in sorted(tree.items(), key=lambda kv: (isinstance(kv[1].key, str), _natural(kv[1].key))):
+        for label, child in sorted(tree.items(), key=lambda kv: _order(kv[1].key)):
             for leaf in child.leaves:
                 nodes.append(Node(f"{esc(label)}  {_leaf_text(leaf, result)}"))
             if not child.children:
@@ -184,8 +187,14 @@ def _tree(result: InspectResult, depth: int | None) -> Node:
     return Node(f"[bold]{plural(s['leaves'], 'leaf', 'leaves')}[/bold]", build(root.children, 1))
 
 
-def _natural(key: Key) -> Any:
-    return (0, key, "") if isinstance(key, int) else (1, 0, key)
+def _order(key: Key) -> Any:
+    """Where a key sorts among its siblings: indices first, by number (a name of digits too: the
+    `10` of `model.layers.10` after its `2`), then names."""
+    if isinstance(key, int):
+        return (0, key, "")
+    if key.isascii() and key.isdigit():
+        return (0, int(key), key)
+    return (1, 0, key)
 
 
 def _iter_leaves(tree: dict[str, _TreeNode]) -> Iterator[Leaf]:

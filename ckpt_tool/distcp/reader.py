@@ -29,7 +29,9 @@ import numpy as np
 
 from .. import dtypes
 from ..formats.contract import ArrayReader
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnreadableFileError, short_repr
+from ..errors import (
+    CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnreadableFileError, UsageError, short_repr,
+)
 from ..model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ..storage import Storage
 from ..torchsave import safe_pickle
@@ -72,13 +74,17 @@ def detect(storage: Storage) -> bool:
     return any(f.endswith(DATA_SUFFIX) for f in files)
 
 
-def read(storage: Storage, *, fmt: str, step: str | int | None = None, allow: Allow = None) -> Checkpoint:
+def read(storage: Storage, *, fmt: str, step: str | int | None = None, allow: Allow = None,
+         note_others: bool = False) -> Checkpoint:
     """Open a DCP checkpoint: reads `.metadata` and nothing else. `fmt`: the registry name the
     Checkpoint carries (the format reading it: DCP, or a framework saving through DCP).
 
     `allow`: stand-ins for the classes a framework writing through DCP pickles into
-    `.metadata` and its items (Megatron-Core's plans), beside the allow-list."""
-    return _read(storage, fmt=fmt, step=step, allow=allow, want_metadata=False)[0]
+    `.metadata` and its items (Megatron-Core's plans), beside the allow-list. `note_others`:
+    the files beside `.metadata` and the data files are nobody's (a plain DCP directory, not a
+    framework's that keeps its own files there): a note names them, as safetensors and
+    torch.save listings name theirs, and the layout lists them (`ignored`)."""
+    return _read(storage, fmt=fmt, step=step, allow=allow, want_metadata=False, note_others=note_others)[0]
 
 
 def read_with_metadata(storage: Storage, *, fmt: str, step: str | int | None = None,
@@ -88,11 +94,11 @@ def read_with_metadata(storage: Storage, *, fmt: str, step: str | int | None = N
 
 
 def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
-          want_metadata: bool) -> tuple[Checkpoint, Any]:
+          want_metadata: bool, note_others: bool = False) -> tuple[Checkpoint, Any]:
     if step is not None:
-        raise CkptError(
-            "a torch.distributed.checkpoint directory has no steps; open the step's own directory", storage.url
-        )
+        # (a run root's step is opened through the root: the reader sees --step only on one checkpoint)
+        raise UsageError(f"--step {step} given, but this is one torch.distributed.checkpoint (DCP) checkpoint, "
+                         "not a run root of steps", storage.url)
     metadata_where = f"{storage.url}/{METADATA_FILE}"
     if not storage.exists(METADATA_FILE):
         _, top_files = storage.listdir()
@@ -190,6 +196,12 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
         "ranks": ranks,
         "version": parsed.version,
     }
+    if note_others:
+        _, top = storage.listdir()
+        ignored = sorted(f for f in top if f != METADATA_FILE and f not in needed and not f.endswith(DATA_SUFFIX))
+        layout["ignored"] = ignored
+        if ignored:
+            notes.append(f"other files (ignored): {', '.join(ignored[:8])}" + (" ..." if len(ignored) > 8 else ""))
     return Checkpoint(
         path=storage.url,
         format=fmt,

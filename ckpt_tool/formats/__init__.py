@@ -466,7 +466,11 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory
     if single is not None:
         info, (directory, name) = single
-        return info.reader_module().read_file(Storage.open(directory, log=log), name)
+        ckpt = info.reader_module().read_file(Storage.open(directory, log=log), name)
+        # the path as the user typed it (a reader names the file by the directory it opened,
+        # which may be absolute, or `./x` for a bare name), as a directory's is
+        ckpt.path = url
+        return ckpt
     from . import unknown
 
     unknown.refuse_file(url, registered())  # any other file: the checkpoint it sits in, or what it is

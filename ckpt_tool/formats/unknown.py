@@ -63,6 +63,16 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
         if len(found) == 1:
             return f"a directory holding one checkpoint, not one itself: {listed}; open it: ckpt inspect {example}"
         return f"a directory of {len(found)} checkpoints, not one: {listed}; open one, e.g. ckpt inspect {example}"
+    roots_below = _run_roots_below(storage, dirs)
+    if roots_below:
+        # a training run's experiment directory (NeMo's, above its checkpoints/): the run root in it
+        listed = ", ".join(f"{d}/ ({title}, {n} step{'s' * (n != 1)})" for d, title, n in roots_below[:6]) \
+            + (", ..." if len(roots_below) > 6 else "")
+        first = f"{storage.url.rstrip('/')}/{roots_below[0][0]}"
+        if len(roots_below) == 1:
+            return (f"a directory holding a run root, not a checkpoint itself: {listed}; try {first} "
+                    f"(ckpt ls {first} lists its steps)")
+        return f"a directory of {len(roots_below)} run roots, not a checkpoint: {listed}; try one, e.g. {first}"
     kinds = sorted({kind for f in files for rx, kind in _OTHER_FORMATS if rx.search(f)} | _sniffed_kinds(storage, files))
     if kinds:
         names = ", ".join(sorted(files)[:5])
@@ -71,6 +81,27 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
     seen = ", ".join(sorted(files)[:5]) or ("only directories: " + ", ".join(dirs[:5]) if dirs else "nothing")
     read = _titles(formats, "or")
     return f"not {_article(read)} {read} checkpoint (found {seen})"
+
+
+_MAX_ROOTS_LOOKED = 8  # sub-directories looked into as run roots (each a recursive listing)
+
+
+def _run_roots_below(storage: Storage, dirs: list[str]) -> list[tuple[str, str, int]]:
+    """(name, framework title, step count) of each sub-directory that is a run root (the run
+    layouts' table: formats/roots.py), when there are few sub-directories to look into."""
+    if not dirs or len(dirs) > _MAX_ROOTS_LOOKED:
+        return []
+    from . import roots
+
+    found = []
+    for d in dirs:
+        try:
+            hit = roots.identify(roots.RootListing.of(storage.child(d)))
+        except CkptError:
+            continue
+        if hit is not None:
+            found.append((d, hit[0].title, len(hit[1])))
+    return found
 
 
 def _titles(formats: Sequence[FormatInfo], conjunction: str) -> str:

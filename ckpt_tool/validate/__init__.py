@@ -323,7 +323,7 @@ def _validate_single_file(path: str, parts: tuple[str, str], check_file: Callabl
     if deep:
         broken = {f.leaf for f in findings.errors if f.leaf}
         deep_check(path, family, findings, workers=workers, progress=progress, skip_leaves=broken)
-    return ValidationReport(f"{storage.url}/{parts[1]}", family, findings.items, findings.checked, deep)
+    return ValidationReport(path, family, findings.items, findings.checked, deep)  # as the user typed it
 
 
 def _validate_one(
@@ -441,5 +441,5 @@ def _validate_one(
             findings.error("path-escape", message, file=rel)
     # a remote store that stopped answering is the run's one error, not a finding per chunk
     raise_if_unavailable(since=storage.opened_at)
-    url = f"{storage.url}/{single[1]}" if single else storage.url
+    url = path if single else storage.url  # one file: as the user typed it (a directory's url is)
     return ValidationReport(url, fmt, findings.items, findings.checked, deep)

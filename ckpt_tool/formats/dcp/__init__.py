@@ -21,7 +21,7 @@ __all__ = ["NAME", "detect", "read", "layout_text"]
 
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     """Open a DCP checkpoint: reads `.metadata` and nothing else."""
-    return reader.read(storage, fmt=NAME, step=step)
+    return reader.read(storage, fmt=NAME, step=step, note_others=True)
 
 
 def layout_text(ck: Any) -> str:

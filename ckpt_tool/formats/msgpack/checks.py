@@ -59,7 +59,8 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             family = _check_item(storage.child(rel), item or entry.name, findings, where=rel + "/")
         for item in entry.json_items:
             try:
-                strict_json.loads(storage.read(f"{entry.name}/{item}/metadata"))
+                # its leaves, as inspect lists them (each a value)
+                findings.count("values", len(mt.json_leaves(storage.child(f"{entry.name}/{item}"), "metadata", (item,), item)))
             except (ValueError, CkptError) as exc:
                 findings.error("bad-metadata", f"JSON item unreadable: {getattr(exc, 'message', exc)}", file=f"{entry.name}/{item}/metadata")
     if not committed_any:
@@ -87,7 +88,8 @@ def _build(storage: Storage, key: str, tree: ms.Node, findings: Findings, where:
     for leaf in builder.leaves:
         if leaf is None:
             continue
-        findings.count("leaves")
+        # counted as inspect counts the leaves (an array stored outside the file: _check_arrays)
+        findings.count("values" if isinstance(leaf, ValueLeaf) else "arrays")
         error = leaf.extra.get("payload_error")
         if error:
             findings.error("bad-chunk", error + "; flax cannot restore it", leaf=leaf.path, file=where + key)
@@ -145,20 +147,30 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
             findings.error("bad-metadata", exc.message, file=where + mt.SHARDING)
             shardings = {}
         arrays = [("/".join(str(k) for k in keys_), pname, None) for _, keys_, pname in builder.placeholders]
-        _check_arrays(storage, arrays, stored, use_ocdbt, files, shardings, findings, where, lost=lost)
+        _check_arrays(storage, arrays, stored, use_ocdbt, files, shardings, findings, where, lost=lost,
+                      jax_arrays=mt._sharding_names(storage, files))
+    if version is not None and not any(k[:1] == ("version",) for k in _tree_keys(builder)):
+        findings.count("values")  # T5X's version beside the state: a leaf of inspect's (msgpack reader)
     return family
+
+
+def _tree_keys(builder: mt._Builder) -> list[tuple[Any, ...]]:
+    """The keys of every leaf of the tree built (placeholders and specs included)."""
+    return [tuple(leaf.keys) for leaf in builder.leaves if leaf is not None] + \
+        [tuple(keys) for _, keys, _ in builder.placeholders] + [tuple(keys) for _, keys, _ in builder.specs]
 
 
 def _check_arrays(
     storage: Storage, arrays: list[tuple[str, str, dict[str, Any] | None]], keys: set[str], use_ocdbt: bool,
     files: list[str], shardings: dict[str, Any], findings: Findings, where: str, *, lost: ac.LostKeys | None = None,
+    jax_arrays: set[str] | None = None,
 ) -> None:
     """Each external array: stored, readable zarr metadata agreeing with the tree, every chunk present
     (`lost`: the arrays a lost OCDBT data file takes, named once by that file's finding)."""
     present = [name for _, name, _ in arrays if f"{name}/.zarray" in keys]
     texts = ac.read_array_metadata(storage, use_ocdbt, files, [], present, ".zarray")
     for leaf, name, spec in arrays:
-        findings.count("arrays")
+        findings.count("values" if _python_scalar(texts.get(name), name, jax_arrays) else "arrays")
         lost_in = lost.file_of(name) if lost else None
         if lost_in is not None:
             findings.file_problem("lost-process-data", "OCDBT data file lost", file=lost_in, leaf=leaf)
@@ -198,6 +210,19 @@ def _check_arrays(
     stored = {k.split("/", 1)[0] for k in keys if k.endswith("/.zarray")}
     for name in sorted(stored - referenced):
         findings.warning("leaf-missing", f"array stored but not in '{mt.TREE_FILE}': the library will ignore it", file=f"{where}{name}/")
+
+
+def _python_scalar(text: bytes | str | None, name: str, jax_arrays: set[str] | None) -> bool:
+    """Whether the placeholder `name` is a Python number orbax <= 0.4 saved as a 0-d array, which
+    inspect lists as a value (the msgpack reader's resolve_placeholders rule; `jax_arrays`: the
+    names `_sharding` lists, None without it: then every placeholder is an array)."""
+    if text is None or jax_arrays is None or name in jax_arrays:
+        return False
+    try:
+        shape, dtype, _, _ = mt.parse_zarr_metadata(strict_json.loads(text), False, name)
+    except (ValueError, CkptError):
+        return False  # reported below as unreadable
+    return shape == () and dtype in mt._PYTHON_NUMBER_DTYPES
 
 
 def check_single_file(storage: Storage, name: str, findings: Findings) -> str:

@@ -126,7 +126,8 @@ def _check_json_item(storage: Storage, item: ob.StepItem, findings: Findings, *,
         )
         return
     try:
-        ob.read_json(storage, item.file)
+        # its leaves, as inspect lists them (each a value)
+        findings.count("values", len(ob.json_leaves(storage, item.file, (), item.name)))
     except CkptError as exc:
         findings.error("bad-metadata", f"JSON item unreadable: {exc.message}", file=where + item.file)
 
@@ -143,6 +144,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         findings.error("bad-metadata", f"unreadable tree metadata: {exc.message}", file=where + ob.TREE_METADATA)
         return
     entries = tree.entries
+    # counted as inspect counts the leaves: a scalar is a value there, though stored as a zarr array
+    arrays = sum(v.value_type in ob.ZARR_TYPES and v.value_type != "scalar" for _, v in entries)
+    findings.count("arrays", arrays)
+    if len(entries) > arrays:
+        findings.count("values", len(entries) - arrays)
     zarr3 = tree.use_zarr3
     process_dbs = sorted(d for d in dirs if ob._PROCESS_DB.match(d))
     use_ocdbt = tree.use_ocdbt if tree.use_ocdbt is not None else (ob.ROOT_MANIFEST in files or bool(process_dbs))
@@ -223,7 +229,6 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
             strings_leaves.append((name, leaf_path))
         if vt not in ob.ZARR_TYPES:
             continue
-        findings.count("arrays")
         array_names.add(name)
         lost_in = lost.file_of(name) if lost else None
         if lost_in is not None:

@@ -222,7 +222,9 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     return Checkpoint(
         path=storage.url, format=NAME,
         layout={"files": len(layout.files), "index": layout.index_file, "sharded": layout.sharded,
-                "ignored": layout.ignored},
+                "ignored": layout.ignored,
+                # a directory of one torch.save file (beside notes, a config): its name, as a file's
+                **({"file": layout.files[0]} if len(layout.files) == 1 else {})},
         leaves=leaves, committed=True, saved_at=None, notes=notes, missing=missing,
     )
 
@@ -293,10 +295,9 @@ def read_file(storage: Storage, name: str) -> Checkpoint:
 
 
 def layout_text(ck: Checkpoint) -> str:
-    """inspect's "format" row: "torch.save (3 files, pytorch_model.bin.index.json)"."""
+    """inspect's "format" row: "torch.save (3 files, pytorch_model.bin.index.json)", "torch.save
+    (model.pt)" for one file (given by its path, or alone in its directory)."""
     lay = ck.layout
-    if lay.get("file"):
-        return f"torch.save ({lay['file']})"
-    what = f"{lay.get('files', 0)} file{'s' if lay.get('files') != 1 else ''}"
+    what = lay["file"] if lay.get("file") else f"{lay.get('files', 0)} file{'s' if lay.get('files') != 1 else ''}"
     return f"torch.save ({what}" + (f", {lay['index']})" if lay.get("index") else ")")
 
