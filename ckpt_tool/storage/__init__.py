@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from .containment import check_local_path
 from .backend import Backend, Capabilities, PendingReads, Reads
-from .core import _CONTEXT, ReadLog, Storage
+from .core import ReadLog, Storage
 from .local import FileCloser, LocalFileWriter, place_range
 from .nativelog import _forward_stderr, quiet_native_logs
 from .remote import (
@@ -52,5 +52,14 @@ __all__ = [
     "check_url", "local_path", "ocdbt_truncated_message", "quiet_native_logs", "raise_if_unavailable",
     "ts_error_text",
 ]
-# private names other modules and tests import from here: _CONTEXT (one context for every open),
+# private names other modules and tests import from here: _CONTEXT (one context for every open,
+# made with tensorstore's import when first asked for: __getattr__),
 # _kvstore_spec (output.py), _forward_stderr (the stderr filter's test)
+
+
+def __getattr__(name: str) -> object:
+    if name == "_CONTEXT":
+        from .backend import shared_context
+
+        return shared_context()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

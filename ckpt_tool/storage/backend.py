@@ -13,16 +13,17 @@ the kvstore every root is opened as, and reading several keys concurrently by po
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-
-import tensorstore as ts
 
 from ..errors import CkptError, NotFoundError
 from .remote import _RETRIES, REMOTE_IN_FLIGHT, _endpoint_of, _error_for, _wait_for, opening
 
 if TYPE_CHECKING:
+    import tensorstore as ts
+
     from ..pagecache import DirectoryDropper
     from .local import LocalFileWriter
 
@@ -34,10 +35,8 @@ if TYPE_CHECKING:
 # many-device layout) are not queued behind them. (tensorstore's default too, set here so that it
 # is a number of ckpt's.)
 _REQUESTS_AT_ONCE = {"limit": 4 * REMOTE_IN_FLIGHT}
-_CONTEXT = ts.Context(
-    {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES, "http_request_retries": _RETRIES,
-     "gcs_request_concurrency": _REQUESTS_AT_ONCE, "s3_request_concurrency": _REQUESTS_AT_ONCE}
-)
+_CONTEXT_SPEC = {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES, "http_request_retries": _RETRIES,
+                 "gcs_request_concurrency": _REQUESTS_AT_ONCE, "s3_request_concurrency": _REQUESTS_AT_ONCE}
 # Array reads get their own context with a small decoded-chunk cache: a
 # reshard cuts several output chunks from one source chunk, and without a
 # cache each of them decodes that chunk again. Writers keep _CONTEXT, so
@@ -47,11 +46,51 @@ _CONTEXT = ts.Context(
 # read just comes back short and fails as one line. (Mapping saved ~0.4 s of
 # a 2 GiB reshard; CKPT_MMAP_READS=1 brings it back for sources known not to
 # change.)
-_READ_CONTEXT = ts.Context(
-    {"cache_pool": {"total_bytes_limit": 64 * 2**20}}
-    | ({"file_io_mode": {"mode": "memmap"}} if os.environ.get("CKPT_MMAP_READS", "") not in ("", "0") else {}),
-    parent=_CONTEXT,
-)
+_READ_CONTEXT_SPEC = {"cache_pool": {"total_bytes_limit": 64 * 2**20}}
+
+# Both made on first use, and tensorstore imported then (~0.1 s with numpy, more on a TPU host): a
+# local root is listed and read without it (local_backend.py), so `ckpt inspect` of a local DCP
+# never loads it (issue 46). _CONTEXT and _READ_CONTEXT stay importable names (__getattr__ below).
+_contexts: dict[str, Any] = {}
+_contexts_lock = threading.Lock()
+
+
+def shared_context() -> ts.Context:
+    """The one context every kvstore and array ckpt opens derives from (see above)."""
+    ctx = _contexts.get("shared")
+    if ctx is None:
+        import tensorstore as ts
+
+        with _contexts_lock:
+            ctx = _contexts.get("shared")
+            if ctx is None:
+                ctx = _contexts["shared"] = ts.Context(_CONTEXT_SPEC)
+    return ctx
+
+
+def read_context() -> ts.Context:
+    """For opening arrays to read: shares shared_context()'s resources plus a chunk cache."""
+    ctx = _contexts.get("read")
+    if ctx is None:
+        import tensorstore as ts
+
+        parent = shared_context()
+        with _contexts_lock:
+            ctx = _contexts.get("read")
+            if ctx is None:
+                mmap = os.environ.get("CKPT_MMAP_READS", "") not in ("", "0")
+                spec = _READ_CONTEXT_SPEC | ({"file_io_mode": {"mode": "memmap"}} if mmap else {})
+                ctx = _contexts["read"] = ts.Context(spec, parent=parent)
+    return ctx
+
+
+def __getattr__(name: str) -> Any:
+    # the contexts under their old names, made (and tensorstore imported) when first asked for
+    if name == "_CONTEXT":
+        return shared_context()
+    if name == "_READ_CONTEXT":
+        return read_context()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -76,8 +115,10 @@ class Reads(Protocol):
 def open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storage") -> ts.KvStore:
     """The kvstore for `spec` (named `url` in errors), opened under the remote checks and deadline."""
     endpoint = opening(spec, url, what)
+    import tensorstore as ts
+
     try:
-        fut = ts.KvStore.open(spec, context=_CONTEXT)
+        fut = ts.KvStore.open(spec, context=shared_context())
     except Exception as exc:  # tensorstore raises ValueError for bad specs
         raise _error_for(exc, endpoint, what, url) from exc
     return _wait_for(fut, endpoint, 0, what, url)
@@ -86,13 +127,22 @@ def open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storag
 class Backend(ABC):
     """One kind of storage root, as a flat key space (see the module docstring for who checks what)."""
 
-    def __init__(self, kvstore: ts.KvStore, url: str, spec: dict[str, Any]) -> None:
-        self.kvstore = kvstore
+    def __init__(self, kvstore: ts.KvStore | None, url: str, spec: dict[str, Any]) -> None:
+        # None: opened from `spec` when first used (a local root that is only listed and read by
+        # the file system never opens one, nor imports tensorstore)
+        self._kvstore = kvstore
         self.url = url
         # the JSON spec it was opened with: KvStore.spec() drops context resources
         # such as aws_credentials, so derived stores are built from this one
         self.spec = spec
         self._endpoint = _endpoint_of(spec)
+
+    @property
+    def kvstore(self) -> ts.KvStore:
+        """The tensorstore kvstore of this root (opened on first use where it was not given)."""
+        if self._kvstore is None:
+            self._kvstore = open_kvstore(self.spec, self.url)
+        return self._kvstore
 
     # -- what the kind is ----------------------------------------------------------------
     @property
@@ -139,6 +189,8 @@ class Backend(ABC):
     # -- reading -------------------------------------------------------------------------
     def list_keys(self, prefix: str) -> list[str]:
         """Every key under `prefix` ("" or ending in '/'), relative to the root, sorted; one LIST each call."""
+        import tensorstore as ts
+
         try:
             if prefix:
                 rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + chr(ord("/") + 1))
@@ -211,6 +263,8 @@ class Backend(ABC):
 
     def delete_all(self) -> None:
         """Remove every value under this root."""
+        import tensorstore as ts
+
         self.wait(self.kvstore.delete_range(ts.KvStore.KeyRange()), "cannot delete", self.url)
 
     def create_local_file(self, rel: str, *, direct: bool | None = None) -> LocalFileWriter | None:

@@ -16,14 +16,12 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
-
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import CkptError
 from ..pagecache import DirectoryDropper
 from . import ocdbt_bulk
-from .backend import _CONTEXT, _READ_CONTEXT, Backend, Capabilities, PendingReads, Reads
+from .backend import Backend, Capabilities, PendingReads, Reads, read_context, shared_context
 from .containment import _check_relative
 from .kvstore_backend import KvstoreBackend
 from .local import LocalFileWriter
@@ -31,7 +29,17 @@ from .local_backend import LocalBackend
 from .ocdbt_view import OcdbtBackend, OcdbtBulkReads
 from .remote import _kvstore_spec
 
+if TYPE_CHECKING:
+    import tensorstore as ts  # (imported when a kvstore or context is first made: backend.py)
+
 __all__ = ["PendingReads", "OcdbtBulkReads", "ReadLog", "Storage", "_CONTEXT", "_READ_CONTEXT"]
+
+
+def __getattr__(name: str) -> Any:
+    # backend.py's contexts under their old names, made when first asked for
+    if name in ("_CONTEXT", "_READ_CONTEXT"):
+        return shared_context() if name == "_CONTEXT" else read_context()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # (Storage.list shadows the builtin inside the class)
@@ -144,12 +152,12 @@ class Storage:
 
     @property
     def context(self) -> ts.Context:
-        return _CONTEXT
+        return shared_context()
 
     @property
     def read_context(self) -> ts.Context:
         """For opening arrays to read: shares _CONTEXT's resources plus a chunk cache."""
-        return _READ_CONTEXT
+        return read_context()
 
     def kvstore_spec(self, subpath: str = "") -> dict[str, Any]:
         """The kvstore spec (JSON) for `subpath`, for opening arrays with tensorstore.

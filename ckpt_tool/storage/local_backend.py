@@ -1,8 +1,10 @@
 """A local directory as a storage root: values read by pread/preadv, every read contained.
 
 Reads go through the file system (local.py), not through tensorstore's file kvstore: a byte range
-goes straight into the caller's buffer. Listing, whole-value writes and deletes go through the file
-kvstore (which fsyncs what it writes). Every key read is checked against the root's links and
+goes straight into the caller's buffer. Listing too (list_keys: the file kvstore's own rule), so that
+a root opened for reading opens no kvstore and imports no tensorstore until something asks for one
+(issue 46: ~0.1 s of a `ckpt inspect`). Whole-value writes and deletes go through the file kvstore
+(which fsyncs what it writes). Every key read is checked against the root's links and
 special files (containment.py); roots opened for reading also scan a directory once before
 tensorstore opens anything under it (guard).
 """
@@ -20,6 +22,9 @@ from . import local as localfs
 from .backend import Backend, Capabilities, missing, open_kvstore
 from .containment import _Containment, check_local_path
 from .local import LocalFileWriter, _os_error
+
+# the file kvstore's lock files, which it leaves out of its listings (tensorstore's kLockSuffix)
+_LOCK_SUFFIX = ".__lock"
 
 _CAPABILITIES = Capabilities(writable=True, local_files=True, symlinks=True, deadlines=False, bulk_reads=False)
 
@@ -54,7 +59,8 @@ class LocalBackend(Backend):
             raise CkptError(f"cannot open: {exc.strerror or exc}", url) from None
         if not stat.S_ISDIR(st.st_mode):
             raise NotFoundError("is a file, not a checkpoint directory", url)
-        return cls(open_kvstore(spec, url), url, spec, root, containment=_Containment(root))
+        # (its kvstore is opened when first used: Backend.kvstore)
+        return cls(None, url, spec, root, containment=_Containment(root))
 
     @classmethod
     def create(cls, spec: dict[str, Any], url: str, root: str) -> LocalBackend:
@@ -79,7 +85,8 @@ class LocalBackend(Backend):
 
     def child(self, rel: str) -> LocalBackend:
         # (Storage.child has checked `rel` is a directory inside the root)
-        return LocalBackend(self.kvstore / (rel + "/"), f"{self.url}/{rel}", self.spec_for(rel + "/"),
+        kvstore = self._kvstore / (rel + "/") if self._kvstore is not None else None  # else opened when used
+        return LocalBackend(kvstore, f"{self.url}/{rel}", self.spec_for(rel + "/"),
                             os.path.join(self.root, rel), containment=self._containment,
                             contain_base=self._contained(rel), reads=self._reads)
 
@@ -118,6 +125,37 @@ class LocalBackend(Backend):
         return f"{self._contain_base}/{rel}" if rel else self._contain_base
 
     # -- reading ---------------------------------------------------------------------------
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every file under `prefix`, as tensorstore's file kvstore lists them (tests/test_local_listing.py
+        holds the two equal): directories are walked, a link is a key and is not followed (a link to a
+        directory too), a FIFO or socket is a key, its own `*.__lock` files are not; the directory
+        `prefix` names is opened as the file system opens a path (links in it followed)."""
+        top = os.path.join(self.root, prefix) if prefix else self.root
+        keys: list[str] = []
+        stack = [(top, prefix)]
+        while stack:
+            directory, rel = stack.pop()
+            try:
+                with os.scandir(directory) as it:
+                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            except FileNotFoundError:
+                if directory == top:
+                    return []  # nothing under that prefix (the kvstore lists none)
+                continue  # gone since its parent was listed
+            except NotADirectoryError:
+                if directory == top:  # a file (the kvstore: "Cannot list non-directory")
+                    raise CkptError("cannot list keys: not a directory", self.where(rel.rstrip("/"))) from None
+                continue  # replaced by a file since its parent was listed
+            except OSError as exc:
+                raise _os_error(exc, "cannot list keys", self.where(rel.rstrip("/")) if rel else self.url) from None
+            for name, is_dir in entries:
+                if is_dir:
+                    stack.append((os.path.join(directory, name), f"{rel}{name}/"))
+                elif not name.endswith(_LOCK_SUFFIX):
+                    keys.append(rel + name)
+        keys.sort()
+        return keys
+
     def exists(self, rel: str) -> bool:
         return os.path.lexists(os.path.join(self.root, rel))
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Any, Callable
-
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any, Callable
 
 from .ocdbt_node import DEFAULT_MAX_DECODED_BYTES, IndirectValue, LeafNode, OcdbtNodeError, parse_location
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 
 def _min_keys() -> int:
@@ -68,6 +69,8 @@ def read_keys(
 
     `wait(future)` waits for a tensorstore future (the caller's deadline and error wording).
     """
+    import tensorstore as ts  # (a view of a database opened it already)
+
     wanted_list = sorted({k.encode() for k in keys})
     wanted = set(wanted_list)
     manifest = wait(ts.ocdbt.dump(base))

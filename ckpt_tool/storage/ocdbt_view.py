@@ -7,9 +7,7 @@ byte range from their data files. The view is read-only: ckpt writes OCDBT datab
 """
 from __future__ import annotations
 
-from typing import Any
-
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any
 
 from ..bufferpool import POOL
 from ..errors import CkptError, NotFoundError, TruncatedFileError
@@ -17,6 +15,9 @@ from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
 from .kvstore_backend import RANGE_PIECE, KvstoreBackend, range_pieces
 from .remote import ocdbt_truncated_cause
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 # what an OCDBT view's url adds to its database directory's
 _OCDBT_SUFFIX = " (ocdbt)"
