@@ -391,3 +391,25 @@ def test_unreadable_ocdbt_file_is_one_unreadable_file_finding_with_its_leaves(tm
     assert finding["code"] == "unreadable-file" and finding["file"] == str(target.relative_to(root))
     assert finding["message"].startswith("OCDBT data file cannot be read (Permission denied)")
     assert finding["count"] == len(finding["leaves"]) == (19 if fixture == "orbax_ocdbt_zarr2" else 2)
+
+
+def test_truncated_safetensors_shard_names_every_tensor_it_takes(tmp_path):
+    """A shard of transformers' sharded save cut short: the safetensors library loads none of its
+    tensors (its header no longer covers the file), so the file's one finding names all of them
+    (was: only the last tensor, as if the others were whole)."""
+    from safetensors import SafetensorError, safe_open
+
+    local = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "safetensors_llama_sharded", local)
+    shard = local / "model-00001-of-00004.safetensors"
+    with safe_open(str(shard), "np") as f:
+        held = sorted(f.keys())
+    os.truncate(shard, shard.stat().st_size - 1500)  # the tail: the last tensors' bytes, not the first's
+    with pytest.raises(SafetensorError):
+        safe_open(str(shard), "np")
+
+    r = invoke("validate", str(local), "--json")
+    assert r.exit_code == 1
+    (finding,) = _errors(r.output)
+    assert (finding["code"], finding["file"], finding["leaf"]) == ("truncated-file", shard.name, None)
+    assert sorted(finding["leaves"]) == held and len(held) > 1

@@ -12,7 +12,7 @@ per-rank pieces (overlaps, gaps).
 from __future__ import annotations
 
 from ...errors import CkptError, PathEscapeError, UnreadableFileError
-from ...findings import Findings
+from ...findings import FILE_CAUSES, Findings
 from . import reader as st
 from ...storage import Storage
 
@@ -87,6 +87,11 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
 def _add(findings: Findings, p: st.Problem, file: str | None, *, index_problem: bool = False) -> None:
     if index_problem and file is None:
         file = st.INDEX_FILE
+    if p.tensors and file is not None and p.code in FILE_CAUSES and p.severity == "error":
+        # the file's one finding, naming the tensors it takes
+        for tensor in p.tensors:
+            findings.file_problem(p.code, p.message, file=file, leaf=tensor)
+        return
     add = findings.warning if p.severity == "warning" else findings.error
     add(p.code, p.message, leaf=p.tensor, file=file)
 

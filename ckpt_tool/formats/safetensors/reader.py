@@ -121,6 +121,8 @@ class Problem:
     message: str
     tensor: str | None = None
     severity: str = "error"  # or "warning": loaders still read the checkpoint as it is
+    # a problem of the file as a whole (findings.FILE_CAUSES): the tensors it takes with it
+    tensors: tuple[str, ...] = ()
 
 
 @dataclass
@@ -243,12 +245,13 @@ def _check_offsets(header: Header) -> None:
         if t.end > cursor:
             cursor, prev = t.end, t
     if cursor > data_len:
-        last = prev.name if prev else None
+        # the safetensors library refuses the whole file ("incomplete metadata, file not fully
+        # covered"): every tensor in it is lost with the tail, not only the last one
         header.problems.append(Problem(
             "truncated-file",
             f"truncated: the header places data up to byte {header.data_start + cursor} but the file has "
-            f"{header.file_size} bytes",
-            last,
+            f"{header.file_size} bytes; safetensors loads none of its tensors",
+            None, tensors=tuple(sorted(header.tensors)),
         ))
     elif cursor < data_len:
         header.problems.append(Problem(
