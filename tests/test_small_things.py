@@ -325,3 +325,12 @@ def test_an_experiment_directory_of_another_framework_names_its_run_root(tmp_pat
     assert f"checkpoint/ (torchtitan (DCP), 4 steps); try {exp}/checkpoint" in line, line
     # and what it names opens
     assert ckpt("inspect", exp / "checkpoint").returncode == 0
+
+
+@pytest.mark.parametrize("command", ["ls", "latest"])
+def test_ls_of_a_nemo_experiment_directory_names_its_checkpoints_directory(command, ckpt):
+    exp = fixture_path("runs_nemo2")
+    line = _one_line(ckpt(command, exp))
+    assert "not a run root: no step directories" in line, line
+    assert line.endswith(f"; checkpoints/ in it is one (NeMo 2, 4 steps): try {exp}/checkpoints"), line
+    assert ckpt(command, exp / "checkpoints").returncode == 0

@@ -105,6 +105,26 @@ def _open_root(root: str, storage: Storage | None = None) -> tuple[Storage, Root
     return storage, listing, layout, entries
 
 
+def _name_run_root_below(exc: NotFoundError, root: str) -> None:
+    """`not a run root`, where a sub-directory is one (a training run's experiment directory:
+    NeMo's, above its checkpoints/): the error names it. Only on this error's path (`ckpt ls`,
+    `latest`): resolve_step asks every path whether it is a run root, and this lists the
+    sub-directory (unknown.run_roots_below: only where there is one)."""
+    from .unknown import run_roots_below
+
+    if not exc.message.startswith("not a run root"):
+        return
+    try:
+        storage = Storage.open(root)
+        below = run_roots_below(storage, storage.listdir()[0])
+    except CkptError:
+        return
+    if below:
+        name, title, n = below[0]
+        exc.message += f"; {name}/ in it is one ({title}, {n} step{'s' * (n != 1)}): try {storage.url.rstrip('/')}/{name}"
+        exc.args = (f"{exc.where}: {exc.message}" if exc.where else exc.message,)
+
+
 def _stats(storage: Storage, keys: list[str], want_sizes: bool) -> dict[str, tuple[int, float | None]]:
     if not want_sizes:
         return {}
@@ -122,7 +142,13 @@ def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = N
 
     `sizes`: add each step's bytes (default: on local roots; on object stores each file's size
     is a request, so only when asked)."""
-    storage, listing, layout, entries = _opened if _opened is not None else _open_root(root)
+    if _opened is None:
+        try:
+            _opened = _open_root(root)
+        except NotFoundError as exc:
+            _name_run_root_below(exc, root)
+            raise
+    storage, listing, layout, entries = _opened
     want_sizes = storage.local_root is not None if sizes is None else sizes
     pointer_names, problem = roots.read_pointer(listing, layout)
     named = {e.name for e, _ in entries}

@@ -63,16 +63,11 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
         if len(found) == 1:
             return f"a directory holding one checkpoint, not one itself: {listed}; open it: ckpt inspect {example}"
         return f"a directory of {len(found)} checkpoints, not one: {listed}; open one, e.g. ckpt inspect {example}"
-    roots_below = _run_roots_below(storage, dirs)
-    if roots_below:
+    for d, title, n in run_roots_below(storage, dirs):
         # a training run's experiment directory (NeMo's, above its checkpoints/): the run root in it
-        listed = ", ".join(f"{d}/ ({title}, {n} step{'s' * (n != 1)})" for d, title, n in roots_below[:6]) \
-            + (", ..." if len(roots_below) > 6 else "")
-        first = f"{storage.url.rstrip('/')}/{roots_below[0][0]}"
-        if len(roots_below) == 1:
-            return (f"a directory holding a run root, not a checkpoint itself: {listed}; try {first} "
-                    f"(ckpt ls {first} lists its steps)")
-        return f"a directory of {len(roots_below)} run roots, not a checkpoint: {listed}; try one, e.g. {first}"
+        there = f"{storage.url.rstrip('/')}/{d}"
+        return (f"a directory holding a run root, not a checkpoint itself: {d}/ ({title}, {n} step{'s' * (n != 1)}); "
+                f"try {there} (ckpt ls {there} lists its steps)")
     kinds = sorted({kind for f in files for rx, kind in _OTHER_FORMATS if rx.search(f)} | _sniffed_kinds(storage, files))
     if kinds:
         names = ", ".join(sorted(files)[:5])
@@ -83,13 +78,13 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
     return f"not {_article(read)} {read} checkpoint (found {seen})"
 
 
-_MAX_ROOTS_LOOKED = 8  # sub-directories looked into as run roots (each a recursive listing)
-
-
-def _run_roots_below(storage: Storage, dirs: list[str]) -> list[tuple[str, str, int]]:
-    """(name, framework title, step count) of each sub-directory that is a run root (the run
-    layouts' table: formats/roots.py), when there are few sub-directories to look into."""
-    if not dirs or len(dirs) > _MAX_ROOTS_LOOKED:
+def run_roots_below(storage: Storage, dirs: list[str]) -> list[tuple[str, str, int]]:
+    """(name, framework title, step count) of the one sub-directory, when it is a run root (the
+    run layouts' table: formats/roots.py): a training run's experiment directory (NeMo's, above
+    its checkpoints/). Only where there is one sub-directory: it costs a recursive listing of it,
+    and this is asked on error paths a listing of many steps may take (a step that reads as no
+    checkpoint)."""
+    if len(dirs) != 1:
         return []
     from . import roots
 
