@@ -303,6 +303,9 @@ def test_step_on_one_dcp_checkpoint_says_it_is_one_checkpoint(ckpt):
         assert "--step 5 given, but this is one torch.distributed.checkpoint (DCP) checkpoint, not a run root of steps" \
             in r.stderr and "open the step's own directory" not in r.stderr, r.stderr
     assert not Path("/tmp/never-written").exists()
+    # a safetensors directory said the same as DCP did: the same words as DCP's now
+    r = ckpt("inspect", fixture_path("safetensors_numpy"), "--step", "5")  # safetensors' numpy API wrote it
+    assert r.returncode == 2 and "this is one safetensors checkpoint, not a run root of steps" in r.stderr, r.stderr
 
 
 # -- 9. a run root one level down ------------------------------------------------------------------

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..contract import ArrayReader
 from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, NotFoundError
+from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ...storage import Storage
 from ...strict_json import parse_json  # (also the torch.save format's, for its index)
@@ -478,7 +478,9 @@ def _check_pieces(info: TensorInfo, problems: list[Problem]) -> None:
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     """Open a safetensors directory: the index and every header, no tensor data."""
     if step is not None:
-        raise CkptError("a safetensors directory has no steps; open the step's own directory", storage.url)
+        # (a run root's step is opened through the root: the reader sees --step only on one checkpoint)
+        raise UsageError(f"--step {step} given, but this is one safetensors checkpoint, not a run root of steps",
+                         storage.url)
     return _checkpoint(storage, scan(storage))
 
 
