@@ -62,6 +62,15 @@ def test_convert_into_an_empty_directory_needs_no_overwrite(tmp_path, ckpt):
     assert torch.equal(load(dst), load(fixture_path("dcp_single")))
 
 
+def test_reshard_into_an_empty_directory_needs_no_overwrite(tmp_path, ckpt):
+    dst = tmp_path / "resharded"
+    dst.mkdir()
+    r = ckpt("reshard", fixture_path("orbax_ocdbt_zarr2"), dst, "--mesh", "data=2", "--devices", "2")  # orbax wrote it
+    assert r.returncode == 0, r.stderr
+    assert (dst / "_CHECKPOINT_METADATA").is_file() and [p.name for p in tmp_path.iterdir()] == ["resharded"]
+    assert ckpt("validate", dst).returncode == 0
+
+
 def test_a_directory_that_is_not_empty_is_still_refused(tmp_path, ckpt):
     dst = tmp_path / "out"
     dst.mkdir()
