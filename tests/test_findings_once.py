@@ -413,3 +413,25 @@ def test_truncated_safetensors_shard_names_every_tensor_it_takes(tmp_path):
     (finding,) = _errors(r.output)
     assert (finding["code"], finding["file"], finding["leaf"]) == ("truncated-file", shard.name, None)
     assert sorted(finding["leaves"]) == held and len(held) > 1
+
+
+@pytest.mark.parametrize("fixture, index", [("safetensors_llama_sharded", "model.safetensors.index.json"),
+                                            ("torch_hf_bin_sharded", "pytorch_model.bin.index.json")])
+def test_lost_shard_names_the_tensors_the_index_places_in_it(tmp_path, fixture, index):
+    """transformers' sharded saves (safetensors and .bin): a shard deleted and another cut short are
+    a finding each, naming the file and the tensors index.json places there, which no loader gets
+    (was: the file alone, no tensor named)."""
+    local = tmp_path / "model"
+    shutil.copytree(FIXTURES / fixture, local)
+    weight_map = json.loads((local / index).read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    (local / shards[1]).unlink()
+    os.truncate(local / shards[0], 3000)
+    r = invoke("validate", str(local), "--json")
+    assert r.exit_code == 1
+    by_file = {f["file"]: f for f in _errors(r.output)}
+    assert set(by_file) == {shards[0], shards[1]}
+    assert by_file[shards[1]]["code"] == "missing-file"
+    assert by_file[shards[0]]["code"] == "truncated-file"
+    for shard in shards[:2]:
+        assert sorted(by_file[shard]["leaves"]) == sorted(t for t, f in weight_map.items() if f == shard)

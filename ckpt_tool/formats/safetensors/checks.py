@@ -48,17 +48,17 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
     for name in files:
         if name not in top_set:
             why = "no such file" if only is not None else f"named in {st.INDEX_FILE} but does not exist"
-            findings.error("missing-file", why, file=name)
+            _file_finding(findings, "missing-file", why, name, index)
             continue
         try:
             header = st.read_header(storage, name)
         except st.HeaderError as exc:
-            findings.error(exc.code, exc.message, file=name)
+            _file_finding(findings, exc.code, exc.message, name, index)
             continue
         except PathEscapeError:
             raise
         except UnreadableFileError as exc:  # (the file's own problem, not its header's)
-            findings.error("unreadable-file", exc.message, file=name)
+            _file_finding(findings, "unreadable-file", exc.message, name, index)
             continue
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=name)
@@ -82,6 +82,17 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         if p.tensor is not None and index is not None:
             file = index.get(p.tensor)
         _add(findings, p, file, index_problem=index is not None and p.code in ("leaf-missing", "bad-metadata"))
+
+
+def _file_finding(findings: Findings, code: str, message: str, name: str, index: dict[str, str] | None) -> None:
+    """A file's own problem: one finding, naming the tensors the index places in it (none can be
+    loaded: its header is not there whole), as a cut-short file's finding names its own."""
+    held = sorted(t for t, f in (index or {}).items() if f == name)
+    if code not in FILE_CAUSES or not held:
+        findings.error(code, message, file=name)
+        return
+    for tensor in held:
+        findings.file_problem(code, message, file=name, leaf=tensor)
 
 
 def _add(findings: Findings, p: st.Problem, file: str | None, *, index_problem: bool = False) -> None:

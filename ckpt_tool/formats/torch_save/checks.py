@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CkptError, PathEscapeError
-from ...findings import Findings
+from ...findings import FILE_CAUSES, Findings
 from ...model import ValueLeaf
 from ...storage import Storage
 from ...torchsave.checks import check_file  # one file's checks: the shared torch.save machinery's
@@ -45,6 +45,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
         why = f"named in {layout.index_file} but does not exist" if layout.index_file else \
             "a shard of this set is missing (the other shards are here)"
         findings.error("missing-file", why, file=name)
+        _name_held(findings, name, layout.weight_map)
     for name in layout.stray:
         findings.warning("stray-file", f"a shard that {layout.index_file} does not name (loaders ignore it)", file=name)
     names: dict[str, str] = {}  # dotted name -> file (sets only)
@@ -52,6 +53,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
     for name in layout.files:
         tree = check_file(storage, name, findings, restore_locations=True)
         if tree is None:
+            _name_held(findings, name, layout.weight_map)
             continue
         leaves = ts.leaves_of(tree)
         stored[name] = {leaf.name for leaf in leaves}
@@ -75,6 +77,17 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
                 elif want != fname:
                     findings.error("chunk-overlap", f"{layout.index_file} places it in {want}, but {fname} holds it",
                                    leaf=tname, file=fname)
+
+
+def _name_held(findings: Findings, name: str, weight_map: dict[str, str] | None) -> None:
+    """The tensors the index places in `name` join its finding about the file as a whole (missing,
+    cut short, unreadable: torch.load opens none of them), when it has one."""
+    held = sorted(t for t, f in (weight_map or {}).items() if f == name)
+    cause = next((f for f in reversed(findings.errors) if f.file == name and f.code in FILE_CAUSES), None)
+    if cause is None:
+        return
+    for tensor in held:
+        findings.file_problem(cause.code, cause.message, file=name, leaf=tensor)
 
 
 def _file_of(storage: Storage, where: str | None) -> str | None:
