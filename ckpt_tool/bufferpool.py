@@ -23,9 +23,12 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+# (numpy imported when a buffer is first asked for: the storage layer, which every command
+# imports, holds the pool, and a local DCP inspect asks for none, issue 46)
 
 MIN_BYTES = 1 << 20
 # free bytes kept when nobody set a limit (a quarter of the default --memory)
@@ -46,6 +49,8 @@ class BufferPool:
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised, writable, C-contiguous array of `shape` and `dtype`."""
+        import numpy as np
+
         dt = np.dtype(dtype)
         nbytes = math.prod(shape) * dt.itemsize
         if nbytes < MIN_BYTES or self.limit <= 0:
@@ -62,7 +67,7 @@ class BufferPool:
 
     def bytes(self, nbytes: int) -> memoryview:
         """An uninitialised, writable byte buffer of `nbytes` (for reading compressed bytes into)."""
-        return memoryview(self.empty((nbytes,), np.uint8)).cast("B")  # type: ignore[arg-type]  # (an ndarray is a buffer)
+        return memoryview(self.empty((nbytes,), "uint8")).cast("B")  # type: ignore[arg-type]  # (an ndarray is a buffer)
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         """The best free buffer for `nbytes`, removed from the list; drops free buffers over the limit (lock held)."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import CorruptMetadataError
+
+if TYPE_CHECKING:
+    import numpy as np
+# (numpy and ml_dtypes are imported when a numpy dtype is first asked for: reading metadata needs
+# the table only, and `ckpt inspect` of a DCP loads neither, issue 46)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ TORCH_STORAGE_NAMES = frozenset(_BY_TORCH_STORAGE)
 @functools.lru_cache(maxsize=None)  # asked once per leaf by the readers: np.dtype objects are immutable
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for a canonical name (ml_dtypes supplies bfloat16 and float8)."""
+    import ml_dtypes
+    import numpy as np
+
     if hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
@@ -133,6 +139,9 @@ def from_safetensors(name: object) -> DType:
 
 
 def from_numpy(dtype: np.dtype) -> DType:
+    import ml_dtypes  # noqa: F401 - (registers bfloat16 and the float8 types with numpy)
+    import numpy as np
+
     dtype = np.dtype(dtype)
     for d in _TABLE:
         if d.name == dtype.name:

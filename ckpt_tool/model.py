@@ -13,15 +13,25 @@ import functools
 import itertools
 import math
 import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, Union
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Union, cast
 
 from . import dtypes, values
 from .errors import CkptError, UsageError
 from .filters import Glob, glob_to_regex  # noqa: F401 - glob_to_regex: re-exported for callers of model
 from .names import join_keys, key_text
+
+if TYPE_CHECKING:
+    import numpy as np
+# (numpy is imported by what reads arrays: the model of a checkpoint read from its metadata needs
+# none, and `ckpt inspect` of a DCP loads none, issue 46)
+
+
+def _integer_types() -> tuple[type, ...]:
+    """int, and numpy's integers where numpy is loaded (where it is not, no numpy integer exists)."""
+    np_ = sys.modules.get("numpy")
+    return (int, np_.integer) if np_ is not None else (int,)
 
 Key = Union[str, int]
 Region = tuple[slice, ...]
@@ -242,9 +252,11 @@ def normalize_region(index: Any, shape: Sequence[int]) -> Region:
         raise IndexError(f"too many indices: {len(index)} for an array of rank {len(shape)}")
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     region = []
+    integers = _integer_types()
     for i, s in zip(index, shape):
-        if isinstance(i, (int, np.integer)):
-            j = int(i) + s if i < 0 else int(i)
+        if isinstance(i, integers):
+            n = int(cast(int, i))  # (an int, or a numpy integer)
+            j = n + s if n < 0 else n
             if not 0 <= j < s:
                 raise IndexError(f"index {i} out of bounds for size {s}")
             region.append(slice(j, j + 1))
@@ -260,7 +272,7 @@ def normalize_region(index: Any, shape: Sequence[int]) -> Region:
 
 # what ArrayLeaf.reader holds: a format's ArrayReader (formats/contract.py, with the hooks the
 # scheduler uses) or a plain function of the region (contract.array_reader gives it the defaults)
-RegionReader = Callable[[Region], np.ndarray]
+RegionReader = Callable[[Region], "np.ndarray"]
 
 
 # 10^4-10^5 leaves in a checkpoint: slotted (no per-instance __dict__: ~0.8 KiB a leaf less)
@@ -343,7 +355,8 @@ class ArrayLeaf:
         out = self.read(reg)
         # integer indices drop their dimension, as numpy does
         idx = index if isinstance(index, tuple) else (index,)
-        drop = tuple(i for i, x in enumerate(idx) if isinstance(x, (int, np.integer)))
+        integers = _integer_types()
+        drop = tuple(i for i, x in enumerate(idx) if isinstance(x, integers))
         return out.reshape([n for i, n in enumerate(out.shape) if i not in drop]) if drop else out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -536,6 +549,8 @@ def _flatten(
 
 def memory_leaf(keys: tuple[Key, ...], name: str, arr: np.ndarray) -> ArrayLeaf:
     """An array held by a non-tensor item (a tensor inside a DCP bytes item), as a leaf of its own."""
+    import numpy as np
+
     arr = np.require(arr, requirements="C")  # (ascontiguousarray would make a 0-d array 1-d)
     return ArrayLeaf(
         keys=keys, name=name, shape=tuple(arr.shape), dtype=dtypes.from_numpy(arr.dtype).name,

@@ -35,3 +35,20 @@ def test_the_error_still_names_the_field():
         assert exc.field == "tree_metadata[\"('layers', '0')\"].write_shape"
     else:
         raise AssertionError("no SchemaError")
+
+
+def test_the_fast_memory_bound_is_the_byte_count_bound_without_numpy():
+    """fast_memory_bound counts cost classes with bytes.translate/count (no numpy on a DCP inspect):
+    the same sum as numpy's per-byte-value count times each byte value's cost."""
+    import os
+
+    import numpy as np
+
+    from ckpt_tool.torchsave import safe_pickle as sp
+
+    cost = np.array(sp._FAST_COST, dtype=np.int64)
+    for data in (b"", b"\x80\x04.", os.urandom(1000), os.urandom((1 << 22) + 17), bytes(range(256)) * 300):
+        want = int(np.bincount(np.frombuffer(data, np.uint8), minlength=256) @ cost)
+        want += sp.MAX_STACK_DEPTH * sp._SLOT + 2 * len(data)
+        assert sp.fast_memory_bound(data) == want
+        assert sp.fast_memory_bound(bytearray(data)) == want

@@ -67,9 +67,10 @@ def test_dcp_inspect_loads_no_other_format_reader(name):
     loaded = _loaded_after_inspect(str(fixture_path(name)))
     assert "ckpt_tool.distcp.reader" in loaded  # (DCP's reader: the shared DCP machinery)
     assert not _readers_of_other_formats(loaded), _readers_of_other_formats(loaded)
-    # (nor tensorstore: a local root is listed and read by the file system, issue 46)
+    # (nor tensorstore: a local root is listed and read by the file system; nor numpy: metadata
+    # only, no array read, issue 46)
     bad = [m for m in loaded if m.startswith(("ckpt_tool.formats.orbax", "ckpt_tool.arrays"))
-           or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr", "tensorstore")]
+           or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr", "tensorstore", "numpy", "ml_dtypes")]
     assert not bad, bad
 
 
@@ -124,6 +125,25 @@ def test_plain_markup_is_richs_own_without_rich():
             except Exception:  # noqa: BLE001 - markup rich refuses (a closing tag that closes nothing)
                 continue
             assert plain(text) == want, text
+
+
+_BIG_DCP = """
+import sys, warnings
+import torch, torch.distributed.checkpoint as dcp
+warnings.filterwarnings("ignore")
+dcp.save({"layers": {str(i): {"w": torch.zeros(4, 4), "b": torch.zeros(4, dtype=torch.bfloat16)} for i in range(600)}},
+         checkpoint_id=sys.argv[1])
+"""
+
+
+def test_a_dcp_of_many_tensors_inspects_without_numpy(tmp_path):
+    """A .metadata of over 128 KiB takes the pickle check's fast path (its memory bound counted by
+    bytes.translate and bytes.count, not numpy's bincount): still no numpy, and the same leaves."""
+    path = tmp_path / "dcp"
+    subprocess.run([sys.executable, "-c", _BIG_DCP, str(path)], check=True, timeout=300, capture_output=True)
+    assert (path / ".metadata").stat().st_size > 128 << 10
+    loaded = _loaded_after_inspect(str(path))
+    assert not [m for m in loaded if m.split(".")[0] in ("numpy", "ml_dtypes", "tensorstore", "torch")]
 
 
 def test_help_loads_no_format_package():

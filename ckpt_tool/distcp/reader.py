@@ -25,8 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, overload
 
-import numpy as np
-
 from .. import dtypes
 from ..formats.contract import ArrayReader
 from ..errors import (
@@ -49,6 +47,7 @@ from ..torchsave.safe_pickle import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     from ..torchsave.payload import Allow, Fetch, TensorPayload
 
 
@@ -790,11 +789,11 @@ def _entry_where(storage: Storage, entry: _Entry, fqn: str) -> str:
 
 class _LeafMaker:
     """_array_leaf for every tensor of one checkpoint: what thousands of tensors share (the
-    dtype's size and numpy type, the chunk list of a one-chunk tensor) is made once."""
+    dtype's size, the chunk list of a one-chunk tensor) is made once."""
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
-        self._dtypes: dict[str, tuple[int, np.dtype]] = {}
+        self._dtypes: dict[str, int] = {}  # dtype name -> itemsize
         self._layouts: dict[int, tuple[Chunk, ChunkList]] = {}  # id(chunk) -> (chunk, its one-chunk list)
         self._sharding = _chunk_list_sharding(1)
 
@@ -805,8 +804,8 @@ class _LeafMaker:
         dtype = item.dtype
         known = self._dtypes.get(dtype)
         if known is None:
-            known = self._dtypes[dtype] = (dtypes.get(dtype).itemsize, dtypes.numpy_dtype(dtype))
-        itemsize, np_dtype = known
+            known = self._dtypes[dtype] = dtypes.get(dtype).itemsize
+        itemsize = known
         chunk, entry = chunks[0], entries[0]
         unreadable = None
         if not entry.length or entry.transforms or math.prod(chunk.sizes) * itemsize > entry.length:
@@ -814,7 +813,7 @@ class _LeafMaker:
         shared = self._layouts.get(id(chunk))
         if shared is None:
             shared = self._layouts[id(chunk)] = (chunk, ChunkList((chunk,)))  # (the chunk kept: its id stays its own)
-        reader = _TensorReader(self._storage, fqn, item, np_dtype)
+        reader = _TensorReader(self._storage, fqn, item)
         if entry.transforms:
             stored = [entry.to_json()]
         else:
@@ -913,7 +912,7 @@ class _TensorReader(ArrayReader):
     # one per tensor, 10^4-10^5 of them in a checkpoint of many small tensors: no per-instance
     # __dict__, the per-chunk records made on first use, and one lock shared by every tensor
     # (it guards a few dict operations: contention is negligible)
-    __slots__ = ("_storage", "_fqn", "_item", "_dtype", "_located", "_decoded_lengths", "_crc_tiles",
+    __slots__ = ("_storage", "_fqn", "_item", "_np_dtype", "_located", "_decoded_lengths", "_crc_tiles",
                  "_crc_checked")
     _lock = threading.Lock()
 
@@ -921,7 +920,8 @@ class _TensorReader(ArrayReader):
         self._storage = storage
         self._fqn = fqn
         self._item = item
-        self._dtype = dtypes.numpy_dtype(item.dtype) if np_dtype is None else np_dtype
+        # the numpy dtype when first read (numpy is imported then: an inspect reads nothing, issue 46)
+        self._np_dtype = np_dtype
         # a chunk's payload location (from its zip headers) never changes: keep it
         self._located: dict[int, TensorPayload] | None = None
         self._decoded_lengths: dict[int, int] | None = None  # transformed entries: decoded archive sizes
@@ -930,7 +930,16 @@ class _TensorReader(ArrayReader):
         self._crc_tiles: dict[int, Any] | None = None  # chunk -> checksum.CrcTiling
         self._crc_checked: set[int] | None = None
 
+    @property
+    def _dtype(self) -> np.dtype:
+        dt = self._np_dtype
+        if dt is None:
+            dt = self._np_dtype = dtypes.numpy_dtype(self._item.dtype)
+        return dt
+
     def __call__(self, region: Region) -> np.ndarray:
+        import numpy as np
+
         if self._item.layout != "torch.strided":
             raise CkptError(
                 f"a {self._item.layout.removeprefix('torch.')} tensor, which ckpt cannot read (only strided, "
@@ -1020,6 +1029,8 @@ class _TensorReader(ArrayReader):
 
     def _check_coverage(self, region: Region, tasks: list, covered: int, volume: int) -> None:
         """Every element of the region must come from some chunk (no uninitialised output)."""
+        import numpy as np
+
         if covered == volume:
             return  # DCP chunks do not overlap, so an exact count means full coverage
         if covered > volume:  # overlapping chunks: count precisely

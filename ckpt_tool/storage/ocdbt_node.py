@@ -20,10 +20,13 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 from urllib.parse import unquote_to_bytes
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+# (numpy is imported by the functions that decode a node: the storage layer is imported by every
+# command, and a local DCP or safetensors inspect decodes no node and loads no numpy, issue 46)
 
 BTREE_NODE_MAGIC = 0x0CDB20DE
 _HEADER = struct.Struct("<Q")  # the node's length, after the big-endian magic
@@ -79,6 +82,8 @@ class IndirectValue:
 
 def _varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
     """`count` LEB128 varints from `buf[pos:]` as uint64, and the position after them."""
+    import numpy as np
+
     if count == 0:
         return np.zeros(0, dtype=np.uint64), pos
     window = buf[pos : pos + _MAX_VARINT_BYTES * count]
@@ -154,6 +159,8 @@ def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
 
     if crc32c(view[:-4]) != crc:
         raise OcdbtNodeError("B+tree node fails its crc32c check")
+    import numpy as np
+
     head = np.frombuffer(raw, dtype=np.uint8, count=min(len(raw) - 4, 32), offset=0)
     version, pos = _one_varint(head, 12)
     if version != 0:
@@ -205,6 +212,8 @@ class LeafNode:
 
     def __init__(self, raw: bytes | memoryview, location: Location, *,
                  max_decoded: int = DEFAULT_MAX_DECODED_BYTES) -> None:
+        import numpy as np
+
         buf = np.frombuffer(_body(raw, max_decoded), dtype=np.uint8)
         if len(buf) < 1:
             raise OcdbtNodeError("empty B+tree node body")
@@ -284,6 +293,8 @@ class LeafNode:
 
     def indirect_extents(self) -> dict[str, int]:
         """Each data file holding out-of-line values of this node: the end of the last byte they need."""
+        import numpy as np
+
         rows = np.flatnonzero(self._kind == 1)
         if not len(rows):
             return {}
