@@ -435,3 +435,30 @@ def test_lost_shard_names_the_tensors_the_index_places_in_it(tmp_path, fixture, 
     assert by_file[shards[0]]["code"] == "truncated-file"
     for shard in shards[:2]:
         assert sorted(by_file[shard]["leaves"]) == sorted(t for t, f in weight_map.items() if f == shard)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, index", [("safetensors_llama_sharded", "model.safetensors.index.json"),
+                                            ("torch_hf_bin_sharded", "pytorch_model.bin.index.json")])
+def test_unreadable_shard_makes_inspect_say_incomplete(tmp_path, fixture, index):
+    """A mode-000 shard of transformers' sharded save: inspect said `cannot read` and stopped (exit 1,
+    no listing); it is a set with one data file unreadable, as one with a shard missing is."""
+    from test_error_messages import _without_read_override
+
+    prefix = _without_read_override()
+    local = tmp_path / "model"
+    shutil.copytree(FIXTURES / fixture, local)
+    weight_map = json.loads((local / index).read_text())["weight_map"]
+    shard = local / sorted(set(weight_map.values()))[1]
+    shard.chmod(0)
+    try:
+        r = _ckpt("inspect", "--json", str(local), prefix=prefix)
+    finally:
+        shard.chmod(0o644)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["status"] == "incomplete"
+    (missing,) = doc["missing"]
+    assert (missing["file"], missing["unreadable"]) == (shard.name, True)
+    assert sorted(missing["leaves"]) == sorted(t for t, f in weight_map.items() if f == shard.name)
+    assert {leaf["name"] for leaf in doc["leaves"]} == {t for t, f in weight_map.items() if f != shard.name}

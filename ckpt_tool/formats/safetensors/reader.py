@@ -45,7 +45,7 @@ import numpy as np
 
 from ..contract import ArrayReader
 from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError
+from ...errors import CkptError, CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ...storage import Storage
 from ...strict_json import parse_json  # (also the torch.save format's, for its index)
@@ -340,6 +340,7 @@ class Layout:
     ignored: list[str]  # other files beside them
     stray: list[str]  # .safetensors files the index does not name
     problems: list[Problem] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)  # file -> why it cannot be opened (a directory's)
 
 
 def scan(storage: Storage, only: str | None = None) -> Layout:
@@ -364,12 +365,20 @@ def scan(storage: Storage, only: str | None = None) -> Layout:
         ignored = sorted(f for f in top if f != INDEX_FILE and not f.endswith(SUFFIX))
     problems: list[Problem] = []
     headers: dict[str, Header] = {}
+    unreadable: dict[str, str] = {}
     for name in files:
         if name not in top_set:
             problems.append(Problem("missing-file", f"{name} is named in {INDEX_FILE} but does not exist"))
             continue
-        headers[name] = read_header(storage, name)
-    layout = Layout(files, headers, index, total, False, {}, ignored, stray, problems)
+        try:
+            headers[name] = read_header(storage, name)
+        except UnreadableFileError as exc:
+            if only is not None:
+                raise  # the one file asked for: its error is the answer
+            # a file of the set that is there but cannot be read (its permissions): the checkpoint is
+            # incomplete, as for a missing shard, and the other files' tensors are listed
+            unreadable[name] = exc.message
+    layout = Layout(files, headers, index, total, False, {}, ignored, stray, problems, unreadable)
     _collect_tensors(layout)
     return layout
 
@@ -518,8 +527,8 @@ def _checkpoint(storage: Storage, layout: Layout) -> Checkpoint:
     notes[:0] = [p.message if p.tensor is None else f"{p.tensor}: {p.message}" for p in layout.problems
                  if p.code == "leaf-missing" and p.severity == "error"]
     missing = [
-        MissingData(name, f"does not exist (named in {INDEX_FILE})",
-                    [t for t, f in (layout.index or {}).items() if f == name])
+        MissingData(name, layout.unreadable.get(name, f"does not exist (named in {INDEX_FILE})"),
+                    [t for t, f in (layout.index or {}).items() if f == name], name in layout.unreadable)
         for name in layout.files if name not in layout.headers
     ]
     if layout.index is not None and "sharded" in storage.listdir()[0]:

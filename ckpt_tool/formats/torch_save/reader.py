@@ -38,7 +38,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ...errors import CorruptMetadataError, NotFoundError, UsageError
+from ...errors import CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
 from ...model import Checkpoint, Leaf, MissingData
 from ...storage import Storage
 from ...strict_json import parse_json  # (the same strict JSON reading as safetensors' index)
@@ -199,7 +199,17 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     layout = scan(storage)
     if not layout.files and not layout.missing:
         raise CorruptMetadataError("no torch.save files here", storage.url)
-    archives = [Archive(storage, name) for name in layout.files]
+    archives = []
+    unreadable: dict[str, str] = {}
+    for name in layout.files:
+        try:
+            archives.append(Archive(storage, name))
+        except UnreadableFileError as exc:
+            if not layout.sharded:
+                raise  # a file of its own (no set to be incomplete): its error is the answer
+            # a shard that is there but cannot be read (its permissions): the set is incomplete, as
+            # for a missing shard, and the other shards' tensors are listed
+            unreadable[name] = exc.message
     trees = [file_tree(a) for a in archives]
     notes: list[str] = []
     leaves: list[Leaf] = []
@@ -218,6 +228,8 @@ def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
                            else "does not exist (the other shards of its set are here)",
                            [t for t, f in (layout.weight_map or {}).items() if f == name])
                for name in layout.missing]
+    missing += [MissingData(name, why, [t for t, f in (layout.weight_map or {}).items() if f == name], True)
+                for name, why in unreadable.items()]
     notes.extend(_notes(trees, layout))
     return Checkpoint(
         path=storage.url, format=NAME,
