@@ -462,3 +462,24 @@ def test_unreadable_shard_makes_inspect_say_incomplete(tmp_path, fixture, index)
     assert (missing["file"], missing["unreadable"]) == (shard.name, True)
     assert sorted(missing["leaves"]) == sorted(t for t, f in weight_map.items() if f == shard.name)
     assert {leaf["name"] for leaf in doc["leaves"]} == {t for t, f in weight_map.items() if f != shard.name}
+
+
+@pytest.mark.parametrize("fixture, manifest, damage, count", [
+    ("orbax_ocdbt_zarr2", "manifest.ocdbt", "truncate", 19),  # orbax 0.12's merged root
+    ("flax_orbax", "checkpoint_2/manifest.ocdbt", "delete", 2),  # orbax <= 0.4 under Flax
+])
+def test_lost_ocdbt_manifest_is_one_finding_naming_every_leaf(tmp_path, fixture, manifest, damage, count):
+    """The manifest is a file kind too: without it no key of the database can be found, so it takes
+    every array stored there, in one finding (was: its finding and a leaf-missing per array, or for a
+    deleted Flax manifest a leaf-missing per array alone)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / fixture, root)
+    if damage == "truncate":
+        os.truncate(root / manifest, 50)
+    else:
+        (root / manifest).unlink()
+    r = invoke("validate", str(root), "--json")
+    assert r.exit_code == 1
+    (finding,) = _errors(r.output)
+    assert (finding["code"], finding["file"]) == ("lost-process-data", manifest)
+    assert finding["count"] == len(finding["leaves"]) == count

@@ -96,6 +96,8 @@ def check_ocdbt(
     manifest_key = f"{db}/{ROOT_MANIFEST}" if db else ROOT_MANIFEST
     if not storage.exists(manifest_key):
         findings.error("lost-process-data", f"{ROOT_MANIFEST} missing", file=base_where + ROOT_MANIFEST)
+        if lost is not None and list_keys:
+            lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
         return set()
     # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
     base_kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context),
@@ -118,6 +120,8 @@ def check_ocdbt(
         manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
     except CkptError as exc:  # tensorstore raises ValueError with a status text
         findings.error("lost-process-data", exc.message, file=base_where + ROOT_MANIFEST)
+        if lost is not None and list_keys:
+            lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
         return set()
     versions = manifest.get("versions") or []
     latest = versions[-1] if versions and isinstance(versions[-1], dict) else {}

@@ -138,7 +138,9 @@ def _check_item(storage: Storage, name: str, findings: Findings, *, where: str) 
                 findings.error("bad-metadata", exc.message, leaf=leaf, file=where + mt.TREE_FILE)
         _check_arrays(storage, arrays, set(storage.list()), False, files, {}, findings, where)
     if builder.placeholders:
-        use_ocdbt = mt.ROOT_MANIFEST in files
+        # (OCDBT data files without their manifest: the manifest is what is lost, not each array;
+        # an array named `d` is a zarr directory of its own)
+        use_ocdbt = mt.ROOT_MANIFEST in files or ("d" in dirs and not storage.exists("d/.zarray"))
         lost = ac.LostKeys()
         stored = ac.check_ocdbt(storage, "", findings, where=where, lost=lost) if use_ocdbt else set(storage.list())
         try:
