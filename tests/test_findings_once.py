@@ -483,3 +483,14 @@ def test_lost_ocdbt_manifest_is_one_finding_naming_every_leaf(tmp_path, fixture,
     (finding,) = _errors(r.output)
     assert (finding["code"], finding["file"]) == ("lost-process-data", manifest)
     assert finding["count"] == len(finding["leaves"]) == count
+
+
+def test_the_open_check_costs_an_object_store_no_request():
+    """On an object store the listing and a size are what is known without a read: the open check
+    asks nothing more (a key that is not there is not even looked up)."""
+    from ckpt_tool.storage import Storage
+
+    store = Storage.open("memory://findings-once/")
+    store.write("a.distcp", b"x" * 10)
+    store.check_readable("a.distcp")
+    store.check_readable("not-there.distcp")  # (a request would say NOT_FOUND)
