@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +20,9 @@ from ..storage import Storage, ocdbt_bulk
 from ..storage.ocdbt_node import OcdbtNodeError, parse_location
 from .reading import ROOT_MANIFEST, chunk_keys
 
+
+# tensorstore's words for a manifest file shorter than its header says (kvstore/ocdbt/format/manifest.cc)
+_MANIFEST_CUT = re.compile(r"Length in header \((\d+)\) does not match actual length \((\d+)\)")
 
 # more chunks than this per array are not enumerated key by key; the count is compared instead
 _MAX_ENUMERATED_CHUNKS = 1_000_000
@@ -119,7 +123,10 @@ def check_ocdbt(
     try:
         manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
     except CkptError as exc:  # tensorstore raises ValueError with a status text
-        findings.error("lost-process-data", exc.message, file=base_where + ROOT_MANIFEST)
+        cut = _MANIFEST_CUT.search(exc.message)
+        message = (f"{ROOT_MANIFEST} is cut short: it has {cut.group(2)} of the {cut.group(1)} bytes its header gives"
+                   if cut and int(cut.group(2)) < int(cut.group(1)) else exc.message)
+        findings.error("lost-process-data", message, file=base_where + ROOT_MANIFEST)
         if lost is not None and list_keys:
             lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
         return set()
