@@ -123,6 +123,7 @@ ck = ocp.StandardCheckpointer(); ck.save({str(out)!r}, tree); ck.wait_until_fini
     assert set(finding["leaves"]) == hurt
 
 
+@pytest.mark.slow
 def test_lost_node_of_a_many_level_tree_takes_exactly_the_arrays_under_it(tmp_path):
     """An OCDBT database of many versions and a 3-level B-tree, written by tensorstore (orbax's
     writer) with small nodes: each data file in turn cut short. The lost file's finding takes the
