@@ -31,9 +31,9 @@ cache (storage.LocalFileWriter). Where the file system suits O_DIRECT
 (directio.py), the whole 4 KiB blocks inside a range bypass the page cache
 and only its two ends, which share a block with the neighbouring ranges, are
 written buffered: O_DIRECT's zero padding must never reach a byte of the next
-range. Other storage (S3, GCS) receives
-each file as one value, so a file is held in memory until complete: use a
-smaller --max-shard-size there.
+range. Other storage (S3, GCS) receives each file as one value: it is
+assembled in a temporary local file and read back whole for its upload
+(see REMOTE_MIN_SHARD for the sizes and the memory this holds).
 
 In a multi-process run file K is written by process K mod P (`owns`), and
 the primary writes the index after every process has finished (commit).
@@ -44,6 +44,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,10 +65,16 @@ from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 # On an object store a shard is assembled in memory and uploaded whole (tensorstore uploads a value in
 # one request; GCS compose and S3 multipart are not reachable through it), and the upload holds
-# copies of it: a 326 MiB shard written to gs:// peaked at 1.3 GiB. There the shards are cut at a
-# quarter of --memory (at least REMOTE_MIN_SHARD), whatever --max-shard-size asks: a set of more
-# shards loads the same (transformers, safetensors), and memory no longer follows the checkpoint.
+# copies of it: a 326 MiB shard written to gs:// peaked at 1.3 GiB. There the shards are cut at an
+# eighth of --memory (at least REMOTE_MIN_SHARD), whatever --max-shard-size asks: a set of more
+# shards loads the same (transformers, safetensors), memory no longer follows the checkpoint, and
+# the half of --memory that uploads may hold keeps four in flight.
 REMOTE_MIN_SHARD = 64 * 2**20
+# ...and a shard is filled by whichever copy thread holds its next chunk, several shards at once (8
+# threads on an object store): a 1 GiB checkpoint to gs:// at --memory 128MiB held 1.2 GiB of shard
+# buffers. So each shard is assembled in a temporary local file (TMPDIR, unlinked at once) and read
+# back when complete, as many at a time as half of --memory holds (the engine reserves that from the
+# readers'), one at least.
 
 
 class SafetensorsWriteError(CkptError):
@@ -97,7 +104,7 @@ class _File:
     tensors: list[str]
     remaining: int = 0  # data bytes not written yet
     local: LocalFileWriter | None = None
-    data: bytearray | None = None  # non-local storage: the whole file, sent once complete
+    staged: Any = None  # an object store's: a temporary local file, read back and sent once complete
     done: bool = False
 
 
@@ -180,7 +187,11 @@ class SafetensorsWriter(CheckpointWriter):
         if self._max <= 0:
             raise SafetensorsWriteError(f"max_shard_size must be positive, got {max_shard_size}")
         if storage.local_root is None and memory is not None:
-            self._max = min(self._max, max(REMOTE_MIN_SHARD, memory // 4))
+            self._max = min(self._max, max(REMOTE_MIN_SHARD, memory // 8))
+        # object stores: what shards being uploaded may hold (one always goes, whatever its size)
+        self._buffer_limit = 0 if storage.local_root is not None else (max(1, memory // 2) if memory else REMOTE_MIN_SHARD)
+        self._buffered = 0  # bytes of shards read back and being uploaded
+        self._room = threading.Condition()
         self._lock = threading.Lock()
         self._plan: WritePlan | None = None
         self._tensors: dict[str, _Tensor] = {}
@@ -336,13 +347,21 @@ class SafetensorsWriter(CheckpointWriter):
             self._storage.write(INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8"))
         self._state = "committed"
 
+    @property
+    def pending_bytes_limit(self) -> int:
+        """Shards assembled in memory for an object store (see REMOTE_MIN_SHARD): the engine keeps
+        them out of the readers' budget."""
+        return self._buffer_limit
+
     def abort(self) -> None:
         with self._lock:
             files = list(self._files)
         for f in files:
             if f.local is not None:
                 f.local.discard()
-            f.data = None
+            if f.staged is not None:
+                f.staged.close()
+                f.staged = None
         self._state = "aborted"
 
     # -- internals ---------------------------------------------------------------
@@ -358,9 +377,12 @@ class SafetensorsWriter(CheckpointWriter):
             os.makedirs(self._storage.local_root, exist_ok=True)
             f.local = LocalFileWriter(path, f"{self._storage.url}/{f.name}", direct=directio.supported(self._storage.local_root))
             f.local.write_at(0, [f.header])
-        else:
-            f.data = bytearray(f.size)
-            f.data[: len(f.header)] = f.header
+        else:  # an object store's shard is assembled on local disk, and read back to be uploaded
+            try:
+                f.staged = tempfile.TemporaryFile(prefix="ckpt-shard-")
+                _pwrite_all(f.staged.fileno(), memoryview(f.header), 0)
+            except OSError as exc:
+                raise self._staging_error(f, "cannot stage", exc) from None
         for name in f.tensors:
             arr = self._scalars.get(name)
             if arr is not None:
@@ -369,28 +391,72 @@ class SafetensorsWriter(CheckpointWriter):
                 f.remaining -= t.nbytes
 
     def _opened(self, f: _File) -> None:
-        """Open `f` where begin() left it to its first write (an object store's in-memory shard)."""
-        if f.local is not None or f.data is not None or f.done:
+        """Open `f` where begin() left it to its first write (an object store's staged shard)."""
+        if f.local is not None or f.staged is not None or f.done:
             return
         with self._lock:
-            if f.data is None and not f.done:
+            if f.staged is None and not f.done:
                 self._open(f)
 
     def _put(self, f: _File, offset: int, view: np.ndarray) -> None:
         if f.local is not None:
             f.local.write_span(offset, view)
-        else:
-            assert f.data is not None
-            f.data[offset : offset + view.nbytes] = view.data
+            return
+        assert f.staged is not None
+        try:
+            _pwrite_all(f.staged.fileno(), view.data, offset)
+        except OSError as exc:
+            raise self._staging_error(f, "cannot stage", exc) from None
 
     def _close(self, f: _File) -> None:
         if f.local is not None:
-            if f.size == len(f.header):
-                pass  # nothing but the header
             f.local.close()
-        elif f.data is not None:
-            data, f.data = f.data, None
+            return
+        assert f.staged is not None
+        staged, f.staged = f.staged, None
+        self._take_room(f.size)  # read back once the uploads under way leave room for it
+        try:
+            data = bytearray(f.size)
+            view = memoryview(data)
+            pos = 0
+            while pos < f.size:
+                got = os.preadv(staged.fileno(), [view[pos:]], pos)
+                if got <= 0:
+                    raise OSError(0, f"the staged file ends at {pos} of {f.size} bytes")
+                pos += got
+            del view
             self._storage.write(f.name, data)
+        except OSError as exc:
+            raise self._staging_error(f, "cannot read back", exc) from None
+        finally:
+            staged.close()
+            self._give_room(f.size)
+
+    def _staging_error(self, f: _File, what: str, exc: OSError) -> SafetensorsWriteError:
+        return SafetensorsWriteError(f"{what} {f.name} staged in {tempfile.gettempdir()} (TMPDIR): "
+                                     f"{exc.strerror or exc}", self._storage.url)
+
+    def _take_room(self, nbytes: int) -> None:
+        """Count `nbytes` of shard read back for its upload, once the uploads under way leave room
+        for it under the limit (one is always let through). Only uploads hold the room, and each
+        ends by itself: nothing here waits on another thread's copying."""
+        with self._room:
+            while self._buffered and self._buffered + nbytes > self._buffer_limit:
+                self._room.wait()
+            self._buffered += nbytes
+
+    def _give_room(self, nbytes: int) -> None:
+        with self._room:
+            self._buffered -= nbytes
+            self._room.notify_all()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset` (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where: str) -> np.ndarray:
