@@ -166,59 +166,6 @@ def test_lost_node_of_a_many_level_tree_takes_exactly_the_arrays_under_it(tmp_pa
 
 # -- item 3: a Hugging Face download that stopped -----------------------------------------------
 
-_HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture
-def fake_hub():
-    """The Hub's resolve endpoint (HEAD and GET of /<repo>/resolve/<rev>/<file>) over a
-    directory, enough for huggingface_hub's hf_hub_download; `stall` names a file whose first GET
-    sends half of its bytes and then hangs, as a download does when its process is killed."""
-    import hashlib
-    import http.server
-    import threading
-
-    state: dict = {"src": None, "stall": None, "stop": threading.Event(), "stalled": threading.Event()}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def _head(self):
-            name = self.path.split("/resolve/main/", 1)[-1]
-            body = (state["src"] / name).read_bytes()
-            self.send_response(200)
-            self.send_header("X-Repo-Commit", _HUB_COMMIT)
-            self.send_header("ETag", '"' + hashlib.sha256(body).hexdigest() + '"')
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            return name, body
-
-        def do_HEAD(self):
-            self._head()
-
-        def do_GET(self):
-            name, body = self._head()
-            if name == state["stall"]:
-                state["stall"] = None
-                self.wfile.write(body[: len(body) // 2])
-                self.wfile.flush()
-                state["stalled"].set()
-                state["stop"].wait(120)
-                return
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    state["url"] = f"http://127.0.0.1:{server.server_address[1]}"
-    yield state
-    state["stop"].set()
-    server.shutdown()
-    server.server_close()
-
-
 def _hf_download(hub: dict, local_dir: Path, files: list[str], tmp_path: Path, *, kill_at_partial: bool) -> None:
     """hf_hub_download(local_dir=...) of `files` in turn, in a child process; killed (SIGKILL) once
     huggingface_hub's partial file appears, when asked to."""

@@ -9,6 +9,9 @@ plain zarr array) the directory is scanned once per run for links out,
 symlink loops and FIFOs, devices or sockets (`_Containment`, behind
 Storage.guard).
 
+One exception, for the layout huggingface_hub gives every model it caches: a snapshot's files
+are links into its repository's blobs/ folder, which a snapshot may read (`in_hub_blobs`).
+
 These are the rules that make a hostile checkpoint harmless; they are kept
 together, apart from the reading itself, so they can be read (and
 audited) in one place.
@@ -39,6 +42,22 @@ def _check_relative(key: str, where: str) -> str:
     return "/".join(p for p in parts if p not in ("", "."))
 
 
+# huggingface_hub's cache: every file of <cache>/models--org--name/snapshots/<revision>/ (what
+# from_pretrained opens) is a link to ../../blobs/<hash>, one regular file each; a snapshot, or a
+# folder in it, may read those (and only those) from outside itself
+_HUB_SNAPSHOT = re.compile(r"^(?P<repo>.+/(?:models|datasets|spaces)--[^/]+)/snapshots/[^/]+(?:/.*)?$")
+
+
+def in_hub_blobs(real: str, real_root: str) -> bool:
+    """Whether `real` is a blob of the Hugging Face hub cache repository whose snapshot holds
+    `real_root` (both resolved paths)."""
+    m = _HUB_SNAPSHOT.match(real_root)
+    if m is None:
+        return False
+    blobs = os.path.join(m.group("repo"), "blobs") + os.sep
+    return real.startswith(blobs) and os.sep not in real[len(blobs):]
+
+
 def check_local_path(local_root: str, rel: str, url: str, where: str, *, want_dir: bool,
                      real_root: str | None = None) -> None:
     """Refuse symlinks leading out of the root and anything but files/dirs (`where`: the key's URL).
@@ -47,7 +66,7 @@ def check_local_path(local_root: str, rel: str, url: str, where: str, *, want_di
     root = real_root or os.path.realpath(local_root)
     path = os.path.join(local_root, rel)
     real = os.path.realpath(path)
-    if real != root and not real.startswith(root + os.sep):
+    if real != root and not real.startswith(root + os.sep) and (want_dir or not in_hub_blobs(real, root)):
         raise PathEscapeError(f"{rel!r} resolves to {real}, outside the checkpoint", url)
     try:
         st = os.stat(real)
@@ -115,7 +134,7 @@ class _Containment:
 
     def _check_link(self, rel: str, path: str) -> None:
         real = os.path.realpath(path)
-        if not self._inside(real):
+        if not self._inside(real) and not (in_hub_blobs(real, self.real_root) and os.path.isfile(real)):
             self.problems[rel] = (f"symlink to {real}, outside the checkpoint", False)
             return
         try:
