@@ -7,8 +7,10 @@ any other `$ ...` line runs in bash. What each
 printed (stdout and stderr, in the order written) must equal the lines below it after a small
 normalisation, the same on both sides (NORMALISE):
 
-- the temporary directory: each block writes under /tmp/ckpt-docs, which the test points at a fresh
-  directory of its own;
+- the temporary directory: each block writes under /tmp/ckpt-docs, which the test points at a path of
+  its own that does not exist yet, as /tmp/ckpt-docs does not in a fresh shell (a block that writes
+  there makes it: `mkdir -p`, or a command that creates its destination), so a block pasted as
+  written runs; the README's blocks also run top to bottom sharing one such folder;
 - durations ("in 0.2 s") and byte rates ("(16.5 KiB/s)"), which vary from run to run;
 - `ckpt ls`'s modification times, which are the checkout's;
 - a line holding only `...` stands for any number of lines (the rest of a long listing).
@@ -156,9 +158,12 @@ def run_block(block: Block, tmp: str) -> list[tuple[Command, list[str]]]:
 
 
 def _fresh_tmp(base: Path) -> str:
+    """Where this run's /tmp/ckpt-docs is: a path that does not exist yet, as /tmp/ckpt-docs does not in
+    a fresh shell, so that an example which writes there makes the folder itself (`mkdir -p`, or a
+    command that creates its destination) and runs as written when pasted."""
     tmp = base / "ckpt-docs"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    base.mkdir(parents=True, exist_ok=True)
     return str(tmp)
 
 
@@ -179,6 +184,20 @@ def test_console_example(block, tmp_path, monkeypatch):
                             "--- expected\n" + "\n".join(expected) + "\n--- got\n" + "\n".join(actual))
     assert not failures, ("\n\n".join(failures) + "\n\n(after an intended change: "
                           "python tests/test_docs_examples.py --update " + str(block.path.relative_to(ROOT)) + ")")
+
+
+def test_readme_examples_run_top_to_bottom_in_one_shell(tmp_path, monkeypatch):
+    """A reader pastes the README's examples one after another into one fresh shell: every block in
+    order, sharing one /tmp/ckpt-docs that does not exist at the start. Each prints what it shows."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("CKPT_DEBUG", raising=False)
+    tmp = _fresh_tmp(tmp_path)
+    failures = []
+    for block in console_blocks(ROOT / "README.md"):
+        for command, output in run_block(block, tmp):
+            if not matches(normalise(command.expected, tmp), normalise(output, tmp)):
+                failures.append(f"README.md:{command.line}: $ {command.text}\n" + "\n".join(output))
+    assert not failures, "\n\n".join(failures)
 
 
 def test_there_are_examples_on_every_command_page():
