@@ -9,17 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...model import Key
-from .reader import NAME, detect, read
+# recorded_tuples is the reader's: reading Orbax (convert FROM it too) loads no writer module
+from .reader import NAME, detect, read, recorded_tuples
 
 __all__ = ["NAME", "detect", "read", "recorded_tuples", "layout_text"]
-
-
-def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
-    """The key paths of the tuples an Orbax checkpoint records (convert gathers them for DCP)."""
-    from .write import recorded_tuples as recorded
-
-    return recorded(ckpt)
 
 
 def layout_text(ck: Any) -> str:

@@ -10,6 +10,7 @@ array data is read on request through tensorstore.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,8 @@ _KEY_SEQUENCE = 1
 ZARR_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 _MARKERS = (CHECKPOINT_METADATA, TREE_METADATA, ROOT_MANIFEST)
+# _METADATA's rich-types tree (tuples kept apart from lists), a JSON string (write.py writes it)
+VALUE_METADATA_TREE = "value_metadata_tree"
 
 
 def is_tmp_name(name: str) -> bool:
@@ -590,3 +593,54 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
 
 def _empty_value(value_type: str) -> Any:
     return {"Dict": {}, "List": [], "Tuple": (), "None": None}.get(value_type)
+
+
+def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
+    """The key paths of the tuples an Orbax checkpoint records (value_metadata_tree), else empty.
+
+    The counterpart of write.value_metadata_tree(), for converting Orbax back to
+    DCP, where a tuple is one bytes item but a list is traversed. Paths carry
+    the item prefix the reader gives its leaves.
+    """
+    storage = Storage.create(ckpt.path)
+    step_dir = ckpt.layout.get("step_dir")
+    if step_dir:
+        storage = storage.child(step_dir)
+    items = ckpt.layout.get("items")
+    places = [(storage, ())] if not items else [
+        (storage.child(item), () if items == ["default"] else (item,)) for item in items
+    ]
+    found: set[tuple[Key, ...]] = set()
+    for place, prefix in places:
+        if not place.exists(TREE_METADATA):
+            continue
+        meta = read_json(place, TREE_METADATA)
+        text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
+        if not isinstance(text, str):
+            continue
+        where = f"{place.url}/{TREE_METADATA}"
+        try:
+            _walk_rich_tree(json.loads(text), prefix, found)
+        except ValueError as exc:
+            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is not JSON: {exc}", where) from None
+        except RecursionError:
+            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is nested too deeply", where) from None
+    return found
+
+
+def _walk_rich_tree(node: Any, path: tuple[Key, ...], found: set[tuple[Key, ...]]) -> None:
+    if isinstance(node, list):
+        for i, child in enumerate(node):
+            _walk_rich_tree(child, path + (i,), found)
+    elif isinstance(node, dict):
+        if node.get("category") == "custom":
+            if node.get("clazz") == "tuple" and isinstance(node.get("entries"), list):
+                if node["entries"]:
+                    found.add(path)
+                for i, child in enumerate(node["entries"]):
+                    _walk_rich_tree(child, path + (i,), found)
+            return  # a ValueMetadataEntry leaf
+        if node.get("category") == "namedtuple":
+            return  # its fields are dict keys in tree_metadata; no tuple of DCP's kind
+        for k, child in node.items():
+            _walk_rich_tree(child, path + (str(k),), found)

@@ -40,7 +40,7 @@ import numpy as np
 import tensorstore as ts
 
 from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, a_type
+from ...errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, a_type
 from ...values import SharedValueError
 from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
 from ...names import join_keys
@@ -80,8 +80,6 @@ _ZARR3_ZSTD = {"name": "zstd", "configuration": {"level": 3}}
 # orbax's KeyType
 _KEY_SEQUENCE = 1
 _KEY_DICT = 2
-# _METADATA's rich-types tree (tuples kept apart from lists), a JSON string
-VALUE_METADATA_TREE = "value_metadata_tree"
 # orbax's empty-value type strings (metadata/empty_values.py)
 _EMPTY_TYPES = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
 
@@ -775,7 +773,7 @@ class OrbaxWriter(CheckpointWriter):
         if tuples:
             # tree_metadata records every sequence as a list (key_type 1); only
             # orbax's rich-types tree keeps tuples apart (see value_metadata_tree)
-            meta[VALUE_METADATA_TREE] = value_metadata_tree(self._leaves, tuples)
+            meta[ob.VALUE_METADATA_TREE] = value_metadata_tree(self._leaves, tuples)
         self._storage.write(ob.TREE_METADATA, json.dumps(meta).encode())
 
         shardings = {
@@ -837,7 +835,7 @@ def value_metadata_tree(leaves: list[_Leaf], tuples: set[tuple[Key, ...]]) -> st
     "entries": [...]}, dict keys in jax's (sorted) order. orbax restores
     tuples from it when asked to (rich types); its default restore reads
     tree_metadata, where sequences are lists, and gives lists, as it does for
-    tuples it saved itself.
+    tuples it saved itself. reader.recorded_tuples() reads it back.
     """
     root: dict[Key, Any] = {}
     for leaf in leaves:
@@ -856,57 +854,6 @@ def value_metadata_tree(leaves: list[_Leaf], tuples: set[tuple[Key, ...]]) -> st
         return {str(k): build(node[k], path + (k,)) for k in ordered}
 
     return json.dumps(build(root, ()))
-
-
-def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
-    """The key paths of the tuples an Orbax checkpoint records (value_metadata_tree), else empty.
-
-    The counterpart of value_metadata_tree(), for converting Orbax back to
-    DCP, where a tuple is one bytes item but a list is traversed. Paths carry
-    the item prefix the reader gives its leaves.
-    """
-    storage = Storage.create(ckpt.path)
-    step_dir = ckpt.layout.get("step_dir")
-    if step_dir:
-        storage = storage.child(step_dir)
-    items = ckpt.layout.get("items")
-    places = [(storage, ())] if not items else [
-        (storage.child(item), () if items == ["default"] else (item,)) for item in items
-    ]
-    found: set[tuple[Key, ...]] = set()
-    for place, prefix in places:
-        if not place.exists(ob.TREE_METADATA):
-            continue
-        meta = ob.read_json(place, ob.TREE_METADATA)
-        text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
-        if not isinstance(text, str):
-            continue
-        where = f"{place.url}/{ob.TREE_METADATA}"
-        try:
-            _walk_rich_tree(json.loads(text), prefix, found)
-        except ValueError as exc:
-            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is not JSON: {exc}", where) from None
-        except RecursionError:
-            raise CorruptMetadataError(f"{VALUE_METADATA_TREE} is nested too deeply", where) from None
-    return found
-
-
-def _walk_rich_tree(node: Any, path: tuple[Key, ...], found: set[tuple[Key, ...]]) -> None:
-    if isinstance(node, list):
-        for i, child in enumerate(node):
-            _walk_rich_tree(child, path + (i,), found)
-    elif isinstance(node, dict):
-        if node.get("category") == "custom":
-            if node.get("clazz") == "tuple" and isinstance(node.get("entries"), list):
-                if node["entries"]:
-                    found.add(path)
-                for i, child in enumerate(node["entries"]):
-                    _walk_rich_tree(child, path + (i,), found)
-            return  # a ValueMetadataEntry leaf
-        if node.get("category") == "namedtuple":
-            return  # its fields are dict keys in tree_metadata; no tuple of DCP's kind
-        for k, child in node.items():
-            _walk_rich_tree(child, path + (str(k),), found)
 
 
 def _fmt_region(region: Region) -> str:

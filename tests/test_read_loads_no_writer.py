@@ -1,0 +1,76 @@
+"""Reading a checkpoint loads no writer module (issue 47): inspect and validate (shallow and
+--deep) of an Orbax checkpoint, and a convert FROM Orbax to DCP, import neither the Orbax writer
+(formats/orbax/write.py, direct.py) nor the OCDBT writer (storage/ocdbt_writer.py, ocdbt_encode.py).
+What the Orbax reader needs (recorded_tuples: the tuples a checkpoint records, which convert to DCP
+asks the source for) lives on the reader side.
+
+The modules are listed by a subprocess after the CLI's own path ran, as tests/test_startup_imports.py
+does; the writer modules are named from the registry (every writing format's write.py) plus the
+modules only a writer uses."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, fixture_path
+
+from ckpt_tool import formats
+
+# the modules only writing uses, below the formats' write.py: Orbax's direct chunk writer, the OCDBT
+# database writer and its encoder, torch.save's pickle writer, and the write plan the engine hands a writer
+WRITER_ONLY = ("ckpt_tool.formats.orbax.direct", "ckpt_tool.storage.ocdbt_writer", "ckpt_tool.storage.ocdbt_encode",
+               "ckpt_tool.torchsave.pickle_writer", "ckpt_tool.writers")
+# the writer modules of the formats that write (formats/<name>/write.py), from the registry
+WRITE_MODULES = tuple(sorted({f"{f.package}.write" for f in formats.registered() if f.can_write}))
+# what writing Orbax loads, which a convert from Orbax to another format must not
+ORBAX_WRITER = ("ckpt_tool.formats.orbax.write", "ckpt_tool.formats.orbax.direct", "ckpt_tool.storage.ocdbt_writer",
+                "ckpt_tool.storage.ocdbt_encode")
+
+ORBAX = ["orbax_manager", "orbax_ocdbt_zarr2", "orbax_plain_zarr2", "orbax_two_process"]
+
+
+def _loaded_after(argv: list[str]) -> list[str]:
+    """The modules a process has loaded after the CLI ran `argv` (exit 0)."""
+    code = (
+        # _run, not main: main ends a read-only command with os._exit
+        "import io, sys, contextlib, ckpt_tool.cli.main as m\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    code = m._run({argv!r})\n"
+        "sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + ' CODE ' + str(code) + '\\n')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stderr.rstrip().splitlines()[-1]
+    assert line.startswith("MODULES ") and line.endswith(" CODE 0"), r.stderr[-2000:]
+    return line.split()[1:-2]
+
+
+def test_the_writer_modules_are_real():
+    # the names below must name modules that exist, or the checks would pass on a typo
+    import importlib.util
+
+    assert "ckpt_tool.formats.orbax.write" in WRITE_MODULES and "ckpt_tool.formats.dcp.write" in WRITE_MODULES
+    for name in WRITE_MODULES + WRITER_ONLY:
+        assert importlib.util.find_spec(name) is not None, name
+
+
+@pytest.mark.parametrize("name", ORBAX)
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["validate"], ["validate", "--deep"]])
+def test_orbax_inspect_and_validate_load_no_writer(name, command):
+    loaded = _loaded_after([command[0], str(fixture_path(name)), *command[1:]])
+    assert "ckpt_tool.formats.orbax.reader" in loaded  # (a real Orbax read)
+    bad = [m for m in loaded if m in WRITE_MODULES or m in WRITER_ONLY]
+    assert not bad, f"{' '.join(command)} of {name} loaded writer modules: {bad}"
+
+
+@pytest.mark.parametrize("name", ["orbax_manager", "orbax_ocdbt_zarr2", "orbax_plain_zarr2"])
+def test_convert_from_orbax_to_dcp_loads_no_orbax_writer(name, tmp_path):
+    dst = tmp_path / "dcp"
+    loaded = _loaded_after(["convert", str(fixture_path(name)), str(dst), "--to", "dcp"])
+    assert (dst / ".metadata").is_file()
+    # (the convert asked the source for its recorded tuples, and wrote DCP)
+    assert "ckpt_tool.formats.orbax.reader" in loaded and "ckpt_tool.formats.dcp.write" in loaded
+    bad = [m for m in loaded if m in ORBAX_WRITER]
+    assert not bad, f"convert {name} --to dcp loaded the Orbax writer: {bad}"
