@@ -208,10 +208,11 @@ def run(argv: list[str], env: dict[str, str] | None = None) -> dict:
 
 # -- the rounds --------------------------------------------------------------------------
 
-def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: bool, log) -> dict:
+def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: bool, log,
+               server_root: str | None = None) -> dict:
     src = ensure_checkpoint(gib, regen, log)
     scratch = os.path.join(OUT, "remote_tmp")
-    server = GcsServer(os.path.join(OUT, "remote_gcs"))
+    server = GcsServer(server_root or os.path.join(OUT, "remote_gcs"))
     env = server.env()
     result: dict = {"gib": gib, "rounds": [], "latency": None}
     try:
@@ -256,6 +257,8 @@ def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: boo
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+        # the server's objects (rebuilt at its next start): on /dev/shm they would hold the RAM
+        shutil.rmtree(server_root or os.path.join(OUT, "remote_gcs"), ignore_errors=True)
     return result
 
 
@@ -344,11 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--regen", action="store_true")
     ap.add_argument("--no-latency", action="store_true", help="skip the 256-device layout behind the latency proxy")
+    ap.add_argument("--server-root", default=None,
+                    help="the server's file-system backend (default bench/out/remote_gcs). Where it shares a disk "
+                         "with ckpt's local output, the server's reads compete with ckpt's writes, which a real "
+                         "store's do not: /dev/shm/ckpt-gcs keeps them apart (RAM: the checkpoint's size)")
     args, _ = ap.parse_known_args(argv)  # run_all passes every bench its own options too
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     sizes = [int(s) for s in args.sizes.split(",") if s]
     doc = {"bench": "remote", "sizes": [bench_size(g, args.rounds, args.delay_ms, g == min(sizes) and not args.no_latency,
-                                                   args.regen, log)
+                                                   args.regen, log, args.server_root)
                                         for g in sizes]}
     doc["targets"] = targets(doc)
     failed = any(r[n]["remote"]["rc"] for s in doc["sizes"] for r in s["rounds"] for n in r if isinstance(r[n], dict))
