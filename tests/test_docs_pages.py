@@ -12,6 +12,8 @@ shallow clone), such a word in prose beside a run's words ("commit", "measured",
 run log is a line of the page's prose, or of a ```text block, with a round, a median, a best-of or a
 load average in it. ```console blocks are ckpt's own output (checked by tests/test_docs_examples.py)
 and are not searched for run logs: ckpt prints sha256 prefixes and temporary names, never a run.
+
+A page in OPTION_PAGES names every option its command's --help lists (convert.md's grouped table).
 """
 from __future__ import annotations
 
@@ -145,3 +147,26 @@ def test_a_planted_run_log_is_found():
     assert not problems('```json\n{"files": {"_METADATA": "fb9d6fd8..."}}\n```\n')
     assert not problems("a cast rounds a normal value to the nearest bfloat16; see docs/benchmarks.md\n")
     assert not problems("a temporary .model.ckpt-tmp-cc767581 left by a killed write\n")
+
+
+# pages that name every option their command's --help lists (convert.md's options table, issue 47)
+OPTION_PAGES = {"convert": ("convert",)}
+
+
+def _options(*command: str) -> set[str]:
+    import contextlib
+    import io
+
+    from ckpt_tool.cli.main import _run
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        assert _run([*command, "--help"]) == 0, out.getvalue()
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out.getvalue())) - {"--help"}
+
+
+@pytest.mark.parametrize("page", sorted(OPTION_PAGES))
+def test_page_names_every_option_of_its_command(page):
+    text = (ROOT / "docs" / "commands" / f"{page}.md").read_text()
+    missing = sorted(o for o in _options(*OPTION_PAGES[page]) if o not in text)
+    assert not missing, f"docs/commands/{page}.md does not say what these options of `ckpt {page}` do: {missing}"
