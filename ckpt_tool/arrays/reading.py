@@ -12,10 +12,9 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import tensorstore as ts
 
 from .. import dtypes
 from ..bufferpool import POOL
@@ -25,6 +24,11 @@ from ..model import Key, Leaf, Region, Sharding, ValueLeaf, constant_loader
 from ..storage import Reads, Storage, ts_error_text
 from ..storage.ocdbt_node import IndirectValue
 from . import schema, stored_chunks
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+# (tensorstore is imported where an array is opened: the metadata of an Orbax checkpoint on a local
+# path is read without it, issue 46)
 
 # the files beside the arrays that this machinery reads (Orbax's names)
 TREE_METADATA = "_METADATA"
@@ -207,6 +211,8 @@ class ZarrRegionReader(ArrayReader):
             "metadata": self._zmeta,
         }
         try:
+            import tensorstore as ts
+
             return ts.open(spec, open=True, read=True, assume_metadata=True, context=self._source.storage.read_context)
         except Exception as exc:
             raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc
@@ -243,6 +249,8 @@ class ZarrRegionReader(ArrayReader):
         """Start reading a region straight into `out` (of the region's shape); the returned call waits."""
         store = self._open()
         try:
+            import tensorstore as ts
+
             target = ts.array(out, copy=False)
             fut = target.write(store[tuple(region)].translate_to[(0,) * len(region)])
         except Exception as exc:
@@ -535,6 +543,8 @@ class UnmergedRegionReader(ArrayReader):
                 storage = self._sources[i].storage
                 try:
                     # only the primary wrote .zarray: assume it for the other databases
+                    import tensorstore as ts
+
                     fut = ts.open(spec, open=True, read=True, assume_metadata=True, context=storage.read_context)
                 except Exception as exc:
                     raise CkptError(f"cannot open array: {ts_error_text(exc)}", self._name) from exc

@@ -127,6 +127,9 @@ def open_kvstore(spec: dict[str, Any], url: str, what: str = "cannot open storag
 class Backend(ABC):
     """One kind of storage root, as a flat key space (see the module docstring for who checks what)."""
 
+    # what a kvstore opened on first use (Backend.kvstore) says when it cannot be opened
+    _OPEN_WHAT = "cannot open storage"
+
     def __init__(self, kvstore: ts.KvStore | None, url: str, spec: dict[str, Any]) -> None:
         # None: opened from `spec` when first used (a local root that is only listed and read by
         # the file system never opens one, nor imports tensorstore)
@@ -141,8 +144,12 @@ class Backend(ABC):
     def kvstore(self) -> ts.KvStore:
         """The tensorstore kvstore of this root (opened on first use where it was not given)."""
         if self._kvstore is None:
-            self._kvstore = open_kvstore(self.spec, self.url)
+            self._kvstore = open_kvstore(self.spec, self._open_url(), self._OPEN_WHAT)
         return self._kvstore
+
+    def _open_url(self) -> str:
+        """The root as an error opening its kvstore names it."""
+        return self.url
 
     # -- what the kind is ----------------------------------------------------------------
     @property

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # command, and a local DCP or safetensors inspect decodes no node and loads no numpy, issue 46)
 
 BTREE_NODE_MAGIC = 0x0CDB20DE
+MANIFEST_MAGIC = 0x0CDB3A2A
 _HEADER = struct.Struct("<Q")  # the node's length, after the big-endian magic
 _MAX_VARINT_BYTES = 10
 # a node no writer would make: tensorstore's writers keep a node under max_decoded_node_bytes (100 MB for orbax)
@@ -117,13 +118,20 @@ def _take(buf: np.ndarray, pos: int, n: int, what: str) -> tuple[bytes, int]:
 
 def _data_file_table(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[str], int]:
     """The node's data files as paths from the database root (format document, "Data file table format")."""
+    entries, pos = _data_file_entries(buf, pos, transitive)
+    return [full for _base, _relative, full in entries], pos
+
+
+def _data_file_entries(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[tuple[str, str, str]], int]:
+    """The table's data files as (transitive path + base path, relative path, full path): a node read
+    from one takes the first as the transitive path of its own table."""
     n, pos = _one_varint(buf, pos)
     if n > len(buf):
         raise OcdbtNodeError(f"data file table claims {n} files")
     prefix_len, pos = _varints(buf, pos, max(0, n - 1))
     suffix_len, pos = _varints(buf, pos, n)
     base_len, pos = _varints(buf, pos, n)
-    paths: list[str] = []
+    paths: list[tuple[str, str, str]] = []
     prev = b""
     for i in range(n):
         keep = int(prefix_len[i - 1]) if i else 0
@@ -133,23 +141,26 @@ def _data_file_table(buf: np.ndarray, pos: int, transitive: str) -> tuple[list[s
         path = prev[:keep] + suffix
         if int(base_len[i]) > len(path) or len(path) > 65535:
             raise OcdbtNodeError("data file base path longer than its path")
+        cut = int(base_len[i])
+        base = transitive + path[:cut].decode("utf-8", "surrogateescape")
+        relative = path[cut:].decode("utf-8", "surrogateescape")
         full = transitive + path.decode("utf-8", "surrogateescape")
         if _ESCAPING_PATH.search(full):
             # read by byte range from the base store: a path that climbs out would read outside the
             # database (tensorstore's writers never make one; its reader refuses them too)
             raise OcdbtNodeError(f"data file path {full!r} leaves the database directory")
-        paths.append(full)
+        paths.append((base, relative, full))
         prev = path
     return paths, pos
 
 
-def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
-    """The decompressed body of an encoded node, after checking its header and CRC-32C footer."""
+def _body(raw: bytes | memoryview, max_decoded: int, magic_wanted: int = BTREE_NODE_MAGIC) -> bytes | bytearray:
+    """The decompressed body of an encoded node (or manifest), after checking its header and CRC-32C footer."""
     if len(raw) < 4 + 8 + 2 + 4:
         raise OcdbtNodeError(f"node of {len(raw)} bytes is shorter than its header and footer")
     (magic,) = struct.unpack_from(">I", raw, 0)
-    if magic != BTREE_NODE_MAGIC:
-        raise OcdbtNodeError(f"B+tree node magic 0x{magic:08x}, expected 0x{BTREE_NODE_MAGIC:08x}")
+    if magic != magic_wanted:
+        raise OcdbtNodeError(f"B+tree node magic 0x{magic:08x}, expected 0x{magic_wanted:08x}")
     (length,) = _HEADER.unpack_from(raw, 4)
     if length != len(raw):
         raise OcdbtNodeError(f"B+tree node header says {length} bytes, its reference {len(raw)}")
@@ -202,6 +213,63 @@ def _body(raw: bytes | memoryview, max_decoded: int) -> bytes | bytearray:
     if len(out) > max_decoded:
         raise OcdbtNodeError(f"B+tree node decompresses to more than {max_decoded} bytes")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRoot:
+    """What a walk needs of a manifest: its B+tree root (a leaf node) and the decoded size bound."""
+
+    root: Location
+    max_decoded_node_bytes: int
+
+
+def single_leaf_manifest(raw: bytes | memoryview) -> ManifestRoot | None:
+    """The latest version's root of a manifest of the kind orbax's databases have: one file, every
+    version inline, the root a leaf node (a database of up to ~10^5 arrays fits one node of 100 MB).
+    None for any other (a numbered manifest, version tree nodes, a root above the leaves) or one that
+    does not decode: tensorstore's own reader is asked then, and says what is wrong with it.
+
+    The layout (tensorstore's format document, "Manifest format"), as ocdbt_encode.manifest writes it:
+    the config (uuid, manifest kind, max inline value bytes, max decoded node bytes, version tree
+    arity, compression and its level), the data file table, the inline versions' columns, then the
+    count of version tree nodes."""
+    import numpy as np
+
+    try:
+        body = np.frombuffer(_body(raw, 1 << 20, MANIFEST_MAGIC), dtype=np.uint8)
+        pos = 16  # the uuid
+        kind, pos = _one_varint(body, pos)
+        _inline, pos = _one_varint(body, pos)
+        max_decoded, pos = _one_varint(body, pos)
+        pos += 1  # version tree arity (log2)
+        compression, pos = _one_varint(body, pos)
+        if kind != 0 or compression not in (0, 1) or not max_decoded:
+            return None
+        pos += 4 if compression == 1 else 0  # the zstd level
+        files, pos = _data_file_entries(body, pos, "")
+        n, pos = _one_varint(body, pos)
+        if not 1 <= n <= 1 << 16:
+            return None
+        _generations, pos = _varints(body, pos, n)
+        heights = body[pos : pos + n].tolist()
+        pos += n
+        file_ids, pos = _varints(body, pos, n)
+        offsets, pos = _varints(body, pos, n)
+        lengths, pos = _varints(body, pos, n)
+        _stats, pos = _varints(body, pos, 3 * n)  # num_keys, num_tree_bytes, num_indirect_value_bytes
+        pos += 8 * n  # commit times
+        version_nodes, pos = _one_varint(body, pos)
+        if version_nodes != 0 or pos != len(body) or len(heights) != n:
+            return None
+        file_id, offset, length = int(file_ids[-1]), int(offsets[-1]), int(lengths[-1])
+        if heights[-1] != 0 or file_id >= len(files) or not length:
+            return None
+    except (OcdbtNodeError, IndexError, ValueError):
+        return None
+    # the manifest's table is relative to the database root (transitive path ""): the node it names
+    # takes its entry's base path as the transitive path of its own table
+    base, relative, _full = files[file_id]
+    return ManifestRoot(Location(base, relative, offset, length), int(max_decoded))
 
 
 class LeafNode:

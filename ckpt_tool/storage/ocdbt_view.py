@@ -2,7 +2,10 @@
 
 Point reads go through tensorstore's OCDBT driver, like any kvstore; many keys at once are read by
 one walk of the database's B+tree instead (ocdbt_bulk), with the values stored out of line read by
-byte range from their data files. The view is read-only: ckpt writes OCDBT databases whole
+byte range from their data files. A local database of the kind orbax writes (one manifest file, the
+root a leaf node: ocdbt_node.single_leaf_manifest) is walked without tensorstore at all, for any
+number of keys: its manifest and leaf node are decoded here and read by pread, and tensorstore is
+opened (and imported) only for what else is asked of the view (issue 46: `ckpt inspect`). The view is read-only: ckpt writes OCDBT databases whole
 (ocdbt_writer.py) or through tensorstore's array writes, never key by key into an existing one.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ from ..bufferpool import POOL
 from ..errors import CkptError, NotFoundError, TruncatedFileError
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
+from .ocdbt_node import LeafNode, Location, ManifestRoot, OcdbtNodeError, single_leaf_manifest
 from .kvstore_backend import RANGE_PIECE, KvstoreBackend, range_pieces
 from .remote import ocdbt_truncated_cause
 
@@ -25,18 +29,29 @@ _OCDBT_SUFFIX = " (ocdbt)"
 class OcdbtBackend(KvstoreBackend):
     """The OCDBT database whose manifest lies at the root of `base`, or a key prefix of it."""
 
-    def __init__(self, kvstore: ts.KvStore, url: str, spec: dict[str, Any], base: Backend, prefix: str = "") -> None:
+    _OPEN_WHAT = "cannot open OCDBT database"
+
+    def __init__(self, kvstore: ts.KvStore | None, url: str, spec: dict[str, Any], base: Backend, prefix: str = "",
+                 local_root: ManifestRoot | None = None) -> None:
         super().__init__(kvstore, url, spec)
         # the root holding the database's manifest and data files, and this view's key prefix in it
         self.base = base
         self.prefix = prefix
+        # a local database walked without tensorstore: its manifest's root leaf (see the module docstring)
+        self.local_tree = local_root
 
     @classmethod
     def open_database(cls, base: Backend) -> OcdbtBackend:
         """The database whose manifest lies at the root of `base` (already guarded by the caller)."""
         spec = {"driver": "ocdbt", "base": base.spec}
+        local = _local_manifest(base)
+        if local is not None:  # tensorstore opens it when something else is asked (Backend.kvstore)
+            return cls(None, base.url + _OCDBT_SUFFIX, spec, base, local_root=local)
         kv = open_kvstore(spec, base.url, "cannot open OCDBT database")
         return cls(kv, base.url + _OCDBT_SUFFIX, spec, base)
+
+    def _open_url(self) -> str:
+        return self.base.url  # (as open_database names it)
 
     @property
     def kind(self) -> str:
@@ -48,11 +63,13 @@ class OcdbtBackend(KvstoreBackend):
                             deadlines=self.endpoint is not None, bulk_reads=True)
 
     def child(self, rel: str) -> OcdbtBackend:
-        return OcdbtBackend(self.kvstore / (rel + "/"), f"{self.url}/{rel}", self.spec_for(rel + "/"),
-                            self.base, self.prefix + rel + "/")
+        kvstore = self._kvstore / (rel + "/") if self._kvstore is not None else None  # else opened when used
+        return OcdbtBackend(kvstore, f"{self.url}/{rel}", self.spec_for(rel + "/"),
+                            self.base, self.prefix + rel + "/", self.local_tree)
 
     def start_reads(self, rels: dict[str, str]) -> Reads:
-        if len(rels) >= ocdbt_bulk.BULK_MIN_KEYS:
+        # (a local leaf-rooted database: a walk of its one node, whatever the number of keys)
+        if self.local_tree is not None or len(rels) >= ocdbt_bulk.BULK_MIN_KEYS:
             return OcdbtBulkReads(self, rels)
         return super().start_reads(rels)
 
@@ -63,14 +80,40 @@ class OcdbtBackend(KvstoreBackend):
         def wait(future: Any) -> Any:
             return self.wait(future, "cannot read OCDBT B+tree", self.url)
 
+        keys = [self.prefix + rel for rel in rels]
         try:
-            inline, indirect = ocdbt_bulk.read_keys(self.base.kvstore, [self.prefix + rel for rel in rels], wait)
-        except ocdbt_bulk.OcdbtTreeError as exc:
+            if self.local_tree is not None:
+                inline, indirect = self._local_keys(self.local_tree, keys)
+            else:
+                inline, indirect = ocdbt_bulk.read_keys(self.base.kvstore, keys, wait)
+        except (ocdbt_bulk.OcdbtTreeError, OcdbtNodeError) as exc:
             raise CkptError(f"cannot read OCDBT B+tree: {exc}", self.url) from None
         cut = len(self.prefix)
         out: dict[str, bytes | ocdbt_bulk.IndirectValue] = {k[cut:]: v for k, v in inline.items()}
         out.update((k[cut:], v) for k, v in indirect.items())
         return out
+
+    def _local_keys(self, tree: ManifestRoot, keys: list[str]
+                    ) -> tuple[dict[str, bytes], dict[str, ocdbt_bulk.IndirectValue]]:
+        """ocdbt_bulk.read_keys of a local leaf-rooted database: its root leaf read by pread and
+        decoded here (the same decoder, the same errors for a node cut short or damaged)."""
+        where: Location = tree.root
+        short = f"B+tree node {where.path} [{where.offset}, +{where.length}) holds {{}} bytes"  # (as read_leaf says it)
+        try:
+            raw = self.base.read(where.path, slice(where.offset, where.offset + where.length))
+        except TruncatedFileError as exc:
+            raise OcdbtNodeError(short.format(max(0, exc.size - where.offset))) from None
+        except NotFoundError:
+            raise OcdbtNodeError(short.format(0)) from None
+        node = LeafNode(raw, where, max_decoded=ocdbt_bulk.decoded_limit({"max_decoded_node_bytes": tree.max_decoded_node_bytes}))
+        found: dict[str, bytes] = {}
+        indirect: dict[str, ocdbt_bulk.IndirectValue] = {}
+        for key, value in node.lookup({k.encode() for k in keys}).items():
+            if isinstance(value, ocdbt_bulk.IndirectValue):
+                indirect[key.decode()] = value
+            else:
+                found[key.decode()] = value
+        return found, indirect
 
     def read_located(self, refs: dict[str, ocdbt_bulk.IndirectValue], *,
                      pooled: bool = False) -> dict[str, bytes | memoryview]:
@@ -121,6 +164,17 @@ class OcdbtBackend(KvstoreBackend):
             raise TruncatedFileError(f"value of {key} ({ref.length} bytes at offset {ref.offset}) is cut short: "
                                      f"the data file holds {got} of them", where,
                                      size=ref.offset + got, cause=ocdbt_truncated_cause(ref.offset + got))
+
+
+def _local_manifest(base: Backend) -> ManifestRoot | None:
+    """The root leaf of a local database whose manifest ocdbt_node reads (else None: tensorstore's)."""
+    if not base.capabilities.local_files:
+        return None
+    try:
+        raw = base.read("manifest.ocdbt", None)
+    except (CkptError, OSError):
+        return None  # (tensorstore's open says what is wrong)
+    return single_leaf_manifest(raw)
 
 
 class OcdbtBulkReads:
