@@ -102,11 +102,15 @@ def violations(graph: list[Edge], known: dict[str, Path]) -> dict[str, list[str]
     upward = [e for e in graph if rank[e.importer] < rank[e.imported]]
     package = {m: format_package(m, known) for m in known}
     across = [e for e in graph if package[e.importer] and package[e.imported] and package[e.importer] != package[e.imported]]
+    # the registry and the modules beside it (roots, steps, unknown) load a format package by name, through
+    # the registry's table; nothing outside a format package imports one (above the formats: ask the registry)
+    into = [e for e in graph if package[e.imported] and not package[e.importer]]
     in_cycles = {m for c in cycles(graph) for m in c}
     lazy_in_cycles = [e for e in graph if e.lazy and e.importer in in_cycles and e.imported in in_cycles]
     return {
         "imports up the layers": [str(e) for e in upward],
         "imports of another format package": [str(e) for e in across],
+        "imports of a format package from outside it": [str(e) for e in into],
         "function-level imports inside a cycle": [str(e) for e in lazy_in_cycles],
     }
 
@@ -150,6 +154,12 @@ def test_no_format_package_imports_another(tree: Path, graph: list[Edge]) -> Non
     assert not across, "format packages importing each other:\n" + "\n".join(across)
 
 
+def test_no_module_outside_a_format_package_imports_one(tree: Path, graph: list[Edge]) -> None:
+    # (formats/roots.py asks the packages' run-root rules through the registry's table: issue 47)
+    into = violations(graph, modules(tree))["imports of a format package from outside it"]
+    assert not into, "format packages imported from outside (load them through the registry):\n" + "\n".join(into)
+
+
 def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: Path) -> None:
     # a tree made to break each rule once: the checks above would see it
     pkg = tmp_path / PACKAGE
@@ -159,6 +169,7 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: P
         "runs.py": "from .errors import f\n",
         "formats/__init__.py": "",
         "formats/contract.py": "",  # a module beside the packages, not a format package
+        "formats/roots.py": "def f():\n    from .b import reader\n",  # beside the packages, importing one
         "formats/a/__init__.py": "from ..b import reader\nfrom ..contract import Base\n",
         "formats/b/__init__.py": "",
         "formats/b/registration.py": "from .. import FormatInfo\n",  # the registry's entry: may use it
@@ -171,6 +182,7 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: P
     found = violations(graph, modules(tmp_path))
     assert found["imports up the layers"] == ["errors -> runs (in a function, line 2)"]
     assert found["imports of another format package"] == ["formats.a -> formats.b.reader (line 1)"]
+    assert found["imports of a format package from outside it"] == ["formats.roots -> formats.b.reader (in a function, line 2)"]
 
 
 # one checkpoint of every format and family, and run roots whose step the registry picks

@@ -1,6 +1,6 @@
 """Reading a checkpoint loads no writer module (issue 47): inspect and validate (shallow and
 --deep) of an Orbax checkpoint, and a convert FROM Orbax to DCP, import neither the Orbax writer
-(formats/orbax/write.py, direct.py) nor the OCDBT writer (storage/ocdbt_writer.py, ocdbt_encode.py).
+(its package's write.py and direct.py) nor the OCDBT writer (storage/ocdbt_writer.py, ocdbt_encode.py).
 What the Orbax reader needs (recorded_tuples: the tuples a checkpoint records, which convert to DCP
 asks the source for) lives on the reader side.
 
@@ -18,14 +18,16 @@ from conftest import ROOT, fixture_path
 
 from ckpt_tool import formats
 
+ORBAX_PACKAGE = formats.get("orbax").package
+DCP_PACKAGE = formats.get("dcp").package
 # the modules only writing uses, below the formats' write.py: Orbax's direct chunk writer, the OCDBT
 # database writer and its encoder, torch.save's pickle writer, and the write plan the engine hands a writer
-WRITER_ONLY = ("ckpt_tool.formats.orbax.direct", "ckpt_tool.storage.ocdbt_writer", "ckpt_tool.storage.ocdbt_encode",
+WRITER_ONLY = (f"{ORBAX_PACKAGE}.direct", "ckpt_tool.storage.ocdbt_writer", "ckpt_tool.storage.ocdbt_encode",
                "ckpt_tool.torchsave.pickle_writer", "ckpt_tool.writers")
 # the writer modules of the formats that write (formats/<name>/write.py), from the registry
 WRITE_MODULES = tuple(sorted({f"{f.package}.write" for f in formats.registered() if f.can_write}))
 # what writing Orbax loads, which a convert from Orbax to another format must not
-ORBAX_WRITER = ("ckpt_tool.formats.orbax.write", "ckpt_tool.formats.orbax.direct", "ckpt_tool.storage.ocdbt_writer",
+ORBAX_WRITER = (f"{ORBAX_PACKAGE}.write", f"{ORBAX_PACKAGE}.direct", "ckpt_tool.storage.ocdbt_writer",
                 "ckpt_tool.storage.ocdbt_encode")
 
 ORBAX = ["orbax_manager", "orbax_ocdbt_zarr2", "orbax_plain_zarr2", "orbax_two_process"]
@@ -51,7 +53,7 @@ def test_the_writer_modules_are_real():
     # the names below must name modules that exist, or the checks would pass on a typo
     import importlib.util
 
-    assert "ckpt_tool.formats.orbax.write" in WRITE_MODULES and "ckpt_tool.formats.dcp.write" in WRITE_MODULES
+    assert f"{ORBAX_PACKAGE}.write" in WRITE_MODULES and f"{DCP_PACKAGE}.write" in WRITE_MODULES
     for name in WRITE_MODULES + WRITER_ONLY:
         assert importlib.util.find_spec(name) is not None, name
 
@@ -60,7 +62,7 @@ def test_the_writer_modules_are_real():
 @pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["validate"], ["validate", "--deep"]])
 def test_orbax_inspect_and_validate_load_no_writer(name, command):
     loaded = _loaded_after([command[0], str(fixture_path(name)), *command[1:]])
-    assert "ckpt_tool.formats.orbax.reader" in loaded  # (a real Orbax read)
+    assert f"{ORBAX_PACKAGE}.reader" in loaded  # (a real Orbax read)
     bad = [m for m in loaded if m in WRITE_MODULES or m in WRITER_ONLY]
     assert not bad, f"{' '.join(command)} of {name} loaded writer modules: {bad}"
 
@@ -71,6 +73,6 @@ def test_convert_from_orbax_to_dcp_loads_no_orbax_writer(name, tmp_path):
     loaded = _loaded_after(["convert", str(fixture_path(name)), str(dst), "--to", "dcp"])
     assert (dst / ".metadata").is_file()
     # (the convert asked the source for its recorded tuples, and wrote DCP)
-    assert "ckpt_tool.formats.orbax.reader" in loaded and "ckpt_tool.formats.dcp.write" in loaded
+    assert f"{ORBAX_PACKAGE}.reader" in loaded and f"{DCP_PACKAGE}.write" in loaded
     bad = [m for m in loaded if m in ORBAX_WRITER]
     assert not bad, f"convert {name} --to dcp loaded the Orbax writer: {bad}"

@@ -206,6 +206,21 @@ def test_every_layout_is_in_the_run_roots_table():
         assert f"| {layout.title} |" in section, layout.title
 
 
+def test_every_layout_has_its_rules_through_the_registry():
+    """A layout's rules are its own or those of the one format package whose FormatInfo.run_roots
+    names it (roots.py imports no format package: tests/test_import_layers.py)."""
+    from ckpt_tool.formats import contract, registered
+
+    names = [layout.name for layout in roots.LAYOUTS]
+    for info in registered():
+        assert set(info.run_roots) <= set(names), info.name
+    for layout in roots.LAYOUTS:
+        holders = [info.name for info in registered() if layout.name in info.run_roots]
+        assert len(holders) == (0 if layout.rules is not None else 1), (layout.name, holders)
+        assert isinstance(roots.rules_of(layout, registered()), contract.RunRules), layout.name
+        assert roots.rules_of(layout, []) is (layout.rules if layout.rules is not None else None)
+
+
 # -- diff and validate across steps ------------------------------------------------------------
 
 # root -> (step A, step B)

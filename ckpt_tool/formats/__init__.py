@@ -31,7 +31,7 @@ from ..text import joined
 
 if TYPE_CHECKING:
     # (at run time the contract is imported when a package is asked something: `ckpt --help` never is)
-    from .contract import ChecksModule, FormatModule, ReaderModule, WriterModule
+    from .contract import ChecksModule, FormatModule, ReaderModule, RunRules, WriterModule
     from ..model import Checkpoint
     from ..storage import ReadLog, Storage
 
@@ -105,6 +105,9 @@ class FormatInfo:
     # into its chunks itself, each stored as if written alone (Orbax: tensorstore): the engine
     # then hands it blocks, not chunk after chunk (ckpt_tool/blocks.py)
     writes_chunk_blocks: bool = False
+    # the training frameworks (formats/roots.py's RunLayout names) whose run-root rules its package's
+    # run_roots.py holds (RULES: a contract.RunRules each): roots.py asks them through rules_for
+    run_roots: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -137,6 +140,12 @@ class FormatInfo:
         from .contract import WriterModule
 
         return WriterModule(self.submodule("write"))
+
+    def rules_for(self, framework: str) -> RunRules:
+        """A framework's run-root rules that this package holds (run_roots.py; `framework` in run_roots)."""
+        from .contract import run_rules
+
+        return run_rules(self.submodule("run_roots"), framework)
 
     def claimed(self, name: str) -> bool:
         """Whether a top-level file or directory `name` is one this format's checkpoints hold."""
@@ -403,7 +412,7 @@ def contents(storage: Storage, names: list[str] | None = None) -> Contents:
     parts = tuple(n for n in judged if belongs(n))
     steps: tuple[str, ...] = ()
     run = ""
-    found = roots.identify(roots.RootListing.of(storage))
+    found = roots.identify(roots.RootListing.of(storage, registered()))
     if found is not None:
         layout, entries = found
         # (an entry named like a step that is not the checkpoint's is one of `others`: said as such)

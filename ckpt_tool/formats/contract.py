@@ -22,6 +22,10 @@ the scheduler, validate and the CLI reach it only through the interfaces here:
   pending_bytes_limit and owns).
 * validate's checks (``formats/<name>/checks.py``): ChecksModule wraps it
   (check_path; optional manifest_covers, check_single_file, check_deep).
+* a training framework's run-root rules that the package's reader knows
+  (``formats/<name>/run_roots.py``, for the frameworks its FormatInfo.run_roots
+  names): RunRules, asked by formats/roots.py's table (step_of, status_of;
+  optional owns, confirm, read_pointer).
 
 The wrappers are the only place a hook is looked up by name: a hook a package
 does not define takes the default written beside its declaration, and callers
@@ -46,6 +50,7 @@ the registry, and the registry imports this.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
@@ -459,6 +464,98 @@ class ChecksModule:
         them: check_deep(storage, ckpt, findings, skip_leaves) (DCP: every non-tensor item decoded).
         Default: None."""
         return getattr(self.module, "check_deep", None)
+
+
+# -- run roots: a training framework's rules that a format package knows -------------------------
+
+# a step's status in its run root, by its writer's rule (formats/roots.py says what each means)
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+IN_PROGRESS = "in-progress"
+STATUSES = (COMMITTED, INCOMPLETE, IN_PROGRESS)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One top-level directory or file of a run root that a layout names as a step."""
+
+    name: str
+    is_dir: bool
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    status: str  # one of STATUSES
+    reason: str | None = None  # why it is not committed
+
+
+class RootView(Protocol):
+    """What RunRules may ask of a run root's one listing (formats/roots.py's RootListing)."""
+
+    @property
+    def storage(self) -> Storage: ...
+    @property
+    def dirs(self) -> list[str]: ...
+    @property
+    def files(self) -> list[str]: ...
+
+    def top(self, entry: str, sub: str = "") -> tuple[set[str], set[str]]:
+        """(directories, files) directly inside `entry` (or inside `entry/sub`)."""
+        ...
+
+    def has(self, entry: str, rel: str) -> bool:
+        """Whether the key `entry/rel` is in the listing."""
+        ...
+
+
+class RunRules(ABC):
+    """One training framework's rules for the steps of its run roots, judged from one listing of
+    the root: what formats/roots.py's table (RunLayout) asks for `ckpt ls`, `ckpt latest` and a run
+    root's default step.
+
+    Where a format package's reader already knows a framework's rules (the Orbax reader's commit
+    rules, the Megatron reader's tracker, the DeepSpeed reader's `latest` tag, the msgpack reader's
+    temporary names), the package holds them: its `run_roots.py` maps the framework's name
+    (RunLayout.name) to a RunRules in `RULES`, and its FormatInfo.run_roots names those frameworks;
+    roots.py reaches them through the registry's table, never by importing the package. A
+    run_roots.py imports nothing heavy at module level: a root of another framework asks it too."""
+
+    #: confirm() reads more than the listing (a step's metadata): the step opened by default is
+    #: confirmed with it, so that it is the one the format's reader (and the library) would pick
+    confirms: bool = False
+
+    @abstractmethod
+    def step_of(self, name: str) -> int | None:
+        """The step number of an entry named `name` (of RunLayout's kind: a directory, or a file
+        where the layout's steps are files), -1 for a save in progress of no step yet, or None: not
+        one of this framework's entries."""
+
+    def owns(self, listing: RootView, entry: Entry) -> bool:
+        """Whether the entry is this framework's (its markers are there), where its name is not
+        enough. Default: its name is."""
+        return True
+
+    @abstractmethod
+    def status_of(self, listing: RootView, entry: Entry) -> StepStatus:
+        """The entry's status from the listing alone."""
+
+    def confirm(self, listing: RootView, entry: Entry) -> StepStatus:
+        """The writer's whole commit rule on one step, reading what a listing cannot show (with
+        `confirms`). Default: the listing's status."""
+        return self.status_of(listing, entry)
+
+    def read_pointer(self, listing: RootView) -> str:
+        """The entry name the framework's pointer file (RunLayout.pointer, which is there) names;
+        a CkptError when it does not read as one. Asked only of a layout with a pointer."""
+        raise NotImplementedError(f"{type(self).__name__} reads no pointer file")
+
+
+def run_rules(module: ModuleType, framework: str) -> RunRules:
+    """The rules for `framework` in a package's run_roots.py (its RULES)."""
+    rules = getattr(module, "RULES", {}).get(framework)
+    if not isinstance(rules, RunRules):
+        raise RuntimeError(f"{module.__name__}.RULES holds no RunRules for {framework!r}")
+    return rules
 
 
 def missing_members(package: ModuleType, write: ModuleType | None = None,

@@ -17,7 +17,10 @@ shards beside a Hugging Face config, NeMo 2 a Megatron-Core save under
 framework (torchtitan) writes two formats. Where a format package already
 knows a framework's rules (the Orbax reader's commit rules, the Megatron
 reader's tracker, the DeepSpeed reader's `latest` tag, the msgpack reader's
-temporary names), the entry calls that package instead of copying them.
+temporary names), the package holds that framework's rules (its run_roots.py,
+a contract.RunRules, named by its FormatInfo.run_roots) and the entry asks it
+through the registry's table, handed in with the listing: nothing here imports
+or names a format package.
 
 Everything here works from one recursive LIST of the root (`RootListing`):
 nothing is read but the pointer file, so a root of hundreds of steps on S3
@@ -38,15 +41,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .. import strict_json
 from ..errors import CkptError, CorruptMetadataError
 from ..text import is_ascii_number
+# (the statuses, Entry and StepStatus are the contract's: a package's RunRules returns them)
+from .contract import COMMITTED, INCOMPLETE, IN_PROGRESS, STATUSES, Entry, RootView, RunRules, StepStatus  # noqa: F401
 
 if TYPE_CHECKING:
     from ..storage import Storage
     from . import FormatInfo
-
-COMMITTED = "committed"
-INCOMPLETE = "incomplete"
-IN_PROGRESS = "in-progress"
-STATUSES = (COMMITTED, INCOMPLETE, IN_PROGRESS)
 
 MAX_POINTER_BYTES = 4096
 
@@ -59,12 +59,15 @@ class RootListing:
     dirs: list[str]
     files: list[str]
     under: dict[str, list[str]]  # top-level directory -> its keys, relative to it
+    # the registry's table (detection order): the packages holding a framework's rules (rules())
+    formats: Sequence[FormatInfo] = ()
     # (entry, sub) -> top()'s answer, and entry -> its keys as a set: the layouts ask each many times
     _tops: dict[tuple[str, str], tuple[set[str], set[str]]] = field(default_factory=dict, repr=False)
     _keys: dict[str, set[str]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, storage: Storage) -> RootListing:
+    def of(cls, storage: Storage, formats: Sequence[FormatInfo]) -> RootListing:
+        """The root's one LIST; `formats`: the registry's table, for the layouts' rules."""
         under: dict[str, list[str]] = {}
         files: list[str] = []
         for key in storage.list():
@@ -86,7 +89,7 @@ class RootListing:
                             under[e.name] = []
             except OSError:
                 pass
-        return cls(storage, sorted(under), files, under)
+        return cls(storage, sorted(under), files, under, formats)
 
     def top(self, entry: str, sub: str = "") -> tuple[set[str], set[str]]:
         """(directories, files) directly inside `entry` (or inside `entry/sub`)."""
@@ -110,19 +113,9 @@ class RootListing:
             keys = self._keys[entry] = set(self.under.get(entry, ()))
         return rel in keys
 
-
-@dataclass(frozen=True)
-class Entry:
-    """One top-level directory or file of a root that a layout names as a step."""
-
-    name: str
-    is_dir: bool
-
-
-@dataclass(frozen=True)
-class StepStatus:
-    status: str  # one of STATUSES
-    reason: str | None = None  # why it is not committed
+    def rules(self, layout: RunLayout) -> RunRules | None:
+        """The layout's rules (rules_of, with this listing's registry table)."""
+        return rules_of(layout, self.formats)
 
 
 @dataclass(frozen=True)
@@ -136,15 +129,13 @@ class RunLayout:
     pointer_text: str  # the pointer file naming the latest, and how it reads
     in_progress: str  # how a save in progress (or torn) looks
     source: str  # where the rules come from (the writer's source; "documented layout")
-    # (entry name, is it a directory) -> its step number; None: not one of this framework's entries
-    step_of: Callable[[str, bool], int | None]
-    # the entry's status from the listing alone
-    status_of: Callable[[RootListing, Entry], StepStatus]
-    # whether the entry is this framework's (its markers are there); name alone is not enough for some
-    owns: Callable[[RootListing, Entry], bool] = lambda listing, entry: True
-    pointer: str | None = None  # the pointer file's name, at the root
-    # the entry name the pointer file names (it exists); CkptError when it does not read as one
-    read_pointer: Callable[[RootListing], str] | None = None
+    # its step entries' names, markers, statuses and pointer file's reading (contract.RunRules: step_of,
+    # owns, status_of, confirm, read_pointer); None: a format package holds them (its FormatInfo.run_roots
+    # names this layout), asked through the registry's table (rules_of)
+    rules: RunRules | None = None
+    # its steps are files (flax's checkpoint_N), not directories: entries of the other kind are not asked
+    step_files: bool = False
+    pointer: str | None = None  # the pointer file's name, at the root (its rules' read_pointer reads it)
     # a pointer that may name any entry (DeepSpeed's tag), not only one step_of recognises
     pointer_names_any: bool = False
     payload: str = ""  # the checkpoint inside a step directory, when it is not the directory itself
@@ -153,12 +144,8 @@ class RunLayout:
     own_root: bool = False
     # newer steps than the pointer are saves in progress (the writer moves the pointer last)
     pointer_is_commit: bool = False
-    # the writer's whole commit rule on one step, reading what a listing cannot show (orbax's
-    # _CHECKPOINT_METADATA: a damaged one is no commit); the step opened by default is confirmed
-    # with it, so that it is the one the format's reader (and the library) would pick
-    confirm: Callable[[RootListing, Entry], StepStatus] | None = None
     # names that may be its entries: a cheap first filter, so that a root of one framework does not
-    # import every other framework's reader (step_of decides; this only rules names out)
+    # import every other framework's reader (its rules' step_of decides; this only rules names out)
     hint: str = ""
     # whether the folder may be this framework's run root at all, from its top-level names (a
     # Hugging Face model folder is one model even with a Trainer's checkpoint-N/ beside it)
@@ -175,103 +162,35 @@ class RunLayout:
     explicit: str = ""
 
 
-# -- Orbax CheckpointManager ----------------------------------------------------------------------
+class _Rules(RunRules):
+    """A framework's rules written here, where no format package knows them: its functions."""
 
-def _orbax_step(name: str, is_dir: bool) -> int | None:
-    if not is_dir:
-        # before the import: a DCP directory's `__0_0.distcp` files pass the digit hint, and they
-        # must not load the Orbax reader
-        return None
-    from .orbax import reader
+    def __init__(self, step_of: Callable[[str], int | None], status_of: Callable[[RootListing, Entry], StepStatus], *,
+                 owns: Callable[[RootListing, Entry], bool] | None = None,
+                 confirm: Callable[[RootListing, Entry], StepStatus] | None = None,
+                 read_pointer: Callable[[RootListing], str] | None = None) -> None:
+        self._step_of, self._status_of, self._owns = step_of, status_of, owns
+        self._confirm, self._read_pointer = confirm, read_pointer
+        self.confirms = confirm is not None
 
-    return reader.step_number(name)
+    def step_of(self, name: str) -> int | None:
+        return self._step_of(name)
 
+    def owns(self, listing: RootView, entry: Entry) -> bool:
+        assert isinstance(listing, RootListing)
+        return self._owns(listing, entry) if self._owns is not None else True
 
-def _orbax_owns(listing: RootListing, entry: Entry) -> bool:
-    from .orbax import reader
+    def status_of(self, listing: RootView, entry: Entry) -> StepStatus:
+        assert isinstance(listing, RootListing)
+        return self._status_of(listing, entry)
 
-    if reader.is_tmp_name(entry.name):
-        return True
-    dirs, files = listing.top(entry.name)
-    # (not manifest.ocdbt alone: orbax <= 0.4's checkpoint_N/ has one and no _METADATA: the msgpack reader's)
-    markers = (reader.CHECKPOINT_METADATA, reader.TREE_METADATA, reader.COMMIT_MARKER)
-    if any(m in files for m in markers):
-        return True
-    # items (<item>/_METADATA); orbax <= 0.4's items hold the msgpack `checkpoint` file instead
-    return any(listing.has(entry.name, f"{d}/{reader.TREE_METADATA}") or listing.has(entry.name, f"{d}/checkpoint")
-               for d in dirs)
+    def confirm(self, listing: RootView, entry: Entry) -> StepStatus:
+        assert isinstance(listing, RootListing)
+        return self._confirm(listing, entry) if self._confirm is not None else self._status_of(listing, entry)
 
-
-def _orbax_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .orbax import reader
-
-    if reader.is_tmp_name(entry.name):
-        return StepStatus(IN_PROGRESS, "temporary directory name: orbax renames it at commit")
-    _, files = listing.top(entry.name)
-    status = reader.listed_commit_status(listing.storage, entry.name, sorted(files))
-    return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
-
-
-def _orbax_confirm(listing: RootListing, entry: Entry) -> StepStatus:
-    from .orbax import reader
-
-    if reader.is_tmp_name(entry.name):
-        return _orbax_status(listing, entry)
-    _, files = listing.top(entry.name)
-    step = listing.storage.child(entry.name)
-    status = reader.commit_status(step, entry.name, sorted(files), reader.read_step_metadata(step, sorted(files)))
-    return StepStatus(COMMITTED) if status.committed else StepStatus(INCOMPLETE, status.reason)
-
-
-# -- Flax checkpoint_N files, T5X checkpoint_N/ directories ---------------------------------------
-
-def _flax_step(name: str, is_dir: bool) -> int | None:
-    from .msgpack import detection
-
-    if is_dir or not name.startswith("checkpoint"):
-        return None
-    if detection.FLAX_TMP.match(name):
-        return -1  # flax's `checkpoint_tmp`: a save in progress, of no step yet
-    return detection.step_of(name) if name.startswith("checkpoint_") else None
-
-
-def _flax_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .msgpack import detection
-
-    if detection.FLAX_TMP.match(entry.name):
-        return StepStatus(IN_PROGRESS, "flax's temporary file: renamed to checkpoint_N when written")
-    return StepStatus(COMMITTED)
-
-
-def _t5x_step(name: str, is_dir: bool) -> int | None:
-    if not (is_dir and name.startswith("checkpoint_")):
-        return None  # (before the import: no other name loads the msgpack reader)
-    from .msgpack import detection
-
-    return detection.step_of(name)
-
-
-def _t5x_owns(listing: RootListing, entry: Entry) -> bool:
-    from .msgpack import detection
-
-    if detection.is_tmp(entry.name):
-        return True
-    dirs, files = listing.top(entry.name)
-    if detection.ORBAX_TREE_METADATA in files:
-        return False  # orbax >= 0.5's
-    # the tree file, or (a save torn before it) t5x's per-array directories, named after the tree's keys
-    return detection.TREE_FILE in files or any(d.startswith(("target.", "state.")) for d in dirs)
-
-
-def _t5x_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .msgpack import detection
-
-    if detection.is_tmp(entry.name):
-        return StepStatus(IN_PROGRESS, "temporary directory name: t5x renames checkpoint_N.tmp-<time> when written")
-    _, files = listing.top(entry.name)
-    if detection.TREE_FILE not in files:
-        return StepStatus(INCOMPLETE, f"no {detection.TREE_FILE} file (the tree, written last)")
-    return StepStatus(COMMITTED)
+    def read_pointer(self, listing: RootView) -> str:
+        assert isinstance(listing, RootListing) and self._read_pointer is not None
+        return self._read_pointer(listing)
 
 
 # -- torchtitan step-N/ (DCP) ----------------------------------------------------------------------
@@ -279,8 +198,8 @@ def _t5x_status(listing: RootListing, entry: Entry) -> StepStatus:
 _TITAN_STEP = re.compile(r"^step-(\d+)$")
 
 
-def _titan_step(name: str, is_dir: bool) -> int | None:
-    m = _TITAN_STEP.match(name) if is_dir else None
+def _titan_step(name: str) -> int | None:
+    m = _TITAN_STEP.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -326,8 +245,8 @@ _HF_STEP = re.compile(r"^(tmp-)?checkpoint-(\d+)$")
 HF_STATE = "trainer_state.json"
 
 
-def _hf_step(name: str, is_dir: bool) -> int | None:
-    m = _HF_STEP.match(name) if is_dir else None
+def _hf_step(name: str) -> int | None:
+    m = _HF_STEP.match(name)
     return int(m.group(2)) if m else None
 
 
@@ -407,66 +326,7 @@ def _hf_status(listing: RootListing, entry: Entry) -> StepStatus:
     return StepStatus(COMMITTED)
 
 
-# -- Megatron-LM iter_NNNNNNN/ + latest_checkpointed_iteration.txt -----------------------------------------
-
-def _megatron_step(name: str, is_dir: bool) -> int | None:
-    from .megatron import reader
-
-    m = reader.STEP_DIR.match(name) if is_dir else None
-    return int(m.group(1)) if m else (0 if is_dir and name == reader.RELEASE_DIR else None)
-
-
-def _megatron_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .megatron import reader
-
-    dirs, files = listing.top(entry.name)
-    # the reader's rule (reader._steps): metadata.json is written last by rank 0; legacy saves are rank directories
-    if reader.CONFIG_FILE in files or any(reader.LEGACY_RANK_DIR.match(d) for d in dirs):
-        return StepStatus(COMMITTED)
-    return StepStatus(INCOMPLETE, f"no {reader.CONFIG_FILE}: Megatron writes it last")
-
-
-def _megatron_pointer(listing: RootListing) -> str:
-    from .megatron import reader
-
-    name = reader.read_tracker(listing.storage)
-    assert name is not None  # called only when the file is there
-    return name
-
-
-# -- NeMo 2 step directories --------------------------------------------------------------------------------
-
-_NEMO_STEP = re.compile(r"(?:^|-)step=(\d+)(?:-|$)")
-NEMO_UNFINISHED = "-unfinished"
-
-
-def _nemo_step(name: str, is_dir: bool) -> int | None:
-    m = _NEMO_STEP.search(name) if is_dir else None
-    return int(m.group(1)) if m else None
-
-
-def _nemo_owns(listing: RootListing, entry: Entry) -> bool:
-    from .megatron import nemo
-
-    dirs, _ = listing.top(entry.name)
-    return nemo.WEIGHTS in dirs or nemo.CONTEXT in dirs or f"{entry.name}{NEMO_UNFINISHED}" in listing.files
-
-
-def _nemo_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .megatron import nemo
-
-    # ModelCheckpoint._save_checkpoint touches `<name>-unfinished` beside the directory before
-    # the save and removes it once the (async) save is finalized
-    if f"{entry.name}{NEMO_UNFINISHED}" in listing.files:
-        return StepStatus(IN_PROGRESS, f"{entry.name}{NEMO_UNFINISHED} is there: NeMo removes it when the save is finalized")
-    dirs, _ = listing.top(entry.name)
-    _, weights = listing.top(entry.name, nemo.WEIGHTS)
-    if "metadata.json" not in weights:
-        return StepStatus(INCOMPLETE, f"no {nemo.WEIGHTS}/metadata.json: Megatron writes it last")
-    if nemo.CONTEXT not in dirs:
-        return StepStatus(INCOMPLETE, f"no {nemo.CONTEXT}/ (the model's config)")
-    return StepStatus(COMMITTED)
-
+# -- NeMo 2 step directories (their names, markers and statuses: the Megatron package's run_roots) ----------
 
 def _nemo_pick(listing: RootListing, rows: Sequence[Any]) -> Any | None:
     # AutoResume.nemo_path: the directories matching `*last`, less those with an `-unfinished`
@@ -474,33 +334,6 @@ def _nemo_pick(listing: RootListing, rows: Sequence[Any]) -> Any | None:
     # there, by step here); whether its files are complete is not asked
     last = [r for r in rows if r.name.endswith("last") and r.status != IN_PROGRESS]
     return max(last, key=lambda r: (r.step if r.step is not None else -1, r.name)) if last else None
-
-
-# -- DeepSpeed global_stepN/ + latest ---------------------------------------------------------------------------
-
-def _ds_step(name: str, is_dir: bool) -> int | None:
-    from .deepspeed import reader
-
-    m = reader.STEP_DIR.match(name) if is_dir else None
-    return int(m.group(1)) if m else None
-
-
-def _ds_status(listing: RootListing, entry: Entry) -> StepStatus:
-    from .deepspeed import reader
-
-    _, files = listing.top(entry.name)
-    if reader.is_step_listing(sorted(files)):
-        return StepStatus(COMMITTED)
-    return StepStatus(INCOMPLETE, "no model or optimizer states files")
-
-
-def _ds_pointer(listing: RootListing) -> str:
-    from .deepspeed import reader
-
-    tag, problem = reader.read_latest(listing.storage)
-    if tag is None:
-        raise CorruptMetadataError(f"{reader.LATEST}: {problem}", f"{listing.storage.url}/{reader.LATEST}")
-    return tag
 
 
 # -- verl global_step_N/ + latest_checkpointed_iteration.txt ----------------------------------------------------
@@ -512,8 +345,8 @@ VERL_DATA = "data.pt"
 VERL_ROLES = ("actor", "critic")
 
 
-def _verl_step(name: str, is_dir: bool) -> int | None:
-    m = _VERL_STEP.match(name) if is_dir else None
+def _verl_step(name: str) -> int | None:
+    m = _VERL_STEP.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -554,10 +387,6 @@ def _verl_pointer(listing: RootListing) -> str:
     return f"global_step_{int(text)}"
 
 
-def _megatron_owns(listing: RootListing, entry: Entry) -> bool:
-    return True
-
-
 LAYOUTS: list[RunLayout] = [
     RunLayout(
         "orbax", "Orbax CheckpointManager",
@@ -566,8 +395,7 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("`N.orbax-checkpoint-tmp` (0.12; `-tmp-<n>` / `-tmp-<timestamp>` before), renamed at commit; "
                      "on gs:// the final name without `commit_success.txt` (the reader's commit rules per version)"),
         source="orbax-checkpoint atomicity.py / step.py (the Orbax reader's commit_status)",
-        hint=r"\d", step_of=_orbax_step, status_of=_orbax_status, owns=_orbax_owns, fallback_format="orbax", own_root=True,
-        confirm=_orbax_confirm,
+        hint=r"\d", fallback_format="orbax", own_root=True,
         resume="CheckpointManager.latest_step(): the newest step orbax counts as committed, whatever its data holds",
         explicit="manager.restore(STEP)",
     ),
@@ -577,7 +405,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest checkpoint_N (latest_checkpoint)",
         in_progress="`checkpoint_tmp` (flax writes it, then renames it to checkpoint_N)",
         source="flax/training/checkpoints.py",
-        hint=r"^checkpoint", step_of=_flax_step, status_of=_flax_status, fallback_format="flax", own_root=True,
+        hint=r"^checkpoint", step_files=True, fallback_format="flax", own_root=True,
         resume="latest_checkpoint: the highest checkpoint_N, whatever it holds",
         explicit="restore_checkpoint(ckpt_dir, target, step=STEP)",
     ),
@@ -587,7 +415,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest checkpoint_N/ with its `checkpoint` file",
         in_progress="`checkpoint_N.tmp-<time>/` (renamed when written); a checkpoint_N/ without `checkpoint` is incomplete",
         source="t5x/checkpoints.py",
-        hint=r"^checkpoint_", step_of=_t5x_step, status_of=_t5x_status, owns=_t5x_owns, fallback_format="t5x", own_root=True,
+        hint=r"^checkpoint_", fallback_format="t5x", own_root=True,
         resume="latest_step: the highest checkpoint_N/ holding its `checkpoint` file",
         explicit="--restore_checkpoint_cfg.path=PATH",
     ),
@@ -597,7 +425,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: the highest step-N/ holding `.metadata` (or an HF export's `model.safetensors.index.json`)",
         in_progress="a step-N/ without `.metadata` (DCP's coordinator writes it last, after every rank's `.distcp`)",
         source="torchtitan components/checkpoint.py (_find_load_step)",
-        hint=r"^step-", step_of=_titan_step, status_of=_titan_status, fallback_format="dcp", pick=_titan_pick,
+        hint=r"^step-", rules=_Rules(_titan_step, _titan_status), fallback_format="dcp", pick=_titan_pick,
         resume="_find_load_step: the highest N of a directory named *step-N* holding `.metadata`, then step-N/ whatever it holds",
         explicit="--checkpoint.load_step STEP",
     ),
@@ -608,8 +436,8 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("a checkpoint-N/ without `trainer_state.json` (written last, after weights, optimizer, "
                      "scheduler and RNG state); `tmp-checkpoint-N/` (transformers 4.36's staged saves)"),
         source="transformers trainer.py (_save_checkpoint), trainer_utils.py (get_last_checkpoint)",
-        hint=r"checkpoint-", step_of=_hf_step, status_of=_hf_status, owns=_hf_owns, fallback_format="safetensors",
-        claims_root=_hf_claims_root, confirm=_hf_confirm, pick=_hf_pick,
+        hint=r"checkpoint-", rules=_Rules(_hf_step, _hf_status, owns=_hf_owns, confirm=_hf_confirm), fallback_format="safetensors",
+        claims_root=_hf_claims_root, pick=_hf_pick,
         resume="get_last_checkpoint: the highest checkpoint-N/, complete or not",
         explicit="trainer.train(resume_from_checkpoint=PATH)",
     ),
@@ -619,8 +447,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="`latest_checkpointed_iteration.txt`: the iteration number (or `release`), written after the save",
         in_progress="an iter_N/ without `metadata.json` (written last by rank 0); an iter_N/ newer than the tracker",
         source="megatron/training/checkpointing.py (the Megatron reader's read_tracker)",
-        hint=r"^(iter_|release$)", step_of=_megatron_step, status_of=_megatron_status, owns=_megatron_owns,
-        pointer="latest_checkpointed_iteration.txt", read_pointer=_megatron_pointer,
+        hint=r"^(iter_|release$)", pointer="latest_checkpointed_iteration.txt",
         fallback_format="megatron", own_root=True, pointer_is_commit=True,
         resume="load_checkpoint: the iteration latest_checkpointed_iteration.txt names, complete or not",
         explicit="--ckpt-step STEP",
@@ -631,7 +458,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="none: NeMo resumes from the newest finished `*-last` directory",
         in_progress="a `<name>-unfinished` marker file beside the directory (removed when the save is finalized)",
         source="NeMo nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/lightning/resume.py",
-        hint=r"step=", step_of=_nemo_step, status_of=_nemo_status, owns=_nemo_owns, fallback_format="megatron",
+        hint=r"step=", fallback_format="megatron",
         pick=_nemo_pick, resume="AutoResume: the newest `*-last` directory without an `-unfinished` marker, complete or not",
         explicit="AutoResume(resume_from_path=PATH), resume_if_exists off",
     ),
@@ -641,7 +468,7 @@ LAYOUTS: list[RunLayout] = [
         pointer_text="`latest`: the tag (a directory name), written after every rank's files",
         in_progress="a tag directory without model/optimizer states files; a step newer than `latest`",
         source="deepspeed/runtime/engine.py (save_checkpoint; the DeepSpeed reader's read_latest)",
-        hint=r"^global_step\d", step_of=_ds_step, status_of=_ds_status, pointer="latest", read_pointer=_ds_pointer,
+        hint=r"^global_step\d", pointer="latest",
         pointer_names_any=True, fallback_format="deepspeed", own_root=True, pointer_is_commit=True,
         resume="load_checkpoint: the tag `latest` names, complete or not",
         explicit="engine.load_checkpoint(dir, tag=NAME)",
@@ -653,7 +480,7 @@ LAYOUTS: list[RunLayout] = [
         in_progress=("a global_step_N/ without `data.pt` or missing a rank's model/optim/extra_state file; "
                      "a step newer than the tracker (with async_save verl writes no tracker)"),
         source="verl trainer/ppo/ray_trainer.py (_save_checkpoint), utils/checkpoint/ (documented layout)",
-        hint=r"^global_step_", step_of=_verl_step, status_of=_verl_status, pointer=VERL_TRACKER, read_pointer=_verl_pointer,
+        hint=r"^global_step_", rules=_Rules(_verl_step, _verl_status, read_pointer=_verl_pointer), pointer=VERL_TRACKER,
         payload="actor", fallback_format="torch", pointer_is_commit=True,
         resume="find_latest_ckpt_path: the step latest_checkpointed_iteration.txt names, complete or not",
         explicit="trainer.resume_mode=resume_path trainer.resume_from_path=PATH",
@@ -665,21 +492,33 @@ def layout_named(name: str) -> RunLayout:
     return next(layout for layout in LAYOUTS if layout.name == name)
 
 
+def rules_of(layout: RunLayout, formats: Sequence[FormatInfo]) -> RunRules | None:
+    """The layout's rules: its own, else those of the format package (in `formats`, the registry's
+    table) whose FormatInfo.run_roots names it, imported now; None when no package in `formats` does
+    (a registry without that format: the layout is not asked)."""
+    if layout.rules is not None:
+        return layout.rules
+    info = next((f for f in formats if layout.name in f.run_roots), None)
+    return info.rules_for(layout.name) if info is not None else None
+
+
+def candidates(layout: RunLayout, dirs: Sequence[str], files: Sequence[str]) -> list[str]:
+    """The names among a root's top-level entries that may be the layout's steps: of its kind (directories,
+    or files where its steps are files) and passing its hint. Only these are asked of its rules (whose
+    package, where a format package holds them, is imported then)."""
+    return [n for n in (files if layout.step_files else dirs) if not layout.hint or re.search(layout.hint, n)]
+
+
 def entries_of(listing: RootListing, layout: RunLayout) -> list[tuple[Entry, int | None]]:
     """The root's entries this layout claims, with their step numbers (None: flax's checkpoint_tmp)."""
     out: list[tuple[Entry, int | None]] = []
-    hint = re.compile(layout.hint) if layout.hint else None
-    for name in listing.dirs:
-        if hint is not None and not hint.search(name):
-            continue
-        step = layout.step_of(name, True)
-        if step is not None and (entry := Entry(name, True)) and layout.owns(listing, entry):
-            out.append((entry, step))
-    for name in listing.files:
-        if hint is not None and not hint.search(name):
-            continue
-        step = layout.step_of(name, False)
-        if step is not None and (entry := Entry(name, False)) and layout.owns(listing, entry):
+    names = candidates(layout, listing.dirs, listing.files)
+    rules = listing.rules(layout) if names else None  # (no candidate: its rules are not loaded)
+    if rules is None:
+        return out
+    for name in names:
+        step = rules.step_of(name)
+        if step is not None and (entry := Entry(name, not layout.step_files)) and rules.owns(listing, entry):
             out.append((entry, None if step < 0 else step))
     return out
 
@@ -719,9 +558,10 @@ def format_of(listing: RootListing, layout: RunLayout, entry: Entry, formats: Se
 def read_pointer(listing: RootListing, layout: RunLayout) -> tuple[str | None, str | None]:
     """(the entry name the pointer file names, None) or (None, what is wrong with it); (None, None)
     when the layout has no pointer file or it is absent."""
-    if layout.pointer is None or layout.read_pointer is None or layout.pointer not in listing.files:
+    rules = listing.rules(layout)
+    if layout.pointer is None or rules is None or layout.pointer not in listing.files:
         return None, None
     try:
-        return layout.read_pointer(listing), None
+        return rules.read_pointer(listing), None
     except CkptError as exc:
         return None, exc.message

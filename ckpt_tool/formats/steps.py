@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -27,7 +26,7 @@ from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError,
 from ..storage import Storage, check_url
 from ..text import is_ascii_number
 from . import roots
-from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout
+from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout, RunRules
 from ..names import OWNER_FILE
 
 if TYPE_CHECKING:
@@ -92,10 +91,11 @@ class RunListing:
         }
 
 
-def _open_root(root: str, storage: Storage | None = None) -> tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]]:
+def _open_root(root: str, formats: Sequence[FormatInfo], storage: Storage | None = None,
+               ) -> tuple[Storage, RootListing, RunLayout, list[tuple[Entry, int | None]]]:
     check_url(root)
     storage = storage or Storage.open(root)
-    listing = RootListing.of(storage)
+    listing = RootListing.of(storage, formats)
     found = roots.identify(listing)
     if found is None:
         raise NotFoundError(
@@ -105,7 +105,7 @@ def _open_root(root: str, storage: Storage | None = None) -> tuple[Storage, Root
     return storage, listing, layout, entries
 
 
-def _name_run_root_below(exc: NotFoundError, root: str) -> None:
+def _name_run_root_below(exc: NotFoundError, root: str, formats: Sequence[FormatInfo]) -> None:
     """`not a run root`, where a sub-directory is one (a training run's experiment directory:
     NeMo's, above its checkpoints/): the error names it. Only on this error's path (`ckpt ls`,
     `latest`): resolve_step asks every path whether it is a run root, and this lists the
@@ -116,7 +116,7 @@ def _name_run_root_below(exc: NotFoundError, root: str) -> None:
         return
     try:
         storage = Storage.open(root)
-        below = run_roots_below(storage, storage.listdir()[0])
+        below = run_roots_below(storage, storage.listdir()[0], formats)
     except CkptError:
         return
     if below:
@@ -144,9 +144,9 @@ def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = N
     is a request, so only when asked)."""
     if _opened is None:
         try:
-            _opened = _open_root(root)
+            _opened = _open_root(root, formats)
         except NotFoundError as exc:
-            _name_run_root_below(exc, root)
+            _name_run_root_below(exc, root, formats)
             raise
     storage, listing, layout, entries = _opened
     want_sizes = storage.local_root is not None if sizes is None else sizes
@@ -161,9 +161,11 @@ def list_run(root: str, *, formats: Sequence[FormatInfo], sizes: bool | None = N
             for e, _ in entries for k in (listing.under.get(e.name, []) if e.is_dir else [""])]
     stats = _stats(storage, keys, want_sizes)
     rows: list[StepRow] = []
+    rules = listing.rules(layout)
+    assert rules is not None  # (identify found its entries by them)
     for entry, step in entries:
         own = [f"{entry.name}/{k}" for k in listing.under.get(entry.name, [])] if entry.is_dir else [entry.name]
-        status = layout.status_of(listing, entry)
+        status = rules.status_of(listing, entry)
         if entry.is_dir and listing.has(entry.name, OWNER_FILE):
             # a ckpt convert/reshard to an object store writes a step in place: until its owner
             # record goes (after the commit markers) it is not committed, whatever its files say
@@ -239,16 +241,18 @@ def confirm_steps(run: RunListing, listing: RootListing) -> None:
     """Where the layout has a commit rule that reads more than the listing (layout.confirm),
     apply it to the newest committed step, and the next one down while one is not (a small read
     each): what the framework's resume and `ckpt latest` judge by."""
-    if run.layout.confirm is not None:
-        _confirm_newest(listing, run.layout, run.steps)
+    rules = listing.rules(run.layout)
+    if rules is not None and rules.confirms:
+        _confirm_newest(listing, rules, run.steps)
 
 
 def confirm_row(run: RunListing, row: StepRow) -> None:
     """layout.confirm on one committed step (a small read): a step its writer's whole rule denies
     is marked incomplete, with the reason."""
-    if run.layout.confirm is None or run.listing is None or row.status != COMMITTED:
+    rules = run.listing.rules(run.layout) if run.listing is not None else None
+    if rules is None or not rules.confirms or run.listing is None or row.status != COMMITTED:
         return
-    status = run.layout.confirm(run.listing, Entry(row.name, row.is_dir))
+    status = rules.confirm(run.listing, Entry(row.name, row.is_dir))
     if status.status != COMMITTED:
         row.status, row.reason = status.status, status.reason
 
@@ -260,9 +264,9 @@ def every_step(root: str, formats: Sequence[FormatInfo]) -> RunListing | None:
     None for any other path."""
     try:
         check_url(root)
-        if not _may_be_run_root(Storage.open(root)):
+        if not _may_be_run_root(Storage.open(root), formats):
             return None
-        opened = _open_root(root)
+        opened = _open_root(root, formats)
     except CkptError:
         return None
     return list_run(root, formats=formats, sizes=False, _opened=opened)
@@ -407,7 +411,7 @@ def _record(found: OpenedStep) -> None:
             on_open(found)
 
 
-def _may_be_run_root(storage: Storage) -> bool:
+def _may_be_run_root(storage: Storage, formats: Sequence[FormatInfo]) -> bool:
     """Whether a top-level name is one a run layout names as a step or its pointer file: a cheap
     look (the directory's own listing) before the root's recursive LIST."""
     try:
@@ -417,10 +421,10 @@ def _may_be_run_root(storage: Storage) -> bool:
     for layout in roots.LAYOUTS:
         if layout.pointer and layout.pointer in files:
             return True
-        hint = re.compile(layout.hint) if layout.hint else None
-        for names, is_dir in ((dirs, True), (files, False)):
-            if any((hint is None or hint.search(n)) and layout.step_of(n, is_dir) is not None for n in names):
-                return True
+        names = roots.candidates(layout, dirs, files)
+        rules = roots.rules_of(layout, formats) if names else None  # (no candidate: its rules are not loaded)
+        if rules is not None and any(rules.step_of(n) is not None for n in names):
+            return True
     return False
 
 
@@ -440,9 +444,9 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
         check_url(root)
         # `storage`: the caller's, for `root`, so that its one listing serves the reader too
         storage = storage or Storage.open(root)
-        if not _may_be_run_root(storage):
+        if not _may_be_run_root(storage, formats):
             return root, step, None
-        opened = _open_root(root, storage)
+        opened = _open_root(root, formats, storage)
     except CkptError:
         return root, step, None  # not a run root (one checkpoint, a file): the reader says what --step means there
     layout = opened[2]
@@ -523,13 +527,12 @@ def resolve_step(root: str, step: str | int | None, formats: Sequence[FormatInfo
     return (f"{chosen}/{layout.payload}" if layout.payload else chosen), None, found
 
 
-def _confirm_newest(listing: RootListing, layout: RunLayout, rows: list[StepRow]) -> None:
-    """Confirm the newest committed step by the writer's whole rule (layout.confirm: a small read),
+def _confirm_newest(listing: RootListing, rules: RunRules, rows: list[StepRow]) -> None:
+    """Confirm the newest committed step by the writer's whole rule (rules.confirm: a small read),
     and the next one down while one is not: a step the listing calls committed but its commit
     record denies is marked incomplete (the reader passes over it, and so does the default)."""
-    assert layout.confirm is not None
     for row in sorted((r for r in rows if r.status == COMMITTED), key=lambda r: (r.step or 0, r.name), reverse=True):
-        status = layout.confirm(listing, Entry(row.name, row.is_dir))
+        status = rules.confirm(listing, Entry(row.name, row.is_dir))
         if status.status == COMMITTED:
             return
         row.status, row.reason = status.status, status.reason

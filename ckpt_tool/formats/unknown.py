@@ -63,7 +63,7 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
         if len(found) == 1:
             return f"a directory holding one checkpoint, not one itself: {listed}; open it: ckpt inspect {example}"
         return f"a directory of {len(found)} checkpoints, not one: {listed}; open one, e.g. ckpt inspect {example}"
-    for d, title, n in run_roots_below(storage, dirs):
+    for d, title, n in run_roots_below(storage, dirs, formats):
         # a training run's experiment directory (NeMo's, above its checkpoints/): the run root in it
         there = f"{storage.url.rstrip('/')}/{d}"
         return (f"a directory holding a run root, not a checkpoint itself: {d}/ ({title}, {n} step{'s' * (n != 1)}); "
@@ -78,7 +78,7 @@ def describe(storage: Storage, formats: Sequence[FormatInfo]) -> str:
     return f"not {_article(read)} {read} checkpoint (found {seen})"
 
 
-def run_roots_below(storage: Storage, dirs: list[str]) -> list[tuple[str, str, int]]:
+def run_roots_below(storage: Storage, dirs: list[str], formats: Sequence[FormatInfo]) -> list[tuple[str, str, int]]:
     """(name, framework title, step count) of the one sub-directory, when it is a run root (the
     run layouts' table: formats/roots.py): a training run's experiment directory (NeMo's, above
     its checkpoints/). Only where there is one sub-directory: it costs a recursive listing of it,
@@ -91,7 +91,7 @@ def run_roots_below(storage: Storage, dirs: list[str]) -> list[tuple[str, str, i
     found = []
     for d in dirs:
         try:
-            hit = roots.identify(roots.RootListing.of(storage.child(d)))
+            hit = roots.identify(roots.RootListing.of(storage.child(d), formats))
         except CkptError:
             continue
         if hit is not None:

@@ -27,5 +27,6 @@ FORMATS = [
         # there (zero_to_fp32.py, zero_to_torch.py), an HF Trainer's model files beside them
         parts=("*-model_states.pt", "latest", "zero_to_*.py", *HF_MODEL_FILES),
         part_checkpoints=("*",),  # tag directories (`global_step2/`: any name `latest` may hold)
+        run_roots=("deepspeed",),  # global_stepN/ and the `latest` tag, as the reader reads them (run_roots.py)
     ),
 ]

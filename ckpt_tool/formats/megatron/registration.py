@@ -18,5 +18,6 @@ FORMATS = [
         part_dirs=(*ZARR_ARRAY_FILES, "shard_*.pt"),  # the zarr backend: a directory per key
         # a Megatron-LM run's steps, when they are Megatron saves (not a user's folder named so)
         part_checkpoints=("iter_*", "release"),
+        run_roots=("megatron", "nemo2"),  # the tracker, iter_N/ and NeMo 2's weights/ + context/ (run_roots.py)
     ),
 ]

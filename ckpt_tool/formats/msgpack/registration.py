@@ -16,5 +16,6 @@ FORMATS = [
         # a Flax state file by its suffix; orbax <= 0.4 beside its `checkpoint` file: _sharding and the
         # OCDBT database (or zarr arrays)
         parts=("*.msgpack", "_sharding", "manifest.ocdbt", "d", "ocdbt.process_*"), part_dirs=ZARR_ARRAY_FILES,
+        run_roots=("flax", "t5x"),  # their checkpoint_N step names and temporary names (run_roots.py)
     ),
 ]

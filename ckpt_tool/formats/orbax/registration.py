@@ -20,5 +20,6 @@ FORMATS = [
         part_dirs=(*ZARR_ARRAY_FILES, "metadata", "commit_success.txt"),
         # items (`default/`, `state/`, any name) and a CheckpointManager root's steps are orbax checkpoints
         part_checkpoints=("*",),
+        run_roots=("orbax",),  # a CheckpointManager root's commit rules are the reader's (run_roots.py)
     ),
 ]
