@@ -21,22 +21,17 @@ import re
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
 from . import casting, dtypes, formats, hf_export, optim_keys, unstack
-from .errors import (
-    CkptError, CorruptMetadataError, IncompleteCheckpointError, NoSpaceError, PathEscapeError,
-    StorageUnavailableError, UnsupportedLeafError, UsageError,
-)
+from .errors import CkptError, NoSpaceError, UnsupportedLeafError, UsageError
 from .filters import Selection
 from .names import dotted_name, join_keys, key_text, unescape_key
 from .findings import Progress, no_progress
 from .blocks import block_shape, blocks
-from .codecs import window_bytes
 from .parallel import copy_workers
 from .scheduler import DEFAULT_MEMORY, Scheduler, Want, band_bytes
 from .model import (
@@ -50,8 +45,12 @@ from .output_remote import begin_output, confirm_output, discard_output, finaliz
 from .storage import ReadLog, Storage
 from .text import is_unicode_text
 from .values import SameObject
-from .formats.contract import CheckpointWriter, WriterModule, reader_of
+from .formats.contract import CheckpointWriter, WriterModule
 from .writers import Target, TargetArray, TargetValue, WritePlan
+# (moved out of this module; imported here by the names other modules and the docs use)
+from .free_space import check_free_space, free_bytes, no_space_error, output_bytes  # noqa: F401
+from .preflight import check_source_complete, open_source  # noqa: F401
+from .stored_copy import StoredCopies, copies_stored, output_chunk_limit, plans_stored_copy  # noqa: F401
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
     from . import distributed
@@ -164,17 +163,11 @@ def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]
     )
 
 
-def output_chunk_limit(memory: int) -> int:
-    """The largest output chunk under a memory budget: a chunk is assembled, then
-    encoded (zarr) or archived (DCP) whole, and the writer keeps some pending."""
-    return max(2**20, memory // 8)
-
-
 def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY,
                    copied: Callable[[ChunkLayout], bool] | None = None) -> ChunkLayout:
     """The output chunks of `leaf` in the format whose write module is `write`. `copied(layout)`:
     whether the writer would take the source's stored chunks in that layout as they are stored
-    (engine._StoredCopies): the source's grid is then kept whatever its chunks' size."""
+    (stored_copy.StoredCopies): the source's grid is then kept whatever its chunks' size."""
     if cap is None:
         # chunks that the memory budget could not hold whole are split (a big stored chunk is
         # decoded as a stream, each output chunk assembled from its bands)...
@@ -460,7 +453,7 @@ def stream(
     for target in plan.arrays():
         leaf = sources[key_text(target.keys)]
         itemsize = dtypes.get(target.dtype).itemsize
-        if _copies_stored(writer, target, leaf, itemsize, memory):
+        if copies_stored(writer, target, leaf, itemsize, memory):
             for index, region in chunk_regions(target):
                 if owns(n):
                     copies.append((target, leaf, index, region))
@@ -490,7 +483,7 @@ def stream(
         n += len(grid)
     # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
     reserve = int(writer.pending_bytes_limit)
-    copier = _StoredCopies(writer, copies, workers, memory)
+    copier = StoredCopies(writer, copies, workers, memory)
     scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve + copier.memory)
     progress("write", 0, total)
     lock = threading.Lock()
@@ -508,91 +501,6 @@ def stream(
         copier.stop()
         raise
     return chunks, read + copier.wait()
-
-
-def _same_stored_grid(target: TargetArray, leaf: ArrayLeaf) -> bool:
-    """`target`'s chunks are `leaf`'s stored chunks cell for cell: the same shape and regular grid, no cast."""
-    return (target.source_dtype is None and tuple(leaf.shape) == tuple(target.shape)
-            and isinstance(target.layout, RegularGrid) and isinstance(leaf.layout, RegularGrid)
-            and tuple(leaf.layout.chunk_shape) == tuple(target.layout.chunk_shape))
-
-
-def plans_stored_copy(write: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf, zarr3: bool) -> bool:
-    """For planning (convert's and reshard's): whether a writer to `destination` would take `leaf`'s
-    stored chunks as they are for `target` (in its layout), so that the grid is kept however large
-    its chunks (stream() then copies them: _copies_stored)."""
-    if not _same_stored_grid(target, leaf):
-        return False
-    encoding = reader_of(leaf).stored_encoding()
-    return encoding is not None and encoding == write.stored_chunk_encoding(destination, target, zarr3)
-
-
-def _copies_stored(writer: CheckpointWriter, target: TargetArray, leaf: ArrayLeaf, itemsize: int, memory: int) -> bool:
-    """Whether `target`'s chunks are `leaf`'s stored chunks, copied as they are stored: the same grid
-    and dtype, the writer storing them as the source does, and chunks too large to assemble under
-    the budget (planning keeps such a grid where the writer takes them: plans_stored_copy).
-    Smaller ones go through the scheduler, which decodes them (and the Orbax writer still stores a
-    whole decoded chunk's bytes as they are: arrays/stored_chunks.py)."""
-    if not _same_stored_grid(target, leaf) or math.prod(target.layout.chunk_shape) * itemsize <= output_chunk_limit(memory):
-        return False
-    encoding = reader_of(leaf).stored_encoding()
-    return encoding is not None and encoding == writer.stored_encoding(target)
-
-
-class _StoredCopies:
-    """Output chunks copied from the source's stored bytes (ArrayReader.copy_stored into
-    CheckpointWriter.write_stored), beside the scheduler's work: a window at a time, each window
-    decoded as it passes as the check, so a chunk of any size takes a few windows of memory."""
-
-    def __init__(self, writer: CheckpointWriter, copies: list[tuple[TargetArray, ArrayLeaf, int, Region]],
-                 workers: int, memory: int) -> None:
-        self._writer = writer
-        self._copies = copies
-        self._threads = min(len(copies), max(1, workers // 4))
-        self.window = window_bytes(memory)
-        # the windows each copy holds (the one read, the one fetched ahead, the decoder's)
-        self.memory = self._threads * 3 * self.window
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future[int]] = []
-        self._lock = threading.Lock()
-        self._copied = 0
-        self._stopped = False
-
-    def start(self, on_done: Callable[[int], None]) -> None:
-        if not self._copies:
-            return
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ckpt-copy")
-        self._futures = [self._pool.submit(self._copy, c, on_done) for c in self._copies]
-
-    def _copy(self, item: tuple[TargetArray, ArrayLeaf, int, Region], on_done: Callable[[int], None]) -> int:
-        if self._stopped:
-            return 0
-        target, leaf, index, region = item
-        assert isinstance(leaf.layout, RegularGrid)
-        grid_index = tuple(r.start // c for r, c in zip(region, leaf.layout.chunk_shape))
-        reader = reader_of(leaf)
-        self._writer.write_stored(target, index, region,
-                                  lambda write: reader.copy_stored(grid_index, write, self.window))
-        nbytes = math.prod(r.stop - r.start for r in region) * dtypes.get(target.dtype).itemsize
-        with self._lock:
-            self._copied += nbytes
-            copied = self._copied
-        on_done(copied)
-        return nbytes
-
-    def wait(self) -> int:
-        """Every copy done (the first failure raised); the bytes copied."""
-        try:
-            return sum(f.result() for f in self._futures)
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """No copy starts any more; those running finish (a failed run's output is discarded)."""
-        self._stopped = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
 
 def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region,
@@ -677,20 +585,6 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_si
     return info.writer_module().make_writer(storage, zarr3=zarr3, max_shard_size=max_shard_size, memory=memory)
 
 
-# -- the source must be whole ------------------------------------------------------
-
-# error findings of shallow validate that do not make a copy partial or wrong:
-# a commit problem is refused before this with the reader's own wording, and
-# ckpt reads unmerged per-process OCDBT databases whole (a convert is how to
-# get the merged copy orbax needs)
-_PREFLIGHT_EXEMPT = frozenset({"uncommitted-save", "unmerged-ocdbt"})
-# findings that say stored data is gone or cut short (the others: damaged or refused)
-_LOST_DATA = frozenset({
-    "missing-file", "truncated-file", "empty-file", "lost-process-data", "missing-metadata", "leaf-missing",
-    "missing-chunk", "missing-storage-entry", "coverage-gap",
-})
-
-
 def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]],
                  opts: ConvertOptions) -> tuple[tuple[Storage, list[str]] | None, list[str]]:
     """The model's non-weight files to copy beside the output, and --force-like's differences.
@@ -737,149 +631,6 @@ def _optimizer_keys_like(src: Checkpoint, reference: str) -> tuple[Checkpoint, l
                                           [(tuple(leaf.keys), leaf) for leaf in ref.leaves], src.path, reference)
     leaves = [optim_keys.with_keys(leaf, keys) for keys, leaf in entries]
     return replace(src, leaves=leaves), done
-
-
-def check_source_complete(src: Checkpoint, given: str | None = None, *, side: str = "the source") -> None:
-    """Refuse a source that shallow validate finds incomplete or damaged, before anything is written.
-
-    A shard file missing from a partial download, a rank's lost `.distcp`, an
-    OCDBT data file gone: readers open such a checkpoint from its metadata and
-    would copy what is there, silently leaving the rest out. The same checks
-    as `ckpt validate SRC` (metadata, listings, file sizes; no chunk is read)
-    run on the step being copied; the first error is named in one line.
-    Every process of a multi-host run checks for itself (same files, same answer).
-    `side`: what the line calls the checkpoint (diff: "A" or "B").
-    """
-    # the chosen step only, not every step of a CheckpointManager root
-    error = _refusal(src.path, src.step if src.steps else None, given or src.path, side=side)
-    if error is not None:
-        raise error
-
-
-def _refusal(
-    path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None, *,
-    side: str = "the source",
-) -> CkptError | None:
-    """The one-line refusal for the first error shallow validate finds at `path`, or None.
-
-    `codes`: only findings of these codes count (None: every error but the exempt ones).
-    Lost data is an IncompleteCheckpointError, a path-escape a PathEscapeError (what
-    reading the file would have raised), anything else a CorruptMetadataError."""
-    from .findings import ERROR
-    from .validate import validate_checkpoint
-
-    try:
-        report = validate_checkpoint(path, step=step)
-    except StorageUnavailableError:
-        raise  # a store that stopped answering is the run's one error
-    except (CkptError, ValueError, TypeError):
-        return None  # not a checkpoint (or a step) validate can check: the caller's own error stands
-    errors = [
-        f for f in report.findings
-        if f.severity == ERROR and f.code not in _PREFLIGHT_EXEMPT and (codes is None or f.code in codes)
-    ]
-    if not errors:
-        return None
-    first = errors[0]
-    where = first.file or first.leaf or "."
-    message = first.message
-    if len(message) > 120:  # one line: its first clause (validate prints the whole finding)
-        message = message.split("; ")[0]
-        message = message if len(message) <= 300 else message[:297] + "..."
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    option = f" --step {step}" if step not in (None, "latest") else ""
-    kind: type[CkptError]
-    if first.code in _LOST_DATA:
-        kind, what = IncompleteCheckpointError, f"{side} is incomplete"
-    elif first.code == "path-escape":
-        kind, what = PathEscapeError, f"{side} is refused"
-    else:
-        kind, what = CorruptMetadataError, f"{side} is damaged"
-    return kind(
-        f"{what}: {first.code}: {where}: {message}{more}; run `ckpt validate {shown}{option}` for every finding",
-        shown,
-    )
-
-
-def open_source(source: str, step: str | int | None, log: ReadLog | None = None) -> Checkpoint:
-    """open_checkpoint, except that a source too damaged to open says so as validate would
-    (a lost OCDBT data file holding metadata: the finding, not the storage library's text).
-    `log` counts what is read of it (the run's bytes_read)."""
-    from .formats import open_checkpoint
-
-    try:
-        return open_checkpoint(source, step=step, log=log)
-    except (IncompleteCheckpointError, PathEscapeError, StorageUnavailableError):
-        raise
-    except CkptError:
-        better = _refusal(source, step, source, _LOST_DATA)
-        if better is not None:
-            raise better from None
-        raise
-
-
-# -- free space -------------------------------------------------------------------
-
-
-def output_bytes(plan: WritePlan) -> int:
-    """The bytes of the plan's arrays as stored uncompressed: what a writer that does not
-    compress puts on disk, headers aside (a lower bound), and at most what one that does."""
-    return sum(math.prod(t.shape) * dtypes.get(t.dtype).itemsize for t in plan.arrays())
-
-
-def free_bytes(destination: str) -> int | None:
-    """Bytes free for this process on the file system a local `destination` would be created on
-    (that of its nearest existing ancestor); None for a remote one."""
-    from .storage import local_path
-
-    path = local_path(destination)
-    if path is None:
-        return None
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize  # (as df's Avail: the blocks kept back for root not counted)
-
-
-def check_free_space(destination: str, plan: WritePlan, fmt: str) -> None:
-    """Refuse, before anything is written, an output larger than the free space of its local file
-    system (a 1.5 KB torch.save of an expanded tensor is a TiB of output). A compressing writer's
-    output may be smaller than its arrays: the write itself finds out."""
-    info = formats.REGISTRY.get(fmt)
-    if info is None or info.compresses:
-        return
-    need, free = output_bytes(plan), free_bytes(destination)
-    if free is not None and need > free:
-        raise NoSpaceError(f"not enough space: the output needs {_size_text(need)}, {_size_text(free)} free "
-                           "(nothing was written)", destination)
-
-
-def _no_space(destination: str, plan: WritePlan, fmt: str) -> NoSpaceError:
-    """The one line for a destination that filled up while written (the temporary output removed)."""
-    info = formats.REGISTRY.get(fmt)
-    compresses = info is not None and info.compresses
-    data, free = output_bytes(plan), free_bytes(destination)
-    need = f"up to {_size_text(data)} (before compression)" if compresses else _size_text(data)
-    if free is None:
-        return NoSpaceError(f"no space left on device: the output needs {need}", destination)
-    if data <= free:  # what filled it was more than the arrays (a file per item, headers, metadata)
-        return NoSpaceError(f"no space left on device: the output needs more than the {_size_text(free)} free "
-                            f"({_size_text(data)} of array data{' before compression' if compresses else ''}, "
-                            "and its files' headers and metadata)", destination)
-    return NoSpaceError(f"no space left on device: the output needs {need}, {_size_text(free)} free", destination)
-
-
-def _size_text(n: int) -> str:
-    """1.2 GiB, 512.0 KiB, 100 bytes."""
-    size = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{n:,} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n:,} bytes"
 
 
 # -- convert ---------------------------------------------------------------------
@@ -1035,7 +786,7 @@ def _convert(
                     discard_output(out)
             out.name_destination(exc)  # DST in the message, not the hidden temporary directory
             if isinstance(exc, NoSpaceError):  # (the temporary output is gone: what is free now is DST's)
-                raise _no_space(destination, plan, opts.to) from None
+                raise no_space_error(destination, plan, opts.to) from None
             raise
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())

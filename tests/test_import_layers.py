@@ -2,7 +2,9 @@
 
     cli/, __main__                    the `ckpt` command: parses, calls one core function, renders
     ckpt_tool (the package)           the library's face: ckpt_tool.open, ckpt_tool.latest
-    runs, engine, diff, reshard       operations over checkpoints and run roots
+    runs, engine, diff, reshard,      operations over checkpoints and run roots (convert: engine, and
+      planner, streaming,               the parts beside it)
+      stored_copy, free_space, preflight
     validate/, manifest/, inspect,    what is asked of one opened checkpoint
       structure, output, hf_export
     formats (the registry),           which format a path holds, opening it, a run root's steps
@@ -54,7 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
     ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "output_remote", "hf_export")),
-    ("operations", ("runs", "engine", "diff", "reshard")),
+    ("operations", ("runs", "engine", "planner", "streaming", "stored_copy", "free_space", "preflight", "diff",
+                    "reshard")),
     ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
     ("cli", ("cli", "__main__")),
 ]

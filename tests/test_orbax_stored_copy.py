@@ -1,4 +1,4 @@
-"""Chunks too large to assemble under --memory, copied as they are stored (engine._StoredCopies).
+"""Chunks too large to assemble under --memory, copied as they are stored (stored_copy.StoredCopies).
 
 A reshard to the layout a checkpoint already has would otherwise cut a chunk larger than
 --memory allows for an assembled output chunk (on a TPU host, a 393 MiB embedding saved from one
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tool import engine
+from ckpt_tool import engine, stored_copy
 from ckpt_tool.cli.main import cli
 from ckpt_tool.formats.orbax import write
 from ckpt_tool.model import RegularGrid
@@ -34,7 +34,7 @@ from library_reference import orbax_values
 from orbax_sharded import ocdbt_values, save_sharded_source
 
 runner = CliRunner()
-# --memory 8MiB: output chunks over 1 MiB are not assembled (engine.output_chunk_limit)
+# --memory 8MiB: output chunks over 1 MiB are not assembled (stored_copy.output_chunk_limit)
 RESHARD = ["--mesh", "data=4,model=2", "--devices", "8", "--memory", "8MiB", "--json"]
 
 
@@ -47,13 +47,13 @@ def orbax_source(request, tmp_path_factory):
 def copies(monkeypatch):
     """The chunks engine.stream copied as stored: (array, chunk index)."""
     done = []
-    real = engine._StoredCopies._copy
+    real = stored_copy.StoredCopies._copy
 
     def spy(self, item, on_done):
         done.append((item[0].path, item[2]))
         return real(self, item, on_done)
 
-    monkeypatch.setattr(engine._StoredCopies, "_copy", spy)
+    monkeypatch.setattr(stored_copy.StoredCopies, "_copy", spy)
     return done
 
 
