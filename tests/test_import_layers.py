@@ -12,7 +12,8 @@
                                         packages are loaded by name (importlib), never imported
     formats/<name>/                   one package per format: never imports another format
     torchsave/, arrays/, distcp/,     machinery several formats share (torch.save archives,
-      integrity/                        zarr / TensorStore arrays, DCP's files, integrity manifests)
+      integrity/, hf_index              zarr / TensorStore arrays, DCP's files, integrity manifests,
+                                        Hugging Face's shard index)
     model, scheduler/, codecs, ...    the checkpoint model, reading plans, chunk codecs
     storage/                          bytes from files and object stores
     errors, text, dtypes, names, ...  the base
@@ -52,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "topology")),
     ("storage", ("storage",)),
     ("model", ("model", "casting", "unstack", "optim_keys", "codecs", "scheduler", "writers", "blocks", "formats.contract")),
-    ("machinery", ("torchsave", "arrays", "distcp", "integrity")),
+    ("machinery", ("torchsave", "arrays", "distcp", "integrity", "hf_index")),
     ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
     ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "output_remote", "hf_export")),

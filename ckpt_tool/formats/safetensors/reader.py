@@ -48,7 +48,8 @@ from ... import dtypes
 from ...errors import CkptError, CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
 from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ...storage import Storage
-from ...strict_json import parse_json  # (also the torch.save format's, for its index)
+from ... import hf_index
+from ...strict_json import parse_json
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -56,7 +57,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # the safetensors library refuses longer headers (MAX_HEADER_SIZE in tensor.rs)
 MAX_HEADER_BYTES = 100_000_000
-MAX_INDEX_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's _hf_utils.CUSTOM_METADATA_KEY
 DCP_OFFSETS_KEY = "saved_offsets"
@@ -284,25 +284,12 @@ def dcp_offsets(header: Header) -> dict[str, tuple[int, ...]] | None:
 
 
 def read_index(storage: Storage) -> tuple[dict[str, str], int | None]:
-    """weight_map and metadata.total_size of model.safetensors.index.json."""
-    where = f"{storage.url}/{INDEX_FILE}"
-    size = storage.size(INDEX_FILE)
-    if size > MAX_INDEX_BYTES:
-        raise CorruptMetadataError(f"{size} bytes, over the {MAX_INDEX_BYTES}-byte limit", where)
-    try:
-        doc = parse_json(storage.read(INDEX_FILE), "index")
-    except ValueError as exc:
-        raise CorruptMetadataError(str(exc), where) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-        raise CorruptMetadataError("no weight_map object", where)
-    weight_map = doc["weight_map"]
-    for k, v in weight_map.items():
-        if not isinstance(v, str) or not v.endswith(SUFFIX) or "/" in v or "\\" in v or v in (".", ".."):
-            raise CorruptMetadataError(f"weight_map[{k!r}] = {str(v)[:60]!r} is not a .safetensors file beside it", where)
-    meta = doc.get("metadata")
-    total = meta.get("total_size") if isinstance(meta, dict) else None
+    """weight_map and metadata.total_size of model.safetensors.index.json (hf_index: the one reader
+    of Hugging Face's index, torch.save's too); a total_size that is no byte count is corrupt here."""
+    weight_map, total = hf_index.read_index(storage, INDEX_FILE, suffix=SUFFIX)
     if total is not None and not _is_u64(total):
-        raise CorruptMetadataError(f"metadata.total_size {str(total)[:40]!r} is not a byte count", where)
+        raise CorruptMetadataError(f"metadata.total_size {str(total)[:40]!r} is not a byte count",
+                                   f"{storage.url}/{INDEX_FILE}")
     return weight_map, total
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from ...errors import CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
 from ...model import Checkpoint, Leaf, MissingData
 from ...storage import Storage
-from ...strict_json import parse_json  # (the same strict JSON reading as safetensors' index)
+from ... import hf_index
 from ...torchsave import object_tree
 # one file's reading is the shared torch.save machinery's (DeepSpeed and Megatron read with it too)
 from ...torchsave.reading import (  # noqa: F401 - Archive, TensorReader: this package's names too
@@ -54,7 +54,6 @@ SUFFIXES = (".bin", ".pt", ".pth")
 INDEX_SUFFIX = ".bin.index.json"  # transformers' WEIGHTS_INDEX_NAME, pytorch_model.bin.index.json
 SHARD_FILE = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.bin$")
 HF_WEIGHTS = "pytorch_model.bin"  # transformers' WEIGHTS_NAME
-MAX_INDEX_BYTES = 100_000_000
 # at most this many candidate files have their first bytes read by detect()
 _SNIFF_LIMIT = 16
 
@@ -129,25 +128,6 @@ class Layout:
     stray: list[str]  # torch files the index does not name
 
 
-def read_index(storage: Storage, name: str) -> dict[str, str]:
-    """weight_map of a transformers `pytorch_model.bin.index.json`."""
-    where = f"{storage.url}/{name}"
-    size = storage.size(name)
-    if size > MAX_INDEX_BYTES:
-        raise CorruptMetadataError(f"{size} bytes, over the {MAX_INDEX_BYTES}-byte limit", where)
-    try:
-        doc = parse_json(storage.read(name), "index")
-    except ValueError as exc:
-        raise CorruptMetadataError(str(exc), where) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-        raise CorruptMetadataError("no weight_map object", where)
-    weight_map = doc["weight_map"]
-    for k, v in weight_map.items():
-        if not isinstance(v, str) or "/" in v or "\\" in v or v in ("", ".", ".."):
-            raise CorruptMetadataError(f"weight_map[{k!r}] = {str(v)[:60]!r} is not a file beside it", where)
-    return weight_map
-
-
 def scan(storage: Storage) -> Layout:
     _, files = storage.listdir()
     indexes = sorted(f for f in files if f.endswith(INDEX_SUFFIX))
@@ -157,7 +137,7 @@ def scan(storage: Storage) -> Layout:
             raise CorruptMetadataError(
                 f"{len(indexes)} index files ({', '.join(indexes)}): open a directory holding one set", storage.url,
             )
-        weight_map = read_index(storage, indexes[0])
+        weight_map, _ = hf_index.read_index(storage, indexes[0])  # (the one reader of Hugging Face's index)
         named = sorted(set(weight_map.values()))
         present = [f for f in named if f in top]
         stray = sorted(f for f in files if f.endswith(SUFFIXES) and f not in set(named)
