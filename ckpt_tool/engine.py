@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os  # noqa: F401 - tests patch engine.os (the output layer's os calls)
-import re
 import signal
 import threading
 import time
@@ -27,65 +26,27 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from . import casting, dtypes, formats, hf_export, optim_keys, unstack
-from .errors import CkptError, NoSpaceError, UnsupportedLeafError, UsageError
-from .filters import Selection
-from .names import dotted_name, join_keys, key_text, unescape_key
+from .errors import CkptError, NoSpaceError, UsageError
+from .names import key_text
 from .findings import Progress, no_progress
 from .blocks import block_shape, blocks
-from .parallel import copy_workers
-from .scheduler import DEFAULT_MEMORY, Scheduler, Want, band_bytes
-from .model import (
-    ArrayLeaf, Checkpoint, ChunkLayout, ChunkList, Key, Region, RegularGrid, ValueLeaf,
-    flatten_value, memory_leaf, parse_rename_rules, stored_chunks,
-)
+from .scheduler import DEFAULT_MEMORY, Scheduler, Want
+from .model import ArrayLeaf, Checkpoint, Region, RegularGrid, stored_chunks
 from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
 from .output import OutputDir  # noqa: F401 (OutputDir: API)
 # (an object-store DST's owner record and commit rule; local ones pass through to output.py)
 from .output_remote import begin_output, confirm_output, discard_output, finalize_output, prepare_output
 from .storage import ReadLog, Storage
-from .text import is_unicode_text
-from .values import SameObject
-from .formats.contract import CheckpointWriter, WriterModule
-from .writers import Target, TargetArray, TargetValue, WritePlan
+from .formats.contract import CheckpointWriter
+from .writers import TargetArray, WritePlan
 # (moved out of this module; imported here by the names other modules and the docs use)
 from .free_space import check_free_space, free_bytes, no_space_error, output_bytes  # noqa: F401
 from .preflight import check_source_complete, open_source  # noqa: F401
 from .stored_copy import StoredCopies, copies_stored, output_chunk_limit, plans_stored_copy  # noqa: F401
+from .planner import DEFAULT_CHUNK_MB, ConversionPlanner, ConvertOptions, Sources, plan_conversion  # noqa: F401
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
     from . import distributed
-
-# Orbax chunks made from DCP chunks (often a whole tensor per rank) are capped
-# at this size unless --chunk-mb says otherwise: zarr chunks are encoded and
-# held whole while written, so smaller ones bound memory and let the zstd work
-# of one tensor run in parallel.
-DEFAULT_CHUNK_MB = 8.0
-
-
-@dataclass
-class ConvertOptions:
-    to: str  # a writable format's name (formats.writable())
-    select: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    rename: list[str] = field(default_factory=list)
-    unstack: list[str] = field(default_factory=list)  # unstack.py specs, applied before --rename
-    like: str | None = None  # --like HF_DIR (hf_export.py): the output must match that model's tensors
-    force_like: bool = False  # write even when it does not
-    # --optimizer-keys-like CKPT (optim_keys.py): key the source's optimizer state by ids or by FQNs,
-    # as CKPT's is, paired through param_groups
-    optimizer_keys_like: str | None = None
-    dtype: str | None = None
-    allow_overflow: bool = False  # write a --dtype cast whose values overflowed to inf/NaN (refused otherwise)
-    chunk_mb: float | None = None
-    skip_unsupported: bool = False
-    zarr3: bool = False
-    max_shard_size: int | None = None  # safetensors: bytes per file (None: the writer's 5GB default)
-    workers: int = field(default_factory=copy_workers)
-    overwrite: bool = False
-    step: str | int | None = None
-    memory: int = DEFAULT_MEMORY  # --memory: bytes of decoded data, assembly and write-behind in flight
-    # the source's reader options ({"weights": "module"}: formats.read_options; not the --like reference's)
-    read_options: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,278 +96,6 @@ class ConvertResult:
             "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
             "optimizer_keys": [r.to_json() for r in self.optimizer_keys],
         }
-
-
-# -- planning ------------------------------------------------------------------
-
-# each planned array's source leaf, by the target's keys as text (names.key_text): a key
-# tuple, never a joined string, so two leaves never share an entry
-Sources = dict[tuple[str, ...], ArrayLeaf]
-
-
-def _renamed_keys(keys: tuple[Key, ...], rules: list[tuple[re.Pattern[str], str]]) -> tuple[Key, ...]:
-    # the rules see the joined key path with its one reversible escape (a key `a/b` is `a%2Fb`),
-    # and what they make is split back at its '/' and unescaped: a key never becomes two, nor two one
-    path = join_keys(keys)
-    new = path
-    for rx, repl in rules:
-        new = rx.sub(repl, new)
-    if new == path:
-        return keys
-    parts = [unescape_key(p) for p in new.split("/") if p != ""]
-    if not parts:
-        raise CkptError(f"--rename turns {path!r} into an empty key")
-    # a component that was a sequence index and is unchanged stays an int
-    return tuple(
-        keys[i] if i < len(keys) and isinstance(keys[i], int) and str(keys[i]) == p else p
-        for i, p in enumerate(parts)
-    )
-
-
-def _target_layout(leaf: ArrayLeaf, write: WriterModule, itemsize: int, cap: int | None, memory: int = DEFAULT_MEMORY,
-                   copied: Callable[[ChunkLayout], bool] | None = None) -> ChunkLayout:
-    """The output chunks of `leaf` in the format whose write module is `write`. `copied(layout)`:
-    whether the writer would take the source's stored chunks in that layout as they are stored
-    (stored_copy.StoredCopies): the source's grid is then kept whatever its chunks' size."""
-    if cap is None:
-        # chunks that the memory budget could not hold whole are split (a big stored chunk is
-        # decoded as a stream, each output chunk assembled from its bands)...
-        limit = output_chunk_limit(memory)
-        source_max = max((math.prod(c.sizes) for c in stored_chunks(tuple(leaf.shape), leaf.layout)), default=0) \
-            if isinstance(leaf.layout, ChunkList) else math.prod(min(c, s) for c, s in zip(leaf.layout.chunk_shape, leaf.shape))
-        if source_max * itemsize > limit and copied is not None and isinstance(leaf.layout, RegularGrid):
-            # ...unless they are copied as they are stored, a window at a time
-            kept = write.target_layout(leaf, itemsize, None, int(DEFAULT_CHUNK_MB * 2**20))
-            if copied(kept):
-                return kept
-        if source_max * itemsize > limit:
-            # where the source's own chunks would be kept (DCP lists, an Orbax grid), pieces of one
-            # stream band each. The DCP writer reserves none of the budget, so the scheduler's bands
-            # are exactly these pieces and each decoded band is handed to the writer as it is, where
-            # pieces of two bands were assembled by a copy (on a TPU VM the copy of a 393 MiB
-            # embedding took 1.8 s, longer than its decode). Elsewhere the default cap applies,
-            # never raised by this one.
-            cap = band_bytes(memory) if write.keeps_source_chunks(leaf) else min(limit, int(DEFAULT_CHUNK_MB * 2**20))
-    cap_bytes = int(cap) if cap else int(DEFAULT_CHUNK_MB * 2**20)
-    return write.target_layout(leaf, itemsize, cap, cap_bytes)
-
-
-def plan_conversion(src: Checkpoint, opts: ConvertOptions, destination: str | None = None,
-                    ) -> tuple[WritePlan, list[tuple[str, str]], Sources]:
-    """Target leaves for `src` under the options; (plan, skipped, target keys (names.key_text) -> source leaf).
-    `destination`: where the plan is written, for a writer that takes stored chunks there
-    (WriterModule.stored_chunk_encoding); without it no chunk is planned to be copied."""
-    if opts.to not in formats.writable():
-        raise UsageError(f"unknown target format {opts.to!r} (use {formats.joined(formats.writable())})")
-    target = formats.get(opts.to)
-    source = formats.for_checkpoint(src.format)
-    if target.writes_from and (source is None or source.name not in target.writes_from):
-        takes = formats.joined([formats.get(n).title for n in target.writes_from])
-        raise CkptError(f"{target.title} checkpoints are written from {takes} checkpoints only; this is "
-                        f"{'a ' + source.title if source is not None else src.format} checkpoint", src.path)
-    write = target.writer_module()
-    if opts.dtype is not None:
-        if opts.dtype not in dtypes.BY_NAME:
-            floats = ", ".join(name for name, dt in dtypes.BY_NAME.items() if dt.is_float)
-            raise UsageError(f"--dtype: unknown dtype {opts.dtype!r} (floating types: {floats})")
-        target_dtype = dtypes.get(opts.dtype)
-        if not target_dtype.is_float:
-            raise UsageError(f"--dtype must be a floating type, got {opts.dtype}")
-    rules = parse_rename_rules(opts.rename)
-    # --select/--exclude by '/'-joined keys or dotted name; a pattern matching no leaf is refused here
-    # items the reader does not read (an Orbax item of a handler ckpt does not
-    # know): a copy without them is partial, so they are refused like any leaf
-    # unless --skip-unsupported or --exclude leaves them out
-    unread = [ValueLeaf((item,), item, "unread", extra={"why": why})
-              for item, why in (src.layout.get("unread_items") or {}).items()]
-    selection = Selection(opts.select, opts.exclude, [*src.leaves, *unread], src.path)
-    cap = int(opts.chunk_mb * 2**20) if opts.chunk_mb else None
-    targets: list[Target | None] = []
-    skipped: list[tuple[str, str]] = []
-    sources: Sources = {}
-    seen: dict[str, str] = {}
-    tuples: set[tuple[Key, ...]] = set()
-    # a format that keeps a tuple as one value (DCP's bytes item: torch's traversal
-    # stops at it) gets the tuples a source recorded (Orbax) gathered back from their
-    # element leaves into one value: tuple path -> (slot in targets, members)
-    source_tuples = _source_tuples(src)
-    if not write.TUPLES_AS_VALUES:
-        # Orbax to Orbax: the tuples stay recorded as tuples (safetensors: their arrays are tensors)
-        tuples.update(_renamed_keys(t, rules) for t in source_tuples)
-        source_tuples = set()
-    gathered: dict[tuple[Key, ...], tuple[int, list[Any]]] = {}
-    # a writer that stores names and strings as Python str (DCP's pickle) keeps any; the others
-    # write them as UTF-8 (a JSON header or metadata, zarr paths, file names), which a lone surrogate is not
-    keeps_any_str = write.KEEPS_ANY_STR
-
-    def claim(keys: tuple[Key, ...], source_path: str) -> str:
-        # the target's flat name (a tensor name, a DCP fqn, an Orbax parameter): the keys joined
-        # by '.', so the source's own names come back (the tensor `a/b` stays `a/b`); two leaves
-        # whose keys differ but join alike (`a.b` and `a`/`b`) cannot both be held by one
-        # name, and are refused here by both their key paths, before anything is written
-        name = dotted_name(keys)
-        if not keeps_any_str and not is_unicode_text(name):  # keys inside a value, a gathered tuple's
-            raise UnsupportedLeafError(_not_text(name, target.title), source_path)
-        if name in seen:
-            raise CkptError(f"two leaves map to {name!r}: {seen[name]!r} and {source_path!r}; "
-                            f"{target.title} checkpoints cannot hold both (leave one out with --exclude, "
-                            f"or --rename one)")
-        seen[name] = source_path
-        return name
-
-    def add_array(leaf: ArrayLeaf, keys: tuple[Key, ...], name: str) -> None:
-        if leaf.unreadable:
-            # before any output chunk is planned from the claimed shape
-            raise CkptError(f"cannot be read: {leaf.unreadable}", leaf.path)
-        dtype = leaf.dtype
-        source_dtype = None
-        # (casting.py: step counters, integer leaves and the other kind of floating type stay)
-        if opts.dtype and casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, opts.dtype) is None:
-            dtype, source_dtype = opts.dtype, leaf.dtype
-        itemsize = dtypes.get(dtype).itemsize
-        sharding = leaf.sharding if (leaf.sharding and leaf.sharding.kind == "named") else None
-
-        def copied(layout: ChunkLayout) -> bool:
-            return destination is not None and plans_stored_copy(
-                write, destination, TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype),
-                leaf, opts.zarr3)
-
-        layout = _target_layout(leaf, write, itemsize, cap, opts.memory, copied)
-        targets.append(TargetArray(keys, name, tuple(leaf.shape), dtype, layout, sharding, source_dtype))
-        sources[key_text(keys)] = leaf  # (claim refused a second leaf of these keys)
-
-    def refuse(where: str, reason: str) -> None:
-        if opts.skip_unsupported:
-            skipped.append((where, reason))
-            return
-        raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
-
-    class Context:  # what the format's plan_value gets (writers.PlanContext)
-        def __init__(self) -> None:
-            self.tuples = tuples
-
-        def claim(self, keys: tuple[Key, ...], source_path: str) -> str:
-            return claim(keys, source_path)
-
-        def add_value(self, value: TargetValue) -> None:
-            if isinstance(value.value, str) and not keeps_any_str and not is_unicode_text(value.value):
-                refuse(value.path, f"its string {value.value[:40]!r} holds a lone surrogate (not Unicode text), "
-                                   f"which {target.title} checkpoints cannot store")
-                return
-            targets.append(value)
-
-        def add_array(self, keys: tuple[Key, ...], name: str, arr: np.ndarray) -> None:
-            add_array(memory_leaf(keys, name, arr), keys, name)
-
-        def refuse(self, where: str, reason: str) -> None:
-            refuse(where, reason)
-
-    ctx = Context()
-
-    kept, unstackable = unstack.apply(unstack.parse_specs(opts.unstack),
-                                      [leaf for leaf in src.leaves if selection.keeps(leaf)], src.path)
-    for path in unstackable:
-        refuse(path, "--unstack matches it, but it is a value, not an array")
-    for leaf in kept:
-        if leaf.path in unstackable:
-            continue
-        outer = next((leaf.keys[:i] for i in range(1, len(leaf.keys)) if leaf.keys[:i] in source_tuples), None)
-        if outer is not None:
-            if outer not in gathered:
-                gathered[outer] = (len(targets), [])
-                targets.append(None)  # the tuple's place, filled once all its elements are seen
-            gathered[outer][1].append(leaf)
-            continue
-        keys = _renamed_keys(tuple(leaf.keys), rules)
-        joined = dotted_name(keys)
-        if not keeps_any_str and not is_unicode_text(joined):  # (where --skip-unsupported may leave it out)
-            refuse(leaf.path, _not_text(joined, target.title))
-            continue
-        name = claim(keys, leaf.path)
-        if isinstance(leaf, ArrayLeaf):
-            add_array(leaf, keys, name)
-            continue
-        assert isinstance(leaf, ValueLeaf)
-        try:
-            value = leaf.load()
-        except CkptError as exc:
-            if opts.skip_unsupported:
-                skipped.append((leaf.path, f"cannot decode: {exc.message}"))
-                continue
-            raise
-        if isinstance(value, np.ndarray) and value.shape == ():
-            value = value[()]
-        if isinstance(value, SameObject):  # (a reader's later path to an object it shows once)
-            first = value.name or "the top-level object"
-            refuse(leaf.path, f"the same object as {first} (torch.load gives one object at both paths; "
-                              f"the output holds it at {first} only)")
-            continue
-        write.plan_value(ctx, keys, name, value, leaf.path)
-    for leaf in unread:
-        if selection.keeps(leaf):
-            refuse(leaf.path, f"an item ckpt does not read ({leaf.extra['why']})")
-    for outer, (slot, members) in gathered.items():
-        keys = _renamed_keys(outer, rules)
-        name = claim(keys, join_keys(outer))
-        targets[slot] = TargetValue(keys, name, _gather_tuple(outer, members, source_tuples, write), "object")
-    final = [t for t in targets if t is not None]
-    if not final:
-        raise CkptError("nothing to convert: every leaf was filtered out", src.path)
-    # (the source's layout: a writer that copies some of the source's own files finds them by it)
-    plan = WritePlan(final, info={"source": src.path, "source_format": src.format, "source_layout": dict(src.layout)},
-                     tuples=tuples)
-    return plan, skipped, sources
-
-
-def _not_text(name: str, target: str) -> str:
-    """Why a name holding a lone surrogate is refused (where it names the leaf)."""
-    return f"its name {name!r} holds a lone surrogate (not Unicode text), which {target} checkpoints cannot store"
-
-
-def _source_tuples(src: Checkpoint) -> set[tuple[Key, ...]]:
-    """The tuples a source records (orbax's rich-types metadata: its format says), else none."""
-    info = formats.for_checkpoint(src.format)
-    return info.reader_module().recorded_tuples(src) if info is not None else set()
-
-
-def _gather_tuple(outer: tuple[Key, ...], members: list[Any], tuples: set[tuple[Key, ...]], write: WriterModule) -> Any:
-    """The value of the tuple at `outer` from its element leaves (arrays read whole, as torch holds them)."""
-    where = join_keys(outer)
-    root: dict[Key, Any] = {}
-    for leaf in members:
-        rel = tuple(leaf.keys[len(outer):])
-        node = root
-        for k in rel[:-1]:
-            node = node.setdefault(k, {})
-        node[rel[-1]] = _Loaded(leaf.read() if isinstance(leaf, ArrayLeaf) else leaf.load())
-
-    def build(node: Any, path: tuple[Key, ...]) -> Any:
-        if isinstance(node, _Loaded):
-            return node.value  # an array stays an array: a tensor in the bytes item
-        keys = list(node)
-        if keys and all(isinstance(k, int) for k in keys):
-            if sorted(keys) != list(range(len(keys))):
-                raise CkptError(
-                    f"only elements {sorted(keys)[:8]} of this sequence are selected; select all of it or none",
-                    join_keys(path),
-                )
-            items = [build(node[i], path + (i,)) for i in range(len(keys))]
-            return tuple(items) if path in tuples else items
-        return {str(k): build(v, path + (k,)) for k, v in node.items()}
-
-    return write.gathered_value(build(root, outer), where)
-
-
-@dataclass
-class _Loaded:
-    """A loaded leaf value inside a tuple being gathered (never confused with a subtree dict)."""
-
-    value: Any
-
-
-# (convert's flattening rule and in-memory leaves: diff and the formats' plan_value use them)
-_flatten_value = flatten_value
-_memory_leaf = memory_leaf
 
 
 # -- streaming -----------------------------------------------------------------
