@@ -34,7 +34,7 @@ from ..findings import Findings
 from ..torchsave import safe_pickle
 from . import reader as dcp
 from . import transforms as dcp_transforms
-from ..model import Chunk, ValueLeaf, keys_path
+from ..model import Chunk, keys_path
 from ..storage import Storage
 
 # how many regions / files one message names before "... and N more"
@@ -1261,24 +1261,13 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
     and not by the first `dcp.load`. Its size is bounded by the entry length
     (and the payload-pickle limit), never by anything it claims.
     """
-    items = 0
-    for leaf in ckpt.leaves:
-        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
-            continue
-        items += 1
-        try:
-            leaf.load()
-        except UnsafePickleError as exc:
-            findings.error(
-                "unsafe-pickle", f"non-tensor item refers to {exc.module}.{exc.name}: refused, nothing was executed",
-                leaf=leaf.path, file=_relative_file(storage, exc.where),
-            )
-        except CkptError as exc:
-            findings.error(
-                "bad-chunk", f"non-tensor item does not decode: {exc.message}",
-                leaf=leaf.path, file=_relative_file(storage, exc.where),
-            )
-    findings.count("bytes_items_read", items)
+    # (torchsave.checks.verify_and_decode: the torch.save and DeepSpeed checks' loop too; DCP has no
+    # archive of storages to verify, its chunks are the tensor reads. Imported here: the shallow
+    # checks need none of torch.save's archive reading)
+    from ..torchsave.checks import verify_and_decode
+
+    verify_and_decode(findings, ckpt.leaves, skip_leaves, what="non-tensor item", counted="bytes_items_read",
+                      refuses_pickles=True, value_file=lambda leaf, exc: _relative_file(storage, exc.where))
     check_duplicates_deep(storage, findings, allow, leaf_path)
 
 

@@ -2,13 +2,17 @@
 allow-list: a global outside it is `unsafe-pickle`, refused, nothing run), and each tensor's claim
 on its storage member (present, the storage's size, the view inside it) from the zip's central
 directory. Shared machinery: the torch.save, DeepSpeed and Megatron checks use it.
+
+verify_and_decode is --deep's loop beside the tensor reads, for the torch.save, DeepSpeed and DCP
+checks: each storage member's CRC-32, each recorded value decoded.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import CkptError, PathEscapeError, UnreadableFileError, UnsafePickleError, short_repr
 from ..findings import FindingSink
+from ..model import Leaf, ValueLeaf
 from ..storage import Storage
 from .reading import Archive, FileTree, file_tree, leaves_of
 from .safe_pickle import TensorRef, UnsupportedTensorError, restore_location
@@ -93,3 +97,49 @@ def file_size(storage: Storage, name: str) -> int | None:
         return storage.size(name)
     except CkptError:
         return None
+
+
+def verify_and_decode(findings: FindingSink, leaves: Iterable[Leaf], skip_leaves: set[str], *,
+                      value_file: Callable[[ValueLeaf, CkptError], str | None],
+                      archives: Sequence[tuple[Archive, str]] | None = None, what: str = "value",
+                      counted: str = "values_read", refuses_pickles: bool = False) -> None:
+    """--deep's part besides the tensor reads: every storage member's CRC-32 in `archives` (each
+    with the file name its findings give; those a whole read already checked are not read again,
+    each streamed once; counted as storages_checked; None: no archives to verify, nothing counted),
+    then every value leaf not in `skip_leaves` decoded (counted as `counted`).
+
+    A value that does not decode is a bad-chunk finding ("<what> does not decode: ..."), its file
+    `value_file(leaf, error)`; with `refuses_pickles`, one whose pickle names a global outside the
+    allow-list is an unsafe-pickle finding (DCP's bytes items, unpickled only now)."""
+    if archives is not None:
+        members = 0
+        for archive, file in archives:
+            for key, (size, crc) in sorted(archive.zip.storage_members().items()):
+                if not size or not crc:
+                    continue  # torch was told not to record CRCs (then they are 0)
+                members += 1
+                try:
+                    archive.verify_member(key)
+                except PathEscapeError:
+                    raise
+                except CkptError as exc:
+                    findings.error("bad-chunk", f"storage {key}: {exc.message}", file=file)
+        findings.count("storages_checked", members)
+    values = 0
+    for leaf in leaves:
+        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
+            continue
+        values += 1
+        try:
+            leaf.load()
+        except UnsafePickleError as exc:
+            if not refuses_pickles:
+                findings.error("bad-chunk", f"{what} does not decode: {exc.message}", leaf=leaf.path,
+                               file=value_file(leaf, exc))
+                continue
+            findings.error("unsafe-pickle", f"{what} refers to {exc.module}.{exc.name}: refused, nothing was executed",
+                           leaf=leaf.path, file=value_file(leaf, exc))
+        except CkptError as exc:
+            findings.error("bad-chunk", f"{what} does not decode: {exc.message}", leaf=leaf.path,
+                           file=value_file(leaf, exc))
+    findings.count(counted, values)

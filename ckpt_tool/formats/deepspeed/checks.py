@@ -23,7 +23,7 @@ from typing import Any
 
 from ...errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, UsageError
 from ...findings import Findings
-from ...model import ArrayLeaf, ValueLeaf
+from ...model import ArrayLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
 from ...read_options import given_read_options
@@ -184,7 +184,6 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
     """--deep beyond the tensor reads: every storage member's CRC-32 in every file (those a whole
     read did not already check, each streamed once), every recorded value decoded."""
     prefix = f"{ckpt.layout['step_dir']}/" if ckpt.layout.get("step_dir") else ""
-    members = 0
     archives = archives_of(ckpt)
     # the files no leaf reads from (pipeline layer files of weights only, MoE expert files): opened here
     step_storage = storage.child(ckpt.layout["step_dir"]) if ckpt.layout.get("step_dir") else storage
@@ -197,26 +196,6 @@ def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set
                 raise
             except CkptError as exc:
                 findings.error("bad-chunk", exc.message, file=prefix + name)
-    for archive in sorted(archives, key=lambda a: a.name):
-        for key, (size, crc) in sorted(archive.zip.storage_members().items()):
-            if not size or not crc:
-                continue
-            members += 1
-            try:
-                archive.verify_member(key)
-            except PathEscapeError:
-                raise
-            except CkptError as exc:
-                findings.error("bad-chunk", f"storage {key}: {exc.message}", file=prefix + archive.name)
-    findings.count("storages_checked", members)
-    values = 0
-    for leaf in ckpt.leaves:
-        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
-            continue
-        values += 1
-        try:
-            leaf.load()
-        except CkptError as exc:
-            findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
-                           file=prefix + str(leaf.extra.get("file")))
-    findings.count("values_read", values)
+    tsc.verify_and_decode(findings, ckpt.leaves, skip_leaves,
+                          archives=[(a, prefix + a.name) for a in sorted(archives, key=lambda a: a.name)],
+                          value_file=lambda leaf, exc: prefix + str(leaf.extra.get("file")))

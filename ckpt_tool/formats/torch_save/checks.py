@@ -19,9 +19,9 @@ from typing import Any
 
 from ...errors import CkptError, PathEscapeError
 from ...findings import FILE_CAUSES, Findings
-from ...model import ValueLeaf
 from ...storage import Storage
-from ...torchsave.checks import check_file  # one file's checks: the shared torch.save machinery's
+# one file's checks and --deep's loop: the shared torch.save machinery's
+from ...torchsave.checks import check_file, verify_and_decode
 from . import reader as ts
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
@@ -98,34 +98,13 @@ def _file_of(storage: Storage, where: str | None) -> str | None:
 
 def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep's part besides the tensor reads: every storage member's CRC-32 (those a whole
-    read did not already check, each streamed once), and every non-tensor value decoded."""
+    read did not already check, each streamed once), and every non-tensor value decoded
+    (torchsave.checks.verify_and_decode, DeepSpeed's and DCP's loop too)."""
     archives: dict[int, ts.Archive] = {}
     for leaf in ckpt.leaves:
         reader = getattr(leaf, "reader", None)
         archive = getattr(reader, "_archive", None)
         if isinstance(archive, ts.Archive):
             archives[id(archive)] = archive
-    members = 0
-    for archive in archives.values():
-        for key, (size, crc) in sorted(archive.zip.storage_members().items()):
-            if not size or not crc:
-                continue  # torch was told not to record CRCs (then they are 0)
-            members += 1
-            try:
-                archive.verify_member(key)
-            except PathEscapeError:
-                raise
-            except CkptError as exc:
-                findings.error("bad-chunk", f"storage {key}: {exc.message}", file=archive.name)
-    findings.count("storages_checked", members)
-    values = 0
-    for leaf in ckpt.leaves:
-        if not isinstance(leaf, ValueLeaf) or leaf.path in skip_leaves:
-            continue
-        values += 1
-        try:
-            leaf.load()
-        except CkptError as exc:
-            findings.error("bad-chunk", f"value does not decode: {exc.message}", leaf=leaf.path,
-                           file=leaf.extra.get("file"))
-    findings.count("values_read", values)
+    verify_and_decode(findings, ckpt.leaves, skip_leaves, archives=[(a, a.name) for a in archives.values()],
+                      value_file=lambda leaf, exc: leaf.extra.get("file"))
