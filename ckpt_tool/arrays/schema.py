@@ -610,11 +610,49 @@ _ZARR3_REQUIRED = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid
 _ZARR3_MEMBERS = frozenset(_ZARR3_REQUIRED) | {"attributes", "dimension_names", "storage_transformers"}
 
 
+# the .zarray a tensorstore or orbax writer makes, which tensorstore always opens (tests/test_zarr_plain.py
+# holds every form of it accepted by tensorstore): checked without it (see _plain_zarr2)
+_PLAIN_ZARR2_DTYPES = frozenset({"<c16", "<c8", "<f2", "<f4", "<f8", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8",
+                                 "bfloat16", "float8_e4m3fn", "float8_e5m2", "|b1", "|i1", "|u1"})
+_PLAIN_MAX_RANK = 32  # (tensorstore's kMaxRank)
+_PLAIN_MAX_CHUNK_BYTES = 1 << 30
+
+
+def _plain_zarr2(known: dict[str, Any]) -> bool:
+    """Whether a .zarray (its members parse_zarray checked already) is of the plain form tensorstore
+    opens whatever else it holds: a dtype of the list, no fill value, no filters, no compressor or
+    zstd at a level 0-22, at most 32 dimensions, a chunk under 1 GiB. Such metadata needs no
+    tensorstore to be checked (issue 46: an Orbax inspect then imports no tensorstore); any other is
+    given to tensorstore's own parser, which says what is wrong with it."""
+    comp = known.get("compressor")
+    if comp is not None:
+        if comp.keys() != {"id", "level"} or comp["id"] != "zstd":
+            return False
+        level = comp["level"]
+        if type(level) is not int or not 0 <= level <= 22:
+            return False
+    if known.get("fill_value") is not None or known.get("filters") is not None:
+        return False
+    dtype = known.get("dtype")
+    if dtype not in _PLAIN_ZARR2_DTYPES or known.get("order") not in ("C", "F"):
+        return False
+    shape, chunks = known.get("shape"), known.get("chunks")
+    if type(shape) is not list or type(chunks) is not list or len(shape) != len(chunks) or len(shape) > _PLAIN_MAX_RANK:
+        return False
+    if not all(type(n) is int and 0 <= n < 1 << 53 for n in shape):
+        return False
+    if not all(type(n) is int and 0 < n < 1 << 31 for n in chunks):
+        return False
+    return math.prod(chunks) * dtypes.from_zarr2(dtype).itemsize <= _PLAIN_MAX_CHUNK_BYTES
+
+
 def _tensorstore_check(zmeta: dict[str, Any], driver: str, members: frozenset[str], file: str) -> None:
     """Give the metadata to tensorstore's own JSON parser: what it rejects, opening would reject."""
+    known = {k: v for k, v in zmeta.items() if k in members}  # a reader ignores members it does not know
+    if driver == "zarr" and type(known.get("zarr_format")) is int and known["zarr_format"] == 2 and _plain_zarr2(known):
+        return
     import tensorstore as ts
 
-    known = {k: v for k, v in zmeta.items() if k in members}  # a reader ignores members it does not know
     try:
         ts.Spec({"driver": driver, "kvstore": {"driver": "memory"}, "metadata": known})
     except Exception as exc:  # tensorstore raises ValueError with its status text
