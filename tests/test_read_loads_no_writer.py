@@ -67,6 +67,14 @@ def test_orbax_inspect_and_validate_load_no_writer(name, command):
     assert not bad, f"{' '.join(command)} of {name} loaded writer modules: {bad}"
 
 
+@pytest.mark.parametrize("command", [["ls"], ["latest"], ["validate", "--step", "all"]])
+def test_a_run_root_of_orbax_steps_loads_no_writer(command):
+    loaded = _loaded_after([command[0], str(fixture_path("runs_orbax")), *command[1:]])
+    assert f"{ORBAX_PACKAGE}.reader" in loaded
+    bad = [m for m in loaded if m in WRITE_MODULES or m in WRITER_ONLY]
+    assert not bad, f"{' '.join(command)} of an Orbax run root loaded writer modules: {bad}"
+
+
 @pytest.mark.parametrize("name", ["orbax_manager", "orbax_ocdbt_zarr2", "orbax_plain_zarr2"])
 def test_convert_from_orbax_to_dcp_loads_no_orbax_writer(name, tmp_path):
     dst = tmp_path / "dcp"
