@@ -15,7 +15,6 @@ are what makes the output a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import math
 import os  # noqa: F401 - tests patch engine.os (the output layer's os calls)
 import signal
 import threading
@@ -23,15 +22,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy as np
-
-from . import casting, dtypes, formats, hf_export, optim_keys, unstack
+from . import casting, formats, hf_export, optim_keys
 from .errors import CkptError, NoSpaceError, UsageError
 from .names import key_text
 from .findings import Progress, no_progress
-from .blocks import block_shape, blocks
-from .scheduler import DEFAULT_MEMORY, Scheduler, Want
-from .model import ArrayLeaf, Checkpoint, Region, RegularGrid, stored_chunks
+from .scheduler import DEFAULT_MEMORY
+from .model import Checkpoint
 from .model import as_regular_grid, default_grid  # noqa: F401 - moved to model (the formats' target layouts use them)
 from .output import OutputDir  # noqa: F401 (OutputDir: API)
 # (an object-store DST's owner record and commit rule; local ones pass through to output.py)
@@ -43,6 +39,7 @@ from .writers import TargetArray, WritePlan
 from .free_space import check_free_space, free_bytes, no_space_error, output_bytes  # noqa: F401
 from .preflight import check_source_complete, open_source  # noqa: F401
 from .stored_copy import StoredCopies, copies_stored, output_chunk_limit, plans_stored_copy  # noqa: F401
+from .streaming import chunk_regions, stream  # noqa: F401 (stream: called through this module: tests and benches patch it)
 from .planner import DEFAULT_CHUNK_MB, ConversionPlanner, ConvertOptions, Sources, plan_conversion  # noqa: F401
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
@@ -96,118 +93,6 @@ class ConvertResult:
             "cleanup": self.cleanup, "companions": self.companions, "like_differences": self.like_differences,
             "optimizer_keys": [r.to_json() for r in self.optimizer_keys],
         }
-
-
-# -- streaming -----------------------------------------------------------------
-
-
-def chunk_regions(target: TargetArray) -> Iterator[tuple[int, Region]]:
-    """(chunk index, region) of every output chunk, in the order writers index them."""
-    for i, c in enumerate(stored_chunks(target.shape, target.layout)):
-        yield i, c.region
-
-
-def stream(
-    plan: WritePlan,
-    sources: Sources,
-    writer: CheckpointWriter,
-    *,
-    workers: int = 4,
-    progress: Progress = no_progress,
-    owns: Callable[[int], bool] = lambda n: True,
-    memory: int = DEFAULT_MEMORY,
-    chunk_blocks: bool = False,
-    overflow: casting.Overflow | None = None,
-) -> tuple[int, int]:
-    """Copy every chunk this process owns; returns (chunks, bytes) written.
-
-    The read scheduler decodes each source chunk once and assembles the
-    output chunks from it, within `memory` (less what the writer keeps
-    pending: its write-behind window). `chunk_blocks`: the writer takes a
-    block of whole chunks of a regular grid as one region (blocks.py).
-    """
-    wants: list[Want] = []
-    n = 0
-    total = 0
-    chunks = 0
-
-    def want(target: TargetArray, leaf: ArrayLeaf, itemsize: int, index: int, region: Region) -> None:
-        nonlocal total
-        # an unstacked leaf is asked of its stored leaf: each stored chunk is still decoded once
-        stored, stored_region = unstack.base_region(leaf, region)
-        wants.append(Want([(stored, stored_region)], _copier(writer, target, index, region, overflow), keeps=True))
-        total += math.prod(r.stop - r.start for r in region) * itemsize
-
-    copies: list[tuple[TargetArray, ArrayLeaf, int, Region]] = []
-    for target in plan.arrays():
-        leaf = sources[key_text(target.keys)]
-        itemsize = dtypes.get(target.dtype).itemsize
-        if copies_stored(writer, target, leaf, itemsize, memory):
-            for index, region in chunk_regions(target):
-                if owns(n):
-                    copies.append((target, leaf, index, region))
-                    total += math.prod(r.stop - r.start for r in region) * itemsize
-                    chunks += 1
-                n += 1
-            continue
-        per = None
-        if chunk_blocks and isinstance(target.layout, RegularGrid):
-            per = block_shape(target.shape, target.layout, leaf, itemsize, memory)
-        if per is None:
-            for index, region in chunk_regions(target):
-                if owns(n):
-                    want(target, leaf, itemsize, index, region)
-                    chunks += 1
-                n += 1
-            continue
-        grid = stored_chunks(target.shape, target.layout)
-        for members, region in blocks(target.shape, target.layout.chunk_shape, per):
-            mine = [i for i in members if owns(n + i)]
-            if len(mine) == len(members):
-                want(target, leaf, itemsize, members[0], region)
-            else:  # chunks of other processes inside: this one writes its own, one by one
-                for i in mine:
-                    want(target, leaf, itemsize, i, grid[i].region)
-            chunks += len(mine)
-        n += len(grid)
-    # the Orbax writer keeps bytes copied into tensorstore, not yet committed (and encodes them)
-    reserve = int(writer.pending_bytes_limit)
-    copier = StoredCopies(writer, copies, workers, memory)
-    scheduler = Scheduler(wants, memory=memory, workers=workers, reserve=reserve + copier.memory)
-    progress("write", 0, total)
-    lock = threading.Lock()
-    done = [0, 0]  # bytes delivered by the scheduler, bytes copied as stored
-
-    def report(part: int, n: int) -> None:
-        with lock:
-            done[part] = n
-            progress("write", done[0] + done[1], total)
-
-    copier.start(lambda n: report(1, n))
-    try:
-        read = scheduler.run(on_done=lambda n: report(0, n))
-    except BaseException:
-        copier.stop()
-        raise
-    return chunks, read + copier.wait()
-
-
-def _copier(writer: CheckpointWriter, target: TargetArray, index: int, region: Region,
-            overflow: casting.Overflow | None = None) -> Callable[[list[np.ndarray]], int]:
-    shape = tuple(r.stop - r.start for r in region)
-
-    def copy(arrays: list[np.ndarray]) -> int:
-        data = arrays[0]
-        if data.shape != shape:  # read from the stored leaf of an unstacked one: its axis of 1 dropped
-            data = data.reshape(shape)
-        if target.source_dtype is not None:
-            data, lost = casting.cast_array(data, target.dtype)
-            if overflow is not None:
-                overflow.add(target.path, lost)
-        writer.write_array(target, index, region, data)
-        return int(data.nbytes)
-
-    return copy
 
 
 def _kept_reason(target: TargetArray, sources: Sources, dtype: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tool import engine, stored_copy
+from ckpt_tool import stored_copy
 from ckpt_tool.cli.main import cli
 from ckpt_tool.formats.orbax import write
 from ckpt_tool.model import RegularGrid
@@ -45,7 +45,7 @@ def orbax_source(request, tmp_path_factory):
 
 @pytest.fixture
 def copies(monkeypatch):
-    """The chunks engine.stream copied as stored: (array, chunk index)."""
+    """The chunks streaming.stream copied as stored: (array, chunk index)."""
     done = []
     real = stored_copy.StoredCopies._copy
 

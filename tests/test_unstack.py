@@ -111,7 +111,7 @@ def test_each_stored_chunk_is_read_once(tmp_path, monkeypatch):
     """An Orbax array of 8 layers in ONE compressed zarr chunk, unstacked into 8 leaves: the chunk is
     decoded once (the engine asks the stored leaf for each layer's region; the scheduler groups them)."""
     import ckpt_tool
-    from ckpt_tool import engine
+    from ckpt_tool import engine, streaming
     from ckpt_tool.engine import ConvertOptions
 
     r = run("convert", ROOT / "fixtures" / "torch_state" / "state.pt", tmp_path / "orbax", "--to", "orbax",
@@ -121,12 +121,12 @@ def test_each_stored_chunk_is_read_once(tmp_path, monkeypatch):
     assert leaf.shape == (8, 6) and leaf.chunk_count == 1
     made = []
 
-    class Recording(engine.Scheduler):
+    class Recording(streaming.Scheduler):
         def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(engine, "Scheduler", Recording)
+    monkeypatch.setattr(streaming, "Scheduler", Recording)
     engine.convert(str(tmp_path / "orbax"), str(tmp_path / "st"),
                    ConvertOptions(to="safetensors", unstack=["model/{i}/**"]))
     [scheduler] = made
