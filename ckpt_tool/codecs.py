@@ -394,10 +394,11 @@ class _InMemory:
 
 
 def stored_itemsize(zmeta: dict[str, Any], zarr3: bool) -> int:
-    """Bytes per element of a zarr array's stored chunks."""
+    """Bytes per element of a zarr array's stored chunks (the table's: asked per array by inspect,
+    which makes no numpy dtype, nor imports ml_dtypes for one)."""
     if zarr3:
-        return dtypes.numpy_dtype(dtypes.from_zarr3(zmeta["data_type"]).name).itemsize
-    return dtypes.numpy_dtype(dtypes.from_zarr2(zmeta["dtype"]).name).itemsize
+        return dtypes.from_zarr3(zmeta["data_type"]).itemsize
+    return dtypes.from_zarr2(zmeta["dtype"]).itemsize
 
 
 def decode_chunk(data: bytes | memoryview, zmeta: dict[str, Any], zarr3: bool, chunk_shape: tuple[int, ...],

@@ -52,3 +52,16 @@ def test_the_fast_memory_bound_is_the_byte_count_bound_without_numpy():
         want += sp.MAX_STACK_DEPTH * sp._SLOT + 2 * len(data)
         assert sp.fast_memory_bound(data) == want
         assert sp.fast_memory_bound(bytearray(data)) == want
+
+
+def test_the_stored_itemsize_is_numpys_without_making_a_numpy_dtype():
+    """codecs.stored_itemsize, asked per array by inspect, answers from the dtype table (no numpy
+    dtype made, no ml_dtypes imported): the same size numpy gives, for every dtype in the table."""
+    from ckpt_tool import codecs, dtypes
+
+    for d in dtypes._TABLE:
+        want = dtypes.numpy_dtype(d.name).itemsize
+        if d.zarr2:
+            assert codecs.stored_itemsize({"dtype": d.zarr2}, False) == want, d.name
+        if d.zarr3:
+            assert codecs.stored_itemsize({"data_type": d.zarr3}, True) == want, d.name

@@ -13,7 +13,6 @@ one is a download that stopped, not a checkpoint with a wrong index.
 from __future__ import annotations
 
 import base64
-import hashlib
 import posixpath
 from dataclasses import dataclass
 
@@ -45,6 +44,8 @@ class UnfinishedDownload:
 
 def _short_hash(name: str) -> str:
     # huggingface_hub's _local_folder._short_hash, of the metadata file's name
+    import hashlib  # (here: every checkpoint opened asks this module, most without a download to name)
+
     return base64.urlsafe_b64encode(hashlib.sha1(name.encode()).digest()).decode()
 
 
