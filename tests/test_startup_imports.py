@@ -61,7 +61,7 @@ def test_orbax_inspect_loads_no_other_format_reader(name):
            or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr")]
     assert not bad, bad
     if name == "orbax_ocdbt_zarr2":  # its OCDBT walked and its .zarray checked by ckpt itself (issue 46)
-        assert "tensorstore" not in loaded
+        assert not [m for m in loaded if m.split(".")[0] in ("tensorstore", "ml_dtypes", "hashlib")]
 
 
 @pytest.mark.parametrize("name", ["dcp_single", "dcp_multirank"])
