@@ -1,11 +1,11 @@
-"""The streaming engine: copy leaves region by region from any reader to any writer.
+"""convert: a checkpoint copied leaf by leaf into another format, all or nothing.
 
-convert is "same layout, new format"; reshard is "new layout, same format".
-Both build a WritePlan (target leaves with their chunk layout) and hand it
-to `stream`, which reads one output chunk's region from the source, casts it
-if asked, and gives it to the writer. At most `workers * 2` chunks are in
-flight, so peak memory is a few chunks whatever the checkpoint size; the
-work runs in threads because tensorstore, zstd and numpy release the GIL.
+convert is "same layout, new format"; reshard is "new layout, same format" (it
+hands convert a PlannedWrite). The parts live beside this module: the source is
+checked whole first (preflight.py), planned into a WritePlan (planner.py), and
+refused if its local file system cannot hold it (free_space.py); `stream`
+(streaming.py) then reads each output chunk's region, casts it if asked and gives
+it to the writer, or copies stored chunks as they are (stored_copy.py).
 
 Output is all or nothing: it is written under a temporary name beside the
 destination (local paths) and renamed into place after the commit markers;
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import casting, formats, hf_export, optim_keys
 from .errors import CkptError, NoSpaceError, UsageError
-from .names import key_text
 from .findings import Progress, no_progress
 from .scheduler import DEFAULT_MEMORY
 from .model import Checkpoint
@@ -39,8 +38,10 @@ from .writers import TargetArray, WritePlan
 from .free_space import check_free_space, free_bytes, no_space_error, output_bytes  # noqa: F401
 from .preflight import check_source_complete, open_source  # noqa: F401
 from .stored_copy import StoredCopies, copies_stored, output_chunk_limit, plans_stored_copy  # noqa: F401
-from .streaming import chunk_regions, stream  # noqa: F401 (stream: called through this module: tests and benches patch it)
-from .planner import DEFAULT_CHUNK_MB, ConversionPlanner, ConvertOptions, Sources, plan_conversion  # noqa: F401
+from .streaming import chunk_regions, stream  # noqa: F401 - convert calls stream by this module's name (benches patch it)
+from .planner import (  # noqa: F401
+    DEFAULT_CHUNK_MB, ConversionPlanner, ConvertOptions, Sources, kept_reason, plan_conversion,
+)
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
     from . import distributed
@@ -95,16 +96,7 @@ class ConvertResult:
         }
 
 
-def _kept_reason(target: TargetArray, sources: Sources, dtype: str) -> str:
-    """Why --dtype left a planned array as it is (decided on its source leaf, as planned)."""
-    leaf = sources[key_text(target.keys)]
-    return casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, dtype) or casting.SAME_DTYPE
-
-
-# -- the output directory -------------------------------------------------------
-#
-# output.py: the temporary directory beside DST (with its owner record), what
-# --overwrite may replace, leftovers of killed runs, and errors that name DST.
+# -- writing (output.py: the temporary directory beside DST, what --overwrite replaces) --
 
 
 class Terminated(KeyboardInterrupt):
@@ -268,27 +260,15 @@ def _convert(
     coord = coordinator or Coordinator()
     started = time.monotonic()
     log = ReadLog() if planned is None else planned.log
-    if planned is None:
-        with formats.read_options(**opts.read_options):
-            src = open_source(source, step=opts.step, log=log)
-        if not src.committed:
-            raise CkptError("the source is an uncommitted save; refusing to convert it", source)
-        check_source_complete(src, source)
-        rekeyed: list[optim_keys.Rekeyed] = []
-        if opts.optimizer_keys_like is not None:
-            src, rekeyed = _optimizer_keys_like(src, opts.optimizer_keys_like)
-        plan, skipped, sources = plan_conversion(src, opts, destination)
-        companions, differences = _model_files(src, plan, skipped, opts)
-    else:
-        src, plan, skipped, sources = planned.source, planned.plan, [], planned.sources
-        companions, differences, rekeyed = None, [], []
+    job = _job(source, destination, opts, planned, log)
+    plan = job.plan
     cast = [t.path for t in plan.arrays() if t.source_dtype]
     # the model's config names the dtype from_pretrained loads by default: the cast one, read and
     # checked before anything is written
     retyped: dict[str, bytes] = {}
     config_dtype: list[tuple[str, str, str]] = []
-    if companions and cast and opts.dtype:
-        retyped, config_dtype = hf_export.retyped_configs(companions[0], companions[1], opts.dtype)
+    if job.companions and cast and opts.dtype:
+        retyped, config_dtype = hf_export.retyped_configs(job.companions[0], job.companions[1], opts.dtype)
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
     # a destination too small for the output is refused before anything is created there
@@ -301,69 +281,116 @@ def _convert(
     if primary:
         begin_output(out)
     coord.barrier("ckpt-convert-start")
-    result = ConvertResult(source, destination, src.format, opts.to, skipped=skipped,
+    result = ConvertResult(source, destination, job.src.format, opts.to, skipped=job.skipped,
                            process_index=coord.process_index, process_count=coord.process_count)
     result.cast = cast
     if opts.dtype:
         result.dtype = opts.dtype
         result.kept = [(t.path, t.dtype, reason) for t in plan.arrays() if not t.source_dtype
-                       for reason in [_kept_reason(t, sources, opts.dtype)]]
+                       for reason in [kept_reason(t, job.sources, opts.dtype)]]
         result.config_dtype = config_dtype
     result.cleanup = list(out.notes)
-    result.companions = list(companions[1]) if companions else []
-    result.like_differences = differences
-    result.optimizer_keys = rekeyed
-    writer: CheckpointWriter | None = None
+    result.companions = list(job.companions[1]) if job.companions else []
+    result.like_differences = job.differences
+    result.optimizer_keys = job.rekeyed
     # from the first byte written to the rename, any failure (a dead endpoint,
     # a full disk, Ctrl-C, SIGTERM) removes the temporary output
     with _terminate_unwinds():
-        try:
-            writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3, max_shard_size=opts.max_shard_size,
-                                 memory=opts.memory)
-            writer.begin(plan)
-            rank, size = coord.process_index, coord.process_count
-            # a writer whose files each belong to one process (safetensors) says who writes what
-            owns = _chunk_owner(writer, planned, rank, size)
-            overflow = casting.Overflow()
-            result.chunks, result.bytes = stream(
-                plan, sources, writer, workers=opts.workers, progress=progress, memory=opts.memory, owns=owns,
-                chunk_blocks=formats.REGISTRY[opts.to].writes_chunk_blocks, overflow=overflow,
-            )
-            if overflow and opts.dtype:
-                # every leaf is cast before this is said, so that the line names them all; the
-                # output is then discarded below (an inf weight is a broken model)
-                result.overflow_line = overflow.phrase(opts.dtype)
-                result.overflowed = sorted(overflow.by_leaf.items())
-                if not opts.allow_overflow:
-                    raise casting.CastOverflowError(f"--dtype {opts.dtype}: {result.overflow_line}; nothing was written "
-                                            "(--allow-overflow writes it anyway)", source)
-            if primary:
-                for value in plan.values():
-                    writer.write_value(value)
-            writer.finish_process()
-            coord.barrier("ckpt-convert-written")
-            if primary:
-                if companions:  # before the commit: the model's files are part of the output
-                    hf_export.copy_companions(companions[0], companions[1], out.storage(), retyped)
-                confirm_output(out)  # an object store: no other run took DST over meanwhile
-                writer.commit()
-                finalize_output(out, overwrite=opts.overwrite)
-                # (finalize re-judges DST and may correct what it says it replaced)
-                result.cleanup = list(out.notes)
-            coord.barrier("ckpt-convert-done")
-        except BaseException as exc:
-            try:
-                if writer is not None:
-                    writer.abort()
-            finally:  # whatever abort does, an unfinished output never stays behind
-                if primary or coord.process_count == 1:
-                    discard_output(out)
-            out.name_destination(exc)  # DST in the message, not the hidden temporary directory
-            if isinstance(exc, NoSpaceError):  # (the temporary output is gone: what is free now is DST's)
-                raise no_space_error(destination, plan, opts.to) from None
-            raise
+        _write_output(out, job, opts, result, coord=coord, planned=planned, progress=progress, retyped=retyped)
     result.arrays = len(plan.arrays())
     result.values = len(plan.values())
     result.bytes_read = log.bytes if log is not None else 0
     result.seconds = time.monotonic() - started
     return result
+
+
+@dataclass
+class _Job:
+    """What a convert writes: the source, the plan of it, and what goes beside the plan."""
+
+    src: Checkpoint
+    plan: WritePlan
+    skipped: list[tuple[str, str]]
+    sources: Sources
+    companions: tuple[Storage, list[str]] | None = None  # the model's files (_model_files)
+    differences: list[str] = field(default_factory=list)  # --force-like's
+    rekeyed: list[optim_keys.Rekeyed] = field(default_factory=list)  # --optimizer-keys-like
+
+
+def _job(source: str, destination: str, opts: ConvertOptions, planned: PlannedWrite | None,
+         log: ReadLog | None) -> _Job:
+    """The source opened and checked whole (the preflight), then planned; or the caller's plan."""
+    if planned is not None:
+        return _Job(planned.source, planned.plan, [], planned.sources)
+    with formats.read_options(**opts.read_options):
+        src = open_source(source, step=opts.step, log=log)
+    if not src.committed:
+        raise CkptError("the source is an uncommitted save; refusing to convert it", source)
+    check_source_complete(src, source)
+    rekeyed: list[optim_keys.Rekeyed] = []
+    if opts.optimizer_keys_like is not None:
+        src, rekeyed = _optimizer_keys_like(src, opts.optimizer_keys_like)
+    plan, skipped, sources = plan_conversion(src, opts, destination)
+    companions, differences = _model_files(src, plan, skipped, opts)
+    return _Job(src, plan, skipped, sources, companions, differences, rekeyed)
+
+
+def _write_output(out: OutputDir, job: _Job, opts: ConvertOptions, result: ConvertResult, *,
+                  coord: distributed.Coordinator | Coordinator, planned: PlannedWrite | None, progress: Progress,
+                  retyped: dict[str, bytes]) -> None:
+    """Write the plan into the temporary output `out` and commit it there (the primary, once every
+    process has written its part); on any failure the temporary output is removed."""
+    primary = coord.process_index == 0
+    writer: CheckpointWriter | None = None
+    try:
+        writer = make_writer(opts.to, out.storage(), zarr3=opts.zarr3, max_shard_size=opts.max_shard_size,
+                             memory=opts.memory)
+        writer.begin(job.plan)
+        _stream_plan(writer, job, opts, result, coord=coord, planned=planned, progress=progress)
+        if primary:
+            for value in job.plan.values():
+                writer.write_value(value)
+        writer.finish_process()
+        coord.barrier("ckpt-convert-written")
+        if primary:
+            if job.companions:  # before the commit: the model's files are part of the output
+                hf_export.copy_companions(job.companions[0], job.companions[1], out.storage(), retyped)
+            confirm_output(out)  # an object store: no other run took DST over meanwhile
+            writer.commit()
+            finalize_output(out, overwrite=opts.overwrite)
+            # (finalize re-judges DST and may correct what it says it replaced)
+            result.cleanup = list(out.notes)
+        coord.barrier("ckpt-convert-done")
+    except BaseException as exc:
+        try:
+            if writer is not None:
+                writer.abort()
+        finally:  # whatever abort does, an unfinished output never stays behind
+            if primary or coord.process_count == 1:
+                discard_output(out)
+        out.name_destination(exc)  # DST in the message, not the hidden temporary directory
+        if isinstance(exc, NoSpaceError):  # (the temporary output is gone: what is free now is DST's)
+            raise no_space_error(result.destination, job.plan, opts.to) from None
+        raise
+
+
+def _stream_plan(writer: CheckpointWriter, job: _Job, opts: ConvertOptions, result: ConvertResult, *,
+                 coord: distributed.Coordinator | Coordinator, planned: PlannedWrite | None,
+                 progress: Progress) -> None:
+    """Every chunk of the plan this process owns, into `writer` (stream); a --dtype cast whose
+    values overflowed is refused once every leaf is cast, unless --allow-overflow."""
+    # a writer whose files each belong to one process (safetensors) says who writes what
+    owns = _chunk_owner(writer, planned, coord.process_index, coord.process_count)
+    overflow = casting.Overflow()
+    result.chunks, result.bytes = stream(
+        job.plan, job.sources, writer, workers=opts.workers, progress=progress, memory=opts.memory, owns=owns,
+        chunk_blocks=formats.REGISTRY[opts.to].writes_chunk_blocks, overflow=overflow,
+    )
+    if overflow and opts.dtype:
+        # every leaf is cast before this is said, so that the line names them all; the
+        # output is then discarded by the caller (an inf weight is a broken model)
+        result.overflow_line = overflow.phrase(opts.dtype)
+        result.overflowed = sorted(overflow.by_leaf.items())
+        if not opts.allow_overflow:
+            raise casting.CastOverflowError(f"--dtype {opts.dtype}: {result.overflow_line}; nothing was written "
+                                            "(--allow-overflow writes it anyway)", result.source)

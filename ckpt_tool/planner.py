@@ -315,6 +315,12 @@ class ConversionPlanner:
         raise UnsupportedLeafError(reason + "; use --skip-unsupported to leave it out", where)
 
 
+def kept_reason(target: TargetArray, sources: Sources, dtype: str) -> str:
+    """Why --dtype left a planned array as it is (decided on its source leaf, as planned)."""
+    leaf = sources[key_text(target.keys)]
+    return casting.kept_reason(tuple(leaf.keys), leaf.size, leaf.dtype, dtype) or casting.SAME_DTYPE
+
+
 def _not_text(name: str, target: str) -> str:
     """Why a name holding a lone surrogate is refused (where it names the leaf)."""
     return f"its name {name!r} holds a lone surrogate (not Unicode text), which {target} checkpoints cannot store"
