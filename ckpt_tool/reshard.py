@@ -47,7 +47,7 @@ from .arrays.schema import MAX_JSON_BYTES
 from .errors import CkptError, UsageError
 from .findings import Progress, no_progress
 from .model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
-from .scheduler import DEFAULT_MEMORY, _LeafChunks, decoded_cost
+from .scheduler import DEFAULT_MEMORY, LeafChunks, decoded_cost
 from .storage import ReadLog
 from .names import key_text
 from .text import is_ascii_number
@@ -635,7 +635,7 @@ def _layout(lp: LeafPlan, mesh: DeviceMesh, target_file_size: int, memory: int =
 def _copied_as_stored(writer: WriterModule, destination: str, target: TargetArray, leaf: ArrayLeaf,
                       zarr3: bool) -> Callable[[tuple[int, ...]], bool]:
     """A test of a chunk shape: whether an output grid of that shape would take `leaf`'s stored
-    chunks as they are (engine.plans_stored_copy). (engine._copies_stored asks the same of a
+    chunks as they are (stored_copy.plans_stored_copy). (stored_copy.copies_stored asks the same of a
     writer at run time.)"""
     return lambda chunk_shape: plans_stored_copy(
         writer, destination, replace(target, layout=RegularGrid(tuple(chunk_shape))), leaf, zarr3)
@@ -784,7 +784,7 @@ def _plan_reshard(
         lp = by_path[target.path]
         lp.chunks = target.layout.count(target.shape)
         itemsize = lp.itemsize
-        lc = _LeafChunks(sources[key_text(target.keys)])
+        lc = LeafChunks(sources[key_text(target.keys)])
         touched: list[set[int]] = [set() for _ in range(process_count)]
         elements: int = math.prod(target.shape)
         if process_count == 1 and elements:

@@ -40,12 +40,12 @@ from ..storage.remote import in_flight
 from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, default_memory, parse_memory
 from .execution import Executor
 from .planning import Plan, _Unit
-from .regions import _LeafChunks  # noqa: F401 - reshard's planner counts stored chunks with it
+from .regions import LeafChunks  # (reshard's planner counts stored chunks with it)
 from .streaming import band_bytes
 from .wants import ReadStats, Want
 
 __all__ = [
-    "DEFAULT_MEMORY", "MIN_MEMORY", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
+    "DEFAULT_MEMORY", "MIN_MEMORY", "LeafChunks", "MiB", "ReadStats", "Scheduler", "Want", "band_bytes", "decoded_cost",
     "default_memory", "parse_memory",
 ]
 

@@ -29,7 +29,7 @@ from ..errors import CkptError
 from ..formats.contract import reader_of
 from ..model import ArrayLeaf, Region
 from .admission import MiB, MemoryBudget, decoded_cost
-from .regions import _intersect, _LeafChunks, _size
+from .regions import LeafChunks, _intersect, _size
 from .joint import JointPlan, plan_joint
 from .streaming import StreamPlan, _Streamer, band_bytes, plan_passes
 from .wants import Want
@@ -69,7 +69,7 @@ class _Unit:
     """One stored chunk decoded once for the pieces it feeds; or (`want` set) one
     want read whole through the format's reader (see `_reads_whole`)."""
 
-    lc: _LeafChunks
+    lc: LeafChunks
     index: int
     order: int
     pieces: list[tuple[int, int, Region]] = field(default_factory=list)  # (want, part, region)
@@ -102,7 +102,7 @@ class Plan:
 
         self.window = window_bytes(self.budget)
         self.wants = list(wants)
-        self._leaves: dict[int, _LeafChunks] = {}
+        self._leaves: dict[int, LeafChunks] = {}
         # how many pieces (a stored chunk's part of one of its regions) feed each want
         self.feeds = [0] * len(self.wants)
         units: dict[tuple[int, int], _Unit] = {}
@@ -112,7 +112,7 @@ class Plan:
         self.direct: list[int] = []
         for wi, want in enumerate(self.wants):
             order = want.order if want.order is not None else wi
-            found: list[tuple[_LeafChunks, int, int, Region]] = []
+            found: list[tuple[LeafChunks, int, int, Region]] = []
             exact = True
             for pi, (leaf, region) in enumerate(want.parts):
                 lc = self.chunks_of(leaf)
@@ -385,10 +385,10 @@ class Plan:
 
         return sum(count(u) for u in self.units)
 
-    def chunks_of(self, leaf: ArrayLeaf) -> _LeafChunks:
+    def chunks_of(self, leaf: ArrayLeaf) -> LeafChunks:
         lc = self._leaves.get(id(leaf))
         if lc is None:
-            lc = self._leaves[id(leaf)] = _LeafChunks(leaf)
+            lc = self._leaves[id(leaf)] = LeafChunks(leaf)
         return lc
 
     # -- planning facts ----------------------------------------------------------------

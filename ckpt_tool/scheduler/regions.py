@@ -5,7 +5,7 @@ chunks, so every part of it asks the same geometric questions: planning,
 to cut each want into the pieces its chunks feed; execution, to copy a
 piece into place in its region's buffer; streaming, to find the bands a
 piece spans. They are answered here, once, with nothing about memory or
-threads. (reshard's planner uses _LeafChunks too.)
+threads. (reshard's planner uses LeafChunks too.)
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _local(region: Region, origin: Region) -> tuple[slice, ...]:
     return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin))
 
 
-class _LeafChunks:
+class LeafChunks:
     """A leaf's stored chunks, and which of them a region overlaps."""
 
     def __init__(self, leaf: ArrayLeaf) -> None:

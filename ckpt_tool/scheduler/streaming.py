@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from ..formats.contract import reader_of
 from ..model import ArrayLeaf, Region, RegularGrid
 from .admission import MiB
-from .regions import _intersect, _LeafChunks
+from .regions import LeafChunks, _intersect
 from .wants import Want
 
 
@@ -37,7 +37,7 @@ def band_bytes(memory: int) -> int:
 class _Streamer:
     """Bands of one stored chunk, in C order, decoded once front to back."""
 
-    def __init__(self, lc: _LeafChunks, index: int, band: int, window: int) -> None:
+    def __init__(self, lc: LeafChunks, index: int, band: int, window: int) -> None:
         self.lc = lc
         self.index = index
         self.window = window  # compressed bytes per read (codecs.window_bytes)
