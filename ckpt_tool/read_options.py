@@ -1,7 +1,8 @@
 """The reader options of the command being run ({"weights": "module"}): set by the CLI around its
-call into the core (formats.read_options), passed by open_checkpoint to the format's read(), and
-read by a format's shallow checks (which read what its reader would). A context variable in the
-base layer, so that a format package asks it without importing the registry above it.
+call into the core (formats.read_options), read by the registry and validate, which pass the ones
+a format takes to its read() and check_path() as keyword arguments (a format's shallow checks read
+what its reader would). A context variable, not a parameter of every command's path: see
+docs/architecture.md ("Values that travel in context variables").
 """
 from __future__ import annotations
 

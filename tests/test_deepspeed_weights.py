@@ -91,6 +91,22 @@ def test_stage3_module_weights_are_refused_in_one_line(name):
         assert "placeholders" in r.stderr and "--weights fp32" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_shallow_checks_take_it_as_a_parameter():
+    """validate hands the option to the format's checks as open_checkpoint hands it to read(), a
+    keyword argument (no context variable read inside the format package; issue 47)."""
+    from ckpt_tool.errors import UsageError
+    from ckpt_tool.findings import Findings
+    from ckpt_tool.storage import Storage
+
+    checks = formats.get("deepspeed").checks()
+    storage = Storage.open(str(FIXTURES / "deepspeed_z3_bf16"))
+    findings = Findings()
+    checks.check_path(storage, findings)  # fp32, the default: read
+    assert not findings.errors
+    with pytest.raises(UsageError, match="placeholders"):  # stage 3's module weights: refused
+        checks.check_path(storage, Findings(), weights="module")
+
+
 @pytest.mark.slow
 def test_convert_module_weights_to_safetensors(tmp_path):
     from safetensors.torch import load_file

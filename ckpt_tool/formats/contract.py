@@ -435,12 +435,14 @@ class ChecksModule:
         self.module = module
 
     def check_path(self, storage: Storage, findings: Findings, *, step: str | int | None = None,
-                   only: str | None = None) -> str | None:
+                   only: str | None = None, **options: str) -> str | None:
         """validate's shallow checks of the checkpoint in `storage` (metadata against the files,
         sizes, commit markers), reported to `findings`. `step`: as read's; `only`: the one file a
-        single-file checkpoint is (split_file's name). May return the checkpoint's format family
-        ("flax", "t5x") when it differs from the format's name."""
-        family: str | None = self.module.check_path(storage, findings, step=step, only=only)
+        single-file checkpoint is (split_file's name); `options`: the reader options given that the
+        format takes (its FormatInfo.read_options, as read() gets them: the checks read what the
+        reader would). May return the checkpoint's format family ("flax", "t5x") when it differs
+        from the format's name."""
+        family: str | None = self.module.check_path(storage, findings, step=step, only=only, **options)
         return family
 
     def manifest_covers(self, name: str) -> bool:

@@ -387,7 +387,9 @@ def _validate_one(
             )
         # the format's shallow checks; a format of several families (msgpack: flax, orbax
         # <= 0.4 or t5x) says which one it found
-        family = info.checks().check_path(storage, findings, step=step, only=single[1] if single else None)
+        # (the reader options the format takes, passed as open_checkpoint passes them to its read())
+        options = {k: v for k, v in formats.given_read_options().items() if k in info.read_options}
+        family = info.checks().check_path(storage, findings, step=step, only=single[1] if single else None, **options)
         fmt = family or fmt
         if deep:
             from .deep import deep_check_steps

@@ -26,7 +26,6 @@ from ...findings import Findings
 from ...model import ArrayLeaf
 from ...storage import Storage
 from ...torchsave.safe_pickle import UnsupportedTensorError
-from ...read_options import given_read_options
 from ...torchsave import checks as tsc
 from ...torchsave import reading as ts
 from . import moe, opening
@@ -47,12 +46,14 @@ def check_tag_file(findings: Findings, files: list[str], name: str, steps: list[
         findings.warning("missing-metadata", f"no {name} file: {needs} to load any of these steps", file=".")
 
 
-def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
+def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None,
+               weights: str = "fp32") -> None:
+    """`weights`: the reader option (--weights) the reader opens with: the checks read what it would."""
     _, files = storage.listdir()
     if ds.is_step_listing(files):
         if step not in (None, "latest", "all"):
             raise UsageError(f"--step {step} given, but this is one step directory", storage.url)
-        _check_step(storage, findings, "")
+        _check_step(storage, findings, "", weights)
         return
     steps, tag, problem = ds.list_steps(storage)
     check_tag_file(findings, files, ds.LATEST, steps, tag, problem, "DeepSpeed's load_checkpoint",
@@ -69,11 +70,11 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
     if not chosen and step in (None, "all"):
         findings.error("no-steps", "no global_stepN directory holding model and optimizer states", file=".")
     for name in chosen:
-        _check_step(storage.child(name), findings, f"{name}/")
+        _check_step(storage.child(name), findings, f"{name}/", weights)
     findings.count("steps", len(chosen))
 
 
-def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
+def _check_step(storage: Storage, findings: Findings, prefix: str, weights: str) -> None:
     files = ds.scan_step(storage)
     if files.refused:
         refusal = ds._refusal(files, storage.url)
@@ -84,7 +85,7 @@ def _check_step(storage: Storage, findings: Findings, prefix: str) -> None:
         return  # the structure is checked over files that open
     try:
         # --weights module: the module tensors' claims are checked (at stage 3 it is refused: a usage error)
-        step, leaves, _ = opening.open_leaves(storage, given_read_options().get("weights", "fp32"))
+        step, leaves, _ = opening.open_leaves(storage, weights)
     except (PathEscapeError, UsageError):
         raise
     except NotFoundError as exc:  # a pipeline stage's (or the) model-states file
