@@ -238,7 +238,7 @@ def framework_pick(run: RunListing) -> Pick:
 
 
 def confirm_steps(run: RunListing, listing: RootListing) -> None:
-    """Where the layout has a commit rule that reads more than the listing (layout.confirm),
+    """Where the layout has a commit rule that reads more than the listing (its rules confirm),
     apply it to the newest committed step, and the next one down while one is not (a small read
     each): what the framework's resume and `ckpt latest` judge by."""
     rules = listing.rules(run.layout)
@@ -247,7 +247,7 @@ def confirm_steps(run: RunListing, listing: RootListing) -> None:
 
 
 def confirm_row(run: RunListing, row: StepRow) -> None:
-    """layout.confirm on one committed step (a small read): a step its writer's whole rule denies
+    """The layout's confirm rule on one committed step (a small read): a step its writer's whole rule denies
     is marked incomplete, with the reason."""
     rules = run.listing.rules(run.layout) if run.listing is not None else None
     if rules is None or not rules.confirms or run.listing is None or row.status != COMMITTED:
