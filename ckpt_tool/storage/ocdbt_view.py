@@ -10,6 +10,7 @@ opened (and imported) only for what else is asked of the view (issue 46: `ckpt i
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from ..bufferpool import POOL
@@ -18,7 +19,7 @@ from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
 from .ocdbt_node import LeafNode, Location, ManifestRoot, OcdbtNodeError, single_leaf_manifest
 from .kvstore_backend import RANGE_PIECE, KvstoreBackend, range_pieces
-from .remote import ocdbt_truncated_cause
+from .remote import ocdbt_truncated_cause, ocdbt_truncated_message
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -101,8 +102,11 @@ class OcdbtBackend(KvstoreBackend):
         short = f"B+tree node {where.path} [{where.offset}, +{where.length}) holds {{}} bytes"  # (as read_leaf says it)
         try:
             raw = self.base.read(where.path, slice(where.offset, where.offset + where.length))
-        except TruncatedFileError as exc:
-            raise OcdbtNodeError(short.format(max(0, exc.size - where.offset))) from None
+        except TruncatedFileError as exc:  # the file cut short, in the words tensorstore's read gets (remote.py)
+            local = self.base.local_root
+            raise TruncatedFileError(ocdbt_truncated_message(exc.size, where.offset + where.length),
+                                     os.path.join(local, where.path) if local else self.base.where(where.path),
+                                     size=exc.size, cause=ocdbt_truncated_cause(exc.size)) from None
         except NotFoundError:
             raise OcdbtNodeError(short.format(0)) from None
         node = LeafNode(raw, where, max_decoded=ocdbt_bulk.decoded_limit({"max_decoded_node_bytes": tree.max_decoded_node_bytes}))
