@@ -35,8 +35,10 @@ def test_no_module_outside_formats_names_a_format():
             continue
         # the torch.save machinery's pickle tables and writers name torch *modules* (("torch", "Size"),
         # Global("torch", "float32")), which the torch.save format's registry name happens to spell;
-        # no other literal there is a format
-        allowed = {"torch"} if rel.startswith("torchsave/") else set()
+        # no other literal there is a format. So does the console script's module, which asks
+        # whether the distributed libraries' packages (jax, torch) are loaded without importing
+        # distributed.py for their names
+        allowed = {"torch"} if rel.startswith("torchsave/") or rel == "cli/main.py" else set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names - allowed:
                 found.append(f"{rel}:{node.lineno}: {node.value!r}")
