@@ -181,8 +181,10 @@ def test_chunk_mb_caps_chunks(tmp_path):
 
 @pytest.mark.slow
 def test_existing_destination_refused_and_overwrite(tmp_path):
+    # (an empty directory made first is written into: tests/test_small_things.py)
     dst = tmp_path / "out"
-    dst.mkdir()
+    r = run_ckpt("convert", str(fixture_path("dcp_single")), str(dst), "--to", "orbax", "--skip-unsupported")
+    assert r.returncode == 0, r.stderr
     r = run_ckpt("convert", str(fixture_path("dcp_single")), str(dst), "--to", "orbax", "--skip-unsupported")
     assert r.returncode == 1 and "destination exists" in r.stderr
     r = run_ckpt("convert", str(fixture_path("dcp_single")), str(dst), "--to", "orbax", "--skip-unsupported", "--overwrite")
