@@ -326,3 +326,22 @@ def fake_hub():
     state["stop"].set()
     server.shutdown()
     server.server_close()
+
+
+def peak_rss_mib(*args: object) -> int:
+    """Peak RSS in MiB of `python -m ckpt_tool ARGS` in a process of its own, through fuzz_lib's
+    launcher (the child's own peak, not this process's high-water mark); the command must exit 0.
+
+    A bound on what a command holds for data compares two such peaks: the command on a large input
+    against the same command on a tiny one, so that what it imports (numpy, tensorstore, torch's
+    pickles' machinery, a writer) is in both and only what grows with the data is measured."""
+    import tempfile
+
+    import fuzz_lib
+
+    with tempfile.TemporaryDirectory() as scratch:
+        rss = Path(scratch) / "rss"
+        r = subprocess.run([sys.executable, "-c", fuzz_lib._LAUNCHER, str(rss), sys.executable, "-m", "ckpt_tool",
+                            *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, (args, r.stdout + r.stderr)
+        return int(rss.read_text()) // 1024
