@@ -55,7 +55,7 @@ typecheck: $(STAMP)
 #   slow    seconds or more each (whole ckpt processes, servers, large inputs)
 # `make test` (CI) runs every test: the parallel pass, then the serial one; both run
 # and either failing fails the target (a PYTEST_ARGS -k that selects no serial test is no failure).
-# `make check` is the edit loop's lane (under 2 minutes on 2 quiet cores): neither slow
+# `make check` is the edit loop's lane (about 3 minutes on 2 quiet cores: 3 min 6 s, 2,879 tests, 2026-12-06): neither slow
 # nor serial tests, in parallel. Extra pytest arguments: make check PYTEST_ARGS='-k dcp -x'
 TEST_JOBS ?= auto
 PYTEST_ARGS ?=
