@@ -63,9 +63,9 @@ from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-# On an object store a shard is assembled in memory and uploaded whole (tensorstore uploads a value in
-# one request; GCS compose and S3 multipart are not reachable through it), and the upload holds
-# copies of it: a 326 MiB shard written to gs:// peaked at 1.3 GiB. There the shards are cut at an
+# On an object store a shard is uploaded whole, from memory (tensorstore uploads a value in one
+# request; GCS compose and S3 multipart are not reachable through it), and the upload holds copies
+# of it: a 326 MiB shard written to gs:// peaked at 1.3 GiB. There the shards are cut at an
 # eighth of --memory (at least REMOTE_MIN_SHARD), whatever --max-shard-size asks: a set of more
 # shards loads the same (transformers, safetensors), memory no longer follows the checkpoint, and
 # the half of --memory that uploads may hold keeps four in flight.
