@@ -277,6 +277,15 @@ def mutate_bytes(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def hub_download_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a child process that downloads with huggingface_hub from fake_hub: its own
+    HF_HOME, no telemetry or progress bars, not offline."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
 @pytest.fixture
 def fake_hub():
     """A stand-in for the Hugging Face Hub on 127.0.0.1: the resolve endpoint (HEAD and GET of

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from ckpt_tool.cli.main import cli
 
-from conftest import FIXTURES
+from conftest import FIXTURES, hub_download_env
 
 
 def invoke(*args: str):
@@ -173,9 +173,7 @@ def _hf_download(hub: dict, local_dir: Path, files: list[str], tmp_path: Path, *
 
     code = ("import sys\nfrom huggingface_hub import hf_hub_download\n"
             "for f in sys.argv[3:]:\n    hf_hub_download('me/tiny', f, local_dir=sys.argv[2], endpoint=sys.argv[1])\n")
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
+    env = hub_download_env(tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", code, hub["url"], str(local_dir), *files], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if not kill_at_partial:

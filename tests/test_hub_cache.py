@@ -10,14 +10,13 @@ stand-in for the Hub, tests/conftest.py), the model by transformers (the committ
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, hub_download_env
 
 MODEL = FIXTURES / "safetensors_llama_sharded"
 FILES = ["config.json", "model.safetensors.index.json"] + [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)]
@@ -35,9 +34,7 @@ def snapshot(fake_hub, tmp_path) -> Path:
     cache = tmp_path / "hub"
     code = ("import sys\nfrom huggingface_hub import hf_hub_download\n"
             "for f in sys.argv[3:]:\n    print(hf_hub_download('me/tiny', f, cache_dir=sys.argv[2], endpoint=sys.argv[1]))\n")
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
+    env = hub_download_env(tmp_path)
     r = subprocess.run([sys.executable, "-c", code, fake_hub["url"], str(cache), *FILES], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
