@@ -272,13 +272,22 @@ def prepare_output(source: str, destination: str, *, overwrite: bool, shared_nam
 def _claim(out: RemoteOutput, owner: _OwnerObject) -> None:
     """Create the record if no one has; a race lost is one line naming the winner."""
     gen = owner.write_if(out.record, _no_value())
-    if gen is None:
+    for _ in range(3):
+        if gen is not None:
+            break
         data, held = owner.read()
-        record = parse_record(data) if data else None
+        if data is None:
+            # the record that beat ours is gone already: its run finished (or gave up) between our
+            # create and this read. Claim again; what that run left is judged once DST is ours
+            gen = owner.write_if(out.record, _no_value())
+            continue
+        record = parse_record(data)
         if record is None or record.run != out.run:
             raise _busy(out.destination, record)
         # ours after all: a retried create whose first attempt the store had applied (its answer lost)
         gen = held
+    if gen is None:  # records came and went three times over: a busy destination
+        raise _busy(out.destination, None)
     out.generation = gen
 
 

@@ -585,3 +585,46 @@ print("refreshed")
     r = subprocess.run([sys.executable, "-c", script], env=full, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "refreshed", r.stderr
     assert _gcs_keys(endpoint, prefix + "/") == []
+
+
+def test_a_lost_race_whose_winner_already_finished_claims_again_and_judges_what_it_left():
+    """The interleaving CI met: our create of the record fails because another run's record is
+    there, and by the time we read it that run has finished and removed it. That is not "another
+    run is starting to write": the claim is made again, and what the winner left is then judged
+    (here: nothing, so DST is ours)."""
+    from ckpt_tool.output_remote import RemoteOutput, _claim, _new_record, _no_value, _OwnerObject
+    from ckpt_tool.storage import Storage
+
+    bucket = "ckpt-commit-gone"
+    with moto_s3_serving(bucket, []) as env:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            dst = f"s3://{bucket}/p"
+            winner = _OwnerObject(Storage.create(dst))
+
+            class Racing(_OwnerObject):
+                raced = False
+
+                def write_if(self, data, generation):
+                    if self.raced:
+                        return super().write_if(data, generation)
+                    self.raced = True
+                    theirs = winner.write_if(b'{"run": "theirs"}', _no_value())  # the winner's create
+                    ours = super().write_if(data, generation)  # ... beats ours (412)
+                    assert ours is None and theirs is not None
+                    assert winner.write_if(None, theirs) is not None  # ... and it finishes
+                    return ours
+
+            out = RemoteOutput(dst, dst, None)
+            out.run, out.record = _new_record(dst, "dcp")
+            owner = Racing(Storage.create(dst))
+            _claim(out, owner)
+            assert out.generation is not None
+            assert owner.read() == (out.record, out.generation)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
