@@ -1,0 +1,180 @@
+"""Uploads to gs:// are checked against what GCS stored (issue 43 item 5: "crc32c for GCS").
+
+tensorstore's gcs driver uploads with no checksum (no `x-goog-hash`), so GCS stores whatever body
+reaches it. These tests put a TCP proxy between ckpt and the real fake-gcs-server that flips one
+byte in the body of a chosen upload, as a bad NIC or middlebox would: GCS then stores (and
+reports the crc32c of) bytes ckpt never sent. ckpt must say so in one line naming the object and
+both checksums, exit 1, and leave nothing that validates as complete. A clean run through the
+same proxy asks GCS for each uploaded object's crc32c once.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.parse
+import urllib.request
+from typing import Callable
+
+import pytest
+
+from conftest import fake_gcs_serving, fixture_path, gcs_create_bucket, run_ckpt
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "ckpt-checksums"
+SRC = str(fixture_path("dcp_single"))
+
+
+class CorruptingProxy:
+    """A TCP proxy on 127.0.0.1 in front of `target` (host:port) that flips the first body byte of
+    every HTTP request whose request line `corrupt` selects, and records every request line."""
+
+    def __init__(self, target: str, corrupt: Callable[[str], bool]) -> None:
+        host, port = target.split(":")
+        self.target = (host, int(port))
+        self.corrupt = corrupt
+        self.requests: list[str] = []
+        self.flipped: list[str] = []
+        self._lock = threading.Lock()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _requests(self, src: socket.socket, dst: socket.socket) -> None:
+        """Forward HTTP/1.1 requests one after another (headers, then Content-Length body bytes)."""
+        head, remaining, flip = b"", 0, False
+        try:
+            while data := src.recv(1 << 16):
+                while data:
+                    if remaining:
+                        piece, data = data[:remaining], data[remaining:]
+                        if flip:
+                            piece, flip = bytes([piece[0] ^ 0x01]) + piece[1:], False
+                        dst.sendall(piece)
+                        remaining -= len(piece)
+                        continue
+                    head += data
+                    data = b""
+                    if b"\r\n\r\n" not in head:
+                        break
+                    head, data = head.split(b"\r\n\r\n", 1)
+                    lines = head.decode("latin-1").split("\r\n")
+                    length = next((int(v) for k, _, v in (line.partition(":") for line in lines[1:])
+                                   if k.strip().lower() == "content-length"), 0)
+                    dst.sendall(head + b"\r\n\r\n")
+                    with self._lock:
+                        self.requests.append(lines[0])
+                        flip = length > 0 and self.corrupt(lines[0])
+                        if flip:
+                            self.flipped.append(lines[0])
+                    head, remaining = b"", length
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with fake_gcs_serving() as env:
+        gcs_create_bucket(env["CKPT_TEST_GCS"], BUCKET)
+        yield env
+
+
+def _keys(endpoint: str, prefix: str) -> list[str]:
+    q = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=60) as r:
+        return sorted(item["name"] for item in json.load(r).get("items", []))
+
+
+def _through(gcs: dict, proxy: CorruptingProxy) -> dict:
+    return {**gcs, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
+
+
+def _uploaded(request_line: str) -> str | None:
+    """The object name of an upload request line (tensorstore's `uploadType=media` POST), else None."""
+    method, target, _ = request_line.split(" ", 2)
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+    if method != "POST" or query.get("uploadType") != ["media"]:
+        return None
+    return query["name"][0]
+
+
+def _upload_of(suffix: str) -> Callable[[str], bool]:
+    return lambda line: (_uploaded(line) or "").endswith(suffix)
+
+
+def test_a_clean_upload_to_gs_is_checked_against_the_crc32c_gcs_stored(gcs):
+    proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, lambda line: False)
+    try:
+        dst = f"gs://{BUCKET}/clean/dcp"
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env=_through(gcs, proxy))
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == ""
+        uploads = [n for n in map(_uploaded, proxy.requests) if n is not None]
+        # every object ckpt uploaded from its own bytes (all but the owner record, whose JSON is
+        # parsed where it is read) had its crc32c and size asked for, once, after its upload
+        data = [n for n in uploads if not n.endswith("/.ckpt-owner.json")]
+        assert "clean/dcp/.metadata" in data and len(data) >= 2, uploads
+        for name in data:
+            asked = [i for i, line in enumerate(proxy.requests)
+                     if line.startswith(f"GET /storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?")
+                     and "fields=crc32c" in line]
+            upload = max(i for i, line in enumerate(proxy.requests) if _uploaded(line) == name)
+            assert len(asked) == 1 and asked[0] > upload, (name, asked, upload)
+    finally:
+        proxy.close()
+    assert run_ckpt("validate", dst, env=gcs).returncode == 0
+
+
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata"], ids=["data-file", "commit-marker"])
+def test_an_upload_corrupted_on_the_way_to_gs_is_one_line_and_nothing_commits(gcs, victim):
+    proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, _upload_of(f"/{victim}"))
+    prefix = f"corrupt-{'marker' if victim == '.metadata' else 'data'}/dcp"
+    dst = f"gs://{BUCKET}/{prefix}"
+    try:
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env=_through(gcs, proxy))
+    finally:
+        proxy.close()
+    assert proxy.flipped, proxy.requests  # the proxy did damage the upload
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"ckpt: error: {dst}/{victim}: upload corrupted: GCS stored crc32c "), lines[0]
+    assert ", ckpt sent crc32c " in lines[0], lines[0]
+    # nothing commits: no DCP metadata is left, and what is there does not validate
+    keys = _keys(gcs["CKPT_TEST_GCS"], f"{prefix}/")
+    assert f"{prefix}/.metadata" not in keys, keys
+    assert run_ckpt("validate", dst, env=gcs).returncode != 0
