@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -17,10 +18,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
-MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
-ORBAX_FIXTURES = [f["name"] for f in MANIFEST if f["format"] == "orbax"]
-DCP_FIXTURES = [f["name"] for f in MANIFEST if f["format"] == "dcp"]
-ALL_FIXTURES = [f["name"] for f in MANIFEST]
+CONFORMANCE = Path(__file__).resolve().parent / "conformance"
+
+# The one fixture catalogue is the conformance suite's (tests/conformance/formats/<format>.py, loaded
+# by catalogue.py): every committed fixture, its format and its writer's view of it. Tests that run
+# over a sample of the fixtures (inspect's JSON contract, a diff of a copy, a convert of each Orbax and
+# DCP layout) take the fixtures whose entry has facts (rows.Entry.facts: how the writer made it):
+# SAMPLE_FIXTURES, its Orbax and DCP members ORBAX_FIXTURES and DCP_FIXTURES, and fixture_info(name).
+# They are read on first use (module __getattr__): catalogue.py imports this module for FIXTURES.
+_SAMPLE_NAMES = {"SAMPLE_FIXTURES": None, "ORBAX_FIXTURES": "orbax", "DCP_FIXTURES": "dcp"}
+
+
+@functools.cache
+def _sample() -> dict[str, dict]:
+    if str(CONFORMANCE) not in sys.path:
+        sys.path.insert(0, str(CONFORMANCE))
+    import catalogue
+
+    return catalogue.sample()
+
+
+def __getattr__(name: str) -> list[str]:
+    if name not in _SAMPLE_NAMES:
+        raise AttributeError(name)
+    fmt = _SAMPLE_NAMES[name]
+    return [n for n, f in _sample().items() if fmt is None or f["format"] == fmt]
 
 
 # test files whose tests xdist hands out one by one: their module-scoped fixtures are
@@ -48,7 +70,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - a
 
 
 def fixture_info(name: str) -> dict:
-    return next(f for f in MANIFEST if f["name"] == name)
+    """A sample fixture's facts (its catalogue entry's, with its name and format)."""
+    return _sample()[name]
 
 
 def fixture_path(name: str) -> Path:

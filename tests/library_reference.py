@@ -402,11 +402,5 @@ def dcp_values(path) -> dict[KeyPath, Any]:
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
 
-def fixture_manifest() -> list[dict]:
-    """The entries of fixtures/manifest.json (name, format, ...)."""
-    with open(os.path.join(FIXTURES_DIR, "manifest.json")) as f:
-        return json.load(f)["fixtures"]
-
-
 def fixture_path(name: str) -> str:
     return os.path.join(FIXTURES_DIR, name)

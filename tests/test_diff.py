@@ -17,10 +17,10 @@ from ckpt_tool.cli.main import _run, cli
 from ckpt_tool.diff import diff_checkpoints
 from ckpt_tool.structure import MAX_DOCUMENT_BYTES, is_inspect_json_file, load_structure
 
-from conftest import ALL_FIXTURES, ROOT, fixture_path, run_ckpt
+from conftest import ROOT, SAMPLE_FIXTURES, fixture_path, run_ckpt
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES)
+@pytest.mark.parametrize("name", SAMPLE_FIXTURES)
 def test_copy_has_no_difference(name, tmp_path):
     dst = tmp_path / name
     shutil.copytree(fixture_path(name), dst)
@@ -93,7 +93,7 @@ def _run_cli(*args: str):
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("name", ALL_FIXTURES)
+@pytest.mark.parametrize("name", SAMPLE_FIXTURES)
 def test_inspect_json_round_trip_matches(name, tmp_path):
     doc = _inspect_json(fixture_path(name))
     expected = _write(tmp_path, doc)
@@ -358,7 +358,7 @@ def test_diff_against_json_imports_neither_jax_nor_torch(tmp_path):
     # one process for every fixture, both ways round; _run (not main) returns
     # instead of ending the process, so the module check below does run
     cases = []
-    for name in ALL_FIXTURES:
+    for name in SAMPLE_FIXTURES:
         expected = _write(tmp_path, _inspect_json(fixture_path(name)), f"{name}.json")
         cases += [[str(fixture_path(name)), expected], [expected, str(fixture_path(name)), "--layout"]]
     code = (

@@ -1,4 +1,4 @@
-"""Smoke tests: the library-reference helpers work on every committed fixture.
+"""Smoke tests: the library-reference helpers work on the sample fixtures (conftest.SAMPLE_FIXTURES).
 
 These need jax / orbax-checkpoint / torch (the [test] extra); they are skipped
 where those are missing.
@@ -12,31 +12,32 @@ import os
 import numpy as np
 import pytest
 
+from conftest import SAMPLE_FIXTURES, fixture_info
 from library_reference import (
     dcp_chunks,
     dcp_keys,
     dcp_reference,
     dcp_storage,
     dcp_values,
-    fixture_manifest,
     fixture_path,
     orbax_manager_reference,
     orbax_reference,
     orbax_values,
 )
 
-MANIFEST = fixture_manifest()
-ORBAX = [f for f in MANIFEST if f["format"] == "orbax"]
-DCP = [f for f in MANIFEST if f["format"] == "dcp"]
+# the sample of the fixture catalogue (conftest.SAMPLE_FIXTURES), with each one's facts
+SAMPLE = [fixture_info(name) for name in SAMPLE_FIXTURES]
+ORBAX = [f for f in SAMPLE if f["format"] == "orbax"]
+DCP = [f for f in SAMPLE if f["format"] == "dcp"]
 
 
 def _ids(entries):
     return [e["name"] for e in entries]
 
 
-def test_manifest_lists_existing_fixtures():
-    assert {f["format"] for f in MANIFEST} == {"orbax", "dcp"}
-    for f in MANIFEST:
+def test_the_sample_lists_existing_fixtures():
+    assert {f["format"] for f in SAMPLE} == {"orbax", "dcp"}
+    for f in SAMPLE:
         assert os.path.isdir(fixture_path(f["name"])), f["name"]
 
 

@@ -1,5 +1,7 @@
 """The conformance suite's catalogue: every committed real-writer fixture, its format, and how to
-ask the writing library what it holds; per format, how each damage class is made.
+ask the writing library what it holds; per format, how each damage class is made. It is the one
+list of fixtures: the tests that run over a sample of them (conftest's SAMPLE_FIXTURES) take the
+entries that carry facts (`sample()`).
 
 Each format's rows live in its own file, tests/conformance/formats/<package>.py (rows.py says
 what one holds), found by `load()`: this module names no format. The suite
@@ -139,6 +141,17 @@ ENTRIES: list[Entry] = CATALOGUE.entries
 RUN_ROOTS = {"runs_hf_trainer", "runs_nemo2", "runs_orbax", "runs_torchtitan", "runs_verl"}
 # directories under fixtures/ that are not checkpoints (a format's references, files it refuses; run roots)
 NOT_CHECKPOINTS = CATALOGUE.not_checkpoints | RUN_ROOTS
+
+
+def sample(entries: Iterable[Entry] = ()) -> dict[str, dict]:
+    """{fixture: its facts, with its name and format}: the fixtures whose entry has facts (Entry.facts),
+    each once (a manager's steps share its facts), in catalogue order. The tests that run over a sample
+    of the fixtures (conftest's SAMPLE_FIXTURES, ORBAX_FIXTURES, DCP_FIXTURES, fixture_info) read this."""
+    out: dict[str, dict] = {}
+    for e in entries or ENTRIES:
+        if e.facts and e.top not in out:
+            out[e.top] = {"name": e.top, "format": e.format, **e.facts}
+    return out
 
 
 def fixture_dirs(root: Path = FIXTURES) -> list[str]:

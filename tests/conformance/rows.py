@@ -4,7 +4,8 @@ A format's file is discovered by catalogue.py (every `*.py` under formats/): the
 message tests and the fuzzing suite read its rows from there, and nothing else in tests/ lists them.
 Its module-level names, all optional but ENTRIES and DAMAGE:
 
-  ENTRIES: list[Entry]           its committed fixtures and the writing library's view of each
+  ENTRIES: list[Entry]           its committed fixtures and the writing library's view of each (the
+                                 one list of fixtures: conftest's SAMPLE_FIXTURES are read from it)
   DAMAGE: list[Damage]           per damage class, the file it hits and the finding it must give
   NOT_APPLICABLE: {format: {damage class: why}}   classes its checkpoints cannot suffer
   HOW: {name: damage function}   damage operators its rows name that only its files take
@@ -18,9 +19,9 @@ This module imports nothing of the suite, so that a format's file may import it 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from conftest import FIXTURES
 
@@ -38,6 +39,10 @@ class Entry:
     # the library restores no leaf for None and empty containers (jax's tree flattening): ckpt's
     # leaves holding one are not compared
     drops_empty: bool = False
+    # what its writer made, for the tests that run over a sample of the catalogue (conftest's
+    # SAMPLE_FIXTURES: the fixtures whose entry has facts): the writing call, the layout, the
+    # process count, a manager's steps and item directories, a DCP save's data files
+    facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def id(self) -> str:

@@ -60,8 +60,14 @@ LIVE = {"reference": dcp_live, "values": dcp_live_values}
 
 ENTRIES: list[Entry] = [
     # torch 2.13 DCP: read live with torch
-    Entry("dcp_single", "dcp", **LIVE),
-    Entry("dcp_multirank", "dcp", **LIVE),
+    # fixtures/generate.py's (Entry.facts: in the sample the CLI-wide tests run over)
+    Entry("dcp_single", "dcp", **LIVE, facts={
+        "writer": "torch.distributed.checkpoint.save(state_dict, checkpoint_id=path) (no process group)",
+        "processes": 1, "files": ["__0_0.distcp"]}),
+    Entry("dcp_multirank", "dcp", **LIVE, facts={
+        "writer": "2 ranks (gloo, tcp://127.0.0.1), DTensor on DeviceMesh; "
+                  "torch.distributed.checkpoint.save(state_dict, checkpoint_id=path) on both",
+        "processes": 2, "files": ["__0_0.distcp", "__1_0.distcp"]}),
     Entry("dcp_fsdp2_adam", "dcp", **LIVE),
     Entry("dcp_conj", "dcp", **LIVE, refused_by=(("safetensors", "complex128 has no safetensors equivalent"),)),
     *[Entry(n, "dcp", **LIVE) for n in

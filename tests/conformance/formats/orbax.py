@@ -88,14 +88,35 @@ def orbax_recorded_values(path: Path, step: str | None = None) -> dict:
 LIVE = {"reference": orbax_live, "values": orbax_live_values, "drops_empty": True}
 RECORDED = {"reference": orbax_recorded, "values": orbax_recorded_values}
 
+# what fixtures/generate.py's orbax saves hold (Entry.facts): the sample the CLI-wide tests run over
+MANAGER = {
+    "kind": "manager",
+    "writer": "ocp.CheckpointManager(root, item_names=('state','config'), metadata=...).save(step, "
+              "args=ocp.args.Composite(state=ocp.args.StandardSave(...), config=ocp.args.JsonSave(...)))",
+    "layout": "ocdbt", "zarr": 2, "processes": 1, "strings": False,
+    "steps": [1, 2], "incomplete_steps": [3], "incomplete_dirs": ["3.orbax-checkpoint-tmp"],
+    "items": {"state": "pytree", "config": "json"}, "item_dirs": ["1/state", "2/state"],
+}
+
 ENTRIES: list[Entry] = [
     # orbax-checkpoint 0.12.8 (fixtures/generate.py): read live with the installed orbax
-    Entry("orbax_ocdbt_zarr2", "orbax", **LIVE),
-    Entry("orbax_ocdbt_zarr3", "orbax", **LIVE),
-    Entry("orbax_plain_zarr2", "orbax", **LIVE),
-    Entry("orbax_two_process", "orbax", **LIVE),
-    Entry("orbax_manager", "orbax", **LIVE, step="1"),
-    Entry("orbax_manager", "orbax", **LIVE, step="2"),
+    Entry("orbax_ocdbt_zarr2", "orbax", **LIVE, facts={
+        "writer": "ocp.StandardCheckpointer().save(path, tree)",
+        "layout": "ocdbt", "zarr": 2, "processes": 1, "strings": False}),
+    Entry("orbax_ocdbt_zarr3", "orbax", **LIVE, facts={
+        "writer": "ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True))"
+                  ".save(path, args=ocp.args.PyTreeSave(tree))",
+        "layout": "ocdbt", "zarr": 3, "processes": 1, "strings": True}),
+    Entry("orbax_plain_zarr2", "orbax", **LIVE, facts={
+        "writer": "ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))"
+                  ".save(path, args=ocp.args.PyTreeSave(tree))",
+        "layout": "plain", "zarr": 2, "processes": 1, "strings": True}),
+    Entry("orbax_two_process", "orbax", **LIVE, facts={
+        "writer": "2 processes (jax.distributed, gloo), global 2x4 mesh; "
+                  "ocp.StandardCheckpointer().save(path, tree) on both",
+        "layout": "ocdbt", "zarr": 2, "processes": 2, "strings": False}),
+    Entry("orbax_manager", "orbax", **LIVE, step="1", facts=MANAGER),
+    Entry("orbax_manager", "orbax", **LIVE, step="2", facts=MANAGER),
     # orbax 0.5 / 0.9 / 0.11 (gen_orbax_versions.py): their own restore, recorded
     *[Entry(f"{fam}/{save}", "orbax", **RECORDED)
       for fam in ("orbax_v0_5", "orbax_v0_9", "orbax_v0_11")
