@@ -10,8 +10,9 @@ disk is what tensorstore's zarr driver writes for orbax:
   with zeros, as tensorstore pads it), one zstd frame at orbax's level 1;
 - zarr v3 (orbax's one-chunk shards): the chunk's bytes as one zstd frame at
   level 3, then the shard index (offset, length as uint64le) and its CRC-32C;
-- the zarr metadata (`.zarray` / `zarr.json`) and 0-d values are made by
-  tensorstore itself, in memory, and copied: byte for byte what it writes.
+- the zarr metadata (`.zarray` / `zarr.json`) is what tensorstore writes for
+  each array, byte for byte (zarr_metadata.py asks it once per kind of array),
+  and 0-d values are written by tensorstore itself, in memory, and copied.
 
 tests/test_orbax_direct.py reads every output back through tensorstore and
 orbax, and compares it with the tensorstore-written one.
@@ -39,6 +40,7 @@ from ...model import Region
 from ...storage import Storage, ts_error_text
 from ...storage.ocdbt_encode import Config, DataFile, NodeRef
 from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database_over
+from . import zarr_metadata
 
 # orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
 ZARR2_LEVEL = 1
@@ -64,17 +66,8 @@ def wanted_here() -> bool:
 
 def encoding_for(name: str, spec: dict[str, Any], zarr3: bool) -> stored_chunks.Encoding | None:
     """How chunks of the array `spec` (a tensorstore spec without kvstore) are stored: from the
-    metadata tensorstore writes for it, in memory, as ProcessDatabase learns it."""
-    context = ts.Context()
-    try:
-        ts.open({**spec, "kvstore": {"driver": "memory", "path": name + "/"}}, create=True, context=context).result()
-        kv = ts.KvStore.open({"driver": "memory", "path": name + "/"}, context=context).result()
-        got = kv.read(b"zarr.json" if zarr3 else b".zarray").result()
-    except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
-        raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", name) from exc
-    if got.state != "value":
-        raise CkptError("tensorstore wrote no metadata for the array", name)
-    return stored_chunks.encoding_of(json.loads(bytes(got.value)), zarr3)
+    metadata tensorstore writes for it (zarr_metadata.py), as ProcessDatabase learns it."""
+    return stored_chunks.encoding_of(json.loads(zarr_metadata.metadata({name: spec}, zarr3)[name]), zarr3)
 
 
 def config(ocdbt_config: dict[str, Any]) -> Config:
@@ -128,11 +121,13 @@ class ProcessDatabase:
     # -- what tensorstore makes: metadata and 0-d values -------------------------------------------
 
     def add_metadata(self, specs: dict[str, dict[str, Any]], where: str, *, put: bool = True) -> None:
-        """Create every array (name -> tensorstore spec without kvstore) in memory and put the
-        metadata tensorstore wrote for it (put=False: only learn each array's encoding)."""
+        """Put the metadata tensorstore writes for every array (name -> tensorstore spec without
+        kvstore) (put=False: only learn each array's encoding). 0-d arrays are also created in
+        memory, where write_scalar has tensorstore write their one chunk."""
         self._memory = ts.Context()
+        scalars = {name: spec for name, spec in specs.items() if not spec["metadata"].get("shape")}
         futures = {}
-        for name, spec in specs.items():
+        for name, spec in scalars.items():
             mem = {**spec, "kvstore": {"driver": "memory", "path": name + "/"}}
             self._meta[name] = mem
             futures[name] = ts.open(mem, create=True, context=self._memory)
@@ -142,6 +137,12 @@ class ProcessDatabase:
         except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
             raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", where) from exc
         self._copy_memory_keys(where, put=put)
+        arrays = {name: spec for name, spec in specs.items() if name not in scalars}
+        key = zarr_metadata.metadata_key(self.zarr3)
+        for name, data in (zarr_metadata.metadata(arrays, self.zarr3) if arrays else {}).items():
+            self._encodings[name] = stored_chunks.encoding_of(json.loads(data), self.zarr3)
+            if put:
+                self.db.put(f"{name}/{key}".encode("utf-8", "surrogateescape"), data)
 
     def write_scalar(self, name: str, value: np.ndarray, where: str) -> None:
         """A 0-d value, written by tensorstore in memory and copied."""
