@@ -178,3 +178,123 @@ def test_an_upload_corrupted_on_the_way_to_gs_is_one_line_and_nothing_commits(gc
     keys = _keys(gcs["CKPT_TEST_GCS"], f"{prefix}/")
     assert f"{prefix}/.metadata" not in keys, keys
     assert run_ckpt("validate", dst, env=gcs).returncode != 0
+
+
+def test_a_refused_checksum_request_is_one_line_and_nothing_commits(gcs):
+    """A token that may upload but not read an object's metadata: the upload cannot be verified,
+    which fails the run (one line), never passes as verified."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, lambda line: False)
+
+    class Front(BaseHTTPRequestHandler):
+        """Refuses the checksum request with 403; forwards everything else to the proxy."""
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _handle(self) -> None:
+            import http.client
+
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            if "fields=crc32c" in self.path:
+                status, headers, data = 403, [("Content-Type", "application/json")], b'{"error": {"code": 403}}'
+            else:
+                conn = http.client.HTTPConnection(urllib.parse.urlsplit(proxy.url).netloc, timeout=60)
+                conn.request(self.command, self.path, body=body,
+                             headers={k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
+                resp = conn.getresponse()
+                status, headers, data = resp.status, resp.getheaders(), resp.read()
+                conn.close()
+            self.send_response(status)
+            for k, v in headers:
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Front)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dst = f"gs://{BUCKET}/refused/dcp"
+    try:
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp",
+                     env={**gcs, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{server.server_address[1]}"})
+    finally:
+        server.shutdown()
+        server.server_close()
+        proxy.close()
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"ckpt: error: {dst}/") and lines[0].endswith(
+        ": cannot verify the upload: access denied (HTTP 403) reading its metadata"), lines[0]
+    assert "refused/dcp/.metadata" not in _keys(gcs["CKPT_TEST_GCS"], "refused/dcp/")
+
+
+def test_the_vm_metadata_server_token_is_used_as_tensorstore_uses_it(monkeypatch, tmp_path):
+    """On a TPU or GCE VM with no credentials file, the check's token comes from the metadata
+    server, as tensorstore's does (GCE_METADATA_ROOT points at a stand-in here)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ckpt_tool.storage import gcs_verify
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Metadata(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Metadata-Flavor")))
+            data = json.dumps({"access_token": "vm-token", "expires_in": 1800, "token_type": "Bearer"}).encode()
+            ok = self.path == "/computeMetadata/v1/instance/service-accounts/default/token" \
+                and self.headers.get("Metadata-Flavor") == "Google"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # no gcloud application-default credentials
+    monkeypatch.setenv("GCE_METADATA_ROOT", f"127.0.0.1:{server.server_address[1]}")
+    try:
+        assert gcs_verify._find_token() == ("vm-token", 1800.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("/computeMetadata/v1/instance/service-accounts/default/token", "Google")]
+
+
+def test_a_service_account_key_signs_its_token_request(tmp_path):
+    """A service-account key file (GOOGLE_APPLICATION_CREDENTIALS): the JWT assertion the token
+    request carries is signed RS256 by that key, for the cloud-platform scope."""
+    import base64
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+    from ckpt_tool.storage import gcs_verify
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption()).decode()
+    doc = {"type": "service_account", "client_email": "ckpt@project.iam.gserviceaccount.com", "private_key": pem}
+    header, claims, signature = gcs_verify._signed_assertion(doc, str(tmp_path / "sa.json")).split(".")
+
+    def unb64(part: str) -> bytes:
+        return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+
+    key.public_key().verify(unb64(signature), f"{header}.{claims}".encode(), padding.PKCS1v15(), hashes.SHA256())
+    assert json.loads(unb64(header)) == {"alg": "RS256", "typ": "JWT"}
+    body = json.loads(unb64(claims))
+    assert body["iss"] == doc["client_email"] and body["scope"] == "https://www.googleapis.com/auth/cloud-platform"
+    assert body["aud"] == "https://www.googleapis.com/oauth2/v4/token" and body["exp"] - body["iat"] == 3600
