@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
@@ -94,8 +95,6 @@ def copy_fixture(tmp_path):
 def ckpt(capsys):
     """`ckpt ARGS...` in this process, through the CLI's own error handling: an object with
     returncode, stdout and stderr, like run_ckpt's (without a process start per call)."""
-    from types import SimpleNamespace
-
     from ckpt_tool.cli.main import _run
 
     def run(*args: str) -> SimpleNamespace:
@@ -377,3 +376,129 @@ def peak_rss_mib(*args: object) -> int:
                             *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert r.returncode == 0, (args, r.stdout + r.stderr)
         return int(rss.read_text()) // 1024
+
+
+# -- stand-ins and setups that several test files share ------------------------------------------
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str, hold_s: float) -> SimpleNamespace:
+    """Replace module.NAME by a stand-in that records each call and how many ran at once, then calls
+    the real one. Each call is held `hold_s` seconds first, so that calls made concurrently overlap.
+    Returns calls (a list of (str(first argument), keyword arguments)) and peak (most at once)."""
+    import threading
+
+    real = getattr(module, name)
+    seen = SimpleNamespace(calls=[], peak=0)
+    active = [0]
+    lock = threading.Lock()
+
+    def counting(path, **kw):  # noqa: ANN001, ANN202 - whatever the real one takes and returns
+        with lock:
+            active[0] += 1
+            seen.peak = max(seen.peak, active[0])
+            seen.calls.append((str(path), kw))
+        try:
+            time.sleep(hold_s)
+            return real(path, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(module, name, counting)
+    return seen
+
+
+def without_read_override() -> tuple[str, ...]:
+    """A command prefix under which file permissions apply (root reads a mode-000 file otherwise)."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    # root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH: the mode bits decide, as for any user
+    prefix = (setpriv, "--bounding-set=-dac_override,-dac_read_search")
+    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv cannot drop capabilities here (no CAP_SETPCAP)")
+    return prefix
+
+
+@contextlib.contextmanager
+def unreadable(path: Path) -> Iterator[tuple[str, ...]]:
+    """`path` at mode 000 for the block (readable again after it, so that tmp_path can be removed);
+    yields the command prefix under which a process is refused it (without_read_override)."""
+    prefix = without_read_override()
+    path.chmod(0)
+    try:
+        yield prefix
+    finally:
+        path.chmod(0o644)
+
+
+def modules_loaded_after(argv: list[str], *, to_pipe: bool = False) -> list[str]:
+    """The modules a fresh process has loaded after the CLI ran `argv` (which must exit 0), through
+    cli.main._run (main ends a read-only command with os._exit before anything after it could run).
+    Its output goes to a StringIO, or with to_pipe to a pipe (plain text, not a terminal), where it must
+    write something."""
+    if to_pipe:
+        code = f"import sys, ckpt_tool.cli.main as m\ncode = m._run({argv!r})\n"
+    else:
+        code = ("import io, sys, contextlib, ckpt_tool.cli.main as m\n"
+                "with contextlib.redirect_stdout(io.StringIO()):\n"
+                f"    code = m._run({argv!r})\n")
+    code += "sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + ' CODE ' + str(code) + '\\n')\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stderr.rstrip().splitlines()[-1]
+    assert line.startswith("MODULES ") and line.endswith(" CODE 0"), (r.stdout[-500:], r.stderr[-2000:])
+    if to_pipe:
+        assert r.stdout.strip(), "no output"
+    return line.split()[1:-2]
+
+
+def empty_dst_filled_meanwhile(tmp_path: Path) -> tuple[Path, object]:
+    """An empty destination directory tmp_path/out (as people make one first), and a progress callback
+    for a convert into it that writes out/notes.txt at its first call: something that appeared in DST
+    while the run wrote, which must never be lost."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+
+    def progress(what: str, done: int, total: int) -> None:
+        if not (dst / "notes.txt").exists():
+            (dst / "notes.txt").write_text("written while the convert ran\n")
+
+    return dst, progress
+
+
+# what a convert leaves in its temporary output (beside DST) to say which process writes it
+OWNER_RECORD = ".ckpt-owner.json"
+
+
+@pytest.fixture(scope="module")
+def big_safetensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 MiB in 16 tensors (the safetensors library's own writer): a convert of it in small chunks
+    runs long enough to be stopped or killed part way (convert_until_owner_record)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({f"w{i}": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(16)}, str(path))
+    return path
+
+
+def convert_until_owner_record(src: Path, dst: Path) -> tuple[subprocess.Popen, Path | None]:
+    """A real `ckpt convert SRC DST --to dcp` (0.01 MiB chunks, one worker), returned as soon as its
+    temporary output beside DST holds its owner record: (the process, that temporary), or (the process,
+    None) when it ended first or did not get there within a minute."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(dst), "--to", "dcp", "--chunk-mb", "0.01",
+         "--workers", "1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = [p for p in dst.parent.glob(f".{dst.name}.ckpt-tmp-*") if (p / OWNER_RECORD).exists()]
+        if found:
+            return proc, found[0]
+        time.sleep(0.005)
+    return proc, None

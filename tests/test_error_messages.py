@@ -23,7 +23,7 @@ import pytest
 
 import ckpt_tool
 from ckpt_tool import formats
-from conftest import FIXTURES
+from conftest import FIXTURES, unreadable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))  # each format's rows: the catalogue
 import catalogue as C  # noqa: E402
@@ -62,30 +62,12 @@ def one_line(r: subprocess.CompletedProcess) -> str:
 # -- a data file the OS will not let us read ---------------------------------------------
 
 
-def _without_read_override() -> tuple[str, ...]:
-    """A command prefix under which file permissions apply (root reads a mode-000 file otherwise)."""
-    if os.geteuid() != 0:
-        return ()
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("running as root without setpriv: cannot make a file unreadable")
-    # root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH: the mode bits decide, as for any user
-    prefix = (setpriv, "--bounding-set=-dac_override,-dac_read_search")
-    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
-        pytest.skip("setpriv cannot drop capabilities here (no CAP_SETPCAP)")
-    return prefix
-
-
 @pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
 def test_unreadable_distcp_is_one_finding_with_the_os_reason(tmp_path, deep):
     ckpt_dir = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp_multirank", ckpt_dir)
-    prefix = _without_read_override()
-    (ckpt_dir / "__0_0.distcp").chmod(0)
-    try:
+    with unreadable(ckpt_dir / "__0_0.distcp") as prefix:
         r = ckpt("validate", str(ckpt_dir), "--json", *(["--deep"] if deep else []), prefix=prefix)
-    finally:
-        (ckpt_dir / "__0_0.distcp").chmod(0o644)
     assert r.returncode == 1, r.stderr
     findings = json.loads(r.stdout)["findings"]
     about_it = [f for f in findings if f["file"] == "__0_0.distcp"]
@@ -100,12 +82,8 @@ def test_unreadable_distcp_only_that_file(tmp_path):
     """The readable rank's file is not reported; shallow validate names the one file."""
     ckpt_dir = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp_multirank", ckpt_dir)
-    prefix = _without_read_override()
-    (ckpt_dir / "__1_0.distcp").chmod(0)
-    try:
+    with unreadable(ckpt_dir / "__1_0.distcp") as prefix:
         r = ckpt("validate", str(ckpt_dir), prefix=prefix)
-    finally:
-        (ckpt_dir / "__1_0.distcp").chmod(0o644)
     assert r.returncode == 1
     errors = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("error ")]
     assert len(errors) == 1 and errors[0].endswith("__1_0.distcp"), r.stdout

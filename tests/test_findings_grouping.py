@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool
-from conftest import FIXTURES
-from test_error_messages import _without_read_override as without_read_override
+from conftest import FIXTURES, unreadable
 
 CODE_ROOT = Path(ckpt_tool.__file__).resolve().parent.parent
 
@@ -124,16 +123,12 @@ def test_truncated_orbax_data_file_is_one_finding_with_its_leaves(orbax_sharded,
 
 @pytest.mark.slow
 def test_unreadable_orbax_data_file_is_one_unreadable_file_finding(orbax_sharded, tmp_path):
-    prefix = without_read_override()
     source, shared = orbax_sharded
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(source, ckpt_dir)
     data = ckpt_dir / "ocdbt.process_0" / "d" / shared
-    data.chmod(0)
-    try:
+    with unreadable(data) as prefix:
         r = ckpt("validate", "--deep", "--json", str(ckpt_dir), prefix=prefix)
-    finally:
-        data.chmod(0o644)
     assert r.returncode == 1, r.stderr
     errors = _errors(json.loads(r.stdout)["findings"])
     assert len(errors) == 1, errors
@@ -154,16 +149,11 @@ def _leaves_in(ckpt_dir: Path, file: str) -> set[str]:
 
 @pytest.mark.slow
 def test_unreadable_distcp_is_one_unreadable_file_finding_with_every_leaf(tmp_path):
-    prefix = without_read_override()
     ckpt_dir = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp_single", ckpt_dir)
-    data = ckpt_dir / "__0_0.distcp"
-    data.chmod(0)
-    try:
+    with unreadable(ckpt_dir / "__0_0.distcp") as prefix:
         r = ckpt("validate", "--deep", "--json", str(ckpt_dir), prefix=prefix)
         text = ckpt("validate", "--deep", str(ckpt_dir), prefix=prefix)
-    finally:
-        data.chmod(0o644)
     assert r.returncode == 1, r.stderr
     errors = _errors(json.loads(r.stdout)["findings"])
     assert len(errors) == 1, errors  # was: the file's finding and one more per leaf (48 lines)
@@ -178,10 +168,8 @@ def test_unreadable_file_is_not_called_missing_in_process(tmp_path):
     """The error the storage layer raises for a file that is there but refused (EACCES from the
     OS, for an unprivileged process) is its own class; validate's shallow DCP check says
     unreadable-file. Run in a child without the read override, as above."""
-    prefix = without_read_override()
     ckpt_dir = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp_multirank", ckpt_dir)
-    (ckpt_dir / "__1_0.distcp").chmod(0)
     code = f"""
 from ckpt_tool.storage import Storage
 from ckpt_tool.errors import UnreadableFileError
@@ -190,11 +178,9 @@ try:
 except UnreadableFileError as exc:
     print("unreadable:", exc.message)
 """
-    try:
+    with unreadable(ckpt_dir / "__1_0.distcp") as prefix:
         r = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, cwd=CODE_ROOT,
                            timeout=120)
-    finally:
-        (ckpt_dir / "__1_0.distcp").chmod(0o644)
     assert r.stdout.strip() == "unreadable: cannot read: Permission denied", (r.stdout, r.stderr)
 
 

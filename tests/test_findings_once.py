@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from ckpt_tool.cli.main import cli
 
-from conftest import FIXTURES, hub_download_env
+from conftest import FIXTURES, hub_download_env, unreadable
 
 
 def invoke(*args: str):
@@ -261,19 +261,12 @@ def _leaves_in(ckpt_dir: Path, file: str) -> set[str]:
 def test_unreadable_data_file_makes_inspect_say_incomplete(tmp_path, fixture):
     """A mode-000 `.distcp` (torch DCP; Megatron-Core's torch_dist saves through it): inspect said
     `committed` while validate said unreadable-file. It opens each data file (reading nothing)."""
-    from test_error_messages import _without_read_override
-
-    prefix = _without_read_override()  # root reads a mode-000 file otherwise
     root = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / fixture, root)
-    data = root / "__0_0.distcp"
-    data.chmod(0)
-    try:
+    with unreadable(root / "__0_0.distcp") as prefix:  # (the prefix: root reads a mode-000 file otherwise)
         text = _ckpt("inspect", str(root), prefix=prefix)
         doc = _ckpt("inspect", "--json", str(root), prefix=prefix)
         valid = _ckpt("validate", "--json", str(root), prefix=prefix)
-    finally:
-        data.chmod(0o644)
     assert text.returncode == 0, text.stderr  # as for a missing file: inspect describes what is there
     (status,) = [line for line in text.stdout.splitlines() if line.strip().startswith("status")]
     assert "incomplete: 1 data file unreadable (" in status, text.stdout
@@ -319,19 +312,13 @@ def test_unreadable_ocdbt_file_is_one_unreadable_file_finding_with_its_leaves(tm
     """The same shape for a file that is there but cannot be read (mode 000): one unreadable-file
     finding naming it and the leaves it takes (was: for the merged index, 'unreadable B-tree node',
     'cannot list the database' and a leaf-missing per leaf; the shallow check opened no data file)."""
-    from test_error_messages import _without_read_override
-
-    prefix = _without_read_override()
     root = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / fixture, root)
     target = root / data
     if target.is_dir():
         (target,) = target.iterdir()
-    target.chmod(0)
-    try:
+    with unreadable(target) as prefix:
         r = _ckpt("validate", "--json", str(root), prefix=prefix)
-    finally:
-        target.chmod(0o644)
     assert r.returncode == 1, r.stderr
     (finding,) = _errors(r.stdout)
     assert finding["code"] == "unreadable-file" and finding["file"] == str(target.relative_to(root))
@@ -389,18 +376,12 @@ def test_lost_shard_names_the_tensors_the_index_places_in_it(tmp_path, fixture, 
 def test_unreadable_shard_makes_inspect_say_incomplete(tmp_path, fixture, index):
     """A mode-000 shard of transformers' sharded save: inspect said `cannot read` and stopped (exit 1,
     no listing); it is a set with one data file unreadable, as one with a shard missing is."""
-    from test_error_messages import _without_read_override
-
-    prefix = _without_read_override()
     local = tmp_path / "model"
     shutil.copytree(FIXTURES / fixture, local)
     weight_map = json.loads((local / index).read_text())["weight_map"]
     shard = local / sorted(set(weight_map.values()))[1]
-    shard.chmod(0)
-    try:
+    with unreadable(shard) as prefix:
         r = _ckpt("inspect", "--json", str(local), prefix=prefix)
-    finally:
-        shard.chmod(0o644)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["status"] == "incomplete"

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pytest
 
 import ckpt_tool
@@ -30,10 +29,19 @@ from ckpt_tool.engine import ConvertOptions, convert
 from ckpt_tool.errors import CkptError
 from ckpt_tool.validate import validate_checkpoint
 
-from conftest import ROOT, fixture_path, moto_s3_serving, run_ckpt, s3_client, upload_fixture
+from conftest import (
+    OWNER_RECORD as OWNER,
+    ROOT,
+    convert_until_owner_record,
+    empty_dst_filled_meanwhile,
+    fixture_path,
+    moto_s3_serving,
+    run_ckpt,
+    s3_client,
+    upload_fixture,
+)
 
 SRC = str(fixture_path("dcp_single"))
-OWNER = ".ckpt-owner.json"
 
 
 def _run(*args: str, cwd: Path | str = ROOT, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -175,13 +183,7 @@ def test_overwrite_replaces_an_empty_directory(tmp_path):
 
 def test_destination_that_became_a_non_checkpoint_meanwhile_is_not_replaced(tmp_path):
     """Checked when the run starts AND on what is moved aside at the end: DST may change in between."""
-    dst = tmp_path / "out"
-    dst.mkdir()  # empty: accepted when the run starts
-
-    def progress(what: str, done: int, total: int) -> None:
-        if not (dst / "notes.txt").exists():
-            (dst / "notes.txt").write_text("written while the convert ran\n")
-
+    dst, progress = empty_dst_filled_meanwhile(tmp_path)  # empty: accepted when the run starts
     with pytest.raises(CkptError, match="refusing to replace it") as info:
         convert(SRC, str(dst), ConvertOptions(to="dcp", overwrite=True), progress=progress)
     assert "notes.txt" in str(info.value) and ".ckpt-tmp" not in str(info.value)
@@ -192,32 +194,9 @@ def test_destination_that_became_a_non_checkpoint_meanwhile_is_not_replaced(tmp_
 # -- temporaries of killed runs ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def big_safetensors(tmp_path_factory) -> Path:
-    """16 MiB in 16 tensors (the safetensors library's own writer): a convert that runs long enough to kill."""
-    from safetensors.numpy import save_file
-
-    path = tmp_path_factory.mktemp("big") / "big.safetensors"
-    rng = np.random.default_rng(0)
-    save_file({f"w{i}": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(16)}, str(path))
-    return path
-
-
 def _killed_convert(src: Path, dst: Path) -> tuple[Path, int]:
     """Start a real convert into `dst`, SIGKILL it once its temporary output holds its owner record."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(dst), "--to", "dcp", "--chunk-mb", "0.01",
-         "--workers", "1"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    temp = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = [p for p in dst.parent.glob(f".{dst.name}.ckpt-tmp-*") if (p / OWNER).exists()]
-        if found:
-            temp = found[0]
-            break
-        time.sleep(0.005)
+    proc, temp = convert_until_owner_record(src, dst)
     time.sleep(0.1)  # a few chunks in
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -4,17 +4,14 @@
 What the Orbax reader needs (recorded_tuples: the tuples a checkpoint records, which convert to DCP
 asks the source for) lives on the reader side.
 
-The modules are listed by a subprocess after the CLI's own path ran, as tests/test_startup_imports.py
-does; the writer modules are named from the registry (every writing format's write.py) plus the
-modules only a writer uses."""
+The modules are listed by a subprocess after the CLI's own path ran (conftest.modules_loaded_after, as
+in tests/test_startup_imports.py); the writer modules are named from the registry (every writing
+format's write.py) plus the modules only a writer uses."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, fixture_path
+from conftest import fixture_path, modules_loaded_after as _loaded_after
 
 from ckpt_tool import formats
 
@@ -31,22 +28,6 @@ ORBAX_WRITER = (f"{ORBAX_PACKAGE}.write", f"{ORBAX_PACKAGE}.direct", "ckpt_tool.
                 "ckpt_tool.storage.ocdbt_encode")
 
 ORBAX = ["orbax_manager", "orbax_ocdbt_zarr2", "orbax_plain_zarr2", "orbax_two_process"]
-
-
-def _loaded_after(argv: list[str]) -> list[str]:
-    """The modules a process has loaded after the CLI ran `argv` (exit 0)."""
-    code = (
-        # _run, not main: main ends a read-only command with os._exit
-        "import io, sys, contextlib, ckpt_tool.cli.main as m\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        f"    code = m._run({argv!r})\n"
-        "sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + ' CODE ' + str(code) + '\\n')\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    line = r.stderr.rstrip().splitlines()[-1]
-    assert line.startswith("MODULES ") and line.endswith(" CODE 0"), r.stderr[-2000:]
-    return line.split()[1:-2]
 
 
 def test_the_writer_modules_are_real():

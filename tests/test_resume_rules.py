@@ -20,6 +20,8 @@ import shutil
 
 import pytest
 
+from conftest import count_calls
+
 NEMO = "runs_nemo2/checkpoints"
 NEMO_9 = "megatron_gpt--val_loss=2.80-step=9-consumed_samples=72.0"
 NEMO_9_LAST = NEMO_9 + "-last"
@@ -299,39 +301,21 @@ def test_damage_in_another_step_is_a_warning(ckpt, root_of, name):
 def test_the_other_steps_are_checked_at_once(root_of, monkeypatch):
     # the cheap checks of the other steps are in flight together (on an object store each is a few
     # requests), never array data, and the step opened is checked once, as before
-    import threading
-    import time
-
     from ckpt_tool import validate as validate_mod
 
     root = root_of("runs_torchtitan")
     for n in (50, 60):  # more steps: each a copy of one torch's dcp.save wrote
         shutil.copytree(root / "step-30", root / f"step-{n}")
-    real = validate_mod._validate_one
-    active, peak, calls = [0], [0], []
-    lock = threading.Lock()
-
-    def counting(path, **kw):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-            calls.append((str(path), kw["deep"]))
-        try:
-            time.sleep(0.3)
-            return real(path, **kw)
-        finally:
-            with lock:
-                active[0] -= 1
-
-    monkeypatch.setattr(validate_mod, "_validate_one", counting)
+    seen = count_calls(monkeypatch, validate_mod, "_validate_one", hold_s=0.3)
     report = validate_mod.validate_checkpoint(str(root), deep=True)
     assert report.ok()
+    calls = [(path, kw["deep"]) for path, kw in seen.calls]
     opened = [c for c in calls if c[0].endswith("step-60")]
     others = [c for c in calls if not c[0].endswith("step-60")]
     assert opened == [(f"{root}/step-60", True)]
     assert sorted(p for p, _ in others) == [f"{root}/step-{n}" for n in (10, 20, 30, 50)]
     assert not any(deep for _, deep in others)  # the cheap check reads no array data, even under --deep
-    assert peak[0] >= 2, peak
+    assert seen.peak >= 2, seen.peak
 
 
 @pytest.mark.slow

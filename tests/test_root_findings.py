@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 
-from conftest import fixture_path
+from conftest import count_calls, fixture_path
 
 # the temporary name each orbax version gives a step it is still writing (test_orbax_versions.py)
 TMP_SUFFIXES = [".orbax-checkpoint-tmp", ".orbax-checkpoint-tmp-3", ".orbax-checkpoint-tmp-1796149675123456"]
@@ -221,38 +221,20 @@ def test_ls_marks_a_committed_step_that_fails_the_cheap_check(ckpt, damaged_newe
 
 
 def test_ls_cheap_checks_are_in_flight_together_and_read_no_array_data(damaged_newest, monkeypatch):
-    import threading
-    import time
-
     from ckpt_tool import runs
     from ckpt_tool import validate as validate_mod
 
     root = damaged_newest
     for n in (5, 6, 7):  # more steps: copies of a step orbax wrote
         shutil.copytree(root / "2", root / str(n))
-    real = validate_mod._validate_one
-    active, peak, calls = [0], [0], []
-    lock = threading.Lock()
-
-    def counting(path, **kw):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-            calls.append((str(path), kw["step"], kw["deep"]))
-        try:
-            time.sleep(0.2)
-            return real(path, **kw)
-        finally:
-            with lock:
-                active[0] -= 1
-
-    monkeypatch.setattr(validate_mod, "_validate_one", counting)
+    seen = count_calls(monkeypatch, validate_mod, "_validate_one", hold_s=0.2)
     listing = runs.list_run(str(root), screen=True)
     assert {s.name: s.fails is not None for s in listing.steps} == {
         "1": False, "2": False, "3": True, "4.orbax-checkpoint-tmp": False, "5": False, "6": False, "7": False}
     # each committed step alone, shallow (no chunk read), never the save in progress
+    calls = [(path, kw["step"], kw["deep"]) for path, kw in seen.calls]
     assert sorted(calls) == sorted((f"{root}/{n}", None, False) for n in (1, 2, 3, 5, 6, 7))
-    assert peak[0] >= 2, peak
+    assert seen.peak >= 2, seen.peak
 
 
 # -- on object stores: the same marks from the same cheap checks ---------------------------------------

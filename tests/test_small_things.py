@@ -19,16 +19,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, fixture_path
-
-OWNER = ".ckpt-owner.json"
+from conftest import (
+    convert_until_owner_record,
+    empty_dst_filled_meanwhile,
+    fixture_path,
+)
 
 
 def _one_line(r) -> str:  # noqa: ANN001 - the ckpt fixture's result
@@ -85,13 +86,7 @@ def test_a_file_written_into_the_empty_directory_meanwhile_is_never_lost(tmp_pat
     from ckpt_tool.engine import ConvertOptions, convert
     from ckpt_tool.errors import CkptError
 
-    dst = tmp_path / "out"
-    dst.mkdir()
-
-    def progress(what: str, done: int, total: int) -> None:
-        if not (dst / "notes.txt").exists():
-            (dst / "notes.txt").write_text("written while the convert ran\n")
-
+    dst, progress = empty_dst_filled_meanwhile(tmp_path)
     with pytest.raises(CkptError, match="destination appeared while converting"):
         convert(str(fixture_path("dcp_single")), str(dst), ConvertOptions(to="dcp"), progress=progress)
     assert [p.name for p in dst.iterdir()] == ["notes.txt"]
@@ -101,34 +96,15 @@ def test_a_file_written_into_the_empty_directory_meanwhile_is_never_lost(tmp_pat
 # -- 2. stale temporaries in `ckpt ls PARENT` -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def big_safetensors(tmp_path_factory) -> Path:
-    """16 MiB in 16 tensors (the safetensors library's own writer): a convert that runs long enough to stop."""
-    from safetensors.numpy import save_file
-
-    path = tmp_path_factory.mktemp("big") / "big.safetensors"
-    rng = np.random.default_rng(0)
-    save_file({f"w{i}": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(16)}, str(path))
-    return path
-
-
 def _started_convert(src: Path, dst: Path) -> tuple[subprocess.Popen, Path]:
     """A real convert into `dst`, stopped (SIGSTOP: alive) once its temporary output holds its owner record."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(dst), "--to", "dcp", "--chunk-mb", "0.01",
-         "--workers", "1"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = [p for p in dst.parent.glob(f".{dst.name}.ckpt-tmp-*") if (p / OWNER).exists()]
-        if found:
-            time.sleep(0.05)  # a few chunks in
-            proc.send_signal(signal.SIGSTOP)
-            return proc, found[0]
-        time.sleep(0.005)
-    proc.kill()
-    raise AssertionError("the convert ended before it could be stopped")
+    proc, temp = convert_until_owner_record(src, dst)
+    if temp is None:
+        proc.kill()
+        raise AssertionError("the convert ended before it could be stopped")
+    time.sleep(0.05)  # a few chunks in
+    proc.send_signal(signal.SIGSTOP)
+    return proc, temp
 
 
 def test_ls_of_the_parent_names_a_killed_converts_temporary_and_how_to_remove_it(tmp_path, big_safetensors, ckpt):

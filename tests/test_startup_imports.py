@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import FIXTURES, ROOT, fixture_path
+from conftest import FIXTURES, ROOT, fixture_path, modules_loaded_after
 
 from ckpt_tool import formats
 from ckpt_tool.errors import CkptError, UnknownFormatError
@@ -28,17 +28,7 @@ LIGHT = ("detection",)
 
 def _loaded_after_inspect(path: str, *extra: str) -> list[str]:
     """The modules a process has loaded after `ckpt inspect PATH --json` (the CLI's own path)."""
-    code = (
-        # _run, not main: main ends a read-only command with os._exit
-        "import io, sys, contextlib, ckpt_tool.cli.main as m\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        f"    code = m._run(['inspect', {path!r}, '--json', *{list(extra)!r}])\n"
-        "assert code == 0, code\n"
-        "print('\\n'.join(sorted(sys.modules)))\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.split()
+    return modules_loaded_after(["inspect", path, "--json", *extra])
 
 
 def _readers_of_other_formats(loaded: list[str]) -> list[str]:
@@ -78,17 +68,7 @@ def test_dcp_inspect_loads_no_other_format_reader(name):
 
 def _loaded_after(argv: list[str]) -> list[str]:
     """The modules a process has loaded after the CLI ran `argv` into a pipe (plain text, not a terminal)."""
-    code = (
-        "import sys, ckpt_tool.cli.main as m\n"
-        f"code = m._run({argv!r})\n"
-        "sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + ' CODE ' + str(code) + '\\n')\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    line = r.stderr.rstrip().splitlines()[-1]
-    assert line.startswith("MODULES ") and line.endswith(" CODE 0"), (r.stdout[-500:], r.stderr[-2000:])
-    assert r.stdout.strip(), "no output"
-    return line.split()[1:-2]
+    return modules_loaded_after(argv, to_pipe=True)
 
 
 # what the inspect/validate path of a local Orbax or DCP checkpoint must not load (issue 46): the
