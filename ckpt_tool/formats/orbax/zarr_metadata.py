@@ -14,7 +14,6 @@ as before.
 """
 from __future__ import annotations
 
-import copy
 import json
 import threading
 from typing import Any
@@ -71,6 +70,16 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> None:
     _get(doc, path[:-1])[path[-1]] = value
 
 
+def _replaced(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    """`doc` with the value at `path` replaced: the containers on the path copied, nothing else."""
+    if not path:
+        return value
+    head = path[0]
+    copy: Any = list(doc) if isinstance(doc, list) else dict(doc)
+    copy[head] = _replaced(doc[head], path[1:], value)
+    return copy
+
+
 def _dump(doc: Any) -> bytes:
     # tensorstore's (nlohmann's) compact form; the keys keep the order they were parsed in
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
@@ -80,34 +89,70 @@ def _kind(spec: dict[str, Any], zarr3: bool) -> str | None:
     """The spec with its shapes left out (their rank kept): arrays of one kind get metadata that
     differs only in the shapes. None when the spec lacks a shape path (asked of tensorstore)."""
     try:
-        bare = copy.deepcopy(spec)
+        meta = spec["metadata"]
         for path in _SHAPE_PATHS[zarr3]:
-            _set(bare["metadata"], path, len(_get(spec["metadata"], path)))
-        return json.dumps(bare, sort_keys=True)
-    except (KeyError, IndexError, TypeError):
+            meta = _replaced(meta, path, len(_get(meta, path)))
+        return json.dumps({**spec, "metadata": meta}, sort_keys=True)
+    except (KeyError, IndexError, TypeError, ValueError):
         return None
 
 
+class _Template:
+    """tensorstore's metadata of one array of a kind, as text with a hole for each shape."""
+
+    def __init__(self, doc: dict[str, Any], zarr3: bool) -> None:
+        self.zarr3 = zarr3
+        doc = json.loads(json.dumps(doc))
+        holes = []
+        for i, path in enumerate(_SHAPE_PATHS[zarr3]):
+            _get(doc, path)  # tensorstore wrote it there (else KeyError: the kind is not derivable)
+            hole = f"\u0000ckpt-shape-{i}\u0000"
+            _set(doc, path, hole)
+            holes.append(json.dumps(hole))
+        text = _dump(doc).decode("utf-8")
+        # the text between the holes, in the order they appear
+        order = sorted(range(len(holes)), key=lambda i: text.index(holes[i]))
+        self.order = order
+        self.pieces = []
+        rest = text
+        for i in order:
+            before, _, rest = rest.partition(holes[i])
+            self.pieces.append(before)
+        self.pieces.append(rest)
+
+    def fill(self, spec: dict[str, Any]) -> bytes:
+        meta = spec["metadata"]
+        paths = _SHAPE_PATHS[self.zarr3]
+        out = [self.pieces[0]]
+        for n, i in enumerate(self.order):
+            out.append(json.dumps([int(d) for d in _get(meta, paths[i])], separators=(",", ":")))
+            out.append(self.pieces[n + 1])
+        return "".join(out).encode("utf-8")
+
+
 class _Kinds:
-    """kind -> tensorstore's metadata of one array of that kind, parsed (None: not derivable)."""
+    """kind -> its template (None: not derivable)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.templates: dict[str, dict[str, Any] | None] = {}
+        self.templates: dict[str, _Template | None] = {}
 
 
 _KINDS = _Kinds()
 
 
-def _derive(template: dict[str, Any], spec: dict[str, Any], zarr3: bool) -> bytes | None:
-    doc = copy.deepcopy(template)
+def _derive(template: _Template, spec: dict[str, Any]) -> bytes | None:
     try:
-        for path in _SHAPE_PATHS[zarr3]:
-            _get(doc, path)  # tensorstore wrote it there: else the kind is not derivable
-            _set(doc, path, list(_get(spec["metadata"], path)))
-    except (KeyError, IndexError, TypeError):
+        return template.fill(spec)
+    except (KeyError, IndexError, TypeError, ValueError):
         return None
-    return _dump(doc)
+
+
+def _template(doc: dict[str, Any], zarr3: bool) -> _Template | None:
+    try:
+        return _Template(doc, zarr3)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def _learn(kind: str, members: list[tuple[str, dict[str, Any]]], zarr3: bool) -> dict[str, bytes]:
@@ -115,16 +160,17 @@ def _learn(kind: str, members: list[tuple[str, dict[str, Any]]], zarr3: bool) ->
     the checks hold; the members asked, name -> metadata."""
     asked = members[:2]
     got = from_tensorstore(dict(asked), zarr3)
-    first_name, _ = asked[0]
-    template: dict[str, Any] | None = json.loads(got[first_name])
-    if _dump(template) != got[first_name]:
+    first_name, first_spec = asked[0]
+    doc = json.loads(got[first_name])
+    template = _template(doc, zarr3) if _dump(doc) == got[first_name] else None
+    if template is not None and _derive(template, first_spec) != got[first_name]:
         template = None
     if template is not None and len(asked) == 2:
         second_name, second_spec = asked[1]
-        if _derive(template, second_spec, zarr3) != got[second_name]:
+        if _derive(template, second_spec) != got[second_name]:
             template = None
     if template is not None and len(asked) == 1:
-        return got  # one member: nothing checked the derivation yet, so none is kept
+        return got  # one member: nothing checked the derivation on another array yet, so none is kept
     with _KINDS.lock:
         _KINDS.templates[kind] = template
     return got
@@ -150,7 +196,7 @@ def metadata(specs: dict[str, dict[str, Any]], zarr3: bool) -> dict[str, bytes]:
                 template = _KINDS.templates.get(kind)
             members = [(n, s) for n, s in members if n not in out]
         for name, spec in members:
-            derived = _derive(template, spec, zarr3) if template is not None else None
+            derived = _derive(template, spec) if template is not None else None
             if derived is None:
                 unknown[name] = spec
             else:
