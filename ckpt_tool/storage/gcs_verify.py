@@ -43,8 +43,8 @@ def enabled() -> bool:
     return os.environ.get("CKPT_VERIFY_UPLOADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _hex(crc: int | None) -> str:
-    return "none" if crc is None else f"{crc:08x}"
+def _hex(crc: int) -> str:
+    return f"{crc:08x}"
 
 
 # -- credentials, found as tensorstore finds them -------------------------------------------------
@@ -251,6 +251,9 @@ def stored(bucket: str, name: str, where: str) -> tuple[int | None, int]:
 def check(bucket: str, name: str, sent_crc: int, sent_size: int, where: str) -> None:
     """Raise one line naming `where` and both checksums unless GCS holds what was sent."""
     crc, size = stored(bucket, name, where)
+    if crc is None:  # (GCS keeps one for every object; a stand-in server may not)
+        raise CkptError(f"cannot verify the upload: {_endpoint()} reports no crc32c for it "
+                        "(CKPT_VERIFY_UPLOADS=0 skips the check)", where)
     if crc == sent_crc and size == sent_size:
         return
     raise CkptError(f"upload corrupted: GCS stored crc32c {_hex(crc)} ({size} bytes), ckpt sent crc32c "
