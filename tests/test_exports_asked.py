@@ -109,8 +109,8 @@ def test_like_with_dtype_still_checks_names_shapes_and_the_cast(reference: Path,
 # -- item 7: optimizer state keyed by ids and by FQNs --------------------------------------------
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
@@ -120,6 +120,22 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+# the optimizer cases: each model's Adam param groups, as (layer of the Sequential, the group's own
+# options); None: one group of model.parameters()
+TWO_GROUPS = [(0, {}), (2, {"lr": 1e-2})]
+SWAPPED = [(2, {"lr": 1e-2}), (0, {})]  # the same two groups listed the other way round (equal sizes)
+
+
+def _adam(groups: list[tuple[int, dict]] | None = None, lr: float = 1e-3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """_model() and its Adam over `groups`, after one _step (with state to save or load into)."""
+    model = _model()
+    params = model.parameters() if groups is None else [
+        {"params": [model[i].weight, model[i].bias], **options} for i, options in groups]
+    opt = torch.optim.Adam(params, lr=lr)
+    _step(model, opt)
+    return model, opt
+
+
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One model and its Adam state after a step, saved by torch.save (state keyed by ids) and by DCP
@@ -127,30 +143,18 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     d = tmp_path_factory.mktemp("optim")
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    _step(model, opt)
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, d / "ids.pt")
-    msd, osd = get_state_dict(model, opt)
+    out = {"ids": d / "ids.pt", "fqns": d / "fqns", "two_groups": d / "two_groups",
+           "two_groups_ids": d / "two_groups_ids.pt", "two_groups_swapped": d / "two_groups_swapped"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (single process: "assuming the intent is to save in a single process")
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=d / "fqns")
-        model2 = _model()
-        opt2 = torch.optim.Adam([{"params": [model2[0].weight, model2[0].bias]},
-                                 {"params": [model2[2].weight, model2[2].bias], "lr": 1e-2}], lr=1e-3)
-        _step(model2, opt2)
-        msd2, osd2 = get_state_dict(model2, opt2)
-        dcp.save({"model": msd2, "optim": osd2}, checkpoint_id=d / "two_groups")
-        torch.save({"model": model2.state_dict(), "optim": opt2.state_dict()}, d / "two_groups_ids.pt")
-        # the same two groups listed the other way round (equal sizes: only the state's shapes tell)
-        model3 = _model()
-        opt3 = torch.optim.Adam([{"params": [model3[2].weight, model3[2].bias], "lr": 1e-2},
-                                 {"params": [model3[0].weight, model3[0].bias]}], lr=1e-3)
-        _step(model3, opt3)
-        msd3, osd3 = get_state_dict(model3, opt3)
-        dcp.save({"model": msd3, "optim": osd3}, checkpoint_id=d / "two_groups_swapped")
-    return {"ids": d / "ids.pt", "fqns": d / "fqns", "two_groups": d / "two_groups",
-            "two_groups_ids": d / "two_groups_ids.pt", "two_groups_swapped": d / "two_groups_swapped"}
+        for groups, by_ids, by_fqns in ((None, "ids", "fqns"), (TWO_GROUPS, "two_groups_ids", "two_groups"),
+                                        (SWAPPED, None, "two_groups_swapped")):
+            model, opt = _adam(groups)
+            if by_ids:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out[by_ids])
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=out[by_fqns])
+    return out
 
 
 def test_diff_pairs_ids_and_fqns_through_param_groups(saves: dict[str, Path]) -> None:
@@ -215,8 +219,7 @@ def test_convert_rekeys_ids_to_fqns_and_dcp_loads_it(saves: dict[str, Path], tmp
     assert stdout.splitlines()[0] == ("re-keyed 12 optimizer state leaves from ids to FQNs through "
                                       "optim/param_groups, as the reference keys them")
     # what get_state_dict of a fresh model and optimizer asks for is there: dcp.load fills it
-    torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = _model(seed=5)
     opt = torch.optim.Adam(model.parameters(), lr=5.0)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
@@ -247,9 +250,7 @@ def test_convert_rekeys_fqns_to_ids_and_the_optimizer_loads_it(saves: dict[str, 
         {"where": "optim/param_groups", "was": "FQNs", "now": "ids", "leaves": 12}]
     # the state dicts Module.state_dict() and Optimizer.state_dict() give (after a step, so that the
     # optimizer has state to load into): dcp.load fills them by the integer ids
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=5.0)
-    _step(model, opt)
+    model, opt = _adam(lr=5.0)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
