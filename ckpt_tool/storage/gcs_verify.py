@@ -181,7 +181,10 @@ _token = _Token()
 
 # -- the object's metadata ------------------------------------------------------------------------
 
-_connections = threading.local()  # one kept-alive connection per thread and endpoint
+# kept-alive connections not in use, per (scheme, host): any thread takes one (writers' threads come
+# and go; a TLS handshake per object would cost GCS two more round trips)
+_idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+_idle_lock = threading.Lock()
 _RETRIED = (408, 429, 500, 502, 503, 504)
 
 
@@ -192,26 +195,31 @@ def _endpoint() -> str:
 def _get(url: str, timeout: float) -> tuple[int, bytes]:
     parts = urllib.parse.urlsplit(url)
     key = (parts.scheme, parts.netloc)
-    pool: dict[tuple[str, str], http.client.HTTPConnection] = getattr(_connections, "pool", None) or {}
-    _connections.pool = pool
     path = parts.path + ("?" + parts.query if parts.query else "")
     for fresh in (False, True):  # a kept-alive connection the server closed meanwhile: once more on a new one
-        conn = pool.get(key)
-        if conn is None or fresh:
+        with _idle_lock:
+            conn = None if fresh or not _idle.get(key) else _idle[key].pop()
+        if conn is None:
             cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = pool[key] = cls(parts.netloc, timeout=timeout)
+            conn = cls(parts.netloc, timeout=timeout)
         try:
             conn.request("GET", path, headers=_token.header())
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            answer = resp.status, resp.read()
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
             conn.close()
             if fresh:
                 raise
+            continue
         except OSError:
             conn.close()
-            pool.pop(key, None)
             raise
+        if resp.will_close:  # (the server ends the connection after this answer)
+            conn.close()
+        else:
+            with _idle_lock:
+                _idle.setdefault(key, []).append(conn)
+        return answer
     raise AssertionError("unreachable")
 
 
