@@ -6,8 +6,9 @@ body damaged on the way; the object metadata its answer carries (crc32c included
 generation alone, and its Python API returns only that. Its reads compare no checksum either. So
 after each upload ckpt asks GCS for the object's `crc32c` and `size` (one JSON-API `objects.get`
 with `fields=`, a few hundred bytes) and compares them with the CRC-32C it computed of the bytes
-it sent. A difference is one line naming the object and both checksums: the write fails, the run
-fails, and it writes no commit marker.
+it sent. A difference is one line naming the object and both checksums: the write fails, so the
+run fails before its next commit marker, and removes what it wrote as any failed run does
+(output_remote.py: the markers first, also one whose own upload was the damaged one).
 
 The request goes where tensorstore's went (TENSORSTORE_GCS_HTTP_URL, else storage.googleapis.com)
 with a token found the way tensorstore finds its own (google_auth_provider.cc): the
