@@ -78,6 +78,7 @@ def _generate(path: str) -> None:
     import torch
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
+    import conftest  # noqa: F401 - puts every test folder on sys.path (test_deepspeed is in one)
     from test_deepspeed import imitate
 
     weights = OrderedDict((f"layers.{i}.weight", torch.from_numpy(vb._big_value(i))) for i in range(vb.BIG_ARRAYS))

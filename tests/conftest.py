@@ -19,7 +19,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
-CONFORMANCE = Path(__file__).resolve().parent / "conformance"
+TESTS = Path(__file__).resolve().parent
+CONFORMANCE = TESTS / "conformance"
+
+# Test files are imported by their own names (pytest's prepend import mode: no __init__.py under
+# tests/), and a few import another test file's helpers (from test_reshard import _restore), as do
+# tests/import_graph.py and bench scripts once they `import conftest`. Every folder under tests/ that
+# holds test files is on sys.path, so that such an import works whichever file runs first, or alone.
+for _folder in sorted({p.parent for depth in ("*", "*/*", "*/*/*") for p in TESTS.glob(f"{depth}/test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # The one fixture catalogue is the conformance suite's (tests/conformance/formats/<format>.py, loaded
 # by catalogue.py): every committed fixture, its format and its writer's view of it. Tests that run

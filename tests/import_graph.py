@@ -189,4 +189,5 @@ def report(tree: Path) -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
+    import conftest  # noqa: F401 - puts every test folder on sys.path (test_import_layers is in one)
     print(report(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent).resolve()))
