@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
     ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "output_remote", "hf_export")),
     ("operations", ("runs", "engine", "planner", "streaming", "stored_copy", "free_space", "preflight", "diff",
-                    "reshard")),
+                    "reshard", "supervise")),
     ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
     ("cli", ("cli", "__main__")),
 ]

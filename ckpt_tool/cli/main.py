@@ -29,6 +29,13 @@ GC_THRESHOLD = 100_000
 READ_ONLY = {"inspect", "validate", "diff", "ls", "latest"}
 # the libraries whose distributed runtime shuts down at exit (distributed.LIBRARIES' packages)
 DISTRIBUTED_PACKAGES = ("jax", "torch")
+# commands that may run as one of several processes (distributed.join), and what asks for that:
+# flags, or the variables distributed.process_spec reads (a one-process run looks no further)
+MULTI_PROCESS = {"convert", "reshard"}
+PROCESS_FLAGS = ("--coordinator", "--num-processes", "--process-id")
+SUPERVISOR_FD_VARIABLE = "CKPT_SUPERVISOR_FD"  # supervise.py's (importing it costs the commands that need none)
+PROCESS_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RANK", "WORLD_SIZE",
+                     "SLURM_STEP_ID")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +46,19 @@ def main(argv: list[str] | None = None) -> None:
     # OpenBLAS thread per core that spins for ~50 ms of CPU, which on a small
     # machine slows the command itself. (No effect once numpy is loaded.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if command in MULTI_PROCESS:
+        # through jax, the command runs in a child under a small supervisor (supervise.py: jaxlib
+        # aborts a process whose process 0 is gone; the supervisor says so in one line)
+        if SUPERVISOR_FD_VARIABLE in os.environ:
+            from ..supervise import route_native_output
+
+            route_native_output()  # this process is that child
+        elif _asks_for_processes(args):
+            from ..supervise import supervise
+
+            supervised = supervise(args)
+            if supervised is not None:
+                _finish(supervised, fast=True)
     if command in STREAMING:
         # a process-wide allocator setting: the command line owns its process,
         # a notebook importing ckpt_tool does not
@@ -62,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
 
         code = _run(argv)
     _finish(code, fast=_teardown_needless(command))
+
+
+def _asks_for_processes(args: list[str]) -> bool:
+    """Whether ARGS or the environment may ask for a multi-process run (cheap: no import)."""
+    return any(a.partition("=")[0] in PROCESS_FLAGS for a in args) or any(v in os.environ for v in PROCESS_VARIABLES)
 
 
 def _without_click(args: list[str]) -> int | None:

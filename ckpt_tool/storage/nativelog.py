@@ -68,6 +68,14 @@ def _write_all(fd: int, data: bytes) -> None:
             return  # the reader of stderr went away: nothing more to show
 
 
+def leave_native_logs_to_supervisor() -> None:
+    """fd 2 is a pipe that ckpt's supervisor reads (supervise.py): it drops these lines itself, and
+    must see jaxlib's fatal report to say in one line why the process ended. Never redirect it."""
+    global _native_quiet
+    with _native_quiet_lock:
+        _native_quiet = True
+
+
 def quiet_native_logs() -> None:
     """Drop the C++ libraries' log lines from file descriptor 2 for the rest of the process.
 
