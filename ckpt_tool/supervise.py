@@ -41,7 +41,7 @@ import sys
 import threading
 from typing import Callable
 
-from .distributed import JAX, library_for, process_spec
+from .distributed import DEFAULT_JOIN_TIMEOUT, JAX, JOIN_TIMEOUT_VARIABLE, library_for, process_spec
 
 # set in the child: the pipe (its fd number) that takes the child's fd 2 (cli/main.py names it too)
 SUPERVISOR_FD_VARIABLE = "CKPT_SUPERVISOR_FD"
@@ -56,7 +56,8 @@ _LOG_LINE = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\n]*\] ?(.
 _LOG_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 # what jaxlib says when its RPCs to the coordination service fail: the service's process (0) is gone
 _SERVICE_GONE = (b"Failed to send RPC to coordination service", b"leader task was preempted/died")
-_TERMINATING = re.compile(rb"Terminating process because[^.]*\.")
+_STACK = b"*** Check failure stack trace"
+REPORT_LINES = 64  # of a FATAL report, kept for the one line that replaces it
 
 
 def supervise(args: list[str]) -> int | None:
@@ -157,6 +158,7 @@ class _NativeOutput:
         self._debug = debug
         self.held: list[bytes] = []
         self.fatal: bytes | None = None  # the FATAL message's first line
+        self.report: list[bytes] = []  # the FATAL message and what follows, up to its C++ stack
         self.service_gone = False
         self.thread = threading.Thread(target=self._read, name="ckpt-native-output", daemon=True)
         self.thread.start()
@@ -189,6 +191,8 @@ class _NativeOutput:
             self.service_gone = True
         if m and m.group(1) == b"F" and self.fatal is None:
             self.fatal = m.group(2)
+        if self.fatal is not None and len(self.report) < REPORT_LINES and not any(_STACK in r for r in self.report):
+            self.report.append(line)
         if self._debug:
             out.append(line)
         elif self.fatal is not None:
@@ -249,8 +253,9 @@ def run_supervised(argv: list[str], who: str) -> int:
     if code < 0:
         # the child's death is this process's: the same signal, with its default action
         sig = -code
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two take no handler and no mask)
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         os.kill(os.getpid(), sig)
         return 128 + sig
     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
@@ -258,12 +263,20 @@ def run_supervised(argv: list[str], who: str) -> int:
 
 
 def _fatal_line(who: str, native: _NativeOutput) -> str:
+    """The one line that replaces jaxlib's fatal report."""
     if native.service_gone:
         return (f"{who}: lost process 0, which serves jax's coordination service (it exited or was killed, or its "
                 f"host is gone; its own output says why); jax ended this process (CKPT_DEBUG=1 shows jax's report)")
-    text = (native.fatal or b"").decode("utf-8", "replace")
-    m = _TERMINATING.search(text.encode())
-    said = m.group(0).decode("utf-8", "replace") if m else text
+    report = b"".join(native.report).split(_STACK, 1)[0].decode("utf-8", "replace")
+    status = re.search(r"absl::Status: ([^\n]*)", report)
+    rpc = re.search(r"^RPC: (\S+)", report, re.MULTILINE)
+    said = status.group(1).strip() if status else (native.fatal or b"").decode("utf-8", "replace").strip()
     if len(said) > 300:
         said = said[:297] + "..."
-    return f"{who}: jax ended this process: {said} (CKPT_DEBUG=1 shows jax's report)"
+    if rpc and rpc.group(1).endswith("/RegisterTask"):
+        # jax's join (initialization_timeout is ckpt's join deadline) ended before every process came
+        timeout = os.environ.get(JOIN_TIMEOUT_VARIABLE) or f"{DEFAULT_JOIN_TIMEOUT:g}"
+        return (f"{who}: not every process joined within {timeout} s ({JOIN_TIMEOUT_VARIABLE} sets the deadline); "
+                f"jax's coordination service ended this process ({said})")
+    where = f" (in {rpc.group(1).rsplit('/', 1)[-1]})" if rpc else ""
+    return f"{who}: jax ended this process: {said}{where} (CKPT_DEBUG=1 shows jax's report)"
