@@ -30,7 +30,9 @@ whose barrier waits watch the counters, posts a process silent for
 CKPT_PEER_TIMEOUT (20 s) as failed, as a failing process posts its own
 error; the others read it at their barrier, and after a failure every
 process ends without jax's shutdown (process 0, which serves the store,
-last), exit 1 and one line.
+last), exit 1 and one line. Process 0's own loss cannot be seen here: jaxlib
+aborts every other process at once (its coordination service is gone); the
+command's parent process (supervise.py) says that in one line.
 
 Every process calls the same barriers in the same order; none is guarded by
 a process-index check (seed 000: such a guard around a collective hung a
