@@ -15,8 +15,8 @@ from the real Go fake-gcs-server to the same server:
 - the output is one checkpoint that orbax restores on the new mesh, equal to what was saved;
 - one process SIGKILLed midway (at its first chunk read) fails every other with exit 1 and one
   line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save);
-  the next run with --overwrite removes what the killed run wrote. Killed: process 2, and process
-  0 (which serves jax's coordination service).
+  the next run with --overwrite removes what the killed run wrote. Killed: process 2, process 0
+  (which serves jax's coordination service), and process 0's worker alone (supervise.py).
 
 The two runs are slow (whole processes, a server); a fast test checks bytes_read in one process.
 """
@@ -297,15 +297,23 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
     assert specs["bias"][0] == {"data": 2, "model": 2}, specs
 
 
+def _worker(pid: int) -> int:
+    """The process doing a supervised command's work: the only child of the one started (supervise.py)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [2, 0])
-def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, victim):
+@pytest.mark.parametrize("victim, target", [(2, "process"), (0, "process"), (0, "worker")])
+def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, victim, target):
     # jax.distributed coordinates (what a TPU pod has; the flags' default where jax is importable).
     # (CKPT_DISTRIBUTED=torch, gloo, ends the others the same way: 18.6 s here; not run, for time)
     # Process 2 is found silent by ckpt's own watch (CKPT_PEER_TIMEOUT). Process 0 serves jax's
     # coordination service: its loss makes jaxlib abort the others at once (SIGABRT, a C++ stack),
-    # which ckpt's supervisor (supervise.py) turns into one line and exit 1. The process killed is
-    # the one the launcher started (the supervisor: its child, the worker, dies with it).
+    # which ckpt's supervisor (supervise.py) turns into one line and exit 1. Killed: the process
+    # the launcher started (for process 0, the supervisor: the worker, its child, dies with it), or
+    # process 0's worker alone (as the kernel's OOM killer picks it: the supervisor ends with it).
     library = "jax"
     env, _, src = server
     endpoint = env["CKPT_TEST_GCS"]
@@ -322,7 +330,7 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
     procs = _start(["reshard", src, dst, "--mesh", MESH], {**env, "CKPT_DISTRIBUTED": library}, proxies, free_port())
     try:
         assert reading.wait(90), "the victim never read a chunk"
-        procs[victim].send_signal(signal.SIGKILL)
+        os.kill(procs[victim].pid if target == "process" else _worker(procs[victim].pid), signal.SIGKILL)
         killed = time.monotonic()
         released.set()
         ended: dict[int, float] = {}
@@ -332,12 +340,15 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
                 continue
             outs[i] = p.communicate(timeout=max(1.0, killed + 75 - time.monotonic()))
             ended[i] = time.monotonic() - killed
+        victim_end = procs[victim].wait(30)  # (before _stop, which would kill it)
     finally:
         released.set()
         _stop(procs)
         for proxy in proxies:
             proxy.close()
-    print(f"{library}: after the kill of process {victim} the others exited in "
+    if target == "worker":
+        assert victim_end == -signal.SIGKILL  # its supervisor ended as its worker did
+    print(f"{library}: after the kill of process {victim}{'' if target == 'process' else ' (its worker)'} the others exited in "
           f"{', '.join(f'{t:.1f} s' for t in ended.values())}: {outs[min(outs)][1].strip()}")
     for i, (_, err) in outs.items():
         assert procs[i].returncode == 1, (i, procs[i].returncode, err[-3000:])
