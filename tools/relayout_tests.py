@@ -56,9 +56,9 @@ TESTS = "tests"
 # package folder it mirrors (docs/architecture.md's tree), or after the part of the repository its
 # tests check. A file's row is the module it mainly exercises, from its docstring and imports.
 LAYOUT: dict[str, tuple[str, ...]] = {
-    # base/: errors, text, names, checksum, directio, pagecache, bufferpool, distributed, ...
+    # base/: errors, text, names, checksum, directio, pagecache, bufferpool, distributed, supervise, ...
     "base": ("test_bufferpool", "test_checksum", "test_directio", "test_pagecache", "test_key_space",
-             "test_launchers"),
+             "test_launchers", "test_supervise"),
     # storage/: local and object stores, containment, the OCDBT database reader
     "storage": ("test_storage", "test_storage_backends", "test_storage_faults", "test_local_listing",
                 "test_ocdbt_bulk", "test_ocdbt_local", "test_s3", "test_remote_errors", "test_remote_latency",
