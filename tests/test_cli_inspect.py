@@ -170,3 +170,33 @@ def test_hostile_metadata_refused_by_name_and_nothing_runs(tmp_path):
     [line] = r.stderr.strip().splitlines()
     assert "refused to unpickle global posix.system" in line and ".metadata" in line
     assert not marker.exists()
+
+
+def test_json_leaves_render_each_sharding_as_its_own_and_keep_the_contract_order():
+    """InspectResult.to_json finds a Sharding met again by its object (issue 46: DCP's tens of
+    thousands of leaves share one) or by its value; each leaf still gets its own sharding's JSON,
+    and an array leaf's fields come in the documented order."""
+    from ckpt_tool.inspect import InspectResult
+    from ckpt_tool.model import ArrayLeaf, Checkpoint, Chunk, ChunkList, RegularGrid, Sharding
+
+    shared = Sharding(kind="chunks", chunks=1)
+    named = Sharding(kind="named", mesh_shape=(2,), axis_names=("d",), partition_spec=("d",), device_ids=(0, 1))
+    listed = Sharding(kind="named", mesh_shape=(2,), axis_names=("d",), partition_spec=[["d"]], device_ids=(0, 1))
+    one = ChunkList((Chunk((0,), (4,)),))
+    leaves = [
+        ArrayLeaf(("a",), "a", (4,), "float32", one, shared),
+        ArrayLeaf(("b",), "b", (4,), "float32", one, shared),  # the same object
+        ArrayLeaf(("c",), "c", (4, 2), "bfloat16", RegularGrid((2, 2)), named),
+        ArrayLeaf(("d",), "d", (4, 2), "bfloat16", RegularGrid((2, 2)),
+                  Sharding(kind="named", mesh_shape=(2,), axis_names=("d",), partition_spec=("d",), device_ids=(0, 1))),
+        ArrayLeaf(("e",), "e", (4,), "int8", one, listed),  # unhashable (a list in a field): by object
+        ArrayLeaf(("f",), "f", (4,), "int8", one, None),
+    ]
+    doc = InspectResult(Checkpoint("p", "dcp", {}, leaves), leaves, None, {}).to_json()
+    got = doc["leaves"]
+    assert [leaf["sharding"] for leaf in got] == [
+        (l.sharding.to_json() if l.sharding is not None else None) for l in leaves]
+    assert [list(leaf) for leaf in got] == [
+        ["keys", "name", "kind", "shape", "dtype", "nbytes", "chunk_shape", "chunks", "sharding"]] * len(leaves)
+    assert got[2] == {"keys": ["c"], "name": "c", "kind": "array", "shape": [4, 2], "dtype": "bfloat16",
+                      "nbytes": 16, "chunk_shape": [2, 2], "chunks": 2, "sharding": named.to_json()}

@@ -173,3 +173,23 @@ def test_zip_tail_check_vouches_only_for_what_the_full_check_passes(name):
                 assert full is None  # (not vouched for: a layout the in-place check leaves to _zip_problem)
     assert vouched >= len(entries)  # every untouched torch.save entry is vouched for in place
     assert damaged  # (the moved ones exercise the refusals)
+
+
+# planner_tree_problem: which paths it walks (exact str and int keys) and when it looks at list indices
+@pytest.mark.parametrize("planner_data, expected", [
+    # an int only as a path's first key: no container holds two kinds of keys, no list has a gap
+    ({"0.w": (0, "w"), "1.w": (1, "w")}, None),
+    ({"l.0": ("l", 0), "l.1": ("l", 1), "w": ("w",)}, None),
+    # a list index and a dict key in one container
+    ({"m.0": ("m", 0), "m.x": ("m", "x")}, "m.x"),
+    # a list without its element 0
+    ({"l.1": ("l", 1), "w": ("w",)}, "l.1"),
+    # a path that is also another's container
+    ({"m.w": ("m", "w"), "m.w.x": ("m", "w", "x")}, "m.w.x"),
+    # keys of other types (a bool, a str subclass) make no path of keys here: planner_path_problem's to report
+    ({"m.0": ("m", True), "m.x": ("m", "x")}, None),
+    ({"m.0": ("m", type("S", (str,), {})("0")), "m.0.x": ("m", "0", "x")}, None),
+])
+def test_planner_tree_problem_walks_exact_key_paths(planner_data, expected):
+    found = dcp_reader.planner_tree_problem(planner_data, list(planner_data))
+    assert (found[0] if found else None) == expected

@@ -334,7 +334,8 @@ def planner_tree_problem(planner_data: Any, fqns: Any) -> tuple[str, str] | None
     paths: dict[tuple[Any, ...], str] = {}
     for fqn in fqns:
         path = planner_data.get(fqn)
-        if type(path) is not tuple or not path or not all(type(k) in (str, int) for k in path):
+        # (the exact types of its keys compared in C: a generator per path was half of this walk)
+        if type(path) is not tuple or not path or not _KEY_TYPES.issuperset(map(type, path)):
             continue  # (not a path of keys: planner_path_problem's to report, and it may not even hash)
         if len(path) > 1:
             paths[path] = fqn
@@ -352,7 +353,8 @@ def planner_tree_problem(planner_data: Any, fqns: Any) -> tuple[str, str] | None
         child = min((p for p in paths if p[:len(holder)] == holder and p != holder), key=lambda p: paths[p])
         return paths[child], (f"planner_data makes {paths[holder]!r} both a value and the container of this key "
                               "(torch's load fails, or keeps only one of them)")
-    if any(type(k) is int for p in paths for k in p[1:]):
+    # (an int as a path's first key as well enters the walk below, which finds nothing then: one C pass)
+    if int in set(map(type, itertools.chain.from_iterable(paths))):
         kinds: dict[tuple[Any, ...], tuple[type, str]] = {}
         indices: dict[tuple[Any, ...], set[int]] = {}
         for p, fqn in paths.items():
@@ -556,10 +558,16 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         duplicates = 0
         rank = len(shape)
         if len(chunk_mds) == 1:
-            geometry = _fast_chunk_geometry(chunk_mds[0], ints)
-            if geometry is None:
+            # _fast_chunk_geometry, inlined for the one-chunk tensor (10^4-10^5 of them: a call each was 3%)
+            chunk_md = chunk_mds[0]
+            if type(chunk_md) is not ChunkStorageMetadata:
                 return None
-            offsets, sizes = geometry
+            offsets, sizes = chunk_md.offsets, chunk_md.sizes
+            if type(offsets) is not Size or type(sizes) is not Size:
+                return None
+            offsets, sizes = tuple(offsets), tuple(sizes)
+            ints.append(offsets)
+            ints.append(sizes)
             # the whole tensor in one chunk: in its bounds (once its ints are checked non-negative)
             if sizes != shape or len(offsets) != rank or any(offsets):
                 return None
