@@ -74,6 +74,10 @@ ALIVE_INTERVAL = 1.0  # seconds between two beats of a process's alive counter
 ABORT_LINGER = 10.0
 # how much longer than process 0 the others wait at the join, so that process 0 names the missing
 READY_GRACE = 10.0
+# jax route: set in a command's process run under ckpt's supervisor (supervise.py), which reports
+# jaxlib's abort of the process; how long a process that lost the coordinator waits for that abort
+supervised = False
+SUPERVISED_ABORT_WAIT = 10.0
 
 # Slurm gives no port: one is derived from the job and step ids, in 61440..65535 (above Linux's
 # ephemeral range, so no outgoing connection holds it), shifted from the port jax's own Slurm
@@ -789,6 +793,11 @@ class JaxCoordinator(_Joined):
         except Exception as exc:  # noqa: BLE001 - NOT_FOUND: no failure posted; else the service is gone
             if "NOT_FOUND" not in str(exc):
                 self._known_failure = True
+                if supervised:
+                    # jaxlib's own poll of the service failed as this call did: it ends the process
+                    # in a moment, and the supervisor says so in one line; a line of ours first
+                    # would make two
+                    time.sleep(SUPERVISED_ABORT_WAIT)
                 raise LaunchError(f"process {self.process_index}: lost the coordinator (process 0, which serves "
                                   f"jax's coordination service; it exited or was killed): {_first_line(exc)}") from None
         else:

@@ -41,6 +41,7 @@ import sys
 import threading
 from typing import Callable
 
+from . import distributed
 from .distributed import DEFAULT_JOIN_TIMEOUT, JAX, JOIN_TIMEOUT_VARIABLE, library_for, process_spec
 
 # set in the child: the pipe (its fd number) that takes the child's fd 2 (cli/main.py names it too)
@@ -123,6 +124,7 @@ def route_native_output() -> None:
     os.dup2(fd, 2)
     os.close(fd)
     leave_native_logs_to_supervisor()
+    distributed.supervised = True
 
 
 def _child_setup(old_mask: set[int | signal.Signals]) -> Callable[[], None]:
