@@ -47,7 +47,9 @@ from .distributed import DEFAULT_JOIN_TIMEOUT, JAX, JOIN_TIMEOUT_VARIABLE, libra
 # set in the child: the pipe (its fd number) that takes the child's fd 2 (cli/main.py names it too)
 SUPERVISOR_FD_VARIABLE = "CKPT_SUPERVISOR_FD"
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# (by name: Windows has neither most of them nor this supervisor, but imports the module)
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+                  if hasattr(signal, name))
 SI_KERNEL = 0x80  # siginfo's si_code of a signal the kernel sent (a terminal's Ctrl-C to its foreground group)
 PR_SET_PDEATHSIG = 1
 
