@@ -176,6 +176,7 @@ ALLOWED = {
     "ckpt_tool/distcp/__init__.py": "its docstring says which format packages read DCP files through it",
     "tests/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
                                    "open-time check proves a Megatron open was real",
+    "tools/relayout_tests.py": "the tests' re-layout: its table puts each format's tests in tests/formats/<package>/",
 }
 # the documentation lists the code's layout (docs engineer's: README.md's "Layout of the code")
 DOCUMENTATION = (".md",)
@@ -210,13 +211,16 @@ def _tree() -> list[Path]:
 def _own(rel: str, directory: str, names: set[str], packages: set[str]) -> bool:
     """Whether `rel` is one of the places a format's package may be named: a format's package (one
     format's reader builds on another's: Megatron's on DCP's), a fixture generator, its catalogue
-    file, a test file about it (tests/test_..._<package or format>_....py)."""
+    file, a test file about it (tests/.../test_..._<package or format>_....py, or any test file in
+    tests/formats/<package>/)."""
     words = {directory, *(n.replace("-", "_") for n in names)}
     stem = rel.rsplit("/", 1)[-1].removesuffix(".py")
     return (any(rel.startswith(f"ckpt_tool/formats/{d}/") for d in packages)
             or re.fullmatch(r"fixtures/gen\w*\.py", rel) is not None
             or rel == f"tests/conformance/formats/{directory}.py"
-            or (rel.startswith("tests/test_") and any(re.search(rf"(^|_){re.escape(w)}(_|$)", stem) for w in words)))
+            or rel.startswith(f"tests/formats/{directory}/")
+            or (rel.startswith("tests/") and stem.startswith("test_")
+                and any(re.search(rf"(^|_){re.escape(w)}(_|$)", stem) for w in words)))
 
 
 def test_no_file_outside_a_formats_places_names_its_package():
@@ -228,7 +232,8 @@ def test_no_file_outside_a_formats_places_names_its_package():
             continue
         text = p.read_text(errors="replace")
         for directory, names in packages.items():
-            pattern = re.compile(rf"formats[./]{directory}\b|formats import [\w, (]*\b{directory}\b")
+            # (not tests/formats/<package>/: the folder of that format's tests, which a path may name)
+            pattern = re.compile(rf"(?<!tests/)formats[./]{directory}\b|formats import [\w, (]*\b{directory}\b")
             if pattern.search(text) and not _own(rel, directory, names, set(packages)):
                 found.setdefault(rel, []).append(directory)
     unexplained = {rel: dirs for rel, dirs in found.items() if rel not in ALLOWED}
