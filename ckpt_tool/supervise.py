@@ -163,7 +163,6 @@ class _NativeOutput:
         self.held: list[bytes] = []
         self.fatal: bytes | None = None  # the FATAL message's first line
         self.report: list[bytes] = []  # the FATAL message and what follows, up to its C++ stack
-        self.service_gone = False
         self.thread = threading.Thread(target=self._read, name="ckpt-native-output", daemon=True)
         self.thread.start()
 
@@ -191,8 +190,6 @@ class _NativeOutput:
     def _take(self, line: bytes, in_message: bool, out: list[bytes]) -> bool:
         """Sort one line: passed on (out), held or dropped; whether a log message goes on after it."""
         m = _LOG_LINE.match(line.rstrip(b"\n"))
-        if any(s in line for s in _SERVICE_GONE):
-            self.service_gone = True
         if m and m.group(1) == b"F" and self.fatal is None:
             self.fatal = m.group(2)
         if self.fatal is not None and len(self.report) < REPORT_LINES and not any(_STACK in r for r in self.report):
@@ -268,12 +265,13 @@ def run_supervised(argv: list[str], who: str) -> int:
 
 def _fatal_line(who: str, native: _NativeOutput) -> str:
     """The one line that replaces jaxlib's fatal report."""
-    if native.service_gone:
+    report = b"".join(native.report).split(_STACK, 1)[0]
+    if any(s in report for s in _SERVICE_GONE):
         return (f"{who}: lost process 0, which serves jax's coordination service (it exited or was killed, or its "
                 f"host is gone; its own output says why); jax ended this process (CKPT_DEBUG=1 shows jax's report)")
-    report = b"".join(native.report).split(_STACK, 1)[0].decode("utf-8", "replace")
-    status = re.search(r"absl::Status: ([^\n]*)", report)
-    rpc = re.search(r"^RPC: (\S+)", report, re.MULTILINE)
+    text = report.decode("utf-8", "replace")
+    status = re.search(r"absl::Status: ([^\n]*)", text)
+    rpc = re.search(r"^RPC: (\S+)", text, re.MULTILINE)
     said = status.group(1).strip() if status else (native.fatal or b"").decode("utf-8", "replace").strip()
     if len(said) > 300:
         said = said[:297] + "..."
