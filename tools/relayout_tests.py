@@ -56,9 +56,9 @@ TESTS = "tests"
 # package folder it mirrors (docs/architecture.md's tree), or after the part of the repository its
 # tests check. A file's row is the module it mainly exercises, from its docstring and imports.
 LAYOUT: dict[str, tuple[str, ...]] = {
-    # base/: errors, text, names, checksum, directio, pagecache, bufferpool, distributed, supervise, ...
+    # base/: errors, text, names, checksum, directio, pagecache, bufferpool, distributed, ...
     "base": ("test_bufferpool", "test_checksum", "test_directio", "test_pagecache", "test_key_space",
-             "test_launchers", "test_supervise"),
+             "test_launchers"),
     # storage/: local and object stores, containment, the OCDBT database reader
     "storage": ("test_storage", "test_storage_backends", "test_storage_faults", "test_local_listing",
                 "test_ocdbt_bulk", "test_ocdbt_local", "test_s3", "test_remote_errors", "test_remote_latency",
@@ -97,10 +97,11 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     "ops/validate": ("test_findings_once", "test_findings_grouping"),
     "ops/inspect": ("test_per_leaf_cost",),
     "ops/manifest": ("test_manifest",),
-    # cli/: the commands as a user runs them, whole processes across commands
+    # cli/: the commands as a user runs them, whole processes across commands; supervise (the console
+    # script's parent process on the jax.distributed route)
     "cli": ("test_cli_contract", "test_cli_exit", "test_cli_inspect", "test_cli_polish", "test_error_messages",
             "test_text_safety", "test_ls_latest_cli", "test_bounds_round3", "test_trust_round3",
-            "test_small_things"),
+            "test_small_things", "test_supervise"),
     # not a package folder: what each command and layer imports, the docs, the benches, the fuzzer,
     # the library-reference helpers the conformance catalogue uses
     "imports": ("test_import_layers", "test_read_loads_no_writer", "test_startup_imports"),
