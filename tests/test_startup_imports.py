@@ -64,6 +64,8 @@ def test_dcp_inspect_loads_no_other_format_reader(name):
     bad = [m for m in loaded if m.startswith(("ckpt_tool.formats.orbax", "ckpt_tool.arrays"))
            or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr", "tensorstore", "numpy", "ml_dtypes")]
     assert not bad, bad
+    # nor the decoder of torch's ZStandard extension, for a checkpoint stored without it
+    assert "ckpt_tool.distcp.transforms" not in loaded
 
 
 def _loaded_after(argv: list[str]) -> list[str]:

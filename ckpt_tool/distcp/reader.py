@@ -180,7 +180,8 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
         transforms = sorted({t for tr in parsed.transforms for t in tr})
     else:
         transforms = sorted({t for info in parsed.storage.values() for t in info.transforms})
-    unknown = _transforms_module().describe_unknown(transforms)
+    # (the transforms module, for a checkpoint stored with some: the rest need not import it)
+    unknown = _transforms_module().describe_unknown(transforms) if transforms else []
     if unknown:
         notes.append(f"entries are stored with transforms {', '.join(unknown)} (not readable by ckpt)")
     elif transforms:
