@@ -28,7 +28,8 @@ What it does, in order:
    naming the file) is left as it is, and listed;
 3. rewrites, in every tracked text file (the tests, conftest's SPREAD_FILES, Makefile, pyproject.toml,
    .ci/, docs/, README, bench/, fuzz/, fixtures/'s scripts, ckpt_tool/'s comments), every path
-   `tests/test_x.py` of a moved file (with `::test` node ids) to its new path;
+   `tests/test_x.py` of a moved file (with `::test` node ids) to its new path; and docs/architecture.md's
+   line for tests/ says how tests/ is laid out;
 4. `git mv`s the files and stages what it changed (`git add` of those paths only).
 
 What keeps working without a rewrite: `from conftest import ...` (pytest puts tests/, the folder of the
@@ -232,6 +233,18 @@ def rewrite_test_paths(text: str, moves: dict[str, str]) -> str:
     return pattern.sub(lambda m: moves[f"{TESTS}/{m.group(1)}"], text)
 
 
+# docs/architecture.md's line for tests/ in its tree of the repository, and what it says after the move
+ARCHITECTURE = "docs/architecture.md"
+TESTS_LINE = """tests/                the test suite (`make test`, `make check`); tests/conformance/ checks every format against
+                      its library
+"""
+TESTS_LINE_AFTER = """tests/                the test suite (`make test`, `make check`), laid out as ckpt_tool/ is: base/, storage/,
+                      core/, scheduler/, machinery/<part>/, formats/<format>/, ops/<operation>/, cli/ (and docs/,
+                      bench/, fuzz/, imports/); conftest.py and the shared helpers sit at its top;
+                      tests/conformance/ checks every format against its library
+"""
+
+
 def text_files() -> list[str]:
     return [p for p in git("ls-files").splitlines() if not p.startswith(SKIP) and (ROOT / p).is_file()]
 
@@ -275,6 +288,11 @@ def main() -> None:
         except UnicodeDecodeError:
             continue
         new = rewrite_test_paths(text, moves)
+        if rel == ARCHITECTURE:
+            if TESTS_LINE not in new:
+                print(f"{ARCHITECTURE}: its tree's tests/ line is not the one expected: say there by hand that "
+                      "tests/ is laid out as ckpt_tool/ is")
+            new = new.replace(TESTS_LINE, TESTS_LINE_AFTER)
         if rel in moves:
             down = moves[rel].count("/") - rel.count("/")
             new, kept = rewrite_own_paths(new, down)
