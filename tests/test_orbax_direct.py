@@ -181,7 +181,8 @@ def test_same_database_as_tensorstores(tmp_path, monkeypatch, zarr3, blocks):
 
 
 def test_object_stores_keep_tensorstores_writer():
-    """memory:// (as s3:// and gs://) has no local files: the writer goes through tensorstore."""
+    """memory:// keeps tensorstore's writer (gs:// and s3:// are written by ckpt itself:
+    tests/test_remote_orbax_direct.py)."""
     writer = OrbaxWriter(Storage.create("memory://direct_test/"))
     assert not writer._writes_directly
     assert writer.pending_bytes_limit > 0

@@ -161,6 +161,7 @@ def test_planned_only_where_the_writer_takes_stored_chunks(tmp_path, monkeypatch
     assert local == ("zarr2", "zstd", "bfloat16", (600, 1800))
     assert write.stored_chunk_encoding(str(tmp_path / "out"), target, True) == (
         "zarr3", "shard", "zstd", "bfloat16", (600, 1800))
-    assert write.stored_chunk_encoding("gs://bucket/out", target, False) is None  # tensorstore writes there
+    # not on an object store: a data file is uploaded from memory there, so chunks keep to --memory
+    assert write.stored_chunk_encoding("gs://bucket/out", target, False) is None
     monkeypatch.setenv("CKPT_OCDBT_WRITER", "tensorstore")
     assert write.stored_chunk_encoding(str(tmp_path / "out"), target, False) is None

@@ -139,3 +139,20 @@ def test_safetensors_shards_to_gcs_within_the_budget(served, base):
     # one 24 MiB shard in flight at a time (read back, and tensorstore's copy while it uploads): no
     # more than an inspect here, where the four shards assembled in memory were 53 MiB over it
     assert peak - base <= 32 * MIB, ((peak - base) / MIB, base / MIB)
+
+
+@pytest.mark.parametrize("command", [["convert", "{src}", "{dst}", "--to", "orbax"],
+                                     ["reshard", "{src}", "{dst}", "--mesh", "data=2", "--devices", "2"]],
+                         ids=["convert", "reshard"])
+def test_orbax_to_gcs_within_the_budget(served, base, command):
+    """An Orbax output to gs://, written by ckpt's own OCDBT writer: each data file is staged in a
+    temporary local file and uploaded whole once sealed, as many at a time as the writer's reserve
+    holds, a file then at most half of it (its bytes and tensorstore's copy). Staged in memory,
+    every copy thread's open data file (16 MiB each) would be held at once."""
+    out, _, env = served
+    dst = f"gs://ckpts/exports/orbax-{command[0]}"
+    argv = [a.format(src=out / "dcp", dst=dst) for a in command]
+    peak = _peak_rss(env, *argv, "--memory", f"{MEMORY // MIB}MiB")
+    assert peak - base <= MEMORY + SLACK, ((peak - base) / MIB, base / MIB)
+    assert subprocess.run([sys.executable, "-m", "ckpt_tool", "validate", dst, "--deep"], cwd=ROOT,
+                          env={**os.environ, **env}, capture_output=True, timeout=300).returncode == 0

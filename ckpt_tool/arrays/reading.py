@@ -441,7 +441,11 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         del data
         if any((i + 1) * c > n for i, c, n in zip(index, self._chunk_shape, self._shape)):  # an edge chunk
             chunk = chunk[tuple(slice(0, min(c, n - i * c)) for i, c, n in zip(index, self._chunk_shape, self._shape))]
-        if self._encoding is not None:  # a writer of the same encoding may store these bytes as they are
+        # a writer of the same encoding may store these bytes as they are, read again: from a local
+        # file (or in line), not from an object store, where reading them again is a second download
+        # of the chunk (encoding it again costs less than the GET, and the process's share of the
+        # source's bytes would double: tests/test_multihost_gcs.py)
+        if self._encoding is not None and (isinstance(where, bytes) or source.storage.capabilities.local_files):
             chunk = stored_chunks.remember(chunk, self._encoding, index, lambda: source.read_chunk(key, where))
         return chunk
 

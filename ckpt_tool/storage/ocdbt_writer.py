@@ -17,18 +17,23 @@ does. `finish()` fsyncs the data files, then writes the whole B+tree into one
 more data file and the single-file manifest last (ocdbt_encode.py). What
 tensorstore, orbax and ckpt read is the same either way.
 
-Local roots only: object stores keep tensorstore's driver (Storage says which).
+On an object store (gs://, s3://) each data file is one object: staged in a temporary file
+while its thread fills it, and uploaded through `Storage.write` (on gs://, checked against the
+CRC-32C GCS stored) once sealed, on the closer threads, as many at a time as `upload_bytes`
+allows (staged_upload.py), at most SEALED_QUEUED of them waiting. The B+tree's node file and
+the manifest are uploaded last, after every data file.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from ..errors import CkptError
 from .core import Storage
-from .local import FileCloser, LocalFileWriter
+from .local import FileCloser
+from .staged_upload import UPLOAD_COPIES, StagedUpload, UploadRoom
 from .ocdbt_encode import (BTREE_NODE_MAGIC, Config, DataFile, NodeRef, ValueRef, build_tree, encode, interior_body,
                            manifest)
 
@@ -47,6 +52,8 @@ STAGE_BYTES = 1 << 20
 # MODE=ab); 8 closer threads instead of 4 gained nothing more then. (Now there is one per copy
 # worker, FileCloser: once a profile showed 4 of them busy to the end of a convert.)
 SEAL_BYTES = 16 << 20
+# On an object store: sealed data files staged and waiting for (or in) their upload, at most.
+SEALED_QUEUED = 8
 
 
 def new_data_file(base_path: str = "") -> DataFile:
@@ -54,12 +61,21 @@ def new_data_file(base_path: str = "") -> DataFile:
     return DataFile(base_path, DATA_DIR + os.urandom(16).hex())
 
 
+class _FileSink(Protocol):
+    """Where a data file's bytes go: a local file (LocalFileWriter), or an object's staging
+    (StagedUpload), which close() uploads."""
+
+    def write_at(self, offset: int, parts: Iterable[Any], *, padded: bool = True) -> None: ...
+    def close(self) -> None: ...
+    def discard(self) -> None: ...
+
+
 class _OpenDataFile:
     """A data file one thread appends to, through a staging buffer of its own."""
 
     __slots__ = ("file", "local", "cursor", "stage", "staged", "stage_start")
 
-    def __init__(self, file: DataFile, local: LocalFileWriter) -> None:
+    def __init__(self, file: DataFile, local: _FileSink) -> None:
         self.file = file
         self.local = local
         self.cursor = 0  # the end of what was appended (staged or written)
@@ -92,21 +108,35 @@ class _OpenDataFile:
 
 
 class OcdbtDatabaseWriter:
-    """Writes one new OCDBT database at the root of `storage` (a local directory).
+    """Writes one new OCDBT database at the root of `storage` (a local directory, or an object
+    store's prefix).
 
     `put` is thread-safe; `finish` and `discard` are called once, from one thread, after the puts.
+    `upload_bytes`: on an object store, the most memory the uploads of sealed data files hold at
+    once (UploadRoom: one is always let through), and so what a data file holds at most (half of
+    it: its bytes and tensorstore's copy); unused on a local directory.
     """
 
-    def __init__(self, storage: Storage, config: Config, *, target_data_file_size: int = 2**31) -> None:
-        if not storage.capabilities.local_files:
-            raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
+    def __init__(self, storage: Storage, config: Config, *, target_data_file_size: int = 2**31,
+                 upload_bytes: int = 8 * SEAL_BYTES) -> None:
+        if not storage.capabilities.writable:
+            raise CkptError(f"{storage.backend_kind} storage is read-only", storage.url)
         self._storage = storage
+        self._room = UploadRoom(upload_bytes)
         self.config = config
         self._target = max(1, min(int(target_data_file_size), SEAL_BYTES))
+        if not storage.capabilities.local_files:
+            # an upload holds its file twice (staged_upload.py): files small enough that one fits in
+            # `upload_bytes`, so that a small --memory is kept (one is let through whatever its size)
+            self._target = max(1 << 20, min(self._target, int(upload_bytes) // UPLOAD_COPIES))
         self._lock = threading.Lock()
         self._entries: list[tuple[bytes, bytes | ValueRef]] = []
         self._files: list[_OpenDataFile] = []  # the data files open, for finish / discard
         self._closer = FileCloser("ckpt-ocdbt-close")  # seals full files, and closes the rest at the end
+        # on an object store, sealed files not yet uploaded, at most: a copy thread that seals one
+        # more waits, so that what is staged on local disk stays bounded when the network is slower
+        # than the copy (else the whole output could sit in TMPDIR)
+        self._queued = None if storage.capabilities.local_files else threading.BoundedSemaphore(SEALED_QUEUED)
         self._local = threading.local()
         self._state = "writing"
 
@@ -187,18 +217,30 @@ class OcdbtDatabaseWriter:
         return f
 
     def _seal(self, f: _OpenDataFile) -> None:
-        """Flush, fsync and close a full data file on a closer thread."""
+        """Flush, fsync and close a full data file on a closer thread (on an object store: upload it,
+        once fewer than SEALED_QUEUED wait for their upload)."""
+        queued = self._queued
+        close = f.close
+        if queued is not None:
+            queued.acquire()
+
+            def close() -> None:
+                try:
+                    f.close()
+                finally:
+                    queued.release()
+
         with self._lock:
             if self._state != "writing":  # (discarded meanwhile: discard() closes what it finds)
+                if queued is not None:
+                    queued.release()
                 return
             self._files.remove(f)
-            self._closer.submit(f.close)  # (under the lock: a discard() waits for it)
+            self._closer.submit(close)  # (under the lock: a discard() waits for it)
 
     def _open_data_file(self) -> _OpenDataFile:
         file = new_data_file()
-        local = self._storage.create_local_file(file.path)
-        if local is None:  # (checked in __init__)
-            raise CkptError("not a local directory", self._storage.url)
+        local = _sink(self._storage, file.path, self._room)
         opened = _OpenDataFile(file, local)
         with self._lock:
             if self._state != "writing":
@@ -262,12 +304,24 @@ def write_database_over(storage: Storage, config: Config, subtree: NodeRef, *,
     _write_tree(storage, config, node_file, node, root, commit_time_ns)
 
 
+def _sink(storage: Storage, key: str, room: UploadRoom) -> _FileSink:
+    """A new data file at `key`: a local file, or on an object store an object staged for upload."""
+    local = storage.create_local_file(key)
+    return local if local is not None else StagedUpload(storage, key, room)
+
+
 def _write_tree(storage: Storage, config: Config, node_file: DataFile, content: bytes, root: NodeRef,
                 commit_time_ns: int | None) -> None:
-    """The encoded nodes into their data file (fsynced), then the manifest naming `root`, last."""
+    """The encoded nodes into their data file (fsynced, or uploaded), then the manifest naming
+    `root`, last."""
+    if not storage.capabilities.local_files:
+        # one upload of bytes held already: Storage.write (checked on gs://), then the manifest
+        storage.write(node_file.path, content)
+        storage.write(MANIFEST, manifest(config, root, commit_time_ns or time.time_ns()))
+        return
     local = storage.create_local_file(node_file.path)
     if local is None:
-        raise CkptError("ckpt writes OCDBT databases itself on local directories only", storage.url)
+        raise CkptError("not a local directory", storage.url)
     try:
         local.write_at(0, [content], padded=False)
     except BaseException:

@@ -1,10 +1,14 @@
-"""Orbax's OCDBT databases written by ckpt itself on local roots, chunks encoded by ckpt.
+"""Orbax's OCDBT databases written by ckpt itself, chunks encoded by ckpt.
 
-The Orbax writer (write.py) hands tensorstore each region to write on object
-stores; on a local directory it writes the process's database through this
-module instead, whose chunks go straight from the copy thread to a data file
-(storage/ocdbt_writer.py says why, with the times measured). What lands on
-disk is what tensorstore's zarr driver writes for orbax:
+The Orbax writer (write.py) writes each process's database through this
+module, on a local directory and on gs:// and s3:// alike: chunks go from the
+copy thread to a data file (storage/ocdbt_writer.py says why, with the times
+measured); on an object store each data file is staged on local disk and
+uploaded whole through Storage.write once sealed, so every object of the
+output passes through ckpt (and is checked on GCS: storage/gcs_verify.py).
+CKPT_OCDBT_WRITER=tensorstore hands the chunks to tensorstore's zarr and OCDBT
+drivers instead, as orbax writes them. What lands in the store is what
+tensorstore's zarr driver writes for orbax:
 
 - zarr v2: each chunk in C order, its full chunk shape (an edge chunk padded
   with zeros, as tensorstore pads it), one zstd frame at orbax's level 1;
@@ -53,14 +57,20 @@ STREAM_MIN_BYTES = 1 << 20
 STREAM_PIECE_BYTES = 1 << 20
 
 
+# the object stores whose databases ckpt writes itself (memory:// stays with tensorstore's driver)
+OBJECT_STORE_DRIVERS = ("gcs", "s3")
+
+
 def wanted(storage: Storage) -> bool:
-    """Whether the Orbax writer writes its databases itself here: local roots, unless
-    CKPT_OCDBT_WRITER=tensorstore (the A/B knob of the bench)."""
-    return storage.capabilities.local_files and wanted_here()
+    """Whether the Orbax writer writes its databases itself here: local roots, gs:// and s3://,
+    unless CKPT_OCDBT_WRITER=tensorstore (the switch back to tensorstore's driver)."""
+    if not wanted_here():
+        return False
+    return storage.capabilities.local_files or storage.kvstore_spec().get("driver") in OBJECT_STORE_DRIVERS
 
 
 def wanted_here() -> bool:
-    """Whether the writer writes the databases of local roots itself (CKPT_OCDBT_WRITER)."""
+    """Whether the writer writes the databases itself (CKPT_OCDBT_WRITER)."""
     return os.environ.get("CKPT_OCDBT_WRITER", "ckpt") != "tensorstore"
 
 
@@ -108,9 +118,11 @@ class ProcessDatabase:
     """One process's database of an Orbax output: chunks encoded and put as they come."""
 
     def __init__(self, storage: Storage, *, zarr3: bool, ocdbt_config: dict[str, Any],
-                 target_data_file_size: int) -> None:
+                 target_data_file_size: int, upload_bytes: int) -> None:
+        """upload_bytes: on an object store, the memory uploads of data files may hold at once."""
         self.zarr3 = zarr3
-        self.db = OcdbtDatabaseWriter(storage, config(ocdbt_config), target_data_file_size=target_data_file_size)
+        self.db = OcdbtDatabaseWriter(storage, config(ocdbt_config), target_data_file_size=target_data_file_size,
+                                      upload_bytes=upload_bytes)
         self._ocdbt_config = ocdbt_config
         self.root: NodeRef | None = None  # the B+tree's root, once finished
         self._compressors = _Compressors()

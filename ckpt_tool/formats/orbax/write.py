@@ -16,11 +16,13 @@ with or without target shardings:
 Every process writes its chunks into its own database (orbax's "per-process
 OCDBT"); the primary also writes every array's zarr metadata there, and at
 commit merges all per-process B-trees into the root one, which keeps
-referencing the per-process data files. On a local root ckpt encodes the
-chunks and writes the databases itself (direct.py; with one process the
-root is one node over the process's tree); on object stores, and to merge
-several processes' databases, tensorstore does (zarr arrays over its OCDBT
-driver, `experimental_copy_range_to` as orbax's `merge_ocdbt_per_process_files`).
+referencing the per-process data files. ckpt encodes the chunks and writes
+each process's database itself, on a local root and on gs:// / s3:// (direct.py;
+there each data file is uploaded whole through Storage.write; with one process
+the root is one node over the process's tree). tensorstore merges several
+processes' databases (`experimental_copy_range_to`, as orbax's
+`merge_ocdbt_per_process_files`), and writes everything when
+CKPT_OCDBT_WRITER=tensorstore (zarr arrays over its OCDBT driver).
 """
 from __future__ import annotations
 
@@ -210,7 +212,8 @@ def stored_chunk_encoding(destination: str, target: TargetArray, zarr3: bool) ->
     None elsewhere. From the metadata tensorstore makes, as the writer learns it in begin().
 
     Planning asks this (reshard): a source chunk of this encoding is then copied, however large,
-    instead of being cut to fit --memory."""
+    instead of being cut to fit --memory. Not on object stores: there a data file is uploaded
+    from memory, so a chunk stays within what --memory plans."""
     if local_path(destination) is None or not direct.wanted_here():
         return None
     try:
@@ -377,13 +380,17 @@ class OrbaxWriter(CheckpointWriter):
         self._zarr3 = zarr3
         self._handler = handler
         self._max_pending = max(0, int(max_pending_bytes))
+        # what uploads of data files may hold at once on an object store (written directly): the
+        # reserve tensorstore's window had (a data file is then at most half of it: ocdbt_writer.py)
+        self._upload_bytes = 2 * self._max_pending
         # a child of the storage's context: memory:// stores stay shared
         self._context = ts.Context(_CONTEXT_SPEC, parent=storage.context)
         base = storage.kvstore_spec()
         if target_data_file_size is None:
             target_data_file_size = _GCS_TARGET_DATA_FILE_SIZE if base.get("driver") == "gcs" else _TARGET_DATA_FILE_SIZE
         self._target_data_file_size = int(target_data_file_size)
-        # on local roots the process's database is written by ckpt itself (direct.py), not tensorstore
+        # the process's database is written by ckpt itself (direct.py), not tensorstore, on local
+        # roots and on gs:// / s3:// (there each data file is uploaded through Storage.write)
         self._writes_directly = direct.wanted(storage)
         self._direct: direct.ProcessDatabase | None = None
 
@@ -460,9 +467,13 @@ class OrbaxWriter(CheckpointWriter):
     def pending_bytes_limit(self) -> int:
         """Memory the writer holds besides the reader's (the engine's reserve): the
         window of decoded bytes copied into tensorstore, and their encoded copy
-        while tensorstore commits them. Written directly, a chunk is on disk when
-        write_array returns: nothing is held."""
-        return 0 if self._writes_directly else 2 * self._max_pending
+        while tensorstore commits them. Written directly to a local root, a chunk is
+        on disk when write_array returns: nothing is held. Written directly to an
+        object store, the uploads of sealed data files hold as much as this at most
+        (their bytes and tensorstore's copy: staged_upload.py)."""
+        if not self._writes_directly:
+            return 2 * self._max_pending
+        return 0 if self._storage.capabilities.local_files else self._upload_bytes
 
     def begin(self, plan: WritePlan) -> None:
         if self._state != "new":
@@ -489,7 +500,7 @@ class OrbaxWriter(CheckpointWriter):
         if self._writes_directly:
             self._direct = direct.ProcessDatabase(
                 self._storage.child(db), zarr3=self._zarr3, ocdbt_config=_OCDBT_CONFIG,
-                target_data_file_size=self._target_data_file_size)
+                target_data_file_size=self._target_data_file_size, upload_bytes=self._upload_bytes)
         else:
             # OCDBT's data files ("d/"), which tensorstore writes, are written
             # back and leave the page cache as commits land (see pagecache.py)
@@ -543,7 +554,7 @@ class OrbaxWriter(CheckpointWriter):
 
     def stored_encoding(self, target: TargetArray) -> stored_chunks.Encoding | None:
         """How `target`'s chunks are stored, where ckpt writes the database itself (direct.py);
-        None where tensorstore writes it (object stores)."""
+        None where tensorstore writes it (CKPT_OCDBT_WRITER=tensorstore, memory://)."""
         leaf = self._by_name.get(target.name)
         if self._direct is None or leaf is None or not leaf.stored:
             return None
