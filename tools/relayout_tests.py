@@ -77,7 +77,7 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     "formats": ("test_registry", "test_mixed_folders"),
     "formats/orbax": ("test_orbax_reader", "test_orbax_writer", "test_orbax_schema", "test_orbax_items",
                       "test_orbax_versions", "test_orbax_direct", "test_orbax_zarr_metadata",
-                      "test_validate_orbax"),
+                      "test_validate_orbax", "test_remote_orbax_direct"),
     "formats/dcp": ("test_dcp_reader", "test_dcp_writer", "test_dcp_variants", "test_dcp_contract",
                     "test_dcp_entry_bounds", "test_validate_dcp"),
     "formats/safetensors": ("test_safetensors_reader", "test_safetensors_s3", "test_safetensors_scalars",
