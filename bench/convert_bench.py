@@ -86,7 +86,7 @@ if HERE not in sys.path:
 import inspect_bench as ib  # noqa: E402  (process runner, page-cache warmer, formatting)
 import validate_bench as vb  # noqa: E402  (the 2 GiB checkpoints and their generator)
 
-from ckpt_tool.parallel import default_workers  # noqa: E402
+from ckpt_tool.base.parallel import default_workers  # noqa: E402
 
 REPO = ib.REPO
 OUT = ib.OUT
@@ -482,10 +482,10 @@ def compute_targets(results: list[dict]) -> tuple[list[dict], list[dict]]:
 # Functions timed in the "phases" mode (thread-seconds summed over threads and calls).
 # Missing attributes are skipped, so the bench survives refactors of ckpt_tool.
 TIMED = [
-    ("ckpt_tool.model", "ArrayLeaf.read", "source read (ArrayLeaf.read, total)"),
+    ("ckpt_tool.core.model", "ArrayLeaf.read", "source read (ArrayLeaf.read, total)"),
     ("ckpt_tool.formats.orbax.reader", "_ZarrRegionReader.read", "  orbax: tensorstore zarr read + decode"),
     ("ckpt_tool.formats.dcp.reader", "_TensorReader._locate", "  dcp: locate chunk (zip headers)"),
-    ("ckpt_tool.torchsave.payload", "read_region", "  dcp: read_region (fetch + CRC + copy)"),
+    ("ckpt_tool.machinery.torch_save.payload", "read_region", "  dcp: read_region (fetch + CRC + copy)"),
     ("ckpt_tool.storage", "Storage._read", "    Storage._read (kvstore read + bytes())"),
     ("ckpt_tool.formats.dcp.write", "DcpWriter.write_array", "writer.write_array (DCP, total)"),
     ("ckpt_tool.formats.dcp.write", "tensor_archive", "  tensor_archive (pickle + CRC-32)"),
@@ -498,17 +498,17 @@ TIMED = [
 # Sequential phases of engine.convert, in the main thread.
 PHASES = [
     ("ckpt_tool.formats", "open_checkpoint", "open source (read metadata)"),
-    ("ckpt_tool.engine", "plan_conversion", "plan"),
-    ("ckpt_tool.engine", "prepare_output", "prepare output dir"),
-    ("ckpt_tool.engine", "make_writer", "make writer"),
+    ("ckpt_tool.ops.engine", "plan_conversion", "plan"),
+    ("ckpt_tool.ops.engine", "prepare_output", "prepare output dir"),
+    ("ckpt_tool.ops.engine", "make_writer", "make writer"),
     ("ckpt_tool.formats.dcp.write", "DcpWriter.begin", "writer.begin"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.begin", "writer.begin"),
-    ("ckpt_tool.engine", "stream", "stream (copy every chunk)"),
+    ("ckpt_tool.ops.engine", "stream", "stream (copy every chunk)"),
     ("ckpt_tool.formats.dcp.write", "DcpWriter.finish_process", "writer.finish_process"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.finish_process", "writer.finish_process"),
     ("ckpt_tool.formats.dcp.write", "DcpWriter.commit", "writer.commit"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.commit", "writer.commit"),
-    ("ckpt_tool.engine", "finalize_output", "rename into place"),
+    ("ckpt_tool.ops.engine", "finalize_output", "rename into place"),
 ]
 
 
@@ -588,7 +588,7 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
     out: dict = {"direction": direction, "mode": mode, "workers": workers}
     t0 = time.perf_counter()
     import ckpt_tool.cli.main  # noqa: F401  (what `python -m ckpt_tool` imports)
-    from ckpt_tool import engine
+    from ckpt_tool.ops import engine
 
     out["import_s"] = round(time.perf_counter() - t0, 3)
     out["rss_after_import_kib"] = _rss_kib()
@@ -707,7 +707,7 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
     elif mode in ("read-only", "write-only"):
         import numpy as np
 
-        from ckpt_tool import dtypes
+        from ckpt_tool.base import dtypes
 
         if mode == "read-only":  # the writer drops every chunk (and skips its commit checks)
             for mod, attr in (("ckpt_tool.formats.dcp.write", "DcpWriter"), ("ckpt_tool.formats.orbax.write", "OrbaxWriter")):
@@ -728,7 +728,7 @@ def _profile_child(direction: str, mode: str, src: str, dst: str, workers: int, 
                         cache[(shape, self.dtype)] = a
                 return a
 
-            _patch("ckpt_tool.model", "ArrayLeaf.read", lambda fn: fake_read)
+            _patch("ckpt_tool.core.model", "ArrayLeaf.read", lambda fn: fake_read)
         s = time.perf_counter()
         result = engine.convert(src, dst, opts)
         out["convert_s"] = round(time.perf_counter() - s, 3)

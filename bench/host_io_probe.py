@@ -5,7 +5,7 @@
 Where convert or reshard is slower than `cp -r && sync` on some host, these
 figures say which primitive is dear there: buffered pwrite from one thread or
 eight, fsync of a dirty or a clean file, sync_file_range and fadvise (what
-ckpt_tool/pagecache.py does every 64 MiB), os.sync, pread from the page
+ckpt_tool/base/pagecache.py does every 64 MiB), os.sync, pread from the page
 cache, and small files. On a sandboxed kernel (gVisor) some of these differ
 from Linux by orders of magnitude: sync_file_range there syncs the whole
 file, fadvise does nothing. Prints one JSON object.

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {**ib.report_header("layout", load_at_start), "checkpoint": os.path.relpath(SRC, REPO),
               "leaves": LEAVES, "bytes": NBYTES, "runs": args.runs, "results": results, "ratios": ratios(results),
               "ok": all(r["ok"] for r in results)}
-    from ckpt_tool.parallel import default_workers
+    from ckpt_tool.base.parallel import default_workers
 
     report["default_workers"] = default_workers()
     if args.json:

@@ -59,7 +59,7 @@ def _sets_pickle(size: int) -> bytes:
 
 
 def measure(runs: int) -> dict:
-    from ckpt_tool.torchsave import pickle_budget
+    from ckpt_tool.machinery.torch_save import pickle_budget
 
     # safe_pickle.MAX_PAYLOAD_PICKLE_BYTES (safe_pickle imports numpy: this process stays small)
     size = 256 << 20

@@ -366,16 +366,16 @@ def compute_targets(results: list[dict]) -> tuple[list[dict], list[dict]]:
 
 # cumulative time of these (summed over threads); a missing one is skipped
 CUMULATIVE = [
-    ("ckpt_tool.reshard", "plan_reshard", "plan_reshard (metadata, specs, chunk grid)"),
-    ("ckpt_tool.engine", "stream", "engine.stream (every chunk, main thread)"),
-    ("ckpt_tool.model", "ArrayLeaf.read", "source read, thread-s (ArrayLeaf.read)"),
+    ("ckpt_tool.ops.reshard", "plan_reshard", "plan_reshard (metadata, specs, chunk grid)"),
+    ("ckpt_tool.ops.engine", "stream", "engine.stream (every chunk, main thread)"),
+    ("ckpt_tool.core.model", "ArrayLeaf.read", "source read, thread-s (ArrayLeaf.read)"),
     ("ckpt_tool.formats.orbax.reader", "_ZarrRegionReader.read", "  tensorstore zarr read + zstd decode"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.write_array", "writer.write_array, thread-s"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter._submit", "  _submit (tensorstore write + backpressure)"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter._drain", "  _drain (waiting for OCDBT commits)"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.finish_process", "writer.finish_process"),
     ("ckpt_tool.formats.orbax.write", "OrbaxWriter.commit", "writer.commit (merge, metadata)"),
-    ("ckpt_tool.engine", "finalize_output", "rename into place"),
+    ("ckpt_tool.ops.engine", "finalize_output", "rename into place"),
 ]
 
 
@@ -399,11 +399,11 @@ def _profile_child(case: str, src: str, dst: str, top: int) -> dict:
     out: dict = {"case": case, "mesh": CASES[case]["mesh"]}
     t0 = time.perf_counter()
     import ckpt_tool.cli.main  # noqa: F401  (what `python -m ckpt_tool` imports)
-    from ckpt_tool.reshard import ReshardOptions, reshard
+    from ckpt_tool.ops.reshard import ReshardOptions, reshard
 
     out["import_s"] = round(time.perf_counter() - t0, 3)
     try:  # as `ckpt reshard` does for itself (cli/main.py): one malloc arena
-        from ckpt_tool.parallel import limit_allocator_growth
+        from ckpt_tool.base.parallel import limit_allocator_growth
 
         limit_allocator_growth()
     except ImportError:

@@ -450,7 +450,7 @@ def held_chip_reshard(bench: Bench, src: str, dst: str, mesh: str) -> None:
             return
         t = time.perf_counter()
         probe = ("import sys, time, runpy; sys.argv = ['ckpt'] + sys.argv[1:]; t = time.perf_counter(); "
-                 "from ckpt_tool.reshard import ReshardOptions, resolve_mesh; "
+                 "from ckpt_tool.ops.reshard import ReshardOptions, resolve_mesh; "
                  "m = resolve_mesh(ReshardOptions(mesh=sys.argv[-1]), 1); "
                  "print(round(time.perf_counter() - t, 3), m.source, flush=True)")
         r = subprocess.run([*bench.python, "-c", probe, mesh], capture_output=True, text=True, cwd=bench.work)
@@ -650,11 +650,11 @@ def profile(out: Path) -> int:
 # what a ckpt process imports before its first chunk, piece by piece: each line a fresh interpreter
 STARTUP_IMPORTS = ["pass", "import numpy", "import numpy, ml_dtypes", "import asyncio", "import tensorstore",
                    "import click", "import rich.markup, rich.text", "import ckpt_tool.cli.main",
-                   "import ckpt_tool.cli.main, ckpt_tool.runs, ckpt_tool.engine",
+                   "import ckpt_tool.cli.main, ckpt_tool.ops.runs, ckpt_tool.ops.engine",
                    # the same, numpy and tensorstore imported on a second thread meanwhile: whether
                    # imports overlap where each costs file-system round trips (9p under gVisor)
                    "import threading; t = threading.Thread(target=__import__, args=('tensorstore',)); t.start(); "
-                   "import ckpt_tool.cli.main; t.join(); import ckpt_tool.runs, ckpt_tool.engine"]
+                   "import ckpt_tool.cli.main; t.join(); import ckpt_tool.ops.runs, ckpt_tool.ops.engine"]
 
 
 def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:

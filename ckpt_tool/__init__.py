@@ -9,16 +9,16 @@
 """
 from __future__ import annotations
 
-from .errors import CkptError
-from .version import __version__
+from .base.errors import CkptError
+from .base.version import __version__
 
 # (not typing's: importing typing costs `ckpt --version` ~5 ms; the type checker knows the name)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .model import ArrayLeaf, Checkpoint, ValueLeaf
-    from .runs import Latest
+    from .core.model import ArrayLeaf, Checkpoint, ValueLeaf
+    from .ops.runs import Latest
 
 __all__ = ["open", "latest", "Checkpoint", "ArrayLeaf", "ValueLeaf", "CkptError", "__version__"]
 
@@ -29,9 +29,13 @@ _FROM_MODEL = frozenset({"ArrayLeaf", "Checkpoint", "ValueLeaf"})
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_MODEL:
-        from . import model
+        from .core import model
 
         return getattr(model, name)
+    if name == 'manifest':  # documented as `from ckpt_tool import manifest` (docs/python-api.md)
+        from .ops import manifest
+
+        return manifest
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -55,6 +59,6 @@ def latest(root: str, deep: bool = False) -> Latest:
     qualifies; `.skipped` lists the newer steps passed over and why (the pointer file's target
     included, when it fails). Reads listings and metadata only; raises CkptError when `root`
     is not a run root ckpt knows."""
-    from .runs import latest as _latest
+    from .ops.runs import latest as _latest
 
     return _latest(root, deep=deep)

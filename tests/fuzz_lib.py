@@ -2660,7 +2660,7 @@ def uncontrolled_document_cases() -> dict[str, Callable[[Path], Mutant]]:
     return cases
 
 
-# the variables each parser reads (topology.py, distributed.py, storage/remote.py)
+# the variables each parser reads (ops/topology.py, base/distributed.py, storage/remote.py)
 ENV_VARIABLES = {
     "tpu": ("TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS",
             "TPU_WORKER_ID", "TPU_VISIBLE_CHIPS", "JAX_PLATFORMS"),
@@ -2704,8 +2704,9 @@ def environment_mutant(rng: random.Random) -> dict[str, str]:
 def check_environment(env: dict[str, str], time_limit: float = 2.0) -> list[Violation]:
     """Every environment parser given `env`, in this process: each may refuse (a CkptError, whose
     message is one line), never raise anything else, and each answers within `time_limit`."""
-    from ckpt_tool import distributed, reshard, topology
-    from ckpt_tool.errors import CkptError
+    from ckpt_tool.base import distributed
+    from ckpt_tool.ops import reshard, topology
+    from ckpt_tool.base.errors import CkptError
     from ckpt_tool.storage import remote
 
     def topology_and_mesh() -> None:
@@ -2836,7 +2837,7 @@ def zygote_main() -> None:
     import traceback
 
     for mod in ("ckpt_tool.cli.main", "ckpt_tool.cli.inspect_cmd", "ckpt_tool.cli.validate_cmd",
-                "ckpt_tool.formats", "ckpt_tool.validate.deep", "ckpt_tool.inspect"):
+                "ckpt_tool.formats", "ckpt_tool.ops.validate.deep", "ckpt_tool.ops.inspect"):
         __import__(mod)
     import ckpt_tool.formats as formats_pkg
 

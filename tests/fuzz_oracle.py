@@ -414,7 +414,7 @@ FORMAT_ALLOW = {"megatron": ("ckpt_tool.formats.megatron.pickled", "ALLOW")}
 
 def ckpt_allow(ckpt_format: str = "torch") -> set[tuple[str, str]]:
     """The (module, name) globals ckpt's unpickler admits for a file of `ckpt_format`."""
-    from ckpt_tool.torchsave import safe_pickle
+    from ckpt_tool.machinery.torch_save import safe_pickle
 
     keys = set(safe_pickle.ALLOWED)
     if ckpt_format in FORMAT_ALLOW:
@@ -467,7 +467,7 @@ def safe_globals_for(found: list[tuple[str, str]], ckpt_format: str = "torch") -
     UncheckedGlobals when one of those cannot be imported here."""
     from torch import _weights_only_unpickler as wo
 
-    from ckpt_tool.torchsave.safe_pickle import _PY2_MODULES
+    from ckpt_tool.machinery.torch_save.safe_pickle import _PY2_MODULES
 
     defaults = wo._get_allowed_globals()
     allow = ckpt_allow(ckpt_format)
@@ -579,7 +579,7 @@ def _torch_load(file: str, ckpt_format: str = "torch") -> tuple[Any, str | None]
         raise first
 
 
-_WALK_MAX_DEPTH = 100  # ckpt_tool.torchsave.object_tree.MAX_DEPTH
+_WALK_MAX_DEPTH = 100  # ckpt_tool.machinery.torch_save.object_tree.MAX_DEPTH
 
 
 def _torch_holders(obj: Any) -> set[int]:
@@ -734,8 +734,8 @@ def _ckpt_plain(value: Any) -> Any:
     its fields, a later path to a shared container as the path it names."""
     import torch
 
-    from ckpt_tool.torchsave.safe_pickle import Record, TorchDType
-    from ckpt_tool.values import SameObject
+    from ckpt_tool.machinery.torch_save.safe_pickle import Record, TorchDType
+    from ckpt_tool.core.values import SameObject
 
     def node(v: Any) -> Any:
         if isinstance(v, SameObject):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import tensorstore as ts
 
-from ckpt_tool.errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
+from ckpt_tool.base.errors import CkptError, NotFoundError, PathEscapeError, StorageUnavailableError
 from ckpt_tool.storage import Capabilities, Storage, ocdbt_bulk, remote
 
 # what the backends that can be given any tree are populated with: nested directories, a value

@@ -1,4 +1,4 @@
-"""Write blocks (ckpt_tool/blocks.py): small output chunks handed to the Orbax writer a block at a time."""
+"""Write blocks (ckpt_tool/core/blocks.py): small output chunks handed to the Orbax writer a block at a time."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +9,9 @@ import pytest
 import tensorstore as ts
 
 from ckpt_tool import formats
-from ckpt_tool.blocks import BLOCK_BYTES, block_shape, blocks
-from ckpt_tool.model import ArrayLeaf, ChunkList, RegularGrid, grid_chunks
-from ckpt_tool.reshard import ReshardOptions, reshard
+from ckpt_tool.core.blocks import BLOCK_BYTES, block_shape, blocks
+from ckpt_tool.core.model import ArrayLeaf, ChunkList, RegularGrid, grid_chunks
+from ckpt_tool.ops.reshard import ReshardOptions, reshard
 
 from conftest import fixture_path
 

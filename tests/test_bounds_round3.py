@@ -180,7 +180,7 @@ def test_tpu_chips_per_host_bounds_with_a_zero(tmp_path: Path, bounds: str) -> N
 
 
 def test_tpu_visible_chips_with_huge_numbers() -> None:
-    from ckpt_tool.topology import host_topology
+    from ckpt_tool.ops.topology import host_topology
 
     # 5000 digits: past int()'s string limit (a ValueError from deep inside once); not a chip list
     assert host_topology({"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_VISIBLE_CHIPS": "9" * 5000}) is None
@@ -204,7 +204,7 @@ def test_reshard_rules_nested_too_deeply(tmp_path: Path, name: str, text: str) -
 def test_slurm_host_list_that_multiplies_out() -> None:
     """Each bracket is plausible alone, together 10**12 names: refused, not expanded (in a process of
     its own, killed past 1 GB: the old code took the machine's memory)."""
-    code = ("from ckpt_tool.distributed import LaunchError, process_spec\n"
+    code = ("from ckpt_tool.base.distributed import LaunchError, process_spec\n"
             "env = {'SLURM_STEP_ID': '0', 'SLURM_PROCID': '0', 'SLURM_NTASKS': '2', 'SLURM_JOB_ID': '7',\n"
             "       'SLURM_NODELIST': 'n[0-999999][0-999999]'}\n"
             "try:\n    process_spec(None, None, None, env)\nexcept LaunchError as exc:\n    print(exc.message)\n")

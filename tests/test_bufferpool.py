@@ -1,9 +1,9 @@
-"""ckpt_tool/bufferpool.py: a buffer is handed out again only once nothing else refers to it."""
+"""ckpt_tool/base/bufferpool.py: a buffer is handed out again only once nothing else refers to it."""
 from __future__ import annotations
 
 import numpy as np
 
-from ckpt_tool.bufferpool import MIN_BYTES, BufferPool
+from ckpt_tool.base.bufferpool import MIN_BYTES, BufferPool
 
 MiB = 1 << 20
 

@@ -1,10 +1,10 @@
-"""checksum.py: CRC-32 as zip / torch.save record it, and put together from pieces read apart."""
+"""base/checksum.py: CRC-32 as zip / torch.save record it, and put together from pieces read apart."""
 from __future__ import annotations
 
 import random
 import zlib
 
-from ckpt_tool.checksum import CrcTiling, crc32, crc32_combine
+from ckpt_tool.base.checksum import CrcTiling, crc32, crc32_combine
 
 
 def test_crc32_is_zlibs():

@@ -300,7 +300,7 @@ def test_plural_reshard_summary(tmp_path):
 
 
 def test_not_an_int_value_message(tmp_path):
-    from ckpt_tool.errors import a_type
+    from ckpt_tool.base.errors import a_type
 
     assert (a_type(7), a_type("x"), a_type(object())) == ("an int", "a str", "an object")
 

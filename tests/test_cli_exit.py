@@ -52,8 +52,8 @@ def test_a_convert_ends_with_its_output_and_its_line_whole(tmp_path) -> None:
 
 
 def test_the_distributed_packages_are_the_coordinators_libraries() -> None:
-    """main.py names the packages itself (importing distributed.py would cost every start)."""
-    from ckpt_tool.distributed import LIBRARIES
+    """main.py names the packages itself (importing base/distributed.py would cost every start)."""
+    from ckpt_tool.base.distributed import LIBRARIES
 
     assert set(cli_main.DISTRIBUTED_PACKAGES) == {library.partition(".")[0] for library in LIBRARIES}
 

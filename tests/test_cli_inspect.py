@@ -176,8 +176,8 @@ def test_json_leaves_render_each_sharding_as_its_own_and_keep_the_contract_order
     """InspectResult.to_json finds a Sharding met again by its object (issue 46: DCP's tens of
     thousands of leaves share one) or by its value; each leaf still gets its own sharding's JSON,
     and an array leaf's fields come in the documented order."""
-    from ckpt_tool.inspect import InspectResult
-    from ckpt_tool.model import ArrayLeaf, Checkpoint, Chunk, ChunkList, RegularGrid, Sharding
+    from ckpt_tool.ops.inspect import InspectResult
+    from ckpt_tool.core.model import ArrayLeaf, Checkpoint, Chunk, ChunkList, RegularGrid, Sharding
 
     shared = Sharding(kind="chunks", chunks=1)
     named = Sharding(kind="named", mesh_shape=(2,), axis_names=("d",), partition_spec=("d",), device_ids=(0, 1))

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.diff import diff_checkpoints
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.diff import diff_checkpoints
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import DCP_FIXTURES, ORBAX_FIXTURES, ROOT, fixture_info, fixture_path, run_ckpt, run_two_processes
 from library_reference import dcp_values, orbax_values

@@ -1,4 +1,4 @@
-"""`convert --dtype` (casting.py, hf_export.retyped_configs): what a cast export holds, checked with the
+"""`convert --dtype` (core/casting.py, hf_export.retyped_configs): what a cast export holds, checked with the
 libraries' own loaders.
 
 - a transformers `save_pretrained` model cast to bfloat16 loads with `from_pretrained(DST)` (no dtype

@@ -44,8 +44,8 @@ torch = pytest.importorskip("torch")
 
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 - a BaseException
 
-from ckpt_tool.errors import CkptError  # noqa: E402
-from ckpt_tool.validate import validate_checkpoint  # noqa: E402
+from ckpt_tool.base.errors import CkptError  # noqa: E402
+from ckpt_tool.ops.validate import validate_checkpoint  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures"
@@ -105,7 +105,7 @@ def dcp_load_values(path: Path, ours: dict[tuple, Any]) -> dict[tuple, Any]:
 def ckpt_values(path: Path) -> dict[tuple, Any]:
     import ckpt_tool
 
-    from ckpt_tool.model import ArrayLeaf
+    from ckpt_tool.core.model import ArrayLeaf
 
     out = {}
     for leaf in ckpt_tool.open(os.fspath(path)).leaves:
@@ -532,8 +532,8 @@ def test_memo_bomb_is_refused_before_allocating(tmp_path: Path) -> None:
     (b"\x80\x04" + b"N2" * (1 << 20) + b".", "stack entries"),  # DUP: a 2 MB pickle, a 1M-deep stack
 ])
 def test_pickle_vm_limits(pickle_bytes: bytes, expect: str) -> None:
-    from ckpt_tool.errors import CorruptMetadataError
-    from ckpt_tool.torchsave import safe_pickle
+    from ckpt_tool.base.errors import CorruptMetadataError
+    from ckpt_tool.machinery.torch_save import safe_pickle
 
     t0 = time.monotonic()
     with pytest.raises(CorruptMetadataError, match=expect):
@@ -544,7 +544,7 @@ def test_pickle_vm_limits(pickle_bytes: bytes, expect: str) -> None:
 
 
 def test_pickle_vm_limits_leave_real_metadata_alone() -> None:
-    from ckpt_tool.torchsave import safe_pickle
+    from ckpt_tool.machinery.torch_save import safe_pickle
 
     for name in (*FULL, *SAMPLED):
         data = (FIXTURES / name / ".metadata").read_bytes()

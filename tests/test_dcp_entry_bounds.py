@@ -26,7 +26,7 @@ import pytest
 
 import fuzz_lib as F
 from conftest import FIXTURES, moto_s3_serving, run_ckpt, s3_client
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.validate import validate_checkpoint
 
 torch = pytest.importorskip("torch")
 from fuzz_oracle import check as oracle_check  # noqa: E402  (imports torch's DCP reader)
@@ -250,11 +250,11 @@ def test_ckpt_writer_output_with_aligned_gaps_passes_strict(tmp_path):
     """ckpt's DCP writer puts large archives on 4 KiB boundaries (O_DIRECT), zeros between them."""
     import numpy as np
 
-    from ckpt_tool import directio
+    from ckpt_tool.base import directio
     from ckpt_tool.formats.dcp.write import DcpWriter
-    from ckpt_tool.model import RegularGrid
+    from ckpt_tool.core.model import RegularGrid
     from ckpt_tool.storage import Storage
-    from ckpt_tool.writers import TargetArray, WritePlan
+    from ckpt_tool.core.write_plan import TargetArray, WritePlan
 
     rng = np.random.default_rng(3)
     arrays = {"big": rng.standard_normal((700, 300)).astype(np.float32),
@@ -334,7 +334,7 @@ def test_a_long_zstd_frame_is_walked_to_its_end(big_zstd, tmp_path):
 
 
 def test_a_frame_too_long_for_the_read_budget_is_counted_not_refused(big_zstd, monkeypatch):
-    from ckpt_tool.distcp import checks as dcp_checks
+    from ckpt_tool.machinery.dcp import checks as dcp_checks
 
     monkeypatch.setattr(dcp_checks, "_ENTRY_READS_LOCAL", 2)
     report = validate_checkpoint(str(big_zstd))

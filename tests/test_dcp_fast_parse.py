@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.distcp import checks as dcp_checks
-from ckpt_tool.distcp import reader as dcp_reader
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.machinery.dcp import checks as dcp_checks
+from ckpt_tool.machinery.dcp import reader as dcp_reader
 from ckpt_tool.storage import Storage
-from ckpt_tool.torchsave import safe_pickle
-from ckpt_tool.torchsave.safe_pickle import Size
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.machinery.torch_save import safe_pickle
+from ckpt_tool.machinery.torch_save.safe_pickle import Size
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import fixture_path
 

@@ -26,7 +26,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import ckpt_tool  # noqa: E402
 from ckpt_tool import formats  # noqa: E402
-from ckpt_tool.errors import (  # noqa: E402
+from ckpt_tool.base.errors import (  # noqa: E402
     CkptError,
     CorruptMetadataError,
     IncompleteCheckpointError,
@@ -34,8 +34,8 @@ from ckpt_tool.errors import (  # noqa: E402
     UnsafePickleError,
 )
 from ckpt_tool.formats import dcp as dcp_reader  # noqa: E402
-from ckpt_tool.torchsave import payload as torch_payload  # noqa: E402
-from ckpt_tool.model import ArrayLeaf, ChunkList, ValueLeaf  # noqa: E402
+from ckpt_tool.machinery.torch_save import payload as torch_payload  # noqa: E402
+from ckpt_tool.core.model import ArrayLeaf, ChunkList, ValueLeaf  # noqa: E402
 from ckpt_tool.storage import Storage  # noqa: E402
 
 from conftest import DCP_FIXTURES, fixture_path, free_port, mutate_bytes  # noqa: E402

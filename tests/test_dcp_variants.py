@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.torchsave import payload as torch_payload
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.machinery.torch_save import payload as torch_payload
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import fixture_path, run_ckpt
 from library_reference import _tensor_to_numpy, dcp_chunks, dcp_keys, dcp_reference, orbax_values
@@ -178,7 +178,7 @@ def test_validate_deep_of_zstd_imports_neither_torch_nor_jax():
     import sys
 
     code = (
-        "import sys, ckpt_tool; from ckpt_tool.validate import validate_checkpoint; "
+        "import sys, ckpt_tool; from ckpt_tool.ops.validate import validate_checkpoint; "
         f"r = validate_checkpoint({str(fixture_path('dcp_zstd'))!r}, deep=True); assert r.ok(strict=True); "
         "assert 'torch' not in sys.modules and 'jax' not in sys.modules, [m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')]"
     )
@@ -266,7 +266,7 @@ def test_diff_sees_the_conjugation(tmp_path):
     """diff against torch's own materialised copy: the same; against the stored values (bits ignored): differs."""
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tool.diff import diff_checkpoints
+    from ckpt_tool.ops.diff import diff_checkpoints
 
     src = fixture_path("dcp_conj")
     resolved = {"model": {}, "step": 7}

@@ -31,14 +31,14 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.errors import CkptError, IncompleteCheckpointError
-from ckpt_tool.torchsave import safe_pickle
+from ckpt_tool.base.errors import CkptError, IncompleteCheckpointError
+from ckpt_tool.machinery.torch_save import safe_pickle
 from ckpt_tool.formats.dcp.write import DcpWriter, tensor_archive, value_archive
-from ckpt_tool.torchsave.pickle_writer import dumps
-from ckpt_tool import dtypes
-from ckpt_tool.model import Chunk, ChunkList, RegularGrid
+from ckpt_tool.machinery.torch_save.pickle_writer import dumps
+from ckpt_tool.base import dtypes
+from ckpt_tool.core.model import Chunk, ChunkList, RegularGrid
 from ckpt_tool.storage import Storage
-from ckpt_tool.writers import TargetArray, TargetValue, WritePlan
+from ckpt_tool.core.write_plan import TargetArray, TargetValue, WritePlan
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -714,9 +714,9 @@ import time
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 import numpy as np
 from ckpt_tool.formats.dcp.write import DcpWriter
-from ckpt_tool.model import RegularGrid
+from ckpt_tool.core.model import RegularGrid
 from ckpt_tool.storage import Storage
-from ckpt_tool.writers import TargetArray, TargetValue, WritePlan
+from ckpt_tool.core.write_plan import TargetArray, TargetValue, WritePlan
 plan = WritePlan([TargetArray(("w",), "w", (3,), "bfloat16", RegularGrid((3,))), TargetValue(("s",), "s", 1)])
 w = DcpWriter(Storage.create({str(tmp_path / "nt")!r}))
 w.begin(plan)

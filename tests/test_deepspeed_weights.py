@@ -94,8 +94,8 @@ def test_stage3_module_weights_are_refused_in_one_line(name):
 def test_the_shallow_checks_take_it_as_a_parameter():
     """validate hands the option to the format's checks as open_checkpoint hands it to read(), a
     keyword argument (no context variable read inside the format package; issue 47)."""
-    from ckpt_tool.errors import UsageError
-    from ckpt_tool.findings import Findings
+    from ckpt_tool.base.errors import UsageError
+    from ckpt_tool.base.findings import Findings
     from ckpt_tool.storage import Storage
 
     checks = formats.get("deepspeed").checks()

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import _run, cli
-from ckpt_tool.diff import diff_checkpoints
-from ckpt_tool.structure import MAX_DOCUMENT_BYTES, is_inspect_json_file, load_structure
+from ckpt_tool.ops.diff import diff_checkpoints
+from ckpt_tool.ops.structure import MAX_DOCUMENT_BYTES, is_inspect_json_file, load_structure
 
 from conftest import ROOT, SAMPLE_FIXTURES, fixture_path, run_ckpt
 

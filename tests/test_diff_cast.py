@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 
 import ckpt_tool
-from ckpt_tool import diff as diff_module
+from ckpt_tool.ops import diff as diff_module
 from ckpt_tool.cli.main import _run
-from ckpt_tool.diff import diff_checkpoints
+from ckpt_tool.ops.diff import diff_checkpoints
 
 from conftest import fixture_path
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt_tool import directio
+from ckpt_tool.base import directio
 from ckpt_tool.storage import Storage
 from test_pagecache import cached_fraction
 
@@ -118,7 +118,7 @@ def test_other_write_errors_are_reported(direct_dir: Path, monkeypatch) -> None:
     monkeypatch.setattr(directio, "write_direct", full)
     writer = Storage.create(str(direct_dir / "out")).create_local_file("data.bin")
     offset, _ = writer.place(0, MiB)
-    from ckpt_tool.errors import CkptError
+    from ckpt_tool.base.errors import CkptError
 
     with pytest.raises(CkptError, match="No space left on device"):
         writer.write_at(offset, [bytes(MiB)])
@@ -143,8 +143,8 @@ def test_dcp_with_direct_archives_loads_bit_exact_in_torch(direct_dir: Path) -> 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from ckpt_tool.formats.dcp.write import DcpWriter
-    from ckpt_tool.model import RegularGrid
-    from ckpt_tool.writers import TargetArray, WritePlan
+    from ckpt_tool.core.model import RegularGrid
+    from ckpt_tool.core.write_plan import TargetArray, WritePlan
 
     rng = np.random.default_rng(1)
     arrays = {

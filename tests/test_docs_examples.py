@@ -310,7 +310,7 @@ def formats_table() -> str:
 
 def codes_table() -> str:
     """validate's finding codes (docs/commands/validate.md), from findings.CODES."""
-    from ckpt_tool.findings import CODES
+    from ckpt_tool.base.findings import CODES
 
     return "\n".join(["| code | meaning |", "|---|---|", *(f"| `{c}` | {m} |" for c, m in CODES.items())])
 

@@ -172,7 +172,7 @@ def test_unreadable_file_is_not_called_missing_in_process(tmp_path):
     shutil.copytree(FIXTURES / "dcp_multirank", ckpt_dir)
     code = f"""
 from ckpt_tool.storage import Storage
-from ckpt_tool.errors import UnreadableFileError
+from ckpt_tool.base.errors import UnreadableFileError
 try:
     Storage.open({str(ckpt_dir)!r}).read_range("__1_0.distcp", 0, 8)
 except UnreadableFileError as exc:
@@ -197,7 +197,7 @@ def test_truncated_distcp_items_are_one_finding(tmp_path):
 
 def test_findings_group_by_file_and_keep_other_findings():
     """The collector: a file's problem once, its leaves counted; a chunk's own damage stays its own."""
-    from ckpt_tool.findings import Findings
+    from ckpt_tool.base.findings import Findings
 
     f = Findings()
     f.error("unreadable-file", "data file cannot be read (Permission denied)", file="a.bin")

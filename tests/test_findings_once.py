@@ -131,8 +131,8 @@ def test_lost_node_of_a_many_level_tree_takes_exactly_the_arrays_under_it(tmp_pa
     (Was: the walk followed the version tree instead of the newest root, and most damage passed.)"""
     import tensorstore as ts
 
-    from ckpt_tool.arrays import checks as ac
-    from ckpt_tool.findings import Findings
+    from ckpt_tool.machinery.arrays import checks as ac
+    from ckpt_tool.base.findings import Findings
     from ckpt_tool.storage import Storage
 
     src = tmp_path / "db"

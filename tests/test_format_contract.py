@@ -1,4 +1,4 @@
-"""formats/contract.py: each optional hook's default, and the real readers' declared hooks."""
+"""core/contract.py: each optional hook's default, and the real readers' declared hooks."""
 from __future__ import annotations
 
 import types
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpt_tool.formats import contract
+from ckpt_tool.core import contract
 
 
 def _region(*shape: int) -> tuple[slice, ...]:
@@ -93,7 +93,7 @@ def test_the_real_readers_declare_their_hooks():
     database's chunks are read by pread and decoded by ckpt, zarr chunks stream, byte-range readers
     read bands."""
     import ckpt_tool
-    from ckpt_tool.arrays.reading import LocatedZarrRegionReader
+    from ckpt_tool.machinery.arrays.reading import LocatedZarrRegionReader
 
     plain = [leaf for leaf in ckpt_tool.open(str(FIXTURES / "orbax_plain_zarr2")).leaves if leaf.kind == "array"]
     assert plain and all(contract.reader_of(leaf).starts_reads for leaf in plain)

@@ -1,4 +1,4 @@
-"""A complete Hugging Face export (hf_export.py): a model directory's config and tokenizer files carried
+"""A complete Hugging Face export (ops/hf_export.py): a model directory's config and tokenizer files carried
 beside the safetensors output; `--like HF_DIR` checks the output against a reference model written by
 transformers (names, shapes, dtypes after --rename/--unstack/--dtype), drops the output embedding a tied
 reference does not store, copies its files, and the result loads with transformers' from_pretrained."""

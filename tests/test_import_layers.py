@@ -1,28 +1,29 @@
-"""ckpt_tool's modules import in layers: each layer uses only the layers below it.
+"""ckpt_tool's modules import in layers, and its tree is the diagram: one folder per layer, each folder
+using only the folders below it.
 
-    cli/, __main__                    the `ckpt` command: parses, calls one core function, renders
-    ckpt_tool (the package)           the library's face: ckpt_tool.open, ckpt_tool.latest
-    runs, engine, diff, reshard,      operations over checkpoints and run roots (convert: engine, and
-      planner, streaming,               the parts beside it)
-      stored_copy, free_space, preflight
-    validate/, manifest/, inspect,    what is asked of one opened checkpoint
-      structure, output, hf_export
-    formats (the registry),           which format a path holds, opening it, a run root's steps
-      formats.steps, .roots, .unknown   (these are handed the registry's table); the format
-                                        packages are loaded by name (importlib), never imported
-    formats/<name>/                   one package per format: never imports another format
-    torchsave/, arrays/, distcp/,     machinery several formats share (torch.save archives,
-      integrity/, hf_index              zarr / TensorStore arrays, DCP's files, integrity manifests,
-                                        Hugging Face's shard index)
-    model, scheduler/, codecs, ...    the checkpoint model, reading plans, chunk codecs
-    storage/                          bytes from files and object stores
-    errors, text, dtypes, names, ...  the base
+    cli/, __main__     the `ckpt` command: parses, calls one core function, renders
+    __init__.py        the library's face: ckpt_tool.open, ckpt_tool.latest
+    ops/               operations over opened checkpoints and run roots: convert (engine and the parts
+                         beside it), reshard, diff, runs, validate, manifest, inspect, the destination's rules
+    formats/           the registry (__init__.py; roots, steps, unknown beside it) and one package per
+                         format: a format package imports no other one and nothing of the registry (its
+                         registration.py excepted); the packages are loaded by name (importlib) through
+                         the registry's table, never imported from outside them
+    machinery/         what several formats share: arrays, DCP's files, torch.save, integrity, HF's index
+    scheduler/         the one read scheduler
+    core/              the checkpoint model, the write plan, codecs, casts, the format contract
+    storage/           bytes from files and object stores
+    base/              errors, text, dtypes, findings, names, ...
 
 Checked from the source (tests/import_graph.py, nothing is imported), counting imports inside
 functions as well as at module level (`if TYPE_CHECKING:` imports, which never run, are not):
 no module imports one in a higher layer, no import cycle exists (so a function-level import is
 only ever a lazy import downward, for start-up time, never a way around a cycle), and no format
 package imports another one.
+
+Package initialisation counts: importing a module runs the __init__.py of each package it is in, so
+a module's layer is never below its packages' (a module inside formats/ is in the registry's layer,
+whatever the table says), and the table may not place one below them.
 
 At run time too: opening a checkpoint (ckpt_tool.open) of every format, and a step of run roots,
 loads no module above the registry (runs, validate, manifest, ...).
@@ -31,8 +32,8 @@ CKPT_LAYERS_TREE=/path/to/checkout runs the checks on another checkout (its ckpt
 """
 from __future__ import annotations
 
-import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,24 +43,18 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from import_graph import PACKAGE, Edge, cycles, edges, modules  # noqa: E402
 
-# lowest first. A module is in the layer of a pattern naming it (fnmatch), else in "format" when it
-# is part of a format package (a directory formats/<name>/), else in the layer of the longest prefix
-# listed. The format contract (formats/contract.py: base classes and protocols, imported by the
-# format packages and the scheduler) sits with the model; a format package's registration.py (its
-# registry entries, read by the registry by file path) is the registry's.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "text", "sizes", "checksum", "directio", "pagecache", "bufferpool", "parallel", "findings",
-              "dtypes", "values", "filters", "distributed", "version", "names", "strict_json", "read_options",
-              "topology")),
+Layers = list[tuple[str, tuple[str, ...]]]
+
+# lowest first: one line per folder of ckpt_tool/ ("": the package's own __init__.py)
+LAYERS: Layers = [
+    ("base", ("base",)),
     ("storage", ("storage",)),
-    ("model", ("model", "casting", "unstack", "optim_keys", "codecs", "scheduler", "writers", "blocks", "formats.contract")),
-    ("machinery", ("torchsave", "arrays", "distcp", "integrity", "hf_index")),
-    ("format", ()),  # every module of a format package: formats/<name>/ (format_package)
-    ("registry", ("formats", "formats.roots", "formats.unknown", "formats.steps", "formats.*.registration")),
-    ("checkpoint", ("validate", "manifest", "inspect", "structure", "output", "output_remote", "hf_export")),
-    ("operations", ("runs", "engine", "planner", "streaming", "stored_copy", "free_space", "preflight", "diff",
-                    "reshard", "supervise")),
-    ("api", ("",)),  # the package's __init__: ckpt_tool.open, ckpt_tool.latest
+    ("core", ("core",)),
+    ("scheduler", ("scheduler",)),
+    ("machinery", ("machinery",)),
+    ("formats", ("formats",)),
+    ("ops", ("ops",)),
+    ("api", ("",)),
     ("cli", ("cli", "__main__")),
 ]
 _RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
@@ -67,7 +62,7 @@ _RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 def format_package(module: str, known: dict[str, Path]) -> str | None:
     """The format package a module belongs to ("ckpt_tool.formats.orbax": a directory under
-    formats/), None for any other (formats/roots.py, formats/contract.py, ...). `known`: the tree's
+    formats/), None for any other (formats/roots.py, formats/steps.py, ...). `known`: the tree's
     modules (import_graph.modules).
 
     DeepSpeed's universal checkpoints (formats/deepspeed/universal/) are part of the deepspeed
@@ -80,41 +75,65 @@ def format_package(module: str, known: dict[str, Path]) -> str | None:
     return top if path is not None and path.name == "__init__.py" else None
 
 
-def layer_of(module: str, known: dict[str, Path]) -> str:
+def table_layer(module: str, layers: Layers = LAYERS) -> str | None:
+    """The layer of the longest prefix of `layers` naming `module`; None when none does."""
     inner = module.removeprefix(PACKAGE).removeprefix(".")
-    for layer, patterns in LAYERS:
-        if any("*" in p and fnmatch.fnmatchcase(inner, p) for p in patterns):
-            return layer
-    if format_package(module, known) is not None:
-        return "format"
     best, best_len = None, -1
-    for layer, prefixes in LAYERS:
+    for layer, prefixes in layers:
         for prefix in prefixes:
             # ("": the package's own __init__ only: a module no prefix names has no layer)
-            if "*" not in prefix and (inner == prefix or (prefix and inner.startswith(prefix + "."))):
-                if len(prefix) > best_len:
-                    best, best_len = layer, len(prefix)
-    if best is None:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+            if (inner == prefix or (prefix and inner.startswith(prefix + "."))) and len(prefix) > best_len:
+                best, best_len = layer, len(prefix)
     return best
 
 
-def violations(graph: list[Edge], known: dict[str, Path]) -> dict[str, list[str]]:
-    """What breaks the layering: imports up the layers, imports between format packages, the
-    function-level imports among them, and the modules of each cycle."""
-    rank = {m: _RANK[layer_of(m, known)] for m in known}
+def layer_of(module: str, known: dict[str, Path], layers: Layers = LAYERS) -> str:
+    """`module`'s layer: its table row's, raised to that of each package it is in below the root
+    (importing it runs their __init__.py: a module whose import runs the registry is in the
+    registry's layer)."""
+    rank = {name: r for r, (name, _) in enumerate(layers)}
+    own = table_layer(module, layers)
+    if own is None:
+        raise AssertionError(f"{module} is in no layer: add its folder to LAYERS in {__file__}")
+    parts = module.split(".")
+    for k in range(2, len(parts)):
+        package = ".".join(parts[:k])
+        outer = table_layer(package, layers) if package in known else None
+        if outer is not None and rank[outer] > rank[own]:
+            own = outer
+    return own
+
+
+def placed_below_their_packages(known: dict[str, Path], layers: Layers = LAYERS) -> list[str]:
+    """Modules a table places below a package they are in (the table would not see what their
+    import runs)."""
+    return [f"{m.removeprefix(PACKAGE + '.')}: placed in {table_layer(m, layers)}, its import runs a package "
+            f"of {layer_of(m, known, layers)}" for m in known if table_layer(m, layers) != layer_of(m, known, layers)]
+
+
+def violations(graph: list[Edge], known: dict[str, Path], layers: Layers = LAYERS) -> dict[str, list[str]]:
+    """What breaks the layering: imports up the layers, imports between format packages, imports of a
+    format package from outside it or of the registry from inside one, and the function-level imports
+    inside a cycle."""
+    rank_of = {name: r for r, (name, _) in enumerate(layers)}
+    rank = {m: rank_of[layer_of(m, known, layers)] for m in known}
     upward = [e for e in graph if rank[e.importer] < rank[e.imported]]
     package = {m: format_package(m, known) for m in known}
     across = [e for e in graph if package[e.importer] and package[e.imported] and package[e.importer] != package[e.imported]]
     # the registry and the modules beside it (roots, steps, unknown) load a format package by name, through
     # the registry's table; nothing outside a format package imports one (above the formats: ask the registry)
     into = [e for e in graph if package[e.imported] and not package[e.importer]]
+    # a format package answers through the contract; only its registration.py (read by the registry by file
+    # path) uses the registry's FormatInfo
+    registry = [e for e in graph if package[e.importer] and not package[e.imported]
+                and e.imported.startswith(f"{PACKAGE}.formats") and not e.importer.endswith(".registration")]
     in_cycles = {m for c in cycles(graph) for m in c}
     lazy_in_cycles = [e for e in graph if e.lazy and e.importer in in_cycles and e.imported in in_cycles]
     return {
         "imports up the layers": [str(e) for e in upward],
         "imports of another format package": [str(e) for e in across],
         "imports of a format package from outside it": [str(e) for e in into],
+        "imports of the registry from a format package": [str(e) for e in registry],
         "function-level imports inside a cycle": [str(e) for e in lazy_in_cycles],
     }
 
@@ -133,6 +152,21 @@ def test_every_module_has_a_layer(tree: Path) -> None:
     known = modules(tree)
     for module in known:
         layer_of(module, known)
+
+
+def test_the_package_holds_only_its_layer_folders(tree: Path) -> None:
+    # the tree is the diagram: ckpt_tool/ holds a folder per row of LAYERS, __init__.py and __main__.py
+    folders = {p for _, prefixes in LAYERS for p in prefixes if p}
+    assert all("." not in p for p in folders), "one folder a row: a prefix names a folder of ckpt_tool/"
+    found = {p.name for p in (tree / PACKAGE).iterdir()
+             if p.name != "__pycache__" and (p.suffix == ".py" or (p.is_dir() and any(p.rglob("*.py"))))}
+    assert found == {f"{f}.py" if f == "__main__" else f for f in folders} | {"__init__.py"}, \
+        sorted(found ^ ({f"{f}.py" if f == "__main__" else f for f in folders} | {"__init__.py"}))
+
+
+def test_no_module_is_placed_below_its_package(tree: Path) -> None:
+    below = placed_below_their_packages(modules(tree))
+    assert not below, "\n".join(below)
 
 
 def test_the_graph_sees_function_level_and_relative_imports(tree: Path, graph: list[Edge]) -> None:
@@ -164,29 +198,76 @@ def test_no_module_outside_a_format_package_imports_one(tree: Path, graph: list[
     assert not into, "format packages imported from outside (load them through the registry):\n" + "\n".join(into)
 
 
+def test_no_format_package_imports_the_registry(tree: Path, graph: list[Edge]) -> None:
+    found = violations(graph, modules(tree))["imports of the registry from a format package"]
+    assert not found, "format packages importing the registry (ask through the contract):\n" + "\n".join(found)
+
+
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / PACKAGE / rel).write_text(text)
+
+
 def test_the_checks_catch_a_cycle_an_upward_import_and_a_format_pair(tmp_path: Path) -> None:
     # a tree made to break each rule once: the checks above would see it
-    pkg = tmp_path / PACKAGE
-    for rel, text in {
+    _write_tree(tmp_path, {
         "__init__.py": "",
-        "errors.py": "def f():\n    from . import runs\n",  # base -> operations, in a function
-        "runs.py": "from .errors import f\n",
+        "base/__init__.py": "",
+        "base/errors.py": "def f():\n    from ..ops import runs\n",  # base -> ops, in a function
+        "ops/__init__.py": "",
+        "ops/runs.py": "from ..base.errors import f\n",
+        "core/__init__.py": "",
+        "core/contract.py": "",
         "formats/__init__.py": "",
-        "formats/contract.py": "",  # a module beside the packages, not a format package
         "formats/roots.py": "def f():\n    from .b import reader\n",  # beside the packages, importing one
-        "formats/a/__init__.py": "from ..b import reader\nfrom ..contract import Base\n",
+        "formats/a/__init__.py": "from ..b import reader\nfrom ...core.contract import Base\nfrom .. import steps\n",
+        "formats/steps.py": "",
         "formats/b/__init__.py": "",
         "formats/b/registration.py": "from .. import FormatInfo\n",  # the registry's entry: may use it
         "formats/b/reader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
-    }.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text(text)
+    })
     graph = edges(tmp_path)
-    assert cycles(graph) == [[f"{PACKAGE}.errors", f"{PACKAGE}.runs"]]  # the TYPE_CHECKING import is no edge
+    assert cycles(graph) == [[f"{PACKAGE}.base.errors", f"{PACKAGE}.ops.runs"]]  # the TYPE_CHECKING import is no edge
     found = violations(graph, modules(tmp_path))
-    assert found["imports up the layers"] == ["errors -> runs (in a function, line 2)"]
+    assert found["imports up the layers"] == ["base.errors -> ops.runs (in a function, line 2)"]
     assert found["imports of another format package"] == ["formats.a -> formats.b.reader (line 1)"]
     assert found["imports of a format package from outside it"] == ["formats.roots -> formats.b.reader (in a function, line 2)"]
+    assert found["imports of the registry from a format package"] == ["formats.a -> formats.steps (line 3)"]
+
+
+def test_package_initialisation_counts(tmp_path: Path) -> None:
+    # the blind spot of a table that places modules one by one: a contract kept inside formats/ and
+    # placed with the model by a row of its own; a core module importing it runs formats/__init__.py,
+    # the registry, which runs every format's registration
+    planted = {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/model.py": "from ..formats import contract\n",  # the planted import
+        "formats/__init__.py": "from . import roots\n",
+        "formats/roots.py": "from .contract import RunRules\n",
+        "formats/contract.py": "",
+    }
+    _write_tree(tmp_path, planted)
+    graph, known = edges(tmp_path), modules(tmp_path)
+    by_row: Layers = [("core", ("core", "formats.contract")), ("formats", ("formats",)), ("api", ("",))]
+    # module by module, the rows see nothing wrong: core.model -> formats.contract is core -> core ...
+    rank = {name: r for r, (name, _) in enumerate(by_row)}
+    assert not [e for e in graph if rank[table_layer(e.importer, by_row)] < rank[table_layer(e.imported, by_row)]]
+    # ... but formats.contract's import runs the registry: the checks place it there and report the import
+    assert layer_of(f"{PACKAGE}.formats.contract", known, by_row) == "formats"
+    assert violations(graph, known, by_row)["imports up the layers"] == ["core.model -> formats.contract (line 1)"]
+    assert placed_below_their_packages(known, by_row) == [
+        "formats.contract: placed in core, its import runs a package of formats"]
+
+
+def test_a_registry_import_planted_in_the_core_is_reported(tree: Path, tmp_path: Path) -> None:
+    # the same on a copy of this tree: a core module importing something of formats/ runs the registry
+    shutil.copytree(tree / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    model = tmp_path / PACKAGE / "core" / "model.py"
+    model.write_text("from ..formats import roots\n" + model.read_text())
+    upward = violations(edges(tmp_path), modules(tmp_path))["imports up the layers"]
+    assert "core.model -> formats.roots (line 1)" in upward, upward
 
 
 # one checkpoint of every format and family, and run roots whose step the registry picks
@@ -208,5 +289,5 @@ def test_opening_checkpoints_loads_nothing_above_the_registry(tree: Path) -> Non
     loaded = [m for m in r.stdout.split() if m.startswith(PACKAGE + ".")]
     assert any(m.startswith(f"{PACKAGE}.formats.megatron.") for m in loaded)  # (the opens above were real)
     known = modules(tree)
-    above = [m for m in loaded if m in known and _RANK[layer_of(m, known)] > _RANK["registry"]]
+    above = [m for m in loaded if m in known and _RANK[layer_of(m, known)] > _RANK["formats"]]
     assert not above, f"ckpt_tool.open loaded modules above the registry: {above}"

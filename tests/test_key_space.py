@@ -8,7 +8,7 @@ the other. Now:
 
 - a leaf is its tuple of keys; its one-string spelling (display, --json,
   --filter, --rename) escapes `%` and `/` in a key as `%25` and `%2F`, the same
-  in every format (ckpt_tool/names.py, docs/filters.md);
+  in every format (ckpt_tool/base/names.py, docs/filters.md);
 - every output keeps each source name as its loader expects it, with its own
   values (checked with the real library's loader);
 - where the target cannot hold two names apart, convert refuses in one line
@@ -265,7 +265,7 @@ def test_diff_never_drops_a_leaf(tmp_path, ckpt):
 def test_diff_of_a_conversion_pairs_each_leaf_with_itself(source, tmp_path, ckpt):
     """A conversion diffed against its source: same, every leaf compared once; one leaf
     changed is that leaf's difference, and no other's."""
-    from ckpt_tool.names import split_path
+    from ckpt_tool.base.names import split_path
 
     src, expected = SOURCES[source](tmp_path)
     out = tmp_path / "out"
@@ -353,7 +353,7 @@ def test_inspect_tree_shows_a_leaf_beside_its_subtree(tmp_path, ckpt):
 
 
 def test_escape_round_trips() -> None:
-    from ckpt_tool.names import join_keys, key_text, split_path
+    from ckpt_tool.base.names import join_keys, key_text, split_path
 
     # (the one path no escape tells apart: () and ("",) are both "", the root of a bare tensor and
     # a lone key "", which never meet in one checkpoint: a root leaf is its only leaf)

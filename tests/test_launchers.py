@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt_tool.distributed import (
+from ckpt_tool.base.distributed import (
     SLURM_PORT_BASE, JaxCoordinator, LaunchError, expand_hostlist, first_host, library_for, process_spec, slurm_port,
 )
 from conftest import ROOT, fixture_path, free_port
@@ -408,7 +408,7 @@ def test_a_failing_process_stops_the_others_on_the_jax_route(tmp_path, failing):
 def test_a_dead_process_0_is_lost_contact_not_a_late_arrival():
     """What gloo's monitored barrier says on process 1 when process 0 was SIGKILLed (seen in
     tests/test_multihost_gcs.py's runs) is said as such, not as a process that came too late."""
-    from ckpt_tool.distributed import TorchCoordinator
+    from ckpt_tool.base.distributed import TorchCoordinator
 
     coord = object.__new__(TorchCoordinator)
     coord.process_index = 1
@@ -423,7 +423,7 @@ def test_a_dead_process_0_is_lost_contact_not_a_late_arrival():
 
 BARRIER_SCRIPT = r'''
 import sys
-from ckpt_tool.distributed import LaunchError, join
+from ckpt_tool.base.distributed import LaunchError, join
 try:
     with join(None, None, None) as coord:
         coord.barrier("both")

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.errors import NotFoundError
-from ckpt_tool import dtypes
-from ckpt_tool.model import ArrayLeaf
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.base.errors import NotFoundError
+from ckpt_tool.base import dtypes
+from ckpt_tool.core.model import ArrayLeaf
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import FIXTURES, ROOT
 from library_reference import dcp_values, orbax_values
@@ -325,7 +325,7 @@ def test_a_2_gib_msgpack_is_scanned_in_bounded_memory(tmp_path):
         f.write(struct.pack("<f", 2.5) + b"\xa5small\x01")
     code = (
         "import resource, ckpt_tool\n"
-        "from ckpt_tool.validate import validate_checkpoint\n"
+        "from ckpt_tool.ops.validate import validate_checkpoint\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         f"ck = ckpt_tool.open({str(tmp_path)!r})\n"
         "assert ck['big'].shape == (1 << 29,) and ck['big'][-1:].tolist() == [2.5] and ck['small'].load() == 1\n"
@@ -436,7 +436,7 @@ def test_inspect_imports_neither_jax_nor_torch():
         f"for p in {[str(FIXTURES / f) for f in FAMILIES]!r}:\n"
         "    ck = ckpt_tool.open(p)\n"
         "    [leaf.read() for leaf in ck.arrays()]\n"
-        "from ckpt_tool.validate import validate_checkpoint\n"
+        "from ckpt_tool.ops.validate import validate_checkpoint\n"
         f"validate_checkpoint({str(FIXTURES / 't5x')!r}, deep=True)\n"
         "bad = [m for m in ('jax', 'torch', 'flax', 'msgpack') if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool
-from ckpt_tool.model import ArrayLeaf, ValueLeaf
+from ckpt_tool.core.model import ArrayLeaf, ValueLeaf
 from conftest import FIXTURES
 from library_reference import orbax_values
 

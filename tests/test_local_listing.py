@@ -13,7 +13,7 @@ import tensorstore as ts
 
 from conftest import FIXTURES, ROOT
 
-from ckpt_tool.errors import CkptError
+from ckpt_tool.base.errors import CkptError
 from ckpt_tool.storage import Storage
 
 

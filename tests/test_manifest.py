@@ -287,7 +287,7 @@ def test_tensors_refused_on_a_run_root(tmp_path, ckpt):
 
 
 def test_memory_budget_bounds_the_buffers(tmp_path, ckpt):
-    from ckpt_tool.integrity.hashing import block_bytes
+    from ckpt_tool.machinery.integrity.hashing import block_bytes
     from ckpt_tool.storage import Storage
 
     assert block_bytes(Storage.open(str(fixture_path("dcp_single"))), 4 << 20, 4) == 1 << 20
@@ -495,7 +495,7 @@ def test_json_errors_of_the_subcommands(tmp_path):
 def test_a_killed_writes_temporary_is_ignored_then_removed(tmp_path, ckpt):
     """A write killed between its temporary and the rename leaves `.integrity-tmp-HOST-PID-*`: not a
     file of the checkpoint (no unlisted-file), and the next write on this host removes it."""
-    from ckpt_tool.manifest import _host
+    from ckpt_tool.ops.manifest import _host
 
     path = _copy("dcp_single", tmp_path)
     assert ckpt("manifest", "write", path).returncode == 0

@@ -16,7 +16,7 @@ from the real Go fake-gcs-server to the same server:
 - one process SIGKILLed midway (at its first chunk read) fails every other with exit 1 and one
   line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save);
   the next run with --overwrite removes what the killed run wrote. Killed: process 2, process 0
-  (which serves jax's coordination service), and process 0's worker alone (supervise.py).
+  (which serves jax's coordination service), and process 0's worker alone (cli/supervise.py).
 
 The two runs are slow (whole processes, a server); a fast test checks bytes_read in one process.
 """
@@ -298,7 +298,7 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
 
 
 def _worker(pid: int) -> int:
-    """The process doing a supervised command's work: the only child of the one started (supervise.py)."""
+    """The process doing a supervised command's work: the only child of the one started (cli/supervise.py)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
@@ -311,7 +311,7 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
     # (CKPT_DISTRIBUTED=torch, gloo, ends the others the same way: 18.6 s here; not run, for time)
     # Process 2 is found silent by ckpt's own watch (CKPT_PEER_TIMEOUT). Process 0 serves jax's
     # coordination service: its loss makes jaxlib abort the others at once (SIGABRT, a C++ stack),
-    # which ckpt's supervisor (supervise.py) turns into one line and exit 1. Killed: the process
+    # which ckpt's supervisor (cli/supervise.py) turns into one line and exit 1. Killed: the process
     # the launcher started (for process 0, the supervisor: the worker, its child, dies with it), or
     # process 0's worker alone (as the kernel's OOM killer picks it: the supervisor ends with it).
     library = "jax"
@@ -377,7 +377,7 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
 def test_bytes_read_counts_what_a_convert_read_of_its_source(tmp_path):
     """One process (in this one): every stored chunk is read once, so bytes_read covers the OCDBT data
     files (less the B+tree nodes, which are read beside the storage layer) and stays within the source."""
-    from ckpt_tool import engine
+    from ckpt_tool.ops import engine
 
     src = fixture_path("orbax_ocdbt_zarr2")
     files = [p for p in src.rglob("*") if p.is_file()]

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.diff import diff_checkpoints
+from ckpt_tool.ops.diff import diff_checkpoints
 from ckpt_tool.formats.dcp.write import value_archive
 
 from conftest import FIXTURES, fixture_path, run_ckpt

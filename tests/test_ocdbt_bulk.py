@@ -174,7 +174,7 @@ def test_a_node_claiming_a_huge_body_is_refused_before_decompressing_it(tmp_path
         ocdbt_node.LeafNode(raw, where, max_decoded=2**20)
 
 
-# -- chunks located by the walk and decoded by ckpt (arrays/reading.py LocatedZarrRegionReader) ------
+# -- chunks located by the walk and decoded by ckpt (machinery/arrays/reading.py LocatedZarrRegionReader) ------
 
 OCDBT_FIXTURES = ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3", "orbax_v0_4_ocdbt", "orbax_two_process", "flax_orbax"]
 
@@ -187,8 +187,8 @@ def test_located_chunks_equal_tensorstore_reads(name, batch_keys, monkeypatch):
     import numpy as np
 
     import ckpt_tool
-    from ckpt_tool.arrays import reading
-    from ckpt_tool.arrays.reading import LocatedZarrRegionReader, ZarrRegionReader, chunk_keys
+    from ckpt_tool.machinery.arrays import reading
+    from ckpt_tool.machinery.arrays.reading import LocatedZarrRegionReader, ZarrRegionReader, chunk_keys
 
     monkeypatch.setattr(reading, "LOCATED_BATCH_KEYS", batch_keys)
     walked_keys = []

@@ -17,13 +17,13 @@ import pytest
 import tensorstore as ts
 import zstandard
 
-from ckpt_tool.errors import CkptError
+from ckpt_tool.base.errors import CkptError
 from ckpt_tool.formats.orbax.write import OrbaxWriter
-from ckpt_tool.model import RegularGrid
+from ckpt_tool.core.model import RegularGrid
 from ckpt_tool.storage import Storage
 from ckpt_tool.storage.ocdbt_encode import Config, varint
 from ckpt_tool.storage.ocdbt_writer import OcdbtDatabaseWriter
-from ckpt_tool.writers import TargetArray, TargetValue, WritePlan
+from ckpt_tool.core.write_plan import TargetArray, TargetValue, WritePlan
 
 
 def _kv(path) -> ts.KvStore:
@@ -120,7 +120,7 @@ def _write(path, *, zarr3: bool, blocks: bool) -> None:
         if chunks is None:
             continue
         target = next(t for t in plan.arrays() if t.keys == keys)
-        if blocks and keys == ("w",):  # blocks of whole chunks, as blocks.py hands them over
+        if blocks and keys == ("w",):  # blocks of whole chunks, as core/blocks.py hands them over
             for r0 in range(0, 37, 16):
                 region = (slice(r0, min(r0 + 16, 37)), slice(0, 20))
                 tasks.append((target, 0, region, value[region]))
@@ -197,7 +197,7 @@ def test_object_stores_keep_tensorstores_writer():
 def test_a_block_of_chunks_is_named_as_each_chunk_is(zarr3, zmeta) -> None:
     """A block's keys (spelled at once for its thousands of chunks) are each chunk's own key, in
     C order; so is the whole grid's listing; a 0-d array's one chunk has its own name."""
-    from ckpt_tool.arrays.reading import block_chunk_keys, chunk_key, chunk_keys
+    from ckpt_tool.machinery.arrays.reading import block_chunk_keys, chunk_key, chunk_keys
 
     first, counts = (3, 0, 12), (2, 4, 3)
     want = [chunk_key("a.b", tuple(f + o for f, o in zip(first, offsets)), zarr3, zmeta) for offsets in np.ndindex(*counts)]

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import run_ckpt
 from library_reference import _flatten, dcp_values

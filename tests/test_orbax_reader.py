@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.model import ArrayLeaf
+from ckpt_tool.core.model import ArrayLeaf
 from ckpt_tool.storage import ReadLog
 
 from conftest import ORBAX_FIXTURES, fixture_info, fixture_path

@@ -28,10 +28,10 @@ import pytest
 import tensorstore as ts
 
 import ckpt_tool
-from ckpt_tool.errors import CkptError
-from ckpt_tool.findings import MAX_PER_LEAF, Findings
-from ckpt_tool.arrays import schema
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.base.findings import MAX_PER_LEAF, Findings
+from ckpt_tool.machinery.arrays import schema
+from ckpt_tool.ops.validate import validate_checkpoint
 from conftest import FIXTURES
 
 SEED = int(os.environ.get("CKPT_SCHEMA_SEED", "14"))

@@ -1,4 +1,4 @@
-"""Chunks stored as the source stored them (arrays/stored_chunks.py): a convert or reshard that keeps an
+"""Chunks stored as the source stored them (machinery/arrays/stored_chunks.py): a convert or reshard that keeps an
 Orbax checkpoint's grid and encoding copies each chunk's stored bytes instead of encoding it again.
 
 orbax and tensorstore are the oracles: the copy restores with orbax to the source's values, and its
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tool.arrays import reading, stored_chunks
+from ckpt_tool.machinery.arrays import reading, stored_chunks
 from ckpt_tool.cli.main import cli
 from ckpt_tool.formats.orbax import direct
 

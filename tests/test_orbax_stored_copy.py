@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tool import stored_copy
+from ckpt_tool.ops import stored_copy
 from ckpt_tool.cli.main import cli
 from ckpt_tool.formats.orbax import write
-from ckpt_tool.model import RegularGrid
-from ckpt_tool.writers import TargetArray
+from ckpt_tool.core.model import RegularGrid
+from ckpt_tool.core.write_plan import TargetArray
 
 from library_reference import orbax_values
 from orbax_sharded import ocdbt_values, save_sharded_source

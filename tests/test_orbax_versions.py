@@ -28,7 +28,7 @@ from click.testing import CliRunner
 import ckpt_tool
 from ckpt_tool.cli.main import cli
 from ckpt_tool.storage import Storage
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import FIXTURES, free_port, run_ckpt, wait_until_serving
 from library_reference import dcp_values, orbax_values

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.errors import CkptError, IncompleteCheckpointError
+from ckpt_tool.base.errors import CkptError, IncompleteCheckpointError
 from ckpt_tool.formats.orbax.write import OrbaxWriter, UnsupportedValueError, unsupported_reason
-from ckpt_tool.model import ArrayLeaf, RegularGrid, Sharding
+from ckpt_tool.core.model import ArrayLeaf, RegularGrid, Sharding
 from ckpt_tool.storage import Storage
-from ckpt_tool.validate import validate_checkpoint
-from ckpt_tool.writers import TargetArray, TargetValue, WritePlan
+from ckpt_tool.ops.validate import validate_checkpoint
+from ckpt_tool.core.write_plan import TargetArray, TargetValue, WritePlan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

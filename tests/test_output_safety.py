@@ -25,9 +25,9 @@ from typing import Iterator
 import pytest
 
 import ckpt_tool
-from ckpt_tool.engine import ConvertOptions, convert
-from ckpt_tool.errors import CkptError
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.engine import ConvertOptions, convert
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import (
     OWNER_RECORD as OWNER,

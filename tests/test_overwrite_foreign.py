@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool
-from ckpt_tool.engine import ConvertOptions, convert
-from ckpt_tool.errors import CkptError
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.engine import ConvertOptions, convert
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import FIXTURES, moto_s3_serving, run_ckpt, s3_client
 from library_reference import _tensor_to_numpy, dcp_values

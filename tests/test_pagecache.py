@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool
-from ckpt_tool import pagecache
-from ckpt_tool.diff import diff_checkpoints
-from ckpt_tool.engine import ConvertOptions, convert
-from ckpt_tool.pagecache import DirectoryDropper
+from ckpt_tool.base import pagecache
+from ckpt_tool.ops.diff import diff_checkpoints
+from ckpt_tool.ops.engine import ConvertOptions, convert
+from ckpt_tool.base.pagecache import DirectoryDropper
 from ckpt_tool.storage import Storage
 
 # page-cache residency is the machine's: alone, in make test's serial pass
@@ -207,7 +207,7 @@ def test_the_hints_are_off_on_gvisor_unless_forced(tmp_path, setting, gvisor, en
         "import builtins, io, os\n"
         "real = builtins.open\n"
         f"builtins.open = lambda p, *a, **k: io.StringIO({version!r}) if p == '/proc/version' else real(p, *a, **k)\n"
-        "from ckpt_tool import pagecache\n"
+        "from ckpt_tool.base import pagecache\n"
         "print(pagecache.enabled())\n"
     )
     env = {**os.environ, "CKPT_PAGECACHE": setting}

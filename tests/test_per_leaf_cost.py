@@ -2,7 +2,7 @@
 scales; text made for an error that is never raised, or a value parsed again per leaf, is not."""
 from __future__ import annotations
 
-from ckpt_tool.arrays import schema
+from ckpt_tool.machinery.arrays import schema
 
 
 def _tree(n: int) -> dict:
@@ -44,7 +44,7 @@ def test_the_fast_memory_bound_is_the_byte_count_bound_without_numpy():
 
     import numpy as np
 
-    from ckpt_tool.torchsave import safe_pickle as sp
+    from ckpt_tool.machinery.torch_save import safe_pickle as sp
 
     cost = np.array(sp._FAST_COST, dtype=np.int64)
     for data in (b"", b"\x80\x04.", os.urandom(1000), os.urandom((1 << 22) + 17), bytes(range(256)) * 300):
@@ -57,7 +57,8 @@ def test_the_fast_memory_bound_is_the_byte_count_bound_without_numpy():
 def test_the_stored_itemsize_is_numpys_without_making_a_numpy_dtype():
     """codecs.stored_itemsize, asked per array by inspect, answers from the dtype table (no numpy
     dtype made, no ml_dtypes imported): the same size numpy gives, for every dtype in the table."""
-    from ckpt_tool import codecs, dtypes
+    from ckpt_tool.core import codecs
+    from ckpt_tool.base import dtypes
 
     for d in dtypes._TABLE:
         want = dtypes.numpy_dtype(d.name).itemsize

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.errors import CorruptMetadataError
-from ckpt_tool.torchsave import pickle_budget, safe_pickle
+from ckpt_tool.base.errors import CorruptMetadataError
+from ckpt_tool.machinery.torch_save import pickle_budget, safe_pickle
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = [sys.executable, "-m", "ckpt_tool"]
@@ -86,7 +86,7 @@ BUILD.update(size_copies=size_copies, path_joins=path_joins, bytearray_copies=by
 
 _RUN = _BUILDERS + r'''
 import json, sys
-from ckpt_tool.torchsave import pickle_budget, safe_pickle
+from ckpt_tool.machinery.torch_save import pickle_budget, safe_pickle
 pickle_budget.PICKLE_ALLOWANCE = 0
 safe_pickle.PICKLE_ALLOWANCE = 0
 name, n, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -20,7 +20,7 @@ DCP_PACKAGE = formats.get("dcp").package
 # the modules only writing uses, below the formats' write.py: Orbax's direct chunk writer, the OCDBT
 # database writer and its encoder, torch.save's pickle writer, and the write plan the engine hands a writer
 WRITER_ONLY = (f"{ORBAX_PACKAGE}.direct", "ckpt_tool.storage.ocdbt_writer", "ckpt_tool.storage.ocdbt_encode",
-               "ckpt_tool.torchsave.pickle_writer", "ckpt_tool.writers")
+               "ckpt_tool.machinery.torch_save.pickle_writer", "ckpt_tool.core.write_plan")
 # the writer modules of the formats that write (formats/<name>/write.py), from the registry
 WRITE_MODULES = tuple(sorted({f"{f.package}.write" for f in formats.registered() if f.can_write}))
 # what writing Orbax loads, which a convert from Orbax to another format must not

@@ -485,7 +485,7 @@ def test_a_reshard_to_gs_killed_midway_is_an_incomplete_save_and_overwrite_write
 def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generation():
     """The precondition itself, on a server that enforces it (moto): a second create of the record
     fails, a take-over conditioned on a stale generation fails, one on the current one wins."""
-    from ckpt_tool.output_remote import _no_value, _OwnerObject
+    from ckpt_tool.ops.destination_remote import _no_value, _OwnerObject
     from ckpt_tool.storage import Storage
 
     bucket = "ckpt-commit-cond"
@@ -565,7 +565,7 @@ def test_a_writing_run_refreshes_its_record_and_removes_it_when_done(gcs):
     prefix = "heartbeat/dcp"
     script = f"""
 import json, sys, time, urllib.request
-from ckpt_tool import output_remote
+from ckpt_tool.ops import destination_remote as output_remote
 output_remote.HEARTBEAT_EVERY = 0.1
 def record():
     url = "{endpoint}/storage/v1/b/{BUCKET}/o/" + "{prefix}/{OWNER}".replace("/", "%2F") + "?alt=media"
@@ -592,7 +592,7 @@ def test_a_lost_race_whose_winner_already_finished_claims_again_and_judges_what_
     there, and by the time we read it that run has finished and removed it. That is not "another
     run is starting to write": the claim is made again, and what the winner left is then judged
     (here: nothing, so DST is ours)."""
-    from ckpt_tool.output_remote import RemoteOutput, _claim, _new_record, _no_value, _OwnerObject
+    from ckpt_tool.ops.destination_remote import RemoteOutput, _claim, _new_record, _no_value, _OwnerObject
     from ckpt_tool.storage import Storage
 
     bucket = "ckpt-commit-gone"

@@ -117,7 +117,7 @@ def test_gs_host_that_does_not_resolve_is_one_line(tmp_path):
 def test_host_that_does_not_resolve_fails_within_two_seconds(monkeypatch, scheme):
     """Timed in this process, so the interpreter's start is not counted: tensorstore's
     4 attempts with backoff took 3.75 s and more for the same line."""
-    from ckpt_tool.errors import StorageUnavailableError
+    from ckpt_tool.base.errors import StorageUnavailableError
 
     host = f"nowhere-{scheme}-{os.getpid()}.invalid"  # a name no earlier test has looked up
     if scheme == "s3":

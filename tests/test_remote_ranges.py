@@ -23,7 +23,7 @@ SIZE = 40 * MIB + 123  # three 16 MiB pieces
 
 READ = r'''
 import sys
-from ckpt_tool.errors import CkptError
+from ckpt_tool.base.errors import CkptError
 from ckpt_tool.storage import Storage
 url, size, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 st = Storage.open(url)

@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.errors import CkptError
-from ckpt_tool.reshard import ReshardOptions, parse_mesh, parse_rules, plan_reshard, subchunk_shape
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.ops.reshard import ReshardOptions, parse_mesh, parse_rules, plan_reshard, subchunk_shape
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import ROOT, fixture_path, free_port, run_ckpt, run_two_processes
 

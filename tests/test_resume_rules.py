@@ -301,7 +301,7 @@ def test_damage_in_another_step_is_a_warning(ckpt, root_of, name):
 def test_the_other_steps_are_checked_at_once(root_of, monkeypatch):
     # the cheap checks of the other steps are in flight together (on an object store each is a few
     # requests), never array data, and the step opened is checked once, as before
-    from ckpt_tool import validate as validate_mod
+    from ckpt_tool.ops import validate as validate_mod
 
     root = root_of("runs_torchtitan")
     for n in (50, 60):  # more steps: each a copy of one torch's dcp.save wrote

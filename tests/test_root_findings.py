@@ -221,8 +221,8 @@ def test_ls_marks_a_committed_step_that_fails_the_cheap_check(ckpt, damaged_newe
 
 
 def test_ls_cheap_checks_are_in_flight_together_and_read_no_array_data(damaged_newest, monkeypatch):
-    from ckpt_tool import runs
-    from ckpt_tool import validate as validate_mod
+    from ckpt_tool.ops import runs
+    from ckpt_tool.ops import validate as validate_mod
 
     root = damaged_newest
     for n in (5, 6, 7):  # more steps: copies of a step orbax wrote

@@ -16,8 +16,8 @@ import pytest
 from conftest import fixture_path
 
 import ckpt_tool
-from ckpt_tool import runs
-from ckpt_tool.errors import NotFoundError
+from ckpt_tool.ops import runs
+from ckpt_tool.base.errors import NotFoundError
 from ckpt_tool.formats import roots
 
 NEMO = "runs_nemo2/checkpoints"
@@ -209,7 +209,8 @@ def test_every_layout_is_in_the_run_roots_table():
 def test_every_layout_has_its_rules_through_the_registry():
     """A layout's rules are its own or those of the one format package whose FormatInfo.run_roots
     names it (roots.py imports no format package: tests/test_import_layers.py)."""
-    from ckpt_tool.formats import contract, registered
+    from ckpt_tool.core import contract
+    from ckpt_tool.formats import registered
 
     names = [layout.name for layout in roots.LAYOUTS]
     for info in registered():

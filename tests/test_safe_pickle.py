@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.errors import CkptError, CorruptMetadataError, UnsafePickleError
-from ckpt_tool.torchsave import safe_pickle
-from ckpt_tool.torchsave import payload as torch_payload
-from ckpt_tool.torchsave.safe_pickle import (
+from ckpt_tool.base.errors import CkptError, CorruptMetadataError, UnsafePickleError
+from ckpt_tool.machinery.torch_save import safe_pickle
+from ckpt_tool.machinery.torch_save import payload as torch_payload
+from ckpt_tool.machinery.torch_save.safe_pickle import (
     BytesStorageMetadata,
     Metadata,
     TensorRef,
@@ -397,7 +397,7 @@ def test_state_dict_changed_after_build_stays_plain_data():
 
 
 # -- the fast limits proof (pickle_scan) against the opcode walk -------------------------
-from ckpt_tool.torchsave import pickle_scan  # noqa: E402
+from ckpt_tool.machinery.torch_save import pickle_scan  # noqa: E402
 
 from conftest import FIXTURES  # noqa: E402
 

@@ -194,7 +194,7 @@ def test_dcp_hf_distributed_written_now(tmp_path):
 def test_inspect_and_validate_import_no_torch_jax_safetensors():
     code = (
         "import sys, ckpt_tool\n"
-        "from ckpt_tool.validate import validate_checkpoint\n"
+        "from ckpt_tool.ops.validate import validate_checkpoint\n"
         f"ck = ckpt_tool.open({str(FIXTURES / 'safetensors_dcp_distributed')!r}); [l.read() for l in ck.arrays()]\n"
         f"assert validate_checkpoint({str(FIXTURES / 'safetensors_llama_sharded')!r}, deep=True).ok()\n"
         "bad = [m for m in ('torch', 'jax', 'safetensors', 'transformers') if m in sys.modules]\n"

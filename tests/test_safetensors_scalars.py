@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.model import ArrayLeaf, ValueLeaf
+from ckpt_tool.core.model import ArrayLeaf, ValueLeaf
 from conftest import FIXTURES, run_ckpt
 from library_reference import orbax_values
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ckpt_tool
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.validate import validate_checkpoint
 from conftest import FIXTURES, run_ckpt
 
 pytest.importorskip("safetensors")

@@ -84,7 +84,7 @@ def test_sharded_output_named_and_indexed_as_transformers(tmp_path):
     files = sorted(set(index["weight_map"].values()))
     n = len(files)
     assert n > 2 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
-    # (and the model's config beside them: a Hugging Face source brings its companion files, hf_export.py)
+    # (and the model's config beside them: a Hugging Face source brings its companion files, ops/hf_export.py)
     companions = [f for f in ("config.json", "generation_config.json") if (Path(LLAMA) / f).exists()]
     assert sorted(p.name for p in dst.iterdir()) == sorted(files + ["model.safetensors.index.json"] + companions)
     got = _safe_open_all(dst)

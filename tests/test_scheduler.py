@@ -25,8 +25,8 @@ from click.testing import CliRunner
 
 import ckpt_tool
 from ckpt_tool.cli.main import cli
-from ckpt_tool.codecs import window_bytes
-from ckpt_tool.errors import CkptError
+from ckpt_tool.core.codecs import window_bytes
+from ckpt_tool.base.errors import CkptError
 from ckpt_tool.formats import open_checkpoint
 from ckpt_tool.scheduler import Scheduler, Want, parse_memory
 from ckpt_tool.storage import ReadLog

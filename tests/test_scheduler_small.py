@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.model import ArrayLeaf, stored_chunks
+from ckpt_tool.core.model import ArrayLeaf, stored_chunks
 from ckpt_tool.scheduler import Scheduler, Want
 
 from conftest import fixture_path, run_ckpt
@@ -125,7 +125,7 @@ def test_damaged_chunk_of_a_batched_leaf_is_reported_as_that_chunk(tmp_path):
 
 def test_small_archives_are_written_in_few_large_writes(tmp_path, monkeypatch):
     """convert to DCP of many small chunks: archives gathered into 1 MiB writes; torch reads the values exactly."""
-    from ckpt_tool.engine import ConvertOptions, convert
+    from ckpt_tool.ops.engine import ConvertOptions, convert
     from ckpt_tool.formats.dcp import write as dcp_writer
     from ckpt_tool.storage import LocalFileWriter
 
@@ -174,8 +174,8 @@ def test_chunk_feeding_several_regions_is_read_into_them(monkeypatch):
 def test_located_chunk_feeding_several_regions_is_decoded_once(monkeypatch):
     """The same shape on an OCDBT database: ckpt decodes each chunk itself, once, whole, and the
     scheduler cuts both regions from it."""
-    from ckpt_tool import codecs
-    from ckpt_tool.arrays.reading import LocatedZarrRegionReader
+    from ckpt_tool.core import codecs
+    from ckpt_tool.machinery.arrays.reading import LocatedZarrRegionReader
     from ckpt_tool.scheduler import planning
 
     decoded = []

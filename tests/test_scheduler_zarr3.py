@@ -1,4 +1,4 @@
-"""Zarr v3 chunks larger than --memory, decoded as a stream (ckpt_tool/codecs.py).
+"""Zarr v3 chunks larger than --memory, decoded as a stream (ckpt_tool/core/codecs.py).
 
 orbax writes zarr v3 arrays as one shard per chunk holding one inner chunk
 (`sharding_indexed`: bytes + zstd inside, a crc32c-checked index at the

@@ -83,8 +83,8 @@ def test_a_directory_that_is_not_empty_is_still_refused(tmp_path, ckpt):
 
 def test_a_file_written_into_the_empty_directory_meanwhile_is_never_lost(tmp_path):
     """The rename onto the empty directory fails if anything appeared in it while the run wrote."""
-    from ckpt_tool.engine import ConvertOptions, convert
-    from ckpt_tool.errors import CkptError
+    from ckpt_tool.ops.engine import ConvertOptions, convert
+    from ckpt_tool.base.errors import CkptError
 
     dst, progress = empty_dst_filled_meanwhile(tmp_path)
     with pytest.raises(CkptError, match="destination appeared while converting"):

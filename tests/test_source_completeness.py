@@ -122,8 +122,8 @@ def test_an_orbax_step_whose_metadata_file_is_lost_names_the_finding(copy_fixtur
 
 
 def test_the_api_refuses_too(partial_download, tmp_path):
-    from ckpt_tool.engine import ConvertOptions, convert
-    from ckpt_tool.errors import IncompleteCheckpointError
+    from ckpt_tool.ops.engine import ConvertOptions, convert
+    from ckpt_tool.base.errors import IncompleteCheckpointError
 
     with pytest.raises(IncompleteCheckpointError, match=MISSING_SHARD):
         convert(str(partial_download), str(tmp_path / "out"), ConvertOptions(to="dcp"))
@@ -259,7 +259,7 @@ def test_deep_reads_one_step_when_asked(root_with_nan_in_an_older_step, step, na
 
 
 def test_deep_on_a_root_reports_progress_step_by_step_within_memory(root_with_nan_in_an_older_step):
-    from ckpt_tool.validate import validate_checkpoint
+    from ckpt_tool.ops.validate import validate_checkpoint
 
     calls: list[str] = []
     report = validate_checkpoint(str(root_with_nan_in_an_older_step), step="all", deep=True, memory=16 * 2**20,

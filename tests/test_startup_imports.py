@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES, ROOT, fixture_path, modules_loaded_after
 
 from ckpt_tool import formats
-from ckpt_tool.errors import CkptError, UnknownFormatError
+from ckpt_tool.base.errors import CkptError, UnknownFormatError
 from ckpt_tool.storage import Storage
 
 # packages whose reader an Orbax or DCP inspect must not import (their light detection modules and
@@ -47,7 +47,7 @@ def test_orbax_inspect_loads_no_other_format_reader(name):
     assert "ckpt_tool.formats.orbax.reader" in loaded  # (the check below sees a real inspect)
     assert not _readers_of_other_formats(loaded), _readers_of_other_formats(loaded)
     # the torch.save pickle machinery is DCP's, Megatron's, DeepSpeed's and torch.save's
-    bad = [m for m in loaded if m.startswith(("ckpt_tool.torchsave", "ckpt_tool.formats.dcp", "ckpt_tool.distcp"))
+    bad = [m for m in loaded if m.startswith(("ckpt_tool.machinery.torch_save", "ckpt_tool.formats.dcp", "ckpt_tool.machinery.dcp"))
            or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr")]
     assert not bad, bad
     if name == "orbax_ocdbt_zarr2":  # its OCDBT walked and its .zarray checked by ckpt itself (issue 46)
@@ -57,15 +57,15 @@ def test_orbax_inspect_loads_no_other_format_reader(name):
 @pytest.mark.parametrize("name", ["dcp_single", "dcp_multirank"])
 def test_dcp_inspect_loads_no_other_format_reader(name):
     loaded = _loaded_after_inspect(str(fixture_path(name)))
-    assert "ckpt_tool.distcp.reader" in loaded  # (DCP's reader: the shared DCP machinery)
+    assert "ckpt_tool.machinery.dcp.reader" in loaded  # (DCP's reader: the shared DCP machinery)
     assert not _readers_of_other_formats(loaded), _readers_of_other_formats(loaded)
     # (nor tensorstore: a local root is listed and read by the file system; nor numpy: metadata
     # only, no array read, issue 46)
-    bad = [m for m in loaded if m.startswith(("ckpt_tool.formats.orbax", "ckpt_tool.arrays"))
+    bad = [m for m in loaded if m.startswith(("ckpt_tool.formats.orbax", "ckpt_tool.machinery.arrays"))
            or m.split(".")[0] in ("jax", "torch", "rich", "msgpack", "zarr", "tensorstore", "numpy", "ml_dtypes")]
     assert not bad, bad
     # nor the decoder of torch's ZStandard extension, for a checkpoint stored without it
-    assert "ckpt_tool.distcp.transforms" not in loaded
+    assert "ckpt_tool.machinery.dcp.transforms" not in loaded
 
 
 def _loaded_after(argv: list[str]) -> list[str]:
@@ -144,8 +144,8 @@ def test_help_loads_no_format_package():
 
 # what `ckpt --version` and `ckpt --help` load beyond a bare interpreter: the console script's own
 # module and its exit codes (issue 46: within 1.5x of `python -c pass`, where click alone is 2x)
-QUICK = {"ckpt_tool", "ckpt_tool.errors", "ckpt_tool.version", "ckpt_tool.cli", "ckpt_tool.cli.main",
-         "ckpt_tool.cli.exits", "ckpt_tool.cli.tophelp", "__future__", "gc"}
+QUICK = {"ckpt_tool", "ckpt_tool.base.errors", "ckpt_tool.base.version", "ckpt_tool.cli", "ckpt_tool.cli.main",
+         "ckpt_tool.cli.exits", "ckpt_tool.cli.tophelp", "__future__", "gc", "ckpt_tool.base"}
 
 
 def _imported(code: str, env: dict[str, str]) -> tuple[set[str], str]:

@@ -14,8 +14,8 @@ import pytest
 from conftest import fixture_path
 
 import ckpt_tool
-from ckpt_tool.errors import NotFoundError
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.base.errors import NotFoundError
+from ckpt_tool.ops.validate import validate_checkpoint
 
 NEMO = "runs_nemo2/checkpoints"
 NEMO_4 = "megatron_gpt--val_loss=2.90-step=4-consumed_samples=32.0"

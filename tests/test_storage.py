@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_tool.errors import NotFoundError
+from ckpt_tool.base.errors import NotFoundError
 from ckpt_tool.storage import Storage
 
 
@@ -118,7 +118,7 @@ def test_bulk_reads_keep_a_few_checked_files_open(tmp_path, monkeypatch):
 
 
 def test_a_link_out_of_the_root_is_refused_at_the_first_bulk_read(tmp_path):
-    from ckpt_tool.errors import PathEscapeError
+    from ckpt_tool.base.errors import PathEscapeError
 
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -133,7 +133,7 @@ def test_a_link_out_of_the_root_is_refused_at_the_first_bulk_read(tmp_path):
 def test_new_local_files_check_their_directory_once(tmp_path, monkeypatch):
     """create_local_file makes and checks a directory once; a later file in it is created O_EXCL,
     so an entry put there meanwhile (a link out of the root) is refused, never written through."""
-    from ckpt_tool.errors import CkptError
+    from ckpt_tool.base.errors import CkptError
 
     st = Storage.create(str(tmp_path / "out"))
     checks = []

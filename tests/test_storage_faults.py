@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import pytest
 
-from ckpt_tool import engine
-from ckpt_tool.engine import ConvertOptions, convert
-from ckpt_tool.errors import CkptError, PathEscapeError
+from ckpt_tool.ops import engine
+from ckpt_tool.ops.engine import ConvertOptions, convert
+from ckpt_tool.base.errors import CkptError, PathEscapeError
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import ROOT, fixture_path, run_ckpt
 
@@ -212,7 +212,7 @@ _TRUNCATING_CONVERT = textwrap.dedent("""
     from pathlib import Path
     src, dst, to, pattern, reader = sys.argv[1:6]
     import ckpt_tool.formats.orbax.reader as ob
-    import ckpt_tool.distcp.reader as dcp
+    import ckpt_tool.machinery.dcp.reader as dcp
     # dcp: the first range read of an archive (a small tensor's data comes from the archive read whole to
     # locate its payload: no read_range_into is left to hook for the fixtures' small tensors)
     cls, attr = {"orbax": (ob.ZarrRegionReader, "read"), "dcp": (dcp.Storage, "read_range")}[reader]
@@ -258,7 +258,7 @@ _SLOW_CONVERT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     src, dst, ready = sys.argv[1:4]
-    import ckpt_tool.engine as engine
+    import ckpt_tool.ops.engine as engine
     real = engine.stream
     def slow(*a, **k):
         Path(ready).write_text("writing")  # the temporary output exists now

@@ -1,4 +1,4 @@
-"""The supervisor of a command run through jax.distributed (ckpt_tool/supervise.py, issue 43 item 4).
+"""The supervisor of a command run through jax.distributed (ckpt_tool/cli/supervise.py, issue 43 item 4).
 
 jaxlib ends a process whose coordination service (process 0) is gone with a fatal log: SIGABRT
 and a C++ stack. The supervisor turns that into one line and exit 1, and otherwise stays out of
@@ -20,18 +20,18 @@ import pytest
 from conftest import ROOT, fixture_path, free_port
 
 from ckpt_tool.cli import main as cli_main
-from ckpt_tool import supervise
+from ckpt_tool.cli import supervise
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the supervisor is Linux's only")
 
 # the supervised child: its fd 2 to the supervisor's pipe first, as `ckpt` does in the child
-_CHILD_PREAMBLE = "from ckpt_tool.supervise import route_native_output\nroute_native_output()\n"
+_CHILD_PREAMBLE = "from ckpt_tool.cli.supervise import route_native_output\nroute_native_output()\n"
 
 
 def _driver(child: str, who: str = "process 1") -> str:
     return textwrap.dedent(f"""
         import sys
-        from ckpt_tool.supervise import run_supervised
+        from ckpt_tool.cli.supervise import run_supervised
         sys.exit(run_supervised([sys.executable, "-c", {_CHILD_PREAMBLE + textwrap.dedent(child)!r}], {who!r}))
     """)
 

@@ -1,7 +1,7 @@
-"""Devices for `ckpt reshard` without opening the accelerator (ckpt_tool/topology.py).
+"""Devices for `ckpt reshard` without opening the accelerator (ckpt_tool/ops/topology.py).
 
 No TPU here: the TPU VM is stood in for by its environment variables and a fake
-device tree (CKPT_DEV_ROOT points topology.py's /dev at a temporary folder),
+device tree (CKPT_DEV_ROOT points ops/topology.py's /dev at a temporary folder),
 and "the accelerator cannot be opened" by JAX_PLATFORMS=tpu on this machine.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.topology import (
+from ckpt_tool.ops.topology import (
     DEV_ROOT_VARIABLE, GENERATIONS, create_device_mesh, host_topology, known_topologies, named_topology,
 )
 from conftest import ROOT, fixture_path
@@ -208,7 +208,7 @@ def test_reshard_on_a_tpu_host_needs_no_jax(tmp_path):
     """The issue's host: a reshard learns its one chip from /dev and the environment; jax is never imported."""
     env = clean_env(**V5E_HOST, **{DEV_ROOT_VARIABLE: fake_dev(tmp_path, vfio=1)})
     probe = ("import sys, time; t = time.perf_counter(); from ckpt_tool.cli.main import _run; "
-             "from ckpt_tool.reshard import ReshardOptions, resolve_mesh; "
+             "from ckpt_tool.ops.reshard import ReshardOptions, resolve_mesh; "
              "d = time.perf_counter(); resolve_mesh(ReshardOptions(mesh='data=1,model=1'), 1); "
              "d = time.perf_counter() - d; "
              f"code = _run(['reshard', {SRC!r}, sys.argv[1], '--mesh', 'data=1,model=1', '--json']); "
@@ -252,7 +252,7 @@ def test_an_accelerator_that_cannot_be_opened_is_one_line(tmp_path):
 
 
 def test_the_lock_file_advice_is_dropped():
-    from ckpt_tool.reshard import _backend_failure
+    from ckpt_tool.ops.reshard import _backend_failure
 
     held = RuntimeError("Unable to initialize backend 'tpu': ABORTED: Internal error when accessing libtpu multi-process "
                         'lockfile. Run "$ sudo rm /tmp/libtpu_lockfile".')

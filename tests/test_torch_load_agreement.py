@@ -226,7 +226,7 @@ def test_convert_refuses_a_file_validate_calls_bad(tmp_path: Path, ckpt) -> None
 def test_convert_refuses_a_pickle_over_its_memory_as_validate_does(tmp_path: Path, ckpt) -> None:
     from test_pickle_memory import _builders, _torch_save_with_pickle
 
-    from ckpt_tool.torchsave import pickle_budget
+    from ckpt_tool.machinery.torch_save import pickle_budget
 
     # 30 set() copies of a memoized 100,000-int list: ~550 MB charged as the stand-ins build them, over
     # 4 MiB + the 512 MiB allowance, under the default 512 + 512 MiB (what convert used before)
@@ -246,7 +246,7 @@ def test_convert_refuses_a_pickle_over_its_memory_as_validate_does(tmp_path: Pat
 def test_worker_threads_unpickle_within_the_commands_budget() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt_tool.torchsave import pickle_budget
+    from ckpt_tool.machinery.torch_save import pickle_budget
 
     with pickle_budget.memory_budget(1 << 20), ThreadPoolExecutor(1) as pool:
         # a pool's thread starts with an empty context: it reads the process's budget

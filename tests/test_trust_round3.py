@@ -127,8 +127,8 @@ def test_diff_of_complete_sides_still_compares(tmp_path):
 
 def test_the_library_diff_refuses_an_incomplete_side_too(tmp_path):
     import ckpt_tool
-    from ckpt_tool.diff import diff_checkpoints
-    from ckpt_tool.errors import IncompleteCheckpointError
+    from ckpt_tool.ops.diff import diff_checkpoints
+    from ckpt_tool.base.errors import IncompleteCheckpointError
 
     broken = _copy(tmp_path, "dcp_multirank")
     (broken / "__0_0.distcp").unlink()
@@ -292,8 +292,8 @@ def _dst_with(tmp_path: Path, fixture: str, entry: str) -> Path:
 @pytest.mark.parametrize("fmt", formats.writable())
 @pytest.mark.parametrize("entry", sorted(USERS_ENTRIES))
 def test_overwrite_keeps_a_users_entry_named_like_a_frameworks_step(tmp_path, fmt, entry):
-    from ckpt_tool.engine import ConvertOptions, convert
-    from ckpt_tool.errors import DestinationExistsError
+    from ckpt_tool.ops.engine import ConvertOptions, convert
+    from ckpt_tool.base.errors import DestinationExistsError
 
     dst = _dst_with(tmp_path, _dst_fixture(fmt), entry)
     source = _source_for(fmt)
@@ -333,8 +333,8 @@ def test_overwrite_refusal_is_one_line_and_the_checkpoint_alone_is_replaced(tmp_
 def test_a_step_name_is_part_of_a_checkpoint_only_when_it_is_one(tmp_path, fixture, entry):
     """A format whose checkpoints do hold such entries (Megatron-LM's iter_N/ and release/) owns
     them only when they are checkpoints of that format."""
-    from ckpt_tool.engine import ConvertOptions, convert
-    from ckpt_tool.errors import DestinationExistsError
+    from ckpt_tool.ops.engine import ConvertOptions, convert
+    from ckpt_tool.base.errors import DestinationExistsError
 
     dst = _dst_with(tmp_path, fixture, entry)
     before = _snapshot(dst)

@@ -111,8 +111,8 @@ def test_each_stored_chunk_is_read_once(tmp_path, monkeypatch):
     """An Orbax array of 8 layers in ONE compressed zarr chunk, unstacked into 8 leaves: the chunk is
     decoded once (the engine asks the stored leaf for each layer's region; the scheduler groups them)."""
     import ckpt_tool
-    from ckpt_tool import engine, streaming
-    from ckpt_tool.engine import ConvertOptions
+    from ckpt_tool.ops import engine, streaming
+    from ckpt_tool.ops.engine import ConvertOptions
 
     r = run("convert", ROOT / "fixtures" / "torch_state" / "state.pt", tmp_path / "orbax", "--to", "orbax",
             "--select", "model/transposed")

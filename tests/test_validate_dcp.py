@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ckpt_tool.cli.main import cli
-from ckpt_tool.findings import Findings
+from ckpt_tool.base.findings import Findings
 from ckpt_tool.formats import dcp as dcp_reader
-from ckpt_tool.torchsave import payload as torch_payload
-from ckpt_tool.model import Chunk
+from ckpt_tool.machinery.torch_save import payload as torch_payload
+from ckpt_tool.core.model import Chunk
 from ckpt_tool.storage import Storage
 import ckpt_tool
-from ckpt_tool.validate import validate_checkpoint
-from ckpt_tool.distcp.checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
+from ckpt_tool.ops.validate import validate_checkpoint
+from ckpt_tool.machinery.dcp.checks import _check_geometry, _overlapping_pairs, _Tensor, _tiles_exactly, _uncovered, _MAX_GAP_BOXES
 
 from conftest import DCP_FIXTURES, fixture_path, mutate_bytes
 
@@ -599,7 +599,7 @@ def test_deep_checks_crc_of_chunks_read_in_blocks(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tool.validate import deep
+    from ckpt_tool.ops.validate import deep
 
     path = tmp_path / "big"
     dcp.save({"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}, checkpoint_id=str(path))

@@ -9,8 +9,8 @@ import tensorstore as ts
 from click.testing import CliRunner
 
 from ckpt_tool.cli.main import cli
-from ckpt_tool.findings import CODES
-from ckpt_tool.validate import validate_checkpoint
+from ckpt_tool.base.findings import CODES
+from ckpt_tool.ops.validate import validate_checkpoint
 
 from conftest import ORBAX_FIXTURES, ROOT, fixture_path
 
@@ -102,7 +102,7 @@ def test_unmerged_ocdbt_is_an_error_but_still_reads(copy_fixture, tmp_path):
     report = validate_checkpoint(str(path), deep=True)
     assert codes(report) == [("unmerged-ocdbt", None, "manifest.ocdbt")]
     assert not report.ok(False)
-    from ckpt_tool.engine import ConvertOptions, convert
+    from ckpt_tool.ops.engine import ConvertOptions, convert
 
     convert(str(path), str(tmp_path / "merged"), ConvertOptions(to="orbax"))
     assert validate_checkpoint(str(tmp_path / "merged"), deep=True).ok(True)
@@ -210,9 +210,9 @@ def test_stored_bytes_count_the_values_a_merged_root_keeps_in_process_databases(
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from ckpt_tool.findings import Findings
+    from ckpt_tool.base.findings import Findings
     from ckpt_tool.storage import Storage
-    from ckpt_tool.arrays.checks import check_ocdbt
+    from ckpt_tool.machinery.arrays.checks import check_ocdbt
 
     path = tmp_path / "save"
     with ocp.StandardCheckpointer() as ckptr:  # a 64 KiB chunk: stored out of line, in the process database

@@ -11,7 +11,7 @@ import tensorstore as ts
 
 from conftest import FIXTURES
 
-from ckpt_tool.arrays import schema
+from ckpt_tool.machinery.arrays import schema
 
 
 def _tensorstore_accepts(zmeta: dict) -> bool:

@@ -21,8 +21,8 @@ from typing import Any
 import click
 
 from .. import __version__, formats
-from ..errors import CkptError, UsageError
-from ..text import printable
+from ..base.errors import CkptError, UsageError
+from ..base.text import printable
 from .exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from .exits import debug as _debug
 
@@ -167,7 +167,7 @@ def _run(argv: list[str] | None) -> int:
 def _saying_opened_steps(args: list[str]) -> Any:
     """The step of a run root a command opens (by default, or --step), said once: in the command's
     own output (inspect, validate, diff, convert), else one stderr line when it has finished; never
-    beside an error line (cli/opened.py). Not for help texts: runs.py imports the storage layer
+    beside an error line (cli/opened.py). Not for help texts: ops/runs.py imports the storage layer
     (numpy, tensorstore), which `ckpt --help` never loads."""
     import contextlib
 

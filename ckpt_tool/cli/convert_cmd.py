@@ -6,8 +6,8 @@ from contextlib import nullcontext
 import click
 
 from .. import formats
-from ..casting import kept_phrase
-from ..engine import ConvertOptions, convert
+from ..core.casting import kept_phrase
+from ..ops.engine import ConvertOptions, convert
 from .helptext import formats_read, formats_written
 from .opened import take as take_opened
 from .progress import progress_for
@@ -58,7 +58,7 @@ def convert_command(
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
-    from ..distributed import join
+    from ..base.distributed import join
 
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
@@ -87,7 +87,7 @@ def convert_command(
         out.line(f"[yellow]skipped[/yellow] {esc(path)}: {esc(reason)}")
     for r in result.optimizer_keys:  # --optimizer-keys-like: what was re-keyed
         out.line(esc(r.line()))
-    if result.dtype is not None:  # what --dtype cast, and what it kept (step counters, integers: casting.py)
+    if result.dtype is not None:  # what --dtype cast, and what it kept (step counters, integers: core/casting.py)
         kept = kept_phrase((reason for _, _, reason in result.kept), result.dtype)
         as_is = " as it is" if len(result.kept) == 1 else " as they are"
         out.line(f"cast {plural(len(result.cast), 'floating leaf', 'floating leaves')} to {esc(result.dtype)}"
@@ -114,6 +114,6 @@ def _shard_size(text: str | None, to: str) -> int | None:
     takers = formats.taking("max_shard_size")
     if to not in takers:
         raise click.UsageError(f"--max-shard-size applies to --to {' / '.join(takers)} only")
-    from ..sizes import parse_size
+    from ..base.sizes import parse_size
 
     return parse_size(text, "--max-shard-size", examples="5GB, 500MB, 2GiB")

@@ -9,14 +9,14 @@ import sys
 
 import click
 
-from ..parallel import default_workers
+from ..base.parallel import default_workers
 
 from .. import formats
 from .. import open as open_checkpoint
-from ..diff import diff_checkpoints
-from ..model import Checkpoint
-from ..runs import OpenedStep, resolve_step
-from ..structure import is_inspect_json_file, load_structure
+from ..ops.diff import diff_checkpoints
+from ..core.model import Checkpoint
+from ..ops.runs import OpenedStep, resolve_step
+from ..ops.structure import is_inspect_json_file, load_structure
 from .helptext import formats_read
 from .opened import take as take_opened
 from .options import memory_option, weights_option
@@ -62,7 +62,7 @@ def diff_command(
     json_a, json_b = is_inspect_json_file(a), is_inspect_json_file(b)
     if step is not None and json_a and json_b:
         raise click.UsageError("--step: both A and B are inspect JSON documents; there is no checkpoint to pick a step of")
-    from ..torchsave.pickle_budget import memory_budget
+    from ..machinery.torch_save.pickle_budget import memory_budget
 
     # (both sides: each must take it; their pickles are read here, within --memory as diff's values are)
     with formats.read_options(weights=weights), memory_budget(memory):

@@ -7,12 +7,12 @@ from typing import Any, Iterator
 import click
 
 from .. import formats
-from ..errors import short_repr
-from ..inspect import InspectResult, inspect_checkpoint
-from ..model import ArrayLeaf, Key, Leaf, ValueLeaf
-from ..names import escape_key
+from ..base.errors import short_repr
+from ..ops.inspect import InspectResult, inspect_checkpoint
+from ..core.model import ArrayLeaf, Key, Leaf, ValueLeaf
+from ..base.names import escape_key
 from . import opened as opened_step
-from ..text import printable
+from ..base.text import printable
 from .helptext import formats_read
 from .options import weights_option
 from .render import Node, Output, count_and_exact, esc, human_bytes, plural

@@ -5,8 +5,8 @@ import sys
 
 import click
 
-from ..runs import latest
-from ..text import printable
+from ..ops.runs import latest
+from ..base.text import printable
 from .helptext import run_roots
 from .render import Output
 

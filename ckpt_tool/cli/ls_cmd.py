@@ -6,11 +6,11 @@ import sys
 
 import click
 
-from .. import output
-from ..errors import NotFoundError
-from ..output import Temporary
-from ..runs import RunListing, StepRow, list_run
-from ..text import printable
+from ..ops import destination as output
+from ..base.errors import NotFoundError
+from ..ops.destination import Temporary
+from ..ops.runs import RunListing, StepRow, list_run
+from ..base.text import printable
 from .helptext import run_roots
 from .render import Output, esc, human_bytes, plural
 

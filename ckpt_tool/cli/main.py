@@ -33,7 +33,7 @@ DISTRIBUTED_PACKAGES = ("jax", "torch")
 # flags, or the variables distributed.process_spec reads (a one-process run looks no further)
 MULTI_PROCESS = {"convert", "reshard"}
 PROCESS_FLAGS = ("--coordinator", "--num-processes", "--process-id")
-SUPERVISOR_FD_VARIABLE = "CKPT_SUPERVISOR_FD"  # supervise.py's (importing it costs the commands that need none)
+SUPERVISOR_FD_VARIABLE = "CKPT_SUPERVISOR_FD"  # cli/supervise.py's (importing it costs the commands that need none)
 PROCESS_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RANK", "WORLD_SIZE",
                      "SLURM_STEP_ID")
 
@@ -47,14 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     # machine slows the command itself. (No effect once numpy is loaded.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if command in MULTI_PROCESS:
-        # through jax, the command runs in a child under a small supervisor (supervise.py: jaxlib
+        # through jax, the command runs in a child under a small supervisor (cli/supervise.py: jaxlib
         # aborts a process whose process 0 is gone; the supervisor says so in one line)
         if SUPERVISOR_FD_VARIABLE in os.environ:
-            from ..supervise import route_native_output
+            from .supervise import route_native_output
 
             route_native_output()  # this process is that child
         elif _asks_for_processes(args):
-            from ..supervise import supervise
+            from .supervise import supervise
 
             supervised = supervise(args)
             if supervised is not None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     if command in STREAMING:
         # a process-wide allocator setting: the command line owns its process,
         # a notebook importing ckpt_tool does not
-        from ..parallel import limit_allocator_growth
+        from ..base.parallel import limit_allocator_growth
 
         limit_allocator_growth()
     # Reading metadata allocates tens of thousands of small, acyclic objects
@@ -98,7 +98,7 @@ def _without_click(args: list[str]) -> int | None:
     which click uses on a terminal of 80 columns or more and in a pipe; a narrower terminal is
     click's to wrap."""
     if args == ["--version"]:
-        from ..version import __version__
+        from ..base.version import __version__
 
         sys.stdout.write(f"ckpt, version {__version__}\n")
         return EXIT_OK

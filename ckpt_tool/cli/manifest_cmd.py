@@ -1,13 +1,13 @@
-"""`ckpt manifest write|verify CKPT`: a checkpoint's sha256 integrity manifest (ckpt_tool/manifest/)."""
+"""`ckpt manifest write|verify CKPT`: a checkpoint's sha256 integrity manifest (ckpt_tool/ops/manifest/)."""
 from __future__ import annotations
 
 import sys
 
 import click
 
-from ..manifest import verify, write
-from ..parallel import default_workers
-from ..validate import ValidationReport
+from ..ops.manifest import verify, write
+from ..base.parallel import default_workers
+from ..ops.validate import ValidationReport
 from .helptext import formats_read
 from .options import memory_option
 from .progress import progress_for

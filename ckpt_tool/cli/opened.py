@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import click
 
-from ..text import printable
+from ..base.text import printable
 
 # ids of the opened steps a command has rendered itself (within said_after)
 _SAID: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("opened_said", default=None)
@@ -21,7 +21,7 @@ _SAID: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("opened_
 
 def take() -> list[Any]:
     """The run-root steps opened so far (runs.OpenedStep), marked as said by the caller's output."""
-    from ..runs import opened_steps
+    from ..ops.runs import opened_steps
 
     opened = opened_steps()
     said = _SAID.get()
@@ -40,8 +40,8 @@ def first_json() -> dict[str, Any] | None:
 def said_after() -> Iterator[None]:
     """Record the steps opened while the command runs; when it finishes (its own exit code
     included: validate's and diff's 1), one stderr line for each step its output did not say."""
-    from ..errors import CkptError
-    from ..runs import name_working_step, recording
+    from ..base.errors import CkptError
+    from ..ops.runs import name_working_step, recording
 
     said: set[int] = set()
     token = _SAID.set(said)

@@ -5,13 +5,13 @@ from typing import Callable
 
 import click
 
-from ..parallel import copy_workers
+from ..base.parallel import copy_workers
 
 
 def multihost_options(command: Callable) -> Callable:
     """--coordinator / --num-processes / --process-id, as jax.distributed.initialize takes them.
 
-    Under torchrun or srun none is needed (distributed.py reads their variables); a flag wins.
+    Under torchrun or srun none is needed (base/distributed.py reads their variables); a flag wins.
     """
     for option in reversed([
         click.option("--coordinator", help="Multi-host: coordinator address host:port (or JAX_COORDINATOR_ADDRESS; "

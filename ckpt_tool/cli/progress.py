@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ..findings import Progress, no_progress
-from ..text import printable
+from ..base.findings import Progress, no_progress
+from ..base.text import printable
 from .render import Output, human_bytes, human_rate
 
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..text import printable
+from ..base.text import printable
 
 # rich is imported when something is rendered on a terminal: `--json` runs (CI scripts, the
 # inspect benchmark) and output into a pipe (plain text: esc and plain below, rich's markup

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import click
 
-from ..reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
+from ..ops.reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard, reshard
 from .. import formats
 from .helptext import formats_read
 from .progress import progress_for
@@ -55,7 +55,7 @@ def reshard_command(
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
     select: tuple[str, ...], exclude: tuple[str, ...], host_arrays_to_mesh: bool,
 ) -> None:
-    from ..distributed import TORCH, join, process_spec
+    from ..base.distributed import TORCH, join, process_spec
 
     spec = process_spec(coordinator, num_processes, process_id)
     opts = ReshardOptions(
@@ -119,8 +119,8 @@ def reshard_command(
 
 
 def _mesh_devices(mesh: str, processes: int) -> int:
-    from ..errors import UsageError
-    from ..reshard import parse_mesh
+    from ..base.errors import UsageError
+    from ..ops.reshard import parse_mesh
 
     size = math.prod(n for _, n in parse_mesh(mesh))
     if size % processes:

@@ -7,15 +7,15 @@ from collections import defaultdict
 import click
 
 from .. import formats
-from ..parallel import default_workers
+from ..base.parallel import default_workers
 
-from ..findings import ERROR
-from ..validate import ValidationReport, validate_checkpoint
+from ..base.findings import ERROR
+from ..ops.validate import ValidationReport, validate_checkpoint
 from . import opened as opened_step
 from .helptext import formats_read
 from .options import memory_option, weights_option
 from .progress import progress_for
-from ..text import printable
+from ..base.text import printable
 from .render import Output, esc, human_bytes, plural
 
 

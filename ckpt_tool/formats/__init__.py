@@ -1,7 +1,7 @@
 """The format registry: what each format can do, and which package does it.
 
 Each format is one package under formats/ (reader, writer, schema, shallow
-checks) with the same interface, declared in one place: formats/contract.py
+checks) with the same interface, declared in one place: core/contract.py
 (the package's NAME, detect, read and optional hooks; its array readers; its
 `write.py` where the format has a writer; its `checks.py` for validate).
 
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
-from ..names import OWNER_FILE, TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
+from ..base.errors import CkptError, NoSpaceError, StorageUnavailableError, UnknownFormatError, UsageError
+from ..base.names import OWNER_FILE, TMP_MARKER  # noqa: F401 - (formats.TMP_MARKER: output and validate ask the registry)
 # (formats.read_options: the CLI sets the reader options around its call into the core)
-from ..read_options import given_read_options, read_options  # noqa: F401
-from ..text import joined
+from ..base.read_options import given_read_options, read_options  # noqa: F401
+from ..base.text import joined
 
 if TYPE_CHECKING:
     # (at run time the contract is imported when a package is asked something: `ckpt --help` never is)
-    from .contract import ChecksModule, FormatModule, ReaderModule, RunRules, WriterModule
-    from ..model import Checkpoint
+    from ..core.contract import ChecksModule, FormatModule, ReaderModule, RunRules, WriterModule
+    from ..core.model import Checkpoint
     from ..storage import ReadLog, Storage
 
 
@@ -103,7 +103,7 @@ class FormatInfo:
     compresses: bool = False
     # its writer takes a block of whole chunks of a regular output grid as one region and cuts it
     # into its chunks itself, each stored as if written alone (Orbax: tensorstore): the engine
-    # then hands it blocks, not chunk after chunk (ckpt_tool/blocks.py)
+    # then hands it blocks, not chunk after chunk (ckpt_tool/core/blocks.py)
     writes_chunk_blocks: bool = False
     # the training frameworks (formats/roots.py's RunLayout names) whose run-root rules its package's
     # run_roots.py holds (RULES: a contract.RunRules each): roots.py asks them through rules_for
@@ -119,7 +119,7 @@ class FormatInfo:
 
     def reader_module(self) -> ReaderModule:
         """The format's package through the contract: its optional hooks defaulted."""
-        from .contract import ReaderModule
+        from ..core.contract import ReaderModule
 
         return ReaderModule(importlib.import_module(self.package))
 
@@ -129,7 +129,7 @@ class FormatInfo:
 
     def checks(self) -> ChecksModule:
         """validate's checks (checks.py): check_path(storage, findings, step=..., only=...), ..."""
-        from .contract import ChecksModule
+        from ..core.contract import ChecksModule
 
         return ChecksModule(self.submodule("checks"))
 
@@ -137,13 +137,13 @@ class FormatInfo:
         """The writer's module (write.py): make_writer, target_layout, plan_value, ..."""
         if not self.can_write:
             raise UsageError(f"ckpt does not write {self.title} checkpoints (it writes {joined(writable_labels())})")
-        from .contract import WriterModule
+        from ..core.contract import WriterModule
 
         return WriterModule(self.submodule("write"))
 
     def rules_for(self, framework: str) -> RunRules:
         """A framework's run-root rules that this package holds (run_roots.py; `framework` in run_roots)."""
-        from .contract import run_rules
+        from ..core.contract import run_rules
 
         return run_rules(self.submodule("run_roots"), framework)
 
@@ -490,7 +490,7 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
         ckpt.committed = False
         ckpt.notes.insert(0, "unfinished ckpt output (temporary directory of an interrupted convert or reshard)")
     elif storage.local_root is None and OWNER_FILE in storage.listdir()[1]:
-        # an object store's output being written in place (output_remote.py): its owner record
+        # an object store's output being written in place (ops/destination_remote.py): its owner record
         # is there until the commit markers are
         ckpt.committed = False
         ckpt.notes.insert(0, f"unfinished ckpt output (a convert or reshard to this object store that has not "

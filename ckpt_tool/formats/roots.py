@@ -6,7 +6,7 @@ Each framework has its own rules for all three; `LAYOUTS` below holds them,
 one `RunLayout` each: how a step entry is named (and its step number), what
 the pointer file is and how it reads, and how a step that is still being
 written (or was torn by a crash) looks, judged from a listing alone.
-`ckpt ls` and `ckpt latest` (ckpt_tool/runs.py) ask this table and never a
+`ckpt ls` and `ckpt latest` (ckpt_tool/ops/runs.py) ask this table and never a
 framework by name: a new framework's root layout is one more entry here.
 
 Why one table in one module rather than an entry per format package: a run
@@ -38,11 +38,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .. import strict_json
-from ..errors import CkptError, CorruptMetadataError
-from ..text import is_ascii_number
+from ..base import strict_json
+from ..base.errors import CkptError, CorruptMetadataError
+from ..base.text import is_ascii_number
 # (the statuses, Entry and StepStatus are the contract's: a package's RunRules returns them)
-from .contract import COMMITTED, INCOMPLETE, IN_PROGRESS, STATUSES, Entry, RootView, RunRules, StepStatus  # noqa: F401
+from ..core.contract import COMMITTED, INCOMPLETE, IN_PROGRESS, STATUSES, Entry, RootView, RunRules, StepStatus  # noqa: F401
 
 if TYPE_CHECKING:
     from ..storage import Storage

@@ -5,8 +5,8 @@ from one LIST of the root (plus the framework's pointer file). resolve_step()
 picks the step inspect, validate, diff and convert open on any run root
 (--step, else the one the framework resumes from) and records it for the CLI
 to say; every_step() lists the steps validate --step all checks one by one.
-open_checkpoint (the registry) asks it, so it sits below validate and runs.py:
-`ckpt ls --check` and `ckpt latest` (runs.py) validate the steps listed here.
+open_checkpoint (the registry) asks it, so it sits below validate and ops/runs.py:
+`ckpt ls --check` and `ckpt latest` (ops/runs.py) validate the steps listed here.
 
 Which framework a root belongs to, and each framework's rules, are the run
 layouts' table (roots.py); nothing here names a framework or format: the
@@ -22,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from ..errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
+from ..base.errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
 from ..storage import Storage, check_url
-from ..text import is_ascii_number
+from ..base.text import is_ascii_number
 from . import roots
 from .roots import COMMITTED, IN_PROGRESS, Entry, RootListing, RunLayout, RunRules
-from ..names import OWNER_FILE
+from ..base.names import OWNER_FILE
 
 if TYPE_CHECKING:
     from . import FormatInfo

@@ -17,9 +17,9 @@ import os
 import re
 from typing import TYPE_CHECKING, Sequence
 
-from ..errors import CkptError, UnknownFormatError
+from ..base.errors import CkptError, UnknownFormatError
 from ..storage import Storage
-from ..text import joined
+from ..base.text import joined
 
 if TYPE_CHECKING:
     from . import FormatInfo

@@ -23,7 +23,7 @@ without the others.
   regions.py    region arithmetic; which stored chunks a region overlaps
   planning.py   Plan: the units of work, merged where that saves reads, in the order they run
   admission.py  MemoryBudget: what a decode costs, --memory, units admitted against it
-  streaming.py  a chunk too large to decode whole: its bands and the passes over them
+  ops/streaming.py  a chunk too large to decode whole: its bands and the passes over them
   execution.py  Executor: runs the units in a pool, assembles the regions, delivers them
 
 Scheduler (below) puts them together: the Plan is made from the wants
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..errors import CkptError
-from ..model import ArrayLeaf
-from ..bufferpool import POOL
+from ..base.errors import CkptError
+from ..core.model import ArrayLeaf
+from ..base.bufferpool import POOL
 from ..storage.remote import in_flight
 from .admission import DEFAULT_MEMORY, MIN_MEMORY, MiB, MemoryBudget, decoded_cost, default_memory, parse_memory
 from .execution import Executor
@@ -64,7 +64,7 @@ class Scheduler:
         # (on an object store more units wait on round trips than there are cores: the budget still
         # bounds what they hold)
         self.workers = in_flight(max(1, workers))
-        # the decoders' idle buffers kept for the next chunks (bufferpool.py): a share of the budget
+        # the decoders' idle buffers kept for the next chunks (base/bufferpool.py): a share of the budget
         POOL.limit = memory // 4
         self.stats = ReadStats(budget=memory)
         self.admission = MemoryBudget(memory, reserve, self.stats)

@@ -16,8 +16,8 @@ import os
 import threading
 from typing import Callable
 
-from ..parallel import copy_workers
-from ..sizes import parse_size
+from ..base.parallel import copy_workers
+from ..base.sizes import parse_size
 from .wants import ReadStats
 
 MiB = 2**20

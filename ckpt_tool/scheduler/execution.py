@@ -20,11 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from .. import dtypes
-from ..bufferpool import POOL
-from ..errors import CkptError
-from ..formats.contract import reader_of
-from ..model import ArrayLeaf, Region
+from ..base import dtypes
+from ..base.bufferpool import POOL
+from ..base.errors import CkptError
+from ..core.contract import reader_of
+from ..core.model import ArrayLeaf, Region
 from .admission import MemoryBudget
 from .joint import run_joint
 from .planning import Plan, _Unit

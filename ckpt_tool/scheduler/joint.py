@@ -1,6 +1,6 @@
 """Joint streams: wants fed by several stored chunks of which one at least is too large to decode whole.
 
-A stream (streaming.py) hands out its bands in C order and frees each
+A stream (ops/streaming.py) hands out its bands in C order and frees each
 region as soon as its last band is in: that holds when the stream alone
 feeds the region. A `diff --values` of a one-chunk Orbax array against the
 torch-written DCP twin of it pairs each region of A with the same region of
@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import CkptError
-from ..model import Region
+from ..base.errors import CkptError
+from ..core.model import Region
 from .regions import _intersect
 from .streaming import _Streamer
 from .wants import Want
@@ -186,7 +186,7 @@ class _Cursor:
             region = s.global_band(s.bands[b])
             return region, (s.lc.leaf.read(region) if region is not None else None)
         if self._stream is None:
-            from ..codecs import ChunkStream
+            from ..core.codecs import ChunkStream
 
             storage, key, zmeta, zarr3 = s.zarr
             self._stream = ChunkStream(storage, key, zmeta, math.prod(s.stored_shape) * s.lc.itemsize, zarr3,

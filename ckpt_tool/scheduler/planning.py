@@ -8,7 +8,7 @@ more than the decode, so units are merged where that saves reads: a want
 whose chunks feed nothing else is read whole; a small leaf is read in one
 go; wants that share their chunks are read together (a cluster); small
 reads are started together (a group). A chunk too large to decode whole
-is streamed (streaming.py), and so is one larger than an eighth of the
+is streamed (ops/streaming.py), and so is one larger than an eighth of the
 budget where it can be (streams_by_choice). Streams run first; the other
 units in the order of the first region they feed (the consumers' own
 order), so assembled regions complete soon after they start.
@@ -25,9 +25,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..errors import CkptError
-from ..formats.contract import reader_of
-from ..model import ArrayLeaf, Region
+from ..base.errors import CkptError
+from ..core.contract import reader_of
+from ..core.model import ArrayLeaf, Region
 from .admission import MiB, MemoryBudget, decoded_cost
 from .regions import LeafChunks, _intersect, _size
 from .joint import JointPlan, plan_joint
@@ -98,7 +98,7 @@ class Plan:
         self._admission = admission
         self.budget = admission.limit
         self.band = band_bytes(self.budget)
-        from ..codecs import window_bytes
+        from ..core.codecs import window_bytes
 
         self.window = window_bytes(self.budget)
         self.wants = list(wants)
@@ -419,5 +419,5 @@ class Plan:
         return streamer
 
     def stream_plan(self, unit: _Unit) -> StreamPlan:
-        """How a streamed unit's chunk is read: its passes, and the memory they take (see streaming.py)."""
+        """How a streamed unit's chunk is read: its passes, and the memory they take (see ops/streaming.py)."""
         return plan_passes(self.streamer(unit), unit.pieces, self.wants, self.feeds, self.budget, self.band)

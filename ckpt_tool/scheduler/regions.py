@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from .. import dtypes
-from ..model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
+from ..base import dtypes
+from ..core.model import ArrayLeaf, Chunk, ChunkList, Region, RegularGrid, stored_chunks
 
 
 def _nbytes(leaf: ArrayLeaf, region: Region) -> int:

@@ -2,7 +2,7 @@
 
 A stored chunk whose whole decode would not fit the budget (twice its size:
 tensorstore's decoded buffer and the copy it returns) is decoded as a
-stream instead (codecs.py): its compressed bytes are read in windows and
+stream instead (core/codecs.py): its compressed bytes are read in windows and
 decoded in bands of rows, in C order, each band feeding the regions it
 overlaps. Such a chunk runs alone, and when the regions it feeds would not
 fit at once (columns of a chunk streamed in rows), they are served in
@@ -22,8 +22,8 @@ import math
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Sequence
 
-from ..formats.contract import reader_of
-from ..model import ArrayLeaf, Region, RegularGrid
+from ..core.contract import reader_of
+from ..core.model import ArrayLeaf, Region, RegularGrid
 from .admission import MiB
 from .regions import LeafChunks, _intersect
 from .wants import Want
@@ -65,9 +65,9 @@ class _Streamer:
     def problem(self) -> str | None:
         """Why this chunk cannot be streamed, or None."""
         if self.zarr is not None:
-            from ..codecs import zarr2_stream_problem
+            from ..core.codecs import zarr2_stream_problem
 
-            from ..codecs import zarr3_stream_problem
+            from ..core.codecs import zarr3_stream_problem
 
             _, _, zmeta, zarr3 = self.zarr
             return zarr3_stream_problem(zmeta) if zarr3 else zarr2_stream_problem(zmeta)
@@ -94,7 +94,7 @@ class _Streamer:
         chunk read each band once, not the chunk's head again each time.
         """
         if self.zarr is not None:
-            from ..codecs import ChunkStream
+            from ..core.codecs import ChunkStream
 
             storage, key, zmeta, zarr3 = self.zarr
             stream = ChunkStream(storage, key, zmeta, math.prod(self.stored_shape) * self.lc.itemsize, zarr3,

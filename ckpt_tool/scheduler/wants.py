@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..model import ArrayLeaf, Region
+from ..core.model import ArrayLeaf, Region
 from .regions import _nbytes
 
 

@@ -54,7 +54,7 @@ __all__ = [
 ]
 # private names other modules and tests import from here: _CONTEXT (one context for every open,
 # made with tensorstore's import when first asked for: __getattr__),
-# _kvstore_spec (output.py), _forward_stderr (the stderr filter's test)
+# _kvstore_spec (ops/destination.py), _forward_stderr (the stderr filter's test)
 
 
 def __getattr__(name: str) -> object:

@@ -18,13 +18,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import CkptError, NotFoundError
+from ..base.errors import CkptError, NotFoundError
 from .remote import _RETRIES, REMOTE_IN_FLIGHT, _endpoint_of, _error_for, _wait_for, opening
 
 if TYPE_CHECKING:
     import tensorstore as ts
 
-    from ..pagecache import DirectoryDropper
+    from ..base.pagecache import DirectoryDropper
     from .local import LocalFileWriter
 
 # One context for every open: memory:// stores are shared within a process

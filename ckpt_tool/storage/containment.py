@@ -24,7 +24,7 @@ import re
 import stat
 import threading
 
-from ..errors import NotFoundError, PathEscapeError
+from ..base.errors import NotFoundError, PathEscapeError
 from .local import _os_error
 
 

@@ -18,8 +18,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..errors import CkptError
-from ..pagecache import DirectoryDropper
+from ..base.errors import CkptError
+from ..base.pagecache import DirectoryDropper
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, PendingReads, Reads, read_context, shared_context
 from .containment import _check_relative

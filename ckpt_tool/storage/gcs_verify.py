@@ -8,7 +8,7 @@ after each upload ckpt asks GCS for the object's `crc32c` and `size` (one JSON-A
 with `fields=`, a few hundred bytes) and compares them with the CRC-32C it computed of the bytes
 it sent. A difference is one line naming the object and both checksums: the write fails, so the
 run fails before its next commit marker, and removes what it wrote as any failed run does
-(output_remote.py: the markers first, also one whose own upload was the damaged one).
+(ops/destination_remote.py: the markers first, also one whose own upload was the damaged one).
 
 The request goes where tensorstore's went (TENSORSTORE_GCS_HTTP_URL, else storage.googleapis.com)
 with a token found the way tensorstore finds its own (google_auth_provider.cc): the
@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from ..errors import CkptError
+from ..base.errors import CkptError
 
 _TOKEN_FOR_TESTING = "GOOGLE_AUTH_TOKEN_FOR_TESTING"
 _SCOPE = "https://www.googleapis.com/auth/cloud-platform"

@@ -16,7 +16,7 @@ import base64
 import posixpath
 from dataclasses import dataclass
 
-from ..errors import CkptError
+from ..base.errors import CkptError
 from .core import Storage
 
 CACHE_DIR = ".cache"

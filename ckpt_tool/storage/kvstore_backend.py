@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ..errors import CkptError, StorageUnavailableError
+from ..base.errors import CkptError, StorageUnavailableError
 from .backend import Backend, Capabilities, missing, open_kvstore
 from .remote import _SIZE_IN_ERROR, _TRANSPORT, _text
 
@@ -189,7 +189,7 @@ class KvstoreBackend(Backend):
             pass
 
         fut.add_done_callback(hold)
-        from ..checksum import crc32c
+        from ..base.checksum import crc32c
 
         sent = crc32c(data)  # while the upload runs
         where = self.where(rel)

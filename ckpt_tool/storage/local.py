@@ -5,8 +5,8 @@ tensorstore's file kvstore: a byte range goes straight into the caller's
 buffer (one copy, by the kernel), where the kvstore hands over bytes of
 its own, a copy or two more per chunk. DCP and safetensors data files are
 written the same way (`LocalFileWriter`), with O_DIRECT for large ranges
-where the file system suits it (directio.py) and writeback behind the
-writer (pagecache.py).
+where the file system suits it (base/directio.py) and writeback behind the
+writer (base/pagecache.py).
 
 Every open for reading is non-blocking and checks the file is regular
 (a FIFO swapped in after containment's check never blocks); OS errors
@@ -25,10 +25,10 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
-from .. import directio
-from ..parallel import copy_workers
-from ..errors import CkptError, NoSpaceError, NotFoundError, PathEscapeError, TruncatedFileError, UnreadableFileError
-from ..pagecache import WriteBehind
+from ..base import directio
+from ..base.parallel import copy_workers
+from ..base.errors import CkptError, NoSpaceError, NotFoundError, PathEscapeError, TruncatedFileError, UnreadableFileError
+from ..base.pagecache import WriteBehind
 
 
 @contextlib.contextmanager
@@ -260,9 +260,9 @@ class LocalFileWriter:
     `close()` fsyncs it, as tensorstore's file kvstore does for every value
     it writes; `discard()` just closes it (the output is being thrown away).
     Large ranges go to the disk with O_DIRECT where the file system suits it
-    (see directio.py); `place()` then aligns them, so callers reserve their
+    (see base/directio.py); `place()` then aligns them, so callers reserve their
     offsets through it. What is written buffered goes to disk behind the
-    writer and leaves the page cache (see pagecache.py).
+    writer and leaves the page cache (see base/pagecache.py).
     """
 
     def __init__(self, path: str, where: str, *, direct: bool = False) -> None:

@@ -15,9 +15,9 @@ import os
 import stat
 from typing import Any
 
-from .. import directio
-from ..errors import CkptError, NotFoundError, PathEscapeError
-from ..pagecache import DirectoryDropper
+from ..base import directio
+from ..base.errors import CkptError, NotFoundError, PathEscapeError
+from ..base.pagecache import DirectoryDropper
 from . import local as localfs
 from .backend import Backend, Capabilities, missing, open_kvstore
 from .containment import _Containment, check_local_path

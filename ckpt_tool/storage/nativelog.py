@@ -69,7 +69,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def leave_native_logs_to_supervisor() -> None:
-    """fd 2 is a pipe that ckpt's supervisor reads (supervise.py): it drops these lines itself, and
+    """fd 2 is a pipe that ckpt's supervisor reads (cli/supervise.py): it drops these lines itself, and
     must see jaxlib's fatal report to say in one line why the process ended. Never redirect it."""
     global _native_quiet
     with _native_quiet_lock:

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import zstandard
 
-from ..checksum import crc32c
+from ..base.checksum import crc32c
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_NODE_MAGIC = 0x0CDB20DE

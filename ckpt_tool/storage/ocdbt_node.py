@@ -166,7 +166,7 @@ def _body(raw: bytes | memoryview, max_decoded: int, magic_wanted: int = BTREE_N
         raise OcdbtNodeError(f"B+tree node header says {length} bytes, its reference {len(raw)}")
     (crc,) = struct.unpack_from("<I", raw, len(raw) - 4)
     view = memoryview(raw)
-    from ..checksum import crc32c
+    from ..base.checksum import crc32c
 
     if crc32c(view[:-4]) != crc:
         raise OcdbtNodeError("B+tree node fails its crc32c check")

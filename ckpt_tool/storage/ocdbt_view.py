@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..bufferpool import POOL
-from ..errors import CkptError, NotFoundError, TruncatedFileError
+from ..base.bufferpool import POOL
+from ..base.errors import CkptError, NotFoundError, TruncatedFileError
 from . import ocdbt_bulk
 from .backend import Backend, Capabilities, Reads, open_kvstore
 from .ocdbt_node import LeafNode, Location, ManifestRoot, OcdbtNodeError, single_leaf_manifest
@@ -131,7 +131,7 @@ class OcdbtBackend(KvstoreBackend):
             # chunks cost 2.9 CPU-seconds here, and far more on a sandboxed kernel (gVisor)
             (key, ref), = refs.items()
             try:
-                if pooled:  # into a reused buffer (bufferpool.py): fresh memory faults on every page
+                if pooled:  # into a reused buffer (base/bufferpool.py): fresh memory faults on every page
                     buf = POOL.bytes(ref.length)
                     self.base.read_into(ref.path, ref.offset, buf)
                     out[key] = buf

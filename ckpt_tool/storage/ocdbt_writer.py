@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-from ..errors import CkptError
+from ..base.errors import CkptError
 from .core import Storage
 from .local import FileCloser
 from .staged_upload import UPLOAD_COPIES, StagedUpload, UploadRoom

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import CkptError, PathEscapeError, StorageUnavailableError, TruncatedFileError
+from ..base.errors import CkptError, PathEscapeError, StorageUnavailableError, TruncatedFileError
 from .nativelog import quiet_native_logs
 
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import Any, Iterable
 
-from ..errors import CkptError
+from ..base.errors import CkptError
 from .core import Storage
 
 # what an upload holds per byte of its object: ckpt's buffer read back, and tensorstore's copy of

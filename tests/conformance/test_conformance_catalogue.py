@@ -128,7 +128,7 @@ def test_a_throwaway_format_is_picked_up(toy_registered, tmp_path):
     assert TOY in [f.name for f in infos]
     # it implements the format contract: the package, its write.py and checks.py have every
     # required member, and its writer and readers are the contract's
-    from ckpt_tool.formats import contract
+    from ckpt_tool.core import contract
 
     write, checks = toy_registered.writer_module().module, toy_registered.checks().module
     assert not contract.missing_members(toy_registered.reader_module().module, write, checks)

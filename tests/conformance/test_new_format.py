@@ -173,7 +173,7 @@ ALLOWED = {
     "tests/test_deepspeed_pipe_moe.py": "DeepSpeed's files are torch.save archives, read by torch_save's code",
     "tests/conformance/toy.py": "the throwaway format both throwaway tests use is safetensors' modules renamed",
     "pyproject.toml": "a dependency's comment says which reader needs it",
-    "ckpt_tool/distcp/__init__.py": "its docstring says which format packages read DCP files through it",
+    "ckpt_tool/machinery/dcp/__init__.py": "its docstring says which format packages read DCP files through it",
     "tests/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
                                    "open-time check proves a Megatron open was real",
     "tools/relayout_tests.py": "the tests' re-layout: its table puts each format's tests in tests/formats/<package>/",

@@ -18,7 +18,7 @@ TOY = "toyst"
 
 def safetensors_as_toy(where: Path) -> Path:
     """ckpt_tool/formats/safetensors's modules copied to `where`/toyst, renamed to read and write
-    `*.toyst` files; it implements the format contract (ckpt_tool/formats/contract.py) as safetensors does."""
+    `*.toyst` files; it implements the format contract (ckpt_tool/core/contract.py) as safetensors does."""
     src = Path(importlib.import_module("ckpt_tool.formats.safetensors").__file__).parent
     dst = where / TOY
     dst.mkdir(parents=True)

@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint (DCP) directories: `.metadata` and `__<rank>_<n>.distcp` files.
 
-ckpt_tool/distcp/ reads and checks them without torch (the shared DCP machinery:
+ckpt_tool/machinery/dcp/ reads and checks them without torch (the shared DCP machinery:
 Megatron's torch_dist saves are DCP files too); write.py writes them (convert);
 checks.py is validate's (distcp's checks). The package's interface is the
 registry's: NAME, detect, read.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...distcp import reader
-from ...distcp.reader import detect
-from ...model import Checkpoint
+from ...machinery.dcp import reader
+from ...machinery.dcp.reader import detect
+from ...core.model import Checkpoint
 from ...storage import Storage
 
 NAME = "dcp"
@@ -37,8 +37,8 @@ def layout_text(ck: Any) -> str:
 
 from typing import TYPE_CHECKING  # noqa: E402
 
-if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
-    from .. import contract as _contract
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (core/contract.py)
+    from ...core import contract as _contract
     from . import checks as _checks
     from . import write as _write
     from .. import dcp as _package

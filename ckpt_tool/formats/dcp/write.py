@@ -42,15 +42,16 @@ from typing import Any, Iterable, Union
 
 import numpy as np
 
-from ... import dtypes, values
-from ...checksum import crc32
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
-from ...model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
+from ...base import dtypes
+from ...core import values
+from ...base.checksum import crc32
+from ...base.errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UnsupportedLeafError, a_type
+from ...core.model import Chunk, ChunkList, Key, Region, RegularGrid, grid_chunks, split_to_cap
 from ...storage import FileCloser, LocalFileWriter, Storage, place_range
-from ..contract import CheckpointWriter
-from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
-from ...torchsave.archive import _CENTRAL, _U32, _archive, _hash_combine, _names_hash, _tensor_reduce, tensor_pickle
-from ...torchsave.pickle_writer import Global, Obj, PickleWriteError, Reduce, dumps
+from ...core.contract import CheckpointWriter
+from ...core.write_plan import PlanContext, TargetArray, TargetValue, WritePlan
+from ...machinery.torch_save.archive import _CENTRAL, _U32, _archive, _hash_combine, _names_hash, _tensor_reduce, tensor_pickle
+from ...machinery.torch_save.pickle_writer import Global, Obj, PickleWriteError, Reduce, dumps
 
 METADATA_FILE = ".metadata"
 SIDECAR_PREFIX = ".ckpt-entries."
@@ -78,7 +79,7 @@ class DcpWriteError(CkptError):
 # torch.save archives
 # ---------------------------------------------------------------------------
 # the records, the zip layout, the serialization id and a tensor's pickle: torch.save's, shared
-# with the other torch.save writers (ckpt_tool/torchsave/archive.py)
+# with the other torch.save writers (ckpt_tool/machinery/torch_save/archive.py)
 
 
 def plain_value(value: Any, where: str, storages: list[tuple[memoryview, int]] | None = None) -> Any:
@@ -922,7 +923,7 @@ def _describe(key: tuple[str, int | None]) -> str:
     return f"value {name!r}" if index is None else f"chunk {index} of {name!r}"
 
 
-# -- what the engine asks the format (writers.py) ---------------------------------------
+# -- what the engine asks the format (core/write_plan.py) ---------------------------------------
 
 # torch's traversal stops at a tuple: it is one bytes item, gathered from the
 # element leaves an Orbax source gives (gathered_value)

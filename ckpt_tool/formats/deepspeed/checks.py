@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, UsageError
-from ...findings import Findings
-from ...model import ArrayLeaf
+from ...base.errors import CkptError, NotFoundError, PathEscapeError, UnsafePickleError, UsageError
+from ...base.findings import Findings
+from ...core.model import ArrayLeaf
 from ...storage import Storage
-from ...torchsave.safe_pickle import UnsupportedTensorError
-from ...torchsave import checks as tsc
-from ...torchsave import reading as ts
+from ...machinery.torch_save.safe_pickle import UnsupportedTensorError
+from ...machinery.torch_save import checks as tsc
+from ...machinery.torch_save import reading as ts
 from . import moe, opening
 from . import reader as ds
 

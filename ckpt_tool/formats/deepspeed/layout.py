@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...model import ArrayLeaf, Key, RegularGrid
+from ...core.model import ArrayLeaf, Key, RegularGrid
 
 
 @dataclass(frozen=True)

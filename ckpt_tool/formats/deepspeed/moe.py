@@ -29,9 +29,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ...errors import CorruptMetadataError
-from ...findings import Findings
-from ...torchsave.safe_pickle import TensorRef
+from ...base.errors import CorruptMetadataError
+from ...base.findings import Findings
+from ...machinery.torch_save.safe_pickle import TensorRef
 from . import layout as L
 
 EXPERT_NAME = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<id>\d+)(?P<tail>\..*)$")
@@ -181,7 +181,7 @@ def expected_files(step: Any) -> dict[tuple[int, int], str]:
 def expert_module_leaves(step: Any) -> list[tuple[str, Any]]:
     """--weights module: each expert file's tensors as stored (the training dtype), by their names
     (the module state dict of mp_rank_00 holds no expert: DeepSpeed saves them apart)."""
-    from ...torchsave import reading as ts
+    from ...machinery.torch_save import reading as ts
 
     out = []
     for _, fname in sorted(step.files.experts.items()):
@@ -202,7 +202,7 @@ def missing_files(step: Any) -> list[str]:
 def check_expert_files(step: Any, leaves: list, findings: Findings, prefix: str) -> None:
     """Each expert file's tensors: names of that expert's parameters, of their recorded shapes
     (DeepSpeed's load_state_dict takes them by name into the module)."""
-    from ...torchsave import reading as ts
+    from ...machinery.torch_save import reading as ts
 
     shapes = {name: shape for group in step.shapes for name, shape in group}
     for (layer, expert), fname in sorted(step.files.experts.items()):

@@ -4,11 +4,11 @@ files) stage by stage (pipeline.py), any other as one Step (reader.py), its MoE 
 """
 from __future__ import annotations
 
-from ...errors import UsageError
-from ...model import ArrayLeaf, Checkpoint, Leaf, MissingData, StepInfo
+from ...base.errors import UsageError
+from ...core.model import ArrayLeaf, Checkpoint, Leaf, MissingData, StepInfo
 from ...storage import Storage
-from ...torchsave import reading as ts
-from ...torchsave.safe_pickle import DSLossScaler, TensorRef
+from ...machinery.torch_save import reading as ts
+from ...machinery.torch_save.safe_pickle import DSLossScaler, TensorRef
 from . import moe, pipeline
 from .reader import NAME, STEP_DIR, Step, is_step_listing, open_step, pick_step, scan_step, step_leaves
 

@@ -40,12 +40,12 @@ import dataclasses
 import re
 from typing import Any
 
-from ... import dtypes
-from ...errors import CorruptMetadataError, NotFoundError, UsageError
-from ...model import ArrayLeaf, Leaf, ValueLeaf
+from ...base import dtypes
+from ...base.errors import CorruptMetadataError, NotFoundError, UsageError
+from ...core.model import ArrayLeaf, Leaf, ValueLeaf
 from ...storage import Storage
-from ...torchsave.safe_pickle import TensorRef
-from ...torchsave import reading as ts
+from ...machinery.torch_save.safe_pickle import TensorRef
+from ...machinery.torch_save import reading as ts
 from . import layout as L
 from . import reader as ds
 

@@ -36,7 +36,7 @@ fp32 master weights as flat partitions and the base optimizer's state for them:
     `param_slice_mappings` (per group, each parameter's {start, numel} in this rank's partition),
     and the loss scaler (a `LossScaler` object) complete it. DeepSpeed classes in these pickles
     (LossScaler, ZeroStageEnum, fragment_address) are admitted by name as data
-    (ckpt_tool/torchsave/safe_pickle.py), never imported.
+    (ckpt_tool/machinery/torch_save/safe_pickle.py), never imported.
   * stage 3 (DeepSpeedZeroOptimizer_Stage3): every parameter is partitioned on its own: padded to
     a multiple of DP, rank r holds its elements [r*n, (r+1)*n) with n = ceil(numel / DP).
     `fp32_flat_groups[g]` is rank r's partitions of the parameters of sub-group g, back to back,
@@ -91,15 +91,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..contract import ArrayReader
-from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, NotFoundError, UsageError, short_repr
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, StepInfo, ValueLeaf
+from ...core.contract import ArrayReader
+from ...base import dtypes
+from ...base.errors import CkptError, CorruptMetadataError, NotFoundError, UsageError, short_repr
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, Region, StepInfo, ValueLeaf
 from ...storage import Storage
-from ...torchsave import safe_pickle
-from ...torchsave.safe_pickle import Size, TensorRef
-from ...text import is_ascii_number
-from ...torchsave import reading as ts
+from ...machinery.torch_save import safe_pickle
+from ...machinery.torch_save.safe_pickle import Size, TensorRef
+from ...base.text import is_ascii_number
+from ...machinery.torch_save import reading as ts
 from . import layout as L
 from . import moe
 from .layout import array_leaf as _array
@@ -337,7 +337,7 @@ class CrcBook:
             archive.crc_checked.add(ref.storage.key)
 
     def _start(self, archive: ts.Archive, ref: TensorRef, key: tuple[int, str]) -> Any:
-        from ...checksum import CrcTiling, crc32
+        from ...base.checksum import CrcTiling, crc32
 
         member = archive.member(ref.storage.key)
         itemsize = dtypes.get(ref.dtype).itemsize
@@ -431,7 +431,7 @@ class FlatReader(ArrayReader):
         raw = into.view(np.uint8)
         src.archive.fetch_into(offset, raw)
         if self._book is not None and payload.data_crc:
-            from ...checksum import crc32
+            from ...base.checksum import crc32
 
             self._book.seen(src.archive, src.ref, offset, offset + raw.size, crc32(raw))
         if payload.big_endian and into.dtype.itemsize > 1:

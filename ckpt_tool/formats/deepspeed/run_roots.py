@@ -3,8 +3,8 @@
 reader's, asked here rather than copied."""
 from __future__ import annotations
 
-from ...errors import CorruptMetadataError
-from ..contract import COMMITTED, INCOMPLETE, Entry, RootView, RunRules, StepStatus
+from ...base.errors import CorruptMetadataError
+from ...core.contract import COMMITTED, INCOMPLETE, Entry, RootView, RunRules, StepStatus
 
 
 class DeepSpeedRoot(RunRules):

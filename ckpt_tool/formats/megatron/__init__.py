@@ -48,8 +48,8 @@ def layout_text(ck: Any) -> str:
 
 from typing import TYPE_CHECKING  # noqa: E402
 
-if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
-    from .. import contract as _contract
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (core/contract.py)
+    from ...core import contract as _contract
     from . import checks as _checks
     from .. import megatron as _package
 

@@ -2,7 +2,7 @@
 
 A save: metadata.json present (a save without it is interrupted: `uncommitted-save`), valid and
 naming a backend megatron writes (`bad-metadata`); the torch_dist part gets every check DCP
-gets (ckpt_tool/distcp/checks.py: `.metadata`, each rank's `.distcp` there and long enough,
+gets (ckpt_tool/machinery/dcp/checks.py: `.metadata`, each rank's `.distcp` there and long enough,
 chunks tiling their tensors, ...) with Megatron's pickled plan classes admitted by name, and
 findings naming the leaves as `ckpt inspect` does; `common.pt` gets the torch.save checks (a
 file torch could not load: `bad-metadata`, `truncated-file`; a global outside Megatron's data
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, PathEscapeError
-from ...findings import Findings
-from ...model import keys_path
+from ...base.errors import CkptError, PathEscapeError
+from ...base.findings import Findings
+from ...core.model import keys_path
 from ...storage import Storage
 from . import pickled
 from . import reader as mg
@@ -140,14 +140,14 @@ def _check_save(storage: Storage, findings: Findings) -> None:
         findings.error("bad-metadata", f"sharded_backend {backend!r}: not a backend Megatron-Core writes",
                        file=mg.CONFIG_FILE)
         return
-    from ...distcp import checks as dcp_checks
+    from ...machinery.dcp import checks as dcp_checks
 
     dcp_checks.check_path(storage, findings, allow=pickled.ALLOW, leaf_path=leaf_path)
     _check_common(storage, findings)
 
 
 def _check_common(storage: Storage, findings: Findings) -> None:
-    from ...torchsave import checks as ts_checks
+    from ...machinery.torch_save import checks as ts_checks
 
     if not storage.exists(mg.COMMON_FILE):
         findings.error("missing-file", "rank 0 writes it with every save; Megatron's load needs it", file=mg.COMMON_FILE)
@@ -158,7 +158,7 @@ def _check_common(storage: Storage, findings: Findings) -> None:
 def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep beyond the tensors: DCP's (every bytes item, replicated duplicates) on the step read,
     and every common.pt value decoded."""
-    from ...distcp import checks as dcp_checks
+    from ...machinery.dcp import checks as dcp_checks
 
     save = storage
     dirs, files = storage.listdir()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from ...errors import IncompleteCheckpointError
-from ...model import Key, Leaf, ValueLeaf
+from ...base.errors import IncompleteCheckpointError
+from ...core.model import Key, Leaf, ValueLeaf
 from ...storage import Storage
 from . import pickled
 from .detection import COMMON_FILE
@@ -47,7 +47,7 @@ def common_leaves(storage: Storage, taken: set[tuple[Key, ...]]) -> list[Leaf]:
     """common.pt's leaves at the top of the tree (under `common/` only where a key is taken)."""
     if not storage.exists(COMMON_FILE):
         raise IncompleteCheckpointError(f"no {COMMON_FILE} (rank 0 writes it with every save)", storage.url)
-    from ...torchsave import reading as ts
+    from ...machinery.torch_save import reading as ts
 
     tree = ts.file_tree(ts.Archive(storage, COMMON_FILE, pickled.ALLOW))
     if tree.paths == [()] and tree.values[0] in ({}, None):

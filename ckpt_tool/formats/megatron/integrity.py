@@ -1,5 +1,5 @@
 """`integrity.json`: the sha256 manifest megatron-core >= 0.18 writes in a save, checked by the
-shared manifest core (ckpt_tool/integrity/), which reads it as Megatron's verifier does.
+shared manifest core (ckpt_tool/machinery/integrity/), which reads it as Megatron's verifier does.
 
 `dist_checkpointing.save(..., verify_integrity=True)` (Megatron-LM `--verify-integrity`) hashes,
 after metadata.json is written, every FILE directly in the save directory except the manifest
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...integrity import files as core
-from ...errors import CkptError, PathEscapeError
+from ...machinery.integrity import files as core
+from ...base.errors import CkptError, PathEscapeError
 from ...storage import Storage
 
 FILE = core.FILE

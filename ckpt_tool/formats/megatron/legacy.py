@@ -31,9 +31,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...errors import CkptError, CorruptMetadataError, PathEscapeError
-from ...findings import Findings
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
+from ...base.errors import CkptError, CorruptMetadataError, PathEscapeError
+from ...base.findings import Findings
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
 from ...storage import Storage
 from . import pickled
 from .common import split_name
@@ -172,8 +172,8 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
     The allow-list unpickler builds plain tensors from `_rebuild_from_type_v2` and drops the
     Python attributes; this second pass over the same `data.pkl` (only when it names that
     rebuild) records them. A pickle the first pass accepted; any failure here only loses notes."""
-    from ...torchsave import safe_pickle
-    from ...torchsave import reading as ts
+    from ...machinery.torch_save import safe_pickle
+    from ...machinery.torch_save import reading as ts
 
     try:
         data = archive.zip._member_bytes("data.pkl")
@@ -210,8 +210,8 @@ def _tp_attributes(archive: Any) -> dict[tuple[Key, ...], dict[str, Any]]:
 
 def file_leaves(storage: Storage, name: str, prefix: tuple[Key, ...]) -> tuple[list[Leaf], Any]:
     """One rank file's leaves under `prefix`, Megatron's stand-ins as plain data; (leaves, its args)."""
-    from ...torchsave.safe_pickle import TensorRef
-    from ...torchsave import reading as ts
+    from ...machinery.torch_save.safe_pickle import TensorRef
+    from ...machinery.torch_save import reading as ts
 
     archive = ts.Archive(storage, name, pickled.ALLOW)
     obj = _with_plain_keys(archive.obj)
@@ -362,7 +362,7 @@ def check(storage: Storage, findings: Findings) -> None:
     """Every rank directory the grid needs (missing-file), each rank's model_optim_rng.pt (and
     distrib_optim.pt: required when the run's args say --use-distributed-optimizer) as torch
     would load it, with Megatron's data classes admitted."""
-    from ...torchsave import checks as ts_checks
+    from ...machinery.torch_save import checks as ts_checks
 
     present = ranks(storage)
     sizes = None

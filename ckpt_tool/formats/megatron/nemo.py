@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ...errors import CkptError, CorruptMetadataError, PathEscapeError
-from ...model import Checkpoint, Key, Leaf, ValueLeaf, constant_loader
+from ...base.errors import CkptError, CorruptMetadataError, PathEscapeError
+from ...core.model import Checkpoint, Key, Leaf, ValueLeaf, constant_loader
 from ...storage import Storage
 
 WEIGHTS = "weights"
@@ -151,7 +151,7 @@ def check(storage: Storage, findings: Any, check_save: Callable[[Storage, Any], 
     """weights/ checked as a Megatron save (its files named under weights/); context/: io.json there and
     JSON (NeMo's load_context reads it: `missing-file`, `bad-metadata`), model.yaml PyYAML's safe_load reads
     (`bad-metadata`; absent: a `missing-file` warning, as NeMo's restore does not need it, its exporters do)."""
-    from ...arrays import schema
+    from ...machinery.arrays import schema
 
     check_save(storage.child(WEIGHTS), under(findings, WEIGHTS))
     files = context_files(storage)

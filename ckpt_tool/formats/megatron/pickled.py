@@ -1,6 +1,6 @@
 """Stand-ins for the classes Megatron-Core and Megatron-LM pickle into their checkpoints: data only.
 
-The allow-list unpickler (ckpt_tool/torchsave/safe_pickle.py) resolves exact (module, name)
+The allow-list unpickler (ckpt_tool/machinery/torch_save/safe_pickle.py) resolves exact (module, name)
 pairs and nothing else; ALLOW below is what this format adds for its own files, passed to it
 as `extra`. Nothing of Megatron (or argparse, signal, ...) is imported or run: each name maps to
 a record of the data the pickle gives it.
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ... import values
-from ...torchsave.safe_pickle import Metadata, Record, TorchDType, _Fn, _Frozen
+from ...core import values
+from ...machinery.torch_save.safe_pickle import Metadata, Record, TorchDType, _Fn, _Frozen
 
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
 _MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"

@@ -29,10 +29,10 @@ written after it (checkpointing.py). `--step N` opens `iter_N`; without it, the 
 """
 from __future__ import annotations
 
-from ...errors import CorruptMetadataError, NotFoundError, UsageError
-from ...model import Checkpoint, StepInfo
+from ...base.errors import CorruptMetadataError, NotFoundError, UsageError
+from ...core.model import Checkpoint, StepInfo
 from ...storage import Storage
-from ...text import is_ascii_number
+from ...base.text import is_ascii_number
 # (read_config: checks.py asks it here too)
 from .save import backend_of, read_config, read_save  # noqa: F401
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import ArrayReader
-from ... import dtypes
-from ...errors import CorruptMetadataError
-from ...model import ArrayLeaf, ChunkList, Key, Region, RegularGrid
+from ...core.contract import ArrayReader
+from ...base import dtypes
+from ...base.errors import CorruptMetadataError
+from ...core.model import ArrayLeaf, ChunkList, Key, Region, RegularGrid
 
 ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 _SLACK = 1 << 20  # bytes of extra span read to avoid a read per row

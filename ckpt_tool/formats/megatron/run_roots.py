@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ..contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
+from ...core.contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
 
 
 class MegatronRoot(RunRules):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ... import strict_json
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
+from ...base import strict_json
+from ...base.errors import CkptError, CorruptMetadataError, IncompleteCheckpointError
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, ValueLeaf
 from ...storage import Storage
 from . import pickled, reformulated
 from .common import SHARD_SUFFIX, common_leaves, plain_loader, split_name
@@ -99,7 +99,7 @@ def read_save(storage: Storage) -> Checkpoint:
 
 
 def _torch_dist(storage: Storage) -> Checkpoint:
-    from ...distcp import reader as dcp
+    from ...machinery.dcp import reader as dcp
 
     ck, md = dcp.read_with_metadata(storage, fmt=NAME, allow=pickled.ALLOW)
     mcore = getattr(md, "mcore_data", None) or md.unknown.get("mcore_data") or {}

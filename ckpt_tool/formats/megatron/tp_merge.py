@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..contract import ArrayReader
-from ...errors import CorruptMetadataError
-from ...model import ArrayLeaf, Chunk, ChunkList, Key, Leaf, Region
+from ...core.contract import ArrayReader
+from ...base.errors import CorruptMetadataError
+from ...core.model import ArrayLeaf, Chunk, ChunkList, Key, Leaf, Region
 
 # (pattern on the dotted name under `model`, how it is split); first match wins
 _AXIS0, _AXIS1, _REPLICATED, _FC1 = "axis 0", "axis 1", "replicated", "fc1"
@@ -151,7 +151,7 @@ def merge(by_rank: list[dict[tuple[Key, ...], ArrayLeaf]], gated: bool | None) -
 
     A tensor a rank lacks, or holds in another shape or dtype, is a save Megatron's strict load of
     one model refuses: CorruptMetadataError naming it."""
-    from ... import dtypes
+    from ...base import dtypes
 
     ranks = len(by_rank)
     merged: list[Leaf] = []

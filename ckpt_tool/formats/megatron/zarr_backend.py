@@ -30,9 +30,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...errors import CkptError, NotFoundError
-from ...findings import Findings
-from ...model import ArrayLeaf, Checkpoint, Leaf, RegularGrid, ValueLeaf
+from ...base.errors import CkptError, NotFoundError
+from ...base.findings import Findings
+from ...core.model import ArrayLeaf, Checkpoint, Leaf, RegularGrid, ValueLeaf
 from ...storage import Storage
 from . import pickled
 from .common import common_leaves, split_name
@@ -86,7 +86,7 @@ def object_loader(storage: Storage, path: str) -> Callable[[], Any]:
     """The object a `shard_*.pt` file holds (its tensors read as arrays), Megatron's stand-ins as plain data."""
 
     def load() -> Any:
-        from ...torchsave import reading as ts
+        from ...machinery.torch_save import reading as ts
 
         archive = ts.Archive(storage, path, pickled.ALLOW)
         return pickled.plain(ts.value_loader(archive, archive.obj)())
@@ -96,7 +96,7 @@ def object_loader(storage: Storage, path: str) -> Callable[[], Any]:
 
 def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLeaf:
     """One key's zarr array, opened by tensorstore on first read (the Orbax package's reader)."""
-    from ...arrays.reading import ZarrRegionReader, parse_zarr_metadata
+    from ...machinery.arrays.reading import ZarrRegionReader, parse_zarr_metadata
     where = f"{storage.url}/{name}/{ZARRAY}"
     shape, dtype, chunk_shape, info = parse_zarr_metadata(zmeta, False, where)
     reader = ZarrRegionReader(source, name, False, zmeta)
@@ -106,8 +106,8 @@ def array_leaf(storage: Storage, name: str, zmeta: Any, source: Any) -> ArrayLea
 
 def read_arrays(storage: Storage, found: Listing) -> tuple[list[Leaf], dict[str, Any]]:
     """The tensors (every `.zarray` read at once) and the ShardedObjects; (leaves, zmeta by key)."""
-    from ...arrays import schema
-    from ...arrays.reading import ArraySource
+    from ...machinery.arrays import schema
+    from ...machinery.arrays.reading import ArraySource
     source = ArraySource(storage, None)
     names = sorted(found.arrays)
     raw = storage.start_reads(f"{n}/{ZARRAY}" for n in names).result()
@@ -158,11 +158,11 @@ def check(storage: Storage, findings: Findings, leaf_path: Callable[[str], str])
     """Every array: a `.zarray` tensorstore opens (bad-array-metadata), every chunk of its grid stored
     (missing-chunk), each uncompressed chunk file exactly one chunk long (empty-chunk, bad-chunk);
     every ShardedObject file a torch.save archive torch would load (the torch.save checks)."""
-    from ...arrays import checks as ac
-    from ...arrays import schema
-    from ...arrays.reading import parse_zarr_metadata
-    from ...torchsave import checks as ts_checks
-    from ... import dtypes
+    from ...machinery.arrays import checks as ac
+    from ...machinery.arrays import schema
+    from ...machinery.arrays.reading import parse_zarr_metadata
+    from ...machinery.torch_save import checks as ts_checks
+    from ...base import dtypes
 
     found = listing(storage)
     names = sorted(found.arrays)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import strict_json
-from ...errors import CkptError, UsageError
-from ...findings import Findings
-from ...model import ValueLeaf
+from ...base import strict_json
+from ...base.errors import CkptError, UsageError
+from ...base.findings import Findings
+from ...core.model import ValueLeaf
 from . import scan as ms
 from . import reader as mt
 from ...storage import Storage
-from ...arrays import checks as ac
+from ...machinery.arrays import checks as ac
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> str:

@@ -32,15 +32,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import strict_json
-from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegionReader, RegularGrid, StepInfo, ValueLeaf, constant_loader
+from ...base import strict_json
+from ...base import dtypes
+from ...base.errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, UsageError
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, Region, RegionReader, RegularGrid, StepInfo, ValueLeaf, constant_loader
 from ...storage import Storage
 from . import scan as ms
 # the zarr array machinery the Orbax reader uses too: the same arrays, opened the same way
 # (TREE_METADATA: orbax >= 0.5 writes it, and then the Orbax reader reads the step)
-from ...arrays.reading import (
+from ...machinery.arrays.reading import (
     ROOT_MANIFEST, SHARDING, TREE_METADATA, ArraySource, ZarrRegionReader, json_leaves, parse_sharding,
     parse_zarr_metadata,
 )

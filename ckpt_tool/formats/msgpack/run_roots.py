@@ -3,7 +3,7 @@
 reader's own), asked here rather than copied; the msgpack reader itself is never loaded for them."""
 from __future__ import annotations
 
-from ..contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
+from ...core.contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
 from . import detection
 
 

@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ...errors import CkptError, CorruptMetadataError
+from ...base.errors import CkptError, CorruptMetadataError
 from ...storage import Storage
 
 MAX_DEPTH = 128  # real trees nest a few dozen levels at most; T5X specs add 4

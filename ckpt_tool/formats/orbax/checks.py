@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ... import dtypes
-from ...errors import CkptError, UsageError
-from ...findings import Findings
-from ...model import keys_path
+from ...base import dtypes
+from ...base.errors import CkptError, UsageError
+from ...base.findings import Findings
+from ...core.model import keys_path
 from . import reader as ob
-from ...arrays import checks as ac
-from ...arrays import schema
+from ...machinery.arrays import checks as ac
+from ...machinery.arrays import schema
 from ...storage import Storage
 
 ROOT_METADATA = "_ROOT_METADATA"

@@ -35,12 +35,12 @@ import numpy as np
 import tensorstore as ts
 import zstandard
 
-from ...arrays import stored_chunks
-from ...arrays.reading import block_chunk_keys, chunk_key
-from ...bufferpool import POOL
-from ...checksum import crc32c
-from ...errors import CkptError
-from ...model import Region
+from ...machinery.arrays import stored_chunks
+from ...machinery.arrays.reading import block_chunk_keys, chunk_key
+from ...base.bufferpool import POOL
+from ...base.checksum import crc32c
+from ...base.errors import CkptError
+from ...core.model import Region
 from ...storage import Storage, ts_error_text
 from ...storage.ocdbt_encode import Config, DataFile, NodeRef
 from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database_over

@@ -15,17 +15,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...arrays import schema
+from ...machinery.arrays import schema
 # the zarr machinery's names are the Orbax package's too (checks.py, write.py: ob.read_json, ...)
-from ...arrays.reading import (  # noqa: F401
+from ...machinery.arrays.reading import (  # noqa: F401
     ROOT_MANIFEST, SHARDING, STRINGS, TREE_METADATA, ArraySource, json_leaves, StringsFile, UnmergedRegionReader, ZarrRegionReader,
     chunk_key, chunk_keys, parse_sharding, parse_zarr_metadata, read_json, read_shardings, read_zarr_metadata,
     region_reader, sharding_model,
 )
-from ...errors import (
+from ...base.errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, StorageUnavailableError, UsageError,
 )
-from ...model import ArrayLeaf, Checkpoint, Key, Leaf, RegularGrid, StepInfo, ValueLeaf
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, RegularGrid, StepInfo, ValueLeaf
 from ...storage import Storage
 
 NAME = "orbax"

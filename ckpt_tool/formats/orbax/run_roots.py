@@ -4,7 +4,7 @@ copied. The reader is imported only when an entry may be a step: a root of anoth
 this module too."""
 from __future__ import annotations
 
-from ..contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
+from ...core.contract import COMMITTED, INCOMPLETE, IN_PROGRESS, Entry, RootView, RunRules, StepStatus
 
 
 class ManagerRoot(RunRules):

@@ -41,16 +41,16 @@ from typing import Any, Callable
 import numpy as np
 import tensorstore as ts
 
-from ... import dtypes
-from ...errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, a_type
-from ...values import SharedValueError
-from ...model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
-from ...names import join_keys
-from ...pagecache import DirectoryDropper
+from ...base import dtypes
+from ...base.errors import CkptError, IncompleteCheckpointError, UnsupportedLeafError, a_type
+from ...core.values import SharedValueError
+from ...core.model import ChunkList, Key, Region, RegularGrid, Sharding, as_regular_grid, default_grid, flatten_value
+from ...base.names import join_keys
+from ...base.pagecache import DirectoryDropper
 from ...storage import Storage, local_path, ts_error_text
-from ..contract import CheckpointWriter
-from ...writers import PlanContext, TargetArray, TargetValue, WritePlan
-from ...arrays import stored_chunks
+from ...core.contract import CheckpointWriter
+from ...core.write_plan import PlanContext, TargetArray, TargetValue, WritePlan
+from ...machinery.arrays import stored_chunks
 from . import direct
 from . import reader as ob
 
@@ -505,7 +505,7 @@ class OrbaxWriter(CheckpointWriter):
                 target_data_file_size=self._target_data_file_size, upload_bytes=self._upload_bytes)
         else:
             # OCDBT's data files ("d/"), which tensorstore writes, are written
-            # back and leave the page cache as commits land (see pagecache.py)
+            # back and leave the page cache as commits land (see base/pagecache.py)
             self._cache_dropper = self._storage.page_cache_dropper(f"{db}/d")
         self._state = "writing"
         if not self._primary:
@@ -873,7 +873,7 @@ def _fmt_region(region: Region) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
 
 
-# -- what the engine asks the format (writers.py) ---------------------------------------
+# -- what the engine asks the format (core/write_plan.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False  # a tuple is a pytree node: its elements are leaves, the tuple is recorded
 # what a convert writes at DST's top level (the layout above), and the files written last that

@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ...errors import CkptError
+from ...base.errors import CkptError
 from ...storage import ts_error_text
 
 # where the shapes sit in orbax's spec["metadata"] and in what tensorstore writes (the same paths)

@@ -13,8 +13,8 @@ __all__ = ["NAME", "detect", "read", "read_file", "split_file"]
 
 from typing import TYPE_CHECKING  # noqa: E402
 
-if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
-    from .. import contract as _contract
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (core/contract.py)
+    from ...core import contract as _contract
     from . import checks as _checks
     from . import write as _write
     from .. import safetensors as _package

@@ -11,8 +11,8 @@ per-rank pieces (overlaps, gaps).
 """
 from __future__ import annotations
 
-from ...errors import CkptError, PathEscapeError, UnreadableFileError
-from ...findings import FILE_CAUSES, Findings
+from ...base.errors import CkptError, PathEscapeError, UnreadableFileError
+from ...base.findings import FILE_CAUSES, Findings
 from . import reader as st
 from ...storage import Storage
 

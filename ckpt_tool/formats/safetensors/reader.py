@@ -43,13 +43,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..contract import ArrayReader
-from ... import dtypes
-from ...errors import CkptError, CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
-from ...model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
+from ...core.contract import ArrayReader
+from ...base import dtypes
+from ...base.errors import CkptError, CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
+from ...core.model import ArrayLeaf, Checkpoint, Chunk, ChunkList, Key, Leaf, MissingData, Region, Sharding, ValueLeaf
 from ...storage import Storage
-from ... import hf_index
-from ...strict_json import parse_json
+from ...machinery import hf_index
+from ...base.strict_json import parse_json
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"

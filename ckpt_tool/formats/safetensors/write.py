@@ -28,7 +28,7 @@ range), from several threads at once, with no reassembly: memory stays at
 the engine's few chunks in flight. A local file is written in place with
 pwritev and, once its last byte is there, fsynced and dropped from the page
 cache (storage.LocalFileWriter). Where the file system suits O_DIRECT
-(directio.py), the whole 4 KiB blocks inside a range bypass the page cache
+(base/directio.py), the whole 4 KiB blocks inside a range bypass the page cache
 and only its two ends, which share a block with the neighbouring ranges, are
 written buffered: O_DIRECT's zero padding must never reach a byte of the next
 range. Other storage (S3, GCS) receives each file as one value: it is
@@ -51,14 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from ... import directio, dtypes
-from ... import sizes
-from ...errors import CkptError, IncompleteCheckpointError, a_type
-from ...model import Key, Region, default_grid, stored_chunks
+from ...base import directio, dtypes
+from ...base import sizes
+from ...base.errors import CkptError, IncompleteCheckpointError, a_type
+from ...core.model import Key, Region, default_grid, stored_chunks
 from ...storage import LocalFileWriter, Storage
-from ..contract import CheckpointWriter
-from ...writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
-from ...model import RegularGrid
+from ...core.contract import CheckpointWriter
+from ...core.write_plan import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
+from ...core.model import RegularGrid
 from .reader import INDEX_FILE, KEYS_KEY, SCALARS_KEY, SINGLE_FILE
 
 # transformers 4.x's save_pretrained default (5.x raised it to 50GB); parsed as huggingface_hub does
@@ -475,7 +475,7 @@ def _as_stored(data: np.ndarray, dt: dtypes.DType, sizes: tuple[int, ...], where
     return np.ascontiguousarray(data).reshape(data.shape)
 
 
-# -- what the engine asks the format (writers.py) ---------------------------------------
+# -- what the engine asks the format (core/write_plan.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False  # a tuple's arrays are tensors of their own
 # the index a sharded set's loaders open first, written last (one file is whole once stored); what

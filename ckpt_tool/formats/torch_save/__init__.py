@@ -2,7 +2,7 @@
 sharded `.bin` set (`pytorch_model-0000K-of-0000N.bin` + `pytorch_model.bin.index.json`).
 
 reader.py builds the tree from each archive's pickle (through the allow-list
-unpickler in ckpt_tool/torchsave/, nothing executed) and reads tensors by byte
+unpickler in ckpt_tool/machinery/torch_save/, nothing executed) and reads tensors by byte
 range of their storages; checks.py is validate's shallow checks and --deep's
 CRC-32 of every storage. ckpt does not write torch.save files (convert to
 safetensors, DCP or Orbax instead). The package's interface is the registry's:
@@ -59,8 +59,8 @@ def layout_text(ck: Any) -> str:
 
 from typing import TYPE_CHECKING  # noqa: E402
 
-if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (formats/contract.py)
-    from .. import contract as _contract
+if TYPE_CHECKING:  # the type checker holds the package, its checks.py and write.py to the format contract (core/contract.py)
+    from ...core import contract as _contract
     from . import checks as _checks
     from .. import torch_save as _package
 

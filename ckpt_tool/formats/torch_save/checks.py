@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CkptError, PathEscapeError
-from ...findings import FILE_CAUSES, Findings
+from ...base.errors import CkptError, PathEscapeError
+from ...base.findings import FILE_CAUSES, Findings
 from ...storage import Storage
 # one file's checks and --deep's loop: the shared torch.save machinery's
-from ...torchsave.checks import check_file, verify_and_decode
+from ...machinery.torch_save.checks import check_file, verify_and_decode
 from . import reader as ts
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
@@ -99,7 +99,7 @@ def _file_of(storage: Storage, where: str | None) -> str | None:
 def check_deep(storage: Storage, ckpt: Any, findings: Findings, skip_leaves: set[str]) -> None:
     """--deep's part besides the tensor reads: every storage member's CRC-32 (those a whole
     read did not already check, each streamed once), and every non-tensor value decoded
-    (torchsave.checks.verify_and_decode, DeepSpeed's and DCP's loop too)."""
+    (torch_save.checks.verify_and_decode, DeepSpeed's and DCP's loop too)."""
     archives: dict[int, ts.Archive] = {}
     for leaf in ckpt.leaves:
         reader = getattr(leaf, "reader", None)

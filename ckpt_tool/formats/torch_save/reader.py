@@ -3,10 +3,10 @@
 torch.save (zip format, torch >= 1.6) writes a zip of `<stem>/data.pkl` (the
 pickled object; each tensor is `_rebuild_tensor_v2(storage, offset, size,
 stride, ...)` over a persistent-id storage) and `<stem>/data/<key>` (each
-storage's raw bytes, STORED, 64-byte aligned). ckpt_tool/torchsave/ parses the
+storage's raw bytes, STORED, 64-byte aligned). ckpt_tool/machinery/torch_save/ parses the
 zip the way torch's reader does and unpickles `data.pkl` through the
 allow-list, so nothing in the file runs; this module turns the object into
-leaves (ckpt_tool/torchsave/reading.py, which DeepSpeed and Megatron use too):
+leaves (ckpt_tool/machinery/torch_save/reading.py, which DeepSpeed and Megatron use too):
 
   * a dict is a subtree (str and int keys; a dotted str key is split at its
     dots, so that `pytorch_model.bin`'s "model.layers.0.mlp.up_proj.weight"
@@ -38,13 +38,13 @@ import os
 import re
 from dataclasses import dataclass
 
-from ...errors import CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
-from ...model import Checkpoint, Leaf, MissingData
+from ...base.errors import CorruptMetadataError, NotFoundError, UnreadableFileError, UsageError
+from ...core.model import Checkpoint, Leaf, MissingData
 from ...storage import Storage
-from ... import hf_index
-from ...torchsave import object_tree
+from ...machinery import hf_index
+from ...machinery.torch_save import object_tree
 # one file's reading is the shared torch.save machinery's (DeepSpeed and Megatron read with it too)
-from ...torchsave.reading import (  # noqa: F401 - Archive, TensorReader: this package's names too
+from ...machinery.torch_save.reading import (  # noqa: F401 - Archive, TensorReader: this package's names too
     LEGACY_MAGIC, ZIP_MAGIC, Archive, FileTree, TensorReader, dotted, file_tree, head_bytes, is_torch_file, leaves_of,
     repeating_view_notes,
 )

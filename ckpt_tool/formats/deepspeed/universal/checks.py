@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ....errors import CkptError, PathEscapeError, UsageError
-from ....findings import Findings
-from ....model import ArrayLeaf
+from ....base.errors import CkptError, PathEscapeError, UsageError
+from ....base.findings import Findings
+from ....core.model import ArrayLeaf
 from ....storage import Storage
-from ....torchsave.safe_pickle import TensorRef
+from ....machinery.torch_save.safe_pickle import TensorRef
 from .. import checks as dsc
 from . import reader as u
 

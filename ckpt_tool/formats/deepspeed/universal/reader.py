@@ -45,12 +45,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....errors import CkptError, CorruptMetadataError, NotFoundError, UnknownFormatError, UsageError, short_repr
-from ....model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, RegularGrid, StepInfo, ValueLeaf
+from ....base.errors import CkptError, CorruptMetadataError, NotFoundError, UnknownFormatError, UsageError, short_repr
+from ....core.model import ArrayLeaf, Checkpoint, Key, Leaf, MissingData, RegularGrid, StepInfo, ValueLeaf
 from ....storage import Storage
-from ....torchsave.safe_pickle import DSZeroStage, TensorRef
-from ....text import is_ascii_number
-from ....torchsave import reading as ts
+from ....machinery.torch_save.safe_pickle import DSZeroStage, TensorRef
+from ....base.text import is_ascii_number
+from ....machinery.torch_save import reading as ts
 from .. import layout as L
 from .. import reader as ds
 

@@ -7,7 +7,7 @@ every parameter's fp32 weights and Adam moments as a file of its own in `OUT/tmp
 concatenates and torch.saves each parameter whole. Here each parameter's tensors are streamed by
 the engine (the ZeRO reader assembles them from the ranks' partitions by byte range, band by
 band, within --memory) straight to their place in their final torch.save file: the file's layout
-is fixed up front from the tensor's size (torchsave.archive.StreamedArchive), each band is
+is fixed up front from the tensor's size (torch_save.archive.StreamedArchive), each band is
 written at its offset as it arrives, and the zip records around the data (which carry its CRC-32,
 put together from the bands') are written last. Nothing passes through a temporary file.
 
@@ -29,7 +29,7 @@ stages 1 and 2 (its `zero_stage <= 2` path):
   * `zero/optimizer_state.pt`: rank 0's ZeRO optimizer state dict as DeepSpeedCheckpoint loads
     it (partition_count set to the DP degree per group, group_paddings zeroed), without
     base_optimizer_state, param_slice_mappings and single_partition_of_fp32_groups, plus the
-    base optimizer's param_groups; re-saved as torch.save would (torchsave.resave);
+    base optimizer's param_groups; re-saved as torch.save would (torch_save.resave);
   * the `mp_rank_00_model_states.pt` file, copied.
 
 stage 3 (its other path):
@@ -56,18 +56,18 @@ from typing import Any, Union
 
 import numpy as np
 
-from .... import dtypes
-from ....checksum import CrcTiling, crc32
-from ....errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, UsageError
-from ....model import ChunkList, Key, Region, RegularGrid, default_grid, stored_chunks
+from ....base import dtypes
+from ....base.checksum import CrcTiling, crc32
+from ....base.errors import CkptError, CorruptMetadataError, IncompleteCheckpointError, UnsupportedLeafError, UsageError
+from ....core.model import ChunkList, Key, Region, RegularGrid, default_grid, stored_chunks
 from ....storage import LocalFileWriter, Storage
-from ....torchsave import resave
-from ....torchsave.archive import StreamedArchive, tensor_reduce
-from ....torchsave.pickle_writer import dumps
-from ....torchsave.safe_pickle import TensorRef
-from ...contract import CheckpointWriter
-from ....writers import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
-from ....torchsave import reading as ts
+from ....machinery.torch_save import resave
+from ....machinery.torch_save.archive import StreamedArchive, tensor_reduce
+from ....machinery.torch_save.pickle_writer import dumps
+from ....machinery.torch_save.safe_pickle import TensorRef
+from ....core.contract import CheckpointWriter
+from ....core.write_plan import PlanContext, TargetArray, TargetValue, WritePlan, byte_runs
+from ....machinery.torch_save import reading as ts
 from .. import reader as ds
 from . import reader as u
 
@@ -320,7 +320,7 @@ def _strides_for(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, .
 
 
 def _storage_ref(tensor: resave.SavedTensor) -> Any:
-    from ....torchsave.safe_pickle import StorageRef
+    from ....machinery.torch_save.safe_pickle import StorageRef
 
     s = tensor.storage
     return StorageRef(s.key, s.dtype if s.typed else None, "cpu", s.numel)
@@ -600,7 +600,7 @@ def _check_plan(plan: WritePlan, leaves: list[Any], where: str) -> None:
             + (f" (and {len(missing or extra) - 1} more)" if len(missing or extra) > 1 else ""), where)
 
 
-# -- what the engine asks the format (writers.py) ---------------------------------------
+# -- what the engine asks the format (core/write_plan.py) ---------------------------------------
 
 TUPLES_AS_VALUES = False
 # what a convert writes at DST's top level: the pointer, written last (what DeepSpeed's load reads
