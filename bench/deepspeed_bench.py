@@ -5,7 +5,7 @@
 
 Input (built once into bench/out/deepspeed_z3_2gib, by torch in ckpt's venv): a ZeRO-3
 checkpoint of 4 data-parallel ranks laid out as DeepSpeed 0.19's engine.save_checkpoint writes
-it (tests/test_deepspeed.py's `imitate`, which test_the_imitation_lays_partitions_out_as_deepspeed
+it (tests/formats/deepspeed/test_deepspeed.py's `imitate`, which test_the_imitation_lays_partitions_out_as_deepspeed
 checks against checkpoints real DeepSpeed wrote; DeepSpeed itself would need ~16 GB to train a
 2 GiB model on 4 CPU ranks here): 2 GiB of fp32 master weights (validate_bench's 64 float32
 arrays of (4096, 2048), `layers.{i}.weight`, one optimizer group) and 64 biases of 2049 elements

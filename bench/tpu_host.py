@@ -35,7 +35,7 @@ Only child processes open the chip (one program at a time can hold it): the
 driver never imports jax, so that the held-chip step can hand it to a holder.
 
 TPU_HOST_BENCH_PLATFORM=cpu SIZE=small runs it all on 8 CPU devices (for
-debugging before a TPU run, and tests/test_tpu_host_bench.py).
+debugging before a TPU run, and tests/bench/test_tpu_host_bench.py).
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def __getattr__(name: str) -> list[str]:
 
 # test files whose tests xdist hands out one by one: their module-scoped fixtures are
 # per-worker services (test_fuzz's zygote and oracle process), cheap beside the tests
-SPREAD_FILES = {"tests/test_fuzz.py"}
+SPREAD_FILES = {"tests/fuzz/test_fuzz.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DeepSpeed's own universal load, run in build/venv-deepspeed-0.19 (tests/test_deepspeed_universal.py
+"""DeepSpeed's own universal load, run in build/venv-deepspeed-0.19 (tests/formats/deepspeed/test_deepspeed_universal.py
 starts it): each universal root given is loaded by `engine.load_checkpoint(root, load_universal=True)`
 into the model the ZeRO fixture was trained with (fixtures/gen_deepspeed.py's FIXTURES: the same
 model, optimizer groups and config, as many gloo ranks on CPU), and what DeepSpeed then holds is recorded, before and after one more

@@ -1,7 +1,7 @@
 """The fuzzing suite's machinery: mutants of the committed fixtures, the
 contract every `ckpt` run must keep on them, and the library oracle.
 
-Used by tests/test_fuzz.py (a seeded, fast subset in `make test`) and by
+Used by tests/fuzz/test_fuzz.py (a seeded, fast subset in `make test`) and by
 fuzz/run_fuzz.py (the long run behind `make fuzz`).
 
 A *mutant* is a copy of one committed fixture (never the fixture itself) with

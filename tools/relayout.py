@@ -69,7 +69,7 @@ TEMPLATES = Path(__file__).resolve().parent / "relayout_templates"
 TEMPLATE_BASE = "c178058a9354c8c0a8d1c4e1e5fa261304bd82aa"
 
 # old module (under ckpt_tool, dotted) -> its new place. A package's sub-modules follow it. Each top-level
-# module sits above everything it imports (tests/test_import_layers.py checks it after the move).
+# module sits above everything it imports (tests/imports/test_import_layers.py checks it after the move).
 MOVES: dict[str, str] = {
     # base: imports nothing of ckpt_tool but the base
     "errors": "base.errors",
@@ -668,7 +668,7 @@ def main() -> int:
     leftovers = residue(set(templates))
     print("staged; now check:\n"
           "  .venv/bin/python -m mypy\n"
-          "  .venv/bin/python -m pytest -q -p no:xdist tests/test_import_layers.py tests/test_startup_imports.py\n"
+          "  .venv/bin/python -m pytest -q -p no:xdist tests/imports/test_import_layers.py tests/imports/test_startup_imports.py\n"
           "  .venv/bin/python tests/import_graph.py\n"
           "  .venv/bin/ckpt --help && .venv/bin/ckpt inspect fixtures/orbax_ocdbt_zarr2")
     for line in leftovers:

@@ -33,7 +33,7 @@ type against these classes. Conformance is declared and checked three ways:
 readers and writers subclass the ABCs; each package's __init__ assigns itself,
 its checks.py and write.py to FormatModule, FormatChecksModule and
 FormatWriteModule under TYPE_CHECKING, so that mypy (`make typecheck`) checks
-their signatures; tests/test_registry.py checks every registered package
+their signatures; tests/formats/test_registry.py checks every registered package
 against `missing_members`, and the conformance suite
 (tests/conformance/test_conformance_catalogue.py) drops in a throwaway format
 and runs it through read, validate, convert, damage and fuzzing.

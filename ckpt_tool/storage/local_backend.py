@@ -126,7 +126,7 @@ class LocalBackend(Backend):
 
     # -- reading ---------------------------------------------------------------------------
     def list_keys(self, prefix: str) -> list[str]:
-        """Every file under `prefix`, as tensorstore's file kvstore lists them (tests/test_local_listing.py
+        """Every file under `prefix`, as tensorstore's file kvstore lists them (tests/storage/test_local_listing.py
         holds the two equal): directories are walked, a link is a key and is not followed (a link to a
         directory too), a FIFO or socket is a key, its own `*.__lock` files are not; the directory
         `prefix` names is opened as the file system opens a path (links in it followed)."""

@@ -135,7 +135,7 @@ CATALOGUE = load()
 
 ENTRIES: list[Entry] = CATALOGUE.entries
 
-# run roots of several steps (fixtures/gen_runs.py), torn newest steps included: tests/test_runs.py checks
+# run roots of several steps (fixtures/gen_runs.py), torn newest steps included: tests/ops/runs/test_runs.py checks
 # ls / latest / diff --step-a on each against the writing framework's own step rules; their steps are
 # checkpoints of formats the entries cover
 RUN_ROOTS = {"runs_hf_trainer", "runs_nemo2", "runs_orbax", "runs_torchtitan", "runs_verl"}
@@ -219,7 +219,7 @@ def converts_exactly(e: Entry, to: str) -> bool:
     """Whether converting e to `to` keeps its tree and values (so `diff` says same). A writer that
     takes certain formats only writes their checkpoints as that format's own tool does:
     DeepSpeed's ds_to_universal changes what it writes (a tied name's 16-bit module weights,
-    buffers cast to float32), which its own tests check file for file (tests/test_deepspeed_universal.py)."""
+    buffers cast to float32), which its own tests check file for file (tests/formats/deepspeed/test_deepspeed_universal.py)."""
     from ckpt_tool import formats
 
     return not formats.get(to).writes_from

@@ -1,5 +1,5 @@
 """`ckpt ARGS...` run in this process through the CLI's own error handling (ckpt_tool.cli.main._run),
-as tests/test_legacy_jax.py does: the exit code, stdout and stderr a user would see, without a
+as tests/formats/msgpack/test_legacy_jax.py does: the exit code, stdout and stderr a user would see, without a
 process start per run. Whole processes are used only where one matters (the fuzz smoke's signals)."""
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ and `ckpt validate --deep` on each must keep the contract: no traceback or inter
 or 1, one stderr line on failure, no hang. They run in this process (fuzz_lib.run_inprocess, with
 a watchdog); a sample runs as whole forked processes (fuzz_lib.Zygote), where a signal shows.
 The long run with the library oracle is `make fuzz`; the seeded subset with the oracle is
-tests/test_fuzz.py."""
+tests/fuzz/test_fuzz.py."""
 from __future__ import annotations
 
 import random

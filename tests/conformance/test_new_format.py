@@ -165,16 +165,16 @@ ALLOWED = {
     "bench/convert_bench.py": "profiles named functions of the Orbax and DCP readers and writers",
     "bench/reshard_bench.py": "profiles named functions of the Orbax reader and writer",
     "tests/fuzz_oracle.py": "loads torch.save files with megatron's allow-list, as megatron's reader does",
-    "tests/test_directio.py": "direct I/O is measured on the DCP writer",
-    "tests/test_nontensor_items.py": "DCP's bytes items, written with its value_archive",
-    "tests/test_scheduler_small.py": "the scheduler's small reads, through the DCP writer",
-    "tests/test_startup_imports.py": "which reader an Orbax or DCP inspect imports",
-    "tests/test_storage_faults.py": "storage faults reaching the Orbax and DCP readers",
-    "tests/test_deepspeed_pipe_moe.py": "DeepSpeed's files are torch.save archives, read by torch_save's code",
+    "tests/base/test_directio.py": "direct I/O is measured on the DCP writer",
+    "tests/ops/convert/test_nontensor_items.py": "DCP's bytes items, written with its value_archive",
+    "tests/scheduler/test_scheduler_small.py": "the scheduler's small reads, through the DCP writer",
+    "tests/imports/test_startup_imports.py": "which reader an Orbax or DCP inspect imports",
+    "tests/storage/test_storage_faults.py": "storage faults reaching the Orbax and DCP readers",
+    "tests/formats/deepspeed/test_deepspeed_pipe_moe.py": "DeepSpeed's files are torch.save archives, read by torch_save's code",
     "tests/conformance/toy.py": "the throwaway format both throwaway tests use is safetensors' modules renamed",
     "pyproject.toml": "a dependency's comment says which reader needs it",
     "ckpt_tool/machinery/dcp/__init__.py": "its docstring says which format packages read DCP files through it",
-    "tests/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
+    "tests/imports/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
                                    "open-time check proves a Megatron open was real",
     "tools/relayout_tests.py": "the tests' re-layout: its table puts each format's tests in tests/formats/<package>/",
 }
@@ -247,7 +247,7 @@ LISTS_FROM = 4
 # ... except the fuzz oracle's loaders (a format without one is fuzzed for the contract alone) and the
 # key-space test's writers (each format's colliding keys written by its own library, each output read
 # back by its own loader: a new format without one is not tested there, as with the oracle)
-LISTS_ALLOWED = {"tests/fuzz_oracle.py", "tests/test_key_space.py"}
+LISTS_ALLOWED = {"tests/fuzz_oracle.py", "tests/base/test_key_space.py"}
 
 
 def test_no_literal_lists_the_formats():

@@ -18,7 +18,7 @@ tensorstore's zarr driver writes for orbax:
   each array, byte for byte (zarr_metadata.py asks it once per kind of array),
   and 0-d values are written by tensorstore itself, in memory, and copied.
 
-tests/test_orbax_direct.py reads every output back through tensorstore and
+tests/formats/orbax/test_orbax_direct.py reads every output back through tensorstore and
 orbax, and compares it with the tensorstore-written one.
 """
 from __future__ import annotations

@@ -444,7 +444,7 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         # a writer of the same encoding may store these bytes as they are, read again: from a local
         # file (or in line), not from an object store, where reading them again is a second download
         # of the chunk (encoding it again costs less than the GET, and the process's share of the
-        # source's bytes would double: tests/test_multihost_gcs.py)
+        # source's bytes would double: tests/ops/reshard/test_multihost_gcs.py)
         if self._encoding is not None and (isinstance(where, bytes) or source.storage.capabilities.local_files):
             chunk = stored_chunks.remember(chunk, self._encoding, index, lambda: source.read_chunk(key, where))
         return chunk

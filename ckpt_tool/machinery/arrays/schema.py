@@ -610,7 +610,7 @@ _ZARR3_REQUIRED = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid
 _ZARR3_MEMBERS = frozenset(_ZARR3_REQUIRED) | {"attributes", "dimension_names", "storage_transformers"}
 
 
-# the .zarray a tensorstore or orbax writer makes, which tensorstore always opens (tests/test_zarr_plain.py
+# the .zarray a tensorstore or orbax writer makes, which tensorstore always opens (tests/machinery/arrays/test_zarr_plain.py
 # holds every form of it accepted by tensorstore): checked without it (see _plain_zarr2)
 _PLAIN_ZARR2_DTYPES = frozenset({"<c16", "<c8", "<f2", "<f4", "<f8", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8",
                                  "bfloat16", "float8_e4m3fn", "float8_e5m2", "|b1", "|i1", "|u1"})

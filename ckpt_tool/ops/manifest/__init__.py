@@ -7,7 +7,7 @@ logical bytes), so one implementation serves every format and Megatron's own `in
 - a checkpoint directory: `integrity.json` inside it, Megatron's name and place, so it travels
   with the checkpoint (cp -r, gsutil cp, aws s3 sync) and Megatron's
   `load(..., verify_integrity=True)` verifies one ckpt wrote; no format's reader or ckpt's
-  checks look at a file of that name (tests/test_manifest.py loads orbax and DCP saves with it);
+  checks look at a file of that name (tests/ops/manifest/test_manifest.py loads orbax and DCP saves with it);
 - a checkpoint that is one file (model.safetensors): `model.safetensors.integrity.json` beside it;
 - anywhere else with `--manifest FILE` (names stay relative to the checkpoint).
 

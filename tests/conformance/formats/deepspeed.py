@@ -419,5 +419,5 @@ FUZZ = [
 FUZZ_WEIGHT = {"deepspeed": 0.04}
 
 # what DeepSpeed restored from the universal fixtures (gen_deepspeed_universal_load.py), the recordings
-# themselves: tests/test_deepspeed_universal.py compares ckpt's output with them
+# themselves: tests/formats/deepspeed/test_deepspeed_universal.py compares ckpt's output with them
 NOT_CHECKPOINTS = {"deepspeed_universal_load"}

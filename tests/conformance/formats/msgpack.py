@@ -16,7 +16,7 @@ LEGACY = FIXTURES / "legacy_jax_reference"
 def legacy_recorded(name: str) -> Callable[[Path, str | None], dict]:
     """fixtures/legacy_jax_reference/<name>.json: flax 0.7.5 / orbax 0.4.1's restore (gen_legacy_jax.py).
 
-    As tests/test_legacy_jax.py reads it: orbax 0.4 keeps Python step / lr as 0-d arrays in its
+    As tests/formats/msgpack/test_legacy_jax.py reads it: orbax 0.4 keeps Python step / lr as 0-d arrays in its
     target-less restore (ckpt gives the numbers saved), t5x keeps `version` beside the state, and
     flax's restore of an orbax save turns list indices into str keys.
     """

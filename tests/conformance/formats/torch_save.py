@@ -85,7 +85,7 @@ DAMAGE: list[Damage] = [
            "path-escape"),
 ]
 
-NOT_CHECKPOINTS = {"torch_legacy"}  # refused by name, tests/test_torch_save.py
+NOT_CHECKPOINTS = {"torch_legacy"}  # refused by name, tests/formats/torch_save/test_torch_save.py
 
 FUZZ = [
     # torch.save: torch.load(weights_only=True) of each file is the oracle (fuzz_oracle.py)
