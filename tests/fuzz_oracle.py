@@ -620,7 +620,7 @@ class _Same:
 
 
 def _torch_walk(obj: Any, keys: tuple, out: list) -> None:
-    """ckpt's tree of a torch.save object (torchsave/object_tree.walk): dicts with str/int
+    """ckpt's tree of a torch.save object (machinery/torch_save/object_tree.walk): dicts with str/int
     keys by key, lists and tuples holding a tensor by index, a container met again a
     reference to its first path, anything else (or deeper than 100 levels) one leaf."""
     holders = _torch_holders(obj)

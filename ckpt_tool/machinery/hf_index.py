@@ -2,7 +2,7 @@
 `pytorch_model.bin.index.json`: `weight_map`, tensor -> the shard file beside it holding it, and
 `metadata.total_size`), read one way for both formats whose sets have one (safetensors, torch.save).
 
-Format machinery several format packages share (as torchsave/, distcp/): it names no format and
+Format machinery several format packages share (as torch_save/, dcp/ beside it): it names no format and
 reads through the Storage it is handed.
 """
 from __future__ import annotations
