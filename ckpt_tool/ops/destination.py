@@ -94,15 +94,23 @@ def _machine_id() -> str | None:
     return _read_text("/etc/machine-id")
 
 
-def _pid_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), if readable."""
+def _pid_stat(pid: int) -> tuple[str, int] | None:
+    """The process's state (/proc/PID/stat field 3: R, S, D, Z, ...) and start time in clock ticks
+    since boot (field 22), if readable."""
     text = _read_text(f"/proc/{pid}/stat")
     if text is None:
         return None
     try:  # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-        return int(text[text.rindex(")") + 2 :].split()[19])
+        fields = text[text.rindex(")") + 2 :].split()
+        return fields[0], int(fields[19])
     except (ValueError, IndexError):
         return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), if readable."""
+    stat_ = _pid_stat(pid)
+    return None if stat_ is None else stat_[1]
 
 
 @dataclass(frozen=True)
@@ -162,8 +170,15 @@ class Owner:
             return False
         except OSError:
             pass  # EPERM: a process of another user has that pid
-        start = _pid_start(self.pid)
-        return not (start is not None and self.pid_start is not None and start != self.pid_start)
+        stat_ = _pid_stat(self.pid)
+        if stat_ is None:
+            return True
+        state, start = stat_
+        if state in ("Z", "X"):
+            # exited, not yet reaped: a killed owner whose parent died with it stays a zombie where
+            # nothing reaps orphans (a container whose PID 1 is not an init), and answers signal 0
+            return False
+        return not (self.pid_start is not None and start != self.pid_start)
 
 
 def read_owner(directory: str) -> Owner | None:

@@ -405,3 +405,26 @@ def test_overwrite_on_s3_replaces_only_a_checkpoint_or_an_empty_prefix():
                       "--overwrite", env=env)
         assert r.returncode == 0, r.stderr
         assert run_ckpt("validate", f"s3://{bucket}/run/dcp_single", env=env).returncode == 0
+
+
+def test_an_owner_that_exited_unreaped_is_not_alive():
+    """A killed owner stays a zombie until reaped, and where nothing reaps orphans (a container whose
+    PID 1 is no init: this sandbox's) it stays one: it answers signal 0 and keeps its start time.
+    It writes nothing more, so its output is a dead run's (CI met it: a supervised process 0 killed,
+    its worker killed with it, and `--overwrite` refused the worker as still writing)."""
+    from ckpt_tool.ops.destination import Owner, _pid_start
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _pid_start(child.pid)
+        owner = Owner(socket.gethostname(), child.pid, start, None, None, time.time())
+        assert owner.alive()
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not owner.alive()  # a zombie: exited, not reaped (we have not waited for it)
+    finally:
+        child.kill()
+        child.wait()
