@@ -482,7 +482,7 @@ def test_a_reshard_to_gs_killed_midway_is_an_incomplete_save_and_overwrite_write
     assert run_ckpt("validate", dst, env=env).returncode == 0
 
 
-def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generation():
+def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generation(monkeypatch):
     """The precondition itself, on a server that enforces it (moto): a second create of the record
     fails, a take-over conditioned on a stale generation fails, one on the current one wins."""
     from ckpt_tool.ops.destination_remote import _no_value, _OwnerObject
@@ -490,27 +490,20 @@ def test_the_s3_record_is_created_with_if_none_match_and_taken_over_by_generatio
 
     bucket = "ckpt-commit-cond"
     with moto_s3_serving(bucket, []) as env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            owner = _OwnerObject(Storage.create(f"s3://{bucket}/p"))
-            first = owner.write_if(b"one", _no_value())
-            assert first is not None
-            assert owner.write_if(b"two", _no_value()) is None  # If-None-Match: * answered 412
-            data, gen = owner.read()
-            assert (data, gen) == (b"one", first)
-            newer = owner.write_if(b"three", gen)
-            assert newer is not None and newer != gen
-            assert owner.write_if(b"four", gen) is None  # stale generation
-            assert owner.read()[0] == b"three"
-            assert owner.write_if(None, newer) is not None  # our own record goes
-            assert owner.read()[0] is None
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        owner = _OwnerObject(Storage.create(f"s3://{bucket}/p"))
+        first = owner.write_if(b"one", _no_value())
+        assert first is not None
+        assert owner.write_if(b"two", _no_value()) is None  # If-None-Match: * answered 412
+        data, gen = owner.read()
+        assert (data, gen) == (b"one", first)
+        newer = owner.write_if(b"three", gen)
+        assert newer is not None and newer != gen
+        assert owner.write_if(b"four", gen) is None  # stale generation
+        assert owner.read()[0] == b"three"
+        assert owner.write_if(None, newer) is not None  # our own record goes
+        assert owner.read()[0] is None
 
 
 def test_a_run_roots_step_holding_a_record_is_not_what_a_resume_opens(gcs, tmp_path):
@@ -587,7 +580,7 @@ print("refreshed")
     assert _gcs_keys(endpoint, prefix + "/") == []
 
 
-def test_a_lost_race_whose_winner_already_finished_claims_again_and_judges_what_it_left():
+def test_a_lost_race_whose_winner_already_finished_claims_again_and_judges_what_it_left(monkeypatch):
     """The interleaving CI met: our create of the record fails because another run's record is
     there, and by the time we read it that run has finished and removed it. That is not "another
     run is starting to write": the claim is made again, and what the winner left is then judged
@@ -597,34 +590,27 @@ def test_a_lost_race_whose_winner_already_finished_claims_again_and_judges_what_
 
     bucket = "ckpt-commit-gone"
     with moto_s3_serving(bucket, []) as env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            dst = f"s3://{bucket}/p"
-            winner = _OwnerObject(Storage.create(dst))
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        dst = f"s3://{bucket}/p"
+        winner = _OwnerObject(Storage.create(dst))
 
-            class Racing(_OwnerObject):
-                raced = False
+        class Racing(_OwnerObject):
+            raced = False
 
-                def write_if(self, data, generation):
-                    if self.raced:
-                        return super().write_if(data, generation)
-                    self.raced = True
-                    theirs = winner.write_if(b'{"run": "theirs"}', _no_value())  # the winner's create
-                    ours = super().write_if(data, generation)  # ... beats ours (412)
-                    assert ours is None and theirs is not None
-                    assert winner.write_if(None, theirs) is not None  # ... and it finishes
-                    return ours
+            def write_if(self, data, generation):
+                if self.raced:
+                    return super().write_if(data, generation)
+                self.raced = True
+                theirs = winner.write_if(b'{"run": "theirs"}', _no_value())  # the winner's create
+                ours = super().write_if(data, generation)  # ... beats ours (412)
+                assert ours is None and theirs is not None
+                assert winner.write_if(None, theirs) is not None  # ... and it finishes
+                return ours
 
-            out = RemoteOutput(dst, dst, None)
-            out.run, out.record = _new_record(dst, "dcp")
-            owner = Racing(Storage.create(dst))
-            _claim(out, owner)
-            assert out.generation is not None
-            assert owner.read() == (out.record, out.generation)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        out = RemoteOutput(dst, dst, None)
+        out.run, out.record = _new_record(dst, "dcp")
+        owner = Racing(Storage.create(dst))
+        _claim(out, owner)
+        assert out.generation is not None
+        assert owner.read() == (out.record, out.generation)
