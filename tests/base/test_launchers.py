@@ -334,12 +334,13 @@ def test_unreachable_coordinator_is_one_line_within_the_deadline(tmp_path):
     r, _ = run_ckpt_env(convert_args("dcp", dst), {**env, "MASTER_ADDR": "no-such-host.invalid"})
     assert r.returncode == 1 and "cannot resolve the coordinator's host 'no-such-host.invalid'" in one_line(r.stderr)
     # a peer that never comes: process 0 waits as long, then says which, and so does every process that came
+    # (8 s: time enough for the two that come to import torch and join, this test running alone)
     other = free_port()
     args = ["-m", "ckpt_tool", *convert_args("dcp", dst)]
-    (c0, e0), (c1, e1) = spawn([args, args], [torchrun_env(0, 3, other, CKPT_JOIN_TIMEOUT="20"),
-                                              torchrun_env(1, 3, other, CKPT_JOIN_TIMEOUT="20")])
+    (c0, e0), (c1, e1) = spawn([args, args], [torchrun_env(0, 3, other, CKPT_JOIN_TIMEOUT="8"),
+                                              torchrun_env(1, 3, other, CKPT_JOIN_TIMEOUT="8")])
     assert c0 == c1 == 1
-    missing = "process 0 waited 20 s for process 2 to join at 127.0.0.1:"
+    missing = "process 0 waited 8 s for process 2 to join at 127.0.0.1:"
     assert missing in one_line(e0) and f"process 0 failed: {missing}" in one_line(e1)
     assert not dst.exists()
 
