@@ -60,30 +60,6 @@ def __getattr__(name: str) -> list[str]:
 SPREAD_FILES = {"tests/fuzz/test_fuzz.py"}
 
 
-# the files that take longest (each a minute or so of one worker in `make test`: pytest
-# --durations, 2026-12-07), handed out first so that none of them starts last while the other
-# workers sit idle (the parallel pass ran 26 s longer than its work divided by 2)
-LONGEST_FILES = (
-    "tests/conformance/test_conformance_convert.py",
-    "tests/bench/test_tpu_host_bench.py",
-    "tests/conformance/test_conformance_fuzz.py",
-    "tests/storage/test_s3.py",
-    "tests/ops/reshard/test_multihost_gcs.py",
-    "tests/ops/destination/test_remote_commit.py",
-    "tests/base/test_launchers.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the LONGEST_FILES' tests first (every worker collects the same order, which
-    the scheduler hands out from); elsewhere the order is left as collected."""
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
-        return
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    first = len(LONGEST_FILES)
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], first))  # stable: the rest keep their order
-
-
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - an xdist scheduler
     """--dist loadfile, refined: each test file runs whole on one worker, which builds its
