@@ -176,7 +176,6 @@ ALLOWED = {
     "ckpt_tool/machinery/dcp/__init__.py": "its docstring says which format packages read DCP files through it",
     "tests/imports/test_import_layers.py": "its docstrings name a format package as the example of a layer, and its "
                                    "open-time check proves a Megatron open was real",
-    "tools/relayout_tests.py": "the tests' re-layout: its table puts each format's tests in tests/formats/<package>/",
 }
 # the documentation lists the code's layout (docs engineer's: README.md's "Layout of the code")
 DOCUMENTATION = (".md",)
