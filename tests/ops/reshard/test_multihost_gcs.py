@@ -327,7 +327,9 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
 
     proxies = [_LoggingProxy(endpoint, hold if i == victim else None) for i in range(N)]
     dst = f"gs://{BUCKET}/killed"
-    procs = _start(["reshard", src, dst, "--mesh", MESH], {**env, "CKPT_DISTRIBUTED": library}, proxies, free_port())
+    # a silent process is posted failed after 6 s here, not the default 20: the same watch, in less of the suite
+    procs = _start(["reshard", src, dst, "--mesh", MESH], {**env, "CKPT_DISTRIBUTED": library, "CKPT_PEER_TIMEOUT": "6"},
+                   proxies, free_port())
     try:
         assert reading.wait(90), "the victim never read a chunk"
         os.kill(procs[victim].pid if target == "process" else _worker(procs[victim].pid), signal.SIGKILL)
