@@ -159,6 +159,16 @@ def _learn(kind: str, members: list[tuple[str, dict[str, Any]]], zarr3: bool) ->
     """Ask tensorstore for one member (two where there are two), keep the kind's template when
     the checks hold; the members asked, name -> metadata."""
     asked = members[:2]
+    probe = None
+    if len(asked) == 1:
+        # one array of its kind here (the planner asks array by array): a second one of the same
+        # kind, each shape one larger, checks the derivation on other shapes than the first's
+        probe = asked[0][0] + ".probe"  # (the only other name in this call)
+        spec = asked[0][1]
+        for path in _SHAPE_PATHS[zarr3]:
+            spec = {**spec, "metadata": _replaced(spec["metadata"], path,
+                                                  [int(d) + 1 for d in _get(spec["metadata"], path)])}
+        asked = [asked[0], (probe, spec)]
     got = from_tensorstore(dict(asked), zarr3)
     first_name, first_spec = asked[0]
     doc = json.loads(got[first_name])
@@ -169,10 +179,10 @@ def _learn(kind: str, members: list[tuple[str, dict[str, Any]]], zarr3: bool) ->
         second_name, second_spec = asked[1]
         if _derive(template, second_spec) != got[second_name]:
             template = None
-    if template is not None and len(asked) == 1:
-        return got  # one member: nothing checked the derivation on another array yet, so none is kept
     with _KINDS.lock:
         _KINDS.templates[kind] = template
+    if probe is not None:
+        del got[probe]
     return got
 
 

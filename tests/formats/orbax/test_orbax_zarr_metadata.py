@@ -28,7 +28,7 @@ def test_derived_metadata_is_tensorstores_for_every_array(zarr3, monkeypatch):
     specs: dict[str, dict] = {}
     for dtype, rank in itertools.product(["bfloat16", "float32", "int32", "bool", "uint8"], [1, 2, 3]):
         specs.update(_specs(zarr3, dtype, rank, 12))
-    specs.update(_specs(zarr3, "float32", 4, 1))  # a kind of one: asked, nothing kept
+    specs.update(_specs(zarr3, "float32", 4, 1))  # a kind of one: asked with a probe of other shapes
     asked: list[int] = []
     real = zarr_metadata.from_tensorstore
 
@@ -40,7 +40,7 @@ def test_derived_metadata_is_tensorstores_for_every_array(zarr3, monkeypatch):
     got = zarr_metadata.metadata(specs, zarr3)
     monkeypatch.setattr(zarr_metadata, "from_tensorstore", real)
     assert got == real(specs, zarr3)
-    assert sum(asked) == 15 * 2 + 1, asked  # two arrays of each kind, not 181
+    assert sum(asked) == 16 * 2, asked  # two arrays of each kind, not 181
     # later arrays of a kind learnt are derived without asking again
     more = _specs(zarr3, "bfloat16", 2, 5, base=5)
     monkeypatch.setattr(zarr_metadata, "from_tensorstore", counting)
@@ -69,3 +69,22 @@ def test_a_kind_whose_derivation_fails_its_check_is_asked_array_by_array(monkeyp
     got = zarr_metadata.metadata(specs, False)
     assert got == shape_dependent(specs, False)
     assert zarr_metadata._KINDS.templates == {next(iter(zarr_metadata._KINDS.templates)): None}
+
+
+def test_arrays_asked_one_at_a_time_are_derived_after_the_first(monkeypatch):
+    """The planner asks array by array (stored_chunk_encoding): the first of a kind is checked on a
+    probe of other shapes, and the rest of the kind is derived, still tensorstore's bytes."""
+    zarr_metadata._KINDS.templates.clear()
+    specs = _specs(True, "bfloat16", 2, 6)
+    real = zarr_metadata.from_tensorstore
+    asked: list[int] = []
+
+    def counting(s, z):
+        asked.append(len(s))
+        return real(s, z)
+
+    monkeypatch.setattr(zarr_metadata, "from_tensorstore", counting)
+    got = {name: zarr_metadata.metadata({name: spec}, True)[name] for name, spec in specs.items()}
+    monkeypatch.setattr(zarr_metadata, "from_tensorstore", real)
+    assert got == real(specs, True)
+    assert asked == [2]  # the first array and its probe, once
