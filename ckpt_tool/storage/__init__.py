@@ -28,6 +28,7 @@ what every backend passes:
   ocdbt_bulk.py, ocdbt_node.py  the B+tree walk behind an OCDBT view's bulk reads
   ocdbt_encode.py, ocdbt_writer.py  a new OCDBT database written whole by ckpt (local roots: the
                       Orbax writer's output), B+tree and manifest encoded as tensorstore reads them
+  ocdbt_entries.py    every entry of a database, read by ckpt (the Orbax writer's multi-process merge)
 """
 from __future__ import annotations
 

@@ -223,11 +223,31 @@ class ManifestRoot:
     max_decoded_node_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class TreeRoot:
+    """A manifest's latest version: its B+tree root, the root's height, and the decoded size bound."""
+
+    root: Location
+    height: int
+    max_decoded_node_bytes: int
+
+
 def single_leaf_manifest(raw: bytes | memoryview) -> ManifestRoot | None:
     """The latest version's root of a manifest of the kind orbax's databases have: one file, every
     version inline, the root a leaf node (a database of up to ~10^5 arrays fits one node of 100 MB).
     None for any other (a numbered manifest, version tree nodes, a root above the leaves) or one that
-    does not decode: tensorstore's own reader is asked then, and says what is wrong with it.
+    does not decode: tensorstore's own reader is asked then, and says what is wrong with it."""
+    tree = single_manifest_root(raw)
+    if tree is None or tree.height != 0:
+        return None
+    return ManifestRoot(tree.root, tree.max_decoded_node_bytes)
+
+
+def single_manifest_root(raw: bytes | memoryview, transitive: str = "") -> TreeRoot | None:
+    """The latest version's root of a single-file manifest with every version inline (what ckpt's
+    writer makes, and tensorstore's for orbax until its versions outgrow the manifest), at any
+    height; None for any other manifest or one that does not decode. `transitive`: the database's
+    directory as seen from where its paths are wanted ("ocdbt.process_1/" from an Orbax step).
 
     The layout (tensorstore's format document, "Manifest format"), as ocdbt_encode.manifest writes it:
     the config (uuid, manifest kind, max inline value bytes, max decoded node bytes, version tree
@@ -246,7 +266,7 @@ def single_leaf_manifest(raw: bytes | memoryview) -> ManifestRoot | None:
         if kind != 0 or compression not in (0, 1) or not max_decoded:
             return None
         pos += 4 if compression == 1 else 0  # the zstd level
-        files, pos = _data_file_entries(body, pos, "")
+        files, pos = _data_file_entries(body, pos, transitive)
         n, pos = _one_varint(body, pos)
         if not 1 <= n <= 1 << 16:
             return None
@@ -262,20 +282,79 @@ def single_leaf_manifest(raw: bytes | memoryview) -> ManifestRoot | None:
         if version_nodes != 0 or pos != len(body) or len(heights) != n:
             return None
         file_id, offset, length = int(file_ids[-1]), int(offsets[-1]), int(lengths[-1])
-        if heights[-1] != 0 or file_id >= len(files) or not length:
+        if file_id >= len(files) or not length:
             return None
     except (OcdbtNodeError, IndexError, ValueError):
         return None
     # the manifest's table is relative to the database root (transitive path ""): the node it names
     # takes its entry's base path as the transitive path of its own table
     base, relative, _full = files[file_id]
-    return ManifestRoot(Location(base, relative, offset, length), int(max_decoded))
+    return TreeRoot(Location(base, relative, offset, length), int(heights[-1]), int(max_decoded))
+
+
+@dataclass(frozen=True, slots=True)
+class ChildNode:
+    """One entry of an interior node: where the child node lies, its height, the key prefix its
+    own keys are stored without, and its first key (whole)."""
+
+    location: Location
+    height: int
+    key_prefix: bytes
+    first_key: bytes
+
+
+def interior_children(raw: bytes | memoryview, location: Location, height: int, key_prefix: bytes = b"", *,
+                      max_decoded: int = DEFAULT_MAX_DECODED_BYTES) -> list[ChildNode]:
+    """The children of the interior node at `location` (expected at `height`, its keys stored
+    without `key_prefix`), in key order (format document, "Interior B+tree node format": height,
+    data file table, entry count, key prefix and suffix lengths, subtree common prefix lengths, key
+    suffixes, then each child's data file, offset, length and three statistics)."""
+    import numpy as np
+
+    buf = np.frombuffer(_body(raw, max_decoded), dtype=np.uint8)
+    if len(buf) < 1 or int(buf[0]) != height or height < 1:
+        raise OcdbtNodeError(f"B+tree node has height {int(buf[0]) if len(buf) else '?'}, expected {height}")
+    files, pos = _data_file_entries(buf, 1, location.base_path)
+    n, pos = _one_varint(buf, pos)
+    if not 1 <= n <= len(buf):
+        raise OcdbtNodeError(f"interior node claims {n} entries in {len(buf)} bytes")
+    prefix_len, pos = _varints(buf, pos, n - 1)
+    suffix_len, pos = _varints(buf, pos, n)
+    common_len, pos = _varints(buf, pos, n)
+    keys: list[bytes] = []
+    prev = b""
+    for i in range(n):
+        keep = int(prefix_len[i - 1]) if i else 0
+        if keep > len(prev):
+            raise OcdbtNodeError("interior key prefix longer than the previous key")
+        suffix, pos = _take(buf, pos, int(suffix_len[i]), "keys")
+        key = prev[:keep] + suffix
+        if i and key <= prev:
+            raise OcdbtNodeError("interior node keys out of order")
+        keys.append(key)
+        prev = key
+    file_ids, pos = _varints(buf, pos, n)
+    offsets, pos = _varints(buf, pos, n)
+    lengths, pos = _varints(buf, pos, n)
+    _stats, pos = _varints(buf, pos, 3 * n)
+    if pos != len(buf):
+        raise OcdbtNodeError(f"interior node holds {len(buf) - pos} bytes after its entries")
+    out = []
+    for i, key in enumerate(keys):
+        if int(file_ids[i]) >= len(files):
+            raise OcdbtNodeError(f"child in data file {int(file_ids[i])} of a {len(files)}-file table")
+        if int(common_len[i]) > len(key):
+            raise OcdbtNodeError("subtree common prefix longer than its key")
+        base, relative, _full = files[int(file_ids[i])]
+        out.append(ChildNode(Location(base, relative, int(offsets[i]), int(lengths[i])), height - 1,
+                             key_prefix + key[: int(common_len[i])], key_prefix + key))
+    return out
 
 
 class LeafNode:
     """A decoded leaf node: its columns over the decompressed body, keys rebuilt on lookup."""
 
-    __slots__ = ("_buf", "_files", "_prefix", "_suffix_len", "_key_bytes", "_value_len", "_kind", "_file_id",
+    __slots__ = ("_buf", "_files", "_file_parts", "_prefix", "_suffix_len", "_key_bytes", "_value_len", "_kind", "_file_id",
                  "_file_offset", "_inline_start", "_indirect_index", "n")
 
     def __init__(self, raw: bytes | memoryview, location: Location, *,
@@ -288,7 +367,9 @@ class LeafNode:
         if int(buf[0]) != 0:
             raise OcdbtNodeError(f"B+tree node has height {int(buf[0])}, expected a leaf (0)")
         # the node's own base path is the transitive path its data file table is relative to
-        self._files, pos = _data_file_table(buf, 1, location.base_path)
+        table, pos = _data_file_entries(buf, 1, location.base_path)
+        self._files = [full for _base, _relative, full in table]
+        self._file_parts = [(base, relative) for base, relative, _full in table]
         n, pos = _one_varint(buf, pos)
         if n > len(buf):
             raise OcdbtNodeError(f"leaf node claims {n} entries in {len(buf)} bytes")
@@ -358,6 +439,23 @@ class LeafNode:
                 row = int(self._indirect_index[i])
                 yield key, IndirectValue(self._files[int(self._file_id[row])], int(self._file_offset[row]),
                                          int(self._value_len[i]))
+
+    def all_entries(self, key_prefix: bytes = b"") -> Iterable[tuple[bytes, bytes | tuple[str, str, int, int]]]:
+        """Every entry in key order: (full key, its inline value, or where its out-of-line value lies
+        as (base path, relative path, offset, length): the split a node referring to it keeps)."""
+        kind = self._kind.tolist()
+        length = self._value_len.tolist()
+        start = self._inline_start.tolist()
+        row = self._indirect_index.tolist()
+        file_id = self._file_id.tolist()
+        offset = self._file_offset.tolist()
+        body = self._buf.data
+        for key, i in self.entries(key_prefix):
+            if kind[i] == 0:
+                yield key, body[start[i] : start[i] + length[i]].tobytes()
+            else:
+                base, relative = self._file_parts[file_id[row[i]]]
+                yield key, (base, relative, offset[row[i]], length[i])
 
     def indirect_extents(self) -> dict[str, int]:
         """Each data file holding out-of-line values of this node: the end of the last byte they need."""

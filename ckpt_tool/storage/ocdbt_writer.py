@@ -304,6 +304,28 @@ def write_database_over(storage: Storage, config: Config, subtree: NodeRef, *,
     _write_tree(storage, config, node_file, node, root, commit_time_ns)
 
 
+def write_database(storage: Storage, config: Config, entries: list[tuple[bytes, bytes | ValueRef]], *,
+                   commit_time_ns: int | None = None) -> NodeRef:
+    """A new database at the root of `storage` over `entries` (keys unique, any order), whose values
+    stored out of line stay where they lie (in other databases' data files: orbax's merged root
+    over the per-process ones, ocdbt_entries.py): only its B+tree's node file and its manifest are
+    written, the same way finish() writes a database's (on an object store, each through
+    Storage.write, so checked on gs://). Returns the B+tree's root."""
+    entries = sorted(entries, key=lambda e: e[0])
+    for i in range(1, len(entries)):
+        if entries[i - 1][0] == entries[i][0]:
+            key = entries[i][0].decode("utf-8", "surrogateescape")
+            raise CkptError(f"cannot write the OCDBT database: key {key!r} is in two of the databases merged",
+                            storage.url)
+    node_file = new_data_file()
+    try:
+        content, root = build_tree(entries, config, node_file)
+    except ValueError as exc:  # no entry at all
+        raise CkptError(f"cannot write the OCDBT database: {exc}", storage.url) from None
+    _write_tree(storage, config, node_file, content, root, commit_time_ns)
+    return root
+
+
 def _sink(storage: Storage, key: str, room: UploadRoom) -> _FileSink:
     """A new data file at `key`: a local file, or on an object store an object staged for upload."""
     local = storage.create_local_file(key)
