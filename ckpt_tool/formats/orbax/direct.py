@@ -5,7 +5,9 @@ module, on a local directory and on gs:// and s3:// alike: chunks go from the
 copy thread to a data file (storage/ocdbt_writer.py says why, with the times
 measured); on an object store each data file is staged on local disk and
 uploaded whole through Storage.write once sealed, so every object of the
-output passes through ckpt (and is checked on GCS: storage/gcs_verify.py).
+output passes through ckpt (and is checked on GCS: storage/gcs_verify.py), the
+root database the primary merges from several processes' ones included
+(merged_entries, write_merged_root).
 CKPT_OCDBT_WRITER=tensorstore hands the chunks to tensorstore's zarr and OCDBT
 drivers instead, as orbax writes them. What lands in the store is what
 tensorstore's zarr driver writes for orbax:
@@ -42,8 +44,9 @@ from ...base.checksum import crc32c
 from ...base.errors import CkptError
 from ...core.model import Region
 from ...storage import Storage, ts_error_text
-from ...storage.ocdbt_encode import Config, DataFile, NodeRef
-from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database_over
+from ...storage.ocdbt_encode import Config, DataFile, NodeRef, ValueRef
+from ...storage.ocdbt_entries import database_entries
+from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database, write_database_over
 from . import zarr_metadata
 
 # orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
@@ -289,6 +292,35 @@ class ProcessDatabase:
             raise CkptError("the process's database is not finished", storage.url)
         node = replace(self.root, file=DataFile(base_path + self.root.file.base_path, self.root.file.relative_path))
         write_database_over(storage, config(self._ocdbt_config), node)
+
+
+    def merged_entries(self, storage: Storage, own: str, others: list[str]
+                       ) -> list[tuple[bytes, bytes | ValueRef]]:
+        """Every entry of the root database orbax's merge makes of several processes' databases:
+        this one's (under `own`, its directory from the step's root, with a trailing "/"), from
+        memory, and each of `others`' read back from storage (ocdbt_entries.py), every value stored
+        out of line named where it lies in the process's database (`ocdbt.process_<i>/d/...`)."""
+        files: dict[DataFile, DataFile] = {}
+
+        def moved(file: DataFile) -> DataFile:
+            # the process database's own base path, seen from the step's root (as tensorstore's merge names it)
+            got = files.get(file)
+            if got is None:
+                got = files[file] = DataFile(own + file.base_path, file.relative_path)
+            return got
+
+        entries: list[tuple[bytes, bytes | ValueRef]] = [
+            (key, ValueRef(moved(value.file), value.offset, value.length) if isinstance(value, ValueRef) else value)
+            for key, value in self.db.entries
+        ]
+        for database in others:
+            entries.extend(database_entries(storage, database))
+        return entries
+
+    def write_merged_root(self, storage: Storage, entries: list[tuple[bytes, bytes | ValueRef]]) -> None:
+        """The root database over `entries` (merged_entries): its B+tree's node file and manifest
+        written by ckpt, through Storage.write on an object store, as each process's own are."""
+        write_database(storage, config(self._ocdbt_config), entries)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

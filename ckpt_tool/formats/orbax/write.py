@@ -18,11 +18,13 @@ OCDBT"); the primary also writes every array's zarr metadata there, and at
 commit merges all per-process B-trees into the root one, which keeps
 referencing the per-process data files. ckpt encodes the chunks and writes
 each process's database itself, on a local root and on gs:// / s3:// (direct.py;
-there each data file is uploaded whole through Storage.write; with one process
-the root is one node over the process's tree). tensorstore merges several
-processes' databases (`experimental_copy_range_to`, as orbax's
-`merge_ocdbt_per_process_files`), and writes everything when
-CKPT_OCDBT_WRITER=tensorstore (zarr arrays over its OCDBT driver).
+there each data file is uploaded whole through Storage.write), and the root one:
+with one process one node over the process's tree, with several a new B+tree
+over every process's keys (the others' read back from storage), its values
+where they lie in the process databases, as orbax's `merge_ocdbt_per_process_files`
+(tensorstore's `experimental_copy_range_to`) leaves them. tensorstore writes
+everything, that merge included, when CKPT_OCDBT_WRITER=tensorstore (zarr
+arrays over its OCDBT driver) and on memory://.
 """
 from __future__ import annotations
 
@@ -709,6 +711,20 @@ class OrbaxWriter(CheckpointWriter):
             self._check_all_chunks(self._direct.keys())
             self._direct.write_root(self._storage, PROCESS_DB.format(0) + "/")
             self._storage.fsync_tree("d", files=False)  # (its node file was fsynced as it closed; its name too now)
+            return
+        if self._direct is not None:
+            # several processes, each database written by ckpt: the root is a new B+tree over every
+            # process's keys, its values where they lie in the process databases (as tensorstore's
+            # merge leaves them), its node file and manifest written by ckpt (Storage.write: checked
+            # on gs://), after every chunk is found among its keys
+            own = PROCESS_DB.format(self._plan.process_index) + "/"
+            others = [PROCESS_DB.format(i) + "/" for i in range(self._plan.process_count)
+                      if i != self._plan.process_index
+                      and self._storage.exists(f"{PROCESS_DB.format(i)}/{ob.ROOT_MANIFEST}")]
+            entries = self._direct.merged_entries(self._storage, own, others)
+            self._check_all_chunks([key.decode("utf-8", "surrogateescape") for key, _ in entries])
+            self._direct.write_merged_root(self._storage, entries)
+            self._storage.fsync_tree("d", files=False)
             return
         children = []
         for i in range(max(1, self._plan.process_count)):

@@ -13,6 +13,7 @@ orbax itself (from a downloaded copy, as tests/ops/reshard/test_multihost_gcs.py
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -211,3 +212,50 @@ def test_a_corrupted_upload_of_an_orbax_data_file_is_one_line_and_nothing_commit
         keys = [item["name"] for item in json.load(resp).get("items", [])]
     assert not any(k.endswith(("commit_success.txt", "/manifest.ocdbt")) for k in keys), keys
     assert run_ckpt("validate", dst, env=gcs).returncode != 0
+
+
+def test_two_processes_to_s3_merge_through_ckpt_and_orbax_restores(monkeypatch, tmp_path):
+    """Two processes' writers (in this one) to s3://: the primary's merge reads the other's manifest
+    and B+tree back from S3 and writes the root's node file and manifest itself (Storage.write), its
+    values in the process databases' data files; orbax restores the output."""
+    import hashlib
+
+    from ckpt_tool.core.model import RegularGrid
+    from ckpt_tool.core.write_plan import TargetArray, WritePlan
+    from ckpt_tool.formats.orbax.write import OrbaxWriter
+    from ckpt_tool.storage import Storage
+    from ckpt_tool.storage import core as storage_core
+
+    arr = np.random.default_rng(3).standard_normal((768, 512)).astype(np.float32)
+    target = TargetArray(("a",), "a", arr.shape, "float32", RegularGrid((128, 512)))
+    with moto_s3_serving(BUCKET, []) as env:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        url = f"s3://{BUCKET}/two-s3/orbax"
+        writes: list[str] = []
+        real_write = storage_core.Storage.write
+
+        def counted(self, key, data):  # every object the primary's commit uploads
+            writes.append(key)
+            return real_write(self, key, data)
+
+        writers = [OrbaxWriter(Storage.create(url)) for _ in range(2)]
+        for i, w in enumerate(writers):
+            w.begin(WritePlan([target], process_index=i, process_count=2))
+        for c in range(6):
+            writers[c % 2].write_array(target, c, (slice(c * 128, (c + 1) * 128), slice(0, 512)),
+                                       arr[c * 128:(c + 1) * 128])
+        for w in writers:
+            w.finish_process()
+        monkeypatch.setattr(storage_core.Storage, "write", counted)
+        writers[0].commit()
+        names = _s3_download(env["AWS_ENDPOINT_URL"], "two-s3/orbax/", tmp_path / "out")
+    root = [n[len("two-s3/orbax/"):] for n in names if re.fullmatch(r"two-s3/orbax/(d/[0-9a-f]+|manifest\.ocdbt)", n)]
+    assert len(root) == 2 and set(root) <= set(writes), (root, writes)
+    import tensorstore as ts
+    kv = ts.KvStore.open(f"file://{tmp_path}/out/").result()
+    dumped = ts.ocdbt.dump(kv).result()
+    entries = ts.ocdbt.dump(kv, dumped["versions"][-1]["root"]["location"]).result()["entries"]
+    where = sorted({e["indirect_value"].split(":")[1] for e in entries if "indirect_value" in e})
+    assert where == ["ocdbt.process_0/", "ocdbt.process_1/"], entries
+    assert _restored(tmp_path / "out") == {"a": hashlib.sha256(arr.tobytes()).hexdigest()}

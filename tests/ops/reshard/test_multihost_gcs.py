@@ -13,6 +13,9 @@ from the real Go fake-gcs-server to the same server:
   it answered); the server's log is checked to hold exactly the requests the proxies passed on,
   so no read went round them;
 - the output is one checkpoint that orbax restores on the new mesh, equal to what was saved;
+- the root database process 0 merges from the 4 per-process ones is written by ckpt (its node
+  file and manifest through Storage.write, each checked against the crc32c GCS stored); a byte
+  flipped in either on the way to GCS fails process 0 with one line, and nothing commits;
 - one process SIGKILLed midway (at its first chunk read) fails every other with exit 1 and one
   line within 60 s, and `ckpt validate` finds no complete checkpoint at DST (incomplete-save);
   the next run with --overwrite removes what the killed run wrote. Killed: process 2, process 0
@@ -171,6 +174,12 @@ def _object(path: str) -> str | None:
     return urllib.parse.unquote(m.group(1)) if m else None
 
 
+def _uploaded(path: str) -> str | None:
+    """The object an upload request (tensorstore's `uploadType=media` POST) names, or None."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    return query["name"][0] if query.get("uploadType") == ["media"] else None
+
+
 def _gcs_keys(endpoint: str, prefix: str) -> list[str]:
     q = urllib.parse.urlencode({"prefix": prefix})
     with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{BUCKET}/o?{q}", timeout=10) as r:
@@ -283,6 +292,18 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
     src_reads = {k: n for k, n in served.items() if k[0] == "GET" and (_object(k[1]) or "").startswith("src/")}
     assert src_reads and all(passed[k] == n for k, n in src_reads.items())
 
+    # the root database process 0 merged from the 4 per-process ones was written by ckpt: its B+tree's
+    # node file and its manifest went up through Storage.write, each checked against the crc32c GCS
+    # stored, after its upload (before, tensorstore's merge uploaded them and nothing checked them)
+    root = [k for k in _gcs_keys(endpoint, "out/") if re.fullmatch(r"out/(d/[0-9a-f]+|manifest\.ocdbt)", k)]
+    assert len(root) == 2, root
+    for name in root:
+        uploads = [i for i, r in enumerate(proxies[0].records)
+                   if r["method"] == "POST" and _uploaded(r["path"]) == name]
+        asked = [i for i, r in enumerate(proxies[0].records)
+                 if r["method"] == "GET" and _object(r["path"]) == name and "fields=crc32c" in r["path"]]
+        assert len(uploads) == 1 and len(asked) == 1 and asked[0] > uploads[0], (name, uploads, asked)
+
     # one checkpoint, complete, that orbax restores on the new mesh
     r = run_ckpt("validate", f"gs://{BUCKET}/out", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -295,6 +316,53 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
     specs = json.loads(r.stdout.strip().splitlines()[-1])
     assert specs["w1"] == [{"data": 2, "model": 2}, ["data"]], specs
     assert specs["bias"][0] == {"data": 2, "model": 2}, specs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["d/", "manifest.ocdbt"], ids=["root-node-file", "root-manifest"])
+def test_a_corrupted_upload_of_the_merged_root_is_one_line_and_nothing_commits(server, victim):
+    """Process 0 merges the per-process databases into the root one at commit; a byte flipped on the
+    way to GCS in one of the root's objects (its B+tree's node file, its manifest) fails process 0
+    with one line naming it, and no commit marker is written."""
+    from test_remote_upload_checksums import CorruptingProxy
+
+    env, _, src = server
+    endpoint = env["CKPT_TEST_GCS"]
+    prefix = f"corrupt-root-{victim.strip('/').replace('.', '-')}"
+    flipped: list[str] = []
+
+    def corrupt(line: str) -> bool:  # the root's own object, not a process database's
+        name = _uploaded(line.split(" ")[1]) or ""
+        if name.startswith(f"{prefix}/{victim}") and not flipped:
+            flipped.append(name)
+            return True
+        return False
+
+    front = CorruptingProxy(urllib.parse.urlsplit(endpoint).netloc, corrupt)
+    proxies = [_LoggingProxy(endpoint) for _ in range(N)]
+    proxies[0].close()
+    dst = f"gs://{BUCKET}/{prefix}"
+    procs = _start(["reshard", src, dst, "--mesh", MESH], env, [front, *proxies[1:]], free_port())
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        _stop(procs)
+        front.close()
+        for proxy in proxies[1:]:
+            proxy.close()
+    assert flipped, front.requests  # the proxy did damage the upload
+    assert procs[0].returncode == 1, outs[0]
+    lines = outs[0][1].strip().splitlines()
+    assert len(lines) == 1, outs[0][1]
+    assert lines[0].startswith(f"ckpt: error: gs://{BUCKET}/{flipped[0]}: upload corrupted: GCS stored crc32c "), lines[0]
+    # nothing commits: no marker (a failed multi-process run leaves what it wrote, and its owner
+    # record, for --overwrite: docs/storage.md), nor, when the node file was damaged, a root manifest
+    keys = _gcs_keys(endpoint, f"{prefix}/")
+    assert f"{prefix}/commit_success.txt" not in keys and f"{prefix}/.ckpt-owner.json" in keys, keys
+    if victim == "d/":
+        assert f"{prefix}/manifest.ocdbt" not in keys, keys
+    r = run_ckpt("validate", dst, env=env)
+    assert r.returncode != 0 and "incomplete-save" in r.stdout, r.stdout + r.stderr
 
 
 def _worker(pid: int) -> int:
