@@ -276,6 +276,11 @@ class ProcessDatabase:
     # -- the end ------------------------------------------------------------------------------------
 
     def finish(self) -> None:
+        if not self.db.entries:
+            # a process that owned no chunk (more processes than chunks) writes no database, as none
+            # is made through tensorstore's driver: the merge skips it, the chunk check counts all
+            self.db.discard()
+            return
         self.root = self.db.finish()
 
     def discard(self) -> None:

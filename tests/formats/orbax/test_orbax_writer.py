@@ -312,6 +312,29 @@ def test_two_processes_restore_in_one(tmp_path, jax_x64):
     assert validate_checkpoint(path, deep=True).findings == []
 
 
+@pytest.mark.parametrize("ocdbt_writer", ["ckpt", "tensorstore"])
+def test_more_processes_than_chunks_merge_into_one_database(tmp_path, monkeypatch, jax_x64, ocdbt_writer):
+    """8 processes, 6 chunks: the primary's merge (ckpt's own, or tensorstore's with the switch)
+    makes one root database over the 6 process databases written; the 2 processes that owned no
+    chunk write none (ckpt's writer refused an empty database before), and orbax restores it."""
+    _, ocp = jax_x64
+    monkeypatch.setenv("CKPT_OCDBT_WRITER", ocdbt_writer)
+    path = str(tmp_path / "eight")
+    arr = np.random.default_rng(5).standard_normal((768, 512)).astype(np.float32)
+    target = TargetArray(("a",), "a", arr.shape, "float32", RegularGrid((128, 512)))
+    writers = [OrbaxWriter(Storage.create(path)) for _ in range(8)]
+    for i, writer in enumerate(writers):
+        writer.begin(WritePlan([target], process_index=i, process_count=8))
+    for c in range(6):  # chunk c by process c: the chunks are stored out of line (256 KiB each)
+        writers[c].write_array(target, c, (slice(c * 128, (c + 1) * 128), slice(0, 512)), arr[c * 128:(c + 1) * 128])
+    for writer in writers:
+        writer.finish_process()
+    writers[0].commit()
+    assert sorted(p for p in os.listdir(path) if p.startswith("ocdbt.")) == [f"ocdbt.process_{i}" for i in range(6)]
+    _same_bits(ocp.PyTreeCheckpointer().restore(path)["a"], arr)
+    assert validate_checkpoint(path, deep=True).findings == []
+
+
 def test_lost_chunk_refuses_commit(tmp_path):
     path = tmp_path / "lost"
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
