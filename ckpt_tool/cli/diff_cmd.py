@@ -12,7 +12,6 @@ import click
 from ..base.parallel import default_workers
 
 from .. import formats
-from .. import open as open_checkpoint
 from ..ops.diff import diff_checkpoints
 from ..core.model import Checkpoint
 from ..ops.runs import OpenedStep, resolve_step
@@ -134,7 +133,8 @@ def _open_side(side: str, path: str, is_json: bool, step: str | None, *, explici
     if not is_json:
         # a run root of any framework: the run layouts' table picks the step
         path, reader_step, opened = resolve_step(path, step)
-        return open_checkpoint(path, step=reader_step), opened
+        # (what its reader parsed is kept for diff's check that the side is whole: diff.check_source_complete)
+        return formats.open_checkpoint(path, step=reader_step, keep_parsed=True), opened
     # usage errors first: they are about the command line, whatever the file holds
     if values:
         raise click.UsageError(

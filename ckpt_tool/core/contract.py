@@ -21,7 +21,7 @@ the scheduler, validate and the CLI reach it only through the interfaces here:
   write_array, write_value, finish_process, commit, abort; optional
   pending_bytes_limit and owns).
 * validate's checks (``formats/<name>/checks.py``): ChecksModule wraps it
-  (check_path; optional manifest_covers, check_single_file, check_deep).
+  (check_path; optional check_opened, manifest_covers, check_single_file, check_deep).
 * a training framework's run-root rules that the package's reader knows
   (``formats/<name>/run_roots.py``, for the frameworks its FormatInfo.run_roots
   names): RunRules, asked by formats/roots.py's table (step_of, status_of;
@@ -443,6 +443,21 @@ class ChecksModule:
         reader would). May return the checkpoint's format family ("flax", "t5x") when it differs
         from the format's name."""
         family: str | None = self.module.check_path(storage, findings, step=step, only=only, **options)
+        return family
+
+    def check_opened(self, storage: Storage, findings: Findings, parsed: dict[str, Any], *,
+                     step: str | int | None = None, only: str | None = None, **options: str) -> str | None:
+        """check_path of a checkpoint its reader opened already in this run (convert's, reshard's and
+        diff's preflight, through validate.validate_opened): `storage` is the one it was read through
+        (its listing taken), `parsed` what the reader parsed of its metadata files (Checkpoint.parsed),
+        which the checks take instead of reading and parsing those files again; what only the checks
+        look at (listings, sizes, an OCDBT B-tree, files the reader leaves for later) they still read.
+        The checks take each record they use out of `parsed` (its memory goes with the checks). The
+        findings are check_path's, to the letter. Default: check_path (the metadata read again)."""
+        hook = getattr(self.module, "check_opened", None)
+        if hook is None or not parsed:
+            return self.check_path(storage, findings, step=step, only=only, **options)
+        family: str | None = hook(storage, findings, parsed, step=step, only=only, **options)
         return family
 
     def manifest_covers(self, name: str) -> bool:

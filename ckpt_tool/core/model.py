@@ -25,6 +25,8 @@ from ..base.names import join_keys, key_text
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ..storage import Storage
 # (numpy is imported by what reads arrays: the model of a checkpoint read from its metadata needs
 # none, and `ckpt inspect` of a DCP loads none, issue 46)
 
@@ -450,6 +452,16 @@ class Checkpoint:
     # partial download, a rank's data file): the checkpoint is incomplete,
     # whatever its commit record says; readers fill this from a stat per file
     missing: list[MissingData] = field(default_factory=list)
+    # how it was opened, so that validate's checks of it in the same run (convert's, reshard's and
+    # diff's preflight: validate.validate_opened) do not read its metadata again: the Storage its
+    # reader read through (formats.open_checkpoint sets it; its listing is taken), and what the
+    # reader parsed of its metadata files, keyed as the format chooses (the file's URL), for that
+    # format's own checks (ChecksModule.check_opened, which take out what they use) and hooks only:
+    # nothing above formats/ looks inside. A reader records only what parsed cleanly, as its checks
+    # would parse it; open_checkpoint keeps the records only where the caller validates next
+    # (keep_parsed), so that an inspect or a library open holds no more than the leaves.
+    storage: Storage | None = field(default=None, repr=False, compare=False)
+    parsed: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def status(self) -> str:

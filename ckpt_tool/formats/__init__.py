@@ -436,12 +436,16 @@ def split_file(url: str) -> tuple[FormatInfo, tuple[str, str]] | None:
     return None
 
 
-def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None) -> Checkpoint:
+def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | None = None,
+                    keep_parsed: bool = False) -> Checkpoint:
     """Open the checkpoint at `url`, detecting its format; reads metadata only.
 
     On a run root of any framework `ckpt ls` lists, the run layouts' table picks the step
     (steps.resolve_step): `step` when given, else the step the framework resumes from (its pointer
-    file's, or the newest complete one); the step opened is recorded for the CLI to say."""
+    file's, or the newest complete one); the step opened is recorded for the CLI to say.
+    `keep_parsed`: the caller validates it next (convert's, reshard's and diff's preflight): what
+    the reader parsed of its metadata stays on it (Checkpoint.parsed) for validate_opened, which
+    then reads none of it again; otherwise it is dropped (its Checkpoint.storage is kept)."""
     from ..storage import Storage, check_url
     from . import steps
 
@@ -453,7 +457,7 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
         storage = None  # _open_resolved says what is wrong with the URL
     resolved, step, opened = steps.resolve_step(url, step, registered(), storage)
     try:
-        return _open_resolved(resolved, step=step, log=log, storage=storage if resolved == url else None)
+        ckpt = _open_resolved(resolved, step=step, log=log, storage=storage if resolved == url else None)
     except (UsageError, StorageUnavailableError, NoSpaceError):
         raise
     except CkptError as exc:
@@ -464,6 +468,9 @@ def open_checkpoint(url: str, *, step: str | int | None = None, log: ReadLog | N
             exc.message = f"{exc.message} ({hint})"
             exc.args = (f"{exc.where}: {exc.message}" if exc.where else exc.message,)
         raise
+    if not keep_parsed:
+        ckpt.parsed = {}
+    return ckpt
 
 
 def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
@@ -475,16 +482,19 @@ def _open_resolved(url: str, *, step: str | int | None, log: ReadLog | None,
     single = split_file(url)  # one file (a .safetensors file, a Flax msgpack file), not a directory
     if single is not None:
         info, (directory, name) = single
-        ckpt = info.reader_module().read_file(Storage.open(directory, log=log), name)
+        storage = Storage.open(directory, log=log)
+        ckpt = info.reader_module().read_file(storage, name)
         # the path as the user typed it (a reader names the file by the directory it opened,
         # which may be absolute, or `./x` for a bare name), as a directory's is
         ckpt.path = url
+        ckpt.storage = storage  # (its directory's: validate_opened checks the file through it)
         return ckpt
     from . import unknown
 
     unknown.refuse_file(url, registered())  # any other file: the checkpoint it sits in, or what it is
     storage = storage or Storage.open(url, log=log)
     ckpt = detect_one(storage).read(storage, step=step, **given_read_options())
+    ckpt.storage = storage  # what validate's checks of it start from (validate_opened)
     if TMP_MARKER in storage.url.rstrip("/").rsplit("/", 1)[-1]:
         # the temporary directory of an interrupted `ckpt convert` / `reshard`
         ckpt.committed = False

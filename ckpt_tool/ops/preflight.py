@@ -7,11 +7,16 @@ read first, and refuse the first error in one line.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from ..base.errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, PathEscapeError, StorageUnavailableError,
 )
 from ..core.model import Checkpoint
 from ..storage import ReadLog
+
+if TYPE_CHECKING:
+    from .validate import ValidationReport
 
 # error findings of shallow validate that do not make a copy partial or wrong:
 # a commit problem is refused before this with the reader's own wording, and
@@ -35,27 +40,31 @@ def check_source_complete(src: Checkpoint, given: str | None = None, *, side: st
     run on the step being copied; the first error is named in one line.
     Every process of a multi-host run checks for itself (same files, same answer).
     `side`: what the line calls the checkpoint (diff: "A" or "B").
+    The checks start from the checkpoint as it was opened (its Storage, its parsed metadata:
+    validate.validate_opened), so that the run reads its metadata once.
     """
+    from .validate import validate_opened
+
     # the chosen step only, not every step of a CheckpointManager root
-    error = _refusal(src.path, src.step if src.steps else None, given or src.path, side=side)
+    step = src.step if src.steps else None
+    error = _refusal(lambda: validate_opened(src, step=step), step, given or src.path, side=side)
     if error is not None:
         raise error
 
 
 def _refusal(
-    path: str, step: int | str | None, shown: str, codes: frozenset[str] | None = None, *,
-    side: str = "the source",
+    validate: Callable[[], ValidationReport], step: int | str | None, shown: str,
+    codes: frozenset[str] | None = None, *, side: str = "the source",
 ) -> CkptError | None:
-    """The one-line refusal for the first error shallow validate finds at `path`, or None.
+    """The one-line refusal for the first error shallow validate (`validate()`, at `step`) finds, or None.
 
     `codes`: only findings of these codes count (None: every error but the exempt ones).
     Lost data is an IncompleteCheckpointError, a path-escape a PathEscapeError (what
     reading the file would have raised), anything else a CorruptMetadataError."""
     from ..base.findings import ERROR
-    from .validate import validate_checkpoint
 
     try:
-        report = validate_checkpoint(path, step=step)
+        report = validate()
     except StorageUnavailableError:
         raise  # a store that stopped answering is the run's one error
     except (CkptError, ValueError, TypeError):
@@ -94,11 +103,15 @@ def open_source(source: str, step: str | int | None, log: ReadLog | None = None)
     from ..formats import open_checkpoint
 
     try:
-        return open_checkpoint(source, step=step, log=log)
+        # (what its reader parsed is kept for the preflight that follows: check_source_complete)
+        return open_checkpoint(source, step=step, log=log, keep_parsed=True)
     except (IncompleteCheckpointError, PathEscapeError, StorageUnavailableError):
         raise
     except CkptError:
-        better = _refusal(source, step, source, _LOST_DATA)
+        from .validate import validate_checkpoint
+
+        # nothing was opened: validate reads the source by its path
+        better = _refusal(lambda: validate_checkpoint(source, step=step), step, source, _LOST_DATA)
         if better is not None:
             raise better from None
         raise

@@ -123,6 +123,14 @@ class Storage:
             child._listing = [k[cut:] for k in self._listing if k.startswith(rel + "/")]
         return child
 
+    def counted_in(self, log: ReadLog | None = None) -> Storage:
+        """This root again, its listing kept (no new LIST), its reads counted in `log` (a new one by
+        default): validate's checks of a checkpoint opened already (validate_opened) read through
+        it without adding to what the run counts as read of its source (the reader's ReadLog)."""
+        again = Storage(self.backend, log)
+        again._listing = self._listing
+        return again
+
     def ocdbt(self, subdir: str = "") -> Storage:
         """A view of the OCDBT database whose manifest lives at `subdir`."""
         base = self.child(subdir) if subdir else self

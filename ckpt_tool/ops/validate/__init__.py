@@ -8,7 +8,7 @@ decides the exit code and rendering.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import dataclasses
 
@@ -17,7 +17,10 @@ from ...base.findings import ERROR, WARNING, CODES, Finding, Findings, Progress,
 from ...formats.roots import COMMITTED, IN_PROGRESS
 from ...storage import Storage, raise_if_unavailable
 
-__all__ = ["validate_checkpoint", "ValidationReport", "CODES", "screen_steps"]
+if TYPE_CHECKING:
+    from ...core.model import Checkpoint
+
+__all__ = ["validate_checkpoint", "validate_opened", "ValidationReport", "CODES", "screen_steps"]
 
 
 @dataclass
@@ -63,6 +66,34 @@ def validate_checkpoint(
                                     memory=memory, manifest=manifest)
 
 
+def validate_opened(ckpt: Checkpoint, *, step: str | int | None = None) -> ValidationReport:
+    """validate_checkpoint(ckpt.path, step=step) (its shallow checks), of a checkpoint opened already
+    in this run: convert's, reshard's and diff's preflight. The checks start from the Storage its
+    reader read through (its listing taken) and what the reader parsed of its metadata
+    (Checkpoint.storage, Checkpoint.parsed; ChecksModule.check_opened), so that a run reads the
+    source's metadata once; the findings are validate_checkpoint's. A checkpoint opened otherwise
+    (no Storage kept, or one for another path) is validated by its path."""
+    from ... import formats
+    from ...machinery.torch_save.pickle_budget import memory_budget
+
+    storage, path = ckpt.storage, ckpt.path
+    single = formats.split_file(path) if storage is not None else None
+    where = (single[1][0] if single is not None else path).rstrip("/") or "/"
+    if storage is not None and where.startswith(storage.url.rstrip("/") + "/"):
+        # a reader that opened a run root at a step names the checkpoint by the step's directory
+        try:
+            storage = storage.child(where[len(storage.url.rstrip("/")) + 1:])
+        except CkptError:
+            storage = None  # (validate of the path says what is wrong with it)
+    if storage is None or storage.url != where:
+        return validate_checkpoint(path, step=step)
+    # its reads are not the run's reads of the source (what convert reports as read is the reader's)
+    storage = storage.counted_in()
+    with memory_budget(None):
+        return _validate_checkpoint(path, step=step, deep=False, workers=4, progress=no_progress, memory=None,
+                                    manifest=None, storage=storage, parsed=ckpt.parsed, single=single is not None)
+
+
 def _validate_checkpoint(
     path: str,
     *,
@@ -72,7 +103,13 @@ def _validate_checkpoint(
     progress: Progress,
     memory: int | None,
     manifest: str | None,
+    storage: Storage | None = None,
+    parsed: dict[str, Any] | None = None,
+    single: bool = False,
 ) -> ValidationReport:
+    """validate_checkpoint's work. `storage`, `parsed`: a checkpoint opened already (validate_opened):
+    the Storage of `path` (of its directory where it is one file: `single`) its reader read through,
+    and what the reader parsed of its metadata."""
     from ...storage import check_url
 
     check_url(path)  # the error names the URL whole, not the directory of a file's URL
@@ -94,10 +131,13 @@ def _validate_checkpoint(
             return report
     # a run root of any framework: the step asked for, else the one the framework resumes from
     # (the run layouts' table; the step opened is recorded for the CLI to say)
-    path, step, opened = resolve_step(path, step, formats.registered())
+    given = path
+    path, step, opened = resolve_step(path, step, formats.registered(), None if single else storage)
+    if path != given:  # a run root's step, in a directory of its own: not the checkpoint opened
+        storage, parsed = None, None
     try:
         report = _validate_one(path, step=step, deep=deep, workers=workers, progress=progress, memory=memory,
-                               manifest=manifest)
+                               manifest=manifest, storage=storage, parsed=parsed)
     except UsageError:
         raise
     except CkptError:
@@ -336,9 +376,12 @@ def _validate_one(
     memory: int | None,
     manifest: str | None,
     storage: Storage | None = None,
+    parsed: dict[str, Any] | None = None,
 ) -> ValidationReport:
     """The format's checks of the checkpoint at `path` (a run root's step already chosen).
-    `storage`: `path` opened already (a run root's step, its part of the root's listing known)."""
+    `storage`: `path` opened already (a run root's step, its part of the root's listing known; the
+    directory of a one-file checkpoint its reader opened); `parsed`: what that reader parsed of its
+    metadata (Checkpoint.parsed), handed to the format's checks (ChecksModule.check_opened)."""
     from ... import formats
     from ...formats import TMP_MARKER, detect_one
     from . import integrity
@@ -363,7 +406,8 @@ def _validate_one(
         from ...formats.unknown import refuse_file
 
         refuse_file(path, formats.registered(), command="validate")  # a file inside a checkpoint, or one ckpt does not read
-    storage = storage if storage is not None and single is None else Storage.open(single[0] if single else path)
+    # (a one-file checkpoint's own check_single_file opens its directory itself, above)
+    storage = storage if storage is not None else Storage.open(single[0] if single else path)
     incomplete = None
     if single is None:
         # an owner record of ckpt's at the root: a convert/reshard to an object store wrote here and
@@ -389,7 +433,8 @@ def _validate_one(
         # <= 0.4 or t5x) says which one it found
         # (the reader options the format takes, passed as open_checkpoint passes them to its read())
         options = {k: v for k, v in formats.given_read_options().items() if k in info.read_options}
-        family = info.checks().check_path(storage, findings, step=step, only=single[1] if single else None, **options)
+        family = info.checks().check_opened(storage, findings, parsed or {}, step=step,
+                                            only=single[1] if single else None, **options)
         fmt = family or fmt
         if deep:
             from .deep import deep_check_steps
