@@ -22,10 +22,19 @@ ROOT_METADATA = "_ROOT_METADATA"
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None) -> None:
     """Validate a single step, or every step of a CheckpointManager root (`only`: unused, no single files)."""
+    check_opened(storage, findings, {}, step=step, only=only)
+
+
+def check_opened(storage: Storage, findings: Findings, parsed: dict[str, Any], *, step: str | int | None = None,
+                 only: str | None = None) -> None:
+    """check_path of a checkpoint the reader opened in this run: `parsed` (Checkpoint.parsed) holds
+    what it parsed of each step's _CHECKPOINT_METADATA and each item's _METADATA, _sharding and
+    arrays' zarr metadata (ob.ItemParse), which are not read again (each record is taken out of it
+    once used); the rest is read as check_path reads it, and the findings are the same."""
     dirs, files = storage.listdir()
     if ob._looks_like_step(storage, dirs, files):
         name = storage.url.rstrip("/").rsplit("/", 1)[-1]
-        check_step(storage, name, dirs, files, findings, where="")
+        check_step(storage, name, dirs, files, findings, where="", parsed=parsed)
         return
     steps = [d for d in dirs if ob.step_number(d) is not None]
     if "metadata" in dirs and storage.exists(f"metadata/{ROOT_METADATA}"):
@@ -60,7 +69,7 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             report = findings.error if asked else findings.warning
             report("uncommitted-save", "interrupted save left a temporary step directory; orbax will not restore it", file=d + "/")
             continue
-        ok = check_step(sub, d, sub_dirs, sub_files, findings, where=d + "/")
+        ok = check_step(sub, d, sub_dirs, sub_files, findings, where=d + "/", parsed=parsed)
         committed_any = committed_any or ok
     # only where every step was looked at: one step asked for (--step N) and not committed already
     # has its own error (uncommitted-save, bad-metadata), and says nothing of the root's other steps
@@ -69,11 +78,14 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
 
 
 def check_step(
-    storage: Storage, name: str, dirs: list[str], files: list[str], findings: Findings, *, where: str
+    storage: Storage, name: str, dirs: list[str], files: list[str], findings: Findings, *, where: str,
+    parsed: dict[str, Any] | None = None,
 ) -> bool:
-    """Check one step directory; True when it is committed."""
+    """Check one step directory; True when it is committed. `parsed`: as check_opened's."""
+    parsed = parsed or {}
     findings.count("steps")
-    meta = ob.read_step_metadata(storage, files)
+    key = ob.parsed_key(storage, ob.CHECKPOINT_METADATA)
+    meta = parsed.pop(key) if key in parsed else ob.read_step_metadata(storage, files)
     status = ob.commit_status(storage, name, files, meta)
     if isinstance(meta, CkptError):
         findings.error("bad-metadata", f"unreadable: {meta.message}", file=where + ob.CHECKPOINT_METADATA)
@@ -93,7 +105,7 @@ def check_step(
     committed = status.committed
 
     if ob.TREE_METADATA in files or ob.ROOT_MANIFEST in files or any(ob._PROCESS_DB.match(d) for d in dirs):
-        check_item(storage, findings, where=where)
+        check_item(storage, findings, where=where, parsed=parsed)
     else:
         found = ob.step_items(storage, dirs, meta)
         tmp_items = [d for d in dirs if ob.is_tmp_name(d)]
@@ -107,7 +119,7 @@ def check_step(
                 _check_json_item(sub, item, findings, where=f"{where}{item.name}/")
             elif item.kind == "pytree" or item.handler_name in ob.PYTREE_HANDLERS:
                 # a pytree handler's item without _METADATA: check_item says orbax cannot restore it
-                check_item(sub, findings, where=f"{where}{item.name}/")
+                check_item(sub, findings, where=f"{where}{item.name}/", parsed=parsed)
             elif not ob.is_tmp_name(item.name):
                 # orbax restores it with its own handler; ckpt cannot say whether it would
                 # (named by inspect's note; counted here, so that OK never claims it)
@@ -132,14 +144,18 @@ def _check_json_item(storage: Storage, item: ob.StepItem, findings: Findings, *,
         findings.error("bad-metadata", f"JSON item unreadable: {exc.message}", file=where + item.file)
 
 
-def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
-    """Check one pytree item: tree metadata, arrays, chunks, OCDBT files, sharding."""
+def check_item(storage: Storage, findings: Findings, *, where: str, parsed: dict[str, Any] | None = None) -> None:
+    """Check one pytree item: tree metadata, arrays, chunks, OCDBT files, sharding. `parsed`: as
+    check_opened's (the reader's parse of this item, where it opened it: ob.ItemParse)."""
     dirs, files = storage.listdir()
     if ob.TREE_METADATA not in files:
         findings.error("missing-metadata", f"no {ob.TREE_METADATA}: orbax cannot restore this item", file=where + ob.TREE_METADATA)
         return
+    # (taken out of the checkpoint's records: what it holds is not needed after this)
+    opened: ob.ItemParse | None = (parsed or {}).pop(ob.parsed_key(storage, ob.TREE_METADATA), None)
     try:
-        tree = ob.parse_tree(ob.read_json(storage, ob.TREE_METADATA), where + ob.TREE_METADATA)
+        tree = opened.tree if opened is not None else ob.parse_tree(ob.read_json(storage, ob.TREE_METADATA),
+                                                                    where + ob.TREE_METADATA)
     except CkptError as exc:
         findings.error("bad-metadata", f"unreadable tree metadata: {exc.message}", file=where + ob.TREE_METADATA)
         return
@@ -193,8 +209,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
     if ob.SHARDING in files:
         bad: list[tuple[str, schema.SchemaError]] = []
         try:
-            infos = schema.parse_sharding_file(ob.read_json(storage, ob.SHARDING), where + ob.SHARDING, bad)
-            shardings = {n: ob.sharding_model(i) for n, i in infos.items()}
+            if opened is not None and opened.shardings is not None:
+                shardings = opened.shardings  # (the reader's parse had no bad entry, or it would have raised)
+            else:
+                infos = schema.parse_sharding_file(ob.read_json(storage, ob.SHARDING), where + ob.SHARDING, bad)
+                shardings = {n: ob.sharding_model(i) for n, i in infos.items()}
         except CkptError as exc:
             findings.error("bad-metadata", exc.message, file=where + ob.SHARDING)
             files = [f for f in files if f != ob.SHARDING]  # reported once, not once per array
@@ -217,8 +236,11 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
         ob._param_name(k) for k, v in entries
         if v.value_type in ob.ZARR_TYPES and f"{ob._param_name(k)}/{meta_key}" in keys
     ]
-    zarr_texts = ac.read_array_metadata(storage, use_ocdbt, files, process_dbs, wanted, meta_key)
-    parsed: dict[bytes, Any] = {}
+    # (those the reader parsed already are not read again)
+    known = opened.zarr if opened is not None and opened.zarr is not None else {}
+    unknown = [n for n in wanted if n not in known]
+    zarr_texts = ac.read_array_metadata(storage, use_ocdbt, files, process_dbs, unknown, meta_key) if unknown else {}
+    parsed_texts: dict[bytes, Any] = {}
     array_names = set()
     strings_leaves: list[tuple[str, str]] = []
     for leaf_keys, vmeta in entries:
@@ -244,14 +266,17 @@ def check_item(storage: Storage, findings: Findings, *, where: str) -> None:
                 findings.error("leaf-missing", f"in {ob.TREE_METADATA} but not stored: restore will fail", leaf=leaf_path, file=f"{where}{name}/")
             continue
         try:
-            text = zarr_texts.get(name)
-            if text is None:
-                raise CkptError(f"{meta_key} listed but unreadable")
-            if text not in parsed:  # arrays of one shape and dtype share their metadata text
-                # the file named in a message is the first array's; the text is the same
-                zmeta_ = schema.load_json(text, f"{where}{name}/{meta_key}")
-                parsed[text] = (zmeta_, ob.parse_zarr_metadata(zmeta_, zarr3, f"{where}{name}/{meta_key}"))
-            zmeta, (shape, _dtype, chunk_shape, _info) = parsed[text]
+            found = known.get(name)
+            if found is None:
+                text = zarr_texts.get(name)
+                if text is None:
+                    raise CkptError(f"{meta_key} listed but unreadable")
+                if text not in parsed_texts:  # arrays of one shape and dtype share their metadata text
+                    # the file named in a message is the first array's; the text is the same
+                    zmeta_ = schema.load_json(text, f"{where}{name}/{meta_key}")
+                    parsed_texts[text] = (zmeta_, ob.parse_zarr_metadata(zmeta_, zarr3, f"{where}{name}/{meta_key}"))
+                found = parsed_texts[text]
+            zmeta, (shape, _dtype, chunk_shape, _info) = found
         except CkptError as exc:
             message = exc.message if isinstance(exc, schema.SchemaError) else f"unreadable {meta_key}: {exc.message}"
             findings.error("bad-array-metadata", message, leaf=leaf_path, file=f"{where}{name}/{meta_key}")

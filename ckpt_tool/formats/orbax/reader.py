@@ -25,7 +25,7 @@ from ...machinery.arrays.reading import (  # noqa: F401
 from ...base.errors import (
     CkptError, CorruptMetadataError, IncompleteCheckpointError, NotFoundError, StorageUnavailableError, UsageError,
 )
-from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, RegularGrid, StepInfo, ValueLeaf
+from ...core.model import ArrayLeaf, Checkpoint, Key, Leaf, RegularGrid, Sharding, StepInfo, ValueLeaf
 from ...storage import Storage
 
 NAME = "orbax"
@@ -291,6 +291,8 @@ def _read_manager_root(storage: Storage, dirs: list[str], step: str | int | None
 
 def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -> Checkpoint:
     step_meta = read_step_metadata(storage, files)
+    # what the checks of this run take instead of parsing again (Checkpoint.parsed, ItemParse)
+    parsed: dict[str, Any] = {parsed_key(storage, CHECKPOINT_METADATA): step_meta}
     status = commit_status(storage, name, files, step_meta)
     committed, reason = status.committed, status.reason
     saved_at = None
@@ -307,6 +309,7 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
             item = _read_item(storage, prefix=())
             leaves, layout = item.leaves, item.layout
             notes += item.notes
+            parsed.update(item.parsed)
         else:
             found = step_items(storage, dirs, step_meta)
             items = [i.name for i in found if i.kind != "unknown"]
@@ -331,6 +334,7 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
                     continue
                 item = _read_item(sub, prefix=() if unnamed else (item_name,))
                 leaves += item.leaves
+                parsed.update(item.parsed)
                 notes += [f"{item_name}: {n}" for n in item.notes]
                 for k, v in item.layout.items():
                     layout.setdefault(k, v)
@@ -357,7 +361,7 @@ def _read_step(storage: Storage, name: str, dirs: list[str], files: list[str]) -
         layout["item_handlers"] = step_meta["item_handlers"]
     return Checkpoint(
         path=storage.url, format=NAME, layout=layout, leaves=leaves,
-        committed=committed, saved_at=saved_at, notes=notes,
+        committed=committed, saved_at=saved_at, notes=notes, parsed=parsed,
     )
 
 
@@ -468,6 +472,27 @@ class _Item:
     leaves: list[Leaf]
     layout: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    parsed: dict[str, Any] = field(default_factory=dict)  # (Checkpoint.parsed's records of the item)
+
+
+@dataclass(frozen=True)
+class ItemParse:
+    """What the reader parsed of one pytree item's metadata: Checkpoint.parsed[parsed_key(item,
+    TREE_METADATA)], for checks.check_opened in the same run, which reads none of it again (and
+    takes it out: its memory goes once the checks are done). Recorded only as the checks would
+    parse it (the reader raises on the rest). recorded_tuples finds the item's value_metadata_tree
+    text (None where it has none) under parsed_key(item, VALUE_METADATA_TREE)."""
+
+    tree: schema.TreeMetadata  # `_METADATA`
+    shardings: dict[str, Sharding] | None  # `_sharding` parsed; None where the item has none
+    # each array's zarr metadata and its parse (parse_zarr_metadata), by its name; None where the
+    # arrays are read from several per-process databases (the checks look in them in their own order)
+    zarr: dict[str, tuple[dict[str, Any], tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]]] | None
+
+
+def parsed_key(storage: Storage, file: str) -> str:
+    """The key of Checkpoint.parsed that holds what the reader parsed of `file` in `storage`."""
+    return f"{storage.url}/{file}"
 
 
 def _tree_entries(meta: Any, where: str) -> list[tuple[tuple[Key, ...], schema.ValueMeta]]:
@@ -489,6 +514,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
         raise NotFoundError(f"no {TREE_METADATA}: not an Orbax item (or an incomplete save)", storage.url)
     tree = parse_tree(read_json(storage, TREE_METADATA), f"{storage.url}/{TREE_METADATA}")
     entries = tree.entries
+    rich_tree = tree.raw.get(VALUE_METADATA_TREE) if isinstance(tree.raw, dict) else None
     use_zarr3 = tree.use_zarr3
     process_dbs = sorted((int(m.group(1)), d) for d in dirs if (m := _PROCESS_DB.match(d)))
     use_ocdbt = tree.use_ocdbt if tree.use_ocdbt is not None else (ROOT_MANIFEST in files or bool(process_dbs))
@@ -529,6 +555,9 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
     zmetas = read_zarr_metadata(sources, array_names, meta_key, first_reads)
     strings = None
     parsed_zmeta: dict[int, tuple[tuple[int, ...], str, tuple[int, ...], dict[str, Any]]] = {}
+    # (each array's zarr metadata and its parse, for the checks: one pair per distinct text)
+    zarr: dict[str, tuple[dict[str, Any], Any]] | None = {} if len(sources) == 1 else None
+    pairs: dict[int, tuple[dict[str, Any], Any]] = {}
 
     leaves: list[Leaf] = []
     for name, (keys, vmeta) in zip(names, entries):
@@ -549,6 +578,11 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
             if id(zmeta) not in parsed_zmeta:
                 parsed_zmeta[id(zmeta)] = parse_zarr_metadata(zmeta, use_zarr3, f"{name}/{meta_key}")
             shape, dtype, chunk_shape, info = parsed_zmeta[id(zmeta)]
+            if zarr is not None:
+                pair = pairs.get(id(zmeta))
+                if pair is None:
+                    pair = pairs[id(zmeta)] = (zmeta, parsed_zmeta[id(zmeta)])
+                zarr[name] = pair
             why = schema.shape_disagreement(shape, vmeta.write_shape)
             if not why and value_type == "jax.Array" and any(c > max(n, 1) for c, n in zip(chunk_shape, shape)):
                 why = f"its chunks {list(chunk_shape)} are larger than the array (a jax.Array's chunk is part of one shard)"
@@ -588,7 +622,11 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 keys=full_keys, name=name, value_type=value_type,
                 loader=functools.partial(_empty_value, value_type), extra=extra,
             ))
-    return _Item(leaves, layout, notes)
+    record = ItemParse(tree, shardings if SHARDING in files else None, zarr)
+    return _Item(leaves, layout, notes, {
+        parsed_key(storage, TREE_METADATA): record,
+        parsed_key(storage, VALUE_METADATA_TREE): rich_tree if isinstance(rich_tree, str) else None,
+    })
 
 
 def _empty_value(value_type: str) -> Any:
@@ -612,10 +650,13 @@ def recorded_tuples(ckpt: Any) -> set[tuple[Key, ...]]:
     ]
     found: set[tuple[Key, ...]] = set()
     for place, prefix in places:
-        if not place.exists(TREE_METADATA):
+        if parsed_key(place, VALUE_METADATA_TREE) in ckpt.parsed:  # read when it was opened: not again
+            text = ckpt.parsed[parsed_key(place, VALUE_METADATA_TREE)]
+        elif not place.exists(TREE_METADATA):
             continue
-        meta = read_json(place, TREE_METADATA)
-        text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
+        else:
+            meta = read_json(place, TREE_METADATA)
+            text = meta.get(VALUE_METADATA_TREE) if isinstance(meta, dict) else None
         if not isinstance(text, str):
             continue
         where = f"{place.url}/{TREE_METADATA}"

@@ -56,3 +56,14 @@ def test_a_checkpoint_made_without_a_storage_is_validated_by_its_path():
     ck.storage = None
     assert V.validate_opened(ck).to_json() == V.validate_checkpoint(str(fixture_path("dcp_single"))).to_json()
 
+
+def test_what_the_reader_parsed_is_kept_only_for_the_checks():
+    """An open that is not validated next (inspect, the library's open) keeps nothing of the parse;
+    the preflight's checks take out what they use, so that it is not held while the copy runs."""
+    src = str(fixture_path("orbax_ocdbt_zarr3"))
+    assert formats.open_checkpoint(src).parsed == {}
+    ck = formats.open_checkpoint(src, keep_parsed=True)
+    assert {k.rsplit("/", 1)[1] for k in ck.parsed} >= {"_METADATA", "_CHECKPOINT_METADATA"}
+    V.validate_opened(ck)
+    # (what convert's planner asks later of an Orbax source, its recorded tuples, stays)
+    assert {k.rsplit("/", 1)[1] for k in ck.parsed} == {"value_metadata_tree"}
