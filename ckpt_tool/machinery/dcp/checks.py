@@ -97,11 +97,14 @@ class _Placed:
 
 
 def check_path(storage: Storage, findings: Findings, *, step: str | int | None = None, only: str | None = None,
-               allow: Any = None, leaf_path: Callable[[str], str] | None = None) -> None:
+               allow: Any = None, leaf_path: Callable[[str], str] | None = None,
+               parsed: dict[str, Any] | None = None) -> None:
     """Validate one DCP checkpoint directory; every problem becomes a finding (a directory has no steps,
     and no single file is a DCP checkpoint: `step` and `only` are unused). `allow`: a framework's
     stand-ins for the classes it pickles into `.metadata` (reader.read's); `leaf_path`: how its
-    reader names the leaf of an fqn, where that is not planner_data's path."""
+    reader names the leaf of an fqn, where that is not planner_data's path. `parsed`: the
+    Checkpoint.parsed of the checkpoint opened in this run (ChecksModule.check_opened): the reader's
+    parse of `.metadata`, taken instead of reading it again."""
     _, files = storage.listdir()
     data_files = sorted(f for f in files if f.endswith(dcp.DATA_SUFFIX))
     tmp_metadata = sorted(f for f in files if _TMP_METADATA.match(f))
@@ -119,10 +122,10 @@ def check_path(storage: Storage, findings: Findings, *, step: str | int | None =
             file=name,
         )
 
-    md, parsed = _load_metadata(storage, findings, allow)
+    md, well_formed = _load_metadata(storage, findings, allow, parsed)
     if md is _UNREADABLE:
         return
-    walked = _walk(md, parsed, findings, leaf_path, report_metadata=True)
+    walked = _walk(md, well_formed, findings, leaf_path, report_metadata=True)
     if walked is None:
         return  # nothing below can be located
     leaf_of, entries, malformed, tensors, bytes_fqns = walked
@@ -321,13 +324,20 @@ def _report_missing_metadata(
 _UNREADABLE: Any = object()
 
 
-def _load_metadata(storage: Storage, findings: Findings, allow: Any = None) -> tuple[Any, dcp._ParsedMetadata | None]:
+def _load_metadata(storage: Storage, findings: Findings, allow: Any = None,
+                   opened: dict[str, Any] | None = None) -> tuple[Any, dcp._ParsedMetadata | None]:
     """`.metadata` through the allow-list unpickler, or _UNREADABLE after reporting why not; and
     the reader's parse of it when it is well formed (then the unpickled object is not kept: None).
 
-    A .metadata this process parsed already (the reader's open before convert's
-    preflight, validate before --deep's open) is not unpickled or parsed again."""
+    `opened` (Checkpoint.parsed of the checkpoint its reader opened in this run: convert's
+    preflight): the reader's parse, when well formed, and .metadata is not read again. A .metadata
+    this process parsed already otherwise (validate before --deep's open) is read, but not
+    unpickled or parsed again."""
     name = dcp.METADATA_FILE
+    record = opened.get(dcp.opened_key(storage)) if opened is not None else None
+    if opened is not None and record is not None and record[0] is allow:
+        del opened[dcp.opened_key(storage)]  # (taken: not needed after this)
+        return None, record[1]
     try:
         size = storage.size(name)
         if size > safe_pickle.MAX_METADATA_BYTES:

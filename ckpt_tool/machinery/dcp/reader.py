@@ -119,13 +119,16 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
         )
     data = storage.read(METADATA_FILE)
     digest = hashlib.sha256(data).digest()
-    parsed = parsed_before(digest, allow)
+    parsed = well_formed = parsed_before(digest, allow)
     metadata = None
     if parsed is None or want_metadata:
         metadata = safe_pickle.load_metadata(data, metadata_where, allow)
     del data
     if parsed is None:
-        parsed = _parse_metadata(metadata, metadata_where, (digest, allow))
+        well_formed = parse_well_formed(metadata, (digest, allow))
+        # (one the fast parse does not vouch for is walked again by the careful one, which names
+        # the problem exactly)
+        parsed = well_formed if well_formed is not None else _parse_careful(metadata, metadata_where)
 
     leaves: list[Leaf] = []
     keys_of = parsed.keys
@@ -211,7 +214,16 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
         saved_at=None,  # DCP records no save time
         notes=notes,
         missing=missing,
+        # the checks of this run take the parse instead of reading .metadata again (checks.check_path's
+        # `parsed`): a well-formed one only, which their lenient walk would find nothing wrong in
+        parsed={opened_key(storage): (allow, well_formed)} if well_formed is not None else {},
     ), metadata
+
+
+def opened_key(storage: Storage) -> str:
+    """The key of Checkpoint.parsed under which read() leaves its parse of `.metadata` (with the
+    `allow` it was unpickled with) for the checks."""
+    return f"{storage.url}/{METADATA_FILE}"
 
 
 # ---------------------------------------------------------------------------
