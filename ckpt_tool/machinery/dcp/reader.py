@@ -121,6 +121,10 @@ def _read(storage: Storage, *, fmt: str, step: str | int | None, allow: Allow,
     digest = hashlib.sha256(data).digest()
     parsed = well_formed = parsed_before(digest, allow)
     metadata = None
+    if parsed is None and not want_metadata:
+        # torch's own pickles, read in one pass without the unpickler (metadata_scan: None for
+        # anything else, which the unpickler's path below reads as before)
+        parsed = well_formed = _scanned(data, (digest, allow))
     if parsed is None or want_metadata:
         metadata = safe_pickle.load_metadata(data, metadata_where, allow)
     del data
@@ -450,6 +454,17 @@ def parse_well_formed(md: Any, key: tuple[bytes, Allow] | None = None) -> _Parse
 _LAST_PARSED: tuple[bytes, Any, _ParsedMetadata] | None = None
 
 
+def _scanned(data: bytes, key: tuple[bytes, Allow]) -> _ParsedMetadata | None:
+    """parse_well_formed() of what metadata_scan reads from `data` (None where it reads nothing
+    or the fast parse does not vouch for it: the unpickler's path then says what it says)."""
+    from . import metadata_scan  # (its patterns are compiled when a .metadata is first read)
+
+    md = metadata_scan.scan(data, key[1])
+    if md is None:
+        return None
+    return parse_well_formed(md, key)
+
+
 def parsed_before(digest: bytes, allow: Allow = None) -> _ParsedMetadata | None:
     """The parse of a .metadata with these bytes (their SHA-256), if it was the last one parsed."""
     last = _LAST_PARSED
@@ -480,7 +495,23 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
     needed: dict[str, int] = {}
     transforms: set[tuple[str, ...]] = set()
+    scanned_index, scanned_info, scanned_tensor = _scanned_types()
     for index, info in storage_data.items():
+        if type(index) is scanned_index:
+            # a MetadataIndex and its _StorageInfo as metadata_scan matched them (the fields' types
+            # made by the pattern: a str fqn and path, an int hint or None, ints, no transforms)
+            if type(info) is not scanned_info:
+                return None
+            fqn, offset = index.fqn, index.offset
+            ints.append(offset)
+            path, start, length = info
+            if start < 0 or length < 0:
+                return None
+            storage[(fqn, offset)] = new_entry(_Entry, (path, start, length, ()))
+            end = start + length
+            if end > needed.get(path, -1):
+                needed[path] = end
+            continue
         if type(index) is not MetadataIndex or type(info) is not StorageInfo:
             return None
         fqn, offset, hint = index.fqn, index.offset, index.index
@@ -540,6 +571,25 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         else:
             keys[fqn] = (fqn,)
         kind = type(item)
+        if kind is scanned_tensor:
+            # a TensorStorageMetadata of one chunk as metadata_scan matched it (its shape, offsets and
+            # sizes tuples of ints, its dtype a torch dtype's name, its layout and format str)
+            dtype_name, shape, offsets, sizes, grad, layout, memory_format = item
+            dtype = dtype_names.get(dtype_name)
+            if dtype is None or memory_format not in _MEMORY_FORMATS:
+                return None
+            ints.append(shape)
+            ints.append(offsets)
+            if sizes != shape or len(offsets) != len(shape) or any(offsets):
+                return None
+            entry = storage.get((fqn, offsets))
+            if entry is None:
+                return None
+            chunk = chunk_of.get((offsets, sizes))
+            if chunk is None:
+                chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
+            items[fqn] = _TensorItem(shape, dtype, [chunk], [entry], grad, 0, layout, None)
+            continue
         if kind is BytesStorageMetadata:
             entry = storage.get((fqn, None))
             if entry is None:
@@ -635,6 +685,21 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     if check_paths and planner_tree_problem(planner_data, sdm) is not None:
         return None
     return _ParsedMetadata(items, storage, planner_data, md.version, needed, transforms, keys)
+
+
+def _scanned_types() -> tuple[Any, Any, Any]:
+    """metadata_scan's _ScannedIndex, _ScannedInfo and _ScannedTensor, where it is loaded (else
+    types no value has: a .metadata the unpickler read holds none of them)."""
+    import sys
+
+    scan = sys.modules.get(__package__ + ".metadata_scan")
+    if scan is None:
+        return _NoScan, _NoScan, _NoScan
+    return scan._ScannedIndex, scan._ScannedInfo, scan._ScannedTensor
+
+
+class _NoScan:
+    """No value is of this type."""
 
 
 def _fast_chunk_geometry(chunk_md: Any, ints: list[tuple[Any, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -127,14 +127,17 @@ def test_validate_from_the_parse_equals_the_lenient_walk(name, tmp_path, monkeyp
 
 
 def test_open_then_validate_unpickles_metadata_once(monkeypatch):
+    # (the reader reads torch's own .metadata with metadata_scan, the checks with the unpickler:
+    # either counts as reading it)
+    from ckpt_tool.machinery.dcp import metadata_scan
+
     calls = []
-    real = safe_pickle.load_metadata
+    for module, name in ((safe_pickle, "load_metadata"), (metadata_scan, "scan")):
+        def counting(*args, _real=getattr(module, name), **kwargs):
+            calls.append(1)
+            return _real(*args, **kwargs)
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(safe_pickle, "load_metadata", counting)
+        monkeypatch.setattr(module, name, counting)
     dcp_reader._LAST_PARSED = None
     path = str(fixture_path("dcp_multirank"))
     dcp_reader.read(Storage.open(path), fmt="dcp")

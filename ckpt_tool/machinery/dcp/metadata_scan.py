@@ -1,0 +1,579 @@
+"""A DCP `.metadata` read without the C unpickler, for the pickles torch writes (issue 46).
+
+The allow-list unpickler (torch_save/safe_pickle.py) reads any `.metadata` safely, but a large
+one pays three times for each of its 10^4-10^5 tensors: pickle_scan's proof and the memory bound
+over every byte, the C unpickler calling a Python stand-in (`Record.__setstate__`,
+`Size.__new__`) for each object, and the reader's parse of those records. Here one pass does the
+three for the pickles torch's DCP writes: the records that repeat once per tensor (a
+state_dict_metadata entry of one whole chunk, a storage_data entry, a planner_data path) are
+each matched whole by one regular expression, in C, and turned straight into the values the
+reader keeps; every other opcode is run by a small interpreter of the opcodes torch's pickler
+writes, through the same allow-list and stand-ins (safe_pickle.ALLOWED) as the unpickler.
+
+It is an accelerator, never a second opinion: `scan` returns None for anything outside what it
+knows (another opcode, a global the allow-list refuses, a record shape it does not match, a
+reference to something it did not keep, a problem of any kind), and the reader then takes the
+unpickler's path as before, which gives the result or the error it always gave. What it
+returns is what that path would have built, record for record, except that the per-tensor
+records are _ScannedTensor and _ScannedIndex values the reader's fast parse takes as it takes
+the records they stand for (tests/machinery/dcp/test_metadata_scan.py checks both paths
+agree, on every DCP fixture and on damaged copies).
+
+Why it is safe and bounded:
+  * nothing is resolved but through safe_pickle.ALLOWED (and a format's `extra`), as the
+    unpickler's find_class does; nothing is called but what those resolve to, as the
+    unpickler would call it (REDUCE, NEWOBJ, BUILD);
+  * it allocates for what the bytes hold, never for what they claim: no memo index is
+    written (BINPUT, LONG_BINPUT, PUT are outside its opcodes), a length is read only over
+    bytes that are there, and every byte it reads is charged against the memory limit of
+    the pickle budget (memory_limit()) as it goes: an opcode at safe_pickle's dearest cost for
+    it (_FAST_COST, pickle_scan's bound), a matched record at 64 bytes a byte (it builds
+    about 10), the stand-ins' own charges against the same limit; past it, None (and the
+    unpickler's path refuses it as before);
+  * the stack, the MARK nesting and the opcodes it interprets one by one are bounded
+    (safe_pickle's limits, and an opcode count past which the C path is cheaper anyway).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from ..torch_save import safe_pickle
+from ..torch_save.safe_pickle import (
+    ALLOWED,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    Size,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    TorchDType,
+    memory_limit,
+)
+
+
+class _ScannedTensor(tuple):
+    """A TensorStorageMetadata of one chunk at offset 0 holding the whole tensor, as matched:
+    (torch dtype name, shape, offsets, sizes, requires_grad, layout, memory format). Its fields
+    are checked by the reader's fast parse as the record's are."""
+
+    __slots__ = ()
+
+
+class _ScannedIndex:
+    """A storage_data key (MetadataIndex) as matched. Hashed by identity, as MetadataIndex is."""
+
+    __slots__ = ("fqn", "offset", "index")
+
+    def __init__(self, fqn: str, offset: tuple[int, ...], index: int | None) -> None:
+        self.fqn = fqn
+        self.offset = offset
+        self.index = index
+
+
+class _ScannedInfo(tuple):
+    """A storage_data value (_StorageInfo without transforms) as matched: (relative_path, offset, length)."""
+
+    __slots__ = ()
+
+
+class _Gone:
+    """A memo entry not kept (inside a matched record: torch never refers back to one)."""
+
+    __slots__ = ()
+
+
+_GONE = _Gone()
+_GONES = [(_GONE,) * n for n in range(32)]
+
+# what a matched record may cost, per byte of it (it builds ~10: a string, tuples, a record)
+_RECORD_COST = 64
+# opcodes run one by one, beyond which the C unpickler is the cheaper way (a pickle whose records
+# the patterns do not match): a little more than the unmatched records of a torch .metadata need
+_INTERPRETED_BASE = 20_000
+_INTERPRETED_PER_BYTE = 1 / 64
+
+_REF = rb"(?:h.|j....)"
+_INT = rb"(?:K.|M..|J....)"
+_LONG = rb"(?:K.|M..|J....|\x8a(?:\x00|\x01.|\x02..|\x03...|\x04....|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8}))"
+# a tuple of ints: (), 1-3 of them (TUPLE1-3: as many as it takes) or more after a MARK (TUPLE); all but () memoized
+_INTS = (rb"(?:\)|(?:" + _INT + rb"\x85|" + _INT + rb"{2}\x86|" + _INT + rb"{3}\x87)\x94|\(" + _INT
+         + rb"{4,64}t\x94)")
+
+# a state_dict_metadata entry: key, TensorStorageMetadata(properties=TensorProperties(...),
+# size=Size(...), chunks=[ChunkStorageMetadata(offsets=Size(...), sizes=Size(...))])
+_TENSOR = re.compile(
+    # 1, 2: the key's length; 3: its bytes, checked against the length (bounded: a failed match
+    # would otherwise try every \x94 to the end of the data)
+    rb"(?:\x8c(.)|X(....))(.{1,4096}?)\x94"
+    rb"(" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb"\)\x81\x94\(" + _REF + _REF + rb"[\x88\x89]"
+    + _REF + rb"[\x88\x89]t\x94b" + _REF + _REF + rb")"  # 4: class, 'properties', properties, 'size', Size
+    rb"(" + _INTS + rb")"  # 5: size
+    rb"(\x85\x94R\x94" + _REF + rb"\]\x94" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb")"  # 6
+    rb"(" + _INTS + rb")"  # 7: offsets
+    rb"(\x85\x94R\x94" + _REF + _REF + rb")"  # 8: 'sizes', Size
+    rb"(" + _INTS + rb")"  # 9: sizes
+    rb"\x85\x94R\x94ubaub",
+    re.DOTALL,
+)
+# the constant part of a tensor entry (group 4), its references picked out
+_TENSOR_HEAD = re.compile(
+    rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")\)\x81\x94\((" + _REF + rb")("
+    + _REF + rb")([\x88\x89])(" + _REF + rb")[\x88\x89]t\x94b(" + _REF + rb")(" + _REF + rb")",
+    re.DOTALL,
+)
+_TENSOR_MID = re.compile(
+    rb"\x85\x94R\x94(" + _REF + rb")\]\x94(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")",
+    re.DOTALL,
+)
+_TENSOR_TAIL = re.compile(rb"\x85\x94R\x94(" + _REF + rb")(" + _REF + rb")", re.DOTALL)
+
+# a storage_data entry: MetadataIndex(fqn=..., index=..., offset=Size(...)): _StorageInfo(relative_path=...,
+# offset=..., length=...)
+_STORED = re.compile(
+    rb"(" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + rb")"  # 1: MetadataIndex, 'fqn'
+    rb"(" + _REF + rb")"  # 2: the fqn
+    rb"(" + _REF + rb")(" + _INT + rb"|N)"  # 3: 'index'; 4: the index hint
+    rb"(" + _REF + _REF + rb")"  # 5: 'offset', Size
+    rb"(" + _INTS + rb")"  # 6: offset
+    rb"(\x85\x94R\x94ub" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + _REF + rb")"  # 7: _StorageInfo, path, 'offset'
+    rb"(" + _LONG + rb")"  # 8: offset
+    rb"(" + _REF + rb")"  # 9: 'length'
+    rb"(" + _LONG + rb")"  # 10: length
+    rb"ub",
+    re.DOTALL,
+)
+_STORED_HEAD = re.compile(rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")", re.DOTALL)
+_STORED_INFO = re.compile(
+    rb"\x85\x94R\x94ub(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")(" + _REF + rb")",
+    re.DOTALL,
+)
+
+# a planner_data entry: fqn -> a tuple of keys, each a memoized string or a new one (its bytes
+# without \x94: the length byte is checked, and the pattern never splits a string it admits)
+_KEY = rb"(?:h.|j....|\x8c.[^\x94]*\x94)"
+_PATH = re.compile(
+    rb"(" + _REF + rb")(?:(" + _KEY + rb"{1,3})([\x85\x86\x87])|\((" + _KEY + rb"{4,64})t)\x94", re.DOTALL)
+_PATH_PART = re.compile(rb"h(.)|j(....)|\x8c(.)([^\x94]*)\x94", re.DOTALL)
+
+_MARK = object()
+
+
+def _ref(ref: bytes, memo: list[Any]) -> Any:
+    """The memo entry a BINGET/LONG_BINGET names (IndexError past the memo's end)."""
+    return memo[ref[1] if len(ref) == 2 else int.from_bytes(ref[1:], "little")]
+
+
+def _int(arg: bytes) -> int:
+    op = arg[0]
+    if op == 0x4B:  # BININT1
+        return arg[1]
+    if op == 0x4D:  # BININT2
+        return int.from_bytes(arg[1:3], "little")
+    if op == 0x4A:  # BININT
+        return int.from_bytes(arg[1:5], "little", signed=True)
+    return int.from_bytes(arg[2:], "little", signed=True)  # LONG1
+
+
+def _ints(span: bytes, cache: dict[bytes, tuple[tuple[int, ...], int]]) -> tuple[tuple[int, ...], int]:
+    """A matched tuple of ints (and how many memo entries it made), each distinct span decoded once."""
+    got = cache.get(span)
+    if got is None:
+        if span == b")":
+            got = ((), 0)
+        else:
+            body = span[1:-2] if span[0] == 0x28 else span[:-2]
+            values = []
+            i = 0
+            while i < len(body):
+                width = {0x4B: 2, 0x4D: 3, 0x4A: 5}[body[i]]
+                values.append(_int(body[i:i + width]))
+                i += width
+            got = (tuple(values), 1)
+        cache[span] = got
+    return got
+
+
+def scan(data: bytes, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
+    """The object safe_pickle.load_metadata(data) would return, its per-tensor records as
+    _ScannedTensor / _ScannedIndex; None when anything is outside what this reads (the caller
+    then takes load_metadata's path). Never raises for the data's sake."""
+    allowance = safe_pickle._Allowance.local
+    outer = getattr(allowance, "left", None), getattr(allowance, "limit", None)
+    try:
+        return _scan(data, extra or {}, memory_limit())
+    except Exception:  # noqa: BLE001 - whatever the data makes trip here, the unpickler's path says
+        return None
+    finally:
+        allowance.left, allowance.limit = outer
+
+
+def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:  # noqa: C901 - one loop, on purpose
+    n = len(data)
+    cost = 2 * n  # the data, and what the reader keeps of it while this runs
+    if cost > limit or n < 2 or data[0] != 0x80 or not 2 <= data[1] <= 5:
+        return None
+    allowance = safe_pickle._Allowance.local
+    allowance.limit = limit
+    fast_cost = safe_pickle._FAST_COST
+    per_byte = safe_pickle._PER_BYTE
+    max_depth, max_nesting = safe_pickle.MAX_STACK_DEPTH, safe_pickle.MAX_NESTING
+    interpreted_left = _INTERPRETED_BASE + int(n * _INTERPRETED_PER_BYTE)
+    tensor_match, stored_match, path_match = _TENSOR.match, _STORED.match, _PATH.match
+    gones = _GONES
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: list[Any] = []
+    ints_cache: dict[bytes, tuple[tuple[int, ...], int]] = {}
+    heads: dict[bytes, Any] = {}  # a tensor entry's constant parts -> what they say (None: not what torch writes)
+    mids: dict[bytes, bool] = {}
+    tails: dict[bytes, bool] = {}
+    stored_heads: dict[bytes, bool] = {}
+    stored_keys: dict[bytes, bool] = {}
+    stored_infos: dict[bytes, Any] = {}
+    pos = 2
+    # where the current frame ends: the C unpickler reads a frame into a buffer, and a read that
+    # runs past its end takes its bytes from after the frame, leaving the frame's last ones unread
+    # (torch never writes one): a read across it is left to the unpickler
+    frame_end = 0
+    while True:
+        if cost > limit or len(stack) > max_depth:
+            return None
+        op = data[pos]
+        # -- the records that repeat once per tensor, each matched whole ---------------------
+        if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE: maybe a tensor entry's key
+            m = tensor_match(data, pos)
+            while m is not None:
+                short, long, key_bytes, head, size, mid, offsets, tail, sizes = m.groups()
+                if len(key_bytes) != (short[0] if short is not None else int.from_bytes(long, "little")):
+                    break
+                said = heads.get(head, False)
+                if said is False:
+                    said = heads[head] = _tensor_head(head, memo)
+                if said is None:
+                    break
+                ok = mids.get(mid)
+                if ok is None:
+                    ok = mids[mid] = _tensor_mid(mid, memo)
+                ok2 = tails.get(tail)
+                if ok2 is None:
+                    ok2 = tails[tail] = _tensor_tail(tail, memo)
+                if not (ok and ok2):
+                    break
+                end = m.end()
+                if pos < frame_end < end:
+                    break
+                key = key_bytes.decode("utf-8", "surrogatepass")
+                shape, s1 = _ints(size, ints_cache)
+                offs, s2 = _ints(offsets, ints_cache)
+                sz, s3 = _ints(sizes, ints_cache)
+                cost += _RECORD_COST * (end - pos)
+                stack.append(key)
+                stack.append(_ScannedTensor((said[0], shape, offs, sz, said[1], said[2], said[3])))
+                memo.append(key)
+                memo += gones[13 + s1 + s2 + s3]
+                pos = end
+                m = tensor_match(data, pos)
+            op = data[pos]
+        elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET: maybe a storage_data entry or a planner path
+            m = stored_match(data, pos)
+            planner = m is None
+            while m is not None:
+                head, fqn_ref, index_key, hint, offset_key, offset, info, start, length_key, length = m.groups()
+                ok = stored_heads.get(head)
+                if ok is None:
+                    ok = stored_heads[head] = _stored_head(head, memo)
+                keys = index_key + offset_key
+                ok2 = stored_keys.get(keys)
+                if ok2 is None:
+                    ok2 = stored_keys[keys] = _stored_keys(index_key, offset_key, memo)
+                path = stored_infos.get(info, False)
+                if path is False:
+                    path = stored_infos[info] = _stored_info(info, memo)
+                if not (ok and ok2 and path is not None) or _ref(length_key, memo) != "length":
+                    break
+                fqn = _ref(fqn_ref, memo)
+                end = m.end()
+                if type(fqn) is not str or pos < frame_end < end:
+                    break
+                offset_ints, s1 = _ints(offset, ints_cache)
+                cost += _RECORD_COST * (end - pos)
+                stack.append(_ScannedIndex(fqn, offset_ints, None if hint == b"N" else _int(hint)))
+                stack.append(_ScannedInfo((path, _int(start), _int(length))))
+                memo += gones[6 + s1]
+                pos = end
+                m = stored_match(data, pos)
+            if planner:
+                m = path_match(data, pos)
+                while m is not None:
+                    end = m.end()
+                    if pos < frame_end < end:
+                        break
+                    keys = _path(m, memo)
+                    if keys is None:
+                        break
+                    cost += _RECORD_COST * (end - pos)
+                    stack.append(keys[0])
+                    stack.append(keys[1])
+                    pos = end
+                    m = path_match(data, pos)
+            op = data[pos]
+        # -- one opcode, as the C unpickler runs it (or None where it would fail, or might) ------
+        interpreted_left -= 1
+        if interpreted_left < 0:
+            return None
+        cost += fast_cost[op]
+        pos += 1
+        # what an opcode may pop: the values above the innermost MARK (the C unpickler's fence)
+        above = len(stack) - (marks[-1] if marks else 0)
+        if op == 0x94:  # MEMOIZE
+            if above < 1:
+                return None
+            memo.append(stack[-1])
+        elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET
+            width = 1 if op == 0x68 else 4
+            if pos + width > n or pos < frame_end < pos + width:
+                return None
+            value = memo[int.from_bytes(data[pos:pos + width], "little")]
+            if type(value) is _Gone:
+                return None
+            stack.append(value)
+            pos += width
+        elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE
+            width = 1 if op == 0x8C else 4
+            length = int.from_bytes(data[pos:pos + width], "little")
+            if pos < frame_end < pos + width:
+                return None
+            pos += width
+            if pos + length > n or pos < frame_end < pos + length:
+                return None
+            stack.append(data[pos:pos + length].decode("utf-8", "surrogatepass"))
+            cost += per_byte * length
+            pos += length
+        elif op == 0x28:  # MARK
+            marks.append(len(stack))
+            if len(marks) > max_nesting:
+                return None
+        elif op == 0x4B:  # BININT1
+            stack.append(data[pos])
+            pos += 1
+        elif (op == 0x4D or op == 0x4A) and pos < frame_end < pos + (2 if op == 0x4D else 4):
+            return None
+        elif op == 0x4D:  # BININT2
+            stack.append(int.from_bytes(data[pos:pos + 2], "little"))
+            pos += 2
+        elif op == 0x4A:  # BININT
+            stack.append(int.from_bytes(data[pos:pos + 4], "little", signed=True))
+            pos += 4
+        elif op == 0x8A:  # LONG1
+            length = data[pos]
+            if length > 8 or pos + 1 < frame_end < pos + 1 + length:
+                return None
+            stack.append(int.from_bytes(data[pos + 1:pos + 1 + length], "little", signed=True))
+            pos += 1 + length
+        elif op == 0x29:  # EMPTY_TUPLE
+            stack.append(())
+        elif 0x85 <= op <= 0x87:  # TUPLE1-3
+            size = op - 0x84
+            if above < size:
+                return None
+            stack[-size:] = [tuple(stack[-size:])]
+        elif op == 0x74:  # TUPLE
+            mark = marks.pop()
+            stack[mark:] = [tuple(stack[mark:])]
+        elif op == 0x7D:  # EMPTY_DICT
+            stack.append({})
+        elif op == 0x5D:  # EMPTY_LIST
+            stack.append([])
+        elif op == 0x75 or op == 0x65:  # SETITEMS / APPENDS
+            mark = marks.pop()
+            items = stack[mark:]
+            del stack[mark:]
+            if mark - 1 < (marks[-1] if marks else 0):
+                return None
+            target = stack[-1]
+            if op == 0x65:
+                if type(target) is not list:
+                    return None
+                target.extend(items)
+            else:
+                if type(target) is not dict or len(items) % 2:
+                    return None
+                for i in range(0, len(items), 2):
+                    target[items[i]] = items[i + 1]
+        elif op == 0x73:  # SETITEM
+            if above < 3 or type(stack[-3]) is not dict:
+                return None
+            value = stack.pop()
+            key = stack.pop()
+            stack[-1][key] = value
+        elif op == 0x61:  # APPEND
+            if above < 2 or type(stack[-2]) is not list:
+                return None
+            value = stack.pop()
+            stack[-1].append(value)
+        elif op == 0x89:  # NEWFALSE
+            stack.append(False)
+        elif op == 0x88:  # NEWTRUE
+            stack.append(True)
+        elif op == 0x4E:  # NONE
+            stack.append(None)
+        elif op == 0x93:  # STACK_GLOBAL
+            if above < 2:
+                return None
+            name = stack.pop()
+            module = stack.pop()
+            if type(module) is not str or type(name) is not str:
+                return None
+            key = (safe_pickle._PY2_MODULES.get(module, module), name)
+            found = ALLOWED.get(key)
+            if found is None:
+                found = extra.get(key)
+                if found is None:
+                    return None
+            stack.append(found)
+        elif op == 0x81 or op == 0x52 or op == 0x62:  # NEWOBJ / REDUCE / BUILD: the stand-ins run
+            if above < 2:
+                return None
+            allowance.left = limit - cost  # (they charge what they allocate beyond one object)
+            if op == 0x62:  # BUILD
+                state = stack.pop()
+                setstate = getattr(stack[-1], "__setstate__", None)
+                if setstate is None:
+                    return None
+                setstate(state)
+            else:
+                args = stack.pop()
+                callable_ = stack[-1]
+                if not isinstance(args, tuple):
+                    return None
+                if op == 0x81:
+                    if not isinstance(callable_, type):
+                        return None
+                    stack[-1] = callable_.__new__(callable_, *args)
+                else:
+                    stack[-1] = callable_(*args)
+            cost = limit - allowance.left
+        elif op == 0x95:  # FRAME: outside any other, the bytes it announces there
+            if pos - 1 < frame_end:
+                return None
+            frame_end = pos + 8 + int.from_bytes(data[pos:pos + 8], "little")
+            if frame_end > n:
+                return None
+            pos += 8
+        elif op == 0x2E:  # STOP
+            return stack.pop() if len(stack) == 1 and not marks else None
+        else:
+            return None
+
+
+def _path(m: re.Match[bytes], memo: list[Any]) -> tuple[Any, tuple[Any, ...]] | None:
+    """A matched planner_data entry: (the key, its path), its new strings and the path memoized
+    in order; None (the memo untouched) where a string's length byte disagrees or a reference
+    names something not kept."""
+    fqn_ref, short, arity, long = m.groups()
+    kept = len(memo)
+    new: list[Any] = []
+    keys = []
+    for p in _PATH_PART.finditer(short if short is not None else long):
+        one, four, length, text = p.groups()
+        if text is not None:
+            if len(text) != length[0]:
+                return None
+            value = text.decode("utf-8", "surrogatepass")
+            new.append(value)
+        else:
+            index = one[0] if one is not None else int.from_bytes(four, "little")
+            value = memo[index] if index < kept else new[index - kept]
+        if type(value) is _Gone:
+            return None
+        keys.append(value)
+    if short is not None and len(keys) != arity[0] - 0x84:
+        return None
+    fqn = _ref(fqn_ref, memo)
+    if type(fqn) is _Gone:
+        return None
+    path = tuple(keys)
+    memo += new
+    memo.append(path)
+    return fqn, path
+
+
+def _tensor_head(head: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
+    """(torch dtype name, requires_grad, layout, memory format) when a tensor entry's constant part names what
+    torch writes: TensorStorageMetadata, 'properties', TensorProperties with a torch dtype, a layout,
+    a memory format (its 5-tuple state), 'size' and torch.Size; else None."""
+    m = _TENSOR_HEAD.fullmatch(head)
+    if m is None:
+        return None
+    cls, properties, props_cls, dtype, layout, grad, memory_format, size_key, size_cls = m.groups()
+    try:
+        values = [_ref(r, memo) for r in (cls, properties, props_cls, dtype, layout, memory_format, size_key, size_cls)]
+    except IndexError:
+        return None
+    if (values[0] is not TensorStorageMetadata or values[1] != "properties" or values[2] is not TensorProperties
+            or type(values[3]) is not TorchDType or type(values[4]) is not str or type(values[5]) is not str
+            or values[6] != "size" or values[7] is not Size or type(values[1]) is not str or type(values[6]) is not str):
+        return None
+    return values[3].name, grad == b"\x88", values[4], values[5]
+
+
+def _tensor_mid(mid: bytes, memo: list[Any]) -> bool:
+    m = _TENSOR_MID.fullmatch(mid)
+    if m is None:
+        return False
+    try:
+        chunks, cls, offsets, size_cls = (_ref(r, memo) for r in m.groups())
+    except IndexError:
+        return False
+    return (type(chunks) is str and chunks == "chunks" and cls is ChunkStorageMetadata
+            and type(offsets) is str and offsets == "offsets" and size_cls is Size)
+
+
+def _tensor_tail(tail: bytes, memo: list[Any]) -> bool:
+    m = _TENSOR_TAIL.fullmatch(tail)
+    if m is None:
+        return False
+    try:
+        sizes, size_cls = (_ref(r, memo) for r in m.groups())
+    except IndexError:
+        return False
+    return type(sizes) is str and sizes == "sizes" and size_cls is Size
+
+
+def _stored_head(head: bytes, memo: list[Any]) -> bool:
+    m = _STORED_HEAD.fullmatch(head)
+    if m is None:
+        return False
+    try:
+        cls, fqn = (_ref(r, memo) for r in m.groups())
+    except IndexError:
+        return False
+    return cls is MetadataIndex and type(fqn) is str and fqn == "fqn"
+
+
+def _stored_keys(index_key: bytes, offset_key: bytes, memo: list[Any]) -> bool:
+    first = 2 if offset_key[0] == 0x68 else 5  # ('offset' then torch.Size: two references)
+    try:
+        index = _ref(index_key, memo)
+        offset, size_cls = _ref(offset_key[:first], memo), _ref(offset_key[first:], memo)
+    except IndexError:
+        return False
+    return (type(index) is str and index == "index" and type(offset) is str and offset == "offset"
+            and size_cls is Size)
+
+
+def _stored_info(info: bytes, memo: list[Any]) -> str | None:
+    """The data file a storage entry's constant part names (_StorageInfo, 'relative_path', the path,
+    'offset'), else None."""
+    m = _STORED_INFO.fullmatch(info)
+    if m is None:
+        return None
+    try:
+        cls, path_key, path, offset = (_ref(r, memo) for r in m.groups())
+    except IndexError:
+        return None
+    if (cls is not StorageInfo or type(path_key) is not str or path_key != "relative_path"
+            or type(path) is not str or not path or type(offset) is not str or offset != "offset"):
+        return None
+    return path

@@ -1,0 +1,192 @@
+"""metadata_scan: a DCP `.metadata` read in one pass without the unpickler, for torch's own pickles.
+
+It must give exactly what the unpickler's path gives (the reader's fast parse of load_metadata's
+object) wherever it gives anything, and nothing (None: the unpickler's path then runs) wherever
+that path would fail or it is unsure: on every DCP fixture torch wrote, on a .metadata of many
+tensors like the inspect benchmark's, and on damaged copies made by the fuzzer's mutators.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import random
+
+import pytest
+
+import fuzz_lib as F
+from ckpt_tool.base.errors import CkptError
+from ckpt_tool.machinery.dcp import metadata_scan
+from ckpt_tool.machinery.dcp import reader as dcp_reader
+from ckpt_tool.machinery.torch_save import safe_pickle
+from ckpt_tool.machinery.torch_save.pickle_budget import memory_budget
+
+from conftest import fixture_path
+
+ALL_DCP = sorted(p.parent.name for p in fixture_path("dcp_single").parent.glob("dcp_*/.metadata"))
+_FIELDS = ("shape", "dtype", "chunks", "entries", "requires_grad", "duplicates", "layout", "copies")
+
+
+def _unpickled(data: bytes):
+    """The unpickler's path: its parse, or the error it raises (a CkptError's message)."""
+    try:
+        md = safe_pickle.load_metadata(data, "x")
+    except CkptError as exc:
+        return exc.message
+    return dcp_reader.parse_well_formed(md)
+
+
+def _same(scanned, unpickled) -> None:
+    assert scanned is not None and unpickled is not None and not isinstance(unpickled, str)
+    assert list(scanned.items) == list(unpickled.items)
+    for fqn, item in unpickled.items.items():
+        got = scanned.items[fqn]
+        assert type(got) is type(item)
+        if isinstance(item, dcp_reader._BytesItem):
+            assert got.entry == item.entry
+        else:
+            assert {f: getattr(got, f) for f in _FIELDS} == {f: getattr(item, f) for f in _FIELDS}, fqn
+    assert list(scanned.storage.items()) == list(unpickled.storage.items())
+    assert scanned.keys == unpickled.keys
+    assert scanned.needed == unpickled.needed and scanned.transforms == unpickled.transforms
+    assert scanned.version == unpickled.version and scanned.planner_data == unpickled.planner_data
+
+
+def _check(data: bytes) -> bool:
+    """Both paths on `data`: equal where the scan gives a parse (True), else the scan gave none."""
+    md = metadata_scan.scan(data)
+    scanned = None if md is None else dcp_reader.parse_well_formed(md)
+    if scanned is None:
+        return False
+    _same(scanned, _unpickled(data))
+    return True
+
+
+def _counts(md) -> tuple[int, int]:
+    tensors = sum(type(v) is metadata_scan._ScannedTensor for v in md.state_dict_metadata.values())
+    stored = sum(type(k) is metadata_scan._ScannedIndex for k in md.storage_data)
+    return tensors, stored
+
+
+@pytest.mark.parametrize("name", ALL_DCP)
+def test_every_fixture_reads_as_the_unpickler_reads_it(name):
+    data = (fixture_path(name) / ".metadata").read_bytes()
+    md = metadata_scan.scan(data)
+    assert md is not None, "torch's own .metadata must be read by the scan"
+    assert dcp_reader._parse_fast(md) is not None or dcp_reader._parse_fast(safe_pickle.load_metadata(data, "x")) is None
+    if dcp_reader._parse_fast(md) is not None:
+        _same(dcp_reader._parse_fast(md), _unpickled(data))
+
+
+def _many_tensors(n: int) -> bytes:
+    """A .metadata of n small one-chunk tensors as torch writes it (the inspect benchmark's shape),
+    pickled by torch itself."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    sdm, storage, planner = {}, {}, {}
+    offset = 0
+    for i in range(n):
+        for name, shape, dtype in (("w", (64, 64), torch.float32), ("b", (64,), torch.float32),
+                                   ("s", (), torch.bfloat16), ("t", (2, 3, 4, 5), torch.int64)):
+            fqn = f"layers.{i}.{name}"
+            size = torch.Size(shape)
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), size,
+                [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))])
+            length = 1000 + i
+            storage[MetadataIndex(fqn, torch.Size([0] * len(shape)), 0)] = _StorageInfo("__0_0.distcp", offset, length)
+            offset += length
+            planner[fqn] = ("layers", str(i), name)
+    offset_big = MetadataIndex("big", torch.Size([0]), 0)
+    sdm["big"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([10]),
+                                       [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([10]))])
+    storage[offset_big] = _StorageInfo("__1_0.distcp", 5 << 32, 40)  # an offset past 4 GiB: LONG1
+    planner["big"] = ("big",)
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage)
+    out = io.BytesIO()
+    pickle.dump(md, out)  # as torch's FileSystemWriter writes it
+    return out.getvalue()
+
+
+def test_many_tensors_take_the_matched_records():
+    data = _many_tensors(600)
+    md = metadata_scan.scan(data)
+    assert md is not None
+    tensors, stored = _counts(md)
+    # all but the first few (the records that define the classes and strings, and those a frame splits)
+    assert tensors > 2300 and stored > 2300
+    _same(dcp_reader._parse_fast(md), _unpickled(data))
+
+
+def test_damaged_copies_read_as_the_unpickler_reads_them_or_not_at_all():
+    sources = [(fixture_path(name) / ".metadata").read_bytes() for name in ("dcp_single", "dcp_multirank")]
+    sources.append(_many_tensors(40))
+    rng = random.Random(46)
+    scanned = 0
+    for i in range(1000):
+        data = sources[i % len(sources)]
+        mutant, _what = (F.mutate_dcp_metadata if i % 2 else F.bytes_mutation)(rng, data)
+        if mutant is None:
+            continue
+        scanned += _check(mutant)
+    assert scanned > 50  # (many mutants of a pickle still read: the two paths agree on them)
+
+
+def test_a_global_outside_the_allow_list_is_left_to_the_unpickler():
+    data = pickle.dumps({"x": print}, protocol=4)
+    assert metadata_scan.scan(data) is None
+    with pytest.raises(CkptError):
+        safe_pickle.load_metadata(data, "x")
+
+
+def test_past_the_memory_limit_it_reads_nothing():
+    data = _many_tensors(50)
+    assert metadata_scan.scan(data) is not None
+    with memory_budget(0):  # (the limit left is the fixed allowance)
+        limit = safe_pickle.memory_limit()
+    big = _many_tensors(50)
+    assert 64 * len(big) < limit  # what the scan charges a matched record, per byte
+    from ckpt_tool.machinery.torch_save import pickle_budget
+
+    original = pickle_budget.PICKLE_ALLOWANCE
+    try:
+        pickle_budget.PICKLE_ALLOWANCE = 0
+        with memory_budget(4 * len(big)):  # room for the data, not for what the records build
+            assert metadata_scan.scan(big) is None
+    finally:
+        pickle_budget.PICKLE_ALLOWANCE = original
+
+
+def test_a_reference_to_a_record_it_did_not_keep_is_left_to_the_unpickler():
+    # the same TensorProperties object under two tensors: the second refers back into the first record
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
+    )
+
+    shared = TensorProperties(dtype=torch.float32)
+    sdm = {f"t{i}": TensorStorageMetadata(shared, torch.Size([2]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
+           for i in range(4)}
+    data = pickle.dumps(Metadata(state_dict_metadata=sdm), protocol=4)
+    md = metadata_scan.scan(data)
+    if md is not None:  # (read by the interpreter, record by record: then as the unpickler reads it)
+        assert {k: type(v) for k, v in md.state_dict_metadata.items()} == {
+            k: type(v) for k, v in safe_pickle.load_metadata(data, "x").state_dict_metadata.items()}
+
+
+def test_inspect_takes_the_scan(tmp_path):
+    # a torch .metadata opened by the reader: the scan's result is the parse (the unpickler never runs)
+    from ckpt_tool.storage import Storage
+
+    calls = []
+    original = safe_pickle.load_metadata
+    try:
+        safe_pickle.load_metadata = lambda *a, **k: calls.append(1) or original(*a, **k)
+        dcp_reader._LAST_PARSED = None
+        ck = dcp_reader.read(Storage.open(str(fixture_path("dcp_single"))), fmt="dcp")
+    finally:
+        safe_pickle.load_metadata = original
+    assert ck.leaves and not calls
