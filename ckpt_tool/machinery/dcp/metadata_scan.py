@@ -154,7 +154,7 @@ _STORED_INFO = re.compile(
 _KEY = rb"(?:h.|j....|\x8c.[^\x94]*\x94)"
 _PATH = re.compile(
     rb"(" + _REF + rb")(?:(" + _KEY + rb"{1,3})([\x85\x86\x87])|\((" + _KEY + rb"{4,64})t)\x94", re.DOTALL)
-_PATH_PART = re.compile(rb"h(.)|j(....)|\x8c(.)([^\x94]*)\x94", re.DOTALL)
+_PATH_PART = re.compile(rb"(h.|j....)|\x8c(.)([^\x94]*)\x94", re.DOTALL)
 
 _MARK = object()
 
@@ -175,23 +175,26 @@ def _int(arg: bytes) -> int:
     return int.from_bytes(arg[2:], "little", signed=True)  # LONG1
 
 
-def _ints(span: bytes, cache: dict[bytes, tuple[tuple[int, ...], int]]) -> tuple[tuple[int, ...], int]:
-    """A matched tuple of ints (and how many memo entries it made), each distinct span decoded once."""
-    got = cache.get(span)
-    if got is None:
-        if span == b")":
-            got = ((), 0)
-        else:
-            body = span[1:-2] if span[0] == 0x28 else span[:-2]
-            values = []
-            i = 0
-            while i < len(body):
-                width = {0x4B: 2, 0x4D: 3, 0x4A: 5}[body[i]]
-                values.append(_int(body[i:i + width]))
-                i += width
-            got = (tuple(values), 1)
-        cache[span] = got
-    return got
+def _ints(span: bytes) -> tuple[tuple[int, ...], tuple[_Gone, ...]]:
+    """A matched tuple of ints, and the memo entries a storage entry makes around it (6, and one
+    more where the tuple is memoized: all but ())."""
+    if span == b")":
+        return (), _GONES[6]
+    body = span[1:-2] if span[0] == 0x28 else span[:-2]
+    values = []
+    i = 0
+    while i < len(body):
+        width = {0x4B: 2, 0x4D: 3, 0x4A: 5}[body[i]]
+        values.append(_int(body[i:i + width]))
+        i += width
+    return tuple(values), _GONES[7]
+
+
+def _geometry(size: bytes, offsets: bytes, sizes: bytes) -> tuple[Any, Any, Any, tuple[_Gone, ...]]:
+    """A tensor entry's three tuples of ints, and the memo entries it makes after its key (13, and
+    one for each of the tuples that is memoized)."""
+    values = [_ints(span) for span in (size, offsets, sizes)]
+    return values[0][0], values[1][0], values[2][0], _GONES[13 + sum(len(v[1]) - 6 for v in values)]
 
 
 def scan(data: bytes, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
@@ -220,17 +223,16 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
     max_depth, max_nesting = safe_pickle.MAX_STACK_DEPTH, safe_pickle.MAX_NESTING
     interpreted_left = _INTERPRETED_BASE + int(n * _INTERPRETED_PER_BYTE)
     tensor_match, stored_match, path_match = _TENSOR.match, _STORED.match, _PATH.match
-    gones = _GONES
     stack: list[Any] = []
     marks: list[int] = []
     memo: list[Any] = []
-    ints_cache: dict[bytes, tuple[tuple[int, ...], int]] = {}
-    heads: dict[bytes, Any] = {}  # a tensor entry's constant parts -> what they say (None: not what torch writes)
-    mids: dict[bytes, bool] = {}
-    tails: dict[bytes, bool] = {}
-    stored_heads: dict[bytes, bool] = {}
-    stored_keys: dict[bytes, bool] = {}
-    stored_infos: dict[bytes, Any] = {}
+    ints_cache: dict[bytes, tuple[tuple[int, ...], tuple[_Gone, ...]]] = {}
+    # the constant parts of a record -> what they say (None: not what torch writes)
+    tensor_sigs: dict[tuple[bytes, bytes, bytes], Any] = {}
+    stored_sigs: dict[tuple[bytes, ...], Any] = {}
+    # a tensor entry's three tuples of ints -> (size, offsets, sizes, the memo entries the entry makes)
+    geometries: dict[tuple[bytes, bytes, bytes], tuple[Any, Any, Any, tuple[_Gone, ...]]] = {}
+    path_parts = _PATH_PART.findall
     pos = 2
     # where the current frame ends: the C unpickler reads a frame into a buffer, and a read that
     # runs past its end takes its bytes from after the frame, leaving the frame's last ones unread
@@ -247,31 +249,24 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 short, long, key_bytes, head, size, mid, offsets, tail, sizes = m.groups()
                 if len(key_bytes) != (short[0] if short is not None else int.from_bytes(long, "little")):
                     break
-                said = heads.get(head, False)
+                # (one look-up each for the constant parts and for the three tuples of ints)
+                said = tensor_sigs.get((head, mid, tail), False)
                 if said is False:
-                    said = heads[head] = _tensor_head(head, memo)
+                    said = tensor_sigs[(head, mid, tail)] = _tensor_sig(head, mid, tail, memo)
                 if said is None:
                     break
-                ok = mids.get(mid)
-                if ok is None:
-                    ok = mids[mid] = _tensor_mid(mid, memo)
-                ok2 = tails.get(tail)
-                if ok2 is None:
-                    ok2 = tails[tail] = _tensor_tail(tail, memo)
-                if not (ok and ok2):
-                    break
+                geometry = geometries.get((size, offsets, sizes))
+                if geometry is None:
+                    geometry = geometries[(size, offsets, sizes)] = _geometry(size, offsets, sizes)
                 end = m.end()
                 if pos < frame_end < end:
                     break
                 key = key_bytes.decode("utf-8", "surrogatepass")
-                shape, s1 = _ints(size, ints_cache)
-                offs, s2 = _ints(offsets, ints_cache)
-                sz, s3 = _ints(sizes, ints_cache)
                 cost += _RECORD_COST * (end - pos)
                 stack.append(key)
-                stack.append(_ScannedTensor((said[0], shape, offs, sz, said[1], said[2], said[3])))
+                stack.append(_ScannedTensor((said[0], geometry[0], geometry[1], geometry[2], said[1], said[2], said[3])))
                 memo.append(key)
-                memo += gones[13 + s1 + s2 + s3]
+                memo += geometry[3]
                 pos = end
                 m = tensor_match(data, pos)
             op = data[pos]
@@ -280,27 +275,24 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             planner = m is None
             while m is not None:
                 head, fqn_ref, index_key, hint, offset_key, offset, info, start, length_key, length = m.groups()
-                ok = stored_heads.get(head)
-                if ok is None:
-                    ok = stored_heads[head] = _stored_head(head, memo)
-                keys = index_key + offset_key
-                ok2 = stored_keys.get(keys)
-                if ok2 is None:
-                    ok2 = stored_keys[keys] = _stored_keys(index_key, offset_key, memo)
-                path = stored_infos.get(info, False)
+                path = stored_sigs.get((head, index_key, offset_key, info, length_key), False)
                 if path is False:
-                    path = stored_infos[info] = _stored_info(info, memo)
-                if not (ok and ok2 and path is not None) or _ref(length_key, memo) != "length":
+                    path = stored_sigs[(head, index_key, offset_key, info, length_key)] = _stored_sig(
+                        head, index_key, offset_key, info, length_key, memo)
+                if path is None:
                     break
-                fqn = _ref(fqn_ref, memo)
+                fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
                 end = m.end()
                 if type(fqn) is not str or pos < frame_end < end:
                     break
-                offset_ints, s1 = _ints(offset, ints_cache)
+                offset_ints = ints_cache.get(offset)
+                if offset_ints is None:
+                    offset_ints = ints_cache[offset] = _ints(offset)
                 cost += _RECORD_COST * (end - pos)
-                stack.append(_ScannedIndex(fqn, offset_ints, None if hint == b"N" else _int(hint)))
-                stack.append(_ScannedInfo((path, _int(start), _int(length))))
-                memo += gones[6 + s1]
+                stack.append(_ScannedIndex(fqn, offset_ints[0], None if hint == b"N" else _int(hint)))
+                stack.append(_ScannedInfo((path, start[1] if len(start) == 2 else _int(start),
+                                           length[1] if len(length) == 2 else _int(length))))
+                memo += offset_ints[1]
                 pos = end
                 m = stored_match(data, pos)
             if planner:
@@ -309,14 +301,35 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                     end = m.end()
                     if pos < frame_end < end:
                         break
-                    keys = _path(m, memo)
-                    if keys is None:
-                        break
-                    cost += _RECORD_COST * (end - pos)
-                    stack.append(keys[0])
-                    stack.append(keys[1])
-                    pos = end
-                    m = path_match(data, pos)
+                    fqn_ref, short, arity, long = m.groups()
+                    kept = len(memo)
+                    keys = []
+                    for ref, length_byte, text in path_parts(short if short is not None else long):
+                        if ref:
+                            value = memo[ref[1] if len(ref) == 2 else int.from_bytes(ref[1:], "little")]
+                            if type(value) is _Gone:
+                                return None
+                        else:
+                            if len(text) != length_byte[0]:
+                                break
+                            value = text.decode("utf-8", "surrogatepass")
+                            memo.append(value)
+                        keys.append(value)
+                    else:
+                        if short is None or len(keys) == arity[0] - 0x84:
+                            fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
+                            if type(fqn) is _Gone:
+                                return None
+                            path_keys = tuple(keys)
+                            memo.append(path_keys)
+                            cost += _RECORD_COST * (end - pos)
+                            stack.append(fqn)
+                            stack.append(path_keys)
+                            pos = end
+                            m = path_match(data, pos)
+                            continue
+                    del memo[kept:]  # (the entry is left to the interpreter, as if never matched)
+                    break
             op = data[pos]
         # -- one opcode, as the C unpickler runs it (or None where it would fail, or might) ------
         interpreted_left -= 1
@@ -467,36 +480,26 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             return None
 
 
-def _path(m: re.Match[bytes], memo: list[Any]) -> tuple[Any, tuple[Any, ...]] | None:
-    """A matched planner_data entry: (the key, its path), its new strings and the path memoized
-    in order; None (the memo untouched) where a string's length byte disagrees or a reference
-    names something not kept."""
-    fqn_ref, short, arity, long = m.groups()
-    kept = len(memo)
-    new: list[Any] = []
-    keys = []
-    for p in _PATH_PART.finditer(short if short is not None else long):
-        one, four, length, text = p.groups()
-        if text is not None:
-            if len(text) != length[0]:
-                return None
-            value = text.decode("utf-8", "surrogatepass")
-            new.append(value)
-        else:
-            index = one[0] if one is not None else int.from_bytes(four, "little")
-            value = memo[index] if index < kept else new[index - kept]
-        if type(value) is _Gone:
-            return None
-        keys.append(value)
-    if short is not None and len(keys) != arity[0] - 0x84:
+def _tensor_sig(head: bytes, mid: bytes, tail: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
+    """(torch dtype name, requires_grad, layout, memory format) when a tensor entry's constant
+    parts name what torch writes, else None."""
+    said = _tensor_head(head, memo)
+    if said is None or not _tensor_mid(mid, memo) or not _tensor_tail(tail, memo):
         return None
-    fqn = _ref(fqn_ref, memo)
-    if type(fqn) is _Gone:
+    return said
+
+
+def _stored_sig(head: bytes, index_key: bytes, offset_key: bytes, info: bytes, length_key: bytes,
+                memo: list[Any]) -> str | None:
+    """The data file a storage entry's constant parts name, when they name what torch writes, else None."""
+    try:
+        length = _ref(length_key, memo)
+    except IndexError:
         return None
-    path = tuple(keys)
-    memo += new
-    memo.append(path)
-    return fqn, path
+    if not (_stored_head(head, memo) and _stored_keys(index_key, offset_key, memo)) or type(length) is not str \
+            or length != "length":
+        return None
+    return _stored_info(info, memo)
 
 
 def _tensor_head(head: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
