@@ -40,7 +40,9 @@ def inspect_command(
     out = Output(json_mode=as_json)
     if as_json:
         # the --json contract (docs/commands/): "ok" as the exit status says; "opened": the run root's step opened
-        out.json({"ok": True, **result.to_json(), "opened": opened_step.first_json()})
+        opened = opened_step.first_json()
+        out.json(lambda: {"ok": True, **result.to_json(), "opened": opened},
+                 compact=lambda: result.to_json_text({"ok": True}, {"opened": opened}))
         return
     out.header(_title(result), _header_rows(result))
     if flat:

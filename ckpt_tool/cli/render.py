@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..base.text import printable
 
@@ -162,7 +162,16 @@ class Output:
         """One line of plain text (no markup), escaped as every shown text is."""
         self.write(printable(text) + "\n")
 
-    def json(self, obj: Any) -> None:
+    def json(self, obj: Any, compact: Callable[[], str] | None = None) -> None:
+        """`obj` as JSON. `compact`: what gives its compact text (json.dumps(obj, default=str)),
+        faster than json.dumps (inspect's leaves); `obj` may then be what gives obj, made only on
+        a terminal."""
+        if compact is not None and not self.is_terminal:
+            self.write(compact() + "\n")
+            self._guard(self.stream.flush)
+            return
+        if compact is not None and callable(obj):
+            obj = obj()
         # indented for a person; compact in a pipe, where the pure-Python
         # indenting encoder would cost more than reading the metadata. ASCII
         # (json.dumps' default): a lone surrogate in a name stays the escape

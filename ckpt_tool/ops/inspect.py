@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..core import values
 from ..base.errors import CkptError
@@ -61,7 +61,8 @@ class InspectResult:
             },
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, leaves: bool = True) -> dict[str, Any]:
+        """The --json document (`leaves`: False leaves out the leaves' list, to_json_text's part)."""
         ck = self.checkpoint
         # arrays saved alike have equal Sharding values (one object, or one per leaf): render
         # each distinct value once (the output then shares that dict between leaves); 2,250
@@ -83,9 +84,68 @@ class InspectResult:
             "step": ck.step,
             "steps": [s.to_json() for s in ck.steps],
             "notes": list(ck.notes),
-            "leaves": [self._leaf_json(leaf, shardings, by_id) for leaf in self.leaves],
+            "leaves": [self._leaf_json(leaf, shardings, by_id) for leaf in self.leaves] if leaves else None,
             "summary": self.summary,
         }
+
+    def to_json_text(self, before: dict[str, Any], after: dict[str, Any]) -> str:
+        """json.dumps({**before, **self.to_json(), **after}, default=str) in its compact form (a
+        pipe's, what scripts read), written without building the leaves' dicts: each array leaf's
+        text is put together from its fields in _leaf_json's order (tests/ops/inspect checks the
+        two agree byte for byte), a shape's and a sharding's text made once. 30,000 leaves took
+        0.12 s through the dicts and json.dumps, 0.03 s here (issue 46)."""
+        import json
+
+        doc = {**before, **self.to_json(leaves=False), **after}
+        doc["leaves"] = _LEAVES_MARK
+        text = json.dumps(doc, default=str, ensure_ascii=True)
+        head, mark, tail = text.partition(_LEAVES_TEXT)
+        if not mark or _LEAVES_TEXT in tail:  # (a value spelled like the mark: through the dicts)
+            return json.dumps({**before, **self.to_json(), **after}, default=str, ensure_ascii=True)
+        return head + '"leaves": [' + ", ".join(self._leaf_texts()) + "]" + tail
+
+    def _leaf_texts(self) -> list[str]:
+        import json
+        from json.encoder import encode_basestring_ascii  # (json.dumps' own, in C)
+
+        string: Callable[[Any], str] = encode_basestring_ascii
+
+        out = []
+        lists: dict[tuple[int, ...], str | None] = {}  # a tuple of ints -> its JSON list (None: not all ints)
+        shardings: dict[int, str] = {}  # by id: the leaves keep their Sharding objects alive
+        shared: dict[Any, dict[str, Any]] = {}
+        by_id: dict[int, dict[str, Any]] = {}
+        for leaf in self.leaves:
+            if type(leaf) is ArrayLeaf:
+                keys = leaf.keys
+                shape = leaf.shape
+                chunk_shape = leaf.chunk_shape
+                sharding = leaf.sharding
+                if (all(type(k) is str for k in keys) and type(shape) is tuple and type(leaf.name) is str
+                        and type(leaf.dtype) is str and (chunk_shape is None or type(chunk_shape) is tuple)):
+                    shape_text = lists[shape] if shape in lists else lists.setdefault(shape, _int_list(shape))
+                    chunk_text: str | None = "null"
+                    if chunk_shape is not None:
+                        chunk_text = (lists[chunk_shape] if chunk_shape in lists
+                                      else lists.setdefault(chunk_shape, _int_list(chunk_shape)))
+                    sharding_text = "null"
+                    if sharding is not None:
+                        known = shardings.get(id(sharding))
+                        if known is None:
+                            known = shardings[id(sharding)] = json.dumps(sharding.to_json(), default=str)
+                        sharding_text = known
+                    nbytes, chunks = leaf.nbytes, leaf.chunk_count
+                    if (shape_text is not None and chunk_text is not None and type(nbytes) is int
+                            and type(chunks) is int):
+                        # _leaf_json's keys, in its order
+                        out.append(
+                            f'{{"keys": [{", ".join(map(string, keys))}], "name": {string(leaf.name)}, '
+                            f'"kind": "array", "shape": {shape_text}, "dtype": {string(leaf.dtype)}, '
+                            f'"nbytes": {int.__repr__(nbytes)}, "chunk_shape": {chunk_text}, '
+                            f'"chunks": {int.__repr__(chunks)}, "sharding": {sharding_text}}}')
+                        continue
+            out.append(json.dumps(self._leaf_json(leaf, shared, by_id), default=str, ensure_ascii=True))
+        return out
 
     def _leaf_json(self, leaf: Leaf, shardings: dict[Any, dict[str, Any]],
                    by_id: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -126,6 +186,18 @@ class InspectResult:
         if leaf.path in self.value_errors:
             out["value_error"] = self.value_errors[leaf.path]
         return out
+
+
+# what to_json_text puts in the leaves' place, and how json.dumps spells it there
+_LEAVES_MARK = "\x00leaves\x00"
+_LEAVES_TEXT = '"leaves": "\\u0000leaves\\u0000"'
+
+
+def _int_list(values: tuple[Any, ...]) -> str | None:
+    """A tuple of ints as json.dumps writes its list; None where an element is not exactly an int."""
+    if not all(type(v) is int for v in values):
+        return None
+    return "[" + ", ".join(map(int.__repr__, values)) + "]"
 
 
 def _jsonable(value: Any) -> Any:
