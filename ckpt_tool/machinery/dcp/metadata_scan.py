@@ -175,9 +175,10 @@ def _int(arg: bytes) -> int:
     return int.from_bytes(arg[2:], "little", signed=True)  # LONG1
 
 
-def _ints(span: bytes) -> tuple[tuple[int, ...], tuple[_Gone, ...]]:
+def _ints(span: bytes) -> tuple[tuple[int, ...], tuple[_Gone, ...]] | None:
     """A matched tuple of ints, and the memo entries a storage entry makes around it (6, and one
-    more where the tuple is memoized: all but ())."""
+    more where the tuple is memoized: all but ()); None where one is negative (a BININT can be:
+    the record is the interpreter's, and the reader's parse refuses it there)."""
     if span == b")":
         return (), _GONES[6]
     body = span[1:-2] if span[0] == 0x28 else span[:-2]
@@ -187,13 +188,20 @@ def _ints(span: bytes) -> tuple[tuple[int, ...], tuple[_Gone, ...]]:
         width = {0x4B: 2, 0x4D: 3, 0x4A: 5}[body[i]]
         values.append(_int(body[i:i + width]))
         i += width
+    if min(values) < 0:
+        return None
     return tuple(values), _GONES[7]
 
 
-def _geometry(size: bytes, offsets: bytes, sizes: bytes) -> tuple[Any, Any, Any, tuple[_Gone, ...]]:
+def _geometry(size: bytes, offsets: bytes, sizes: bytes) -> tuple[Any, Any, Any, tuple[_Gone, ...]] | None:
     """A tensor entry's three tuples of ints, and the memo entries it makes after its key (13, and
-    one for each of the tuples that is memoized)."""
-    values = [_ints(span) for span in (size, offsets, sizes)]
+    one for each of the tuples that is memoized); None where one holds a negative int."""
+    values = []
+    for span in (size, offsets, sizes):
+        got = _ints(span)
+        if got is None:
+            return None
+        values.append(got)
     return values[0][0], values[1][0], values[2][0], _GONES[13 + sum(len(v[1]) - 6 for v in values)]
 
 
@@ -226,12 +234,12 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
     stack: list[Any] = []
     marks: list[int] = []
     memo: list[Any] = []
-    ints_cache: dict[bytes, tuple[tuple[int, ...], tuple[_Gone, ...]]] = {}
+    ints_cache: dict[bytes, Any] = {}
     # the constant parts of a record -> what they say (None: not what torch writes)
     tensor_sigs: dict[tuple[bytes, bytes, bytes], Any] = {}
     stored_sigs: dict[tuple[bytes, ...], Any] = {}
     # a tensor entry's three tuples of ints -> (size, offsets, sizes, the memo entries the entry makes)
-    geometries: dict[tuple[bytes, bytes, bytes], tuple[Any, Any, Any, tuple[_Gone, ...]]] = {}
+    geometries: dict[tuple[bytes, bytes, bytes], Any] = {}
     path_parts = _PATH_PART.findall
     pos = 2
     # where the current frame ends: the C unpickler reads a frame into a buffer, and a read that
@@ -255,9 +263,11 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                     said = tensor_sigs[(head, mid, tail)] = _tensor_sig(head, mid, tail, memo)
                 if said is None:
                     break
-                geometry = geometries.get((size, offsets, sizes))
-                if geometry is None:
+                geometry = geometries.get((size, offsets, sizes), False)
+                if geometry is False:
                     geometry = geometries[(size, offsets, sizes)] = _geometry(size, offsets, sizes)
+                if geometry is None:
+                    break
                 end = m.end()
                 if pos < frame_end < end:
                     break
@@ -285,9 +295,11 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 end = m.end()
                 if type(fqn) is not str or pos < frame_end < end:
                     break
-                offset_ints = ints_cache.get(offset)
-                if offset_ints is None:
+                offset_ints = ints_cache.get(offset, False)
+                if offset_ints is False:
                     offset_ints = ints_cache[offset] = _ints(offset)
+                if offset_ints is None:
+                    break
                 cost += _RECORD_COST * (end - pos)
                 stack.append(_ScannedIndex(fqn, offset_ints[0], None if hint == b"N" else _int(hint)))
                 stack.append(_ScannedInfo((path, start[1] if len(start) == 2 else _int(start),

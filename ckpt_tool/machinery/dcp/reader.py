@@ -499,11 +499,11 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     for index, info in storage_data.items():
         if type(index) is scanned_index:
             # a MetadataIndex and its _StorageInfo as metadata_scan matched them (the fields' types
-            # made by the pattern: a str fqn and path, an int hint or None, ints, no transforms)
+            # made by the pattern: a str fqn and path, an int hint or None, the offset's ints not
+            # negative (checked there), no transforms)
             if type(info) is not scanned_info:
                 return None
             fqn, offset = index.fqn, index.offset
-            ints.append(offset)
             path, start, length = info
             if start < 0 or length < 0:
                 return None
@@ -573,13 +573,12 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         kind = type(item)
         if kind is scanned_tensor:
             # a TensorStorageMetadata of one chunk as metadata_scan matched it (its shape, offsets and
-            # sizes tuples of ints, its dtype a torch dtype's name, its layout and format str)
+            # sizes tuples of ints none negative, checked there; its dtype a torch dtype's name, its
+            # layout and memory format str)
             dtype_name, shape, offsets, sizes, grad, layout, memory_format = item
             dtype = dtype_names.get(dtype_name)
             if dtype is None or memory_format not in _MEMORY_FORMATS:
                 return None
-            ints.append(shape)
-            ints.append(offsets)
             if sizes != shape or len(offsets) != len(shape) or any(offsets):
                 return None
             entry = storage.get((fqn, offsets))
