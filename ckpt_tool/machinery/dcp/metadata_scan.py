@@ -60,15 +60,14 @@ class _ScannedTensor(tuple):
     __slots__ = ()
 
 
-class _ScannedIndex:
-    """A storage_data key (MetadataIndex) as matched. Hashed by identity, as MetadataIndex is."""
+class _ScannedIndex(tuple):
+    """A storage_data key (MetadataIndex) as matched: (fqn, offset, index hint). Hashed and
+    compared by identity, as MetadataIndex is (two equal keys stay two dict entries)."""
 
-    __slots__ = ("fqn", "offset", "index")
-
-    def __init__(self, fqn: str, offset: tuple[int, ...], index: int | None) -> None:
-        self.fqn = fqn
-        self.offset = offset
-        self.index = index
+    __slots__ = ()
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__  # type: ignore[assignment]
+    __ne__ = object.__ne__  # type: ignore[assignment]
 
 
 class _ScannedInfo(tuple):
@@ -301,7 +300,7 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 if offset_ints is None:
                     break
                 cost += _RECORD_COST * (end - pos)
-                stack.append(_ScannedIndex(fqn, offset_ints[0], None if hint == b"N" else _int(hint)))
+                stack.append(_ScannedIndex((fqn, offset_ints[0], None if hint == b"N" else _int(hint))))
                 stack.append(_ScannedInfo((path, start[1] if len(start) == 2 else _int(start),
                                            length[1] if len(length) == 2 else _int(length))))
                 memo += offset_ints[1]

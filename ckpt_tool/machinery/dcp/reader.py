@@ -503,7 +503,7 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             # negative (checked there), no transforms)
             if type(info) is not scanned_info:
                 return None
-            fqn, offset = index.fqn, index.offset
+            fqn, offset, _ = index
             path, start, length = info
             if start < 0 or length < 0:
                 return None

@@ -135,6 +135,13 @@ def test_damaged_copies_read_as_the_unpickler_reads_them_or_not_at_all():
     assert scanned > 50  # (many mutants of a pickle still read: the two paths agree on them)
 
 
+def test_storage_keys_stay_apart_as_torch_keeps_them():
+    # MetadataIndex hashes by identity here: two equal keys are two entries, scanned or not
+    a = metadata_scan._ScannedIndex(("w", (0,), 0))
+    b = metadata_scan._ScannedIndex(("w", (0,), 0))
+    assert len({a: 1, b: 2}) == 2 and a != b and a == a
+
+
 def test_a_global_outside_the_allow_list_is_left_to_the_unpickler():
     data = pickle.dumps({"x": print}, protocol=4)
     assert metadata_scan.scan(data) is None
