@@ -9,9 +9,7 @@ import bisect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import tensorstore as ts
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...base import dtypes
 from ...base.errors import CkptError, UnreadableFileError
@@ -19,6 +17,9 @@ from ...base.findings import Findings
 from ...storage import Storage, ocdbt_bulk
 from ...storage.ocdbt_node import OcdbtNodeError, parse_location
 from .reading import ROOT_MANIFEST, chunk_keys
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 
 # tensorstore's words for a manifest file shorter than its header says (kvstore/ocdbt/format/manifest.cc)
@@ -103,6 +104,10 @@ def check_ocdbt(
         if lost is not None and list_keys:
             lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
         return set()
+    # tensorstore is imported where an OCDBT database is walked, not with this module: checks of
+    # arrays stored as plain files, and the modules that only import this one, load none of it
+    import tensorstore as ts
+
     # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
     base_kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context),
                            "cannot open the OCDBT database", base_where or ".")
