@@ -1,7 +1,7 @@
 """Every entry of an OCDBT database, read by ckpt from its manifest and B+tree nodes.
 
-The Orbax writer's multi-process commit (formats/orbax/direct.py) builds the step's root database
-from the per-process ones: every key of every process's database, values stored out of line kept
+A writer's multi-process commit (the Orbax writer's) builds the step's root database from the
+per-process ones: every key of every process's database, values stored out of line kept
 where they lie (`ocdbt.process_<i>/d/...`), as orbax's merge (tensorstore's
 `experimental_copy_range_to`) leaves them. The nodes are read by byte range through Storage, so
 on a local root and on gs:// / s3:// alike, and decoded by ocdbt_node.py; what comes back is what

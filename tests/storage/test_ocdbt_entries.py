@@ -1,6 +1,6 @@
 """Every entry of an OCDBT database read by ckpt (storage/ocdbt_entries.py), and a database written
 over entries that lie in other databases (ocdbt_writer.write_database): the two halves of the
-Orbax writer's multi-process merge (formats/orbax/direct.py). Checked against tensorstore's own
+Orbax writer's multi-process merge. Checked against tensorstore's own
 reading of the same databases, including trees above the leaves and tensorstore's subtree
 common prefixes, which an Orbax output's per-process databases have only past 100 MB of node."""
 from __future__ import annotations
