@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core import casting, optim_keys
 from .. import formats
-from . import hf_export
-from ..base.errors import CkptError, NoSpaceError, UsageError
+from ..base.errors import CkptError, NoSpaceError
 from ..base.findings import Progress, no_progress
 from ..scheduler import DEFAULT_MEMORY
 from ..core.model import Checkpoint
@@ -35,7 +34,7 @@ from .destination import OutputDir  # noqa: F401 (OutputDir: API)
 from .destination_remote import begin_output, confirm_output, discard_output, finalize_output, prepare_output
 from ..storage import ReadLog, Storage
 from ..core.contract import CheckpointWriter
-from ..core.write_plan import TargetArray, WritePlan
+from ..core.write_plan import WritePlan
 # (moved out of this module; imported here by the names other modules and the docs use)
 from .free_space import check_free_space, free_bytes, no_space_error, output_bytes  # noqa: F401
 from .preflight import check_source_complete, open_source  # noqa: F401
@@ -153,37 +152,6 @@ def make_writer(fmt: str, storage: Storage, *, zarr3: bool = False, max_shard_si
     return info.writer_module().make_writer(storage, zarr3=zarr3, max_shard_size=max_shard_size, memory=memory)
 
 
-def _model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]],
-                 opts: ConvertOptions) -> tuple[tuple[Storage, list[str]] | None, list[str]]:
-    """The model's non-weight files to copy beside the output, and --force-like's differences.
-
-    --like HF_DIR: the plan's tensors checked against the reference's (every difference, or
-    LikeMismatchError), its tied output embedding dropped, its files copied. Without it, a
-    source that is a Hugging Face model directory brings its own files to a target that takes them.
-    """
-    takes = opts.to in formats.taking("like")
-    if opts.like is None:
-        if opts.force_like:
-            raise UsageError("--force-like needs --like HF_DIR")
-        local = Storage.open(src.path) if takes and not formats.split_file(src.path) else None
-        if local is not None and hf_export.is_model_directory(local):
-            return (local, hf_export.companion_files(local)), []
-        return None, []
-    if not takes:
-        raise UsageError(f"--like makes a Hugging Face model directory: use it with --to "
-                         f"{formats.joined(formats.taking('like'))}")
-    ref = hf_export.load_reference(opts.like)
-    check = hf_export.check_like({t.name: (tuple(t.shape), t.dtype) for t in plan.arrays()}, ref, opts.dtype)
-    if check.differences and not opts.force_like:
-        raise hf_export.LikeMismatchError(check.differences, opts.like)
-    if check.tied_dropped:
-        dropped = set(check.tied_dropped)
-        plan.targets = [t for t in plan.targets if not (isinstance(t, TargetArray) and t.name in dropped)]
-        skipped.extend((name, f"tied to the input embedding in {opts.like} (its config ties them)")
-                       for name in check.tied_dropped)
-    return (ref.storage, ref.companions), check.differences
-
-
 def _optimizer_keys_like(src: Checkpoint, reference: str) -> tuple[Checkpoint, list[optim_keys.Rekeyed]]:
     """The source with its optimizer state keyed as the one in `reference` (any checkpoint ckpt
     reads) is: by integer ids, as `torch.save(opt.state_dict())`, or by FQNs, as DCP's
@@ -270,6 +238,8 @@ def _convert(
     retyped: dict[str, bytes] = {}
     config_dtype: list[tuple[str, str, str]] = []
     if job.companions and cast and opts.dtype:
+        from . import hf_export
+
         retyped, config_dtype = hf_export.retyped_configs(job.companions[0], job.companions[1], opts.dtype)
     plan.process_index, plan.process_count = coord.process_index, coord.process_count
     plan.info["destination"] = destination  # orbax names the final path in commit_success.txt
@@ -314,7 +284,7 @@ class _Job:
     plan: WritePlan
     skipped: list[tuple[str, str]]
     sources: Sources
-    companions: tuple[Storage, list[str]] | None = None  # the model's files (_model_files)
+    companions: tuple[Storage, list[str]] | None = None  # the model's files (hf_export.model_files)
     differences: list[str] = field(default_factory=list)  # --force-like's
     rekeyed: list[optim_keys.Rekeyed] = field(default_factory=list)  # --optimizer-keys-like
 
@@ -333,7 +303,12 @@ def _job(source: str, destination: str, opts: ConvertOptions, planned: PlannedWr
     if opts.optimizer_keys_like is not None:
         src, rekeyed = _optimizer_keys_like(src, opts.optimizer_keys_like)
     plan, skipped, sources = plan_conversion(src, opts, destination)
-    companions, differences = _model_files(src, plan, skipped, opts)
+    companions: tuple[Storage, list[str]] | None = None
+    differences: list[str] = []
+    if opts.like is not None or opts.force_like or opts.to in formats.taking("like"):
+        from . import hf_export  # (a model's files beside the output: --like, or a target that takes them)
+
+        companions, differences = hf_export.model_files(src, plan, skipped, opts)
     return _Job(src, plan, skipped, sources, companions, differences, rekeyed)
 
 
@@ -356,6 +331,8 @@ def _write_output(out: OutputDir, job: _Job, opts: ConvertOptions, result: Conve
         coord.barrier("ckpt-convert-written")
         if primary:
             if job.companions:  # before the commit: the model's files are part of the output
+                from . import hf_export
+
                 hf_export.copy_companions(job.companions[0], job.companions[1], out.storage(), retyped)
             confirm_output(out)  # an object store: no other run took DST over meanwhile
             writer.commit()

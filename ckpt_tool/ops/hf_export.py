@@ -14,6 +14,9 @@ the input embedding on load. A source that stores both (a torch `.bin` or a Mega
 with `untie_embeddings_and_output_weights=False`) has one tensor more than the reference: it is
 left out, and reported as left out, when the reference ties them, does not hold it and holds an
 input embedding of its shape; nothing else is ever dropped.
+
+The engine imports this module only where a model's files may go beside the output (--like, or a
+target that takes them: safetensors); a convert to DCP or Orbax, and a reshard, load none of it.
 """
 from __future__ import annotations
 
@@ -21,12 +24,19 @@ import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .. import formats
 from ..base import dtypes
-from ..base.errors import CkptError
+from ..base.errors import CkptError, UsageError
+from ..core.write_plan import TargetArray
 from ..formats import HF_MODEL_FILES
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    from ..core.model import Checkpoint
+    from ..core.write_plan import WritePlan
+    from .planner import ConvertOptions
 
 # top-level files of a Hugging Face model directory that are not weights (transformers' and
 # tokenizers' names): the registry's list, which --overwrite also counts as the model's own;
@@ -245,3 +255,34 @@ class LikeMismatchError(CkptError):
 
 def describe(check: LikeCheck) -> dict[str, Any]:
     return {"differences": check.differences, "tied_dropped": check.tied_dropped}
+
+
+def model_files(src: Checkpoint, plan: WritePlan, skipped: list[tuple[str, str]],
+                opts: ConvertOptions) -> tuple[tuple[Storage, list[str]] | None, list[str]]:
+    """The model's non-weight files to copy beside the output, and --force-like's differences.
+
+    --like HF_DIR: the plan's tensors checked against the reference's (every difference, or
+    LikeMismatchError), its tied output embedding dropped, its files copied. Without it, a
+    source that is a Hugging Face model directory brings its own files to a target that takes them.
+    """
+    takes = opts.to in formats.taking("like")
+    if opts.like is None:
+        if opts.force_like:
+            raise UsageError("--force-like needs --like HF_DIR")
+        local = Storage.open(src.path) if takes and not formats.split_file(src.path) else None
+        if local is not None and is_model_directory(local):
+            return (local, companion_files(local)), []
+        return None, []
+    if not takes:
+        raise UsageError(f"--like makes a Hugging Face model directory: use it with --to "
+                         f"{formats.joined(formats.taking('like'))}")
+    ref = load_reference(opts.like)
+    check = check_like({t.name: (tuple(t.shape), t.dtype) for t in plan.arrays()}, ref, opts.dtype)
+    if check.differences and not opts.force_like:
+        raise LikeMismatchError(check.differences, opts.like)
+    if check.tied_dropped:
+        dropped = set(check.tied_dropped)
+        plan.targets = [t for t in plan.targets if not (isinstance(t, TargetArray) and t.name in dropped)]
+        skipped.extend((name, f"tied to the input embedding in {opts.like} (its config ties them)")
+                       for name in check.tied_dropped)
+    return (ref.storage, ref.companions), check.differences
