@@ -24,8 +24,6 @@ a callback).
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -241,6 +239,8 @@ def _write_atomic(home: Storage, name: str, data: bytes) -> None:
         return
     final = os.path.join(home.local_root, name)
     _remove_dead_temporaries(home.local_root)
+    import secrets  # (writing a manifest only: validate and a convert's preflight look for one)
+
     tmp = os.path.join(home.local_root, f"{TMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -264,6 +264,8 @@ def _write_atomic(home: Storage, name: str, data: bytes) -> None:
 
 
 def _host() -> str:
+    import socket
+
     return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
 
 
