@@ -21,7 +21,6 @@ import re
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
-from urllib.parse import unquote_to_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,6 +37,14 @@ _READ_STEP = 4 * 2**20
 
 # tensorstore's dump: "<kind>:<percent-encoded base path>:<percent-encoded relative path>:<offset>:<length>"
 _LOCATION = re.compile(r"([^:]+):([^:]*):([^:]*):([0-9]+):([0-9]+)")
+_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
+
+
+def _unquote(text: str) -> bytes:
+    """urllib.parse.unquote_to_bytes, without importing urllib.parse (and with it ipaddress) at every
+    start: each valid %XX escape is its byte, anything else stays as it is."""
+    raw = text.encode("utf-8")
+    return _PERCENT.sub(lambda m: bytes((int(m.group(1), 16),)), raw) if b"%" in raw else raw
 
 
 # an absolute path, a '.' or '..' segment, an empty segment or a NUL
@@ -67,8 +74,8 @@ def parse_location(text: str) -> Location:
     m = _LOCATION.fullmatch(text)
     if not m:
         raise OcdbtNodeError(f"invalid indirect data reference {text!r}")
-    base = unquote_to_bytes(m.group(2)).decode("utf-8", "surrogateescape")
-    rel = unquote_to_bytes(m.group(3)).decode("utf-8", "surrogateescape")
+    base = _unquote(m.group(2)).decode("utf-8", "surrogateescape")
+    rel = _unquote(m.group(3)).decode("utf-8", "surrogateescape")
     return Location(base, rel, int(m.group(4)), int(m.group(5)))
 
 

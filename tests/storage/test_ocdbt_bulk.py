@@ -261,3 +261,21 @@ def test_a_data_file_path_that_leaves_the_database_is_refused(path):
         ocdbt_node._data_file_table(np.frombuffer(table, dtype=np.uint8), 0, "")
     paths, end = ocdbt_node._data_file_table(np.frombuffer(bytes([1, 3, 0]) + b"d/x", dtype=np.uint8), 0, "")
     assert paths == ["d/x"] and end == 6
+
+
+def test_a_location_is_unescaped_as_urllib_unescapes_it():
+    """parse_location decodes a location's %XX escapes itself (no urllib.parse, and its ipaddress, at
+    every start): the paths urllib.parse.unquote_to_bytes gives, on valid, cut and invalid escapes."""
+    import itertools
+    from urllib.parse import unquote_to_bytes
+
+    from ckpt_tool.storage import ocdbt_node
+
+    pieces = ["%", "%2", "%41", "%e9", "%C3%A9", "%G1", "%%", "a", "/", "é", "€", "4"]
+    for n in range(4):
+        for combo in itertools.product(pieces, repeat=n):
+            text = "".join(combo)
+            where = ocdbt_node.parse_location(f"value:{text}:d/{text}x:3:4")
+            assert where.base_path == unquote_to_bytes(text).decode("utf-8", "surrogateescape"), text
+            assert where.relative_path == unquote_to_bytes(f"d/{text}x").decode("utf-8", "surrogateescape"), text
+            assert (where.offset, where.length) == (3, 4)
