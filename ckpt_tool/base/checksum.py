@@ -7,10 +7,31 @@ convert's CPU time. Both compute the same standard CRC-32.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from zlib_ng.zlib_ng import crc32 as _crc32
-from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
+
+def _load_crc32(data: Any, value: int = 0) -> int:
+    _load()
+    return _crc32(data, value)
+
+
+def _load_crc32_combine(first: int, second: int, second_length: int) -> int:
+    _load()
+    return _crc32_combine(first, second, second_length)
+
+
+def _load() -> None:
+    """zlib-ng, imported at the first CRC-32 (an Orbax reshard needs only CRC-32C, and zlib-ng
+    brings gzip with it): the two names below are rebound to its functions, so no later call
+    pays for the import."""
+    global _crc32, _crc32_combine
+    from zlib_ng.zlib_ng import crc32 as found, crc32_combine as found_combine
+
+    _crc32, _crc32_combine = found, found_combine
+
+
+_crc32: Callable[[Any, int], int] = _load_crc32
+_crc32_combine: Callable[[int, int, int], int] = _load_crc32_combine
 
 
 def crc32(data: Any, value: int = 0) -> int:
