@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...machinery.dcp import reader
-from ...machinery.dcp.reader import detect
 from ...core.model import Checkpoint
 from ...storage import Storage
 
@@ -18,9 +16,21 @@ NAME = "dcp"
 
 __all__ = ["NAME", "detect", "read", "layout_text"]
 
+# The shared DCP reader (and its pickle checks, hashlib) is imported where a DCP is detected or
+# read: a convert to DCP imports this package for its write.py, which needs none of it.
+
+
+def detect(storage: Storage) -> bool:
+    """A DCP directory: `.metadata`, or (an uncommitted save) top-level `.distcp` files."""
+    from ...machinery.dcp import reader
+
+    return reader.detect(storage)
+
 
 def read(storage: Storage, *, step: str | int | None = None) -> Checkpoint:
     """Open a DCP checkpoint: reads `.metadata` and nothing else."""
+    from ...machinery.dcp import reader
+
     return reader.read(storage, fmt=NAME, step=step, note_others=True)
 
 
