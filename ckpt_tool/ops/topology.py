@@ -26,7 +26,6 @@ and works on any machine. No jax import here.
 from __future__ import annotations
 
 import collections
-import glob
 import itertools
 import math
 import os
@@ -175,6 +174,8 @@ def _device_id(coord: Coord, shape: tuple[int, int]) -> int:
 
 
 def _dev(pattern: str) -> list[str]:
+    import glob  # (a host learned from its devices only: --devices and --topology look at none)
+
     root = os.environ.get(DEV_ROOT_VARIABLE, "/dev")
     return sorted(glob.glob(os.path.join(root, pattern)))
 

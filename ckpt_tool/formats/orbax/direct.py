@@ -45,7 +45,6 @@ from ...base.errors import CkptError
 from ...core.model import Region
 from ...storage import Storage, ts_error_text
 from ...storage.ocdbt_encode import Config, DataFile, NodeRef, ValueRef
-from ...storage.ocdbt_entries import database_entries
 from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database, write_database_over
 from . import zarr_metadata
 
@@ -318,6 +317,8 @@ class ProcessDatabase:
             (key, ValueRef(moved(value.file), value.offset, value.length) if isinstance(value, ValueRef) else value)
             for key, value in self.db.entries
         ]
+        from ...storage.ocdbt_entries import database_entries  # (a merge of several processes' only)
+
         for database in others:
             entries.extend(database_entries(storage, database))
         return entries
