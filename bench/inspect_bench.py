@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark `ckpt inspect` against the libraries' own metadata readers.
 
-    python bench/inspect_bench.py [--runs N] [--json] [--regen] [--layers N] [--big-dcp-layers N]
+    python bench/inspect_bench.py [--runs N] [--json] [--regen] [--layers N] [--big-dcp-layers N] [--formats dcp]
 
 Builds (once; cached in bench/out/, rebuilt with --regen) a 3,000-leaf Orbax
 checkpoint written by ``ocp.StandardCheckpointer`` (OCDBT + zarr v2, the
@@ -19,6 +19,7 @@ a warm page cache:
 plus a DCP of 30,000 small tensors (one dcp.save; --big-dcp-layers, 0 to
 skip), timed the same way against torch's reader (ckpt-dcp-big, torch-dcp-big):
 its 6 MB .metadata makes the time grow with the pickle, not with start-up.
+`--formats dcp` (or orbax) builds and times one format's commands only.
 
 Each command runs once as a warm-up (its output is captured and checked: ckpt
 must report exactly the leaves that were saved, and the baselines must see
@@ -185,13 +186,16 @@ def clear_cached(path: str) -> None:
             os.remove(p)
 
 
-def ensure_checkpoints(layers: int, regen: bool, log, big_dcp_layers: int = 0) -> dict:
-    """Build the checkpoints unless cached; return {name: path} ("orbax", "dcp" and, given big_dcp_layers, "dcp_big")."""
+def ensure_checkpoints(layers: int, regen: bool, log, big_dcp_layers: int = 0,
+                       formats: tuple[str, ...] = ("orbax", "dcp")) -> dict:
+    """Build the checkpoints unless cached; return {name: path} ("orbax", "dcp" and, given big_dcp_layers, "dcp_big"),
+    of `formats` only."""
     os.makedirs(OUT, exist_ok=True)
     paths = {}
     wanted = [("orbax", "orbax", layers), ("dcp", "dcp", layers)]
     if big_dcp_layers:
         wanted.append(("dcp_big", "dcp", big_dcp_layers))
+    wanted = [w for w in wanted if w[1] in formats]
     for key, fmt, layers in wanted:
         path = os.path.join(OUT, f"{fmt}_{layers * len(LEAVES)}")
         stamp = path + ".done.json"
@@ -270,16 +274,19 @@ def commands(paths: dict) -> list[dict]:
         {"name": "torch-dcp-big", "format": "dcp", "role": "baseline", "argv": [py, "-c", DCP_BASELINE, paths["dcp_big"]],
          "label": "FileSystemReader().read_metadata() <big>", "big": True},
     ] if "dcp_big" in paths else []
-    return big + [
+    orbax = [
         {"name": "ckpt-orbax", "format": "orbax", "role": "ckpt", "argv": ckpt + [paths["orbax"]],
          "label": "ckpt inspect --json <orbax>"},
         {"name": "orbax", "format": "orbax", "role": "baseline", "argv": [py, "-c", ORBAX_BASELINE, paths["orbax"]],
          "label": "ocp.StandardCheckpointer().metadata()"},
+    ] if "orbax" in paths else []
+    dcp = [
         {"name": "ckpt-dcp", "format": "dcp", "role": "ckpt", "argv": ckpt + [paths["dcp"]],
          "label": "ckpt inspect --json <dcp>"},
         {"name": "torch-dcp", "format": "dcp", "role": "baseline", "argv": [py, "-c", DCP_BASELINE, paths["dcp"]],
          "label": "FileSystemReader().read_metadata()"},
-    ]
+    ] if "dcp" in paths else []
+    return big + orbax + dcp
 
 
 def _run_env() -> dict:
@@ -442,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=1000, help="layers in the tree, 3 leaves each (default 1000)")
     ap.add_argument("--big-dcp-layers", type=int, default=10000,
                     help="layers of the big DCP (default 10000: 30,000 tensors); 0 skips it")
+    ap.add_argument("--formats", choices=("orbax", "dcp"), action="append",
+                    help="time this format's commands only (repeatable; default both)")
     ap.add_argument("--generate", choices=("orbax", "dcp"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -454,11 +463,12 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     load_at_start = os.getloadavg()[0]  # other work on a 2-core box skews wall times
-    paths = ensure_checkpoints(args.layers, args.regen, log, args.big_dcp_layers)
+    formats = tuple(args.formats or ("orbax", "dcp"))
+    paths = ensure_checkpoints(args.layers, args.regen, log, args.big_dcp_layers if "dcp" in formats else 0, formats)
     for p in paths.values():
         warm_page_cache(p)
     n_leaves = args.layers * len(LEAVES)
-    big_leaves = args.big_dcp_layers * len(LEAVES)
+    big_leaves = args.big_dcp_layers * len(LEAVES) if "dcp" in formats else 0
 
     results = []
     failed = False
@@ -515,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
 
     by_name = {r["name"]: r for r in results}
     ratios = []
-    pairs = [("orbax", "ckpt-orbax", "orbax", n_leaves, TARGET_RATIO),
-             ("dcp", "ckpt-dcp", "torch-dcp", n_leaves, TARGET_RATIO)]
+    pairs = [pair for pair in (("orbax", "ckpt-orbax", "orbax", n_leaves, TARGET_RATIO),
+                               ("dcp", "ckpt-dcp", "torch-dcp", n_leaves, TARGET_RATIO)) if pair[0] in formats]
     if big_leaves:
         pairs.append(("dcp", "ckpt-dcp-big", "torch-dcp-big", big_leaves, TARGET_RATIO_BIG))
     for fmt, ck, base, leaves, target in pairs:

@@ -292,3 +292,11 @@ def test_inspect_rows_are_the_medians_where_kept():
     rows = _load("inspect_bench").summary_rows(doc)
     assert rows[0]["ckpt_s"] == 0.5 and rows[1]["ckpt_s"] == 0.5614
     assert (rows[2]["case"], rows[2]["target"], rows[2]["met"]) == ("30,000 leaves, dcp", "baseline/ckpt >= 6x", True)
+
+
+def test_inspect_bench_times_one_format_alone():
+    ib = _load("inspect_bench")
+    dcp = ib.commands({"dcp": "d", "dcp_big": "D"})
+    assert [c["name"] for c in dcp] == ["ckpt-dcp-big", "torch-dcp-big", "ckpt-dcp", "torch-dcp"]
+    both = ib.commands({"orbax": "o", "dcp": "d", "dcp_big": "D"})
+    assert [c["name"] for c in both] == ["ckpt-dcp-big", "torch-dcp-big", "ckpt-orbax", "orbax", "ckpt-dcp", "torch-dcp"]
