@@ -49,7 +49,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import socket
 import stat
 import time
@@ -658,7 +657,7 @@ def _clear_leftovers(out: OutputDir, parent: str, base: str) -> None:
     removed = []
     for t in temps:
         if t.removable:
-            shutil.rmtree(t.path, ignore_errors=True)
+            _remove_tree(t.path)
             if not os.path.lexists(t.path):
                 removed.append(t)
     left = [t for t in temps if not t.removable]
@@ -691,7 +690,7 @@ def begin_output(out: OutputDir) -> None:
     try:
         _write_owner(out.local_tmp, Owner.this_process(), out.destination)
     except OSError as exc:
-        shutil.rmtree(out.local_tmp, ignore_errors=True)
+        _remove_tree(out.local_tmp)
         raise CkptError(f"cannot write the output: {exc.strerror or exc}", out.destination) from None
 
 
@@ -768,7 +767,7 @@ def _replace(out: OutputDir, dst: str) -> None:
         except OSError:
             pass
         raise
-    shutil.rmtree(trash, ignore_errors=True)
+    _remove_tree(trash)
     said = moved.replaced(out.destination) if moved is not None else None
     old = [i for i, line in enumerate(out.notes) if line.startswith("replaced ")]
     if said is not None and said not in out.notes:
@@ -781,7 +780,15 @@ def _replace(out: OutputDir, dst: str) -> None:
 def discard_output(out: OutputDir) -> None:
     """Remove an unfinished local output (object stores: nothing to remove; no commit marker was written)."""
     if out.local_tmp is not None:
-        shutil.rmtree(out.local_tmp, ignore_errors=True)
+        _remove_tree(out.local_tmp)
+
+
+def _remove_tree(path: str) -> None:
+    """A directory and what it holds, as far as it can be removed. (shutil, and with it bz2 and
+    lzma, is imported here: only leftovers, a replaced DST and a failed run need it.)"""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:

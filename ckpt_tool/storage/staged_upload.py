@@ -17,7 +17,6 @@ writer reports to the engine as its reserve (pending_bytes_limit).
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from typing import Any, Iterable
 
@@ -60,6 +59,8 @@ class StagedUpload:
         self._key = key
         self._room = room
         self._end = 0
+        import tempfile  # (object stores only: a local data file is written in place, ocdbt_writer.py)
+
         try:
             self._file: Any = tempfile.TemporaryFile(prefix="ckpt-ocdbt-")
         except OSError as exc:
@@ -125,5 +126,7 @@ class StagedUpload:
             staged.close()
 
     def _error(self, what: str, exc: OSError) -> CkptError:
+        import tempfile
+
         return CkptError(f"{what} {self._key} staged in {tempfile.gettempdir()} (TMPDIR): "
                          f"{exc.strerror or exc}", self._storage.url)
