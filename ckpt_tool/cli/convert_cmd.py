@@ -11,7 +11,7 @@ from ..ops.engine import ConvertOptions, convert
 from .helptext import formats_read, formats_written
 from .opened import take as take_opened
 from .progress import progress_for
-from .options import memory_option, multihost_options, output_options, weights_option
+from .options import may_join, memory_option, multihost_options, output_options, weights_option
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
@@ -58,8 +58,6 @@ def convert_command(
     step: str | None, workers: int, coordinator: str | None, num_processes: int | None,
     process_id: int | None, as_json: bool, memory: int, weights: str | None,
 ) -> None:
-    from ..base.distributed import join
-
     opts = ConvertOptions(
         to=to, select=list(select), exclude=list(exclude), rename=list(rename), unstack=list(unstack), like=like, force_like=force_like, dtype=dtype,
         optimizer_keys_like=optimizer_keys_like,
@@ -70,7 +68,11 @@ def convert_command(
     )
     # the other processes (flags, JAX_*, torchrun or Slurm variables); None alone. It moves
     # sys.stdout away from fd 1 (gloo's chatter): before Output takes sys.stdout
-    coord = join(coordinator, num_processes, process_id)
+    coord = None
+    if may_join(coordinator, num_processes, process_id):
+        from ..base.distributed import join
+
+        coord = join(coordinator, num_processes, process_id)
     out = Output(json_mode=as_json)
     with coord or nullcontext(), progress_for(out, "converting") as progress:
         result = convert(src, dst, opts, progress=progress, coordinator=coord)

@@ -1,11 +1,16 @@
 """Options several commands share."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import click
 
 from ..base.parallel import copy_workers
+from .main import PROCESS_VARIABLES
+
+# base/distributed.py's choice of library (CHOICE_VARIABLE): a wrong value is refused even alone
+DISTRIBUTED_CHOICE_VARIABLE = "CKPT_DISTRIBUTED"
 
 
 def multihost_options(command: Callable) -> Callable:
@@ -21,6 +26,14 @@ def multihost_options(command: Callable) -> Callable:
     ]):
         command = option(command)
     return command
+
+
+def may_join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """Whether this command may be one of several processes: a multi-host flag, or a variable
+    base/distributed.process_spec reads. Without any, that module (~900 lines, not needed by a
+    one-process run) is not imported: process_spec would find a single process."""
+    return (coordinator is not None or num_processes is not None or process_id is not None
+            or any(v in os.environ for v in (*PROCESS_VARIABLES, DISTRIBUTED_CHOICE_VARIABLE)))
 
 
 def output_options(command: Callable) -> Callable:

@@ -11,7 +11,7 @@ from ..ops.reshard import ReshardOptions, ReshardPlan, format_spec, plan_reshard
 from .. import formats
 from .helptext import formats_read
 from .progress import progress_for
-from .options import memory_option, multihost_options, output_options
+from .options import may_join, memory_option, multihost_options, output_options
 from .render import Output, esc, human_bytes, human_rate, plural, process_note
 
 
@@ -55,9 +55,12 @@ def reshard_command(
     coordinator: str | None, num_processes: int | None, process_id: int | None, as_json: bool, memory: int,
     select: tuple[str, ...], exclude: tuple[str, ...], host_arrays_to_mesh: bool,
 ) -> None:
-    from ..base.distributed import TORCH, join, process_spec
+    # base/distributed.py where a multi-process run may be asked for only (options.may_join)
+    joins = may_join(coordinator, num_processes, process_id)
+    if joins:
+        from ..base.distributed import TORCH, join, process_spec
 
-    spec = process_spec(coordinator, num_processes, process_id)
+        processes = process_spec(coordinator, num_processes, process_id).num_processes
     opts = ReshardOptions(
         mesh=mesh, devices=devices, topology=topology, rules=rules, fsdp=fsdp, zarr3=zarr3, workers=workers,
         overwrite=overwrite, step=step, skip_unsupported=skip_unsupported, memory=memory,
@@ -65,12 +68,12 @@ def reshard_command(
     )
     if dry_run and (devices is not None or topology is not None):
         # a plan for hypothetical devices needs neither devices nor the other hosts
-        opts.process_count = spec.num_processes
+        opts.process_count = processes if joins else None
         plan = plan_reshard(src, dst, opts)
         _show_plan(Output(json_mode=as_json), plan, as_json)
         sys.exit(0 if plan.ok else 1)
     # the other processes (flags, JAX_*, torchrun or Slurm variables); None alone
-    coord = join(coordinator, num_processes, process_id)
+    coord = join(coordinator, num_processes, process_id) if joins else None
     # after the coordinator, which moves sys.stdout away from fd 1 (gloo's chatter)
     out = Output(json_mode=as_json)
     with coord or nullcontext():
