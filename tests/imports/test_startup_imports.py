@@ -192,6 +192,94 @@ def test_quick_help_and_version_are_clicks_own(columns):
     assert CliRunner().invoke(app.cli, ["--help"]).exit_code == 0
 
 
+# What a local Orbax -> Orbax reshard and a local Orbax -> DCP convert must not load, before their
+# work or during it (issue 46: their process overhead on a TPU host): each is imported where the rare
+# path that needs it runs, never at module level.
+LAZY_FOR_LOCAL_WRITES = (
+    "ckpt_tool.ops.hf_export",  # a Hugging Face model folder's companions (--like, a safetensors target)
+    "ckpt_tool.storage.ocdbt_entries",  # the merge of several processes' OCDBT databases
+    "tempfile",  # an object store's staged uploads
+    "shutil", "bz2", "lzma",  # removing leftovers, a replaced DST, a failed run's output
+    "secrets", "hmac", "random",  # writing an integrity manifest
+    "hashlib",  # sha256 of a manifest's files
+    "urllib.parse", "ipaddress",  # (an OCDBT location is unescaped by ckpt itself)
+    "glob",  # a host's devices looked for (--devices given: none)
+    "zlib_ng", "gzip",  # CRC-32 (torch.save's, DCP's): an Orbax write needs only CRC-32C
+    "ckpt_tool.machinery.dcp.reader", "ckpt_tool.machinery.torch_save.safe_pickle", "pickletools",  # DCP read
+    "ckpt_tool.base.distributed",  # several processes (a flag or a launcher's variable: cli/options.may_join)
+)
+# loaded by the work itself: CRC-32 of a DCP's data files
+NEEDED_BY = {"convert": {"zlib_ng", "gzip"}}
+
+
+def _loaded_by_the_command(command: str, tmp_path) -> set[str]:
+    src = str(fixture_path("orbax_ocdbt_zarr2"))
+    if command == "reshard":
+        argv = ["reshard", src, str(tmp_path / "out"), "--mesh", "data=1,model=1", "--devices", "1"]
+    else:
+        argv = ["convert", src, str(tmp_path / "out"), "--to", "dcp"]
+    return set(modules_loaded_after(argv))
+
+
+@pytest.mark.parametrize("command", ["reshard", "convert"])
+def test_a_local_orbax_reshard_and_convert_load_no_rare_path_module(command, tmp_path):
+    loaded = _loaded_by_the_command(command, tmp_path)
+    # (a real write of the format asked for)
+    assert ("ckpt_tool.formats.orbax.direct" if command == "reshard" else "ckpt_tool.formats.dcp.write") in loaded
+    lazy = set(LAZY_FOR_LOCAL_WRITES) - NEEDED_BY.get(command, set())
+    assert not sorted(loaded & lazy), sorted(loaded & lazy)
+    # (listed after the work: what writing the DCP loaded, zlib-ng for its CRC-32s, is there)
+    assert NEEDED_BY.get(command, set()) <= loaded
+
+
+def test_the_command_modules_import_no_rare_path_module():
+    """Importing the modules of convert and reshard (and the Orbax reader and checks, DCP's writer)
+    loads none of LAZY_FOR_LOCAL_WRITES, nor tensorstore (its OCDBT walk imports it when it runs)."""
+    code = (
+        "import sys\n"
+        "import ckpt_tool.cli.main, ckpt_tool.cli.app, ckpt_tool.cli.reshard_cmd, ckpt_tool.cli.convert_cmd\n"
+        "import ckpt_tool.ops.runs, ckpt_tool.ops.engine, ckpt_tool.ops.reshard, ckpt_tool.ops.preflight\n"
+        "import ckpt_tool.ops.validate, ckpt_tool.ops.validate.integrity, ckpt_tool.ops.manifest\n"
+        "from ckpt_tool import formats\n"
+        "formats.get('orbax').module(), formats.get('orbax').checks(), formats.get('dcp').writer_module()\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(r.stdout.split())
+    assert "ckpt_tool.formats.dcp.write" in loaded and "ckpt_tool.machinery.arrays.checks" in loaded
+    bad = loaded & {*LAZY_FOR_LOCAL_WRITES, "tensorstore"}
+    assert not bad, sorted(bad)
+
+
+def test_a_one_process_run_is_known_without_the_distributed_module():
+    """cli/options.may_join says no other process is asked for only where base/distributed's
+    process_spec finds none: with nothing set, every variable process_spec reads is one may_join
+    looks at (any other it reads only once one of those is set)."""
+    from collections.abc import Iterator, Mapping
+
+    from ckpt_tool.base import distributed
+    from ckpt_tool.cli import main as cli_main, options
+
+    read: list[str] = []
+
+    class Recording(Mapping[str, str]):
+        def __getitem__(self, key: str) -> str:
+            read.append(key)
+            raise KeyError(key)
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(())
+
+        def __len__(self) -> int:
+            return 0
+
+    spec = distributed.process_spec(None, None, None, env=Recording())
+    assert not spec.requested and read
+    assert set(read) <= {*cli_main.PROCESS_VARIABLES, options.DISTRIBUTED_CHOICE_VARIABLE}, read
+    assert options.DISTRIBUTED_CHOICE_VARIABLE == distributed.CHOICE_VARIABLE
+
+
 def _full_detect(storage: Storage) -> str:
     """What detection says when every format's reader decides (no claims pre-filter, no light module)."""
     for info in formats.registered():
