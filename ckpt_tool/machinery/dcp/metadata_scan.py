@@ -101,21 +101,30 @@ _INTS = (rb"(?:\)|(?:" + _INT + rb"\x85|" + _INT + rb"{2}\x86|" + _INT + rb"{3}\
 
 # a state_dict_metadata entry: key, TensorStorageMetadata(properties=TensorProperties(...),
 # size=Size(...), chunks=[ChunkStorageMetadata(offsets=Size(...), sizes=Size(...))])
+def _tensor_parts(capture: bool) -> bytes:
+    """A tensor entry after its key: its parts as groups (`capture`), or as one span."""
+    o = b"(" if capture else b"(?:"
+    return (
+        o + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb"\)\x81\x94\(" + _REF + _REF + rb"[\x88\x89]"
+        + _REF + rb"[\x88\x89]t\x94b" + _REF + _REF + rb")"  # class, 'properties', properties, 'size', Size
+        + o + _INTS + rb")"  # size
+        + o + rb"\x85\x94R\x94" + _REF + rb"\]\x94" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb")"  # chunks
+        + o + _INTS + rb")"  # offsets
+        + o + rb"\x85\x94R\x94" + _REF + _REF + rb")"  # 'sizes', Size
+        + o + _INTS + rb")"  # sizes
+    )
+
+
 _TENSOR = re.compile(
     # 1, 2: the key's length; 3: its bytes, checked against the length (bounded: a failed match
-    # would otherwise try every \x94 to the end of the data)
-    rb"(?:\x8c(.)|X(....))(.{1,4096}?)\x94"
-    rb"(" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb"\)\x81\x94\(" + _REF + _REF + rb"[\x88\x89]"
-    + _REF + rb"[\x88\x89]t\x94b" + _REF + _REF + rb")"  # 4: class, 'properties', properties, 'size', Size
-    rb"(" + _INTS + rb")"  # 5: size
-    rb"(\x85\x94R\x94" + _REF + rb"\]\x94" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb")"  # 6
-    rb"(" + _INTS + rb")"  # 7: offsets
-    rb"(\x85\x94R\x94" + _REF + _REF + rb")"  # 8: 'sizes', Size
-    rb"(" + _INTS + rb")"  # 9: sizes
-    rb"\x85\x94R\x94ubaub",
+    # would otherwise try every \x94 to the end of the data); 4: the rest, as one span (tensors
+    # alike in dtype and geometry have the same bytes there: one look-up says what they hold)
+    rb"(?:\x8c(.)|X(....))(.{1,4096}?)\x94(" + _tensor_parts(False) + rb")\x85\x94R\x94ubaub",
     re.DOTALL,
 )
-# the constant part of a tensor entry (group 4), its references picked out
+# the same span with its parts picked out
+_TENSOR_BODY = re.compile(_tensor_parts(True), re.DOTALL)
+# the constant part of a tensor entry (its first part), its references picked out
 _TENSOR_HEAD = re.compile(
     rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")\)\x81\x94\((" + _REF + rb")("
     + _REF + rb")([\x88\x89])(" + _REF + rb")[\x88\x89]t\x94b(" + _REF + rb")(" + _REF + rb")",
@@ -129,19 +138,28 @@ _TENSOR_TAIL = re.compile(rb"\x85\x94R\x94(" + _REF + rb")(" + _REF + rb")", re.
 
 # a storage_data entry: MetadataIndex(fqn=..., index=..., offset=Size(...)): _StorageInfo(relative_path=...,
 # offset=..., length=...)
+def _stored_parts(capture: bool) -> bytes:
+    """A storage entry between its fqn and its offset: its parts as groups (`capture`), or as one span."""
+    o = b"(" if capture else b"(?:"
+    return (
+        o + _REF + rb")" + o + _INT + rb"|N)"  # 'index', the index hint
+        + o + _REF + _REF + rb")"  # 'offset', Size
+        + o + _INTS + rb")"  # offset
+        + o + rb"\x85\x94R\x94ub" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + _REF + rb")"  # _StorageInfo, path, 'offset'
+    )
+
+
 _STORED = re.compile(
     rb"(" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + rb")"  # 1: MetadataIndex, 'fqn'
     rb"(" + _REF + rb")"  # 2: the fqn
-    rb"(" + _REF + rb")(" + _INT + rb"|N)"  # 3: 'index'; 4: the index hint
-    rb"(" + _REF + _REF + rb")"  # 5: 'offset', Size
-    rb"(" + _INTS + rb")"  # 6: offset
-    rb"(\x85\x94R\x94ub" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + _REF + rb")"  # 7: _StorageInfo, path, 'offset'
-    rb"(" + _LONG + rb")"  # 8: offset
-    rb"(" + _REF + rb")"  # 9: 'length'
-    rb"(" + _LONG + rb")"  # 10: length
+    rb"(" + _stored_parts(False) + rb")"  # 3: the index hint, the offset, the data file (one span: one look-up)
+    rb"(" + _LONG + rb")"  # 4: offset
+    rb"(" + _REF + rb")"  # 5: 'length'
+    rb"(" + _LONG + rb")"  # 6: length
     rb"ub",
     re.DOTALL,
 )
+_STORED_MID = re.compile(_stored_parts(True), re.DOTALL)
 _STORED_HEAD = re.compile(rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")", re.DOTALL)
 _STORED_INFO = re.compile(
     rb"\x85\x94R\x94ub(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")(" + _REF + rb")",
@@ -233,12 +251,9 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
     stack: list[Any] = []
     marks: list[int] = []
     memo: list[Any] = []
-    ints_cache: dict[bytes, Any] = {}
     # the constant parts of a record -> what they say (None: not what torch writes)
-    tensor_sigs: dict[tuple[bytes, bytes, bytes], Any] = {}
+    bodies: dict[bytes, Any] = {}  # a tensor entry after its key -> (its _ScannedTensor, its memo entries)
     stored_sigs: dict[tuple[bytes, ...], Any] = {}
-    # a tensor entry's three tuples of ints -> (size, offsets, sizes, the memo entries the entry makes)
-    geometries: dict[tuple[bytes, bytes, bytes], Any] = {}
     path_parts = _PATH_PART.findall
     pos = 2
     # where the current frame ends: the C unpickler reads a frame into a buffer, and a read that
@@ -253,19 +268,13 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
         if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE: maybe a tensor entry's key
             m = tensor_match(data, pos)
             while m is not None:
-                short, long, key_bytes, head, size, mid, offsets, tail, sizes = m.groups()
+                short, long, key_bytes, body = m.groups()
                 if len(key_bytes) != (short[0] if short is not None else int.from_bytes(long, "little")):
                     break
-                # (one look-up each for the constant parts and for the three tuples of ints)
-                said = tensor_sigs.get((head, mid, tail), False)
-                if said is False:
-                    said = tensor_sigs[(head, mid, tail)] = _tensor_sig(head, mid, tail, memo)
-                if said is None:
-                    break
-                geometry = geometries.get((size, offsets, sizes), False)
-                if geometry is False:
-                    geometry = geometries[(size, offsets, sizes)] = _geometry(size, offsets, sizes)
-                if geometry is None:
+                known = bodies.get(body, False)
+                if known is False:
+                    known = bodies[body] = _tensor_body(body, memo)
+                if known is None:
                     break
                 end = m.end()
                 if pos < frame_end < end:
@@ -273,9 +282,9 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 key = key_bytes.decode("utf-8", "surrogatepass")
                 cost += _RECORD_COST * (end - pos)
                 stack.append(key)
-                stack.append(_ScannedTensor((said[0], geometry[0], geometry[1], geometry[2], said[1], said[2], said[3])))
+                stack.append(known[0])  # (one object for tensors alike: nothing refers back into it)
                 memo.append(key)
-                memo += geometry[3]
+                memo += known[1]
                 pos = end
                 m = tensor_match(data, pos)
             op = data[pos]
@@ -283,27 +292,21 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             m = stored_match(data, pos)
             planner = m is None
             while m is not None:
-                head, fqn_ref, index_key, hint, offset_key, offset, info, start, length_key, length = m.groups()
-                path = stored_sigs.get((head, index_key, offset_key, info, length_key), False)
-                if path is False:
-                    path = stored_sigs[(head, index_key, offset_key, info, length_key)] = _stored_sig(
-                        head, index_key, offset_key, info, length_key, memo)
-                if path is None:
+                head, fqn_ref, mid, start, length_key, length = m.groups()
+                known = stored_sigs.get((head, mid, length_key), False)
+                if known is False:
+                    known = stored_sigs[(head, mid, length_key)] = _stored_sig(head, mid, length_key, memo)
+                if known is None:
                     break
                 fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
                 end = m.end()
                 if type(fqn) is not str or pos < frame_end < end:
                     break
-                offset_ints = ints_cache.get(offset, False)
-                if offset_ints is False:
-                    offset_ints = ints_cache[offset] = _ints(offset)
-                if offset_ints is None:
-                    break
                 cost += _RECORD_COST * (end - pos)
-                stack.append(_ScannedIndex((fqn, offset_ints[0], None if hint == b"N" else _int(hint))))
-                stack.append(_ScannedInfo((path, start[1] if len(start) == 2 else _int(start),
+                stack.append(_ScannedIndex((fqn, known[1], known[2])))
+                stack.append(_ScannedInfo((known[0], start[1] if len(start) == 2 else _int(start),
                                            length[1] if len(length) == 2 else _int(length))))
-                memo += offset_ints[1]
+                memo += known[3]
                 pos = end
                 m = stored_match(data, pos)
             if planner:
@@ -491,6 +494,20 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             return None
 
 
+def _tensor_body(body: bytes, memo: list[Any]) -> tuple[_ScannedTensor, tuple[_Gone, ...]] | None:
+    """What a tensor entry's bytes after its key hold, when they name what torch writes: the
+    tensor, and the memo entries they make; else None."""
+    m = _TENSOR_BODY.fullmatch(body)
+    if m is None:
+        return None
+    head, size, mid, offsets, tail, sizes = m.groups()
+    said = _tensor_sig(head, mid, tail, memo)
+    geometry = _geometry(size, offsets, sizes)
+    if said is None or geometry is None:
+        return None
+    return _ScannedTensor((said[0], geometry[0], geometry[1], geometry[2], said[1], said[2], said[3])), geometry[3]
+
+
 def _tensor_sig(head: bytes, mid: bytes, tail: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
     """(torch dtype name, requires_grad, layout, memory format) when a tensor entry's constant
     parts name what torch writes, else None."""
@@ -500,9 +517,13 @@ def _tensor_sig(head: bytes, mid: bytes, tail: bytes, memo: list[Any]) -> tuple[
     return said
 
 
-def _stored_sig(head: bytes, index_key: bytes, offset_key: bytes, info: bytes, length_key: bytes,
-                memo: list[Any]) -> str | None:
-    """The data file a storage entry's constant parts name, when they name what torch writes, else None."""
+def _stored_sig(head: bytes, mid: bytes, length_key: bytes, memo: list[Any]) -> tuple[Any, ...] | None:
+    """(data file, offset, index hint, the memo entries the entry makes) when a storage entry's
+    parts but its fqn, offset and length name what torch writes, else None."""
+    m = _STORED_MID.fullmatch(mid)
+    if m is None:
+        return None
+    index_key, hint, offset_key, offset, info = m.groups()
     try:
         length = _ref(length_key, memo)
     except IndexError:
@@ -510,7 +531,11 @@ def _stored_sig(head: bytes, index_key: bytes, offset_key: bytes, info: bytes, l
     if not (_stored_head(head, memo) and _stored_keys(index_key, offset_key, memo)) or type(length) is not str \
             or length != "length":
         return None
-    return _stored_info(info, memo)
+    path = _stored_info(info, memo)
+    offset_ints = _ints(offset)
+    if path is None or offset_ints is None:
+        return None
+    return path, offset_ints[0], None if hint == b"N" else _int(hint), offset_ints[1]
 
 
 def _tensor_head(head: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
