@@ -201,7 +201,7 @@ LAZY_FOR_LOCAL_WRITES = (
     "tempfile",  # an object store's staged uploads
     "shutil", "bz2", "lzma",  # removing leftovers, a replaced DST, a failed run's output
     "secrets", "hmac", "random",  # writing an integrity manifest
-    "hashlib",  # sha256 of a manifest's files
+    "hashlib", "ckpt_tool.machinery.integrity.hashing",  # sha256 of a manifest's files
     "urllib.parse", "ipaddress",  # (an OCDBT location is unescaped by ckpt itself)
     "glob",  # a host's devices looked for (--devices given: none)
     "zlib_ng", "gzip",  # CRC-32 (torch.save's, DCP's): an Orbax write needs only CRC-32C

@@ -15,7 +15,6 @@ from ...base.errors import CkptError, CorruptMetadataError, NotFoundError, PathE
 from ...base.findings import Progress, no_progress
 from ...base.names import TMP_MARKER
 from ...storage import Storage
-from .hashing import hash_files
 from .schema import FILE, MAX_BYTES, SINGLE, Manifest, parse
 
 TMP_PREFIX = ".integrity-tmp-"  # the manifest writer's own temporary while writing (never a file of the checkpoint)
@@ -162,6 +161,8 @@ def check_digests(
                 names.append(name)
         except PathEscapeError:
             continue  # reported by the shallow check
+    from .hashing import hash_files  # (a manifest's digests checked: --deep, `ckpt manifest verify`)
+
     hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
     verified = 0
     differs = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...base.errors import CkptError, DestinationExistsError, NotFoundError, PathEscapeError, UsageError
 from ...base.findings import Progress, no_progress
@@ -34,8 +34,10 @@ from ...storage import Storage
 from ...base.text import is_ascii_number
 from ...machinery.integrity import files
 from ...machinery.integrity.files import TMP_PREFIX, Location, at, check_shallow, checkpoint_files, read
-from ...machinery.integrity.hashing import Hashed, hash_files
 from ...machinery.integrity.schema import ALGORITHM, FILE, SINGLE, SINGLE_SUFFIX, TREE, Manifest, TensorDigest, render
+
+if TYPE_CHECKING:
+    from ...machinery.integrity.hashing import Hashed
 
 __all__ = [
     "ALGORITHM", "FILE", "Location", "Manifest", "ManifestMismatchError", "TensorDigest", "WriteResult", "at",
@@ -148,6 +150,8 @@ def _write(path: str, *, manifest: str | None, tensors: bool, overwrite: bool, r
         formats.detect_one(loc.storage)  # a checkpoint ckpt reads, not any directory (one line otherwise)
     replaced, existing = _replaceable(loc, overwrite)
     names = checkpoint_files(loc)
+    from ...machinery.integrity.hashing import hash_files  # (validate looks for a manifest without it)
+
     hashed = hash_files(loc.storage, names, workers=workers, memory=memory, progress=progress)
     for h in hashed:
         if h.error is not None:
