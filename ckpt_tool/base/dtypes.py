@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DType:
+    """One element type and its names in numpy, zarr v2 and v3, and torch."""
+
     name: str  # canonical numpy / ml_dtypes name
     itemsize: int
     zarr2: str | None  # zarr v2 dtype string as tensorstore writes it

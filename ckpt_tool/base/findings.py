@@ -68,6 +68,8 @@ _NAMED_LEAVES = 3
 
 @dataclass(frozen=True)
 class Finding:
+    """One problem found: its severity, code and message, and the leaf or file it is about."""
+
     severity: str  # ERROR | WARNING
     code: str
     message: str

@@ -30,6 +30,8 @@ _TAG_TO_ESCAPE = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
 
 @dataclass
 class Node:
+    """One line of a rendered tree and the lines under it."""
+
     label: str  # rich markup
     children: list["Node"] = field(default_factory=list)
 

@@ -37,6 +37,8 @@ _MARK = re.compile(r"^\{i(?::(\d+))?\}$")
 
 @dataclass(frozen=True)
 class UnstackSpec:
+    """One --unstack pattern: where its {i} is, and the axis it splits."""
+
     pattern: str  # as given
     glob: Glob  # the pattern without its {i} component
     position: int  # keys before the new index key

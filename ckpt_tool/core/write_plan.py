@@ -22,6 +22,8 @@ from ..base.names import join_keys
 
 @dataclass
 class TargetArray:
+    """One array of the output: its key path and name, shape, dtype, chunk layout and sharding."""
+
     keys: tuple[Key, ...]
     name: str  # the target format's flat name (Orbax param name / DCP fqn)
     shape: tuple[int, ...]
@@ -39,6 +41,8 @@ class TargetArray:
 
 @dataclass
 class TargetValue:
+    """One non-array leaf of the output, written as it is."""
+
     keys: tuple[Key, ...]
     name: str
     # a simple Python value (int, float, str, bool, None, list, tuple, dict) or a
@@ -59,6 +63,8 @@ Target = Union[TargetArray, TargetValue]
 
 @dataclass
 class WritePlan:
+    """Everything a writer is handed: the targets in order, and the facts it may record."""
+
     targets: list[Target]
     # facts the writer may record (source path and format, mesh for _sharding, ...)
     info: dict[str, Any] = field(default_factory=dict)

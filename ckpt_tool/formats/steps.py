@@ -73,6 +73,8 @@ class StepRow:
 
 @dataclass
 class RunListing:
+    """A run root's steps, in order, and what its pointer file (if any) names."""
+
     root: str
     layout: RunLayout
     steps: list[StepRow]

@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # the interface only: distributed is imported by the commands
 
 @dataclass
 class ConvertResult:
+    """What a convert did: counts, bytes, time, and what it skipped, cast, kept and cleaned up."""
+
     source: str
     destination: str
     source_format: str

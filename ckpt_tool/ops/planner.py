@@ -43,6 +43,8 @@ DEFAULT_CHUNK_MB = 8.0
 
 @dataclass
 class ConvertOptions:
+    """What `ckpt convert` was asked: the target, the leaves kept and renamed, casts, chunking."""
+
     to: str  # a writable format's name (formats.writable())
     select: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)

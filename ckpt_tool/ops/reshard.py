@@ -76,6 +76,8 @@ Spec = tuple[tuple[str, ...], ...]
 
 @dataclass
 class ReshardOptions:
+    """What `ckpt reshard` was asked: the mesh, how arrays are laid out on it, and how to write."""
+
     mesh: str  # "data=2,model=4"
     devices: int | None = None  # plan for N devices (ids 0..N-1) instead of this job's
     topology: str | None = None  # plan for a named TPU slice (v5e:2x4, v5litepod-8) instead of this job's
@@ -309,6 +311,8 @@ def _fmt_axes_entry(axes: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Rule:
+    """One --rules entry: leaves whose name matches `regex` get the partition `spec`."""
+
     pattern: str
     regex: re.Pattern[str]
     spec: tuple[tuple[str, ...], ...]
@@ -447,6 +451,8 @@ class LeafPlan:
 
 @dataclass
 class ProcessLoad:
+    """One process's share of a reshard: the chunks it writes and the bytes it reads and writes."""
+
     chunks: int = 0
     # decoded bytes of the source chunks its output chunks touch, each chunk counted once
     # (the read scheduler decodes each stored chunk once for all the outputs it feeds)
@@ -467,6 +473,8 @@ class ProcessLoad:
 
 @dataclass
 class ReshardPlan:
+    """Every leaf's new layout on the mesh, the values copied as they are, and what the run will hold."""
+
     source: str
     destination: str
     source_format: str
@@ -838,6 +846,8 @@ def _check_sharding_size(mesh: DeviceMesh, arrays: int) -> None:
 
 @dataclass
 class ReshardResult:
+    """What a reshard wrote: its plan, chunks and bytes, time, and the leftovers it removed."""
+
     plan: ReshardPlan
     chunks: int = 0
     bytes: int = 0

@@ -26,6 +26,8 @@ PARTIAL_SUFFIX = ".incomplete"
 
 @dataclass(frozen=True)
 class UnfinishedDownload:
+    """One partial file of a huggingface_hub download that stopped."""
+
     partial: str  # the .incomplete file, relative to the checkpoint directory
     size: int | None  # the bytes it holds
     target: str | None  # the repo file it was fetching (relative to the directory), when known

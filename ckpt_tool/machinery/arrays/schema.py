@@ -244,6 +244,8 @@ def _timestamp(doc: dict[str, Any], key: str, file: str) -> int | None:
 
 @dataclass(frozen=True)
 class StepMetadata:
+    """A step's _CHECKPOINT_METADATA: its timestamps and item handlers (`raw`: the document)."""
+
     init_timestamp_nsecs: int | None
     commit_timestamp_nsecs: int | None
     item_handlers: dict[str, Any] | str | None
@@ -308,6 +310,8 @@ def parse_root_metadata(doc: Any, file: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ValueMeta:
+    """One leaf's entry in _METADATA's tree: its value type and how it is restored."""
+
     value_type: str
     skip_deserialize: bool = False
     write_shape: tuple[int, ...] | None = None
@@ -315,6 +319,8 @@ class ValueMeta:
 
 @dataclass(frozen=True)
 class TreeMetadata:
+    """An item's _METADATA: its leaves' entries by key path, and the storage options it records."""
+
     entries: list[tuple[tuple[Any, ...], ValueMeta]]
     use_ocdbt: bool | None
     use_zarr3: bool
@@ -433,6 +439,8 @@ def _check_key_types(keys: tuple[Any, ...], levels: dict[tuple[Any, ...], tuple[
 
 @dataclass(frozen=True)
 class ShardingInfo:
+    """One array's entry in _sharding: a named sharding's mesh and partition spec, or its one device."""
+
     kind: str  # "named" | "single_device"
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
@@ -596,6 +604,8 @@ def parse_array_metadatas(doc: Any, file: str) -> dict[str, tuple[tuple[int, ...
 
 @dataclass(frozen=True)
 class ZarrMeta:
+    """One array's zarr metadata as ckpt uses it: shape, dtype, chunks, codecs and chunk key encoding."""
+
     shape: tuple[int, ...]
     dtype: str  # ckpt's dtype name
     chunk_shape: tuple[int, ...]

@@ -41,6 +41,8 @@ HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 @dataclass(frozen=True)
 class TensorDigest:
+    """One array leaf's sha256 of its logical bytes (--tensors), with its dtype and shape."""
+
     sha256: str
     dtype: str
     shape: tuple[int, ...]
@@ -48,6 +50,8 @@ class TensorDigest:
 
 @dataclass(frozen=True)
 class Manifest:
+    """An integrity manifest read: each file's digest (and size, where recorded), whose it is."""
+
     algorithm: str
     files: dict[str, str]  # name (relative to the checkpoint directory) -> hex digest
     ours: bool = False  # written by ckpt (it has the "ckpt" section)

@@ -88,6 +88,8 @@ def _split(url: str) -> tuple[str, str]:
 
 @dataclass
 class WriteResult:
+    """What `ckpt manifest write` wrote: where, how many files and bytes, and what it replaced."""
+
     url: str  # the manifest written
     files: int
     bytes: int
