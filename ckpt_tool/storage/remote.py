@@ -65,8 +65,13 @@ def _kvstore_spec(url: str) -> tuple[dict[str, Any], str | None]:
             if not re.match(r"https?://", endpoint) or endpoint.encode("utf-8", "replace").decode() != endpoint:
                 raise CkptError(f"{name}={endpoint!r} is not an http:// or https:// URL", url)
             spec["endpoint"] = endpoint
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        region_name = "AWS_REGION" if os.environ.get("AWS_REGION") else "AWS_DEFAULT_REGION"
+        region = os.environ.get(region_name)
         if region:
+            # bytes that are not UTF-8 (read as lone surrogates) tensorstore's bindings cannot take:
+            # their error would name a C++ cast, not the variable
+            if region.encode("utf-8", "replace").decode() != region:
+                raise CkptError(f"{region_name}={region!r} is not valid text (not UTF-8)", url)
             spec["aws_region"] = region
         if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
             # keys in the environment: skip the default chain, whose probing of

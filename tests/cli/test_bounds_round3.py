@@ -231,6 +231,19 @@ def test_aws_endpoint_url_not_http(endpoint: str) -> None:
     assert "is not an http:// or https:// URL" in _one_error_line(r.stderr)
 
 
+def test_aws_region_not_utf8() -> None:
+    """An AWS_REGION of bytes that are not UTF-8 reached tensorstore's bindings, whose one line named
+    a C++ cast ('Unable to cast Python instance of type str'), not the variable."""
+    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "a",
+           "AWS_SECRET_ACCESS_KEY": "b", "CKPT_IO_RETRIES": "1"}
+    envb = {k.encode(): v.encode() for k, v in env.items()}
+    envb[b"AWS_REGION"] = b"eu-\xff"
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", "inspect", "s3://bucket/ckpt"], capture_output=True,
+                       text=True, env=envb, cwd=ROOT, timeout=60)  # type: ignore[arg-type]
+    assert r.returncode == 1
+    assert "AWS_REGION='eu-\\udcff' is not valid text (not UTF-8)" in _one_error_line(r.stderr)
+
+
 def _fuzz_lib():
     sys.path.insert(0, str(ROOT / "tests"))
     import fuzz_lib
