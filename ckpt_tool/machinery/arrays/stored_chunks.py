@@ -14,9 +14,11 @@ chunk of the same encoding and shape, stores those bytes again as they are
 (`recall`). Anything else (an assembled region, a cast, a copy) is an
 ordinary array and is encoded as before.
 
-The bytes are read again when written (from the page cache, where the read
-just left them), not kept: keeping them would hold every chunk in flight
-twice, outside the --memory budget.
+From a local file the bytes are read again when written (from the page
+cache, where the read just left them), not kept. From an object store they
+are kept while the decoded chunk lives (reading them again would download the
+chunk twice): the chunk is then held twice, which is what the scheduler
+charges a whole chunk's decode for (scheduler.decoded_cost).
 """
 from __future__ import annotations
 
