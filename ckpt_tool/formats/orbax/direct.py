@@ -17,8 +17,14 @@ tensorstore's zarr driver writes for orbax:
 - zarr v3 (orbax's one-chunk shards): the chunk's bytes as one zstd frame at
   level 3, then the shard index (offset, length as uint64le) and its CRC-32C;
 - the zarr metadata (`.zarray` / `zarr.json`) is what tensorstore writes for
-  each array, byte for byte (zarr_metadata.py asks it once per kind of array),
-  and 0-d values are written by tensorstore itself, in memory, and copied.
+  each array, byte for byte (zarr_metadata.py writes it for orbax's specs, and
+  asks tensorstore once per kind of array for any other);
+- a 0-d value is one chunk like any other (its element's bytes, encoded as
+  above: tensorstore's chunk byte for byte), put under the key tensorstore
+  names it ("0" in zarr v2, "c" in zarr3). Where its metadata came from
+  tensorstore (a spec zarr_metadata.generate does not know, or
+  CKPT_ZARR_METADATA=tensorstore) tensorstore writes it, in memory, and the
+  keys are copied, as before.
 
 tests/formats/orbax/test_orbax_direct.py reads every output back through tensorstore and
 orbax, and compares it with the tensorstore-written one.
@@ -31,10 +37,9 @@ import os
 import struct
 import threading
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import tensorstore as ts
 import zstandard
 
 from ...machinery.arrays import stored_chunks
@@ -47,6 +52,9 @@ from ...storage import Storage, ts_error_text
 from ...storage.ocdbt_encode import Config, DataFile, NodeRef, ValueRef
 from ...storage.ocdbt_writer import OcdbtDatabaseWriter, write_database, write_database_over
 from . import zarr_metadata
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 # orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
 ZARR2_LEVEL = 1
@@ -131,15 +139,36 @@ class ProcessDatabase:
         self._memory: ts.Context | None = None  # the in-memory arrays the metadata comes from
         self._meta: dict[str, dict[str, Any]] = {}  # leaf name -> its spec (memory kvstore)
         self._encodings: dict[str, stored_chunks.Encoding | None] = {}  # leaf name -> how its chunks are stored
+        self._scalars: dict[str, stored_chunks.Encoding] = {}  # 0-d arrays whose chunk is encoded here
 
     # -- what tensorstore makes: metadata and 0-d values -------------------------------------------
 
     def add_metadata(self, specs: dict[str, dict[str, Any]], where: str, *, put: bool = True) -> None:
         """Put the metadata tensorstore writes for every array (name -> tensorstore spec without
-        kvstore) (put=False: only learn each array's encoding). 0-d arrays are also created in
-        memory, where write_scalar has tensorstore write their one chunk."""
-        self._memory = ts.Context()
+        kvstore) (put=False: only learn each array's encoding). A 0-d array whose metadata
+        zarr_metadata.generate writes gets its chunk from write_scalar, encoded here; any other
+        is created in memory, where write_scalar has tensorstore write its one chunk."""
         scalars = {name: spec for name, spec in specs.items() if not spec["metadata"].get("shape")}
+        if zarr_metadata.generated_here():
+            for name, spec in scalars.items():
+                made = zarr_metadata.generate(spec, self.zarr3)
+                encoding = stored_chunks.encoding_of(json.loads(made), self.zarr3) if made is not None else None
+                if encoding is not None:
+                    self._scalars[name] = encoding
+            scalars = {name: spec for name, spec in scalars.items() if name not in self._scalars}
+        if scalars:
+            self._tensorstore_scalars(scalars, where, put)
+        arrays = {name: spec for name, spec in specs.items() if name not in scalars}
+        key = zarr_metadata.metadata_key(self.zarr3)
+        for name, data in (zarr_metadata.metadata(arrays, self.zarr3) if arrays else {}).items():
+            self._encodings[name] = stored_chunks.encoding_of(json.loads(data), self.zarr3)
+            if put:
+                self.db.put(f"{name}/{key}".encode("utf-8", "surrogateescape"), data)
+
+    def _tensorstore_scalars(self, scalars: dict[str, dict[str, Any]], where: str, put: bool) -> None:
+        import tensorstore as ts  # (only for a 0-d array whose metadata zarr_metadata does not write)
+
+        self._memory = ts.Context()
         futures = {}
         for name, spec in scalars.items():
             mem = {**spec, "kvstore": {"driver": "memory", "path": name + "/"}}
@@ -151,17 +180,21 @@ class ProcessDatabase:
         except Exception as exc:  # noqa: BLE001 - tensorstore refused orbax's own metadata
             raise CkptError(f"cannot create the output array's metadata: {ts_error_text(exc)}", where) from exc
         self._copy_memory_keys(where, put=put)
-        arrays = {name: spec for name, spec in specs.items() if name not in scalars}
-        key = zarr_metadata.metadata_key(self.zarr3)
-        for name, data in (zarr_metadata.metadata(arrays, self.zarr3) if arrays else {}).items():
-            self._encodings[name] = stored_chunks.encoding_of(json.loads(data), self.zarr3)
-            if put:
-                self.db.put(f"{name}/{key}".encode("utf-8", "surrogateescape"), data)
 
     def write_scalar(self, name: str, value: np.ndarray, where: str) -> None:
-        """A 0-d value, written by tensorstore in memory and copied."""
+        """A 0-d value: its one chunk encoded here where its metadata was (add_metadata), else
+        written by tensorstore in memory and copied."""
+        if name in self._scalars:
+            if value.shape != ():
+                raise CkptError("value is not 0-d", where)
+            if value.dtype.byteorder == ">":  # (zarr's bytes are little-endian, as numpy's here)
+                value = value.astype(value.dtype.newbyteorder("<"))
+            self._put_chunk(chunk_key(name, (), self.zarr3, {}), value, ())
+            return
         if self._memory is None or name not in self._meta:
             raise CkptError("value is not in the plan given to begin()", where)
+        import tensorstore as ts
+
         try:
             store = ts.open(self._meta[name], open=True, context=self._memory).result()
             store.write(value).result()
@@ -170,6 +203,8 @@ class ProcessDatabase:
         self._copy_memory_keys(where, prefix=name + "/", skip_metadata=True)
 
     def _copy_memory_keys(self, where: str, prefix: str = "", skip_metadata: bool = False, put: bool = True) -> None:
+        import tensorstore as ts
+
         kv = ts.KvStore.open({"driver": "memory", "path": prefix}, context=self._memory).result()
         keys = [k for k in kv.list().result() if not (skip_metadata and k in (b".zarray", b"zarr.json"))]
         reads = [kv.read(key) for key in keys]  # (all at once: one at a time took 0.3 s for 158 arrays)

@@ -1,5 +1,13 @@
 """The zarr metadata (`.zarray` / `zarr.json`) tensorstore writes for the Orbax output's arrays,
-byte for byte, for hundreds of arrays at the cost of a few tensorstore opens.
+byte for byte, without tensorstore for orbax's own specs, else at the cost of a few opens.
+
+The specs the Orbax writer builds (write.py's _memory_spec: zarr v2 with orbax's zstd compressor,
+zarr3 with orbax's one-chunk shards) are written here as tensorstore's zarr drivers write them
+(generate(): keys sorted, compact, the defaults tensorstore adds spelled as it spells them): on a
+TPU host importing tensorstore cost ~80 ms and its opens more, and a local Orbax -> Orbax write
+needs it for nothing else. tests/formats/orbax/test_orbax_zarr_metadata.py compares the two for
+every dtype and odd shapes. A spec of any other form (another key, dtype, codec or level) goes
+the way below, as does every spec with CKPT_ZARR_METADATA=tensorstore (the switch back, for A/B).
 
 The Orbax writer puts on disk exactly the metadata tensorstore's zarr driver writes for orbax's
 spec (direct.py). Asking tensorstore once per array (an in-memory open) cost 0.5 s for the 632
@@ -15,10 +23,10 @@ as before.
 from __future__ import annotations
 
 import json
+import operator
+import os
 import threading
 from typing import Any
-
-import tensorstore as ts
 
 from ...base.errors import CkptError
 from ...storage import ts_error_text
@@ -34,9 +42,126 @@ def metadata_key(zarr3: bool) -> str:
     return "zarr.json" if zarr3 else ".zarray"
 
 
+def generated_here() -> bool:
+    """Whether orbax's specs get their metadata from generate() (CKPT_ZARR_METADATA=tensorstore:
+    every array's from tensorstore, as before; for comparing the two)."""
+    return os.environ.get("CKPT_ZARR_METADATA", "ckpt") != "tensorstore"
+
+
+# dtype -> how tensorstore's zarr driver spells it in `.zarray` (zarr v2: numpy's typestr, little
+# endian, "|" for one byte; the ml_dtypes by name). Those left out (int4, float4, the newer float8
+# kinds) go to tensorstore: its support of them changes between versions.
+_ZARR2_DTYPES = {
+    "bool": "|b1", "int8": "|i1", "uint8": "|u1",
+    **{f"{k}int{b}": f"<{k[:1] or 'i'}{b // 8}" for k in ("", "u") for b in (16, 32, 64)},
+    **{f"float{b}": f"<f{b // 8}" for b in (16, 32, 64)},
+    "complex64": "<c8", "complex128": "<c16",
+    **{n: n for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                      "float8_e4m3b11fnuz")},
+}
+# zarr3: dtype -> (its item size, the fill_value tensorstore writes when the spec sets none)
+_ZARR3_DTYPES = {
+    "bool": (1, "false"),
+    **{f"{k}int{b}": (b // 8, "0") for k in ("", "u") for b in (8, 16, 32, 64)},
+    **{f"float{b}": (b // 8, "0.0") for b in (16, 32, 64)},
+    "bfloat16": (2, "0.0"),
+    **{n: (1, "0.0") for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                               "float8_e4m3b11fnuz")},
+    "complex64": (8, "[0.0,0.0]"), "complex128": (16, "[0.0,0.0]"),
+}
+# orbax's compression (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD), the only ones generated
+_ZARR2_COMPRESSOR = {"id": "zstd", "level": 1}
+_ZARR3_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
+_ZARR3_ZSTD = {"name": "zstd", "configuration": {"level": 3}}
+
+
+def _dims(value: Any) -> list[int] | None:
+    """A shape as tensorstore takes it (a list of non-negative ints), else None."""
+    if not isinstance(value, list):
+        return None
+    try:
+        dims = [operator.index(d) for d in value if not isinstance(d, bool)]
+    except TypeError:
+        return None
+    return dims if len(dims) == len(value) and all(d >= 0 for d in dims) else None
+
+
+def _orbax_zarr3(shape: list[int], chunks: list[int]) -> dict[str, Any]:
+    # write.py's _zarr_metadata for zarr3, as orbax's tensorstore_utils builds it
+    return {
+        "shape": shape,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": chunks,
+                "codecs": [_ZARR3_BYTES, _ZARR3_ZSTD],
+                "index_codecs": [_ZARR3_BYTES, {"name": "crc32c"}],
+                "index_location": "end",
+            },
+        }],
+    }
+
+
+def generate(spec: dict[str, Any], zarr3: bool) -> bytes | None:
+    """The metadata tensorstore's zarr (zarr3) driver writes when it creates `spec`, an array spec
+    of exactly the form the Orbax writer builds; None for any other spec (asked of tensorstore).
+
+    tensorstore writes its JSON through nlohmann's (keys sorted, no spaces) and fills in what the
+    spec leaves out: zarr v2 its dimension_separator ".", fill_value null (no fill value), no
+    filters, order "C"; zarr3 the default chunk_key_encoding, the fill value of the dtype's zero,
+    and drops what is its default (index_location "end"), while the bytes codec of a one-byte
+    type loses its endian and zstd gains its checksum flag."""
+    try:
+        if set(spec) - {"driver", "dtype", "metadata", "store_data_equal_to_fill_value"}:
+            return None
+        if spec.get("driver") != ("zarr3" if zarr3 else "zarr") or \
+                spec.get("store_data_equal_to_fill_value", True) not in (True, False):
+            return None
+        meta, dtype = spec["metadata"], spec["dtype"]
+        if not isinstance(meta, dict) or not isinstance(dtype, str):
+            return None
+        shape = _dims(meta.get("shape"))
+        if zarr3:
+            grid = meta.get("chunk_grid")
+            chunks = _dims(grid.get("configuration", {}).get("chunk_shape")) if isinstance(grid, dict) else None
+            if shape is None or chunks is None or len(chunks) != len(shape) or 0 in chunks \
+                    or dtype not in _ZARR3_DTYPES or meta != _orbax_zarr3(shape, chunks):
+                return None
+            size, fill = _ZARR3_DTYPES[dtype]
+            inner = '{"name":"bytes"}' if size == 1 else '{"configuration":{"endian":"little"},"name":"bytes"}'
+            c, s = _compact(chunks), _compact(shape)
+            return (
+                f'{{"chunk_grid":{{"configuration":{{"chunk_shape":{c}}},"name":"regular"}},'
+                f'"chunk_key_encoding":{{"name":"default"}},'
+                f'"codecs":[{{"configuration":{{"chunk_shape":{c},"codecs":[{inner},'
+                f'{{"configuration":{{"checksum":false,"level":3}},"name":"zstd"}}],'
+                f'"index_codecs":[{{"configuration":{{"endian":"little"}},"name":"bytes"}},{{"name":"crc32c"}}]}},'
+                f'"name":"sharding_indexed"}}],'
+                f'"data_type":"{dtype}","fill_value":{fill},"node_type":"array","shape":{s},"zarr_format":3}}'
+            ).encode()
+        chunks = _dims(meta.get("chunks"))
+        if shape is None or chunks is None or len(chunks) != len(shape) or 0 in chunks \
+                or dtype not in _ZARR2_DTYPES or meta != {"shape": shape, "chunks": chunks, "compressor": _ZARR2_COMPRESSOR}:
+            return None
+        return (
+            f'{{"chunks":{_compact(chunks)},"compressor":{{"id":"zstd","level":1}},"dimension_separator":".",'
+            f'"dtype":"{_ZARR2_DTYPES[dtype]}","fill_value":null,"filters":null,"order":"C",'
+            f'"shape":{_compact(shape)},"zarr_format":2}}'
+        ).encode()
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _compact(dims: list[int]) -> str:
+    return "[" + ",".join(map(str, dims)) + "]"
+
+
 def from_tensorstore(specs: dict[str, dict[str, Any]], zarr3: bool) -> dict[str, bytes]:
     """name -> the metadata tensorstore writes for each spec (a zarr spec without kvstore), every
     array created at once in memory."""
+    import tensorstore as ts  # (only for a spec generate() does not know)
+
     context = ts.Context()
     futures = {}
     try:
@@ -189,10 +314,16 @@ def _learn(kind: str, members: list[tuple[str, dict[str, Any]]], zarr3: bool) ->
 def metadata(specs: dict[str, dict[str, Any]], zarr3: bool) -> dict[str, bytes]:
     """name -> the `.zarray` / `zarr.json` tensorstore writes for each array spec (zarr or zarr3
     driver, dtype and metadata as the Orbax writer opens it, without kvstore), byte for byte."""
+    out: dict[str, bytes] = {}
+    if generated_here():
+        for name, spec in specs.items():
+            made = generate(spec, zarr3)
+            if made is not None:
+                out[name] = made
     by_kind: dict[str | None, list[tuple[str, dict[str, Any]]]] = {}
     for name, spec in specs.items():
-        by_kind.setdefault(_kind(spec, zarr3), []).append((name, spec))
-    out: dict[str, bytes] = {}
+        if name not in out:
+            by_kind.setdefault(_kind(spec, zarr3), []).append((name, spec))
     unknown: dict[str, dict[str, Any]] = dict(by_kind.pop(None, []))
     for kind, members in by_kind.items():
         assert kind is not None
