@@ -172,6 +172,11 @@ def fsync_tree(top: str, where: str, *, files: bool = True) -> None:
         raise _os_error(exc, "cannot write", where) from exc
 
 
+def fsync_dir(path: str) -> None:
+    """fsync the directory `path` (an entry made or renamed in it made durable)."""
+    _fsync_path(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
 def _fsync_path(path: str, flags: int) -> None:
     fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     try:

@@ -7,6 +7,7 @@ the readers' own: detection with them equals detection by every reader's full de
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -230,6 +231,48 @@ def test_a_local_orbax_reshard_and_convert_load_no_rare_path_module(command, tmp
     assert not sorted(loaded & lazy), sorted(loaded & lazy)
     # (listed after the work: what writing the DCP loaded, zlib-ng for its CRC-32s, is there)
     assert NEEDED_BY.get(command, set()) <= loaded
+
+
+# where a local Orbax -> Orbax reshard may still import tensorstore: the preflight's walk of the
+# source's OCDBT database (machinery/arrays/checks.py's check_ocdbt, made tensorstore-free apart).
+# Nothing of the write may: its zarr metadata and 0-d values are ckpt's (formats/orbax/
+# zarr_metadata.generate, direct.py), its small files written by the file system (storage/
+# local_backend.write), its destination's kvstore never opened. Once the walk is tensorstore-free
+# this set is empty and the whole process loads no tensorstore (the test then says so). A zarr3
+# source's metadata is also checked by tensorstore's parser when read (machinery/arrays/schema.py's
+# _tensorstore_check: zarr v2's plain metadata has a path without it, zarr3's none yet).
+TENSORSTORE_ONLY_IN = {"check_ocdbt"}
+READING_ZARR3 = {"_tensorstore_check"}
+
+
+@pytest.mark.parametrize("fixture", ["orbax_ocdbt_zarr2", "orbax_ocdbt_zarr3"])
+def test_a_local_orbax_reshard_imports_tensorstore_for_nothing_it_writes(fixture, tmp_path):
+    """Every `import tensorstore` a whole reshard process runs (with 0-d values, both zarr formats)
+    is under TENSORSTORE_ONLY_IN; with none there, tensorstore is not loaded at all."""
+    argv = ["reshard", str(fixture_path(fixture)), str(tmp_path / "out"), "--mesh", "data=1,model=1",
+            "--devices", "1"]
+    code = (
+        "import builtins, io, contextlib, json, sys, traceback\n"
+        "real, stacks = builtins.__import__, set()\n"
+        "def hook(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'tensorstore':\n"
+        "        stacks.add(tuple(f.name for f in traceback.extract_stack()[:-1]))\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = hook\n"
+        "import ckpt_tool.cli.main as m\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    code = m._run({argv!r})\n"
+        "print(json.dumps([code, 'tensorstore' in sys.modules, sorted(stacks)]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    code_, loaded, stacks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert code_ == 0 and (tmp_path / "out" / "manifest.ocdbt").exists()
+    allowed = TENSORSTORE_ONLY_IN | (READING_ZARR3 if fixture.endswith("zarr3") else set())
+    elsewhere = [stack for stack in stacks if not allowed & set(stack)]
+    assert not elsewhere, elsewhere
+    if not stacks:
+        assert not loaded  # (the whole process: nothing else loads it either)
 
 
 def test_the_command_modules_import_no_rare_path_module():

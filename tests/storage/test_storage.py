@@ -149,3 +149,37 @@ def test_new_local_files_check_their_directory_once(tmp_path, monkeypatch):
     with pytest.raises(CkptError, match="cannot create"):
         st.create_local_file("d/c")
     assert (tmp_path / "elsewhere").read_bytes() == b"keep"
+
+
+def test_a_local_write_is_the_file_kvstores_without_tensorstore(tmp_path):
+    """A destination made and written by Storage opens no kvstore (storage/local_backend.write): the
+    files are what tensorstore's file kvstore writes (bytes, mode, no lock file left), a value is
+    replaced whole, and a failure is one line."""
+    import os
+    import stat
+
+    import tensorstore as ts
+
+    from ckpt_tool.base.errors import CkptError
+
+    ours = Storage.create(str(tmp_path / "ours"))
+    for key, data in [("a", b"x" * 5), ("d/e/f.json", bytearray(b'{"k": 1}')), ("a", b"shorter"), ("empty", b"")]:
+        ours.write(key, data)
+    assert ours.backend._kvstore is None  # (no kvstore opened, tensorstore not needed)
+    theirs = ts.KvStore.open(f"file://{tmp_path}/theirs/").result()
+    for key, data in [("a", b"x" * 5), ("d/e/f.json", b'{"k": 1}'), ("a", b"shorter"), ("empty", b"")]:
+        theirs.write(key, data).result()
+    for key in ("a", "d/e/f.json", "empty"):
+        mine, its = tmp_path / "ours" / key, tmp_path / "theirs" / key
+        assert mine.read_bytes() == its.read_bytes(), key
+        assert stat.S_IMODE(mine.stat().st_mode) == stat.S_IMODE(its.stat().st_mode), key
+    assert sorted(os.listdir(tmp_path / "ours")) == ["a", "d", "empty"]
+    assert sorted(ours.list("")) == ["a", "d/e/f.json", "empty"]
+    (tmp_path / "ours" / "file").write_bytes(b"")
+    with pytest.raises(CkptError) as err:
+        ours.write("file/under", b"x")  # a file where its directory would be
+    assert "\n" not in str(err.value) and "cannot write" in str(err.value)
+    (tmp_path / "ours" / "dir" / "k").mkdir(parents=True)
+    with pytest.raises(CkptError, match="cannot write"):
+        ours.write("dir/k", b"x")  # a directory where the value would be
+    assert not [p for p in (tmp_path / "ours").rglob("*.__lock")]
