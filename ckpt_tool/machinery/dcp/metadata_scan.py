@@ -5,17 +5,20 @@ one pays three times for each of its 10^4-10^5 tensors: pickle_scan's proof and 
 over every byte, the C unpickler calling a Python stand-in (`Record.__setstate__`,
 `Size.__new__`) for each object, and the reader's parse of those records. Here one pass does the
 three for the pickles torch's DCP writes: the records that repeat once per tensor (a
-state_dict_metadata entry of one whole chunk, a storage_data entry, a planner_data path) are
+state_dict_metadata entry, of one chunk or of a sharded save's several; a storage_data entry;
+a planner_data path; their strings references or, as each rank's plan writes them, new) are
 each matched whole by one regular expression, in C, and turned straight into the values the
 reader keeps; every other opcode is run by a small interpreter of the opcodes torch's pickler
 writes, through the same allow-list and stand-ins (safe_pickle.ALLOWED) as the unpickler.
+Where the interpreter has built _GIVE_UP_AFTER more records of a kind than the patterns
+matched, the layout is not one they know: the unpickler reads it sooner.
 
 It is an accelerator, never a second opinion: `scan` returns None for anything outside what it
 knows (another opcode, a global the allow-list refuses, a record shape it does not match, a
 reference to something it did not keep, a problem of any kind), and the reader then takes the
 unpickler's path as before, which gives the result or the error it always gave. What it
 returns is what that path would have built, record for record, except that the per-tensor
-records are _ScannedTensor and _ScannedIndex values the reader's fast parse takes as it takes
+records are _ScannedTensor, _ScannedShards and _ScannedIndex values the reader's fast parse takes as it takes
 the records they stand for (tests/machinery/dcp/test_metadata_scan.py checks both paths
 agree, on every DCP fixture and on damaged copies).
 
@@ -27,9 +30,10 @@ Why it is safe and bounded:
     written (BINPUT, LONG_BINPUT, PUT are outside its opcodes), a length is read only over
     bytes that are there, and every byte it reads is charged against the memory limit of
     the pickle budget (memory_limit()) as it goes: an opcode at safe_pickle's dearest cost for
-    it (_FAST_COST, pickle_scan's bound), a matched record at 64 bytes a byte (it builds
-    about 10), the stand-ins' own charges against the same limit; past it, None (and the
-    unpickler's path refuses it as before);
+    it (_FAST_COST, pickle_scan's bound), a matched record's constant parts at 64 bytes a
+    byte where first seen (what they build: about 10), each matched record what it makes
+    (_RECORD_BASE, its key's text, a slot a memo entry), the stand-ins' own charges against
+    the same limit; past it, None (and the unpickler's path refuses it as before);
   * the stack, the MARK nesting and the opcodes it interprets one by one are bounded
     (safe_pickle's limits, and an opcode count past which the C path is cheaper anyway).
 """
@@ -60,6 +64,14 @@ class _ScannedTensor(tuple):
     __slots__ = ()
 
 
+class _ScannedShards(tuple):
+    """A TensorStorageMetadata of several chunks (a sharded save's: one a shard), as matched:
+    (torch dtype name, shape, ((offsets, sizes), ...) in the list's order, requires_grad, layout,
+    memory format). Its fields are checked by the reader's fast parse as the record's are."""
+
+    __slots__ = ()
+
+
 class _ScannedIndex(tuple):
     """A storage_data key (MetadataIndex) as matched: (fqn, offset, index hint). Hashed and
     compared by identity, as MetadataIndex is (two equal keys stay two dict entries)."""
@@ -85,8 +97,19 @@ class _Gone:
 _GONE = _Gone()
 _GONES = [(_GONE,) * n for n in range(32)]
 
-# what a matched record may cost, per byte of it (it builds ~10: a string, tuples, a record)
+# what the look-up of a matched record's constant parts may cost, per byte of them (it builds
+# ~10: tuples, a record; and keeps the bytes as the key of what they say), once for records alike
 _RECORD_COST = 64
+# what each matched record costs beyond: its key or fqn on the stack, the values it becomes
+# (a _ScannedIndex and _ScannedInfo, their ints), the dict entry they make; its key's text at
+# safe_pickle's _PER_BYTE, and each memo entry it makes a slot
+_RECORD_BASE = 512
+_SLOT = 8
+# records of a kind (a tensor entry, a storage entry) the interpreter may build beyond those the
+# patterns matched, before it hands the pickle to the unpickler: torch's own pickles need a few
+# (the first of each dtype or data file, one a frame splits every 64 KiB); a layout the patterns
+# do not know needs as many as it has records, which the C unpickler reads faster
+_GIVE_UP_AFTER = 32
 # opcodes run one by one, beyond which the C unpickler is the cheaper way (a pickle whose records
 # the patterns do not match): a little more than the unmatched records of a torch .metadata need
 _INTERPRETED_BASE = 20_000
@@ -100,41 +123,51 @@ _INTS = (rb"(?:\)|(?:" + _INT + rb"\x85|" + _INT + rb"{2}\x86|" + _INT + rb"{3}\
          + rb"{4,64}t\x94)")
 
 # a state_dict_metadata entry: key, TensorStorageMetadata(properties=TensorProperties(...),
-# size=Size(...), chunks=[ChunkStorageMetadata(offsets=Size(...), sizes=Size(...))])
-def _tensor_parts(capture: bool) -> bytes:
-    """A tensor entry after its key: its parts as groups (`capture`), or as one span."""
-    o = b"(" if capture else b"(?:"
+# size=Size(...), chunks=[ChunkStorageMetadata(offsets=Size(...), sizes=Size(...)), ...])
+_HEAD = (_REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb"\)\x81\x94\(" + _REF + _REF + rb"[\x88\x89]" + _REF
+         + rb"[\x88\x89]t\x94b" + _REF + _REF)  # class, 'properties', properties, 'size', Size
+# one ChunkStorageMetadata: class, its state {'offsets': Size(...), 'sizes': Size(...)}
+_CHUNK = (_REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + _INTS + rb"\x85\x94R\x94" + _REF + _REF + _INTS
+          + rb"\x85\x94R\x94ub")
+# the most chunks a tensor's list is matched with: pickle writes a list in batches of 1000 (one
+# MARK ... APPENDS each), and torch one chunk a shard (a longer list is the interpreter's)
+_MAX_CHUNKS = 1000
+
+
+def _tensor_parts(capture: bytes) -> bytes:
+    """A tensor entry after its key, up to its state's SETITEMS: its parts as groups (`capture`
+    b"("), or as one span (b"(?:"): the head, the size, 'chunks', and its list: one chunk then
+    APPEND, or 2-1000 of them between MARK and APPENDS."""
+    o = capture
     return (
-        o + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb"\)\x81\x94\(" + _REF + _REF + rb"[\x88\x89]"
-        + _REF + rb"[\x88\x89]t\x94b" + _REF + _REF + rb")"  # class, 'properties', properties, 'size', Size
+        o + _HEAD + rb")"
         + o + _INTS + rb")"  # size
-        + o + rb"\x85\x94R\x94" + _REF + rb"\]\x94" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + _REF + rb")"  # chunks
-        + o + _INTS + rb")"  # offsets
-        + o + rb"\x85\x94R\x94" + _REF + _REF + rb")"  # 'sizes', Size
-        + o + _INTS + rb")"  # sizes
+        + rb"\x85\x94R\x94" + o + _REF + rb")\]\x94"  # 'chunks', the list
+        + rb"(?:" + o + _CHUNK + rb")a|\(" + o + rb"(?:" + _CHUNK + rb"){2," + str(_MAX_CHUNKS).encode() + rb"})e)"
     )
 
 
 _TENSOR = re.compile(
     # 1, 2: the key's length; 3: its bytes, checked against the length (bounded: a failed match
     # would otherwise try every \x94 to the end of the data); 4: the rest, as one span (tensors
-    # alike in dtype and geometry have the same bytes there: one look-up says what they hold)
-    rb"(?:\x8c(.)|X(....))(.{1,4096}?)\x94(" + _tensor_parts(False) + rb")\x85\x94R\x94ubaub",
+    # alike in dtype, geometry and sharding have the same bytes there: one look-up says what they hold)
+    rb"(?:\x8c(.)|X(....))(.{1,4096}?)\x94(" + _tensor_parts(b"(?:") + rb")ub",
     re.DOTALL,
 )
 # the same span with its parts picked out
-_TENSOR_BODY = re.compile(_tensor_parts(True), re.DOTALL)
+_TENSOR_BODY = re.compile(_tensor_parts(b"("), re.DOTALL)
 # the constant part of a tensor entry (its first part), its references picked out
 _TENSOR_HEAD = re.compile(
     rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")\)\x81\x94\((" + _REF + rb")("
     + _REF + rb")([\x88\x89])(" + _REF + rb")[\x88\x89]t\x94b(" + _REF + rb")(" + _REF + rb")",
     re.DOTALL,
 )
-_TENSOR_MID = re.compile(
-    rb"\x85\x94R\x94(" + _REF + rb")\]\x94(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")",
+# one chunk, its parts picked out
+_CHUNK_PARTS = re.compile(
+    rb"(" + _REF + rb")\)\x81\x94\}\x94\((" + _REF + rb")(" + _REF + rb")(" + _INTS + rb")\x85\x94R\x94("
+    + _REF + rb")(" + _REF + rb")(" + _INTS + rb")\x85\x94R\x94ub",
     re.DOTALL,
 )
-_TENSOR_TAIL = re.compile(rb"\x85\x94R\x94(" + _REF + rb")(" + _REF + rb")", re.DOTALL)
 
 # a storage_data entry: MetadataIndex(fqn=..., index=..., offset=Size(...)): _StorageInfo(relative_path=...,
 # offset=..., length=...)
@@ -151,11 +184,14 @@ def _stored_parts(capture: bool) -> bytes:
 
 _STORED = re.compile(
     rb"(" + _REF + rb"\)\x81\x94\}\x94\(" + _REF + rb")"  # 1: MetadataIndex, 'fqn'
-    rb"(" + _REF + rb")"  # 2: the fqn
-    rb"(" + _stored_parts(False) + rb")"  # 3: the index hint, the offset, the data file (one span: one look-up)
-    rb"(" + _LONG + rb")"  # 4: offset
-    rb"(" + _REF + rb")"  # 5: 'length'
-    rb"(" + _LONG + rb")"  # 6: length
+    # 2: the fqn, a reference (to the state_dict_metadata key: one rank's save); or 3, 4: a new
+    # string's length and 5: its bytes (a save of several ranks: each rank's plan has its own
+    # strings), checked against the length, as a tensor entry's key is
+    rb"(?:(" + _REF + rb")|(?:\x8c(.)|X(....))(.{0,4096}?)\x94)"
+    rb"(" + _stored_parts(False) + rb")"  # 6: the index hint, the offset, the data file (one span: one look-up)
+    rb"(" + _LONG + rb")"  # 7: offset
+    rb"(" + _REF + rb")"  # 8: 'length'
+    rb"(" + _LONG + rb")"  # 9: length
     rb"ub",
     re.DOTALL,
 )
@@ -167,11 +203,13 @@ _STORED_INFO = re.compile(
 )
 
 # a planner_data entry: fqn -> a tuple of keys, each a memoized string or a new one (its bytes
-# without \x94: the length byte is checked, and the pattern never splits a string it admits)
-_KEY = rb"(?:h.|j....|\x8c.[^\x94]*\x94)"
+# without \x94: the length byte is checked, and the pattern never splits a string it admits), or
+# an int (a list's index, or an int key of the state dict: an optimizer's state by param id)
+_FQN = rb"(?:h.|j....|\x8c.[^\x94]*\x94)"  # (a new one: a save of several ranks, as a storage entry's)
+_KEY = rb"(?:h.|j....|\x8c.[^\x94]*\x94|K.|M..|J....)"
 _PATH = re.compile(
-    rb"(" + _REF + rb")(?:(" + _KEY + rb"{1,3})([\x85\x86\x87])|\((" + _KEY + rb"{4,64})t)\x94", re.DOTALL)
-_PATH_PART = re.compile(rb"(h.|j....)|\x8c(.)([^\x94]*)\x94", re.DOTALL)
+    rb"(" + _FQN + rb")(?:(" + _KEY + rb"{1,3})([\x85\x86\x87])|\((" + _KEY + rb"{4,64})t)\x94", re.DOTALL)
+_PATH_PART = re.compile(rb"(h.|j....)|\x8c(.)([^\x94]*)\x94|(K.|M..|J....)", re.DOTALL)
 
 _MARK = object()
 
@@ -210,16 +248,10 @@ def _ints(span: bytes) -> tuple[tuple[int, ...], tuple[_Gone, ...]] | None:
     return tuple(values), _GONES[7]
 
 
-def _geometry(size: bytes, offsets: bytes, sizes: bytes) -> tuple[Any, Any, Any, tuple[_Gone, ...]] | None:
-    """A tensor entry's three tuples of ints, and the memo entries it makes after its key (13, and
-    one for each of the tuples that is memoized); None where one holds a negative int."""
-    values = []
-    for span in (size, offsets, sizes):
-        got = _ints(span)
-        if got is None:
-            return None
-        values.append(got)
-    return values[0][0], values[1][0], values[2][0], _GONES[13 + sum(len(v[1]) - 6 for v in values)]
+def _int_tuple(span: bytes) -> tuple[int, ...] | None:
+    """A matched tuple of ints (None where one is negative)."""
+    got = _ints(span)
+    return None if got is None else got[0]
 
 
 def scan(data: bytes, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
@@ -255,6 +287,8 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
     bodies: dict[bytes, Any] = {}  # a tensor entry after its key -> (its _ScannedTensor, its memo entries)
     stored_sigs: dict[tuple[bytes, ...], Any] = {}
     path_parts = _PATH_PART.findall
+    # records of each kind matched, and built by the interpreter (the give-up rule: _GIVE_UP_AFTER)
+    matched_tensors = matched_stored = built_tensors = built_stored = 0
     pos = 2
     # where the current frame ends: the C unpickler reads a frame into a buffer, and a read that
     # runs past its end takes its bytes from after the frame, leaving the frame's last ones unread
@@ -265,8 +299,10 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             return None
         op = data[pos]
         # -- the records that repeat once per tensor, each matched whole ---------------------
-        if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE: maybe a tensor entry's key
+        planner = False
+        if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE: maybe a tensor entry's key, or a planner path
             m = tensor_match(data, pos)
+            planner = m is None
             while m is not None:
                 short, long, key_bytes, body = m.groups()
                 if len(key_bytes) != (short[0] if short is not None else int.from_bytes(long, "little")):
@@ -274,77 +310,95 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 known = bodies.get(body, False)
                 if known is False:
                     known = bodies[body] = _tensor_body(body, memo)
+                    cost += _RECORD_COST * len(body)
                 if known is None:
                     break
                 end = m.end()
                 if pos < frame_end < end:
                     break
                 key = key_bytes.decode("utf-8", "surrogatepass")
-                cost += _RECORD_COST * (end - pos)
+                cost += _RECORD_BASE + per_byte * len(key_bytes) + _SLOT * len(known[1])
+                matched_tensors += 1
                 stack.append(key)
                 stack.append(known[0])  # (one object for tensors alike: nothing refers back into it)
                 memo.append(key)
                 memo += known[1]
                 pos = end
                 m = tensor_match(data, pos)
-            op = data[pos]
         elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET: maybe a storage_data entry or a planner path
             m = stored_match(data, pos)
             planner = m is None
             while m is not None:
-                head, fqn_ref, mid, start, length_key, length = m.groups()
+                head, fqn_ref, short, long, fqn_bytes, mid, start, length_key, length = m.groups()
+                # a new fqn string of another length: the match ran past it into the next records
+                # (checked first: the look-up below must see this record's bytes only)
+                if fqn_ref is None and len(fqn_bytes) != (short[0] if short is not None
+                                                          else int.from_bytes(long, "little")):
+                    break
                 known = stored_sigs.get((head, mid, length_key), False)
                 if known is False:
                     known = stored_sigs[(head, mid, length_key)] = _stored_sig(head, mid, length_key, memo)
+                    cost += _RECORD_COST * (len(head) + len(mid) + len(length_key))
                 if known is None:
                     break
-                fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
                 end = m.end()
-                if type(fqn) is not str or pos < frame_end < end:
+                if pos < frame_end < end:
                     break
-                cost += _RECORD_COST * (end - pos)
+                if fqn_ref is not None:
+                    fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
+                    if type(fqn) is not str:
+                        break
+                    memo += known[3]
+                else:
+                    fqn = fqn_bytes.decode("utf-8", "surrogatepass")
+                    # (memoized after the MetadataIndex and its state dict: the entry's memo in its order)
+                    memo += known[3][:2]
+                    memo.append(fqn)
+                    memo += known[3][2:]
+                    cost += per_byte * len(fqn_bytes)
+                cost += _RECORD_BASE + _SLOT * len(known[3])
+                matched_stored += 1
                 stack.append(_ScannedIndex((fqn, known[1], known[2])))
                 stack.append(_ScannedInfo((known[0], start[1] if len(start) == 2 else _int(start),
                                            length[1] if len(length) == 2 else _int(length))))
-                memo += known[3]
                 pos = end
                 m = stored_match(data, pos)
-            if planner:
-                m = path_match(data, pos)
-                while m is not None:
-                    end = m.end()
-                    if pos < frame_end < end:
-                        break
-                    fqn_ref, short, arity, long = m.groups()
-                    kept = len(memo)
-                    keys = []
-                    for ref, length_byte, text in path_parts(short if short is not None else long):
-                        if ref:
-                            value = memo[ref[1] if len(ref) == 2 else int.from_bytes(ref[1:], "little")]
-                            if type(value) is _Gone:
-                                return None
-                        else:
-                            if len(text) != length_byte[0]:
-                                break
-                            value = text.decode("utf-8", "surrogatepass")
-                            memo.append(value)
-                        keys.append(value)
-                    else:
-                        if short is None or len(keys) == arity[0] - 0x84:
-                            fqn = memo[fqn_ref[1] if len(fqn_ref) == 2 else int.from_bytes(fqn_ref[1:], "little")]
-                            if type(fqn) is _Gone:
-                                return None
-                            path_keys = tuple(keys)
-                            memo.append(path_keys)
-                            cost += _RECORD_COST * (end - pos)
-                            stack.append(fqn)
-                            stack.append(path_keys)
-                            pos = end
-                            m = path_match(data, pos)
-                            continue
-                    del memo[kept:]  # (the entry is left to the interpreter, as if never matched)
+        if planner:
+            m = path_match(data, pos)
+            while m is not None:
+                end = m.end()
+                if pos < frame_end < end:
                     break
-            op = data[pos]
+                fqn_part, short, arity, long = m.groups()
+                kept = len(memo)
+                keys = []  # the fqn, then the path's keys
+                for ref, length_byte, text, number in path_parts(fqn_part + (short if short is not None else long)):
+                    if ref:
+                        value = memo[ref[1] if len(ref) == 2 else int.from_bytes(ref[1:], "little")]
+                        if type(value) is _Gone:
+                            return None
+                    elif number:
+                        value = _int(number)  # (an int is not memoized)
+                    else:
+                        if len(text) != length_byte[0]:
+                            break
+                        value = text.decode("utf-8", "surrogatepass")
+                        memo.append(value)
+                    keys.append(value)
+                else:
+                    if short is None or len(keys) == arity[0] - 0x83:
+                        fqn = keys[0]
+                        path_keys = tuple(keys[1:])
+                        memo.append(path_keys)
+                        cost += _RECORD_COST * (end - pos)
+                        stack.append(fqn)
+                        stack.append(path_keys)
+                        pos = end
+                        m = path_match(data, pos)
+                        continue
+                del memo[kept:]  # (the entry is left to the interpreter, as if never matched)
+                break
+        op = data[pos]
         # -- one opcode, as the C unpickler runs it (or None where it would fail, or might) ------
         interpreted_left -= 1
         if interpreted_left < 0:
@@ -477,6 +531,14 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 if op == 0x81:
                     if not isinstance(callable_, type):
                         return None
+                    if callable_ is TensorStorageMetadata:
+                        built_tensors += 1
+                        if built_tensors > _GIVE_UP_AFTER + matched_tensors:
+                            return None
+                    elif callable_ is MetadataIndex:
+                        built_stored += 1
+                        if built_stored > _GIVE_UP_AFTER + matched_stored:
+                            return None
                     stack[-1] = callable_.__new__(callable_, *args)
                 else:
                     stack[-1] = callable_(*args)
@@ -494,27 +556,56 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             return None
 
 
-def _tensor_body(body: bytes, memo: list[Any]) -> tuple[_ScannedTensor, tuple[_Gone, ...]] | None:
+def _tensor_body(body: bytes, memo: list[Any]) -> tuple[Any, tuple[_Gone, ...]] | None:
     """What a tensor entry's bytes after its key hold, when they name what torch writes: the
-    tensor, and the memo entries they make; else None."""
+    tensor (a _ScannedTensor where it has one chunk, else a _ScannedShards), and the memo entries
+    they make; else None."""
     m = _TENSOR_BODY.fullmatch(body)
     if m is None:
         return None
-    head, size, mid, offsets, tail, sizes = m.groups()
-    said = _tensor_sig(head, mid, tail, memo)
-    geometry = _geometry(size, offsets, sizes)
-    if said is None or geometry is None:
-        return None
-    return _ScannedTensor((said[0], geometry[0], geometry[1], geometry[2], said[1], said[2], said[3])), geometry[3]
-
-
-def _tensor_sig(head: bytes, mid: bytes, tail: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | None:
-    """(torch dtype name, requires_grad, layout, memory format) when a tensor entry's constant
-    parts name what torch writes, else None."""
+    head, size, chunks_key, one, many = m.groups()
     said = _tensor_head(head, memo)
-    if said is None or not _tensor_mid(mid, memo) or not _tensor_tail(tail, memo):
+    shape = _int_tuple(size)
+    if said is None or shape is None or not _is_str(chunks_key, "chunks", memo):
         return None
-    return said
+    # memo entries: 4 in the head, 2 after the size (its args, the Size), 1 the list; 6 a chunk;
+    # and each tuple of ints but ()
+    memoized = 7 + (size != b")")
+    chunks = []
+    span = one if one is not None else many
+    at = 0
+    while at < len(span):
+        c = _CHUNK_PARTS.match(span, at)
+        if c is None:
+            return None
+        cls, offsets_key, offsets_cls, offsets, sizes_key, sizes_cls, sizes = c.groups()
+        try:
+            parts = [_ref(r, memo) for r in (cls, offsets_key, offsets_cls, sizes_key, sizes_cls)]
+        except IndexError:
+            return None
+        if (parts[0] is not ChunkStorageMetadata or type(parts[1]) is not str or parts[1] != "offsets"
+                or parts[2] is not Size or type(parts[3]) is not str or parts[3] != "sizes" or parts[4] is not Size):
+            return None
+        offset_ints, size_ints = _int_tuple(offsets), _int_tuple(sizes)
+        if offset_ints is None or size_ints is None:
+            return None
+        chunks.append((offset_ints, size_ints))
+        memoized += 6 + (offsets != b")") + (sizes != b")")
+        at = c.end()
+    gones = (_GONE,) * memoized
+    if one is not None:
+        offsets_, sizes_ = chunks[0]
+        return _ScannedTensor((said[0], shape, offsets_, sizes_, said[1], said[2], said[3])), gones
+    return _ScannedShards((said[0], shape, tuple(chunks), said[1], said[2], said[3])), gones
+
+
+def _is_str(ref: bytes, text: str, memo: list[Any]) -> bool:
+    """Whether the memo entry `ref` names is the str `text`."""
+    try:
+        value = _ref(ref, memo)
+    except IndexError:
+        return False
+    return type(value) is str and value == text
 
 
 def _stored_sig(head: bytes, mid: bytes, length_key: bytes, memo: list[Any]) -> tuple[Any, ...] | None:
@@ -555,29 +646,6 @@ def _tensor_head(head: bytes, memo: list[Any]) -> tuple[str, bool, str, str] | N
             or values[6] != "size" or values[7] is not Size or type(values[1]) is not str or type(values[6]) is not str):
         return None
     return values[3].name, grad == b"\x88", values[4], values[5]
-
-
-def _tensor_mid(mid: bytes, memo: list[Any]) -> bool:
-    m = _TENSOR_MID.fullmatch(mid)
-    if m is None:
-        return False
-    try:
-        chunks, cls, offsets, size_cls = (_ref(r, memo) for r in m.groups())
-    except IndexError:
-        return False
-    return (type(chunks) is str and chunks == "chunks" and cls is ChunkStorageMetadata
-            and type(offsets) is str and offsets == "offsets" and size_cls is Size)
-
-
-def _tensor_tail(tail: bytes, memo: list[Any]) -> bool:
-    m = _TENSOR_TAIL.fullmatch(tail)
-    if m is None:
-        return False
-    try:
-        sizes, size_cls = (_ref(r, memo) for r in m.groups())
-    except IndexError:
-        return False
-    return type(sizes) is str and sizes == "sizes" and size_cls is Size
 
 
 def _stored_head(head: bytes, memo: list[Any]) -> bool:

@@ -495,7 +495,7 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     storage: dict[tuple[str, tuple[int, ...] | None], _Entry] = {}
     needed: dict[str, int] = {}
     transforms: set[tuple[str, ...]] = set()
-    scanned_index, scanned_info, scanned_tensor = _scanned_types()
+    scanned_index, scanned_info, scanned_tensor, scanned_shards = _scanned_types()
     for index, info in storage_data.items():
         if type(index) is scanned_index:
             # a MetadataIndex and its _StorageInfo as metadata_scan matched them (the fields' types
@@ -589,6 +589,18 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
                 chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
             items[fqn] = _TensorItem(shape, dtype, [chunk], [entry], grad, 0, layout, None)
             continue
+        if kind is scanned_shards:
+            # a TensorStorageMetadata of several chunks as metadata_scan matched it (as above; its
+            # chunks' (offsets, sizes) in the list's order)
+            dtype_name, shape, geometries, grad, layout, memory_format = item
+            dtype = dtype_names.get(dtype_name)
+            if dtype is None or memory_format not in _MEMORY_FORMATS:
+                return None
+            sharded = _fast_chunks(fqn, shape, geometries, storage, chunk_of)
+            if sharded is None:
+                return None
+            items[fqn] = _TensorItem(shape, dtype, sharded[0], sharded[1], grad, sharded[2], layout, sharded[3])
+            continue
         if kind is BytesStorageMetadata:
             entry = storage.get((fqn, None))
             if entry is None:
@@ -615,10 +627,6 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         chunk_mds = item.chunks
         if type(chunk_mds) is not list or not chunk_mds:
             return None
-        chunks: list[Chunk] = []
-        entries: list[_Entry] = []
-        duplicates = 0
-        rank = len(shape)
         if len(chunk_mds) == 1:
             # _fast_chunk_geometry, inlined for the one-chunk tensor (10^4-10^5 of them: a call each was 3%)
             chunk_md = chunk_mds[0]
@@ -631,7 +639,7 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             ints.append(offsets)
             ints.append(sizes)
             # the whole tensor in one chunk: in its bounds (once its ints are checked non-negative)
-            if sizes != shape or len(offsets) != rank or any(offsets):
+            if sizes != shape or len(offsets) != len(shape) or any(offsets):
                 return None
             entry = storage.get((fqn, offsets))
             if entry is None:
@@ -639,38 +647,22 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             chunk = chunk_of.get((offsets, sizes))
             if chunk is None:
                 chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
-            chunks.append(chunk)
-            entries.append(entry)
+            chunks, entries, duplicates, copies = [chunk], [entry], 0, None
         else:
-            seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-            copies: dict[Chunk, int] | None = None
+            geometries = []
             for chunk_md in chunk_mds:
                 geometry = _fast_chunk_geometry(chunk_md, ints)
                 if geometry is None:
                     return None
-                offsets, sizes = geometry
-                if len(offsets) != rank or len(sizes) != rank:
-                    return None
-                if shape and any(map(operator.gt, map(operator.add, offsets, sizes), shape)):
-                    return None
-                entry = storage.get((fqn, offsets))
-                if entry is None:
-                    return None
-                chunk = chunk_of.get((offsets, sizes))
-                if chunk is None:
-                    chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
-                if (offsets, sizes) in seen:
-                    duplicates += 1
-                    copies = {} if copies is None else copies
-                    copies[chunk] = copies.get(chunk, 1) + 1
-                    continue
-                seen.add((offsets, sizes))
-                chunks.append(chunk)
-                entries.append(entry)
+                geometries.append(geometry)
+            sharded = _fast_chunks(fqn, shape, geometries, storage, chunk_of)
+            if sharded is None:
+                return None
+            chunks, entries, duplicates, copies = sharded
         layout = props.layout
         items[fqn] = _TensorItem(shape, dtype, chunks, entries, bool(props.requires_grad), duplicates,
                                  layout if isinstance(layout, str) else "torch.strided",
-                                 copies if duplicates else None)
+                                 copies)
     # every shape, offset and size all ints (no bool, no float), none negative; the planner paths str
     flat = itertools.chain.from_iterable(ints)
     if not {int}.issuperset(map(type, flat)):
@@ -686,19 +678,53 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     return _ParsedMetadata(items, storage, planner_data, md.version, needed, transforms, keys)
 
 
-def _scanned_types() -> tuple[Any, Any, Any]:
-    """metadata_scan's _ScannedIndex, _ScannedInfo and _ScannedTensor, where it is loaded (else
-    types no value has: a .metadata the unpickler read holds none of them)."""
+def _scanned_types() -> tuple[Any, Any, Any, Any]:
+    """metadata_scan's _ScannedIndex, _ScannedInfo, _ScannedTensor and _ScannedShards, where it is
+    loaded (else types no value has: a .metadata the unpickler read holds none of them)."""
     import sys
 
     scan = sys.modules.get(__package__ + ".metadata_scan")
     if scan is None:
-        return _NoScan, _NoScan, _NoScan
-    return scan._ScannedIndex, scan._ScannedInfo, scan._ScannedTensor
+        return _NoScan, _NoScan, _NoScan, _NoScan
+    return scan._ScannedIndex, scan._ScannedInfo, scan._ScannedTensor, scan._ScannedShards
 
 
 class _NoScan:
     """No value is of this type."""
+
+
+def _fast_chunks(fqn: str, shape: tuple[int, ...], geometries: Any, storage: dict[Any, _Entry],
+                 chunk_of: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk]) -> tuple[Any, Any, int, Any] | None:
+    """A tensor of several chunks for the fast parse: (its chunks, their storage entries, how many
+    chunks repeat one before, how many times each such chunk is listed (None without any)), from its
+    chunks' (offsets, sizes) in the list's order; None where a chunk is outside the shape or has no
+    storage entry."""
+    rank = len(shape)
+    chunks: list[Chunk] = []
+    entries: list[_Entry] = []
+    duplicates = 0
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    copies: dict[Chunk, int] | None = None
+    for offsets, sizes in geometries:
+        if len(offsets) != rank or len(sizes) != rank:
+            return None
+        if shape and any(map(operator.gt, map(operator.add, offsets, sizes), shape)):
+            return None
+        entry = storage.get((fqn, offsets))
+        if entry is None:
+            return None
+        chunk = chunk_of.get((offsets, sizes))
+        if chunk is None:
+            chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
+        if (offsets, sizes) in seen:
+            duplicates += 1
+            copies = {} if copies is None else copies
+            copies[chunk] = copies.get(chunk, 1) + 1
+            continue
+        seen.add((offsets, sizes))
+        chunks.append(chunk)
+        entries.append(entry)
+    return chunks, entries, duplicates, copies
 
 
 def _fast_chunk_geometry(chunk_md: Any, ints: list[tuple[Any, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -197,3 +197,141 @@ def test_inspect_takes_the_scan(tmp_path):
     finally:
         safe_pickle.load_metadata = original
     assert ck.leaves and not calls
+
+
+def _new(text: str) -> str:
+    """`text` as a new str object: each rank's save plan holds its own strings, so a multi-rank
+    .metadata writes a storage entry's fqn and a planner path's strings anew, not as references."""
+    return "".join(list(text))
+
+
+def _sharded(layers: int, ranks: int = 4, wide: int = 0) -> bytes:
+    """A .metadata as a sharded save of `ranks` ranks writes it (FSDP / TP: a tensor's chunks one a
+    rank's shard), pickled by torch: per layer a bf16 weight split unevenly over dim 0, a replicated
+    f32 bias (one chunk, rank 0's), Adam's state (exp_avg over dim 0, exp_avg_sq over dim 1, a step
+    scalar) keyed by param id (an int in its planner path); a tensor listing one chunk twice; and,
+    given `wide`, a tensor of `wide` chunks (past pickle's batch of 1000 appends: two batches)."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    def split(shape, dim):
+        """[(offsets, sizes, rank)] as DTensor's Shard(dim) splits (ceil-sized, the last short or none)."""
+        if dim is None:
+            return [([0] * len(shape), list(shape), 0)]
+        step = -(-shape[dim] // ranks)
+        out = []
+        for rank in range(ranks):
+            start = rank * step
+            if start >= shape[dim]:
+                break
+            off, size = [0] * len(shape), list(shape)
+            off[dim], size[dim] = start, min(step, shape[dim] - start)
+            out.append((off, size, rank))
+        return out
+
+    sdm, planner = {}, {}
+    written: list[list[tuple]] = [[] for _ in range(ranks)]
+    recipe = (("model.layers.{}.w", ("model", "layers.{}.w"), (10, 8), torch.bfloat16, 0),
+              ("model.layers.{}.b", ("model", "layers.{}.b"), (8,), torch.float32, None),
+              ("optim.state.{}.exp_avg", ("optim", "state", "#", "exp_avg"), (10, 8), torch.float32, 0),
+              ("optim.state.{}.exp_avg_sq", ("optim", "state", "#", "exp_avg_sq"), (10, 8), torch.float32, 1),
+              ("optim.state.{}.step", ("optim", "state", "#", "step"), (), torch.float32, None))
+    for i in range(layers):
+        for name, path, shape, dtype, dim in recipe:
+            fqn = name.format(i)
+            chunks = split(shape, dim)
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), torch.Size(shape),
+                [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks])
+            for o, s, rank in chunks:
+                written[rank].append((fqn, o, s))
+            planner[_new(fqn)] = tuple(i if p == "#" else _new(p.format(i)) for p in path)
+    extra = [("twice", (6,), [((0,), (3,), 0), ((3,), (3,), 1), ((0,), (3,), 2)])]
+    if wide:
+        extra.append(("wide", (wide,), [((k,), (1,), k % ranks) for k in range(wide)]))
+    for fqn, shape, chunks in extra:
+        sdm[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size(shape),
+            [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks])
+        for o, s, rank in chunks:
+            written[rank].append((fqn, list(o), list(s)))
+        planner[_new(fqn)] = (_new(fqn),)
+    sdm["optim.param_groups.0.lr"] = BytesStorageMetadata()
+    written[0].append(("optim.param_groups.0.lr", None, None))
+    planner[_new("optim.param_groups.0.lr")] = ("optim", "param_groups", 0, "lr")
+    storage = {}
+    for rank, items in enumerate(written):  # (each rank's write results in turn, as the coordinator merges them)
+        at = 0
+        path = _new(f"__{rank}_0.distcp")  # (one string a rank's data file, as its writer returns them)
+        for index, (fqn, o, s) in enumerate(items):
+            length = 4 * (1 if s is None else max(1, int(torch.Size(s).numel())))
+            offset = None if o is None else torch.Size(o)
+            storage[MetadataIndex(_new(fqn), offset, index)] = _StorageInfo(path, at, length)
+            at += length
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage)
+    out = io.BytesIO()
+    pickle.dump(md, out)  # as torch's FileSystemWriter writes it
+    return out.getvalue()
+
+
+def test_a_sharded_save_takes_the_matched_records():
+    # several chunks a tensor: matched whole (one look-up for tensors sharded alike), as the unpickler reads them
+    data = _sharded(200)
+    md = metadata_scan.scan(data)
+    assert md is not None
+    kinds = [type(v) for v in md.state_dict_metadata.values()]
+    assert kinds.count(metadata_scan._ScannedShards) > 590 and kinds.count(metadata_scan._ScannedTensor) > 390
+    assert _counts(md)[1] > 2000  # the storage entries, their fqn a new string each
+    _same(dcp_reader._parse_fast(md), _unpickled(data))
+    twice = dcp_reader._parse_fast(md).items["twice"]
+    assert twice.duplicates == 1 and len(twice.chunks) == 2
+
+
+def test_a_tensor_of_more_chunks_than_one_batch_reads_as_the_unpickler_reads_it():
+    data = _sharded(3, wide=1003)
+    assert _check(data)
+
+
+def test_a_real_fsdp2_save_takes_the_matched_records():
+    # torch's own save (fixtures/gen_fsdp2.py: two ranks, FSDP2, Adam): its sharded tensors past the
+    # first of a kind are matched
+    data = (fixture_path("dcp_fsdp2_adam") / ".metadata").read_bytes()
+    md = metadata_scan.scan(data)
+    assert sum(type(v) is metadata_scan._ScannedShards for v in md.state_dict_metadata.values()) >= 8
+    _same(dcp_reader._parse_fast(md), _unpickled(data))
+
+
+def test_damaged_sharded_copies_read_as_the_unpickler_reads_them_or_not_at_all():
+    source = _sharded(12)
+    rng = random.Random(4646)
+    scanned = 0
+    for i in range(600):
+        mutant, _what = (F.mutate_dcp_metadata if i % 2 else F.bytes_mutation)(rng, source)
+        if mutant is None:
+            continue
+        scanned += _check(mutant)
+    assert scanned > 30
+
+
+def test_a_layout_it_does_not_match_is_handed_over_early(monkeypatch):
+    # every tensor entry refers back to one shared TensorProperties (no pattern matches them): the
+    # interpreter builds a few records, not all of them, before it leaves the pickle to the unpickler
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
+    )
+
+    shared = TensorProperties(dtype=torch.float32)
+    sdm = {f"t{i}": TensorStorageMetadata(shared, torch.Size([2]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
+           for i in range(2000)}
+    data = pickle.dumps(Metadata(state_dict_metadata=sdm), protocol=4)
+    built = []
+    original = safe_pickle.TensorStorageMetadata.__setstate__
+    monkeypatch.setattr(safe_pickle.TensorStorageMetadata, "__setstate__",
+                        lambda self, state: built.append(1) or original(self, state))
+    assert metadata_scan.scan(data) is None
+    assert len(built) <= metadata_scan._GIVE_UP_AFTER + 1
+    assert safe_pickle.load_metadata(data, "x") is not None
