@@ -11,9 +11,11 @@ columns decode here with numpy into a few arrays over the decompressed node
 (about 30 MB for that node), and keys are rebuilt one at a time while
 looking for the wanted ones, so no per-entry object outlives its lookup.
 
-Only leaf nodes are decoded here; the manifest and the interior nodes (small)
-still come from tensorstore's dump, whose node locations carry the
-transitive base path a leaf node's data file table is relative to.
+Interior nodes and manifests decode here too (interior_children, decode_manifest:
+validate's walk, ocdbt_entries); the reader's walk of a database on an object
+store (ocdbt_bulk) still takes its manifest and interior nodes from
+tensorstore's dump, whose node locations carry the transitive base path a leaf
+node's data file table is relative to.
 """
 from __future__ import annotations
 
@@ -493,3 +495,104 @@ class LeafNode:
             else:
                 out[key] = self.value(i)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What validate's walk needs of a manifest: the latest version's B+tree root (None for an empty
+    tree), its height, where the version tree nodes lie (their files are checked, not their trees)
+    and the decoded size bound. `numbered`: a config-only manifest whose versions lie in numbered
+    manifest files (manifest.<16 hex digits>), none of the rest read."""
+
+    root: Location | None
+    height: int
+    version_tree_nodes: tuple[Location, ...]
+    max_decoded_node_bytes: int
+    numbered: bool = False
+
+
+def manifest_declared_length(raw: bytes | memoryview) -> int | None:
+    """The length a manifest's header gives (None where the magic and header are not there)."""
+    if len(raw) < 12 or struct.unpack_from(">I", raw, 0)[0] != MANIFEST_MAGIC:
+        return None
+    return int(_HEADER.unpack_from(raw, 4)[0])
+
+
+_MISSING = 2**64 - 1  # a version's root at this offset and length: an empty tree (tensorstore's Missing())
+
+
+def decode_manifest(raw: bytes | memoryview) -> Manifest:
+    """Any manifest.ocdbt (format document, "Manifest format"): config, data file table, the
+    versions stored inline, then the version tree nodes that hold older versions; OcdbtNodeError
+    when it does not decode (said in ckpt's words)."""
+    import numpy as np
+
+    declared = manifest_declared_length(raw)
+    if declared is not None and declared != len(raw):
+        raise OcdbtNodeError(f"manifest header gives {declared} bytes, the file has {len(raw)}")
+    try:
+        body = np.frombuffer(_body(raw, 1 << 24, MANIFEST_MAGIC), dtype=np.uint8)
+    except OcdbtNodeError as exc:
+        raise OcdbtNodeError(str(exc).replace("B+tree node", "manifest")) from None
+    pos = 16  # the uuid
+    if len(body) < pos:
+        raise OcdbtNodeError("manifest ends inside its config")
+    kind, pos = _one_varint(body, pos)
+    _inline, pos = _one_varint(body, pos)
+    max_decoded, pos = _one_varint(body, pos)
+    if pos >= len(body):
+        raise OcdbtNodeError("manifest ends inside its config")
+    arity_log2 = int(body[pos])
+    pos += 1
+    compression, pos = _one_varint(body, pos)
+    if compression not in (0, 1) or not 1 <= arity_log2 <= 16:
+        raise OcdbtNodeError(f"manifest config has compression {compression}, version tree arity 2^{arity_log2}")
+    pos += 4 if compression == 1 else 0  # the zstd level
+    if kind == 1:  # numbered: this file holds the config alone
+        return Manifest(None, 0, (), int(max_decoded), numbered=True)
+    if kind != 0:
+        raise OcdbtNodeError(f"manifest kind {kind} (0 = single, 1 = numbered)")
+    files, pos = _data_file_entries(body, pos, "")
+    n, pos = _one_varint(body, pos)
+    if not 1 <= n <= 1 << arity_log2:
+        raise OcdbtNodeError(f"manifest holds {n} versions inline (at most {1 << arity_log2})")
+    _generations, pos = _varints(body, pos, n)
+    if pos + n > len(body):
+        raise OcdbtNodeError("manifest ends inside its versions")
+    heights = body[pos : pos + n].tolist()
+    pos += n
+    file_ids, pos = _varints(body, pos, n)
+    offsets, pos = _varints(body, pos, n)
+    lengths, pos = _varints(body, pos, n)
+    _stats, pos = _varints(body, pos, 3 * n)  # num_keys, num_tree_bytes, num_indirect_value_bytes
+    pos += 8 * n  # commit times
+    if pos > len(body):
+        raise OcdbtNodeError("manifest ends inside its versions")
+    m, pos = _one_varint(body, pos)
+    if m > 64:
+        raise OcdbtNodeError(f"manifest claims {m} version tree nodes")
+    _node_generations, pos = _varints(body, pos, m)
+    node_files, pos = _varints(body, pos, m)
+    node_offsets, pos = _varints(body, pos, m)
+    node_lengths, pos = _varints(body, pos, m)
+    _counts, pos = _varints(body, pos, m)
+    pos += 8 * m + m  # commit times, heights
+    if pos != len(body):
+        raise OcdbtNodeError(f"manifest holds {len(body) - pos} bytes after its versions" if pos < len(body)
+                             else "manifest ends inside its version tree nodes")
+
+    def location(file_id: int, offset: int, length: int) -> Location:
+        if file_id >= len(files):
+            raise OcdbtNodeError(f"manifest refers to data file {file_id} of a {len(files)}-file table")
+        if offset + length >= 2**64:
+            raise OcdbtNodeError(f"invalid offset/length pair ({offset}, {length})")
+        base, relative, _full = files[file_id]
+        return Location(base, relative, offset, length)
+
+    nodes = tuple(location(int(f), int(o), int(n_)) for f, o, n_ in zip(node_files, node_offsets, node_lengths))
+    offset, length = int(offsets[-1]), int(lengths[-1])
+    if offset == _MISSING and length == _MISSING:
+        return Manifest(None, int(heights[-1]), nodes, int(max_decoded))
+    # the manifest's table is relative to the database root (transitive path ""): the node it names
+    # takes its entry's base path as the transitive path of its own table
+    return Manifest(location(int(file_ids[-1]), offset, length), int(heights[-1]), nodes, int(max_decoded))
