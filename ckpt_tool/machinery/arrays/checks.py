@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from ...base import dtypes
 from ...base.errors import CkptError, UnreadableFileError
 from ...base.findings import Findings
 from ...storage import Storage, ocdbt_bulk
-from ...storage.ocdbt_node import OcdbtNodeError, parse_location
+from ...storage.ocdbt_node import (
+    LeafNode, Location, Manifest, OcdbtNodeError, decode_manifest, interior_children, manifest_declared_length,
+    parse_location,
+)
 from .reading import ROOT_MANIFEST, chunk_keys
-
-if TYPE_CHECKING:
-    import tensorstore as ts
-
-
-# tensorstore's words for a manifest file shorter than its header says (kvstore/ocdbt/format/manifest.cc)
-_MANIFEST_CUT = re.compile(r"Length in header \((\d+)\) does not match actual length \((\d+)\)")
 
 # more chunks than this per array are not enumerated key by key; the count is compared instead
 _MAX_ENUMERATED_CHUNKS = 1_000_000
@@ -94,77 +89,73 @@ def check_ocdbt(
     storage: Storage, db: str, findings: Findings, *, where: str, list_keys: bool = True, stored: list[int] | None = None,
     lost: LostKeys | None = None,
 ) -> set[str]:
-    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long enough.
+    """Walk an OCDBT database's manifest and B-tree: every referenced data file present and long
+    enough; the keys it holds (with `list_keys`).
+
+    The manifest and every node are read by byte range through `storage` (a local root, gs://,
+    s3://) and decoded by ckpt (storage/ocdbt_node.py), tensorstore not imported: a local convert's
+    preflight of an Orbax source loads none of it (issue 46). The one layout left to tensorstore is
+    a numbered manifest (_numbered_manifest).
 
     `lost` (with `list_keys`): filled with the keys that lost data files take with them."""
     base_where = f"{where}{db + '/' if db else ''}"
-    manifest_key = f"{db}/{ROOT_MANIFEST}" if db else ROOT_MANIFEST
-    if not storage.exists(manifest_key):
-        findings.error("lost-process-data", f"{ROOT_MANIFEST} missing", file=base_where + ROOT_MANIFEST)
-        if lost is not None and list_keys:
-            lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
-        return set()
-    # tensorstore is imported where an OCDBT database is walked, not with this module: checks of
-    # arrays stored as plain files, and the modules that only import this one, load none of it
-    import tensorstore as ts
+    db_dir = f"{db}/" if db else ""
+    manifest_key = db_dir + ROOT_MANIFEST
 
-    # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
-    base_kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db + "/" if db else ""), context=storage.context),
-                           "cannot open the OCDBT database", base_where or ".")
-    needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
-
-    def need(location: str) -> tuple[str, int, int] | None:
-        # the base path is relative to the database directory: empty for its own files,
-        # "ocdbt.process_0/" for a merged root's values that stay in a process database
-        try:
-            where = parse_location(location)
-        except OcdbtNodeError:
-            return None
-        needed[where.path] = max(needed.get(where.path, 0), where.offset + where.length)
-        return where.path, where.offset, where.length
-
-    # data file -> the bytes it has (None: missing or unreadable), for each file found lost
-    lost_files: dict[str, int | None] = {}
-    try:
-        manifest = storage.wait(ts.ocdbt.dump(base_kv, context=storage.context), "unreadable manifest", base_where)
-    except CkptError as exc:  # tensorstore raises ValueError with a status text
-        cut = _MANIFEST_CUT.search(exc.message)
-        message = (f"{ROOT_MANIFEST} is cut short: it has {cut.group(2)} of the {cut.group(1)} bytes its header gives"
-                   if cut and int(cut.group(2)) < int(cut.group(1)) else exc.message)
+    def lost_manifest(message: str) -> set[str]:
         findings.error("lost-process-data", message, file=base_where + ROOT_MANIFEST)
         if lost is not None and list_keys:
             lost.ranges.append((base_where + ROOT_MANIFEST, b"", None))  # it takes every key
         return set()
-    versions = manifest.get("versions") or []
-    latest = versions[-1] if versions and isinstance(versions[-1], dict) else {}
-    root = latest.get("root")
-    root = root if isinstance(root, dict) else {}
-    # (location, the node's height when known, the key prefix of its entries, the range of keys its
-    # subtree holds): the latest version's tree is what a reader sees
-    stack: list[tuple[str, int | None, bytes, bytes, bytes | None]] = [
-        (root["location"], latest.get("root_height"), b"", b"", None)] if isinstance(root.get("location"), str) else []
+
+    if not storage.exists(manifest_key):
+        return lost_manifest(f"{ROOT_MANIFEST} missing")
+    try:
+        raw = storage.read(manifest_key)
+    except CkptError as exc:
+        return lost_manifest(f"unreadable manifest: {exc.message}")
+    try:
+        manifest = decode_manifest(raw)
+    except OcdbtNodeError as exc:
+        declared = manifest_declared_length(raw)
+        return lost_manifest(
+            f"{ROOT_MANIFEST} is cut short: it has {len(raw)} of the {declared} bytes its header gives"
+            if declared is not None and len(raw) < declared else f"unreadable manifest: {exc}")
+    del raw
+    if manifest.numbered:
+        try:
+            manifest = _numbered_manifest(storage, db_dir, base_where)
+        except CkptError as exc:
+            return lost_manifest(exc.message)
+    needed: dict[str, int] = {}  # data file (relative to the database dir) -> bytes needed
+
+    def need(at: Location) -> None:
+        # the path is relative to the database directory: its own files ("d/..."), or for a merged
+        # root's values that stay in a process database, "ocdbt.process_0/d/..."
+        needed[at.path] = max(needed.get(at.path, 0), at.offset + at.length)
+
+    # data file -> the bytes it has (None: missing or unreadable), for each file found lost
+    lost_files: dict[str, int | None] = {}
+    # (where the node lies, its height, the key prefix its keys are stored without, the range of
+    # keys its subtree holds): the latest version's tree is what a reader sees. A child is one level
+    # below its parent (the decoder checks each node's height), so the walk ends on any input.
+    stack: list[tuple[Location, int, bytes, bytes, bytes | None]] = (
+        [(manifest.root, manifest.height, b"", b"", None)] if manifest.root is not None else [])
     # the version tree (a database of more than 2^arity generations) holds the older versions' roots:
     # its nodes' files are checked for size, their trees not walked
-    for n in manifest.get("version_tree_nodes") or []:
-        if isinstance(n, dict) and isinstance(n.get("location"), str):
-            need(n["location"])
-    limit = ocdbt_bulk.decoded_limit(manifest.get("config"))
+    for node in manifest.version_tree_nodes:
+        need(node)
+    limit = ocdbt_bulk.decoded_limit({"max_decoded_node_bytes": manifest.max_decoded_node_bytes})
     lost_nodes: list[tuple[str, bytes, bytes | None]] = []  # (data file, first key, end key) of each lost node
     opened: set[str] = set()  # data files found readable (an open each, once)
-    leaf_nodes: list[tuple[str, bytes]] = []  # (location, key prefix) of each leaf node read
-
-    def wait(f: Any) -> Any:
-        return storage.wait(f, "unreadable B-tree node", base_where)
-
-    seen = 0
+    leaf_nodes: list[tuple[Location, bytes]] = []  # (location, key prefix) of each leaf node read
+    keys: set[str] = set()
     while stack:
-        loc, height, prefix, first, end = stack.pop()
-        ref = need(loc)
-        if ref is None:
-            continue
-        file = ref[0]
-        if file in lost_files or not _file_long_enough(storage, db, file, ref[1] + ref[2], findings, base_where, lost_files,
-                                                       opened):
+        at, height, prefix, first, end = stack.pop()
+        need(at)
+        file = at.path
+        if file in lost_files or not _file_long_enough(storage, db, file, at.offset + at.length, findings, base_where,
+                                                       lost_files, opened):
             lost_nodes.append((file, first, end))
             continue
         if not list_keys:
@@ -172,55 +163,33 @@ def check_ocdbt(
             # the root, whose walk covers the values; here the manifest's own
             # node files are enough (walking every leaf again doubles the cost)
             continue
-        if height == 0 and loc.startswith("btreenode:"):
-            # a leaf node: decoded column by column (storage/ocdbt_node.py), not as one Python object per
-            # entry (350 MB for orbax's 200,000-entry node of a 100k-leaf save)
-            try:
-                leaf = ocdbt_bulk.read_leaf(
-                    base_kv, loc, lambda f: storage.wait(f, f"unreadable B-tree node {loc}", base_where), limit)
-            except CkptError as exc:
-                findings.error("lost-process-data", exc.message, file=base_where + file)
-                lost_nodes.append((file, first, end))
-                continue
-            except OcdbtNodeError as exc:
-                findings.error("lost-process-data", f"unreadable B-tree node {loc}: {exc}", file=base_where + file)
-                lost_nodes.append((file, first, end))
-                continue
-            seen += 1
-            leaf_nodes.append((loc, prefix))
-            for path, last in leaf.indirect_extents().items():
-                needed[path] = max(needed.get(path, 0), last)
-            continue
         try:
-            node = storage.wait(ts.ocdbt.dump(base_kv, loc, context=storage.context), f"unreadable B-tree node {loc}", base_where)
+            if height == 0:
+                # a leaf node: decoded column by column, not as one Python object per entry
+                leaf = LeafNode(_read_node(storage, db_dir, at), at, max_decoded=limit)
+                names = [key.decode("utf-8", "surrogateescape") for key, _ in leaf.entries(prefix)]
+                extents = leaf.indirect_extents()
+                del leaf  # (tens of MB for a large save: one at a time)
+                keys.update(names)
+                leaf_nodes.append((at, prefix))
+                for path, last in extents.items():
+                    needed[path] = max(needed.get(path, 0), last)
+                continue
+            children = interior_children(_read_node(storage, db_dir, at), at, height, prefix, max_decoded=limit)
         except CkptError as exc:
             findings.error("lost-process-data", exc.message, file=base_where + file)
             lost_nodes.append((file, first, end))
             continue
-        seen += 1
-        child_height = node["height"] - 1 if isinstance(node.get("height"), int) and node["height"] > 0 else None
-        entries = node.get("entries", [])
-        for i, entry in enumerate(entries):
-            if "inline_value" in entry:
-                continue  # stored inside the node itself: nothing else to find
-            # an interior entry's subtree holds the keys from its key up to the next entry's key
-            key = entry.get("key")
-            child_first, child_end, child_prefix = first, end, prefix
-            if isinstance(key, bytes):
-                child_first = prefix + key
-                after = entries[i + 1].get("key") if i + 1 < len(entries) else None
-                child_end = prefix + after if isinstance(after, bytes) else end
-                common = entry.get("subtree_common_prefix", b"")
-                child_prefix = prefix + (common if isinstance(common, bytes) else b"")
-            for field_ in ("node", "location", "indirect_value"):
-                value = entry.get(field_)
-                if isinstance(value, str):
-                    if value.startswith("btreenode:"):
-                        stack.append((value, child_height, child_prefix, child_first, child_end))
-                    elif value.startswith("value:"):
-                        need(value)
+        except OcdbtNodeError as exc:
+            findings.error("lost-process-data", f"unreadable B-tree node {_node_name(at)}: {exc}", file=base_where + file)
+            lost_nodes.append((file, first, end))
+            continue
+        # a child's subtree holds the keys from its first key up to the next child's
+        for i, child in reversed(list(enumerate(children))):
+            child_end = children[i + 1].first_key if i + 1 < len(children) else end
+            stack.append((child.location, child.height, child.key_prefix, child.first_key, child_end))
     # (on an object store each size is a round trip or more: all of them in flight together)
-    storage.prefetch_shortfalls({f"{db}/{file}" if db else file: last for file, last in needed.items() if file not in lost_files})
+    storage.prefetch_shortfalls({db_dir + file: last for file, last in needed.items() if file not in lost_files})
     for file, last in sorted(needed.items()):
         if file not in lost_files:
             _file_long_enough(storage, db, file, last, findings, base_where, lost_files, opened)
@@ -229,46 +198,72 @@ def check_ocdbt(
         stored[0] += sum(needed.values())
     if not list_keys:
         return set()
-    if not lost_files and not lost_nodes:
-        try:
-            return set(storage.ocdbt(db).list())
-        except CkptError as exc:
-            findings.error("lost-process-data", f"cannot list the database: {exc.message}", file=base_where + ROOT_MANIFEST)
-            return set()
-    # a lost file: what it takes is said once, by its finding; the keys that are left are those of
-    # the leaf nodes that could be read (a listing through a lost node fails as a whole)
-    keys, taken = _keys_left(base_kv, leaf_nodes, lost_files, wait, limit)
-    if lost is not None:
+    if (lost_files or lost_nodes) and lost is not None:
+        # a lost file: what it takes is said once, by its finding; the keys that are left are those
+        # of the leaf nodes that could be read
         lost.ranges += [(base_where + file, first, end) for file, first, end in lost_nodes]
-        for key, file in sorted(taken.items()):
+        for key, file in sorted(_keys_taken(storage, db_dir, leaf_nodes, lost_files, limit).items()):
             lost.keys.append(key)
             lost.key_files.append(base_where + file)
     return keys
 
 
-def _keys_left(
-    base_kv: ts.KvStore, leaf_nodes: list[tuple[str, bytes]], lost_files: dict[str, int | None],
-    wait: Callable[[Any], Any], limit: int,
-) -> tuple[set[str], dict[bytes, str]]:
-    """(every key of the leaf nodes that can be read, key -> the lost data file its value lay in).
-    Only on damage: each leaf node is read and decoded a second time."""
-    keys: set[str] = set()
+def _node_name(at: Location) -> str:
+    return f"{at.path} [{at.offset}, +{at.length})"
+
+
+def _read_node(storage: Storage, db_dir: str, at: Location) -> bytes:
+    """The encoded node at `at`, read by byte range through `storage` (OcdbtNodeError if short)."""
+    raw = storage.read_range(db_dir + at.path, at.offset, at.offset + at.length)
+    if len(raw) != at.length:
+        raise OcdbtNodeError(f"B+tree node {_node_name(at)} holds {len(raw)} bytes")
+    return raw
+
+
+def _numbered_manifest(storage: Storage, db_dir: str, where: str) -> Manifest:
+    """The latest version of a database with a numbered manifest (manifest.ocdbt holds its config
+    alone, the versions lie in manifest.<generation> files), as tensorstore's reader finds it: the one
+    layout ckpt's decoder leaves to tensorstore (no Orbax or ckpt writer makes it). Its nodes are
+    then read by ckpt as any other's."""
+    import tensorstore as ts
+
+    # storage.wait: the storage layer's deadline, so a remote store that stops answering fails, never hangs
+    kv = storage.wait(ts.KvStore.open(storage.kvstore_spec(db_dir), context=storage.context),
+                      "cannot open the OCDBT database", where or ".")
+    dump = storage.wait(ts.ocdbt.dump(kv, context=storage.context), "unreadable manifest", where)
+    versions = dump.get("versions") or []
+    latest = versions[-1] if versions and isinstance(versions[-1], dict) else {}
+    root: dict[str, Any] = latest["root"] if isinstance(latest.get("root"), dict) else {}
+    try:
+        nodes = tuple(parse_location(n["location"]) for n in dump.get("version_tree_nodes") or []
+                      if isinstance(n, dict) and isinstance(n.get("location"), str))
+        at = parse_location(root["location"]) if isinstance(root.get("location"), str) else None
+    except OcdbtNodeError as exc:
+        raise CkptError(f"unreadable manifest: {exc}", where) from None
+    config = dump.get("config") if isinstance(dump.get("config"), dict) else {}
+    return Manifest(at, int(latest.get("root_height") or 0), nodes, int(config.get("max_decoded_node_bytes") or 0))
+
+
+def _keys_taken(
+    storage: Storage, db_dir: str, leaf_nodes: list[tuple[Location, bytes]], lost_files: dict[str, int | None], limit: int,
+) -> dict[bytes, str]:
+    """key -> the lost data file its value lay in, for the leaf nodes that could be read. Only on
+    damage: each leaf node that refers to a lost file is read and decoded a second time."""
     taken: dict[bytes, str] = {}
-    for loc, prefix in leaf_nodes:
+    for at, prefix in leaf_nodes:
         try:
-            node = ocdbt_bulk.read_leaf(base_kv, loc, wait, limit)
+            node = LeafNode(_read_node(storage, db_dir, at), at, max_decoded=limit)
+            hit = {file for file, last in node.indirect_extents().items()
+                   if file in lost_files and (lost_files[file] is None or last > (lost_files[file] or 0))}
+            if hit:
+                for key, value in node.out_of_line(prefix):
+                    has = lost_files.get(value.path, -1)
+                    if value.path in hit and (has is None or value.offset + value.length > has):
+                        taken[key] = value.path
         except (CkptError, OcdbtNodeError):
             continue  # read a moment ago: a file changing under the check
-        keys.update(key.decode("utf-8", "surrogateescape") for key, _ in node.entries(prefix))
-        hit = {file for file, last in node.indirect_extents().items()
-               if file in lost_files and (lost_files[file] is None or last > (lost_files[file] or 0))}
-        if hit:
-            for key, value in node.out_of_line(prefix):
-                has = lost_files.get(value.path, -1)
-                if value.path in hit and (has is None or value.offset + value.length > has):
-                    taken[key] = value.path
         del node  # tens of MB for a large save: one at a time
-    return keys, taken
+    return taken
 
 
 def _file_long_enough(
