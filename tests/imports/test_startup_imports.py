@@ -233,15 +233,25 @@ def test_a_local_orbax_reshard_and_convert_load_no_rare_path_module(command, tmp
     assert NEEDED_BY.get(command, set()) <= loaded
 
 
-# where a local Orbax -> Orbax reshard may still import tensorstore: the preflight's walk of the
-# source's OCDBT database (machinery/arrays/checks.py's check_ocdbt, made tensorstore-free apart).
-# Nothing of the write may: its zarr metadata and 0-d values are ckpt's (formats/orbax/
-# zarr_metadata.generate, direct.py), its small files written by the file system (storage/
-# local_backend.write), its destination's kvstore never opened. Once the walk is tensorstore-free
-# this set is empty and the whole process loads no tensorstore (the test then says so). A zarr3
-# source's metadata is also checked by tensorstore's parser when read (machinery/arrays/schema.py's
+def test_a_local_orbax_to_dcp_convert_loads_no_tensorstore(tmp_path):
+    """A local Orbax (zarr v2, OCDBT) -> DCP convert, as a whole process, never imports tensorstore
+    (issue 46: ~80 ms of import on a TPU host): the preflight's walk of the source's OCDBT database
+    (check_ocdbt) reads its manifest and nodes with ckpt's own decoder, as the reader does its
+    chunks. It imported tensorstore for that walk alone."""
+    loaded = set(_loaded_by_the_command("convert", tmp_path))
+    assert "ckpt_tool.formats.dcp.write" in loaded and "ckpt_tool.machinery.arrays.checks" in loaded
+    assert (tmp_path / "out" / ".metadata").is_file()
+    assert not sorted(m for m in loaded if m.split(".")[0] == "tensorstore")
+
+
+# where a local Orbax -> Orbax reshard may still import tensorstore: nowhere. Nothing of the write
+# does (its zarr metadata and 0-d values are ckpt's: formats/orbax/zarr_metadata.generate, direct.py;
+# its small files written by the file system, storage/local_backend.write; its destination's kvstore
+# never opened), nor the preflight's walk of the source's OCDBT database (check_ocdbt: ckpt's own
+# decoder), so the whole process loads no tensorstore (the test then says so). A zarr3 source's
+# metadata is still checked by tensorstore's parser when read (machinery/arrays/schema.py's
 # _tensorstore_check: zarr v2's plain metadata has a path without it, zarr3's none yet).
-TENSORSTORE_ONLY_IN = {"check_ocdbt"}
+TENSORSTORE_ONLY_IN: set[str] = set()
 READING_ZARR3 = {"_tensorstore_check"}
 
 
