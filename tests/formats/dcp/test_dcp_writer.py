@@ -712,6 +712,7 @@ import sys
 import threading
 import time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+import ml_dtypes  # noqa: F401 - numpy's "bfloat16" (tensorstore, which registered it, is no longer loaded here)
 import numpy as np
 from ckpt_tool.formats.dcp.write import DcpWriter
 from ckpt_tool.core.model import RegularGrid
