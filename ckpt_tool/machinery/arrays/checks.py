@@ -110,6 +110,9 @@ def check_ocdbt(
 
     if not storage.exists(manifest_key):
         return lost_manifest(f"{ROOT_MANIFEST} missing")
+    # a symlink out of the checkpoint, a loop, a FIFO in the database's directory: PathEscapeError, as
+    # when tensorstore opened it (validate reports the path itself as path-escape, once)
+    storage.guard(db_dir)
     try:
         raw = storage.read(manifest_key)
     except CkptError as exc:

@@ -6,6 +6,7 @@ manifest, which alone is read through tensorstore), locally and on an object sto
 is one finding."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -97,3 +98,22 @@ def test_a_manifest_cut_short_says_so_in_its_own_words(tmp_path):
     assert check_ocdbt(Storage.open(str(root)), "", findings, where="") == set()
     (finding,) = findings.errors
     assert finding.message == f"manifest.ocdbt is cut short: it has 30 of the {size} bytes its header gives"
+
+
+def test_a_data_file_linked_out_of_the_checkpoint_is_its_path_escape_alone(tmp_path):
+    """The database's directory is guarded as when tensorstore opened it: a data file that is a
+    symlink out of the checkpoint is validate's one path-escape finding, not also a lost file."""
+    from click.testing import CliRunner
+
+    from ckpt_tool.cli.main import cli
+
+    root = tmp_path / "orbax"
+    shutil.copytree(FIXTURES / "orbax_ocdbt_zarr2", root)
+    (index,) = (root / "d").iterdir()
+    outside = tmp_path / "outside"
+    shutil.move(index, outside)
+    index.symlink_to(outside)
+    r = CliRunner().invoke(cli, ["validate", "--json", str(root)], catch_exceptions=False)
+    assert r.exit_code == 1
+    errors = [(f["code"], f["file"]) for f in json.loads(r.output)["findings"] if f["severity"] == "error"]
+    assert errors == [("path-escape", f"d/{index.name}")]
