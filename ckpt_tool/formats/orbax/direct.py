@@ -56,7 +56,7 @@ from . import zarr_metadata
 if TYPE_CHECKING:
     import tensorstore as ts
 
-# orbax's zstd levels (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD)
+# orbax's zstd levels (zarr_metadata.orbax_metadata's compressors)
 ZARR2_LEVEL = 1
 ZARR3_LEVEL = 3
 # Chunks from this size up are compressed as a stream, a MiB of output at a time, into the data

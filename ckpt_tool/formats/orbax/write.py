@@ -52,7 +52,7 @@ from ...storage import Storage, local_path, ts_error_text
 from ...core.contract import CheckpointWriter
 from ...core.write_plan import PlanContext, TargetArray, TargetValue, WritePlan
 from ...machinery.arrays import stored_chunks
-from . import direct
+from . import direct, zarr_metadata
 from . import reader as ob
 
 if TYPE_CHECKING:
@@ -79,9 +79,7 @@ _CONTEXT_SPEC = {
     "file_io_concurrency": {"limit": 128},
     "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
 }
-# zarr compression exactly as orbax asks for it (tensorstore's default levels)
-_ZARR2_COMPRESSOR = {"id": "zstd", "level": 1}
-_ZARR3_ZSTD = {"name": "zstd", "configuration": {"level": 3}}
+# (zarr compression exactly as orbax asks for it, tensorstore's default levels: zarr_metadata.orbax_metadata)
 
 # orbax's KeyType
 _KEY_SEQUENCE = 1
@@ -177,25 +175,7 @@ def _array_leaf(target: TargetArray, zarr3: bool) -> _Leaf:
 
 def _zarr_metadata(leaf: _Leaf, zarr3: bool) -> dict[str, Any]:
     """What orbax passes to tensorstore (tensorstore_utils._build_zarr{2,3}_metadata)."""
-    shape, chunks = list(leaf.shape), list(leaf.chunk_shape)
-    if not zarr3:
-        return {"shape": shape, "chunks": chunks, "compressor": dict(_ZARR2_COMPRESSOR)}
-    return {
-        "shape": shape,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-        "codecs": [{
-            "name": "sharding_indexed",
-            "configuration": {
-                "chunk_shape": chunks,
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, dict(_ZARR3_ZSTD)],
-                "index_codecs": [
-                    {"name": "bytes", "configuration": {"endian": "little"}},
-                    {"name": "crc32c"},
-                ],
-                "index_location": "end",
-            },
-        }],
-    }
+    return zarr_metadata.orbax_metadata(list(leaf.shape), list(leaf.chunk_shape), zarr3)
 
 
 def _memory_spec(leaf: _Leaf, zarr3: bool) -> dict[str, Any]:

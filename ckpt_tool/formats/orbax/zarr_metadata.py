@@ -69,7 +69,7 @@ _ZARR3_DTYPES = {
                                "float8_e4m3b11fnuz")},
     "complex64": (8, "[0.0,0.0]"), "complex128": (16, "[0.0,0.0]"),
 }
-# orbax's compression (write.py's _ZARR2_COMPRESSOR, _ZARR3_ZSTD), the only ones generated
+# orbax's compression (the only ones generated), as orbax_metadata puts it in the writer's specs
 _ZARR2_COMPRESSOR = {"id": "zstd", "level": 1}
 _ZARR3_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _ZARR3_ZSTD = {"name": "zstd", "configuration": {"level": 3}}
@@ -86,8 +86,11 @@ def _dims(value: Any) -> list[int] | None:
     return dims if len(dims) == len(value) and all(d >= 0 for d in dims) else None
 
 
-def _orbax_zarr3(shape: list[int], chunks: list[int]) -> dict[str, Any]:
-    # write.py's _zarr_metadata for zarr3, as orbax's tensorstore_utils builds it
+def orbax_metadata(shape: list[int], chunks: list[int], zarr3: bool) -> dict[str, Any]:
+    """The zarr metadata orbax passes to tensorstore for an array (tensorstore_utils._build_zarr{2,3}_metadata):
+    the Orbax writer's specs are built with it, and generate() knows exactly this form."""
+    if not zarr3:
+        return {"shape": shape, "chunks": chunks, "compressor": dict(_ZARR2_COMPRESSOR)}
     return {
         "shape": shape,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
@@ -95,8 +98,8 @@ def _orbax_zarr3(shape: list[int], chunks: list[int]) -> dict[str, Any]:
             "name": "sharding_indexed",
             "configuration": {
                 "chunk_shape": chunks,
-                "codecs": [_ZARR3_BYTES, _ZARR3_ZSTD],
-                "index_codecs": [_ZARR3_BYTES, {"name": "crc32c"}],
+                "codecs": [dict(_ZARR3_BYTES), dict(_ZARR3_ZSTD)],
+                "index_codecs": [dict(_ZARR3_BYTES), {"name": "crc32c"}],
                 "index_location": "end",
             },
         }],
@@ -126,7 +129,7 @@ def generate(spec: dict[str, Any], zarr3: bool) -> bytes | None:
             grid = meta.get("chunk_grid")
             chunks = _dims(grid.get("configuration", {}).get("chunk_shape")) if isinstance(grid, dict) else None
             if shape is None or chunks is None or len(chunks) != len(shape) or 0 in chunks \
-                    or dtype not in _ZARR3_DTYPES or meta != _orbax_zarr3(shape, chunks):
+                    or dtype not in _ZARR3_DTYPES or meta != orbax_metadata(shape, chunks, True):
                 return None
             size, fill = _ZARR3_DTYPES[dtype]
             inner = '{"name":"bytes"}' if size == 1 else '{"configuration":{"endian":"little"},"name":"bytes"}'
@@ -142,7 +145,7 @@ def generate(spec: dict[str, Any], zarr3: bool) -> bytes | None:
             ).encode()
         chunks = _dims(meta.get("chunks"))
         if shape is None or chunks is None or len(chunks) != len(shape) or 0 in chunks \
-                or dtype not in _ZARR2_DTYPES or meta != {"shape": shape, "chunks": chunks, "compressor": _ZARR2_COMPRESSOR}:
+                or dtype not in _ZARR2_DTYPES or meta != orbax_metadata(shape, chunks, False):
             return None
         return (
             f'{{"chunks":{_compact(chunks)},"compressor":{{"id":"zstd","level":1}},"dimension_separator":".",'
