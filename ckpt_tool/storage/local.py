@@ -225,18 +225,37 @@ class FileCloser:
     the last chunk was written.
     """
 
-    def __init__(self, name: str, threads: int | None = None) -> None:
+    def __init__(self, name: str, threads: int | None = None, *, bound: int | None = None) -> None:
+        """`bound`: at most this many submitted and not finished; submit() waits for a place (what
+        each holds, an upload's bytes say, then stays within `bound` of them), and raises the first
+        failure of those finished, so that a run whose upload failed stops making more."""
         self._name = name
         self._threads = threads or max(4, copy_workers())
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closing: list[Future[None]] = []
+        self._places = threading.BoundedSemaphore(bound) if bound else None
 
     def submit(self, close: Callable[[], None]) -> None:
+        places = self._places
+        run: Callable[[], None] = close
+        if places is not None:
+            places.acquire()
+            with self._lock:
+                failed = next((f for f in self._closing if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                places.release()
+                failed.result()  # (raises its error)
+
+            def run() -> None:
+                try:
+                    close()
+                finally:
+                    places.release()
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
-            self._closing.append(self._pool.submit(close))
+            self._closing.append(self._pool.submit(run))
 
     def wait(self) -> None:
         with self._lock:

@@ -424,6 +424,58 @@ def test_memory_storage_archives_over_file_mb() -> None:
         np.testing.assert_array_equal(as_bytes(ck[name].read()), as_bytes(data))
 
 
+def test_object_store_files_are_uploaded_behind_the_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sealed data file bound for an object store is uploaded by the writer's upload threads, at
+    most REMOTE_UPLOADS at once, not by the copy thread that sealed it: that thread waited for each
+    upload, and an 8 GiB convert to gs:// kept about 4.5 uploads busy of its 8 threads (50 s against
+    28.6 s for a plain parallel upload of the same objects; 30.5 s with the uploads behind)."""
+    from ckpt_tool.formats.dcp import write as dcp_write
+
+    lock = threading.Lock()
+    threads: list[str] = []
+    running, most = [0], [0]
+    real = Storage.write
+
+    def slow_write(self: Storage, key: str, data: bytes | bytearray) -> None:
+        if not key.endswith(".distcp"):
+            return real(self, key, data)
+        with lock:
+            threads.append(threading.current_thread().name)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.01)
+            return real(self, key, data)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(Storage, "write", slow_write)
+    url = "memory://dcp-writer-test/uploads"
+    write(url, file_mb=1 / 2**20)  # each archive a file of its own
+    assert len(threads) > dcp_write.REMOTE_UPLOADS
+    assert all(name.startswith("ckpt-dcp-upload") for name in threads), set(threads)
+    assert 1 < most[0] <= dcp_write.REMOTE_UPLOADS
+    ck = ckpt_tool.open(url)
+    for name, data in _data().items():
+        np.testing.assert_array_equal(as_bytes(ck[name].read()), as_bytes(data))
+
+
+def test_a_failed_upload_fails_the_process_and_nothing_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Storage.write
+
+    def failing(self: Storage, key: str, data: bytes | bytearray) -> None:
+        if key.endswith(".distcp"):
+            raise CkptError("upload corrupted: test", key)
+        return real(self, key, data)
+
+    monkeypatch.setattr(Storage, "write", failing)
+    url = "memory://dcp-writer-test/failed-upload"
+    with pytest.raises(CkptError, match="upload corrupted: test"):
+        write(url, file_mb=1 / 2**20)
+    assert not Storage.open(url).exists(".metadata")
+
+
 # ---------------------------------------------------------------------------
 # Several processes, file rollover
 # ---------------------------------------------------------------------------
