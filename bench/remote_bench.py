@@ -238,7 +238,9 @@ def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: boo
             for name, (remote_argv, local_argv) in pairs.items():
                 local = run(local_argv)
                 remote = run(remote_argv, env)
-                if name.endswith("-> gs:// dcp"):
+                if name.endswith("-> gs:// dcp") and remote["rc"] != 0:
+                    net = float("nan")  # (nothing complete to upload again: the failure is logged below)
+                elif name.endswith("-> gs:// dcp"):
                     # the network's floor for a write: the objects ckpt wrote (fetched, not timed)
                     # uploaded again by plain parallel requests
                     net_floor(server, "fetch", f"out{r}", f"{scratch}/f")
@@ -251,6 +253,10 @@ def bench_size(gib: int, rounds: int, delay_ms: float, latency: bool, regen: boo
                 log(f"{gib} GiB round {r + 1}: {name}: {remote['s']:.2f} s ({remote['rss_mib']:.0f} MiB) against floor "
                     f"{floor:.2f} s (network {net:.2f} s, local {local['s']:.2f} s, {local['rss_mib']:.0f} MiB): "
                     f"{remote['s'] / floor:.2f}x" + (f"  FAILED rc={remote['rc']}: {remote['err']}" if remote["rc"] else ""))
+                # each command's outputs go once timed: at 8 GiB, five local outputs beside the
+                # server's copies filled the disk, and the next upload failed
+                for entry in os.listdir(scratch):
+                    shutil.rmtree(os.path.join(scratch, entry), ignore_errors=True)
             result["rounds"].append(row)
         if latency:
             result["latency"] = latency_rounds(server, src, rounds, delay_ms, log)
