@@ -83,21 +83,47 @@ def test_same_grid_and_encoding_copies_the_stored_chunks(tmp_path, orbax_source,
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key))
 
 
-def test_chunks_read_from_gcs_are_stored_as_downloaded(tmp_path, monkeypatch, orbax_source, count_copies):
+# the convert from gs://, in a process of its own: tensorstore keeps the first GCS endpoint a process
+# uses, and another test on the same worker may have used another server
+_CONVERT_COUNTING_COPIES = """
+import json, sys
+from click.testing import CliRunner
+from ckpt_tool.cli.main import cli
+from ckpt_tool.formats.orbax import direct
+copied = []
+real = direct.ProcessDatabase.write_region
+def spy(self, name, chunk_shape, region, data, zmeta, *, stored=None):
+    done = real(self, name, chunk_shape, region, data, zmeta, stored=stored)
+    copied.append(int(done))
+    return done
+direct.ProcessDatabase.write_region = spy
+result = CliRunner().invoke(cli, ["convert", *sys.argv[1:], "--to", "orbax", "--json"], catch_exceptions=False)
+assert result.exit_code == 0, result.output
+print(json.dumps({"copied": copied, "report": json.loads(result.output)}))
+"""
+
+
+def test_chunks_read_from_gcs_are_stored_as_downloaded(tmp_path, orbax_source):
     """From an object store the stored bytes are kept while the decoded chunk lives (reading them
     again would download the chunk twice): a reshard or convert gs:// -> local of the same grid and
     encoding copies them as well, downloading each once. They were encoded again: zstd took 7 of a
     1 GiB reshard's 20 busy thread-seconds, 2.7x the same reshard of a local copy."""
-    from conftest import fake_gcs_serving, gcs_create_bucket, gcs_upload_tree
+    import subprocess
+    import sys
+
+    from conftest import ROOT, fake_gcs_serving, gcs_create_bucket, gcs_upload_tree
 
     src, zarr3 = orbax_source
     with fake_gcs_serving() as env:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
         gcs_create_bucket(env["TENSORSTORE_GCS_HTTP_URL"], "stored-chunks")
         url = gcs_upload_tree(env["TENSORSTORE_GCS_HTTP_URL"], "stored-chunks", src, "src")
-        report = _convert(url, tmp_path / "out", *(["--zarr3"] if zarr3 else []))
-    assert len(count_copies) >= 17 and all(n == 1 for n in count_copies)  # every chunk written was copied
+        run = subprocess.run([sys.executable, "-c", _CONVERT_COUNTING_COPIES, url, str(tmp_path / "out"),
+                              *(["--zarr3"] if zarr3 else [])],
+                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got_run = json.loads(run.stdout.strip().splitlines()[-1])
+    copied, report = got_run["copied"], got_run["report"]
+    assert len(copied) >= 17 and all(n == 1 for n in copied)  # every chunk written was copied
     stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
     assert report["bytes_read"] <= stored  # each chunk downloaded once
     theirs, ours = ocdbt_values(src), ocdbt_values(tmp_path / "out")
