@@ -579,15 +579,10 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             dtype = dtype_names.get(dtype_name)
             if dtype is None or memory_format not in _MEMORY_FORMATS:
                 return None
-            if sizes != shape or len(offsets) != len(shape) or any(offsets):
+            whole = _whole_chunk(fqn, shape, offsets, sizes, storage, chunk_of)
+            if whole is None:
                 return None
-            entry = storage.get((fqn, offsets))
-            if entry is None:
-                return None
-            chunk = chunk_of.get((offsets, sizes))
-            if chunk is None:
-                chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
-            items[fqn] = _TensorItem(shape, dtype, [chunk], [entry], grad, 0, layout, None)
+            items[fqn] = _TensorItem(shape, dtype, [whole[0]], [whole[1]], grad, 0, layout, None)
             continue
         if kind is scanned_shards:
             # a TensorStorageMetadata of several chunks as metadata_scan matched it (as above; its
@@ -638,16 +633,11 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
             offsets, sizes = tuple(offsets), tuple(sizes)
             ints.append(offsets)
             ints.append(sizes)
-            # the whole tensor in one chunk: in its bounds (once its ints are checked non-negative)
-            if sizes != shape or len(offsets) != len(shape) or any(offsets):
+            # (its bounds are checked once its ints are checked non-negative, below)
+            whole = _whole_chunk(fqn, shape, offsets, sizes, storage, chunk_of)
+            if whole is None:
                 return None
-            entry = storage.get((fqn, offsets))
-            if entry is None:
-                return None
-            chunk = chunk_of.get((offsets, sizes))
-            if chunk is None:
-                chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
-            chunks, entries, duplicates, copies = [chunk], [entry], 0, None
+            chunks, entries, duplicates, copies = [whole[0]], [whole[1]], 0, None
         else:
             geometries = []
             for chunk_md in chunk_mds:
@@ -691,6 +681,22 @@ def _scanned_types() -> tuple[Any, Any, Any, Any]:
 
 class _NoScan:
     """No value is of this type."""
+
+
+def _whole_chunk(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 storage: dict[Any, _Entry], chunk_of: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk],
+                 ) -> tuple[Chunk, _Entry] | None:
+    """A tensor of one chunk for the fast parse, scanned or unpickled: the chunk (one object for
+    tensors alike) and its storage entry; None unless the chunk is the whole tensor and stored."""
+    if sizes != shape or len(offsets) != len(shape) or any(offsets):
+        return None
+    entry = storage.get((fqn, offsets))
+    if entry is None:
+        return None
+    chunk = chunk_of.get((offsets, sizes))
+    if chunk is None:
+        chunk = chunk_of[(offsets, sizes)] = Chunk(offsets, sizes)
+    return chunk, entry
 
 
 def _fast_chunks(fqn: str, shape: tuple[int, ...], geometries: Any, storage: dict[Any, _Entry],
