@@ -61,28 +61,16 @@ class ReadDescriptors:
         self._lock = threading.Lock()
         # path -> [fd, reads using it]; idle ones in least recently used order
         self._open: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        # path -> set once the thread checking and opening it is done: the others wait for its
+        # descriptor instead of each checking (a realpath: an lstat per path component) and opening
+        # the file too, as 13 copy threads did with the first data file of a reshard on a TPU VM
+        self._opening: dict[str, threading.Event] = {}
         weakref.finalize(self, _close_all, self._open)
 
     @contextlib.contextmanager
     def use(self, path: str, where: str, check: Callable[[], None]) -> Iterator[int]:
         """A descriptor of the regular file at `path`; `check()` runs before it is first opened."""
-        with self._lock:
-            entry = self._open.get(path)
-            if entry is not None:
-                entry[1] += 1
-                self._open.move_to_end(path)
-        if entry is None:
-            check()
-            fd = _open_regular(path, where)
-            with self._lock:
-                entry = self._open.get(path)
-                if entry is None:  # (else another thread opened it meanwhile: use theirs)
-                    entry = self._open[path] = [fd, 1]
-                    fd = -1
-                else:
-                    entry[1] += 1
-            if fd >= 0:
-                os.close(fd)
+        entry = self._entry(path, where, check)
         try:
             yield entry[0]
         except OSError as exc:  # (an I/O error while reading it)
@@ -94,6 +82,34 @@ class ReadDescriptors:
                 closing = [self._open.pop(p)[0] for p in idle[: max(0, len(idle) - self._keep)]]
             for fd in closing:
                 os.close(fd)
+
+
+    def _entry(self, path: str, where: str, check: Callable[[], None]) -> list[int]:
+        """The [fd, users] entry of `path`, counted as used once more; opened by one thread at a time."""
+        while True:
+            with self._lock:
+                entry = self._open.get(path)
+                if entry is not None:
+                    entry[1] += 1
+                    self._open.move_to_end(path)
+                    return entry
+                opening = self._opening.get(path)
+                mine = opening is None
+                if opening is None:
+                    opening = self._opening[path] = threading.Event()
+            if not mine:
+                opening.wait()
+                continue  # opened, or the opener failed: then this thread tries (and says why) itself
+            try:
+                check()
+                fd = _open_regular(path, where)
+                with self._lock:
+                    entry = self._open[path] = [fd, 1]
+                return entry
+            finally:
+                with self._lock:
+                    del self._opening[path]
+                opening.set()
 
 
 def _close_all(open_fds: dict[str, list[int]]) -> None:
