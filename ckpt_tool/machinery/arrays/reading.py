@@ -453,10 +453,10 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         if isinstance(where, bytes) or source.storage.capabilities.local_files:
             del data
             return stored_chunks.remember(chunk, self._encoding, index, lambda: source.read_chunk(key, where))
-        if isinstance(data, bytes):  # (downloaded into memory of its own, not a pooled buffer)
-            kept = data
-            return stored_chunks.remember(chunk, self._encoding, index, lambda: kept)
-        return chunk
+        # (downloaded into memory of its own, or into a pooled buffer, which stays out of the pool
+        # while this refers to it: bufferpool.py)
+        kept = data
+        return stored_chunks.remember(chunk, self._encoding, index, lambda: kept)
 
 
 def region_reader(source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
