@@ -687,18 +687,34 @@ def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
         lines.append(f"{name}: {t_exit - t:.3f} s in all, its last line at {t_line - t:.3f} s, exit {t_exit - t_line:.3f} s"
                      f" later (rc {p.returncode}: {last[:60]})")
         shutil.rmtree(dst, ignore_errors=True)
-    dst = work / "startup_convert"
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tool", "convert", src, str(dst), "--to", "dcp"],
+    imported = {name: _importtime(work, argv) for name, argv in
+                (("convert", ["convert", src, "{dst}", "--to", "dcp"]), ("reshard", ["reshard", src, "{dst}", "--mesh", host_mesh]))}
+    for name, rows in imported.items():
+        lines.append(f"{name} under -X importtime: {len(rows)} modules, {sum(s for s, _ in rows.values()) / 1e6:.3f} s of "
+                     "their own time in all")
+    # what a reshard imports that a convert does not (the difference in their overheads)
+    only = sorted(((own, name) for name, (own, _) in imported["reshard"].items() if name not in imported["convert"]), reverse=True)
+    lines.append(f"\nonly reshard imports {len(only)} modules, {sum(us for us, _ in only) / 1e6:.3f} s of their own time "
+                 "(own us):")
+    lines += [f"{us:10d} {name}" for us, name in only[:25]]
+    rows = imported["convert"]
+    lines.append("\nconvert's slowest imports (cumulative us):")
+    lines += [f"{cum:10d} {name}" for cum, name in sorted(((c, n) for n, (_, c) in rows.items()), reverse=True)[:60]]
+    return "\n".join(lines) + "\n"
+
+
+def _importtime(work: Path, argv: list[str]) -> dict[str, tuple[int, int]]:
+    """Each module a whole ckpt run imports, with its own and cumulative microseconds (-X importtime)."""
+    dst = work / "startup_importtime"
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tool", *[a.replace("{dst}", str(dst)) for a in argv]],
                        capture_output=True, text=True, cwd=work)
     shutil.rmtree(dst, ignore_errors=True)
-    rows = []
+    rows: dict[str, tuple[int, int]] = {}
     for line in r.stderr.splitlines():
         parts = line.split("|")
         if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
-            rows.append((int(parts[1]), parts[2].rstrip()))
-    lines.append(f"\nconvert under -X importtime: {len(rows)} modules, the slowest (cumulative us):")
-    lines += [f"{us:10d} {name}" for us, name in sorted(rows, reverse=True)[:60]]
-    return "\n".join(lines) + "\n"
+            rows[parts[2].strip()] = (int(parts[0].split(":")[1]), int(parts[1]))
+    return rows
 
 
 AB_STEPS = ("convert_dcp", "reshard_host", "reshard_v5e8", "reshard_v5e256")  # what MODE=ab's STEPS may name
