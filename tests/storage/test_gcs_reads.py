@@ -128,7 +128,7 @@ sys.stdout.buffer.write(bytes(buf))
 '''
 
 
-def test_a_large_range_goes_as_pieces_of_plain_gets_into_the_buffer(tmp_path):
+def test_a_large_range_goes_as_pieces_of_plain_gets_into_the_buffer_a_small_one_through_tensorstore(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     data = np.random.default_rng(43).integers(0, 256, 40 * MIB + 17, dtype=np.uint8).tobytes()
@@ -140,10 +140,21 @@ def test_a_large_range_goes_as_pieces_of_plain_gets_into_the_buffer(tmp_path):
         mark = log.stat().st_size
         r = subprocess.run([sys.executable, "-c", READ, url, "7", str(len(data) - 7)], cwd=ROOT, env=_env(env),
                            capture_output=True, timeout=120)
+        mark_small = log.stat().st_size
+        small = subprocess.run([sys.executable, "-c", READ, url, "1000", str(64 << 10)], cwd=ROOT, env=_env(env),
+                               capture_output=True, timeout=120)
+
+    def gets(since: int, until: int | None = None) -> list[str]:
+        return [line for line in log.read_text()[since:until].splitlines()
+                if "GET /storage/v1/b/" + BUCKET + "/o/run%2Fblob.bin" in line]
+
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == data[7:]
-    gets = [line for line in log.read_text()[mark:].splitlines() if "GET /storage/v1/b/" + BUCKET + "/o/run%2Fblob.bin" in line]
-    assert len(gets) == 3 and not any("tensorstore=" in g for g in gets), gets  # 16 + 16 + 8 MiB
+    big = gets(mark, mark_small)
+    assert len(big) == 3 and not any("tensorstore=" in g for g in big), big  # 16 + 16 + 8 MiB
+    # a small read costs less CPU through tensorstore (gcs_reads.MIN_BYTES)
+    assert small.returncode == 0 and small.stdout == data[1000:1000 + (64 << 10)], small.stderr[-2000:]
+    assert [("tensorstore=" in g) for g in gets(mark_small)] == [True]
 
 
 SILENT = r'''
@@ -154,7 +165,7 @@ endpoint = sys.argv[1]
 for attempt in range(2):
     t = time.monotonic()
     try:
-        gcs_reads.read_into(endpoint, "bucket", "run/d/x", 0, memoryview(bytearray(1000)), "gs://bucket/run/d/x")
+        gcs_reads.read_into(endpoint, "bucket", "run/d/x", 0, memoryview(bytearray(1 << 20)), "gs://bucket/run/d/x")
         print("read")
     except StorageUnavailableError as exc:
         print(f"{time.monotonic() - t:.1f} {exc}")
@@ -193,8 +204,8 @@ def test_an_endpoint_that_does_not_answer_is_one_line_within_the_deadline_then_f
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = r.stdout.splitlines()
     seconds, line = first.split(" ", 1)
-    assert 0.9 <= float(seconds) < 5, first
     # (the deadline: CKPT_IO_TIMEOUT plus a second per MiB asked for)
-    assert re.fullmatch(rf"gs://bucket/run/d/x: cannot read: storage endpoint {endpoint} gave no answer within "
-                        r"1\.\d+ s \(CKPT_IO_TIMEOUT\)", line), line
+    assert 1.9 <= float(seconds) < 6, first
+    assert line == (f"gs://bucket/run/d/x: cannot read: storage endpoint {endpoint} gave no answer within 2 s "
+                    "(CKPT_IO_TIMEOUT)"), line
     assert float(second.split(" ", 1)[0]) < 0.5 and second.split(" ", 1)[1] == line, second
