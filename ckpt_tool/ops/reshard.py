@@ -44,7 +44,6 @@ from .engine import (
     Coordinator, ConvertOptions, PlannedWrite, check_source_complete, chunk_regions, convert, open_source, output_chunk_limit,
     plan_conversion, plans_stored_copy,
 )
-from ..machinery.arrays.schema import MAX_JSON_BYTES
 from ..base.errors import CkptError, UsageError
 from ..base.findings import Progress, no_progress
 from ..core.model import ArrayLeaf, Checkpoint, ChunkList, Region, RegularGrid, Sharding
@@ -52,12 +51,12 @@ from ..scheduler import DEFAULT_MEMORY, LeafChunks, decoded_cost
 from ..storage import ReadLog
 from ..base.names import key_text
 from ..base.text import is_ascii_number
-from .topology import Topology, host_topology, named_topology
 from ..core.contract import WriterModule
 from ..core.write_plan import Target, TargetArray, WritePlan
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
     from ..base import distributed
+    from .topology import Topology
 
 # orbax's tensorstore_utils: OCDBT data files (and so single chunks) stay below these
 _TARGET_DATA_FILE_SIZE = 2**31
@@ -673,7 +672,11 @@ def resolve_mesh(opts: ReshardOptions, process_count: int) -> DeviceMesh:
         if opts.topology is not None:
             raise UsageError("--devices and --topology both say which devices to lay out for; pass one")
         return mesh_for_devices(axes, opts.devices, process_count)
-    # a named slice, else this host's accelerators seen without opening them (a held chip stays untouched)
+    # a named slice, else this host's accelerators seen without opening them (a held chip stays untouched);
+    # imported here, by the plan, as the reader's modules are: what the command imports before its
+    # plan is what both convert and reshard import (their process overheads compare alike)
+    from .topology import host_topology, named_topology
+
     topo = named_topology(opts.topology) if opts.topology is not None else host_topology()
     if topo is not None:
         return mesh_for_topology(axes, topo, process_count)
@@ -833,6 +836,8 @@ def _check_sharding_size(mesh: DeviceMesh, arrays: int) -> None:
     and the digits each). A million devices over 15 arrays wrote 282 MB that no reader would open."""
     if not arrays:
         return
+    from ..machinery.arrays.schema import MAX_JSON_BYTES  # (the metadata parser's bound, with the reader's modules)
+
     per_array = sum(len(str(i)) for i in mesh.device_ids) + 12 * mesh.size
     if arrays * per_array > MAX_JSON_BYTES:
         raise CkptError(
