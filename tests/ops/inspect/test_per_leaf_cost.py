@@ -66,3 +66,87 @@ def test_the_stored_itemsize_is_numpys_without_making_a_numpy_dtype():
             assert codecs.stored_itemsize({"dtype": d.zarr2}, False) == want, d.name
         if d.zarr3:
             assert codecs.stored_itemsize({"data_type": d.zarr3}, True) == want, d.name
+
+
+def _alike(n: int):
+    """n array leaves of two shapes, each with its own Sharding object of one of two values, and
+    a value leaf: what an Orbax reader gives inspect."""
+    from ckpt_tool.core.model import ArrayLeaf, Checkpoint, RegularGrid, Sharding, ValueLeaf, constant_loader
+
+    grids = [RegularGrid((4, 8)), RegularGrid((2,))]
+    leaves: list = []
+    for i in range(n):
+        sharding = Sharding("named", mesh_shape=(2, 1), axis_names=("data", "model"),
+                            partition_spec=("data" if i % 2 else None, None), device_ids=(0, 1))
+        leaves.append(ArrayLeaf(("layers", str(i), "w"), f"layers.{i}.w", (4, 8) if i % 3 else (2,),
+                                "float32" if i % 5 else "bfloat16", grids[0] if i % 3 else grids[1], sharding))
+    leaves.append(ValueLeaf(("step",), "step", value_type="scalar", dtype="int64", loader=constant_loader(1)))
+    ck = Checkpoint(path="memory://alike", format="orbax", layout={}, leaves=leaves, committed=True)
+    return ck, leaves
+
+
+def test_inspect_json_renders_equal_shardings_and_alike_leaves_once(monkeypatch):
+    """inspect --json in a pipe writes each distinct sharding value once (json.dumps of its
+    to_json()) and each distinct (shape, dtype, layout, sharding) text once: 300 leaves of 2
+    sharding values and 4 kinds were 300 to_json calls and 600 nbytes/chunk_count property calls
+    (issue 46). The text is still json.dumps' own."""
+    import json
+
+    from ckpt_tool.core.model import ArrayLeaf, Sharding
+    from ckpt_tool.ops.inspect import InspectResult
+
+    ck, leaves = _alike(300)
+    expected = json.dumps({"ok": True, **InspectResult(ck, leaves, None, {}).to_json()}, default=str,
+                          ensure_ascii=True)
+    calls = {"to_json": 0, "nbytes": 0}
+    real_to_json, real_nbytes = Sharding.to_json, ArrayLeaf.nbytes
+
+    def to_json(self):
+        calls["to_json"] += 1
+        return real_to_json(self)
+
+    def nbytes(self):
+        calls["nbytes"] += 1
+        return real_nbytes.fget(self)
+
+    monkeypatch.setattr(Sharding, "to_json", to_json)
+    monkeypatch.setattr(ArrayLeaf, "nbytes", property(nbytes))
+    got = InspectResult(ck, leaves, None, {}).to_json_text({"ok": True}, {})
+    assert got == expected
+    assert calls["to_json"] == 2
+    # by_dtype: one per (dtype, shape), 4; the leaves' texts: one per (shape, dtype, layout, sharding), 8
+    assert calls["nbytes"] <= 12
+
+
+def test_the_summary_counts_every_leaf_as_each_leaf_says():
+    """The summary counted by (dtype, shape) and (layout, shape) is the per-leaf sum, dtypes in the
+    order the leaves first name them; with a subclass of ArrayLeaf among them, it is summed leaf by leaf."""
+    from ckpt_tool.core.model import ArrayLeaf, ChunkList, Chunk
+    from dataclasses import dataclass
+    from ckpt_tool.ops.inspect import InspectResult
+
+    ck, leaves = _alike(97)
+    leaves.append(ArrayLeaf(("c",), "c", (6,), "int8", ChunkList((Chunk((0,), (3,)), Chunk((3,), (3,))))))
+
+    def by_hand(leaves):
+        arrays = [leaf for leaf in leaves if isinstance(leaf, ArrayLeaf)]
+        dtypes: dict = {}
+        for leaf in arrays:
+            t = dtypes.setdefault(leaf.dtype, {"leaves": 0, "parameters": 0, "bytes": 0})
+            t["leaves"] += 1
+            t["parameters"] += leaf.size
+            t["bytes"] += leaf.nbytes
+        return {"leaves": len(leaves), "arrays": len(arrays), "values": len(leaves) - len(arrays),
+                "parameters": sum(leaf.size for leaf in arrays), "bytes": sum(leaf.nbytes for leaf in arrays),
+                "chunks": sum(leaf.chunk_count for leaf in arrays),
+                "by_dtype": dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"]))}
+
+    summary = InspectResult(ck, leaves, None, {}).summary
+    assert summary == by_hand(leaves) and list(summary["by_dtype"]) == list(by_hand(leaves)["by_dtype"])
+    assert summary["chunks"] == 97 + 2
+    @dataclass(slots=True)
+    class Other(ArrayLeaf):  # (whose size or bytes the summary cannot assume)
+        pass
+
+    mixed = [Other(("u",), "u", (3,), "float64", ChunkList((Chunk((0,), (3,)),)))] + leaves
+    assert InspectResult(ck, mixed, None, {}).summary == by_hand(mixed)
