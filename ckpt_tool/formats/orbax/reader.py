@@ -558,6 +558,7 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
     # (each array's zarr metadata and its parse, for the checks: one pair per distinct text)
     zarr: dict[str, tuple[dict[str, Any], Any]] | None = {} if len(sources) == 1 else None
     pairs: dict[int, tuple[dict[str, Any], Any]] = {}
+    grids: dict[int, RegularGrid] = {}  # by id(zmeta), as parsed_zmeta
 
     leaves: list[Leaf] = []
     for name, (keys, vmeta) in zip(names, entries):
@@ -604,9 +605,14 @@ def _read_item(storage: Storage, prefix: tuple[Key, ...]) -> _Item:
                 continue
             if vmeta.write_shape is not None:
                 extra["write_shape"] = list(vmeta.write_shape)
+            # (arrays of one zarr metadata share their grid, as they share its parse: inspect's
+            # output is made once for leaves alike, found by their layout object)
+            grid = grids.get(id(zmeta))
+            if grid is None:
+                grid = grids[id(zmeta)] = RegularGrid(chunk_shape)
             leaves.append(ArrayLeaf(
                 keys=full_keys, name=name, shape=shape, dtype=dtype,
-                layout=RegularGrid(chunk_shape), sharding=shardings.get(name),
+                layout=grid, sharding=shardings.get(name),
                 reader=reader, extra=extra,
             ))
         elif value_type == "string":

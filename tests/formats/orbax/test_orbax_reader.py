@@ -147,3 +147,18 @@ def test_corrupt_metadata_is_one_clear_error(copy_fixture):
     (path / "_METADATA").write_text("{not json")
     with pytest.raises(ckpt_tool.CkptError, match=r"_METADATA: invalid JSON"):
         ckpt_tool.open(str(path))
+
+
+def test_arrays_of_one_zarr_metadata_share_their_grid():
+    """Arrays whose zarr metadata is one text share one RegularGrid, as they share its parse:
+    inspect makes one text for leaves alike, found by their layout object (issue 46)."""
+    ck = ckpt_tool.open(str(fixture_path("orbax_ocdbt_zarr3")))
+    arrays = [leaf for leaf in ck.leaves if isinstance(leaf, ArrayLeaf)]
+    by_shape: dict = {}
+    for leaf in arrays:
+        by_shape.setdefault((leaf.shape, leaf.dtype, leaf.layout.chunk_shape), []).append(leaf)
+    alike = [group for group in by_shape.values() if len(group) > 1]
+    assert alike, "the fixture has arrays saved alike"
+    assert len({id(leaf.layout) for leaf in arrays}) < len(arrays)
+    for group in alike:
+        assert len({id(leaf.layout) for leaf in group}) == 1, [leaf.name for leaf in group]
