@@ -547,6 +547,7 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
     items: dict[str, _TensorItem | _BytesItem] = {}
     dtype_names = _TORCH_DTYPES
     chunk_of: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}  # equal chunks shared (Chunk is frozen)
+    checked: dict[int, tuple[Any, ...]] = {}  # id of a scanned tensor value -> what its checks gave
     for fqn, item in sdm.items():
         if type(fqn) is not str:
             return None
@@ -574,15 +575,25 @@ def _parse_fast(md: Any) -> _ParsedMetadata | None:
         if kind is scanned_tensor:
             # a TensorStorageMetadata of one chunk as metadata_scan matched it (its shape, offsets and
             # sizes tuples of ints none negative, checked there; its dtype a torch dtype's name, its
-            # layout and memory format str)
-            dtype_name, shape, offsets, sizes, grad, layout, memory_format = item
-            dtype = dtype_names.get(dtype_name)
-            if dtype is None or memory_format not in _MEMORY_FORMATS:
+            # layout and memory format str). The scan makes one such value for tensors alike: its
+            # checks are made once, and each tensor of it looks up its own storage entry
+            alike = checked.get(id(item))  # (md keeps the value alive: its id stays its own)
+            if alike is None:
+                dtype_name, shape, offsets, sizes, grad, layout, memory_format = item
+                dtype = dtype_names.get(dtype_name)
+                if dtype is None or memory_format not in _MEMORY_FORMATS:
+                    return None
+                whole = _whole_chunk(fqn, shape, offsets, sizes, storage, chunk_of)
+                if whole is None:
+                    return None
+                checked[id(item)] = (shape, dtype, offsets, whole[0], grad, layout)
+                items[fqn] = _TensorItem(shape, dtype, [whole[0]], [whole[1]], grad, 0, layout, None)
+                continue
+            shape, dtype, offsets, chunk, grad, layout = alike
+            entry = storage.get((fqn, offsets))
+            if entry is None:
                 return None
-            whole = _whole_chunk(fqn, shape, offsets, sizes, storage, chunk_of)
-            if whole is None:
-                return None
-            items[fqn] = _TensorItem(shape, dtype, [whole[0]], [whole[1]], grad, 0, layout, None)
+            items[fqn] = _TensorItem(shape, dtype, [chunk], [entry], grad, 0, layout, None)
             continue
         if kind is scanned_shards:
             # a TensorStorageMetadata of several chunks as metadata_scan matched it (as above; its
