@@ -7,7 +7,8 @@ over every byte, the C unpickler calling a Python stand-in (`Record.__setstate__
 three for the pickles torch's DCP writes: the records that repeat once per tensor (a
 state_dict_metadata entry, of one chunk or of a sharded save's several; a storage_data entry;
 a planner_data path; their strings references or, as each rank's plan writes them, new) are
-each matched whole by one regular expression, in C, and turned straight into the values the
+each matched whole by one regular expression, in C (a tensor entry whose bytes after its key
+are a matched one's again: compared with them), and turned straight into the values the
 reader keeps; every other opcode is run by a small interpreter of the opcodes torch's pickler
 writes, through the same allow-list and stand-ins (safe_pickle.ALLOWED) as the unpickler.
 Where the interpreter has built _GIVE_UP_AFTER more records of a kind than the patterns
@@ -115,6 +116,10 @@ _GIVE_UP_AFTER = 32
 _INTERPRETED_BASE = 20_000
 _INTERPRETED_PER_BYTE = 1 / 64
 
+# tensor entries compared with those matched before, before the pattern runs: the first this many
+# distinct ones (a model's tensors take a few: a kind of layer's weights, biases, norms)
+_KNOWN_BODIES = 16
+
 _REF = rb"(?:h.|j....)"
 _INT = rb"(?:K.|M..|J....)"
 _LONG = rb"(?:K.|M..|J....|\x8a(?:\x00|\x01.|\x02..|\x03...|\x04....|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8}))"
@@ -209,7 +214,7 @@ _FQN = rb"(?:h.|j....|\x8c.[^\x94]*\x94)"  # (a new one: a save of several ranks
 _KEY = rb"(?:h.|j....|\x8c.[^\x94]*\x94|K.|M..|J....)"
 _PATH = re.compile(
     rb"(" + _FQN + rb")(?:(" + _KEY + rb"{1,3})([\x85\x86\x87])|\((" + _KEY + rb"{4,64})t)\x94", re.DOTALL)
-_PATH_PART = re.compile(rb"(h.|j....)|\x8c(.)([^\x94]*)\x94|(K.|M..|J....)", re.DOTALL)
+_PATH_TOKEN = re.compile(rb"h.|j....|\x8c.[^\x94]*\x94|K.|M..|J....", re.DOTALL)
 
 _MARK = object()
 
@@ -285,8 +290,12 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
     memo: list[Any] = []
     # the constant parts of a record -> what they say (None: not what torch writes)
     bodies: dict[bytes, Any] = {}  # a tensor entry after its key -> (its _ScannedTensor, its memo entries)
+    # the first _KNOWN_BODIES of them the patterns matched and that name what torch writes, with
+    # what they say: the entries of tensors alike after the first are these bytes again
+    known_bodies: list[tuple[bytes, int, Any]] = []
     stored_sigs: dict[tuple[bytes, ...], Any] = {}
-    path_parts = _PATH_PART.findall
+    path_tokens = _PATH_TOKEN.findall
+    token_values: dict[bytes, Any] = {}  # a planner path's reference or int -> its value
     # records of each kind matched, and built by the interpreter (the give-up rule: _GIVE_UP_AFTER)
     matched_tensors = matched_stored = built_tensors = built_stored = 0
     pos = 2
@@ -301,9 +310,39 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
         # -- the records that repeat once per tensor, each matched whole ---------------------
         planner = False
         if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE / BINUNICODE: maybe a tensor entry's key, or a planner path
-            m = tensor_match(data, pos)
-            planner = m is None
-            while m is not None:
+            planner = True  # (unless a tensor entry is read here)
+            while True:
+                if op == 0x8C and known_bodies:
+                    # a tensor entry like one matched before: its key by its length byte, then the
+                    # same bytes as a known entry's rest and SETITEMS BUILD (a comparison each, no
+                    # pattern run and no groups made). The opcodes from the key on are those the
+                    # pattern matched there: the entry is what it was there
+                    key_size = data[pos + 1]
+                    body_at = pos + 3 + key_size
+                    end = 0
+                    if key_size and body_at < n and data[body_at - 1] == 0x94:
+                        for body, size, known in known_bodies:
+                            if data.startswith(body, body_at) and data[body_at + size:body_at + size + 2] == b"ub":
+                                end = body_at + size + 2
+                                break
+                    if end and not pos < frame_end < end:
+                        tensor_key = data[pos + 2:body_at - 1].decode("utf-8", "surrogatepass")
+                        cost += _RECORD_BASE + per_byte * key_size + _SLOT * len(known[1])
+                        matched_tensors += 1
+                        stack.append(tensor_key)
+                        stack.append(known[0])
+                        memo.append(tensor_key)
+                        memo += known[1]
+                        planner = False
+                        pos = end
+                        op = data[pos]
+                        continue
+                if op != 0x8C and op != 0x58:
+                    break
+                m = tensor_match(data, pos)
+                if m is None:
+                    break
+                planner = False
                 short, long, key_bytes, body = m.groups()
                 if len(key_bytes) != (short[0] if short is not None else int.from_bytes(long, "little")):
                     break
@@ -311,6 +350,8 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 if known is False:
                     known = bodies[body] = _tensor_body(body, memo)
                     cost += _RECORD_COST * len(body)
+                    if known is not None and len(known_bodies) < _KNOWN_BODIES:
+                        known_bodies.append((body, len(body), known))
                 if known is None:
                     break
                 end = m.end()
@@ -324,7 +365,7 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 memo.append(key)
                 memo += known[1]
                 pos = end
-                m = tensor_match(data, pos)
+                op = data[pos]
         elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET: maybe a storage_data entry or a planner path
             m = stored_match(data, pos)
             planner = m is None
@@ -359,8 +400,12 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 cost += _RECORD_BASE + _SLOT * len(known[3])
                 matched_stored += 1
                 stack.append(_ScannedIndex((fqn, known[1], known[2])))
-                stack.append(_ScannedInfo((known[0], start[1] if len(start) == 2 else _int(start),
-                                           length[1] if len(length) == 2 else _int(length))))
+                # (BININT1 and BININT2 read here: the offsets and lengths of a data file of < 64 KiB entries)
+                stack.append(_ScannedInfo((
+                    known[0],
+                    start[1] if len(start) == 2 else start[1] | start[2] << 8 if start[0] == 0x4D else _int(start),
+                    length[1] if len(length) == 2 else length[1] | length[2] << 8 if length[0] == 0x4D else _int(length),
+                )))
                 pos = end
                 m = stored_match(data, pos)
         if planner:
@@ -372,18 +417,28 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
                 fqn_part, short, arity, long = m.groups()
                 kept = len(memo)
                 keys = []  # the fqn, then the path's keys
-                for ref, length_byte, text, number in path_parts(fqn_part + (short if short is not None else long)):
-                    if ref:
-                        value = memo[ref[1] if len(ref) == 2 else int.from_bytes(ref[1:], "little")]
-                        if type(value) is _Gone:
-                            return None
-                    elif number:
-                        value = _int(number)  # (an int is not memoized)
-                    else:
-                        if len(text) != length_byte[0]:
-                            break
-                        value = text.decode("utf-8", "surrogatepass")
-                        memo.append(value)
+                for token in path_tokens(fqn_part + (short if short is not None else long)):
+                    # a reference to an entry from before this record, or an int: what it stands for
+                    # never changes (the paths of a model's tensors name its few keys again and again)
+                    value = token_values.get(token, _MARK)
+                    if value is _MARK:
+                        first = token[0]
+                        if first == 0x8C:  # a new string, memoized
+                            if len(token) != token[1] + 3:
+                                break
+                            value = token[2:-1].decode("utf-8", "surrogatepass")
+                            memo.append(value)
+                            keys.append(value)
+                            continue
+                        if first == 0x68 or first == 0x6A:
+                            at = token[1] if first == 0x68 else int.from_bytes(token[1:], "little")
+                            value = memo[at]
+                            if type(value) is _Gone:
+                                return None
+                            if at < kept:  # (one made in this record goes if the record is given up)
+                                token_values[token] = value
+                        else:
+                            value = token_values[token] = _int(token)  # (an int is not memoized)
                     keys.append(value)
                 else:
                     if short is None or len(keys) == arity[0] - 0x83:
@@ -480,8 +535,8 @@ def _scan(data: bytes, extra: Mapping[tuple[str, str], Any], limit: int) -> Any:
             else:
                 if type(target) is not dict or len(items) % 2:
                     return None
-                for i in range(0, len(items), 2):
-                    target[items[i]] = items[i + 1]
+                # in order, as the unpickler sets them (a batch of 1,000 entries in C, not a loop here)
+                target.update(zip(items[::2], items[1::2]))
         elif op == 0x73:  # SETITEM
             if above < 3 or type(stack[-3]) is not dict:
                 return None

@@ -337,6 +337,51 @@ def test_a_layout_it_does_not_match_is_handed_over_early(monkeypatch):
     assert safe_pickle.load_metadata(data, "x") is not None
 
 
+def test_tensors_alike_are_compared_with_one_matched_before(monkeypatch):
+    """A tensor entry whose bytes after its key are a known entry's is read by comparing them (no
+    pattern run): 2,400 tensors of 4 kinds run the tensor pattern a few times, not once each
+    (issue 46), and read as the unpickler reads them."""
+    data = _many_tensors(600)
+    runs = []
+
+    class Counting:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def match(self, *args):
+            runs.append(args[1])
+            return self.pattern.match(*args)
+
+    monkeypatch.setattr(metadata_scan, "_TENSOR", Counting(metadata_scan._TENSOR))
+    md = metadata_scan.scan(data)
+    assert md is not None and _counts(md)[0] > 2300
+    assert len(runs) < 100  # (the first of each kind, those a frame splits, the planner paths' first keys)
+    _same(dcp_reader._parse_fast(md), _unpickled(data))
+
+
+def test_a_planner_path_naming_its_own_new_key_again_reads_as_the_unpickler_reads_it():
+    """A path whose key repeats a string made in the same path (the pickler writes the second as
+    a reference to the first): such a reference is not taken as one that means the same in every
+    path (the memo entry it names is this path's), as a reference to an earlier record is."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    sdm, storage, planner = {}, {}, {}
+    for i in range(40):
+        part = f"p{i % 3}"  # one object for both keys of the path
+        fqn = f"{part}.{part}.{i}"
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]),
+                                         [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))])
+        storage[MetadataIndex(fqn, torch.Size([0]), 0)] = _StorageInfo("__0_0.distcp", 8 * i, 8)
+        planner[fqn] = (part, part, str(i))
+    out = io.BytesIO()
+    pickle.dump(Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage), out)
+    assert _check(out.getvalue())
+
+
 def test_the_fast_parse_checks_a_scanned_tensor_value_once(monkeypatch):
     """The scan gives tensors alike one value: the fast parse checks it (dtype, memory format, the
     one chunk the whole tensor) once, each tensor then looking up its own storage entry (issue 46);
