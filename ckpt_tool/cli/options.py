@@ -63,7 +63,7 @@ def weights_option(command: Callable) -> Callable:
 
 def memory_option(command: Callable) -> Callable:
     """--memory SIZE: the read scheduler's budget (ckpt_tool/scheduler/admission.py)."""
-    from ..scheduler import default_memory, parse_memory
+    from ..base.memory import default_memory, parse_memory  # (not the scheduler, nor its numpy)
 
     def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> int:
         if value is None:

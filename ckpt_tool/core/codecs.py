@@ -20,14 +20,15 @@ from __future__ import annotations
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Literal, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 from ..base import dtypes
 from ..base.bufferpool import POOL
 from ..base.errors import CkptError
 from ..storage import Storage
+
+if TYPE_CHECKING:  # (numpy is imported where a chunk is decoded: inspect asks codecs about arrays and decodes none)
+    import numpy as np
 
 # compressed bytes fetched per range read (at most; smaller under a small budget)
 WINDOW_BYTES = 8 * 2**20
@@ -249,6 +250,8 @@ class ChunkStream:
 
     def read_band(self, shape: tuple[int, ...]) -> np.ndarray:
         """The next band of decoded elements, as a native-order array of `shape`."""
+        import numpy as np
+
         out = POOL.empty(shape, self._np_dtype)
         self._decode_into(out.reshape(-1).view(np.uint8).data if out.nbytes else memoryview(b""))
         if not out.dtype.isnative:
@@ -405,6 +408,8 @@ def decode_chunk(data: bytes | memoryview, zmeta: dict[str, Any], zarr3: bool, c
                  where: str) -> np.ndarray:
     """A whole stored chunk held in memory, decoded (native byte order, the chunk's full shape) by the
     same decoders and checks as a chunk streamed from storage (ChunkStream)."""
+    import numpy as np
+
     nbytes = int(np.prod(chunk_shape, dtype=np.int64)) * stored_itemsize(zmeta, zarr3)
     if not zarr3 and nbytes <= _WHOLE_BYTES:
         fast = _zarr2_whole(data, zmeta, nbytes)

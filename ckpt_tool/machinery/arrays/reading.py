@@ -14,8 +14,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
 from ...base import dtypes
 from ...base.bufferpool import POOL
 from ...core.contract import ArrayReader
@@ -23,10 +21,13 @@ from ...base.errors import CkptError, CorruptMetadataError, NotFoundError
 from ...core.model import Key, Leaf, Region, Sharding, ValueLeaf, constant_loader
 from ...storage import Reads, Storage, ts_error_text
 from ...storage.ocdbt_node import IndirectValue
-from . import schema, stored_chunks
+from . import schema
 
 if TYPE_CHECKING:
+    import numpy as np
     import tensorstore as ts
+
+    from . import stored_chunks
 # (tensorstore is imported where an array is opened: the metadata of an Orbax checkpoint on a local
 # path is read without it, issue 46)
 
@@ -39,6 +40,7 @@ ROOT_MANIFEST = "manifest.ocdbt"
 # the chunks of an array in an OCDBT database whose codecs core/codecs.py decodes are read by pread and
 # decoded here up to this decoded size (LocatedZarrRegionReader); a larger chunk goes to tensorstore
 LOCATED_CHUNK_BYTES = 256 << 20
+_NOT_ASKED = object()  # (LocatedZarrRegionReader._encoding before its first chunk)
 # chunk keys located per walk of the B+tree (whole arrays: a batch may hold more)
 LOCATED_BATCH_KEYS = 8192
 # batches kept at once (copy threads may be reading arrays of neighbouring batches)
@@ -243,6 +245,8 @@ class ZarrRegionReader(ArrayReader):
         except Exception as exc:
             raise CkptError(f"cannot read data: {ts_error_text(exc)}", self._name) from exc
         nbytes = view.size * view.dtype.numpy_dtype.itemsize
+        import numpy as np
+
         return lambda: np.asarray(self._source.storage.wait(fut, "cannot read data", self._name, nbytes=nbytes))
 
     def start_read_into(self, region: Region, out: np.ndarray) -> Callable[[], None]:
@@ -282,6 +286,8 @@ class ZarrRegionReader(ArrayReader):
     def stored_encoding(self) -> stored_chunks.Encoding | None:
         """How the chunks are stored (stored_chunks.encoding_of), where a writer may copy them as
         they are; None when CKPT_STORED_CHUNKS=0."""
+        from . import stored_chunks  # (with numpy, which reading metadata does without)
+
         return stored_chunks.encoding_of(self._zmeta, self._zarr3) if STORED_CHUNKS else None
 
     def copy_stored(self, index: tuple[int, ...], write: Callable[[bytes], None], window: int) -> int:
@@ -349,7 +355,7 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         self._shape = shape
         self._chunk_shape = chunk_shape
         self._located = source.register_located(self)
-        self._encoding = stored_chunks.encoding_of(zmeta, zarr3) if STORED_CHUNKS else None
+        self._encoding: Any = _NOT_ASKED  # how the chunks are stored: asked by the first chunk read
 
     @property
     def _grid(self) -> list[int]:
@@ -440,7 +446,10 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         chunk = codecs.decode_chunk(data, self._zmeta, self._zarr3, self._chunk_shape, f"{source.view.url}/{key}")
         if any((i + 1) * c > n for i, c, n in zip(index, self._chunk_shape, self._shape)):  # an edge chunk
             chunk = chunk[tuple(slice(0, min(c, n - i * c)) for i, c, n in zip(index, self._chunk_shape, self._shape))]
-        if self._encoding is None:
+        encoding = self._encoding
+        if encoding is _NOT_ASKED:  # (here, not when made: inspect makes every array's reader and reads none)
+            encoding = self._encoding = self.stored_encoding()
+        if encoding is None:
             return chunk
         # a writer of the same encoding may store these bytes as they are. From a local file (or in
         # line) they are read again when written (from the page cache), not kept. From an object
@@ -450,13 +459,15 @@ class LocatedZarrRegionReader(ZarrRegionReader):
         # local of 1 GiB 7 of its 20 busy thread-seconds (zstd), 2.7x the same reshard of a local
         # copy. Kept, the chunk is held twice while it is written, which is what the scheduler
         # charges a whole chunk's decode for (scheduler.decoded_cost)
+        from . import stored_chunks
+
         if isinstance(where, bytes) or source.storage.capabilities.local_files:
             del data
-            return stored_chunks.remember(chunk, self._encoding, index, lambda: source.read_chunk(key, where))
+            return stored_chunks.remember(chunk, encoding, index, lambda: source.read_chunk(key, where))
         # (downloaded into memory of its own, or into a pooled buffer, which stays out of the pool
         # while this refers to it: bufferpool.py)
         kept = data
-        return stored_chunks.remember(chunk, self._encoding, index, lambda: kept)
+        return stored_chunks.remember(chunk, encoding, index, lambda: kept)
 
 
 def region_reader(source: ArraySource, name: str, zarr3: bool, zmeta: dict[str, Any],
@@ -567,6 +578,8 @@ class UnmergedRegionReader(ArrayReader):
     def read(self, region: Region) -> np.ndarray:
         region = region or tuple(slice(0, s) for s in self._shape)
         want = tuple(r.stop - r.start for r in region)
+        import numpy as np
+
         out = np.empty(want, dtype=dtypes.numpy_dtype(zarr_dtype(self._zmeta, self._zarr3)))
         owner = self._owner_of()
         for idx, key in chunk_keys(self._name, self._shape, self._chunk_shape, self._zarr3, self._zmeta):

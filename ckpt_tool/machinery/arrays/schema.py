@@ -33,12 +33,12 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from ...base import dtypes
 from ...base.errors import CkptError, CorruptMetadataError, short_repr
@@ -106,37 +106,31 @@ class _EntryWhere:
 
 # -- bounded JSON --------------------------------------------------------------
 
-_OPEN = np.zeros(256, np.int8)
-_OPEN[[ord("["), ord("{")]] = 1
-_OPEN[[ord("]"), ord("}")]] = -1
+# json_depth's tables: the bytes it drops (all but brackets and quotes), each bracket's step
+_NOT_BRACKET_OR_QUOTE = bytes(b for b in range(256) if b not in b'[]{}"')
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+_BACKSLASH_PAIR = re.compile(rb"\\\\")
+_ESCAPED_QUOTE = re.compile(rb'\\"')
 
 
 def json_depth(data: bytes) -> int:
     """The deepest nesting of [ and { in a JSON text, brackets inside strings skipped.
 
-    Vectorised (numpy; ~2 ms for the 700 KB _METADATA of 3,000 leaves): a
-    quote opens or closes a string unless an odd run of backslashes precedes
-    it; a bracket counts only with an even number of real quotes before it.
+    A quote opens or closes a string unless an odd run of backslashes precedes it; a bracket
+    counts only with an even number of real quotes before it. In C passes over the bytes
+    (~4 ms for the 700 KB _METADATA of 3,000 leaves), without numpy: its import was a sixth of
+    an inspect of a 3,000-leaf Orbax checkpoint (issue 46). Backslash pairs go first (a run
+    keeps its parity), then each quote a backslash still escapes; of the brackets and quotes
+    left, every other stretch between quotes is outside the strings.
     """
-    if not data:
-        return 0
-    arr = np.frombuffer(data, np.uint8)
-    steps = _OPEN[arr]
-    brackets = np.flatnonzero(steps)
-    if brackets.size == 0:
-        return 0
-    quotes = np.flatnonzero(arr == 34)  # '"'
-    slashes = np.flatnonzero(arr == 92)  # '\\'
-    if slashes.size and quotes.size:
-        breaks = np.flatnonzero(np.diff(slashes) != 1)
-        ends = slashes[np.append(breaks, slashes.size - 1)]
-        starts = slashes[np.insert(breaks + 1, 0, 0)]
-        odd_ends = ends[(ends - starts) % 2 == 0]  # runs of odd length
-        if odd_ends.size:
-            at = np.minimum(np.searchsorted(odd_ends, quotes - 1), odd_ends.size - 1)
-            quotes = quotes[odd_ends[at] != quotes - 1]  # drop the escaped ones
-    outside = np.searchsorted(quotes, brackets) % 2 == 0
-    return int(np.cumsum(steps[brackets][outside], dtype=np.int64).max(initial=0))
+    if b"\\" in data:
+        data = _ESCAPED_QUOTE.sub(b"", _BACKSLASH_PAIR.sub(b"", data))
+    data = data.translate(None, _NOT_BRACKET_OR_QUOTE)
+    if b'"' in data:
+        data = b"".join(data.split(b'"')[::2])
+    return max(0, max(itertools.accumulate(map(_STEP.__getitem__, data)), default=0))
 
 
 def load_json(data: bytes | str, file: str, *, max_depth: int = MAX_JSON_DEPTH, max_bytes: int = MAX_JSON_BYTES) -> Any:

@@ -12,8 +12,10 @@ import contextvars
 import threading
 from typing import Iterator
 
-# scheduler.admission.DEFAULT_MEMORY (not imported: it pulls in the scheduler); a test checks they agree
-DEFAULT_BUDGET = 512 << 20
+from ...base.memory import DEFAULT_MEMORY
+
+# the budget where no command set one: --memory's floor
+DEFAULT_BUDGET = DEFAULT_MEMORY
 # on top of the budget: a large real DCP .metadata (~12 bytes of objects a byte, estimated at ~30)
 # reads under the default budget up to ~34 MB (~140,000 tensors of one rank)
 PICKLE_ALLOWANCE = 512 << 20
