@@ -12,9 +12,11 @@ before) held every data file of a checkpoint in memory at once: a shallow `valid
 Orbax checkpoint on gs:// peaked at 1 GiB.
 
 On gs://, data read into a buffer (read_into, an OCDBT view's located values) goes by plain ranged
-GETs straight into it (gcs_reads.py), tensorstore answering what they do not. A write to gs:// is
-checked once stored (gcs_verify.py): tensorstore sends GCS no checksum with an
-upload and compares none, so the CRC-32C of the bytes sent is compared with the one GCS reports.
+GETs straight into it (gcs_reads.py), tensorstore answering what they do not. A whole value written to
+gs:// goes by one plain upload from ckpt's buffer (gcs_uploads.py: no copy in the process, and the
+answer's CRC-32C and size are compared with what was sent); one that goes through tensorstore
+instead is checked once stored (gcs_verify.py): tensorstore sends GCS no checksum with an upload and
+compares none, so the CRC-32C of the bytes sent is compared with the one GCS reports.
 """
 from __future__ import annotations
 
@@ -191,10 +193,15 @@ class KvstoreBackend(Backend):
         return True
 
     def write(self, rel: str, data: bytes | bytearray) -> None:
-        """Backend.write; on gs://, then the stored object's CRC-32C and size compared with what was
-        sent (one metadata request, in the writing thread: other uploads stay in flight meanwhile)."""
-        from . import gcs_verify
+        """Backend.write. On gs://, one plain upload from `data` whose answer's CRC-32C and size are
+        compared with what was sent (gcs_uploads.py); where that does not apply, through tensorstore,
+        then the stored object's CRC-32C and size asked for (one metadata request, in the writing
+        thread: other uploads stay in flight meanwhile)."""
+        from . import gcs_uploads, gcs_verify
 
+        if self.spec.get("driver") == "gcs" and self._endpoint is not None and gcs_uploads.upload(
+                self._endpoint, str(self.spec["bucket"]), str(self.spec.get("path", "")) + rel, data, self.where(rel)):
+            return  # (one plain POST from `data` itself, checked against its answer: gcs_uploads.py)
         if self.spec.get("driver") != "gcs" or not gcs_verify.enabled():
             super().write(rel, data)
             return

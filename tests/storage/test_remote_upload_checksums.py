@@ -4,8 +4,9 @@ tensorstore's gcs driver uploads with no checksum (no `x-goog-hash`), so GCS sto
 reaches it. These tests put a TCP proxy between ckpt and the real fake-gcs-server that flips one
 byte in the body of a chosen upload, as a bad NIC or middlebox would: GCS then stores (and
 reports the crc32c of) bytes ckpt never sent. ckpt must say so in one line naming the object and
-both checksums, exit 1, and leave nothing that validates as complete. A clean run through the
-same proxy asks GCS for each uploaded object's crc32c once.
+both checksums, exit 1, and leave nothing that validates as complete, whether the upload was ckpt's
+own (gcs_uploads.py, the crc32c of its answer) or tensorstore's (CKPT_GCS_DIRECT_UPLOADS=0, the
+crc32c asked for once after it).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class CorruptingProxy:
         self.target = (host, int(port))
         self.corrupt = corrupt
         self.requests: list[str] = []
+        self.agents: list[str] = []  # each request's User-Agent (curl's names tensorstore; http.client sends none)
         self.flipped: list[str] = []
         self._lock = threading.Lock()
         self.sock = socket.socket()
@@ -94,6 +96,8 @@ class CorruptingProxy:
                     dst.sendall(head + b"\r\n\r\n")
                     with self._lock:
                         self.requests.append(lines[0])
+                        self.agents.append(next((v.strip() for k, _, v in (line.partition(":") for line in lines[1:])
+                                                 if k.strip().lower() == "user-agent"), ""))
                         flip = length > 0 and self.corrupt(lines[0])
                         if flip:
                             self.flipped.append(lines[0])
@@ -136,36 +140,45 @@ def _upload_of(suffix: str) -> Callable[[str], bool]:
     return lambda line: (_uploaded(line) or "").endswith(suffix)
 
 
-def test_a_clean_upload_to_gs_is_checked_against_the_crc32c_gcs_stored(gcs):
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct-uploads", "tensorstore-uploads"])
+def test_a_clean_upload_to_gs_is_checked_against_the_crc32c_gcs_stored(gcs, direct):
+    """ckpt's own uploads (storage/gcs_uploads.py) compare the crc32c their answer carries: no
+    second request. Through tensorstore (CKPT_GCS_DIRECT_UPLOADS=0), whose answer ckpt never sees,
+    each object's crc32c is asked for once after its upload."""
     proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, lambda line: False)
     try:
-        dst = f"gs://{BUCKET}/clean/dcp"
-        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env=_through(gcs, proxy))
+        dst = f"gs://{BUCKET}/clean-{direct}/dcp"
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env={**_through(gcs, proxy), "CKPT_GCS_DIRECT_UPLOADS": direct})
         assert r.returncode == 0, r.stderr
         assert r.stderr == ""
         uploads = [n for n in map(_uploaded, proxy.requests) if n is not None]
         # every object ckpt uploaded from its own bytes (all but the owner record, whose JSON is
-        # parsed where it is read) had its crc32c and size asked for, once, after its upload
+        # parsed where it is read, and whose create-once write stays with tensorstore)
         data = [n for n in uploads if not n.endswith("/.ckpt-owner.json")]
-        assert "clean/dcp/.metadata" in data and len(data) >= 2, uploads
+        assert f"clean-{direct}/dcp/.metadata" in data and len(data) >= 2, uploads
         for name in data:
             asked = [i for i, line in enumerate(proxy.requests)
                      if line.startswith(f"GET /storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?")
                      and "fields=crc32c" in line]
-            upload = max(i for i, line in enumerate(proxy.requests) if _uploaded(line) == name)
-            assert len(asked) == 1 and asked[0] > upload, (name, asked, upload)
+            upload = [i for i, line in enumerate(proxy.requests) if _uploaded(line) == name]
+            by_tensorstore = ["tensorstore" in proxy.agents[i] for i in upload]
+            if direct == "1":
+                assert len(upload) == 1 and by_tensorstore == [False] and asked == [], (name, proxy.requests)
+            else:
+                assert by_tensorstore == [True] and len(asked) == 1 and asked[0] > upload[0], (name, asked, upload)
     finally:
         proxy.close()
     assert run_ckpt("validate", dst, env=gcs).returncode == 0
 
 
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct-uploads", "tensorstore-uploads"])
 @pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata"], ids=["data-file", "commit-marker"])
-def test_an_upload_corrupted_on_the_way_to_gs_is_one_line_and_nothing_commits(gcs, victim):
+def test_an_upload_corrupted_on_the_way_to_gs_is_one_line_and_nothing_commits(gcs, victim, direct):
     proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, _upload_of(f"/{victim}"))
-    prefix = f"corrupt-{'marker' if victim == '.metadata' else 'data'}/dcp"
+    prefix = f"corrupt-{'marker' if victim == '.metadata' else 'data'}-{direct}/dcp"
     dst = f"gs://{BUCKET}/{prefix}"
     try:
-        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env=_through(gcs, proxy))
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env={**_through(gcs, proxy), "CKPT_GCS_DIRECT_UPLOADS": direct})
     finally:
         proxy.close()
     assert proxy.flipped, proxy.requests  # the proxy did damage the upload
@@ -182,7 +195,8 @@ def test_an_upload_corrupted_on_the_way_to_gs_is_one_line_and_nothing_commits(gc
 
 def test_a_refused_checksum_request_is_one_line_and_nothing_commits(gcs):
     """A token that may upload but not read an object's metadata: the upload cannot be verified,
-    which fails the run (one line), never passes as verified."""
+    which fails the run (one line), never passes as verified. (Uploads through tensorstore: ckpt's
+    own take the crc32c from the upload's answer and ask no more.)"""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, lambda line: False)
@@ -223,8 +237,8 @@ def test_a_refused_checksum_request_is_one_line_and_nothing_commits(gcs):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     dst = f"gs://{BUCKET}/refused/dcp"
     try:
-        r = run_ckpt("convert", SRC, dst, "--to", "dcp",
-                     env={**gcs, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{server.server_address[1]}"})
+        r = run_ckpt("convert", SRC, dst, "--to", "dcp", env={
+            **gcs, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{server.server_address[1]}", "CKPT_GCS_DIRECT_UPLOADS": "0"})
     finally:
         server.shutdown()
         server.server_close()
