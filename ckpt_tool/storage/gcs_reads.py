@@ -95,6 +95,23 @@ def _connect(scheme: str, netloc: str, timeout: float) -> http.client.HTTPConnec
     return http.client.HTTPConnection(netloc, timeout=timeout)
 
 
+def request_target(endpoint: str) -> tuple[tuple[str, str, str], dict[str, str]] | None:
+    """Where ckpt's own requests to `endpoint` go (scheme, host:port, path prefix) and their
+    authorization header; None where tensorstore must make them (a proxy, another scheme, no
+    credentials found: tensorstore finds them or says why not). A dead endpoint raises its one line."""
+    target = _target(endpoint)
+    if target is None:
+        return None
+    from . import gcs_verify
+    from .remote import raise_if_unavailable
+
+    raise_if_unavailable(endpoint=endpoint)  # (a dead endpoint: its one line at once)
+    try:
+        return target, gcs_verify._token.header()
+    except CkptError:
+        return None
+
+
 def read_into(endpoint: str, bucket: str, name: str, start: int, view: memoryview, where: str) -> bool:
     """Fill `view` with bytes [start, start + len(view)) of object `name`; False when anything but
     exactly those bytes came back (the caller then reads through tensorstore). A large range goes
@@ -102,17 +119,10 @@ def read_into(endpoint: str, bucket: str, name: str, start: int, view: memoryvie
     n = view.nbytes
     if n < MIN_BYTES or not enabled():
         return False
-    target = _target(endpoint)
-    if target is None:
+    prepared = request_target(endpoint)
+    if prepared is None:
         return False
-    from . import gcs_verify
-    from .remote import raise_if_unavailable
-
-    raise_if_unavailable(endpoint=endpoint)  # (a dead endpoint: its one line at once)
-    try:
-        auth = gcs_verify._token.header()
-    except CkptError:  # (tensorstore finds it or says why not)
-        return False
+    target, auth = prepared
     path = f"{target[2]}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/{urllib.parse.quote(name, safe='')}?alt=media"
     if n <= PIECE:
         return _get(endpoint, target, path, auth, start, view, where)

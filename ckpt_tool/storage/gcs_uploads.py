@@ -61,16 +61,12 @@ def upload(endpoint: str, bucket: str, name: str, data: bytes | bytearray | memo
     if not enabled():
         return False
     from . import gcs_reads, gcs_verify
-    from .remote import IO_RETRIES, raise_if_unavailable
+    from .remote import IO_RETRIES
 
-    target = gcs_reads._target(endpoint)
-    if target is None:
+    prepared = gcs_reads.request_target(endpoint)
+    if prepared is None:
         return False
-    raise_if_unavailable(endpoint=endpoint)  # (a dead endpoint: its one line at once)
-    try:
-        auth = gcs_verify._token.header()
-    except CkptError:  # (tensorstore finds it or says why not)
-        return False
+    target, auth = prepared
     view = memoryview(data).cast("B")
     path = (f"{target[2]}/upload/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?uploadType=media&name="
             f"{urllib.parse.quote(name, safe='')}")
