@@ -4,7 +4,8 @@ ckpt writes each process's OCDBT database itself on object stores as on a local 
 (formats/orbax/direct.py, storage/ocdbt_writer.py): each data file (`d/<hex>`, sealed at 16 MiB) is
 staged on local disk and uploaded whole, then the B+tree's node file and the manifest, then the
 commit markers. So every object of the output is one ckpt holds the bytes of, and on GCS each is
-checked against the crc32c GCS stored (storage/gcs_verify.py). Before, tensorstore's OCDBT driver
+checked against the crc32c GCS stored: the one its upload's answer gives (storage/gcs_uploads.py),
+or, uploaded through tensorstore, the one asked for after (storage/gcs_verify.py). Before, tensorstore's OCDBT driver
 uploaded the data files, manifests and B+tree nodes, which no check covered.
 
 The servers are real: the Go fake-gcs-server and moto's S3 server. The outputs are read back by
@@ -135,12 +136,17 @@ def test_an_orbax_output_to_gs_is_uploaded_by_ckpt_checked_and_restored_by_orbax
     names = _gcs_download(endpoint, prefix + "/", tmp_path / "out")
     data_files = [n for n in names if n.startswith(f"{prefix}/ocdbt.process_0/d/")]
     assert len(data_files) >= 3, names  # sealed at 16 MiB: several of them
-    # every object of the output went up through ckpt and had its crc32c asked for once, after its
-    # upload: the process's data files, its B+tree and manifest, the root's, the markers
-    asked = {urllib.parse.unquote(line.split(" ")[1].split("?")[0].rsplit("/o/", 1)[1])
-             for line in proxy.requests
-             if line.startswith(f"GET /storage/v1/b/{BUCKET}/o/") and "fields=crc32c" in line}
-    unchecked = [n for n in names if n not in asked]
+    # every object of the output went up through ckpt and was checked: the process's data files,
+    # its B+tree and manifest, the root's, the markers. An upload by ckpt's own request
+    # (storage/gcs_uploads.py; http.client sends no User-Agent, tensorstore's curl names itself) is
+    # checked against the crc32c in its answer; one through tensorstore by asking for its crc32c after
+    checked = set()
+    for line, agent in zip(proxy.requests, proxy.agents):
+        if _uploaded(line) is not None and "tensorstore" not in agent:
+            checked.add(_uploaded(line))
+        elif line.startswith(f"GET /storage/v1/b/{BUCKET}/o/") and "fields=crc32c" in line:
+            checked.add(urllib.parse.unquote(line.split(" ")[1].split("?")[0].rsplit("/o/", 1)[1]))
+    unchecked = [n for n in names if n not in checked]
     assert not unchecked, unchecked
     assert all(f"{prefix}/{m}" in names for m in ("manifest.ocdbt", "ocdbt.process_0/manifest.ocdbt",
                                                    "commit_success.txt", "_CHECKPOINT_METADATA"))
