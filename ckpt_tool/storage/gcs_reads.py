@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..base.errors import CkptError
+from .kept_alive import KeptAlive
 
 # smaller reads go through tensorstore: its requests cost less CPU each (20,000 ranged reads of 32 KiB:
 # 4.8 CPU-seconds through tensorstore, 5.8 here, http.client's header parsing), and their copies little
@@ -58,7 +59,7 @@ def enabled() -> bool:
 
 
 # kept-alive connections not in use, per endpoint: any reader thread takes one
-_idle: dict[str, list[http.client.HTTPConnection]] = {}
+_pool = KeptAlive()
 _lock = threading.Lock()
 # endpoint -> (scheme, host:port, path prefix), or None where curl must do it (a proxy, another scheme)
 _targets: dict[str, tuple[str, str, str] | None] = {}
@@ -159,19 +160,10 @@ def _get(endpoint: str, target: tuple[str, str, str], path: str, auth: dict[str,
     headers = {**auth, "Range": f"bytes={start}-{start + n - 1}"}
     scheme, netloc, _ = target
     for fresh in (False, True):
-        with _lock:
-            idle = _idle.get(endpoint)
-            conn = idle.pop() if idle and not fresh else None
-        reused = conn is not None
-        if conn is None:
-            try:
-                conn = _connect(scheme, netloc, timeout)
-            except OSError:  # (TENSORSTORE_CA_BUNDLE unreadable, say: tensorstore says it)
-                return False
-        else:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
+        try:
+            conn, reused = _pool.take(endpoint, lambda: _connect(scheme, netloc, timeout), timeout, fresh=fresh)
+        except OSError:  # (TENSORSTORE_CA_BUNDLE unreadable, say: tensorstore says it)
+            return False
         try:
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
@@ -202,7 +194,6 @@ def _get(endpoint: str, target: tuple[str, str, str], path: str, auth: dict[str,
         if resp.will_close or not resp.isclosed():
             conn.close()
         else:
-            with _lock:
-                _idle.setdefault(endpoint, []).append(conn)
+            _pool.give(endpoint, conn)
         return True
     return False

@@ -35,18 +35,15 @@ import http.client
 import json
 import os
 import socket
-import threading
 import time
 import urllib.parse
 
 from ..base.errors import CkptError
-
-_RETRIED = (408, 429, 500, 502, 503, 504)
+from .kept_alive import KeptAlive
 
 # kept-alive connections not in use, per endpoint (apart from the readers': an upload's answer is
 # waited for while its connection is out of the pool)
-_idle: dict[str, list[http.client.HTTPConnection]] = {}
-_lock = threading.Lock()
+_pool = KeptAlive()
 
 
 def enabled() -> bool:
@@ -78,7 +75,7 @@ def upload(endpoint: str, bucket: str, name: str, data: bytes | bytearray | memo
         status, body = _post(endpoint, target, path, headers, view, sent if verify else None, where)
         if status == 200:
             break
-        if status not in _RETRIED:
+        if status not in gcs_verify.RETRIED_STATUSES:
             return False  # (tensorstore uploads it and says what is wrong, as before)
         if attempt == IO_RETRIES:
             raise CkptError(f"cannot write: HTTP {status} from {endpoint}; gave up after {IO_RETRIES} attempts "
@@ -109,19 +106,10 @@ def _post(endpoint: str, target: tuple[str, str, str], path: str, headers: dict[
     timeout = _deadline(view.nbytes)
     scheme, netloc, _ = target
     for fresh in (False, True):
-        with _lock:
-            idle = _idle.get(endpoint)
-            conn = idle.pop() if idle and not fresh else None
-        reused = conn is not None
-        if conn is None:
-            try:
-                conn = gcs_reads._connect(scheme, netloc, timeout)
-            except OSError:
-                return None, b""
-        else:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
+        try:
+            conn, reused = _pool.take(endpoint, lambda: gcs_reads._connect(scheme, netloc, timeout), timeout, fresh=fresh)
+        except OSError:
+            return None, b""
         try:
             conn.request("POST", path, body=view, headers=headers)  # (a memoryview is sent as it is)
             if crc is not None and not crc:
@@ -142,7 +130,6 @@ def _post(endpoint: str, target: tuple[str, str, str], path: str, headers: dict[
         if resp.will_close:
             conn.close()
         else:
-            with _lock:
-                _idle.setdefault(endpoint, []).append(conn)
+            _pool.give(endpoint, conn)
         return resp.status, body
     return None, b""

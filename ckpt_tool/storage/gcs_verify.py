@@ -31,6 +31,7 @@ import urllib.parse
 from typing import Any
 
 from ..base.errors import CkptError
+from .kept_alive import KeptAlive
 
 _TOKEN_FOR_TESTING = "GOOGLE_AUTH_TOKEN_FOR_TESTING"
 _SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -184,9 +185,9 @@ _token = _Token()
 
 # kept-alive connections not in use, per (scheme, host): any thread takes one (writers' threads come
 # and go; a TLS handshake per object would cost GCS two more round trips)
-_idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
-_idle_lock = threading.Lock()
-_RETRIED = (408, 429, 500, 502, 503, 504)
+_pool = KeptAlive()
+# the answers a request to GCS is retried after (with backoff, CKPT_IO_RETRIES attempts)
+RETRIED_STATUSES = (408, 429, 500, 502, 503, 504)
 
 
 def _endpoint() -> str:
@@ -197,12 +198,9 @@ def _get(url: str, timeout: float) -> tuple[int, bytes]:
     parts = urllib.parse.urlsplit(url)
     key = (parts.scheme, parts.netloc)
     path = parts.path + ("?" + parts.query if parts.query else "")
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     for fresh in (False, True):  # a kept-alive connection the server closed meanwhile: once more on a new one
-        with _idle_lock:
-            conn = None if fresh or not _idle.get(key) else _idle[key].pop()
-        if conn is None:
-            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = cls(parts.netloc, timeout=timeout)
+        conn, _reused = _pool.take(key, lambda: cls(parts.netloc, timeout=timeout), None, fresh=fresh)
         try:
             conn.request("GET", path, headers=_token.header())
             resp = conn.getresponse()
@@ -218,8 +216,7 @@ def _get(url: str, timeout: float) -> tuple[int, bytes]:
         if resp.will_close:  # (the server ends the connection after this answer)
             conn.close()
         else:
-            with _idle_lock:
-                _idle.setdefault(key, []).append(conn)
+            _pool.give(key, conn)
         return answer
     raise AssertionError("unreachable")
 
@@ -245,7 +242,7 @@ def stored(bucket: str, name: str, where: str) -> tuple[int | None, int]:
                 raise CkptError("uploaded, but GCS has no such object when asked for its checksum", where)
             if status in (401, 403):
                 raise CkptError(f"cannot verify the upload: access denied (HTTP {status}) reading its metadata", where)
-            if status not in _RETRIED or attempt == IO_RETRIES:
+            if status not in RETRIED_STATUSES or attempt == IO_RETRIES:
                 raise CkptError(f"cannot verify the upload: HTTP {status} reading its metadata", where)
         time.sleep(delay)
         delay = min(2.0, delay * 2)
