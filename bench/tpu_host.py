@@ -651,10 +651,11 @@ def profile(out: Path) -> int:
 STARTUP_IMPORTS = ["pass", "import numpy", "import numpy, ml_dtypes", "import asyncio", "import tensorstore",
                    "import click", "import rich.markup, rich.text", "import ckpt_tool.cli.main",
                    "import ckpt_tool.cli.main, ckpt_tool.ops.runs, ckpt_tool.ops.engine",
-                   # the same, numpy and tensorstore imported on a second thread meanwhile: whether
-                   # imports overlap where each costs file-system round trips (9p under gVisor)
-                   "import threading; t = threading.Thread(target=__import__, args=('tensorstore',)); t.start(); "
-                   "import ckpt_tool.cli.main; t.join(); import ckpt_tool.ops.runs, ckpt_tool.ops.engine"]
+                   "import click, ckpt_tool.cli.app, ckpt_tool.ops.runs, ckpt_tool.ops.engine, ckpt_tool.ops.reshard",
+                   # the same, numpy imported on a second thread meanwhile: whether imports overlap
+                   # where each costs file-system round trips (9p under gVisor)
+                   "import threading; t = threading.Thread(target=__import__, args=('numpy',)); t.start(); "
+                   "import click, ckpt_tool.cli.app, ckpt_tool.ops.runs; t.join(); import ckpt_tool.ops.engine, ckpt_tool.ops.reshard"]
 
 
 def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
@@ -697,10 +698,64 @@ def startup_probe(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
     lines.append(f"\nonly reshard imports {len(only)} modules, {sum(us for us, _ in only) / 1e6:.3f} s of their own time "
                  "(own us):")
     lines += [f"{us:10d} {name}" for us, name in only[:25]]
+    lines.append("\n" + phase_table(src, work, host_mesh, runs))
     rows = imported["convert"]
     lines.append("\nconvert's slowest imports (cumulative us):")
     lines += [f"{cum:10d} {name}" for cum, name in sorted(((c, n) for n, (_, c) in rows.items()), reverse=True)[:60]]
     return "\n".join(lines) + "\n"
+
+
+PHASES = [("interpreter and site", "start", "script"), ("ckpt's CLI imported", "script", "cli imported"),
+          ("imports and CLI, to the work", "cli imported", "work in"), ("the work", "work in", "work out"),
+          ("after the work", "work out", "exit"), ("the exit", "exit", "end")]
+
+
+def _phases(argv: list[str], work: Path, *, after: list[str] | None = None) -> dict[str, float]:
+    """One run of bench/phase_probe.py: each phase's seconds (PHASES), and the work its summary gives.
+    `after`: a command run just before (untimed), e.g. a process that opens the chip and exits."""
+    dst = work / "phase_out"
+    shutil.rmtree(dst, ignore_errors=True)
+    if after:
+        subprocess.run(after, input="", capture_output=True, text=True, cwd=work)
+    os.sync()
+    start = time.time()
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("phase_probe.py")),
+                        *[a.replace("{dst}", str(dst)) for a in argv]], capture_output=True, text=True, cwd=work)
+    marks = {"start": start, "end": time.time()}
+    shutil.rmtree(dst, ignore_errors=True)
+    line = next((ln for ln in r.stderr.splitlines() if ln.startswith("phases ")), None)
+    if r.returncode != 0 or line is None:
+        return {}
+    marks.update(json.loads(line[len("phases "):]))
+    got = {name: marks[b] - marks[a] for name, a, b in PHASES if a in marks and b in marks}
+    try:
+        got["summary's work"] = float(json.loads(r.stdout)["seconds"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    return got
+
+
+def phase_table(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
+    """Where a convert's and a reshard's process time goes on this host (bench/phase_probe.py), the
+    median of `runs` each, alternated; and a reshard just after a process that opened the chip and
+    exited (as in the bench's rounds, where it follows orbax's route), against one after a plain pause."""
+    argvs = {"convert": ["convert", src, "{dst}", "--to", "dcp", "--json"],
+             "reshard": ["reshard", src, "{dst}", "--mesh", host_mesh, "--json"]}
+    seen: dict[str, list[dict[str, float]]] = {name: [] for name in argvs}
+    for _ in range(runs):
+        for name, argv in argvs.items():
+            seen[name].append(_phases(argv, work))
+    opener = [sys.executable, __file__, "hold"]
+    seen["reshard after the chip's opener"] = [_phases(argvs["reshard"], work, after=opener) for _ in range(2)]
+    names = [name for name, _, _ in PHASES] + ["summary's work"]
+    lines = [f"{'phase (s, median)':28s}" + "".join(f"{k[:24]:>26s}" for k in seen)]
+    for phase in names:
+        cells = []
+        for runs_ in seen.values():
+            values = [r[phase] for r in runs_ if phase in r]
+            cells.append(f"{statistics.median(values):26.3f}" if values else f"{'-':>26s}")
+        lines.append(f"{phase:28s}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def _importtime(work: Path, argv: list[str]) -> dict[str, tuple[int, int]]:
