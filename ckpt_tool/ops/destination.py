@@ -49,7 +49,6 @@ import errno
 import json
 import os
 import re
-import socket
 import stat
 import time
 import uuid
@@ -83,6 +82,12 @@ def _read_text(path: str) -> str | None:
             return fh.read().strip() or None
     except OSError:
         return None
+
+
+def _host_name() -> str:
+    """This machine's name, as socket.gethostname() gives it (the kernel's node name), without
+    importing socket: a command that writes to a local path has no other use for it."""
+    return os.uname().nodename
 
 
 def _boot_id() -> str | None:
@@ -126,7 +131,7 @@ class Owner:
     @classmethod
     def this_process(cls) -> "Owner":
         pid = os.getpid()
-        return cls(socket.gethostname(), pid, _pid_start(pid), _boot_id(), _machine_id(), time.time())
+        return cls(_host_name(), pid, _pid_start(pid), _boot_id(), _machine_id(), time.time())
 
     def to_json(self, destination: str) -> dict[str, Any]:
         return {
@@ -153,7 +158,7 @@ class Owner:
         return f"pid {self.pid} on {self.host} since {when}"
 
     def same_host(self) -> bool:
-        if self.host != socket.gethostname():
+        if self.host != _host_name():
             return False
         here = _machine_id()
         return self.machine_id is None or here is None or self.machine_id == here

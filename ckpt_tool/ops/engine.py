@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ..core import casting, optim_keys
+from ..core import casting
 from .. import formats
 from ..base.errors import CkptError, NoSpaceError
 from ..base.findings import Progress, no_progress
@@ -46,6 +46,7 @@ from .planner import (  # noqa: F401
 
 if TYPE_CHECKING:  # the interface only: distributed is imported by the commands that join a run
     from ..base import distributed
+    from ..core import optim_keys
 
 
 @dataclass
@@ -159,6 +160,8 @@ def _optimizer_keys_like(src: Checkpoint, reference: str) -> tuple[Checkpoint, l
     reads) is: by integer ids, as `torch.save(opt.state_dict())`, or by FQNs, as DCP's
     get_state_dict; the pairs come from the two param_groups (core/optim_keys.py). Only the reference's
     metadata and its param_groups values are read."""
+    from ..core import optim_keys  # (here: only --optimizer-keys-like rekeys)
+
     try:
         ref = open_source(reference, step=None)
     except CkptError as exc:  # (the line says which path it is: the reference, not the source)
