@@ -397,6 +397,8 @@ RATIOS = [
     ("orbax route / ckpt reshard this host (time)", "orbax route: ", "reshard this host: ", 3.0, False),
 ]
 OVERHEAD_TARGET = 0.4  # seconds beyond a bare `python -c pass`, issue 46
+# an untimed pause after a process that opened the chip (orbax's route), before the next timed step
+SETTLE_SECONDS = float(os.environ.get("SETTLE_SECONDS", "2"))
 
 
 def ratios(rows: list[dict[str, Any]]) -> str:
@@ -545,6 +547,10 @@ def main(out: Path) -> int:
                       note=f"restore {o['restore_seconds']:.2f} s, save {o['save_seconds']:.2f} s (chip already open)")
         except RuntimeError as exc:
             bench.row(f"orbax route: restore with new shardings + save (round {k})", 0.0, ok=False, note=str(exc)[-300:])
+        # the route's process has opened the chip and exited; a process started at once took 0.04 s
+        # longer to reach its first line on the TPU VM (phase_table, "after the chip's opener"): the
+        # host's, not ckpt's, so the reshard starts after a pause
+        time.sleep(SETTLE_SECONDS)
         _work_row(bench.ckpt(f"reshard this host: --mesh {host_mesh} (round {k})", "reshard", src,
                              str(work / f"host_{k}"), "--mesh", host_mesh, "--json", nbytes=nbytes))
         shutil.rmtree(work / f"host_{k}", ignore_errors=True)
@@ -710,14 +716,16 @@ PHASES = [("interpreter and site", "start", "script"), ("ckpt's CLI imported", "
           ("after the work", "work out", "exit"), ("the exit", "exit", "end")]
 
 
-def _phases(argv: list[str], work: Path, *, after: list[str] | None = None) -> dict[str, float]:
+def _phases(argv: list[str], work: Path, *, after: list[str] | None = None, pause: float = 0.0) -> dict[str, float]:
     """One run of bench/phase_probe.py: each phase's seconds (PHASES), and the work its summary gives.
-    `after`: a command run just before (untimed), e.g. a process that opens the chip and exits."""
+    `after`: a command run just before (untimed), e.g. a process that opens the chip and exits;
+    `pause`: seconds between the two."""
     dst = work / "phase_out"
     shutil.rmtree(dst, ignore_errors=True)
     if after:
         subprocess.run(after, input="", capture_output=True, text=True, cwd=work)
     os.sync()
+    time.sleep(pause)
     start = time.time()
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("phase_probe.py")),
                         *[a.replace("{dst}", str(dst)) for a in argv]], capture_output=True, text=True, cwd=work)
@@ -738,7 +746,7 @@ def _phases(argv: list[str], work: Path, *, after: list[str] | None = None) -> d
 def phase_table(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
     """Where a convert's and a reshard's process time goes on this host (bench/phase_probe.py), the
     median of `runs` each, alternated; and a reshard just after a process that opened the chip and
-    exited (as in the bench's rounds, where it follows orbax's route), against one after a plain pause."""
+    exited (as orbax's route does before the rounds' reshard), at once and after SETTLE_SECONDS."""
     argvs = {"convert": ["convert", src, "{dst}", "--to", "dcp", "--json"],
              "reshard": ["reshard", src, "{dst}", "--mesh", host_mesh, "--json"]}
     seen: dict[str, list[dict[str, float]]] = {name: [] for name in argvs}
@@ -747,6 +755,8 @@ def phase_table(src: str, work: Path, host_mesh: str, runs: int = 3) -> str:
             seen[name].append(_phases(argv, work))
     opener = [sys.executable, __file__, "hold"]
     seen["reshard after the chip's opener"] = [_phases(argvs["reshard"], work, after=opener) for _ in range(2)]
+    seen[f"... and {SETTLE_SECONDS:g} s"] = [_phases(argvs["reshard"], work, after=opener, pause=SETTLE_SECONDS)
+                                              for _ in range(2)]
     names = [name for name, _, _ in PHASES] + ["summary's work"]
     lines = [f"{'phase (s, median)':28s}" + "".join(f"{k[:24]:>26s}" for k in seen)]
     for phase in names:

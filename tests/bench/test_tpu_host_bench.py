@@ -62,9 +62,9 @@ def test_tpu_host_bench_small_on_cpu(tmp_path):
     # where a process's start and end go on this host: a bare interpreter first, then each import alone
     startup = (out / "startup.txt").read_text().splitlines()
     assert startup[1].split()[0] == "pass" and any(line.startswith("convert: ") for line in startup)
-    # and phase by phase (bench/phase_probe.py): a convert, a reshard, a reshard after the chip's opener
+    # and phase by phase (bench/phase_probe.py): a convert, a reshard, a reshard after the chip's opener, at once and after a pause
     work_row = next(line for line in startup if line.startswith("the work "))
-    assert len([float(v) for v in work_row.split()[2:]]) == 3
+    assert len([float(v) for v in work_row.split()[2:]]) == 4
     assert not (out / "work").exists()  # scratch removed after a clean run
 
 
