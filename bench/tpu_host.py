@@ -617,7 +617,8 @@ def profile(out: Path) -> int:
     (prof / "read_probe.json").write_text(r.stdout + r.stderr[-3000:])
     shutil.rmtree(work / "probe", ignore_errors=True)
     host = "data=1,model=1" if written["devices"] == 1 else f"data=2,model={written['devices'] // 2}"
-    (prof / "startup.txt").write_text(startup_probe(src, work, host))
+    if os.environ.get("STARTUP", "1") == "1":
+        (prof / "startup.txt").write_text(startup_probe(src, work, host))
     steps = {
         "reshard_host": ["reshard", src, "{dst}", "--mesh", host],
         "convert_dcp": ["convert", src, "{dst}", "--to", "dcp"],
