@@ -13,18 +13,17 @@ its own (tensorstore keeps the first GCS endpoint a process uses).
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import pytest
 
 from conftest import fake_gcs_serving, fixture_path, gcs_create_bucket, run_ckpt
+from http_front import HttpFront, by_tensorstore
 
 pytestmark = pytest.mark.slow
 
@@ -34,66 +33,32 @@ ORBAX = str(fixture_path("flax_orbax"))
 OWNER = ".ckpt-owner.json"
 
 
-class Front:
-    """An HTTP server on 127.0.0.1 forwarding every request to the GCS server at `upstream`, and
-    recording (method, target, by tensorstore). `fault(method, target, by_tensorstore)` may answer in
-    the server's place: None forwards, "hang" never answers, (status, body) answers that, and
-    ("crc", None) forwards but changes the crc32c of the answer."""
+class Front(HttpFront):
+    """The HTTP front of tests/http_front.py with a `fault(method, target, by_tensorstore)` each test
+    may set: None forwards, "hang" never answers, (status, body) answers that, and ("crc", None)
+    forwards but changes the crc32c of the answer."""
 
     def __init__(self, upstream: str) -> None:
-        self.upstream = urllib.parse.urlsplit(upstream).netloc
-        self.requests: list[tuple[str, str, bool]] = []
         self.fault: Any = lambda method, target, ts: None
-        front = self
+        self._asked = threading.local()  # this request's fault (a request is answered on one thread)
+        super().__init__(upstream, answer=self._answer, rewrite=self._rewrite)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    def _answer(self, method: str, target: str, headers: dict[str, str]) -> Any:
+        fault = self._asked.fault = self.fault(method, target, by_tensorstore(headers))
+        return None if fault is not None and fault[0] == "crc" else fault
 
-            def log_message(self, *args: object) -> None:
-                pass
+    def _rewrite(self, method: str, target: str, headers: dict[str, str], data: bytes) -> bytes:
+        if self._asked.fault is None:
+            return data
+        doc = json.loads(data)  # ("crc", None): the answer claims another crc32c
+        crc = int.from_bytes(base64.b64decode(doc["crc32c"]), "big") ^ 1
+        doc["crc32c"] = base64.b64encode(crc.to_bytes(4, "big")).decode()
+        return json.dumps(doc).encode()
 
-            def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                ts = "tensorstore" in (self.headers.get("User-Agent") or "")
-                front.requests.append((self.command, self.path, ts))
-                fault = front.fault(self.command, self.path, ts)
-                if fault == "hang":
-                    time.sleep(30)
-                    self.close_connection = True
-                    return
-                if fault is not None and fault[0] != "crc":
-                    status, headers, data = fault[0], [("Content-Type", "application/json")], fault[1]
-                else:
-                    conn = http.client.HTTPConnection(front.upstream, timeout=60)
-                    conn.request(self.command, self.path, body=body, headers={
-                        k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
-                    resp = conn.getresponse()
-                    status, headers, data = resp.status, resp.getheaders(), resp.read()
-                    conn.close()
-                    if fault is not None:  # ("crc", None): the answer claims another crc32c
-                        doc = json.loads(data)
-                        crc = int.from_bytes(base64.b64decode(doc["crc32c"]), "big") ^ 1
-                        doc["crc32c"] = base64.b64encode(crc.to_bytes(4, "big")).decode()
-                        data = json.dumps(doc).encode()
-                self.send_response(status)
-                for k, v in headers:
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    @property
+    def requests(self) -> list[tuple[str, str, bool]]:
+        """(method, target, by tensorstore) of every request, in order."""
+        return [(r["method"], r["path"], r["by_tensorstore"]) for r in self.records]
 
     def uploads(self, prefix: str) -> list[tuple[str, bool]]:
         """(object name, by tensorstore) of every media upload under `prefix`, in order."""

@@ -20,6 +20,7 @@ from typing import Callable
 import pytest
 
 from conftest import fake_gcs_serving, fixture_path, gcs_create_bucket, run_ckpt
+from http_front import HttpFront
 
 pytestmark = pytest.mark.slow
 
@@ -197,52 +198,12 @@ def test_a_refused_checksum_request_is_one_line_and_nothing_commits(gcs):
     """A token that may upload but not read an object's metadata: the upload cannot be verified,
     which fails the run (one line), never passes as verified. (Uploads through tensorstore: ckpt's
     own take the crc32c from the upload's answer and ask no more.)"""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    proxy = CorruptingProxy(urllib.parse.urlsplit(gcs["CKPT_TEST_GCS"]).netloc, lambda line: False)
-
-    class Front(BaseHTTPRequestHandler):
-        """Refuses the checksum request with 403; forwards everything else to the proxy."""
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _handle(self) -> None:
-            import http.client
-
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else None
-            if "fields=crc32c" in self.path:
-                status, headers, data = 403, [("Content-Type", "application/json")], b'{"error": {"code": 403}}'
-            else:
-                conn = http.client.HTTPConnection(urllib.parse.urlsplit(proxy.url).netloc, timeout=60)
-                conn.request(self.command, self.path, body=body,
-                             headers={k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
-                resp = conn.getresponse()
-                status, headers, data = resp.status, resp.getheaders(), resp.read()
-                conn.close()
-            self.send_response(status)
-            for k, v in headers:
-                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                    self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Front)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # the checksum request refused with 403; everything else forwarded to the server
+    refuse = lambda method, path, headers: (403, b'{"error": {"code": 403}}') if "fields=crc32c" in path else None  # noqa: E731
     dst = f"gs://{BUCKET}/refused/dcp"
-    try:
+    with HttpFront(gcs["CKPT_TEST_GCS"], answer=refuse) as front:
         r = run_ckpt("convert", SRC, dst, "--to", "dcp", env={
-            **gcs, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{server.server_address[1]}", "CKPT_GCS_DIRECT_UPLOADS": "0"})
-    finally:
-        server.shutdown()
-        server.server_close()
-        proxy.close()
+            **gcs, "TENSORSTORE_GCS_HTTP_URL": front.url, "CKPT_GCS_DIRECT_UPLOADS": "0"})
     assert r.returncode == 1, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr

@@ -9,7 +9,7 @@ from the real Go fake-gcs-server to the same server:
   ckpt counts it (the `bytes_read` of --json: storage.ReadLog) and as the wire shows it. The
   server's own log has one line a request but no byte count for a download (it logs 0 for a
   streamed body), so each process talks to the server through its own logging HTTP proxy
-  (_LoggingProxy: each request's method, object, Range header, status and the length of the body
+  (tests/http_front.py: each request's method, object, Range header, status and the length of the body
   it answered); the server's log is checked to hold exactly the requests the proxies passed on,
   so no read went round them;
 - the output is one checkpoint that orbax restores on the new mesh, equal to what was saved;
@@ -26,7 +26,6 @@ The two runs are slow (whole processes, a server); a fast test checks bytes_read
 from __future__ import annotations
 
 import collections
-import http.client
 import json
 import os
 import re
@@ -37,14 +36,14 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest
 
 from conftest import ROOT, fake_gcs_serving, fixture_path, free_port, gcs_create_bucket, gcs_upload_tree, run_ckpt
+from http_front import HttpFront
 
 N = 4
 BUCKET = "ckpt-pod"
@@ -103,71 +102,6 @@ print(json.dumps(specs))
 """
 
 
-class _LoggingProxy:
-    """An HTTP reverse proxy on 127.0.0.1 in front of the GCS server, for one process: each request's
-    method, path, Range header, status and the length of the body it answered with. `hold(record)`
-    runs before the answer is sent, and may block (to stop the process at a known point)."""
-
-    _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection",
-            "upgrade", "te", "trailer", "host"}
-
-    def __init__(self, upstream: str, hold: Callable[[dict], None] | None = None) -> None:
-        self.records: list[dict] = []
-        lock = threading.Lock()
-        host, port = urllib.parse.urlsplit(upstream).netloc.split(":")
-        hop = self._HOP
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                record = {"method": self.command, "path": self.path, "range": self.headers.get("Range"),
-                          "status": resp.status, "received": len(data)}
-                with lock:
-                    proxy.records.append(record)
-                if hold is not None:
-                    hold(record)
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in hop:
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = forward
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: object, client_address: object) -> None:
-                pass  # a client gone mid-request (the killed process): nothing to log
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 def _object(path: str) -> str | None:
     """The object a JSON-API request names (`/storage/v1/b/B/o/NAME?...`), or None (listings, uploads)."""
     m = re.match(r"^/storage/v1/b/[^/]+/o/([^?]+)", path)
@@ -216,7 +150,7 @@ def server(tmp_path: Path, saved: tuple[Path, Path]) -> Iterator[tuple[dict[str,
         yield env, log, gcs_upload_tree(endpoint, BUCKET, saved[0], "src")
 
 
-def _start(argv: list[str], env: dict[str, str], proxies: list[_LoggingProxy], port: int) -> list[subprocess.Popen]:
+def _start(argv: list[str], env: dict[str, str], proxies: list[HttpFront], port: int) -> list[subprocess.Popen]:
     """The same command in N processes, process i talking to the server through proxies[i]."""
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CKPT_DEBUG")}
     return [
@@ -254,7 +188,7 @@ def test_each_process_reads_its_share_and_orbax_restores_the_output(server, save
     share = array_bytes / N
 
     logged_before = log.read_text().count("\n")
-    proxies = [_LoggingProxy(endpoint) for _ in range(N)]
+    proxies = [HttpFront(endpoint) for _ in range(N)]
     procs = _start(["reshard", src, f"gs://{BUCKET}/out", "--mesh", MESH, "--json"], env, proxies, free_port())
     try:
         outs = [p.communicate(timeout=90) for p in procs]
@@ -340,7 +274,7 @@ def test_a_corrupted_upload_of_the_merged_root_is_one_line_and_nothing_commits(s
         return False
 
     front = CorruptingProxy(urllib.parse.urlsplit(endpoint).netloc, corrupt)
-    proxies = [_LoggingProxy(endpoint) for _ in range(N)]
+    proxies = [HttpFront(endpoint) for _ in range(N)]
     proxies[0].close()
     dst = f"gs://{BUCKET}/{prefix}"
     procs = _start(["reshard", src, dst, "--mesh", MESH], env, [front, *proxies[1:]], free_port())
@@ -394,7 +328,7 @@ def test_a_killed_process_fails_the_others_and_leaves_nothing_complete(server, v
             reading.set()
             released.wait(90)
 
-    proxies = [_LoggingProxy(endpoint, hold if i == victim else None) for i in range(N)]
+    proxies = [HttpFront(endpoint, hold=hold if i == victim else None) for i in range(N)]
     dst = f"gs://{BUCKET}/killed"
     # a silent process is posted failed after 6 s here, not the default 20: the same watch, in less of the suite
     procs = _start(["reshard", src, dst, "--mesh", MESH], {**env, "CKPT_DISTRIBUTED": library, "CKPT_PEER_TIMEOUT": "6"},
