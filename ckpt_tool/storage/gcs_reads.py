@@ -113,12 +113,17 @@ def request_target(endpoint: str) -> tuple[tuple[str, str, str], dict[str, str]]
         return None
 
 
+def takes(nbytes: int) -> bool:
+    """Whether a read of `nbytes` goes here at all (read_into may still fall back)."""
+    return nbytes >= MIN_BYTES and enabled()
+
+
 def read_into(endpoint: str, bucket: str, name: str, start: int, view: memoryview, where: str) -> bool:
     """Fill `view` with bytes [start, start + len(view)) of object `name`; False when anything but
     exactly those bytes came back (the caller then reads through tensorstore). A large range goes
     as PIECE-sized requests in flight together."""
     n = view.nbytes
-    if n < MIN_BYTES or not enabled():
+    if not takes(n):
         return False
     prepared = request_target(endpoint)
     if prepared is None:

@@ -82,6 +82,15 @@ class KvstoreBackend(Backend):
         fut = self.kvstore.read(rel) if byte_range is None else self.kvstore.read(rel, byte_range=byte_range)
         return self._value(fut, rel, byte_range)
 
+    def reads_direct(self, nbytes: int) -> bool:
+        """Whether read_direct would try a read of `nbytes` (a caller need not fill a buffer for one
+        that goes through tensorstore)."""
+        if self.spec.get("driver") != "gcs" or self._endpoint is None:
+            return False
+        from . import gcs_reads
+
+        return gcs_reads.takes(nbytes)
+
     def read_direct(self, rel: str, start: int, view: memoryview) -> bool:
         """On gs://, fill `view` from offset `start` by ranged GETs straight into it (gcs_reads.py:
         a third of the CPU tensorstore's reads take); False where that does not apply or did not

@@ -147,6 +147,8 @@ class OcdbtBackend(KvstoreBackend):
             # not read goes through tensorstore below, which says what is wrong
             refs = dict(refs)
             for key, ref in list(refs.items()):
+                if not self.base.reads_direct(ref.length):  # (s3://, a small value): no buffer taken
+                    continue
                 buf = POOL.bytes(ref.length)
                 if self.base.read_direct(ref.path, ref.offset, buf):
                     out[key] = buf
