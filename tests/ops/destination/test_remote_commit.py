@@ -40,6 +40,7 @@ from conftest import (
     run_ckpt,
     s3_client,
 )
+from http_front import HttpFront
 
 pytestmark = pytest.mark.slow
 
@@ -113,74 +114,28 @@ def test_a_convert_to_gs_commits_and_leaves_no_record(gcs):
     assert created and all("ifGenerationMatch=0" in line for line in created), created
 
 
-class _FaultyFront:
-    """An HTTP server on 127.0.0.1 in front of a GCS server that answers every `every`-th request
-    itself with 503 or 429 (alternately) and forwards the others: the answers a busy GCS gives.
+class _FaultyFront(HttpFront):
+    """The HTTP front of tests/http_front.py before a GCS server, answering every `every`-th request
+    itself with 503 or 429 (alternately) and forwarding the others: the answers a busy GCS gives.
     `delay`: seconds each forwarded request waits first (a slow store: a writer surely midway)."""
 
     def __init__(self, target: str, every: int = 0, delay: float = 0.0) -> None:
-        import http.client
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
         self.count = 0
         self.refused: list[tuple[int, str]] = []
-        lock = threading.Lock()
-        host, port = urllib.parse.urlsplit(target).netloc.split(":")
-        front = self
+        self._lock = threading.Lock()
+        self._every, self._delay = every, delay
+        super().__init__(target, answer=self._answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                with lock:
-                    front.count += 1
-                    n = front.count
-                if every and n % every == 0:
-                    code = 503 if (n // every) % 2 else 429
-                    front.refused.append((code, f"{self.command} {self.path}"))
-                    payload = json.dumps({"error": {"code": code, "message": "try again"}}).encode()
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                time.sleep(delay)
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: object, client_address: object) -> None:
-                pass  # a killed client's connection breaks mid-answer: expected here
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def _answer(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes] | None:
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if self._every and n % self._every == 0:
+            code = 503 if (n // self._every) % 2 else 429
+            self.refused.append((code, f"{method} {path}"))
+            return code, json.dumps({"error": {"code": code, "message": "try again"}}).encode()
+        time.sleep(self._delay)
+        return None
 
 
 def _kill_midway(argv: list[str], env: dict, ready) -> None:  # noqa: ANN001 - ready: () -> bool
