@@ -253,6 +253,23 @@ def test_top_help_lists_every_format_and_whole_summaries():
         assert line.rstrip().endswith("."), line
 
 
+def test_top_help_is_made_from_the_registry_when_shown(monkeypatch):
+    """Not frozen when the CLI is imported: a format registered for a while (the conformance tests'
+    throwaway one), with the CLI imported meanwhile, is not named in a help shown afterwards."""
+    import dataclasses
+
+    from ckpt_tool import formats
+    from ckpt_tool.cli.app import render_top_help
+
+    before = render_top_help()
+    toy = dataclasses.replace(formats.REGISTRY["safetensors"], name="toyhelp", title="Toyhelp files",
+                              short="Toyhelp", reads="Toyhelp files", listed=len(formats.REGISTRY))
+    with monkeypatch.context() as m:
+        m.setattr(formats, "REGISTRY", {**formats.REGISTRY, "toyhelp": toy})
+        assert "Toyhelp files" in render_top_help()
+    assert render_top_help() == before and "Toyhelp" not in before
+
+
 def test_reshard_help_is_true_and_explains_rules():
     r = run_ckpt("reshard", "--help")
     text = " ".join(r.stdout.split())
