@@ -193,10 +193,16 @@ def _packages() -> dict[str, set[str]]:
 
 
 def _tree() -> list[Path]:
-    """The project's own text files (not the fixtures' data, venvs or build outputs)."""
+    """The project's own text files (not the fixtures' data, venvs or build outputs): git's tracked
+    and untracked files less what it ignores (a developer's scratch, which .gitignore or
+    .git/info/exclude names); every file under the root where git cannot say."""
     skip = {".git", ".venv", ".venv-demo", "build", "__pycache__", "fuzz_corpus", "node_modules"}
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True)
+    candidates = (sorted(ROOT / name for name in listed.stdout.decode().split("\0") if name)
+                  if listed.returncode == 0 else sorted(ROOT.rglob("*")))
     out = []
-    for p in sorted(ROOT.rglob("*")):
+    for p in candidates:
         rel = p.relative_to(ROOT)
         if not p.is_file() or skip & set(rel.parts) or ".egg-info" in str(rel):
             continue
