@@ -113,7 +113,6 @@ def _top_help() -> str:
     ])
 
 
-
 def _run(argv: list[str] | None) -> int:
     """Run the command; the exit code, with every error turned into one line (and JSON with --json)."""
     args = sys.argv[1:] if argv is None else list(argv)
