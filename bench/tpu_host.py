@@ -547,9 +547,9 @@ def main(out: Path) -> int:
                       note=f"restore {o['restore_seconds']:.2f} s, save {o['save_seconds']:.2f} s (chip already open)")
         except RuntimeError as exc:
             bench.row(f"orbax route: restore with new shardings + save (round {k})", 0.0, ok=False, note=str(exc)[-300:])
-        # the route's process has opened the chip and exited; a process started at once took 0.04 s
-        # longer to reach its first line on the TPU VM (phase_table, "after the chip's opener"): the
-        # host's, not ckpt's, so the reshard starts after a pause
+        # the route's process has opened the chip and exited; a process started at once took 0.05 s
+        # longer to reach its work on the TPU VM, half of that 2 s later (phase_table, "after the
+        # chip's opener"): the host's, not ckpt's, so the reshard starts after a pause
         time.sleep(SETTLE_SECONDS)
         _work_row(bench.ckpt(f"reshard this host: --mesh {host_mesh} (round {k})", "reshard", src,
                              str(work / f"host_{k}"), "--mesh", host_mesh, "--json", nbytes=nbytes))
