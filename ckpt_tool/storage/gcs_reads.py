@@ -158,7 +158,7 @@ def read_into(endpoint: str, bucket: str, name: str, start: int, view: memoryvie
 def _get(endpoint: str, target: tuple[str, str, str], path: str, auth: dict[str, str], start: int,
          view: memoryview, where: str) -> bool:
     """One ranged GET into `view` (see read_into)."""
-    from .remote import _deadline, _note_unavailable
+    from .remote import _deadline, no_answer
 
     n = view.nbytes
     timeout = _deadline(n)
@@ -186,8 +186,7 @@ def _get(endpoint: str, target: tuple[str, str, str], path: str, auth: dict[str,
                 got += k
         except (socket.timeout, TimeoutError):
             conn.close()
-            raise _note_unavailable(f"cannot read: storage endpoint {endpoint} gave no answer within {timeout:g} s "
-                                    "(CKPT_IO_TIMEOUT)", where, endpoint) from None
+            raise no_answer("cannot read", endpoint, timeout, where) from None
         except (http.client.HTTPException, OSError):
             conn.close()
             if reused:  # a kept-alive connection the server had closed: once more on a new one

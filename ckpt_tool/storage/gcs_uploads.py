@@ -101,7 +101,7 @@ def _post(endpoint: str, target: tuple[str, str, str], path: str, headers: dict[
     """One upload request: (status, body of the answer); status None where the connection failed
     (on a fresh connection too: the caller falls back) or the answer was not HTTP."""
     from . import gcs_reads
-    from .remote import _deadline, _note_unavailable
+    from .remote import _deadline, no_answer
 
     timeout = _deadline(view.nbytes)
     scheme, netloc, _ = target
@@ -120,8 +120,7 @@ def _post(endpoint: str, target: tuple[str, str, str], path: str, headers: dict[
             body = resp.read()
         except (socket.timeout, TimeoutError):
             conn.close()
-            raise _note_unavailable(f"cannot write: storage endpoint {endpoint} gave no answer within {timeout:g} s "
-                                    "(CKPT_IO_TIMEOUT)", where, endpoint) from None
+            raise no_answer("cannot write", endpoint, timeout, where) from None
         except (http.client.HTTPException, OSError):
             conn.close()
             if reused:  # a kept-alive connection the server had closed: once more on a new one

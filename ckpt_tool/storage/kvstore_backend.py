@@ -82,10 +82,18 @@ class KvstoreBackend(Backend):
         fut = self.kvstore.read(rel) if byte_range is None else self.kvstore.read(rel, byte_range=byte_range)
         return self._value(fut, rel, byte_range)
 
+    @property
+    def _gcs(self) -> tuple[str, str, str] | None:
+        """(endpoint, bucket, object name prefix) of a gs:// root, for ckpt's own requests to GCS
+        (gcs_reads.py, gcs_uploads.py); None for any other store."""
+        if self.spec.get("driver") != "gcs" or self._endpoint is None:
+            return None
+        return self._endpoint, str(self.spec["bucket"]), str(self.spec.get("path", ""))
+
     def reads_direct(self, nbytes: int) -> bool:
         """Whether read_direct would try a read of `nbytes` (a caller need not fill a buffer for one
         that goes through tensorstore)."""
-        if self.spec.get("driver") != "gcs" or self._endpoint is None:
+        if self._gcs is None:
             return False
         from . import gcs_reads
 
@@ -95,12 +103,13 @@ class KvstoreBackend(Backend):
         """On gs://, fill `view` from offset `start` by ranged GETs straight into it (gcs_reads.py:
         a third of the CPU tensorstore's reads take); False where that does not apply or did not
         give exactly those bytes (the caller then reads through tensorstore, which says why)."""
-        if self.spec.get("driver") != "gcs" or self._endpoint is None:
+        gcs = self._gcs
+        if gcs is None:
             return False
         from . import gcs_reads
 
-        return gcs_reads.read_into(self._endpoint, str(self.spec["bucket"]), str(self.spec.get("path", "")) + rel,
-                                   start, view, self.where(rel))
+        endpoint, bucket, prefix = gcs
+        return gcs_reads.read_into(endpoint, bucket, prefix + rel, start, view, self.where(rel))
 
     def read_into(self, rel: str, start: int, view: memoryview) -> None:
         """Fill `view` from offset `start`: a large range as pieces in flight together, each copied
@@ -208,8 +217,8 @@ class KvstoreBackend(Backend):
         thread: other uploads stay in flight meanwhile)."""
         from . import gcs_uploads, gcs_verify
 
-        if self.spec.get("driver") == "gcs" and self._endpoint is not None and gcs_uploads.upload(
-                self._endpoint, str(self.spec["bucket"]), str(self.spec.get("path", "")) + rel, data, self.where(rel)):
+        gcs = self._gcs
+        if gcs is not None and gcs_uploads.upload(gcs[0], gcs[1], gcs[2] + rel, data, self.where(rel)):
             return  # (one plain POST from `data` itself, checked against its answer: gcs_uploads.py)
         if self.spec.get("driver") != "gcs" or not gcs_verify.enabled():
             super().write(rel, data)

@@ -201,6 +201,13 @@ def _note_unavailable(message: str, where: str | None, endpoint: str | None) -> 
     return err
 
 
+def no_answer(what: str, endpoint: str, timeout: float, where: str | None) -> StorageUnavailableError:
+    """The one line for a request the endpoint did not answer within its deadline (noted, so that
+    the next request to it fails fast), whoever sent it: tensorstore, or ckpt's own GCS requests."""
+    return _note_unavailable(f"{what}: storage endpoint {endpoint} gave no answer within {timeout:g} s "
+                             "(CKPT_IO_TIMEOUT)", where, endpoint)
+
+
 def _transport_detail(text: str, endpoint: str | None) -> str:
     """A transport failure as one line naming the endpoint."""
     detail = text
@@ -244,9 +251,7 @@ def _wait_for(future: Any, endpoint: str | None, nbytes: int, what: str, where: 
         return future.result(timeout=timeout)
     except TimeoutError:
         future.cancel()
-        raise _note_unavailable(
-            f"{what}: storage endpoint {endpoint} gave no answer within {timeout:g} s (CKPT_IO_TIMEOUT)", where, endpoint
-        ) from None
+        raise no_answer(what, endpoint, timeout, where) from None
 
 
 def _error_for(exc: BaseException, endpoint: str | None, what: str, where: str) -> CkptError:
