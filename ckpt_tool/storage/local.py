@@ -83,7 +83,6 @@ class ReadDescriptors:
             for fd in closing:
                 os.close(fd)
 
-
     def _entry(self, path: str, where: str, check: Callable[[], None]) -> list[int]:
         """The [fd, users] entry of `path`, counted as used once more; opened by one thread at a time."""
         while True:

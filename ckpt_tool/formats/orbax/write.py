@@ -28,7 +28,6 @@ arrays over its OCDBT driver) and on memory://.
 """
 from __future__ import annotations
 
-
 import base64
 import functools
 import json
